@@ -1,0 +1,10 @@
+"""Attention over the paged KV cache: ragged paged attention and the KV write.
+
+The XLA implementation here is the reference oracle and the CPU path; Pallas kernels in
+``pallas_kernels/`` implement the same signature.
+"""
+
+from pagedjax.attention.kv_write import PAD_SLOT, write_kv
+from pagedjax.attention.reference import ragged_paged_attention
+
+__all__ = ["PAD_SLOT", "ragged_paged_attention", "write_kv"]

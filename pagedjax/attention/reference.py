@@ -1,0 +1,144 @@
+"""Ragged paged attention in plain XLA: the oracle for the Pallas kernels and the CPU path.
+
+Work decomposition. Tokens of the flattened batch are grouped into work items: a tile of
+``qb = ceil(T / S)`` consecutive queries of one sequence. Each item gathers its sequence's
+pages once and attends its tile against them. A sequence of q_len tokens makes
+ceil(q_len / qb) items, so there are at most S + ceil(T / qb) <= 2S items, and the total work is
+at most 2 * T * (max_blocks * block_size) query-key pairs, whatever the mix of prefill and
+decode. Items run through ``lax.map`` in vmapped batches sized to bound memory.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Upper bound on the bytes of scores + gathered pages held by one vmapped batch of items.
+_ITEM_BATCH_BYTES = 1 << 26
+
+
+def _check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens) -> None:
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, num_q_heads, head_dim], got {q.shape}")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(
+            "k_pages/v_pages must both be [num_blocks, num_kv_heads, block_size, head_dim], "
+            f"got {k_pages.shape} and {v_pages.shape}"
+        )
+    if k_pages.shape[3] != q.shape[2]:
+        raise ValueError(f"head_dim mismatch: q {q.shape}, k_pages {k_pages.shape}")
+    if q.shape[1] % k_pages.shape[1]:
+        raise ValueError(
+            f"num_q_heads={q.shape[1]} must be a multiple of num_kv_heads={k_pages.shape[1]}"
+        )
+    if block_tables.ndim != 2 or block_tables.shape[0] < 1:
+        raise ValueError(f"block_tables must be int32[S>=1, max_blocks], got {block_tables.shape}")
+    num_seqs = block_tables.shape[0]
+    if kv_lens.shape != (num_seqs,):
+        raise ValueError(f"kv_lens must be int32[{num_seqs}], got {kv_lens.shape}")
+    if cu_q_lens.shape != (num_seqs + 1,):
+        raise ValueError(f"cu_q_lens must be int32[{num_seqs + 1}], got {cu_q_lens.shape}")
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """Causal attention of a ragged batch of queries over a paged KV pool.
+
+    Args:
+      q: [T, num_q_heads, head_dim]; tokens of sequence s are q[cu_q_lens[s]:cu_q_lens[s+1]].
+      k_pages, v_pages: [num_blocks, num_kv_heads, block_size, head_dim]; already hold this
+        step's keys/values. num_q_heads must be a multiple of num_kv_heads (GQA/MQA).
+      block_tables: int32[S, max_blocks_per_seq]; page ids of each sequence, in order.
+      kv_lens: int32[S]; context length of each sequence INCLUDING this step's tokens.
+      cu_q_lens: int32[S+1]; cumulative query lengths, cu_q_lens[0] = 0. Padding sequences
+        have q_len 0 and kv_len 0; tokens at index >= cu_q_lens[S] are padding.
+      sm_scale: score scale, usually head_dim ** -0.5.
+      sliding_window: if set, a query at position p attends keys in (p - window, p].
+      soft_cap: if set, scores become cap * tanh(scores / cap) (after sm_scale).
+
+    Returns:
+      [T, num_q_heads, head_dim] in q.dtype; padding tokens get exactly 0. Query i of
+      sequence s sits at position kv_lens[s] - q_len_s + i. Scores and the value sum are in
+      fp32; keys at or past kv_len (and unused pages, e.g. NaN-filled) never reach the output.
+    """
+    _check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_pages.shape
+    num_seqs, max_blocks = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    max_len = max_blocks * block_size
+    qb = -(-num_tokens // num_seqs)
+    num_items = num_seqs + -(-num_tokens // qb)
+
+    block_tables = block_tables.astype(jnp.int32)
+    kv_lens = kv_lens.astype(jnp.int32)
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    n_chunks = (q_lens + qb - 1) // qb
+    cu_chunks = jnp.cumsum(n_chunks)
+    item = jnp.arange(num_items, dtype=jnp.int32)
+    item_seq = jnp.searchsorted(cu_chunks, item, side="right").astype(jnp.int32)
+    item_valid = item_seq < num_seqs
+    item_seq = jnp.minimum(item_seq, num_seqs - 1)
+    item_chunk = item - (cu_chunks[item_seq] - n_chunks[item_seq])
+    item_start = cu_q_lens[item_seq] + item_chunk * qb
+
+    kpos = jnp.arange(max_len, dtype=jnp.int32)
+    highest = lax.Precision.HIGHEST
+
+    def one_item(args):
+        seq, start, valid = args
+        rows = start + jnp.arange(qb, dtype=jnp.int32)
+        row_valid = valid & (rows < cu_q_lens[seq + 1])
+        qi = q[jnp.clip(rows, 0, num_tokens - 1)].astype(jnp.float32)  # [qb, Hq, D]
+        qi = qi.reshape(qb, num_kv_heads, group, head_dim)
+        kv_len = kv_lens[seq]
+        qpos = kv_len - q_lens[seq] + (rows - cu_q_lens[seq])  # [qb]
+        pages = block_tables[seq]
+        key_valid = kpos < kv_len  # [L]
+
+        def gather(pool):
+            x = pool[pages].transpose(1, 0, 2, 3).reshape(num_kv_heads, max_len, head_dim)
+            # Zero what lies past kv_len: masked probabilities are 0, but 0 * NaN is NaN.
+            return jnp.where(key_valid[None, :, None], x.astype(jnp.float32), 0.0)
+
+        k, v = gather(k_pages), gather(v_pages)
+        s = jnp.einsum("qhgd,hkd->hgqk", qi, k, precision=highest) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask = key_valid[None, :] & (kpos[None, :] <= qpos[:, None]) & row_valid[:, None]
+        if sliding_window is not None:
+            mask &= kpos[None, :] > qpos[:, None] - sliding_window
+        s = jnp.where(mask, s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.where(mask, jnp.exp(s - m), 0.0)
+        denom = jnp.sum(p, axis=-1)  # [Hkv, G, qb]
+        o = jnp.einsum("hgqk,hkd->qhgd", p, v, precision=highest)
+        denom = denom.transpose(2, 0, 1)[..., None]
+        o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
+        out_rows = jnp.where(row_valid, rows, num_tokens)  # num_tokens: dropped below
+        return o.reshape(qb, num_q_heads, head_dim), out_rows
+
+    per_item_bytes = 4 * (2 * num_q_heads * qb * max_len + 2 * num_kv_heads * max_len * head_dim)
+    batch = max(1, min(num_items, _ITEM_BATCH_BYTES // max(per_item_bytes, 1)))
+    o, out_rows = lax.map(one_item, (item_seq, item_start, item_valid), batch_size=batch)
+    out = jnp.zeros((num_tokens, num_q_heads, head_dim), q.dtype)
+    return out.at[out_rows.reshape(-1)].set(
+        o.reshape(-1, num_q_heads, head_dim).astype(q.dtype), mode="drop"
+    )
