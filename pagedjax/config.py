@@ -1,0 +1,274 @@
+"""Configuration as dataclasses, loadable from YAML, with unknown keys rejected.
+
+Each section validates its own values in ``__post_init__`` and names the offending key
+(``cache.block_size``) in the error. ``load_dataclass`` is generic, so experiment
+configs reuse it for their own sections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the key."""
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def _is_pow2(x: int) -> bool:
+    return x >= 1 and x & (x - 1) == 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to run.
+
+    model: a local Hugging Face directory or a preset name (e.g. ``llama-2-7b``).
+    load_format: ``auto`` (weights from the directory), ``dummy`` (random weights from
+        the config alone, as vLLM's), ``safetensors``.
+    max_model_len: the longest prompt + output; None takes the model's own limit.
+    """
+
+    model: str = "tiny-llama"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    load_format: Literal["auto", "dummy", "safetensors"] = "auto"
+    max_model_len: int | None = None
+    tokenizer: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(bool(self.model), "model.model", "must name a directory or a preset")
+        _check(
+            self.max_model_len is None or self.max_model_len >= 1,
+            "model.max_model_len",
+            f"must be >= 1, got {self.max_model_len}",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    On a GPU the number of blocks comes from ``gpu_memory_utilization``; on CPU (where
+    the device reports no memory limit) from ``num_gpu_blocks_override`` or
+    ``kv_cache_memory_bytes``, else a documented default.
+    """
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    swap_space: float = 4.0
+    enable_prefix_caching: bool = True
+    cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+    def __post_init__(self) -> None:
+        _check(
+            _is_pow2(self.block_size) and self.block_size <= 256,
+            "cache.block_size",
+            f"must be a power of two in [1, 256], got {self.block_size}",
+        )
+        _check(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "cache.gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _check(
+            self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
+            "cache.num_gpu_blocks_override",
+            f"must be >= 2 (block 0 is the null block), got {self.num_gpu_blocks_override}",
+        )
+        _check(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            "cache.kv_cache_memory_bytes",
+            f"must be > 0, got {self.kv_cache_memory_bytes}",
+        )
+        _check(self.swap_space >= 0, "cache.swap_space", f"must be >= 0 GiB, got {self.swap_space}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Iteration-level scheduling.
+
+    scheduling_mode: ``default`` (token budget, chunked prefill), ``paper`` (the 2023
+        vLLM rules: no chunking, FCFS, 1% watermark) or ``static`` (request-level
+        batching, the FasterTransformer baseline).
+    watermark: fraction of blocks kept free at admission.
+    preemption_mode: ``recompute`` or ``swap``; None picks the paper's default
+        (recompute for single-sequence groups, swap for the rest).
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    scheduling_mode: Literal["default", "paper", "static"] = "default"
+    policy: Literal["fcfs", "shortest_remaining"] = "fcfs"
+    watermark: float = 0.01
+    preemption_mode: Literal["recompute", "swap"] | None = None
+    num_multi_steps: int = 1
+
+    def __post_init__(self) -> None:
+        _check(
+            self.max_num_batched_tokens >= 1,
+            "scheduler.max_num_batched_tokens",
+            f"must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _check(
+            self.max_num_seqs >= 1, "scheduler.max_num_seqs", f"must be >= 1, got {self.max_num_seqs}"
+        )
+        _check(
+            0.0 <= self.watermark < 1.0,
+            "scheduler.watermark",
+            f"must be in [0, 1), got {self.watermark}",
+        )
+        _check(
+            self.num_multi_steps >= 1,
+            "scheduler.num_multi_steps",
+            f"must be >= 1, got {self.num_multi_steps}",
+        )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            v = getattr(self, name)
+            _check(v >= 1, f"parallel.{name}", f"must be >= 1, got {v}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; the top level of an engine YAML file."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    attention_backend: Literal["reference", "pallas", "auto"] = "reference"
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> EngineConfig:
+        return load_yaml(cls, path)
+
+
+T = TypeVar("T")
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and convert nested dataclasses."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+        return load_dataclass(tp, value, prefix=f"{key}.")
+    if origin is typing.Union or origin is types.UnionType:
+        errors = []
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _convert(arg, value, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: invalid value {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key}: must be one of {list(allowed)}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__}")
+        (arg, *_) = typing.get_args(tp) or (Any,)
+        items = [_convert(arg, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def load_dataclass(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
+    """Build ``cls`` from a mapping, rejecting unknown keys and ill-typed values."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ConfigError(
+            f"unknown key {prefix}{unknown[0]}" + (f" (and {unknown[1:]})" if unknown[1:] else "")
+            + f"; valid keys: {sorted(fields)}"
+        )
+    kwargs = {k: _convert(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        # Nested sections validate with their own names; prefix the outer path.
+        msg = str(e)
+        section = prefix.rstrip(".").split(".")[-1] if prefix else ""
+        if prefix and not msg.startswith(prefix) and not msg.startswith(f"{section}."):
+            msg = f"{prefix}{msg}"
+        raise ConfigError(msg) from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides (values parsed as YAML) to a nested mapping."""
+    out = dict(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = out
+        for p in parts[:-1]:
+            child = node.get(p)
+            node[p] = dict(child) if isinstance(child, dict) else {}
+            node = node[p]
+        node[parts[-1]] = yaml.safe_load(raw)
+    return out
+
+
+def load_yaml(cls: type[T], path: str | Path, overrides: list[str] | None = None) -> T:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return load_dataclass(cls, apply_overrides(data, overrides or []))

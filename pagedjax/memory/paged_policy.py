@@ -1,0 +1,108 @@
+"""The paged (vLLM) memory policy: the block pool and block tables behind MemoryPolicy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pagedjax.memory import block_table as btm
+from pagedjax.memory.block_pool import BlockPool, create_block_pool
+from pagedjax.memory.block_table import BlockTables, CopyOnWrite, blocks_for
+from pagedjax.memory.policy import MemoryUsage
+
+
+class PagedState(NamedTuple):
+    pool: BlockPool
+    tables: BlockTables
+    # The copies a grow requested (one per grow entry); the engine applies them to the KV
+    # pool before the step's writes.
+    last_cow: CopyOnWrite
+
+
+@dataclass(frozen=True)
+class PagedPolicy:
+    """Blocks allocated on demand; a sequence of length L holds ceil(L / block_size) blocks.
+
+    num_blocks counts the null block, so ``num_blocks - 1`` blocks are usable.
+    watermark_frac: admissions (use_watermark) must leave int(watermark_frac * num_blocks)
+    blocks free, as vLLM's block manager does (paper_notes section 6).
+    """
+
+    num_blocks: int
+    block_size: int
+    max_seqs: int
+    max_blocks_per_seq: int
+    watermark_frac: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_seqs < 1 or self.max_blocks_per_seq < 1:
+            raise ValueError("max_seqs and max_blocks_per_seq must be >= 1")
+        if not 0.0 <= self.watermark_frac < 1.0:
+            raise ValueError(f"watermark_frac must be in [0, 1), got {self.watermark_frac}")
+
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.max_blocks_per_seq * self.block_size
+
+    @property
+    def watermark_blocks(self) -> int:
+        return int(self.watermark_frac * self.num_blocks)
+
+    def init_state(self) -> PagedState:
+        z = jnp.zeros((self.max_seqs,), jnp.int32)
+        return PagedState(
+            create_block_pool(self.num_blocks),
+            btm.create_block_tables(self.max_seqs, self.max_blocks_per_seq),
+            CopyOnWrite(z, z, jnp.zeros((self.max_seqs,), bool)),
+        )
+
+    def grow(self, state, seq_ids, new_lens, final_lens, max_lens, mask, use_watermark):
+        del final_lens, max_lens  # paged allocation needs only the current length
+        seq_ids = jnp.asarray(seq_ids, jnp.int32)
+        safe = jnp.clip(seq_ids, 0, self.max_seqs - 1)
+        ns = jnp.maximum(jnp.asarray(new_lens, jnp.int32) - state.tables.lengths[safe], 0)
+        reserve = jnp.where(use_watermark, self.watermark_blocks, 0)
+        pool, tables, cow, ok = btm.append_tokens_batched(
+            state.pool, state.tables, seq_ids, ns, mask, self.block_size,
+            self.max_model_len, reserve,
+        )
+        return PagedState(pool, tables, cow), ok
+
+    def release(self, state, seq_ids, mask):
+        pool, tables = btm.release_batched(state.pool, state.tables, seq_ids, mask)
+        return state._replace(pool=pool, tables=tables)
+
+    def usage(self, state, lens, final_lens, live) -> MemoryUsage:
+        return paged_usage(state.tables.lengths, lens, final_lens, live, self.block_size,
+                           self.capacity_tokens)
+
+
+def paged_usage(held_lens, lens, final_lens, live, block_size: int, capacity: int) -> MemoryUsage:
+    """Fig. 2 categories for paged allocation (each input ``[max_seqs]``).
+
+    A live sequence holds ceil(held_len / B) blocks: ``lens`` slots carry tokens; slots
+    in [len, final_len) of those blocks will be written later (reserved); the rest of
+    the last block is never used (internal fragmentation). Blocks shared by several
+    sequences are counted once per sequence here (sharing is measured separately).
+    """
+    held = (blocks_for(held_lens, block_size) * block_size).astype(jnp.float32)
+    lens = jnp.asarray(lens, jnp.float32)
+    final = jnp.maximum(jnp.asarray(final_lens, jnp.float32), lens)
+    f = live.astype(jnp.float32)
+    tokens = jnp.sum(f * jnp.minimum(lens, held))
+    reserved = jnp.sum(f * jnp.clip(jnp.minimum(final, held) - lens, 0))
+    internal = jnp.sum(f * jnp.clip(held - final, 0))
+    cap = jnp.asarray(capacity, jnp.float32)
+    return MemoryUsage(tokens, reserved, internal, cap - tokens - reserved - internal, cap)
+
