@@ -1,0 +1,1 @@
+"""Simulated execution: step-time cost models (and, later, the trace simulator)."""

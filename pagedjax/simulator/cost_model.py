@@ -1,0 +1,332 @@
+"""Step-time models for the simulated executor: a GPU roofline and a fitted linear profile.
+
+A step's work is described by four numbers (scalars or arrays, traced or not):
+    prefill_tokens: prompt tokens computed this step (all prefilling sequences).
+    decode_seqs: sequences decoding one token this step.
+    kv_tokens: KV tokens read from the cache by attention (sum of context lengths of the
+        decoding sequences plus cached prefixes of chunked prefills).
+    prefill_attn_pairs: query-key pairs of the prefills (about L^2/2 per prompt of
+        length L); 0 by default.
+    prefill_seqs: sequences that prefill this step (each adds one row of logits).
+Both models are pure jnp arithmetic and return float32 seconds, so they run under
+jax.jit and inside lax.while_loop. See docs/workloads.md for the formulas and constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """Vendor peak numbers of one GPU (SXM parts; dense fp16/bf16 tensor-core FLOP/s)."""
+
+    name: str
+    hbm_bytes_per_s: float
+    peak_flops: float
+    memory_bytes: float
+    nvlink_bytes_per_s: float  # per GPU, both directions added
+
+
+GPUS: dict[str, GPUSpec] = {
+    "A100-40GB": GPUSpec("A100-40GB", 1.555e12, 312e12, 40e9, 600e9),
+    "A100-80GB": GPUSpec("A100-80GB", 2.039e12, 312e12, 80e9, 600e9),
+    "H100-80GB": GPUSpec("H100-80GB", 3.35e12, 989e12, 80e9, 900e9),
+    "H200": GPUSpec("H200", 4.8e12, 989e12, 141e9, 900e9),
+}
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """Decoder-only transformer shape, enough to count bytes and FLOPs per step.
+
+    gated_mlp: Llama-style SwiGLU (3 matrices) rather than OPT's 2. tied_embeddings: the
+    LM head shares the embedding (it is still read once per step for the logits).
+    tp: tensor-parallel degree; per-GPU weights, KV and FLOPs are divided by it.
+    """
+
+    name: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    bytes_per_param: int = 2
+    gated_mlp: bool = False
+    tied_embeddings: bool = True
+    max_position: int = 0  # learned position embeddings (OPT); 0 for rotary
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for field in (
+            "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+            "intermediate", "vocab", "bytes_per_param", "tp",
+        ):  # fmt: skip
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.num_kv_heads % self.tp and self.tp % self.num_kv_heads:
+            raise ValueError(
+                f"tp={self.tp} does not divide or replicate {self.num_kv_heads} KV heads"
+            )
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's matrices (q, k, v, o projections and the MLP)."""
+        q_o = 2 * self.hidden * self.num_heads * self.head_dim
+        k_v = 2 * self.hidden * self.num_kv_heads * self.head_dim
+        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
+        return q_o + k_v + mlp
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def total_params(self) -> int:
+        """All parameters (biases and norms excluded, < 0.1 %)."""
+        embed = self.vocab * self.hidden + self.max_position * self.hidden
+        head = 0 if self.tied_embeddings else self.lm_head_params
+        return self.num_layers * self.layer_matmul_params + embed + head
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all parameters, all GPUs together."""
+        return self.total_params * self.bytes_per_param
+
+    @property
+    def step_weight_bytes(self) -> int:
+        """Bytes read per step, all GPUs: every layer matrix and the LM head once."""
+        return (
+            self.num_layers * self.layer_matmul_params + self.lm_head_params
+        ) * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers, all GPUs (e.g. 800 KiB for OPT-13B fp16)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_param
+
+    def with_tp(self, tp: int) -> ModelGeometry:
+        return replace(self, tp=tp)
+
+
+MODEL_PRESETS: dict[str, ModelGeometry] = {
+    # paper_notes.md section 5; OPT ties its LM head and learns 2048 (+2) positions.
+    "opt-13b": ModelGeometry("opt-13b", 40, 5120, 40, 40, 128, 20480, 50272, max_position=2050),
+    "opt-66b": ModelGeometry(
+        "opt-66b", 64, 9216, 72, 72, 128, 36864, 50272, max_position=2050, tp=4
+    ),
+    "opt-175b": ModelGeometry(
+        "opt-175b", 96, 12288, 96, 96, 128, 49152, 50272, max_position=2050, tp=8
+    ),
+    "llama-2-7b": ModelGeometry(
+        "llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000, gated_mlp=True, tied_embeddings=False
+    ),
+    "llama-3-8b": ModelGeometry(
+        "llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, gated_mlp=True, tied_embeddings=False
+    ),
+}
+
+
+def model_geometry(name: str, tp: int | None = None) -> ModelGeometry:
+    """A preset by name (paper TP degrees: opt-66b 4, opt-175b 8, others 1), optionally re-TP'd."""
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"name must be one of {sorted(MODEL_PRESETS)}, got {name!r}")
+    geom = MODEL_PRESETS[name]
+    return geom if tp is None else geom.with_tp(tp)
+
+
+def _f32(x) -> jnp.ndarray:
+    return jnp.asarray(x, dtype=jnp.float32)
+
+
+@dataclass(frozen=True)
+class RooflineCostModel:
+    """t = max(bytes / (mem_eff * HBM BW), flops / (flop_eff * peak)) + comm + overhead.
+
+    Per GPU: weights are read once per step; KV of the context is read and the new
+    tokens' KV written; FLOPs are 2 per matmul parameter per new token, 2 per LM-head
+    parameter per logit row, 4 * heads * head_dim per layer per attention pair. With
+    tp > 1, two ring all-reduces of the new tokens' activations per layer go over NVLink.
+    """
+
+    gpu: GPUSpec
+    model: ModelGeometry
+    mem_efficiency: float = 0.85
+    flop_efficiency: float = 0.70
+    comm_efficiency: float = 0.70
+    allreduce_latency_s: float = 10e-6
+    step_overhead_s: float = 2e-3
+
+    def __post_init__(self) -> None:
+        for field in ("mem_efficiency", "flop_efficiency", "comm_efficiency"):
+            v = getattr(self, field)
+            if not 0 < v <= 1:
+                raise ValueError(f"{field} must be in (0, 1], got {v}")
+        for field in ("allreduce_latency_s", "step_overhead_s"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
+
+    def step_bytes(self, prefill_tokens, decode_seqs, kv_tokens) -> jnp.ndarray:
+        """HBM bytes moved per GPU in one step (float32)."""
+        m = self.model
+        new_tokens = _f32(prefill_tokens) + _f32(decode_seqs)
+        kv = (_f32(kv_tokens) + new_tokens) * (m.kv_bytes_per_token / m.tp)
+        return m.step_weight_bytes / m.tp + kv
+
+    def step_flops(
+        self, prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs=0, prefill_seqs=0
+    ) -> jnp.ndarray:
+        """FLOPs per GPU in one step (float32)."""
+        m = self.model
+        new_tokens = _f32(prefill_tokens) + _f32(decode_seqs)
+        logit_rows = _f32(decode_seqs) + _f32(prefill_seqs)
+        pairs = _f32(kv_tokens) + _f32(prefill_attn_pairs)
+        flops = (
+            2.0 * m.num_layers * m.layer_matmul_params * new_tokens
+            + 2.0 * m.lm_head_params * logit_rows
+            + 4.0 * m.num_layers * m.num_heads * m.head_dim * pairs
+        )
+        return flops / m.tp
+
+    def comm_time(self, prefill_tokens, decode_seqs) -> jnp.ndarray:
+        """Tensor-parallel all-reduce time (0 when tp = 1)."""
+        m = self.model
+        if m.tp == 1:
+            return jnp.zeros((), jnp.float32) * _f32(prefill_tokens)
+        new_tokens = _f32(prefill_tokens) + _f32(decode_seqs)
+        num_allreduce = 2 * m.num_layers
+        sent = 2.0 * (m.tp - 1) / m.tp * new_tokens * m.hidden * m.bytes_per_param
+        one_way_bw = self.comm_efficiency * self.gpu.nvlink_bytes_per_s / 2
+        return num_allreduce * (sent / one_way_bw + self.allreduce_latency_s)
+
+    def memory_time(self, prefill_tokens, decode_seqs, kv_tokens) -> jnp.ndarray:
+        bw = self.mem_efficiency * self.gpu.hbm_bytes_per_s
+        return self.step_bytes(prefill_tokens, decode_seqs, kv_tokens) / bw
+
+    def compute_time(
+        self, prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs=0, prefill_seqs=0
+    ) -> jnp.ndarray:
+        flops = self.step_flops(
+            prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs, prefill_seqs
+        )
+        return flops / (self.flop_efficiency * self.gpu.peak_flops)
+
+    def is_memory_bound(
+        self, prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs=0, prefill_seqs=0
+    ) -> jnp.ndarray:
+        """bool: the memory term of the roofline is the larger one."""
+        return self.memory_time(prefill_tokens, decode_seqs, kv_tokens) >= self.compute_time(
+            prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs, prefill_seqs
+        )
+
+    def __call__(
+        self, prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs=0, prefill_seqs=0
+    ) -> jnp.ndarray:
+        """Step time in seconds (float32, broadcast over the inputs' shapes)."""
+        roof = jnp.maximum(
+            self.memory_time(prefill_tokens, decode_seqs, kv_tokens),
+            self.compute_time(
+                prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs, prefill_seqs
+            ),
+        )
+        return roof + self.comm_time(prefill_tokens, decode_seqs) + self.step_overhead_s
+
+
+def roofline(
+    gpu: str, model: str | ModelGeometry, tp: int | None = None, **kwargs: float
+) -> RooflineCostModel:
+    """A RooflineCostModel for a named GPU and a preset name or geometry.
+
+    kwargs override the efficiency factors and overheads of RooflineCostModel.
+    """
+    if gpu not in GPUS:
+        raise ValueError(f"gpu must be one of {sorted(GPUS)}, got {gpu!r}")
+    geom = model_geometry(model, tp) if isinstance(model, str) else model
+    if isinstance(model, ModelGeometry) and tp is not None:
+        geom = geom.with_tp(tp)
+    return RooflineCostModel(GPUS[gpu], geom, **kwargs)
+
+
+FEATURE_NAMES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "prefill_attn_pairs")
+
+
+def step_features(prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs=0) -> np.ndarray:
+    """float64[N, 5] design matrix: [1, prefill_tokens, decode_seqs, kv_tokens, pairs]."""
+    cols = np.broadcast_arrays(
+        *(
+            np.asarray(c, np.float64)
+            for c in (prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs)
+        )
+    )
+    cols = [np.ravel(c) for c in cols]
+    return np.stack([np.ones_like(cols[0]), *cols], axis=1)
+
+
+@dataclass(frozen=True)
+class FittedCostModel:
+    """t = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens + e*prefill_attn_pairs.
+
+    Coefficients (seconds per unit, in FEATURE_NAMES order) come from `fit` on measured
+    steps of the real engine. Same call signature as RooflineCostModel (prefill_seqs is
+    accepted and ignored: its effect is folded into the other terms).
+    """
+
+    coef: tuple[float, float, float, float, float]
+    rms_residual_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.coef) != len(FEATURE_NAMES):
+            raise ValueError(f"coef must have {len(FEATURE_NAMES)} entries, got {len(self.coef)}")
+
+    @classmethod
+    def fit(
+        cls,
+        prefill_tokens,
+        decode_seqs,
+        kv_tokens,
+        step_time_s,
+        prefill_attn_pairs=None,
+    ) -> FittedCostModel:
+        """Least squares (numpy lstsq) over N measured steps; all inputs [N].
+
+        Columns are scaled to unit max before solving so that pairs (~1e6) and the
+        constant (1) are equally conditioned; an all-zero column gets coefficient 0.
+        """
+        pairs = 0 if prefill_attn_pairs is None else prefill_attn_pairs
+        x = step_features(prefill_tokens, decode_seqs, kv_tokens, pairs)
+        y = np.ravel(np.asarray(step_time_s, np.float64))
+        if y.shape[0] != x.shape[0]:
+            raise ValueError(f"step_time_s has {y.shape[0]} samples, features have {x.shape[0]}")
+        if x.shape[0] < 2:
+            raise ValueError(f"step_time_s needs >= 2 samples, got {x.shape[0]}")
+        scale = np.abs(x).max(axis=0)
+        used = scale > 0  # a feature never seen in the samples gets exactly 0
+        sol, *_ = np.linalg.lstsq(x[:, used] / scale[used], y, rcond=None)
+        coef = np.zeros(x.shape[1])
+        coef[used] = sol / scale[used]
+        rms = float(np.sqrt(np.mean((x @ coef - y) ** 2)))
+        return cls(tuple(float(c) for c in coef), rms)
+
+    def __call__(
+        self, prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs=0, prefill_seqs=0
+    ) -> jnp.ndarray:
+        """Step time in seconds (float32)."""
+        del prefill_seqs
+        a, b, c, d, e = self.coef
+        return (
+            a
+            + b * _f32(prefill_tokens)
+            + c * _f32(decode_seqs)
+            + d * _f32(kv_tokens)
+            + e * _f32(prefill_attn_pairs)
+        )
