@@ -216,3 +216,13 @@ def test_sharegpt_loader_rules(tmp_path):
     assert len(sample.to_workload()) == 3
     with pytest.raises(ValueError, match="num_requests"):
         load_sharegpt(path, tok, 4)
+
+
+def test_sharegpt_loader_rejects_malformed(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "human"}, {"from": "gpt"}]}]))
+    with pytest.raises(ValueError, match="value"):
+        load_sharegpt(path, str.split, 1)
+    path.write_text(json.dumps({"conversations": []}))
+    with pytest.raises(ValueError, match="list"):
+        load_sharegpt(path, str.split, 1)

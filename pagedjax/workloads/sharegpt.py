@@ -73,7 +73,10 @@ def load_sharegpt(
         if not isinstance(turns, list):
             raise ValueError(f"path: entry {i} of {path} has no 'conversations' list")
         if len(turns) >= 2:
-            convs.append((turns[0]["value"], turns[1]["value"]))
+            try:
+                convs.append((str(turns[0]["value"]), str(turns[1]["value"])))
+            except (KeyError, TypeError) as err:
+                raise ValueError(f"path: entry {i} of {path} has a turn without 'value'") from err
     order = np.random.default_rng(seed).permutation(len(convs))
     prompts: list[str] = []
     token_ids: list[tuple[int, ...]] = []
