@@ -1,0 +1,96 @@
+"""Backend switch: the Pallas Mosaic GPU kernels or the XLA reference.
+
+``select_attention_backend("auto")`` picks the kernels only on a Hopper GPU *and* once an
+H200 parity run is committed (``pallas_kernels.parity``): untested kernels must never be
+chosen silently. The reference comes from ``pagedjax.attention`` when importable (imported
+lazily, so this package never pulls in flax), else from ``pallas_kernels.reference``; a
+caller may pass its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+
+from pallas_kernels import parity
+
+BackendName = Literal["reference", "pallas", "auto"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """The chosen pair of callables and why they were chosen."""
+
+    name: Literal["reference", "pallas"]
+    ragged_paged_attention: Callable[..., jax.Array]
+    paged_decode_attention: Callable[..., jax.Array] | None
+    reason: str
+
+
+def is_hopper(device: Any | None = None) -> bool:
+    """True for an NVIDIA GPU of compute capability 9.x (H100, H200)."""
+    device = device if device is not None else jax.devices()[0]
+    if device.platform != "gpu":
+        return False
+    return str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def _reference_attention() -> tuple[Callable[..., jax.Array], Callable[..., jax.Array] | None]:
+    try:
+        mod = importlib.import_module("pagedjax.attention")
+        ragged = getattr(mod, "ragged_paged_attention", None)
+        if ragged is not None:
+            return ragged, getattr(mod, "paged_decode_attention", None)
+    except ImportError:
+        pass
+    from pallas_kernels import reference
+
+    return (
+        reference.ragged_paged_attention_reference,
+        reference.paged_decode_attention_reference,
+    )
+
+
+def select_attention_backend(
+    name: BackendName = "auto",
+    *,
+    reference: Callable[..., jax.Array] | None = None,
+    device: Any | None = None,
+) -> AttentionBackend:
+    """Returns the attention backend for ``name`` ("reference", "pallas" or "auto").
+
+    ``reference``: the ragged reference callable to use instead of the lazily imported
+    one. "pallas" is returned even off-GPU (for interpret-mode runs); "auto" returns it
+    only on Hopper with ``parity.H200_PARITY_VERIFIED``.
+    """
+    if name not in ("reference", "pallas", "auto"):
+        raise ValueError(f"backend must be 'reference', 'pallas' or 'auto', got {name!r}")
+    if name == "auto":
+        if not parity.H200_PARITY_VERIFIED:
+            name, reason = "reference", "auto: no committed H200 parity run yet"
+        elif not is_hopper(device):
+            name, reason = "reference", "auto: not a Hopper GPU"
+        else:
+            name, reason = "pallas", f"auto: Hopper, parity in {parity.H200_PARITY_REPORT}"
+    else:
+        reason = "requested"
+    if name == "pallas":
+        from pallas_kernels import paged_attention
+
+        return AttentionBackend(
+            "pallas",
+            paged_attention.ragged_paged_attention,
+            paged_attention.paged_decode_attention,
+            reason,
+        )
+    ragged, decode = _reference_attention()
+    if reference is not None:
+        ragged, decode = reference, None
+    return AttentionBackend("reference", ragged, decode, reason)
+
+
+__all__ = ["AttentionBackend", "is_hopper", "select_attention_backend"]
