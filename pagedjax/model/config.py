@@ -1,0 +1,219 @@
+"""Model architecture description, parsed from a Hugging Face config.json or a named preset."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# HF model_type -> our family. Llama, Mistral and Qwen2 share one implementation.
+FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "opt": "opt"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArch:
+    """Everything the forward needs to know about a model; hashable so jit can close over it.
+
+    ``layer_windows[i]`` is the sliding window of layer i (None: full attention).
+    ``rope_scaling`` is a sorted tuple of (key, value) pairs of HF's rope parameters, or None.
+    OPT-only fields (word_embed_proj_dim, do_layer_norm_before, ...) are ignored by Llama.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    hidden_act: str = "silu"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    layer_windows: tuple[int | None, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # OPT
+    word_embed_proj_dim: int | None = None
+    do_layer_norm_before: bool = True
+    final_layer_norm: bool = True
+    layer_norm_affine: bool = True
+
+    def __post_init__(self) -> None:
+        if self.model_type not in FAMILIES:
+            raise ValueError(
+                f"unknown architecture model_type={self.model_type!r}; "
+                f"supported: {sorted(FAMILIES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if len(self.layer_windows) != self.num_layers:
+            object.__setattr__(self, "layer_windows", (None,) * self.num_layers)
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope scaling type {self.rope_type!r}; "
+                f"supported: {SUPPORTED_ROPE_TYPES}"
+            )
+
+    @property
+    def family(self) -> str:
+        return FAMILIES[self.model_type]
+
+    @property
+    def rope_type(self) -> str:
+        return dict(self.rope_scaling or ()).get("rope_type", "default")
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window if any layer slides (Mistral: all layers), else None."""
+        windows = {w for w in self.layer_windows if w is not None}
+        return max(windows) if windows else None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def kv_bytes_per_token(self, dtype: Any) -> int:
+        """Bytes of K and V one token occupies in the cache across all layers."""
+        itemsize = np.dtype(dtype).itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelArch:
+        d = json.loads(text)
+        d["rope_scaling"] = _freeze(d["rope_scaling"])
+        d["layer_windows"] = tuple(d["layer_windows"])
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        return cls(**d)
+
+
+def _freeze(mapping: dict | list | None) -> tuple[tuple[str, Any], ...] | None:
+    if not mapping:
+        return None
+    items = mapping.items() if isinstance(mapping, dict) else mapping
+    return tuple(sorted((str(k), v) for k, v in items))
+
+
+def _rope(cfg: dict) -> tuple[float, tuple | None]:
+    """(theta, scaling) from either transformers>=5 `rope_parameters` or older
+    `rope_theta` + `rope_scaling` (what most checkpoints on disk carry)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if not params and cfg.get("rope_scaling"):
+        params = dict(cfg["rope_scaling"])
+    if "type" in params and "rope_type" not in params:  # legacy key
+        params["rope_type"] = params.pop("type")
+    if params.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, _freeze(params)
+
+
+def _eos_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list | tuple) else (int(value),)
+
+
+def _require(cfg: dict, key: str) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise ValueError(f"config is missing required field {key!r}")
+    return cfg[key]
+
+
+def arch_from_hf_config(cfg: dict) -> ModelArch:
+    """Builds a ModelArch from the dict of a Hugging Face config.json."""
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"unknown architecture model_type={model_type!r} "
+            f"(architectures={cfg.get('architectures')}); supported: {sorted(FAMILIES)}"
+        )
+    layers = int(_require(cfg, "num_hidden_layers"))
+    heads = int(_require(cfg, "num_attention_heads"))
+    hidden = int(_require(cfg, "hidden_size"))
+    common = dict(
+        model_type=model_type,
+        vocab_size=int(_require(cfg, "vocab_size")),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "opt")),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+    )
+    if model_type == "opt":
+        proj = int(cfg.get("word_embed_proj_dim") or hidden)
+        act = cfg.get("activation_function", "relu")
+        pre_ln = bool(cfg.get("do_layer_norm_before", True))
+        return ModelArch(
+            **common,
+            num_kv_heads=heads,
+            head_dim=hidden // heads,
+            intermediate_size=int(_require(cfg, "ffn_dim")),
+            norm_eps=1e-5,  # torch.nn.LayerNorm default, which HF's OPT uses
+            hidden_act=act,
+            qkv_bias=bool(cfg.get("enable_bias", True)),
+            o_bias=bool(cfg.get("enable_bias", True)),
+            mlp_bias=bool(cfg.get("enable_bias", True)),
+            word_embed_proj_dim=proj,
+            do_layer_norm_before=pre_ln,
+            final_layer_norm=pre_ln and not cfg.get("_remove_final_layer_norm", False),
+            layer_norm_affine=bool(cfg.get("layer_norm_elementwise_affine", True)),
+        )
+    theta, scaling = _rope(cfg)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    window = cfg.get("sliding_window")
+    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+        window = None
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+    elif model_type == "mistral":
+        windows = (window,) * layers
+    else:
+        windows = (None,) * layers
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return ModelArch(
+        **common,
+        num_kv_heads=kv_heads,
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        intermediate_size=int(_require(cfg, "intermediate_size")),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        hidden_act=cfg.get("hidden_act", "silu"),
+        qkv_bias=attention_bias or model_type == "qwen2",
+        o_bias=attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        layer_windows=windows,
+    )
+
+
+def load_arch(directory: str | Path) -> ModelArch:
+    """Reads <directory>/config.json into a ModelArch."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {directory}")
+    path = directory / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"config.json not found in checkpoint directory {directory}")
+    return arch_from_hf_config(json.loads(path.read_text()))

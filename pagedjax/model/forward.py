@@ -1,0 +1,125 @@
+"""The pure model step: forward(params, kv_cache, batch) -> (kv_cache, logits)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from pagedjax.attention import PAD_SLOT, ragged_paged_attention
+from pagedjax.model.config import ModelArch
+from pagedjax.model.input import ModelInput
+from pagedjax.model.kv_cache import KVCache
+from pagedjax.model.layers import AttentionFn
+from pagedjax.model.llama import LlamaForCausalLM
+from pagedjax.model.opt import OPTForCausalLM
+
+Params = Any  # nested dict of arrays, as Flax's "params" collection
+
+
+def build_module(
+    arch: ModelArch,
+    param_dtype: Any = jnp.float32,
+    attention_fn: AttentionFn = ragged_paged_attention,
+) -> nn.Module:
+    """The Flax module of arch's family (param_dtype only matters for init)."""
+    cls = {"llama": LlamaForCausalLM, "opt": OPTForCausalLM}[arch.family]
+    return cls(arch, param_dtype=param_dtype, attention_fn=attention_fn)
+
+
+def _check_cache(arch: ModelArch, kv_cache: KVCache) -> None:
+    if len(kv_cache) != arch.num_layers:
+        raise ValueError(f"kv_cache has {len(kv_cache)} layers, model has {arch.num_layers}")
+    k, v = kv_cache[0]
+    if k.ndim != 4 or k.shape != v.shape or k.shape[1::2] != (arch.num_kv_heads, arch.head_dim):
+        raise ValueError(
+            f"kv_cache pages must be [num_blocks, {arch.num_kv_heads}, block_size, "
+            f"{arch.head_dim}], got k {k.shape}, v {v.shape}"
+        )
+
+
+def forward(
+    params: Params,
+    kv_cache: KVCache,
+    batch: ModelInput,
+    *,
+    arch: ModelArch,
+    attention_fn: AttentionFn = ragged_paged_attention,
+) -> tuple[KVCache, jax.Array]:
+    """One step over a ragged batch (prefill, chunked prefill and decode mixed).
+
+    Returns the updated cache (same structure) and fp32 logits [L, vocab] at
+    batch.logits_indices. Compute runs in the params' dtype; attention accumulates in fp32.
+    """
+    _check_cache(arch, kv_cache)
+    module = build_module(arch, attention_fn=attention_fn)
+    return module.apply({"params": params}, kv_cache, batch)
+
+
+def make_forward(
+    arch: ModelArch,
+    attention_fn: AttentionFn = ragged_paged_attention,
+    donate: bool = True,
+) -> Callable[[Params, KVCache, ModelInput], tuple[KVCache, jax.Array]]:
+    """jit(forward) for arch with the KV cache donated (updated in place)."""
+    fn = functools.partial(forward, arch=arch, attention_fn=attention_fn)
+    return jax.jit(fn, donate_argnums=(1,) if donate else ())
+
+
+def dummy_input(num_tokens: int, num_seqs: int, max_blocks: int) -> ModelInput:
+    """An all-padding batch of the given static sizes, e.g. to initialize or warm up."""
+    zeros = lambda *s: jnp.zeros(s, jnp.int32)
+    return ModelInput(
+        tokens=zeros(num_tokens),
+        positions=zeros(num_tokens),
+        slot_mapping=jnp.full((num_tokens,), PAD_SLOT, jnp.int32),
+        block_tables=zeros(num_seqs, max_blocks),
+        kv_lens=zeros(num_seqs),
+        cu_q_lens=zeros(num_seqs + 1),
+        logits_indices=zeros(1),
+    )
+
+
+def abstract_params(arch: ModelArch, dtype: Any = jnp.float32) -> Params:
+    """ShapeDtypeStruct tree of arch's parameters (no memory allocated)."""
+    module = build_module(arch, param_dtype=dtype)
+    cache = tuple(
+        (jax.ShapeDtypeStruct((2, arch.num_kv_heads, 1, arch.head_dim), dtype),) * 2
+        for _ in range(arch.num_layers)
+    )
+    shapes = jax.eval_shape(
+        lambda c: module.init(jax.random.key(0), c, dummy_input(1, 1, 1)), cache
+    )
+    return shapes["params"]
+
+
+_ONES = ("weight", "scale")  # norm gains (RMSNorm "weight", LayerNorm "scale")
+
+
+def random_params(
+    arch: ModelArch, seed: int = 0, dtype: Any = jnp.bfloat16, std: float = 0.02
+) -> Params:
+    """Random weights from the architecture alone (vLLM's load_format="dummy"): normal(std)
+    matrices and embeddings, unit norm gains, zero biases. Built on device, jitted."""
+    shapes = abstract_params(arch, dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+
+    @jax.jit
+    def make(key):
+        keys = jax.random.split(key, len(leaves))
+        out = []
+        for k, (path, s) in zip(keys, leaves, strict=True):
+            name = path[-1].key
+            if name in _ONES:
+                out.append(jnp.ones(s.shape, dtype))
+            elif name == "bias":
+                out.append(jnp.zeros(s.shape, dtype))
+            else:
+                out.append((std * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    return make(jax.random.key(seed))

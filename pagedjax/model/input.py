@@ -1,0 +1,30 @@
+"""The ragged batch one forward step consumes."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+
+class ModelInput(NamedTuple):
+    """One step's flattened batch (a pytree; all int32; padded to static bucket sizes).
+
+    tokens [T]: token ids; padding tokens are arbitrary valid ids (e.g. 0).
+    positions [T]: position of each token in its sequence (padding: 0).
+    slot_mapping [T]: KV slot of each token, block * block_size + offset; padding: PAD_SLOT.
+    block_tables [S, M]: pages of each scheduled sequence; unused entries 0 (null block).
+    kv_lens [S]: context length including this step's tokens; padding sequences 0.
+    cu_q_lens [S+1]: cumulative token counts; padding sequences repeat the last value.
+    logits_indices [L]: token indices whose logits are returned (last token of each
+      sequence by default, every prompt token for prompt logprobs); padding entries may
+      repeat any valid index and their rows are to be ignored.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    kv_lens: jax.Array
+    cu_q_lens: jax.Array
+    logits_indices: jax.Array

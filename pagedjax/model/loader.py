@@ -1,0 +1,143 @@
+"""Loading models: HF safetensors checkpoints -> Flax params, and Orbax save/restore of the
+converted params."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pagedjax.model.config import ModelArch, load_arch
+from pagedjax.model.forward import Params, abstract_params
+from pagedjax.model.safetensors_io import load_tensors
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Tensors a checkpoint may carry that the model recomputes or shares.
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|(^|\.)embed_positions\._float_tensor$")
+
+
+def resolve_dtype(dtype: Any) -> Any:
+    """Accepts "float32" / "bfloat16" / "float16" or the jnp dtype itself."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; supported: {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    if np.dtype(dtype) not in {np.dtype(d) for d in DTYPES.values()}:
+        raise ValueError(f"unsupported dtype {dtype}; supported: {sorted(DTYPES)}")
+    return dtype
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The .safetensors files of a checkpoint: those named by model.safetensors.index.json if
+    present (sharded), else every *.safetensors in the directory."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [directory / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"shard {f.name} listed in {index.name} not found")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights found in {directory}")
+    return files
+
+
+def _normalize(name: str, family: str) -> str:
+    """HF key -> key relative to the decoder stack ('model.layers.0...' -> 'layers.0...')."""
+    for prefix in ("model.", "decoder.") if family == "opt" else ("model.",):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+    return name
+
+
+def _hf_key(path: tuple[str, ...]) -> tuple[str, bool]:
+    """Flax param path -> (normalized HF key, transpose?). Dense kernels are [in, out]."""
+    *mods, leaf = path
+    mods = [re.sub(r"^layers_(\d+)$", r"layers.\1", m) for m in mods]
+    hf_leaf = {"kernel": "weight", "embedding": "weight", "scale": "weight"}.get(leaf, leaf)
+    return ".".join([*mods, hf_leaf]), leaf == "kernel"
+
+
+def convert_hf_tensors(
+    arch: ModelArch, tensors: dict[str, np.ndarray], dtype: Any = jnp.float32
+) -> Params:
+    """HF tensor dict -> Flax params of dtype. Raises ValueError naming any missing tensor,
+    shape mismatch, or unexpected tensor (a sign that config and weights disagree)."""
+    dtype = resolve_dtype(dtype)
+    by_key = {_normalize(k, arch.family): k for k in tensors}
+    shapes = abstract_params(arch, dtype)
+    used = set()
+    missing = []
+
+    def convert(path, spec):
+        key, transpose = _hf_key(tuple(p.key for p in path))
+        if key not in by_key:
+            missing.append(key)
+            return None
+        used.add(key)
+        x = tensors[by_key[key]]
+        if transpose:
+            x = x.T
+        if x.shape != spec.shape:
+            raise ValueError(
+                f"shape mismatch for tensor {by_key[key]!r}: checkpoint has "
+                f"{tuple(tensors[by_key[key]].shape)}, config implies "
+                f"{spec.shape[::-1] if transpose else spec.shape}"
+            )
+        return jnp.asarray(np.asarray(x).astype(dtype))
+
+    params = jax.tree_util.tree_map_with_path(convert, shapes)
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {sorted(missing)}")
+    extra = {
+        by_key[k]
+        for k in by_key
+        if k not in used
+        and not _IGNORED.search(k)
+        and not (k == "lm_head.weight" and arch.tie_word_embeddings)
+    }
+    if extra:
+        raise ValueError(f"checkpoint has tensors the config does not use: {sorted(extra)}")
+    return params
+
+
+def load_hf_checkpoint(directory: str | Path, dtype: Any = jnp.float32) -> tuple[ModelArch, Params]:
+    """(arch, params) from a local HF directory: config.json + *.safetensors (sharded via
+    model.safetensors.index.json or not). Weights are cast to dtype (fp32/bf16/fp16)."""
+    directory = Path(directory)
+    arch = load_arch(directory)  # raises FileNotFoundError for a missing dir/config
+    tensors: dict[str, np.ndarray] = {}
+    for f in checkpoint_files(directory):
+        tensors.update(load_tensors(f))
+    return arch, convert_hf_tensors(arch, tensors, dtype)
+
+
+def save_params(directory: str | Path, arch: ModelArch, params: Params) -> None:
+    """Writes converted params with Orbax to <directory>/params and arch to arch.json."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "arch.json").write_text(arch.to_json())
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(directory / "params", params, force=True)
+
+
+def restore_params(directory: str | Path) -> tuple[ModelArch, Params]:
+    """Inverse of save_params: (arch, params) with the saved dtypes."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    if not (directory / "arch.json").is_file() or not (directory / "params").is_dir():
+        raise FileNotFoundError(f"no saved params (arch.json + params/) in {directory}")
+    arch = ModelArch.from_json((directory / "arch.json").read_text())
+    with ocp.StandardCheckpointer() as ckpt:
+        params = ckpt.restore(directory / "params")
+    return arch, params

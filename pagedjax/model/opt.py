@@ -1,0 +1,118 @@
+"""OPT over the paged KV cache: learned positions (offset 2), pre- or post-LayerNorm per
+``do_layer_norm_before``, ReLU MLP, project_in/out when word_embed_proj_dim != hidden_size."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from pagedjax.attention import ragged_paged_attention
+from pagedjax.model.config import ModelArch
+from pagedjax.model.input import ModelInput
+from pagedjax.model.layers import AttentionFn, activation, paged_self_attention
+
+KV = tuple[jax.Array, jax.Array]
+POSITION_OFFSET = 2  # OPT's learned position table starts at index 2 (a fairseq legacy)
+
+
+def _layer_norm(arch: ModelArch, name: str, param_dtype: Any) -> nn.LayerNorm:
+    return nn.LayerNorm(
+        epsilon=arch.norm_eps,
+        use_bias=arch.layer_norm_affine,
+        use_scale=arch.layer_norm_affine,
+        use_fast_variance=False,
+        name=name,
+        param_dtype=param_dtype,
+    )
+
+
+class OPTAttention(nn.Module):
+    arch: ModelArch
+    param_dtype: Any
+    attention_fn: AttentionFn
+
+    @nn.compact
+    def __call__(self, x: jax.Array, kv: KV, batch: ModelInput) -> tuple[jax.Array, KV]:
+        a, t = self.arch, x.shape[0]
+        h, d = a.num_heads, a.head_dim
+        dense = lambda name: nn.Dense(
+            a.hidden_size, use_bias=a.qkv_bias, name=name, param_dtype=self.param_dtype
+        )
+        q = dense("q_proj")(x).reshape(t, h, d)
+        k = dense("k_proj")(x).reshape(t, h, d)
+        v = dense("v_proj")(x).reshape(t, h, d)
+        # HF scales q by head_dim**-0.5 before the product; same math via sm_scale.
+        o, kv = paged_self_attention(
+            q, k, v, kv, batch,
+            sm_scale=d**-0.5, sliding_window=None, attention_fn=self.attention_fn,
+        )  # fmt: skip
+        return dense("out_proj")(o.reshape(t, h * d)), kv
+
+
+class OPTDecoderLayer(nn.Module):
+    arch: ModelArch
+    param_dtype: Any
+    attention_fn: AttentionFn
+
+    @nn.compact
+    def __call__(self, x: jax.Array, kv: KV, batch: ModelInput) -> tuple[jax.Array, KV]:
+        a, pd = self.arch, self.param_dtype
+        pre = a.do_layer_norm_before
+        attn_norm = _layer_norm(a, "self_attn_layer_norm", pd)
+        ffn_norm = _layer_norm(a, "final_layer_norm", pd)
+        h, kv = OPTAttention(a, pd, self.attention_fn, name="self_attn")(
+            attn_norm(x) if pre else x, kv, batch
+        )
+        x = x + h
+        if not pre:
+            x = attn_norm(x)
+        h = ffn_norm(x) if pre else x
+        h = nn.Dense(a.intermediate_size, use_bias=a.mlp_bias, name="fc1", param_dtype=pd)(h)
+        h = nn.Dense(a.hidden_size, use_bias=a.mlp_bias, name="fc2", param_dtype=pd)(
+            activation(a.hidden_act)(h)
+        )
+        x = x + h
+        if not pre:
+            x = ffn_norm(x)
+        return x, kv
+
+
+class OPTForCausalLM(nn.Module):
+    """apply({'params': p}, kv_cache, batch) -> (kv_cache, fp32 logits [L, vocab])."""
+
+    arch: ModelArch
+    param_dtype: Any = jnp.float32
+    attention_fn: AttentionFn = ragged_paged_attention
+
+    @nn.compact
+    def __call__(self, kv_cache, batch: ModelInput):
+        a, pd = self.arch, self.param_dtype
+        proj_dim = a.word_embed_proj_dim or a.hidden_size
+        embed = nn.Embed(a.vocab_size, proj_dim, name="embed_tokens", param_dtype=pd)
+        x = embed(batch.tokens)
+        if proj_dim != a.hidden_size:
+            x = nn.Dense(a.hidden_size, use_bias=False, name="project_in", param_dtype=pd)(x)
+        positions = nn.Embed(
+            a.max_position_embeddings + POSITION_OFFSET, a.hidden_size,
+            name="embed_positions", param_dtype=pd,
+        )  # fmt: skip
+        x = x + positions(batch.positions + POSITION_OFFSET)
+        new_cache = []
+        for i in range(a.num_layers):
+            x, kv = OPTDecoderLayer(a, pd, self.attention_fn, name=f"layers_{i}")(
+                x, kv_cache[i], batch
+            )
+            new_cache.append(kv)
+        x = jnp.take(x, batch.logits_indices, axis=0, mode="clip")
+        if a.final_layer_norm:
+            x = _layer_norm(a, "final_layer_norm", pd)(x)
+        if proj_dim != a.hidden_size:
+            x = nn.Dense(proj_dim, use_bias=False, name="project_out", param_dtype=pd)(x)
+        if a.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = nn.Dense(a.vocab_size, use_bias=False, name="lm_head", param_dtype=pd)(x)
+        return tuple(new_cache), logits.astype(jnp.float32)
