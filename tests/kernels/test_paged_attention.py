@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import make_case
 
+from pallas_kernels.cases import make_case
 from pallas_kernels.paged_attention import (
     default_interpret,
     paged_decode_attention,
