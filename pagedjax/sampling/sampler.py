@@ -163,7 +163,12 @@ def sample(
     if max_logprobs < 0:
         raise ValueError(f"max_logprobs must be non-negative, got {max_logprobs}")
     processed = process_logits(logits, t, history)
-    ids = jax.vmap(jax.random.categorical)(row_keys(t), processed).astype(jnp.int32)
+    ids = jax.lax.cond(
+        jnp.all(t.greedy),  # all-greedy steps skip drawing [S, V] Gumbel noise
+        lambda x: jnp.argmax(x, axis=-1),
+        lambda x: jax.vmap(jax.random.categorical)(row_keys(t), x),
+        processed,
+    ).astype(jnp.int32)
     raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     k = min(max_logprobs, logits.shape[-1])
     return SamplerOutput(ids, *_logprob_summary(raw, ids, k))
