@@ -60,12 +60,16 @@ def forward(
     return module.apply({"params": params}, kv_cache, batch)
 
 
+@functools.cache
 def make_forward(
     arch: ModelArch,
     attention_fn: AttentionFn = ragged_paged_attention,
     donate: bool = True,
 ) -> Callable[[Params, KVCache, ModelInput], tuple[KVCache, jax.Array]]:
-    """jit(forward) for arch with the KV cache donated (updated in place)."""
+    """jit(forward) for arch with the KV cache donated (updated in place).
+
+    Cached per (arch, attention_fn, donate), so every caller shares one jit and its
+    compilations."""
     fn = functools.partial(forward, arch=arch, attention_fn=attention_fn)
     return jax.jit(fn, donate_argnums=(1,) if donate else ())
 
