@@ -1,0 +1,83 @@
+"""Tokenizers: the checkpoint's own (local files only, never the network), or a byte-level
+fallback when the directory has none (random/dummy models, presets)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+# Any of these in a checkpoint directory means it ships a Hugging Face tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int | None
+    bos_token_id: int | None
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class HFTokenizer:
+    """A transformers tokenizer loaded from local files."""
+
+    def __init__(self, directory: str | Path):
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        self.eos_token_id: int | None = self._tok.eos_token_id
+        self.bos_token_id: int | None = self._tok.bos_token_id
+        self.vocab_size: int = len(self._tok)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255; optional bos/eos ids (e.g. the model config's).
+
+    decode skips ids outside 0..255 (specials, or ids a random model emits beyond the bytes)
+    and replaces invalid UTF-8, so any id sequence decodes.
+    """
+
+    def __init__(self, eos_token_id: int | None = None, bos_token_id: int | None = None):
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = bos_token_id
+        self.vocab_size = 256
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        if add_special_tokens and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        special = {self.bos_token_id, self.eos_token_id} if skip_special_tokens else set()
+        data = bytes(i for i in ids if 0 <= i < 256 and i not in special)
+        return data.decode("utf-8", errors="replace")
+
+
+def load_tokenizer(directory: str | Path | None) -> Tokenizer:
+    """The directory's HF tokenizer if it has one, else a ByteTokenizer using the eos/bos
+    ids of its config.json (if any). ``None`` gives a plain ByteTokenizer."""
+    if directory is None:
+        return ByteTokenizer()
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"tokenizer directory not found: {directory}")
+    if any((directory / f).is_file() for f in TOKENIZER_FILES):
+        return HFTokenizer(directory)
+    eos = bos = None
+    config = directory / "config.json"
+    if config.is_file():
+        cfg = json.loads(config.read_text())
+        eos = cfg.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) else eos
+        bos = cfg.get("bos_token_id")
+    return ByteTokenizer(eos_token_id=eos, bos_token_id=bos)
