@@ -1,0 +1,50 @@
+"""Iteration-level scheduler (jitted array code) and its plain-Python reference.
+
+Public API: SchedulerConfig, SchedulerState, ScheduledBatch, init_state, add_requests,
+abort, recycle, schedule, update; priorities in ``priority``; the spec in ``reference``.
+"""
+
+from pagedjax.scheduler.config import SchedulerConfig
+from pagedjax.scheduler.schedule import ScheduledBatch, schedule
+from pagedjax.scheduler.state import (
+    FINISHED,
+    FREE,
+    REASON_ABORTED,
+    REASON_CAPACITY,
+    REASON_LENGTH,
+    REASON_NONE,
+    REASON_STOP,
+    REASON_TOO_LONG,
+    RUNNING,
+    WAITING,
+    SchedulerState,
+    abort,
+    add_requests,
+    init_state,
+    output_target,
+    recycle,
+)
+from pagedjax.scheduler.update import update
+
+__all__ = [
+    "FINISHED",
+    "FREE",
+    "REASON_ABORTED",
+    "REASON_CAPACITY",
+    "REASON_LENGTH",
+    "REASON_NONE",
+    "REASON_STOP",
+    "REASON_TOO_LONG",
+    "RUNNING",
+    "WAITING",
+    "ScheduledBatch",
+    "SchedulerConfig",
+    "SchedulerState",
+    "abort",
+    "add_requests",
+    "init_state",
+    "output_target",
+    "recycle",
+    "schedule",
+    "update",
+]

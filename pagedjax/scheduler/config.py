@@ -1,0 +1,105 @@
+"""Static scheduler configuration (hashable, so it can be a ``jax.jit`` static argument)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+MODES = ("default", "paper", "static")
+
+# vLLM v0.1.x EngineArgs defaults (paper_notes section 6).
+PAPER_MAX_NUM_BATCHED_TOKENS = 2560
+PAPER_MAX_NUM_SEQS = 256
+
+
+def _check_pos_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler decides with; every field is static.
+
+    max_seqs: sequence slots (waiting + running + finished-but-unread); the length of
+        every per-slot state array. Must equal the memory policy's ``max_seqs``.
+    max_num_batched_tokens: token budget of one step (decode and prefill tokens together).
+    max_num_seqs: most RUNNING sequences at once.
+    max_model_len: longest sequence (prompt + output) served; longer prompts are rejected.
+    mode: "default" (chunked prefill, mixed ragged batch), "paper" (vLLM 2023: no
+        chunking, strict FCFS admission with the watermark) or "static" (a
+        FasterTransformer-like request-level batcher: a new batch of up to
+        ``static_batch_size`` requests is admitted only when nothing is running).
+    priority: a name in ``pagedjax.scheduler.priority.PRIORITIES`` ("fcfs",
+        "shortest_remaining") or a callable ``(state, config) -> tuple of int32[max_seqs]``
+        keys, most significant first (lower runs first). Paper mode requires "fcfs".
+    static_batch_size: the batch size B of static mode (ignored otherwise).
+    """
+
+    max_seqs: int
+    max_num_batched_tokens: int = PAPER_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = PAPER_MAX_NUM_SEQS
+    max_model_len: int = 2048
+    mode: str = "default"
+    priority: str | Callable[..., Any] = "fcfs"
+    static_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        _check_pos_int("max_seqs", self.max_seqs)
+        _check_pos_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_pos_int("max_num_seqs", self.max_num_seqs)
+        _check_pos_int("max_model_len", self.max_model_len)
+        _check_pos_int("static_batch_size", self.static_batch_size)
+        if self.max_num_seqs > self.max_seqs:
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_seqs}) must be <= max_seqs ({self.max_seqs}):"
+                " every running sequence needs a slot"
+            )
+        if self.static_batch_size > self.max_seqs:
+            raise ValueError(
+                f"static_batch_size ({self.static_batch_size}) must be <= max_seqs"
+                f" ({self.max_seqs})"
+            )
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        from pagedjax.scheduler.priority import PRIORITIES  # cycle: priority types config
+
+        if isinstance(self.priority, str):
+            if self.priority not in PRIORITIES:
+                raise ValueError(
+                    f"priority must be one of {tuple(PRIORITIES)} or a callable,"
+                    f" got {self.priority!r}"
+                )
+        elif not callable(self.priority):
+            raise ValueError(f"priority must be a name or a callable, got {self.priority!r}")
+        if self.mode == "paper" and self.priority != "fcfs":
+            raise ValueError(f"paper mode is FCFS; priority must be 'fcfs', got {self.priority!r}")
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Only the default mode splits a prompt across steps."""
+        return self.mode == "default"
+
+    @property
+    def prompt_limit(self) -> int:
+        """Longest prompt (paper/static: whole recompute length) that can ever be scheduled.
+
+        Without chunking a prompt must fit one step's budget, as in vLLM v0.1-0.2.
+        """
+        if self.chunked_prefill:
+            return self.max_model_len
+        return min(self.max_model_len, self.max_num_batched_tokens)
+
+    @classmethod
+    def paper(cls, max_seqs: int = PAPER_MAX_NUM_SEQS, **overrides: Any) -> SchedulerConfig:
+        """The 2023 vLLM defaults: paper mode, FCFS, 2560 batched tokens, 256 sequences."""
+        kw: dict[str, Any] = dict(
+            max_seqs=max_seqs,
+            max_num_batched_tokens=PAPER_MAX_NUM_BATCHED_TOKENS,
+            max_num_seqs=min(PAPER_MAX_NUM_SEQS, max_seqs),
+            mode="paper",
+            priority="fcfs",
+        )
+        kw.update(overrides)
+        return cls(**kw)

@@ -1,0 +1,89 @@
+"""A minimal MemoryPolicy: a pool of fungible units of ``unit`` tokens, counted only.
+
+A sequence of length L holds ceil(L / unit) units, as the paged pool holds blocks, but
+without block tables. It lets the scheduler be tested and benchmarked apart from any
+real memory manager, and its cost is a floor for what the scheduler itself takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pagedjax.memory.policy import MemoryUsage
+
+
+class CountingState(NamedTuple):
+    """held: int32[max_seqs] units per slot. free: int32[] free units."""
+
+    held: jax.Array
+    free: jax.Array
+
+
+@dataclass(frozen=True)
+class CountingPolicy:
+    """capacity_tokens // unit units; admissions must leave int(watermark_frac * units)."""
+
+    max_seqs: int
+    capacity_tokens: int
+    unit: int = 16
+    watermark_frac: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_seqs", "capacity_tokens", "unit"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not 0.0 <= self.watermark_frac < 1.0:
+            raise ValueError(f"watermark_frac must be in [0, 1), got {self.watermark_frac}")
+
+    @property
+    def num_units(self) -> int:
+        return self.capacity_tokens // self.unit
+
+    @property
+    def watermark_units(self) -> int:
+        return int(self.watermark_frac * self.num_units)
+
+    def units_for(self, length: jax.Array) -> jax.Array:
+        return (jnp.asarray(length, jnp.int32) + self.unit - 1) // self.unit
+
+    def init_state(self) -> CountingState:
+        return CountingState(jnp.zeros((self.max_seqs,), jnp.int32), jnp.int32(self.num_units))
+
+    def grow(self, state, seq_ids, new_lens, final_lens, max_lens, mask, use_watermark):
+        del final_lens, max_lens
+        ids = jnp.clip(jnp.asarray(seq_ids, jnp.int32), 0, self.max_seqs - 1)
+        need = jnp.maximum(self.units_for(new_lens) - state.held[ids], 0)
+        reserve = jnp.where(use_watermark, self.watermark_units, 0)
+
+        # Served in array order, each all or nothing (the MemoryPolicy contract).
+        def step(free, x):
+            nd, rs, m = x
+            ok = ~m | (free - nd >= rs)
+            return free - jnp.where(m & ok, nd, 0), ok
+
+        free, ok = lax.scan(step, state.free, (need, reserve, jnp.asarray(mask, bool)))
+        take = jnp.where(mask & ok, need, 0)
+        held = state.held.at[ids].add(take)
+        return CountingState(held, free), ok
+
+    def release(self, state, seq_ids, mask):
+        ids = jnp.where(mask, jnp.asarray(seq_ids, jnp.int32), self.max_seqs)
+        back = jnp.sum(jnp.where(mask, state.held[jnp.clip(ids, 0, self.max_seqs - 1)], 0))
+        return CountingState(state.held.at[ids].set(0, mode="drop"), state.free + back)
+
+    def usage(self, state, lens, final_lens, live) -> MemoryUsage:
+        held = (state.held * self.unit).astype(jnp.float32)
+        lens = jnp.asarray(lens, jnp.float32)
+        final = jnp.maximum(jnp.asarray(final_lens, jnp.float32), lens)
+        f = jnp.asarray(live, jnp.float32)
+        tokens = jnp.sum(f * jnp.minimum(lens, held))
+        reserved = jnp.sum(f * jnp.clip(jnp.minimum(final, held) - lens, 0))
+        internal = jnp.sum(f * jnp.clip(held - final, 0))
+        cap = jnp.float32(self.capacity_tokens)
+        return MemoryUsage(tokens, reserved, internal, cap - tokens - reserved - internal, cap)

@@ -1,0 +1,61 @@
+"""Apply a computed step: advance lengths, finish sequences, free their memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pagedjax.scheduler.config import SchedulerConfig
+from pagedjax.scheduler.schedule import ScheduledBatch
+from pagedjax.scheduler.state import (
+    FINISHED,
+    REASON_LENGTH,
+    REASON_STOP,
+    RUNNING,
+    SchedulerState,
+    output_target,
+)
+
+
+def update(
+    policy: Any,
+    config: SchedulerConfig,
+    state: SchedulerState,
+    batch: ScheduledBatch,
+    finished_mask: jax.Array,
+) -> SchedulerState:
+    """After the model step (jittable with policy and config static).
+
+    finished_mask: bool[max_seqs] in batch-row order (row r is batch.seq_ids[r], like the
+        sampled ids): the engine saw EOS or a stop sequence in the row's sampled token.
+        Read only for emitting rows (a non-final prefill chunk samples nothing).
+
+    Each row's num_computed grows by its q_len; an emitting row gains one output token.
+    A sequence finishes when its output reaches ``output_target`` (REASON_LENGTH) or its
+    finished_mask is set (REASON_STOP); its memory is released at once.
+    """
+    n = config.max_seqs
+    finished_mask = jnp.asarray(finished_mask)
+    if finished_mask.shape != (n,):
+        raise ValueError(f"finished_mask must have shape ({n},), got {finished_mask.shape}")
+    row = batch.seq_ids >= 0
+    ids = jnp.where(row, batch.seq_ids, n)  # padding rows are dropped
+    emit = row & batch.emits
+    num_computed = state.num_computed.at[ids].add(batch.q_lens, mode="drop")
+    output_len = state.output_len.at[ids].add(emit.astype(jnp.int32), mode="drop")
+    emitted = jnp.zeros((n,), bool).at[ids].set(emit, mode="drop")
+    stop = jnp.zeros((n,), bool).at[ids].set(emit & finished_mask, mode="drop")
+    target = output_target(state, config.max_model_len)
+    done = emitted & (state.status == RUNNING) & (stop | (output_len >= target))
+    mem = policy.release(state.mem, jnp.arange(n, dtype=jnp.int32), done)
+    reason = jnp.where(stop, REASON_STOP, REASON_LENGTH)
+    return state._replace(
+        status=jnp.where(done, FINISHED, state.status),
+        finish_reason=jnp.where(done, reason, state.finish_reason),
+        num_computed=num_computed,
+        output_len=output_len,
+        mem=mem,
+        step=state.step + 1,
+    )

@@ -1,0 +1,244 @@
+"""Differential tests: the jitted scheduler agrees with the plain-Python reference.
+
+Random traces (arrivals, prompt / output lengths, stop tokens, pools small enough to
+force preemption) drive both schedulers in lock step; every batch, preemption,
+rejection and per-slot state must agree at every step, every request must finish
+within a bound, and all memory must come back.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedjax.memory.paged_policy import PagedPolicy
+from pagedjax.scheduler import (
+    FINISHED,
+    FREE,
+    REASON_CAPACITY,
+    REASON_LENGTH,
+    REASON_STOP,
+    REASON_TOO_LONG,
+    RUNNING,
+    SchedulerConfig,
+    add_requests,
+    init_state,
+    recycle,
+    schedule,
+    update,
+)
+from pagedjax.scheduler.counting_policy import CountingPolicy
+from pagedjax.scheduler.reference import PolicyOracle, ReferenceScheduler
+
+N = 8  # slots
+MAX_STEPS = 400
+
+_paged_small = PagedPolicy(
+    num_blocks=17, block_size=4, max_seqs=N, max_blocks_per_seq=12, watermark_frac=0.1
+)
+_paged_paper = PagedPolicy(
+    num_blocks=25, block_size=4, max_seqs=N, max_blocks_per_seq=12, watermark_frac=0.05
+)
+CASES = {
+    "default_fcfs": (
+        CountingPolicy(N, 64, unit=4),
+        SchedulerConfig(N, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=48),
+    ),
+    "default_srpt": (
+        CountingPolicy(N, 64, unit=4),
+        SchedulerConfig(N, 16, max_num_seqs=6, max_model_len=48, priority="shortest_remaining"),
+    ),
+    "paper_counting": (
+        CountingPolicy(N, 96, unit=4, watermark_frac=0.05),
+        SchedulerConfig(N, 40, max_num_seqs=6, max_model_len=48, mode="paper"),
+    ),
+    "static": (
+        CountingPolicy(N, 128, unit=4),
+        SchedulerConfig(
+            N, 96, max_num_seqs=6, max_model_len=48, mode="static", static_batch_size=3
+        ),
+    ),
+    "paged_default": (
+        _paged_small,
+        SchedulerConfig(N, 16, max_num_seqs=6, max_model_len=48),
+    ),
+    "paged_paper": (
+        _paged_paper,
+        SchedulerConfig(N, 40, max_num_seqs=6, max_model_len=48, mode="paper"),
+    ),
+}
+
+_schedule = jax.jit(schedule, static_argnums=(0, 1))
+_update = jax.jit(update, static_argnums=(0, 1))
+_add = jax.jit(add_requests)
+_recycle = jax.jit(recycle)
+
+
+def _free_units(policy, mem) -> tuple[int, int]:
+    """(free, total) in the policy's own units."""
+    if isinstance(policy, CountingPolicy):
+        return int(mem.free), policy.num_units
+    return int(mem.pool.num_free), policy.num_blocks - 1
+
+
+def _held_tokens(policy, mem) -> np.ndarray:
+    """int[N]: tokens each slot can hold now."""
+    if isinstance(policy, CountingPolicy):
+        return np.asarray(mem.held) * policy.unit
+    return -(-np.asarray(mem.tables.lengths) // policy.block_size) * policy.block_size
+
+
+def _fits_alone(policy, length: int) -> bool:
+    """Can a sequence of ``length`` KV tokens be admitted into an empty pool?"""
+    if isinstance(policy, CountingPolicy):
+        return -(-length // policy.unit) <= policy.num_units - policy.watermark_units
+    return (
+        -(-length // policy.block_size) <= policy.num_blocks - 1 - policy.watermark_blocks
+        and length <= policy.max_model_len
+    )
+
+
+requests = st.lists(
+    st.tuples(
+        st.integers(0, 12),  # arrival step
+        st.integers(1, 50),  # prompt length (some over the limits)
+        st.integers(1, 24),  # max_tokens
+        st.integers(0, 23),  # true output length - 1 (clipped to max_tokens)
+        st.one_of(st.none(), st.integers(0, 10)),  # output index that samples EOS
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+_EXAMPLES = max(12, settings.default.max_examples // 12)
+
+
+def run_trace(case: str, reqs: list[tuple]) -> None:
+    policy, cfg = CASES[case]
+    state = init_state(policy, N)
+    ref = ReferenceScheduler(cfg, PolicyOracle(policy))
+    order = sorted(range(len(reqs)), key=lambda k: (reqs[k][0], k))
+    pending = list(order)
+    slot_req: dict[int, int] = {}
+    finished_reqs: dict[int, int] = {}  # request -> reason
+    for t in range(MAX_STEPS):
+        # Intake: read and recycle finished slots, then fill free slots in arrival order.
+        done_slots = [s for s, r in ref.reqs.items() if r.status == FINISHED]
+        for s in done_slots:
+            finished_reqs[slot_req.pop(s)] = ref.reqs[s].finish_reason
+            ref.recycle(s)
+        mask = np.zeros(N, bool)
+        mask[done_slots] = True
+        state = _recycle(state, jnp.arange(N, dtype=jnp.int32), jnp.asarray(mask))
+        ids, pl, mt, fl, ar = (np.zeros(N, np.int32) for _ in range(5))
+        add = np.zeros(N, bool)
+        free = [s for s in range(N) if s not in ref.reqs]
+        while pending and free and reqs[pending[0]][0] <= t:
+            k = pending.pop(0)
+            s = free.pop(0)
+            _, p, m, o, _ = reqs[k]
+            out = min(o + 1, m)
+            ref.add(s, p, m, p + out, k)
+            slot_req[s] = k
+            ids[s], pl[s], mt[s], fl[s], ar[s], add[s] = s, p, m, p + out, k, True
+        state = _add(state, ids, pl, mt, fl, ar, add)
+        if not pending and not ref.reqs:
+            break
+
+        # Schedule: both must decide the same.
+        state, batch = _schedule(policy, cfg, state)
+        rb = ref.schedule()
+        b = jax.device_get(batch)
+        ns = int(b.num_seqs)
+        rows = [
+            (int(b.seq_ids[r]), int(b.q_lens[r]), int(b.start_pos[r]), bool(b.emits[r]))
+            for r in range(ns)
+        ]
+        assert rows == rb.rows, f"step {t}"
+        assert (b.seq_ids[ns:] == -1).all() and (b.q_lens[ns:] == 0).all()
+        assert not b.emits[ns:].any()
+        assert set(np.flatnonzero(b.preempted)) == rb.preempted, f"step {t}"
+        assert set(np.flatnonzero(b.rejected)) == rb.rejected, f"step {t}"
+        assert int(b.num_tokens) == sum(q for _, q, _, _ in rows) <= cfg.max_num_batched_tokens
+        # The step's KV writes have memory.
+        held = _held_tokens(policy, jax.device_get(state.mem))
+        for s, q, start, _ in rows:
+            assert held[s] >= start + q
+
+        # EOS when the sampled token's index is the request's eos index.
+        stopped = {s for s, _, _, e in rows if e and reqs[slot_req[s]][4] == ref.reqs[s].output_len}
+        fin_rows = np.array([r < ns and rows[r][0] in stopped for r in range(N)])
+        state = _update(policy, cfg, state, batch, jnp.asarray(fin_rows))
+        ref.update(rb, stopped)
+
+        # Per-slot state agrees.
+        st_ = jax.device_get(state)
+        assert int((st_.status == RUNNING).sum()) <= cfg.max_num_seqs
+        for s in range(N):
+            r = ref.reqs.get(s)
+            if r is None:
+                assert st_.status[s] == FREE
+                continue
+            got = (
+                st_.status[s],
+                st_.finish_reason[s],
+                st_.output_len[s],
+                st_.num_computed[s],
+                st_.num_preemptions[s],
+            )
+            want = (r.status, r.finish_reason, r.output_len, r.num_computed, r.num_preemptions)
+            assert tuple(int(x) for x in got) == want, f"step {t} slot {s}"
+    else:
+        pytest.fail(f"{case}: requests still live after {MAX_STEPS} steps (starvation)")
+
+    # Every request finished, for a reason it deserves; all memory is back.
+    assert sorted(finished_reqs) == list(range(len(reqs)))
+    free_now, total = _free_units(policy, jax.device_get(state.mem))
+    assert free_now == total
+    assert _free_units(policy, jax.device_get(ref.memory.state)) == (total, total)
+    for k, reason in finished_reqs.items():
+        _, p, m, o, eos = reqs[k]
+        target = max(1, min(m, o + 1, cfg.max_model_len - p))
+        if reason == REASON_TOO_LONG:
+            assert p > cfg.prompt_limit or not cfg.chunked_prefill
+        elif reason == REASON_CAPACITY:
+            assert not _fits_alone(policy, p + target - 1)
+        else:
+            assert p <= cfg.prompt_limit
+            assert reason in (REASON_LENGTH, REASON_STOP)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@settings(max_examples=_EXAMPLES)
+@given(reqs=requests)
+def test_jitted_matches_reference(case: str, reqs: list[tuple]) -> None:
+    run_trace(case, reqs)
+
+
+def test_preemption_happens_in_the_traces() -> None:
+    """The small pools really force preemption (so the differential test covers it)."""
+    reqs = [(0, 20, 24, 23, None) for _ in range(6)]
+    for case in ("default_fcfs", "paged_default", "paper_counting"):
+        policy, cfg = CASES[case]
+        state = init_state(policy, N)
+        ids = jnp.arange(6, dtype=jnp.int32)
+        state = _add(
+            state,
+            jnp.pad(ids, (0, N - 6)),
+            jnp.full(N, 20, jnp.int32),
+            jnp.full(N, 24, jnp.int32),
+            jnp.full(N, 44, jnp.int32),
+            jnp.arange(N, dtype=jnp.int32),
+            jnp.arange(N) < 6,
+        )
+        preempted = 0
+        for _ in range(60):
+            state, batch = _schedule(policy, cfg, state)
+            preempted += int(batch.preempted.sum())
+            state = _update(policy, cfg, state, batch, jnp.zeros(N, bool))
+        assert preempted > 0, case
+        run_trace(case, reqs)
