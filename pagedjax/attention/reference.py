@@ -5,7 +5,9 @@ Work decomposition. Tokens of the flattened batch are grouped into work items: a
 pages once and attends its tile against them. A sequence of q_len tokens makes
 ceil(q_len / qb) items, so there are at most S + ceil(T / qb) <= 2S items, and the total work is
 at most 2 * T * (max_blocks * block_size) query-key pairs, whatever the mix of prefill and
-decode. Items run through ``lax.map`` in vmapped batches sized to bound memory.
+decode. Items run as a ``lax.scan`` over vmapped batches (sized to bound memory); valid
+items come first, so a batch holding none is skipped with ``lax.cond`` and the bound's slack
+(up to half the items, e.g. in an all-decode or a single-prefill batch) costs little.
 """
 
 from __future__ import annotations
@@ -112,13 +114,14 @@ def ragged_paged_attention(
         pages = block_tables[seq]
         key_valid = kpos < kv_len  # [L]
 
-        def gather(pool):
-            x = pool[pages].transpose(1, 0, 2, 3).reshape(num_kv_heads, max_len, head_dim)
-            # Zero what lies past kv_len: masked probabilities are 0, but 0 * NaN is NaN.
-            return jnp.where(key_valid[None, :, None], x.astype(jnp.float32), 0.0)
-
-        k, v = gather(k_pages), gather(v_pages)
-        s = jnp.einsum("qhgd,hkd->hgqk", qi, k, precision=highest) * sm_scale
+        # Pages stay in pool layout [M, Hkv, B, D]; key index = page * B + offset.
+        k = k_pages[pages].astype(jnp.float32)
+        # Zero values past kv_len: masked probabilities are 0, but 0 * NaN is NaN. Keys need
+        # no zeroing: their scores are replaced by -inf below.
+        v_valid = key_valid.reshape(max_blocks, 1, block_size, 1)
+        v = jnp.where(v_valid, v_pages[pages].astype(jnp.float32), 0.0)
+        s = jnp.einsum("qhgd,mhbd->hgqmb", qi, k, precision=highest) * sm_scale
+        s = s.reshape(num_kv_heads, group, qb, max_len)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = key_valid[None, :] & (kpos[None, :] <= qpos[:, None]) & row_valid[:, None]
@@ -129,15 +132,32 @@ def ragged_paged_attention(
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         p = jnp.where(mask, jnp.exp(s - m), 0.0)
         denom = jnp.sum(p, axis=-1)  # [Hkv, G, qb]
-        o = jnp.einsum("hgqk,hkd->qhgd", p, v, precision=highest)
+        p = p.reshape(num_kv_heads, group, qb, max_blocks, block_size)
+        o = jnp.einsum("hgqmb,mhbd->qhgd", p, v, precision=highest)
         denom = denom.transpose(2, 0, 1)[..., None]
         o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
         out_rows = jnp.where(row_valid, rows, num_tokens)  # num_tokens: dropped below
         return o.reshape(qb, num_q_heads, head_dim), out_rows
 
     per_item_bytes = 4 * (2 * num_q_heads * qb * max_len + 2 * num_kv_heads * max_len * head_dim)
-    batch = max(1, min(num_items, _ITEM_BATCH_BYTES // max(per_item_bytes, 1)))
-    o, out_rows = lax.map(one_item, (item_seq, item_start, item_valid), batch_size=batch)
+    # At least ~8 batches, so that the all-invalid tail batches are actually skipped.
+    batch = max(1, min(-(-num_items // 8), _ITEM_BATCH_BYTES // max(per_item_bytes, 1)))
+    num_batches = -(-num_items // batch)
+    pad = num_batches * batch - num_items
+    xs = (
+        jnp.pad(item_seq, (0, pad)).reshape(num_batches, batch),
+        jnp.pad(item_start, (0, pad)).reshape(num_batches, batch),
+        jnp.pad(item_valid, (0, pad)).reshape(num_batches, batch),
+    )
+    skipped = (
+        jnp.zeros((batch, qb, num_q_heads, head_dim), jnp.float32),
+        jnp.full((batch, qb), num_tokens, jnp.int32),
+    )
+
+    def one_batch(carry, x):
+        return carry, lax.cond(x[2].any(), jax.vmap(one_item), lambda _: skipped, x)
+
+    _, (o, out_rows) = lax.scan(one_batch, None, xs)
     out = jnp.zeros((num_tokens, num_q_heads, head_dim), q.dtype)
     return out.at[out_rows.reshape(-1)].set(
         o.reshape(-1, num_q_heads, head_dim).astype(q.dtype), mode="drop"
