@@ -178,9 +178,13 @@ def test_random_params_run_and_arch_json_round_trip():
     assert ModelArch.from_json(arch.to_json()) == arch
     params = random_params(arch, seed=0, dtype=jnp.float32)
     runner = PagedRunner(arch, params, block_size=4, max_tokens=8, max_seqs=2, max_len=16)
+    before = runner.kv[0][0]
     out = runner.step([(0, [5, 6, 7]), (1, [9])])
     assert out[0].shape == (1, arch.vocab_size) and np.isfinite(out[0]).all()
     assert np.abs(out[0] - out[1]).max() > 0
+    assert before.is_deleted(), "the KV cache must be donated to the jitted step"
+    runner.step([(0, [8]), (1, [10, 11, 12])])  # other lengths, same padded shapes
+    assert runner.forward._cache_size() == 1, "a step with new lengths recompiled"
 
 
 def test_kv_cache_allocation():
