@@ -56,7 +56,7 @@ class SchedulerConfig:
                 f"max_num_seqs ({self.max_num_seqs}) must be <= max_seqs ({self.max_seqs}):"
                 " every running sequence needs a slot"
             )
-        if self.static_batch_size > self.max_seqs:
+        if self.mode == "static" and self.static_batch_size > self.max_seqs:
             raise ValueError(
                 f"static_batch_size ({self.static_batch_size}) must be <= max_seqs"
                 f" ({self.max_seqs})"

@@ -3,7 +3,9 @@
 The jitted ``schedule`` / ``update`` must agree with this decision by decision; the
 differential tests step both on the same random traces. Memory is an oracle object with
 ``grow(slot, new_len, final_len, max_len, use_watermark) -> bool`` and ``release(slot)``;
-``PolicyOracle`` adapts any MemoryPolicy by calling it on one sequence at a time.
+``PolicyOracle`` adapts any MemoryPolicy by calling it on one sequence at a time;
+``UnitPoolModel`` restates a fungible-unit pool (the paged pool's block counts, or
+``CountingPolicy``) in a few lines of Python, independent of the array code.
 """
 
 from __future__ import annotations
@@ -48,6 +50,47 @@ class PolicyOracle:
 
     def release(self, slot: int) -> None:
         self.state = self._release(self.state, jnp.asarray([slot], jnp.int32), jnp.asarray([True]))
+
+
+class UnitPoolModel:
+    """A pool of ``num_units`` units of ``unit`` tokens; a length L holds ceil(L / unit).
+
+    Admissions (watermark) must leave ``watermark_units`` free; ``max_units`` (optional)
+    caps one sequence (the paged pool's block-table row).
+    """
+
+    def __init__(
+        self, unit: int, num_units: int, watermark_units: int = 0, max_units: int | None = None
+    ) -> None:
+        self.unit, self.free, self.total = unit, num_units, num_units
+        self.watermark_units, self.max_units = watermark_units, max_units
+        self.held: dict[int, int] = {}  # slot -> units
+
+    @classmethod
+    def of(cls, policy: Any) -> UnitPoolModel:
+        """The model of a CountingPolicy or a PagedPolicy (no sharing, no prefix cache)."""
+        if hasattr(policy, "block_size"):
+            return cls(
+                policy.block_size,
+                policy.num_blocks - 1,
+                policy.watermark_blocks,
+                policy.max_blocks_per_seq,
+            )
+        return cls(policy.unit, policy.num_units, policy.watermark_units)
+
+    def grow(self, slot: int, new_len: int, final_len: int, max_len: int, wm: bool) -> bool:
+        units = -(-new_len // self.unit)
+        need = max(units - self.held.get(slot, 0), 0)
+        if self.max_units is not None and units > self.max_units:
+            return False
+        if self.free - need < (self.watermark_units if wm else 0):
+            return False
+        self.free -= need
+        self.held[slot] = self.held.get(slot, 0) + need
+        return True
+
+    def release(self, slot: int) -> None:
+        self.free += self.held.pop(slot, 0)
 
 
 @dataclass
