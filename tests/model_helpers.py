@@ -24,7 +24,8 @@ _LLAMA = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_
 TINY_HF_CONFIGS: dict[str, tuple[str, dict]] = {
     # family: (HF config class name, kwargs)
     "llama": ("LlamaConfig", _LLAMA),
-    "llama3": ("LlamaConfig", dict(_LLAMA, num_key_value_heads=1, tie_word_embeddings=True,
+    "llama3": ("LlamaConfig", dict(_LLAMA, num_attention_heads=8, num_key_value_heads=2,
+                                   tie_word_embeddings=True,
                                    rope_theta=500000.0,
                                    rope_scaling=dict(rope_type="llama3", factor=8.0,
                                                      low_freq_factor=1.0, high_freq_factor=4.0,

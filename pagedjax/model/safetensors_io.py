@@ -22,8 +22,8 @@ _DTYPES = {
 }  # fmt: skip
 
 
-def read_header(path: Path) -> dict[str, dict]:
-    """{tensor name: {"dtype", "shape", "data_offsets"}} of one .safetensors file."""
+def read_header(path: Path) -> tuple[dict[str, dict], int]:
+    """({tensor name: {"dtype", "shape", "data_offsets"}}, byte offset of the data)."""
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -34,14 +34,13 @@ def read_header(path: Path) -> dict[str, dict]:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not a safetensors file: {e}") from None
     header.pop("__metadata__", None)
-    return header
+    return header, 8 + size
 
 
 def load_tensors(path: Path) -> dict[str, np.ndarray]:
     """All tensors of one file as read-only numpy views of a memmap (no copy until used)."""
-    header = read_header(path)
-    (size,) = struct.unpack("<Q", open(path, "rb").read(8))
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + size)
+    header, data_start = read_header(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
     out = {}
     for name, info in header.items():
         if info["dtype"] not in _DTYPES:
