@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -16,6 +17,8 @@ from pagedjax.model import (
     abstract_params,
     allocate_kv_cache,
     arch_from_hf_config,
+    dummy_input,
+    forward,
     load_hf_checkpoint,
     preset_arch,
     random_params,
@@ -194,6 +197,13 @@ def test_kv_cache_allocation():
     assert all(k.shape == (6, 2, 16, 16) and v.dtype == jnp.bfloat16 for k, v in cache)
     with pytest.raises(ValueError, match="num_blocks"):
         allocate_kv_cache(arch, num_blocks=1, block_size=16)
+    params = abstract_params(arch)
+    batch = dummy_input(4, 2, 3)
+    with pytest.raises(ValueError, match="kv_cache has 1 layers, model has 2"):
+        jax.eval_shape(functools.partial(forward, arch=arch), params, cache[:1], batch)
+    other = allocate_kv_cache(preset_arch("llama-2-7b"), num_blocks=2, block_size=1)[:2]
+    with pytest.raises(ValueError, match="kv_cache pages must be"):
+        jax.eval_shape(functools.partial(forward, arch=arch), params, other, batch)
 
 
 def test_tokenizers(tmp_path, llama_dir):

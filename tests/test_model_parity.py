@@ -162,3 +162,12 @@ def test_greedy_matches_transformers_generate(family, checkpoints):
         assert ours[s][:n] == ref[:n], f"seq {s}: greedy tokens diverge (compared {n} steps)"
     print(f"{family}: {ties}/{len(prompts)} sequences stopped early at a near-tie")
     assert ties < len(prompts), "every sequence hit a near-tie: the test compared too little"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("family", list(BLOCK_SIZES))
+def test_logits_match_transformers_all_block_sizes(family, block_size, checkpoints, monkeypatch):
+    """The full family x block-size cross product (the fast suite spreads block sizes)."""
+    monkeypatch.setitem(BLOCK_SIZES, family, block_size)
+    assert logits_max_diff(family, checkpoints) <= FP32_ATOL
