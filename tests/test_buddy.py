@@ -132,10 +132,10 @@ class EagerBuddyMachine(BuddyMachine):
 
 
 TestBuddyJit = BuddyMachine.TestCase
-TestBuddyJit.settings = settings(settings.default, stateful_step_count=30)
+TestBuddyJit.settings = settings(settings.default, stateful_step_count=15)
 TestBuddyEager = EagerBuddyMachine.TestCase
 # Eager calls dispatch op by op (~20 ms each on shared CPUs): shorter runs, same count.
-TestBuddyEager.settings = settings(settings.default, stateful_step_count=5)
+TestBuddyEager.settings = settings(settings.default, stateful_step_count=3)
 
 
 def test_opt13b_orca_max_fits_seven():
