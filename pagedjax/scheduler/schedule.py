@@ -200,7 +200,12 @@ def schedule(
         state.final_len[order_w],
         caps_all[order_w],
     )
-    mem_a, ok_a = policy.grow(mem, *grow_w, cand, cand)
+    # Policies' batched calls cost O(B) even when nothing is masked: skip idle ones.
+    mem_a, ok_a = lax.cond(
+        jnp.any(cand),
+        lambda: policy.grow(mem, *grow_w, cand, cand),
+        lambda: (mem, jnp.ones((n,), bool)),
+    )
     f = _first_false(ok_a, cand)
     adm = cand & (pos < f)
     mem = lax.cond(f >= n, lambda: mem_a, lambda: policy.grow(mem, *grow_w, adm, adm)[0])

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pagedjax.scheduler.config import SchedulerConfig
 from pagedjax.scheduler.schedule import ScheduledBatch
@@ -49,7 +50,12 @@ def update(
     stop = jnp.zeros((n,), bool).at[ids].set(emit & finished_mask, mode="drop")
     target = output_target(state, config.max_model_len)
     done = emitted & (state.status == RUNNING) & (stop | (output_len >= target))
-    mem = policy.release(state.mem, jnp.arange(n, dtype=jnp.int32), done)
+    # Most steps finish nobody; a policy's batched release costs O(max_seqs) regardless.
+    mem = lax.cond(
+        jnp.any(done),
+        lambda: policy.release(state.mem, jnp.arange(n, dtype=jnp.int32), done),
+        lambda: state.mem,
+    )
     reason = jnp.where(stop, REASON_STOP, REASON_LENGTH)
     return state._replace(
         status=jnp.where(done, FINISHED, state.status),
