@@ -32,7 +32,10 @@ TINY_HF_CONFIGS: dict[str, tuple[str, dict]] = {
                                                      original_max_position_embeddings=16))),
     "mistral": ("MistralConfig", dict(_LLAMA, num_key_value_heads=2, sliding_window=7,
                                       head_dim=24)),
-    "qwen2": ("Qwen2Config", dict(_LLAMA, num_key_value_heads=2, rope_theta=1000000.0)),
+    # Per-layer windows (layer_types): layer 0 full, layer 1 sliding over 6 tokens.
+    "qwen2": ("Qwen2Config", dict(_LLAMA, num_key_value_heads=2, rope_theta=1000000.0,
+                                  use_sliding_window=True, sliding_window=6,
+                                  max_window_layers=1)),
     "opt": ("OPTConfig", dict(vocab_size=384, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                               num_attention_heads=4, max_position_embeddings=256,
                               word_embed_proj_dim=64, do_layer_norm_before=True,
