@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedjax.memory.paged_policy import PagedPolicy
+from pagedjax.memory.reservation import ReservationPolicy
 from pagedjax.scheduler import (
     FINISHED,
     FREE,
@@ -70,7 +71,19 @@ CASES = {
         _paged_paper,
         SchedulerConfig(N, 40, max_num_seqs=6, max_model_len=48, mode="paper"),
     ),
+    # Orca baselines (buddy-allocated reservations): checked through PolicyOracle only.
+    "orca_pow2_default": (
+        ReservationPolicy("pow2", N, 128, 48, watermark_frac=0.05),
+        SchedulerConfig(N, 16, max_num_seqs=6, max_model_len=48),
+    ),
+    "orca_max_static": (
+        ReservationPolicy("max", N, 160, 48),
+        SchedulerConfig(
+            N, 96, max_num_seqs=6, max_model_len=48, mode="static", static_batch_size=3
+        ),
+    ),
 }
+ORACLE_ONLY = ("orca_pow2_default", "orca_max_static")
 
 _schedule = jax.jit(schedule, static_argnums=(0, 1))
 _update = jax.jit(update, static_argnums=(0, 1))
@@ -82,6 +95,8 @@ def _free_units(policy, mem) -> tuple[int, int]:
     """(free, total) in the policy's own units."""
     if isinstance(policy, CountingPolicy):
         return int(mem.free), policy.num_units
+    if isinstance(policy, ReservationPolicy):  # sequences holding a reservation
+        return N - int(np.sum(mem.held)), N
     return int(mem.pool.num_free), policy.num_blocks - 1
 
 
@@ -89,6 +104,8 @@ def _held_tokens(policy, mem) -> np.ndarray:
     """int[N]: tokens each slot can hold now."""
     if isinstance(policy, CountingPolicy):
         return np.asarray(mem.held) * policy.unit
+    if isinstance(policy, ReservationPolicy):
+        return np.asarray(mem.reserved_len)
     return -(-np.asarray(mem.tables.lengths) // policy.block_size) * policy.block_size
 
 
@@ -96,6 +113,8 @@ def _fits_alone(policy, length: int) -> bool:
     """Can a sequence of ``length`` KV tokens be admitted into an empty pool?"""
     if isinstance(policy, CountingPolicy):
         return -(-length // policy.unit) <= policy.num_units - policy.watermark_units
+    if isinstance(policy, ReservationPolicy):
+        return True  # a buddy allocator's limits are its own tests' business
     return (
         -(-length // policy.block_size) <= policy.num_blocks - 1 - policy.watermark_blocks
         and length <= policy.max_model_len
@@ -219,14 +238,14 @@ def run_trace(case: str, reqs: list[tuple], oracle: bool = False) -> None:
             assert reason in (REASON_LENGTH, REASON_STOP)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(set(CASES) - set(ORACLE_ONLY)))
 @settings(max_examples=_EXAMPLES)
 @given(reqs=requests)
 def test_jitted_matches_reference(case: str, reqs: list[tuple]) -> None:
     run_trace(case, reqs)
 
 
-@pytest.mark.parametrize("case", ["paged_default", "paged_paper"])
+@pytest.mark.parametrize("case", ["paged_default", "paged_paper", *ORACLE_ONLY])
 @settings(max_examples=max(3, _EXAMPLES // 4))
 @given(reqs=requests)
 def test_jitted_matches_reference_calling_the_policy(case: str, reqs: list[tuple]) -> None:
