@@ -133,8 +133,8 @@ requests = st.lists(
     max_size=12,
 )
 
-# Scaled to the profile: 10 per case in CI, hundreds under the long profile.
-_EXAMPLES = max(8, settings.default.max_examples // 20)
+# Scaled to the profile: 8 per case in CI, 200 under the long profile.
+_EXAMPLES = max(6, settings.default.max_examples // 25)
 
 
 def run_trace(case: str, reqs: list[tuple], oracle: bool = False) -> None:
