@@ -184,3 +184,14 @@ def test_init_rejects_bad_input(kwargs):
 def test_alloc_rejects_nonpositive_python_size():
     with pytest.raises(ValueError, match="size"):
         buddy_alloc(buddy_init(8), 0)
+
+
+def test_vmap_over_pools_matches_single_calls():
+    base = buddy_init(100)
+    used, _, _ = alloc_jit(base, 4)
+    stacked = jax.tree.map(lambda a, b: np.stack([a, b]), used, base)
+    states, offsets, oks = jax.vmap(buddy_alloc)(stacked, np.array([4, 40]))
+    for i, (state, size) in enumerate([(used, 4), (base, 40)]):
+        one, offset, ok = alloc_jit(state, size)
+        assert int(offsets[i]) == int(offset) and bool(oks[i]) == bool(ok)
+        np.testing.assert_array_equal(np.asarray(states.avail[i]), np.asarray(one.avail))
