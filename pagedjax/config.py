@@ -12,7 +12,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import yaml
 
@@ -124,7 +124,9 @@ class SchedulerConfig:
             f"must be >= 1, got {self.max_num_batched_tokens}",
         )
         _check(
-            self.max_num_seqs >= 1, "scheduler.max_num_seqs", f"must be >= 1, got {self.max_num_seqs}"
+            self.max_num_seqs >= 1,
+            "scheduler.max_num_seqs",
+            f"must be >= 1, got {self.max_num_seqs}",
         )
         _check(
             0.0 <= self.watermark < 1.0,
@@ -162,9 +164,6 @@ class EngineConfig:
     @classmethod
     def from_yaml(cls, path: str | Path) -> EngineConfig:
         return load_yaml(cls, path)
-
-
-T = TypeVar("T")
 
 
 def _convert(tp: Any, value: Any, key: str) -> Any:
@@ -222,7 +221,7 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     return value
 
 
-def load_dataclass(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
+def load_dataclass[T](cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
     """Build ``cls`` from a mapping, rejecting unknown keys and ill-typed values."""
     data = {} if data is None else data
     if not isinstance(data, dict):
@@ -232,7 +231,8 @@ def load_dataclass(cls: type[T], data: dict[str, Any] | None, prefix: str = "") 
     unknown = sorted(set(data) - fields)
     if unknown:
         raise ConfigError(
-            f"unknown key {prefix}{unknown[0]}" + (f" (and {unknown[1:]})" if unknown[1:] else "")
+            f"unknown key {prefix}{unknown[0]}"
+            + (f" (and {unknown[1:]})" if unknown[1:] else "")
             + f"; valid keys: {sorted(fields)}"
         )
     kwargs = {k: _convert(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
@@ -264,7 +264,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def load_yaml(cls: type[T], path: str | Path, overrides: list[str] | None = None) -> T:
+def load_yaml[T](cls: type[T], path: str | Path, overrides: list[str] | None = None) -> T:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")

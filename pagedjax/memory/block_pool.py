@@ -13,8 +13,9 @@ block's contents (and its prefix-cache hash) alive as long as possible, and
 Every function is pure (``pool -> pool'``), jittable, costs time proportional to the
 blocks it touches (not to the pool), and returns ``ok``: a refused call (not enough
 free blocks, an invalid id, a double free) leaves the pool unchanged. Refusals are
-decided before any write, and the write happens under ``lax.cond``, so a donated pool
-is updated in place and never copied.
+decided before any write, and a refused call's writes are disabled (zero loop trips, or
+out-of-range scatter indices that are dropped) rather than branched around with
+``lax.cond``, which made XLA copy the whole pool; so a donated pool is updated in place.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ class BlockPool(NamedTuple):
     """Pool state.
 
     refcount: int32[num_blocks]; 0 for free blocks and for the null block.
-    next_free, prev_free: int32[num_blocks + 1]; free-list links; index num_blocks is
-        the sentinel (next_free[sentinel] is the head, prev_free[sentinel] the tail).
-        Links of blocks not in the list are meaningless.
+    next_free, prev_free: int32[num_blocks + 2]; free-list links; index num_blocks is
+        the sentinel (next_free[sentinel] is the head, prev_free[sentinel] the tail) and
+        index num_blocks + 1 a trash slot for disabled writes. Links of blocks not in
+        the list are meaningless.
     num_free: int32[]; length of the free list.
     """
 
@@ -54,10 +56,12 @@ class BlockPool(NamedTuple):
 def create_block_pool(num_blocks: int) -> BlockPool:
     """A pool with every block but the null block free, in id order (1 first)."""
     if not isinstance(num_blocks, int) or num_blocks < 2:
-        raise ValueError(f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}")
+        raise ValueError(
+            f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}"
+        )
     n = num_blocks
     sentinel = n
-    ids = jnp.arange(n + 1, dtype=jnp.int32)
+    ids = jnp.arange(n + 2, dtype=jnp.int32)
     # List order: sentinel -> 1 -> 2 -> ... -> n-1 -> sentinel. Block 0 is not linked.
     next_free = jnp.where(ids == sentinel, 1, ids + 1)
     next_free = next_free.at[n - 1].set(sentinel)
@@ -73,34 +77,56 @@ def create_block_pool(num_blocks: int) -> BlockPool:
     )
 
 
-def _unlink(pool: BlockPool, block: jax.Array) -> BlockPool:
-    p = pool.prev_free[block]
-    n = pool.next_free[block]
+def _get(x: jax.Array, i: jax.Array) -> jax.Array:
+    """x[i] for a scalar index, as a dynamic slice."""
+    return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
+def _set(x: jax.Array, i: jax.Array, v: jax.Array) -> jax.Array:
+    """x[i] = v as a one-element dynamic update slice, which XLA performs in place."""
+    return jax.lax.dynamic_update_index_in_dim(x, jnp.asarray(v, x.dtype), i, 0)
+
+
+# In-place updates and XLA: a write that is "disabled" by reading the old value back
+# (or a scatter, or a lax.cond around the pool) made XLA copy the whole link arrays on
+# every call. So disabled link writes go to a trash slot (index num_blocks + 1), and each
+# value read from an array is materialised with optimization_barrier before that array
+# is written, so XLA cannot fuse the read past the in-place update.
+
+
+def _unlink(pool: BlockPool, block: jax.Array, do: jax.Array | bool = True) -> BlockPool:
+    """Remove ``block`` from the free list if ``do``; otherwise change nothing."""
+    p, n = jax.lax.optimization_barrier((_get(pool.prev_free, block), _get(pool.next_free, block)))
+    trash = pool.sentinel + 1
     return pool._replace(
-        next_free=pool.next_free.at[p].set(n),
-        prev_free=pool.prev_free.at[n].set(p),
-        num_free=pool.num_free - 1,
+        next_free=_set(pool.next_free, jnp.where(do, p, trash), n),
+        prev_free=_set(pool.prev_free, jnp.where(do, n, trash), p),
+        num_free=pool.num_free - jnp.asarray(do, jnp.int32),
     )
 
 
-def _push_back(pool: BlockPool, block: jax.Array) -> BlockPool:
-    s = pool.sentinel
-    tail = pool.prev_free[s]
+def _push_back(pool: BlockPool, block: jax.Array, do: jax.Array | bool = True) -> BlockPool:
+    """Append ``block`` at the tail of the free list if ``do``."""
+    s = jnp.asarray(pool.sentinel, jnp.int32)
+    trash = pool.sentinel + 1
+    tail = jax.lax.optimization_barrier(_get(pool.prev_free, s))
+    nxt = _set(pool.next_free, jnp.where(do, tail, trash), block)
+    nxt = _set(nxt, jnp.where(do, block, trash), s)
+    prv = _set(pool.prev_free, jnp.where(do, block, trash), tail)
+    prv = _set(prv, jnp.where(do, s, trash), block)
     return pool._replace(
-        next_free=pool.next_free.at[tail].set(block).at[block].set(s),
-        prev_free=pool.prev_free.at[block].set(tail).at[s].set(block),
-        num_free=pool.num_free + 1,
+        next_free=nxt, prev_free=prv, num_free=pool.num_free + jnp.asarray(do, jnp.int32)
     )
 
 
 def free_list(pool: BlockPool) -> list[int]:
     """The free list head to tail, as Python ints (host-side; for tests and debugging)."""
-    nxt = jax.device_get(pool.next_free)
+    nxt = jax.device_get(pool.next_free).tolist()
     s = pool.sentinel
     out, b = [], int(nxt[s])
     while b != s:
         out.append(b)
-        b = int(nxt[b])
+        b = nxt[b]
         if len(out) > pool.num_blocks:
             raise RuntimeError("free list is cyclic")
     return out
@@ -122,20 +148,17 @@ def allocate(
     n = jnp.asarray(n, jnp.int32)
     ok = (n >= 0) & (n <= max_n) & (pool.num_free - n >= min_free_after)
 
-    def take(pool: BlockPool) -> tuple[BlockPool, jax.Array]:
-        def body(i, carry):
-            pool, blocks = carry
-            b = pool.next_free[pool.sentinel]
-            pool = _unlink(pool, b)
-            pool = pool._replace(refcount=pool.refcount.at[b].set(1))
-            return pool, blocks.at[i].set(b)
+    def body(i, carry):
+        pool, blocks = carry
+        b = _get(pool.next_free, jnp.asarray(pool.sentinel, jnp.int32))
+        b = jax.lax.optimization_barrier(b)  # see _unlink
+        pool = _unlink(pool, b)
+        pool = pool._replace(refcount=_set(pool.refcount, b, 1))
+        return pool, _set(blocks, i, b)
 
-        return jax.lax.fori_loop(0, n, body, (pool, jnp.zeros((max_n,), jnp.int32)))
-
-    def refuse(pool: BlockPool) -> tuple[BlockPool, jax.Array]:
-        return pool, jnp.zeros((max_n,), jnp.int32)
-
-    pool, blocks = jax.lax.cond(ok, take, refuse, pool)
+    # A refused call runs zero iterations, so the pool is untouched.
+    count = jnp.where(ok, n, 0)
+    pool, blocks = jax.lax.fori_loop(0, count, body, (pool, jnp.zeros((max_n,), jnp.int32)))
     return pool, blocks, ok
 
 
@@ -159,20 +182,15 @@ def free(pool: BlockPool, blocks: jax.Array) -> tuple[BlockPool, jax.Array]:
     enough = _occurrences(blocks) <= pool.refcount[safe]
     ok = jnp.all(~real | (in_range & enough))
 
-    def release(pool: BlockPool) -> BlockPool:
-        def body(i, pool):
-            b = blocks[i]
+    def body(i, pool):
+        b = _get(blocks, i)
+        real_b = b != NULL_BLOCK
+        rc = jax.lax.optimization_barrier(_get(pool.refcount, b) - real_b.astype(jnp.int32))
+        pool = pool._replace(refcount=_set(pool.refcount, b, rc))
+        return _push_back(pool, b, real_b & (rc == 0))
 
-            def dec(pool):
-                rc = pool.refcount[b] - 1
-                pool = pool._replace(refcount=pool.refcount.at[b].set(rc))
-                return jax.lax.cond(rc == 0, lambda p: _push_back(p, b), lambda p: p, pool)
-
-            return jax.lax.cond(b != NULL_BLOCK, dec, lambda p: p, pool)
-
-        return jax.lax.fori_loop(0, blocks.shape[0], body, pool)
-
-    pool = jax.lax.cond(ok, release, lambda p: p, pool)
+    # A refused call runs zero iterations, so the pool is untouched.
+    pool = jax.lax.fori_loop(0, jnp.where(ok, blocks.shape[0], 0), body, pool)
     return pool, ok
 
 
@@ -186,13 +204,20 @@ def incref(pool: BlockPool, blocks: jax.Array) -> tuple[BlockPool, jax.Array]:
     in_range = (blocks >= 0) & (blocks < pool.num_blocks)
     safe = jnp.where(in_range, blocks, 0)
     ok = jnp.all(~real | (in_range & (pool.refcount[safe] > 0)))
-    # Null and refused entries scatter out of range, so they are dropped.
-    idx = jnp.where(real & ok, blocks, pool.num_blocks)
-    refcount = pool.refcount.at[idx].add(1, mode="drop")
+
+    def body(i, refcount):
+        b = _get(blocks, i)
+        rc = jax.lax.optimization_barrier(_get(refcount, b) + (b != NULL_BLOCK).astype(jnp.int32))
+        return _set(refcount, b, rc)
+
+    # A refused call runs zero iterations, so the pool is untouched.
+    refcount = jax.lax.fori_loop(0, jnp.where(ok, blocks.shape[0], 0), body, pool.refcount)
     return pool._replace(refcount=refcount), ok
 
 
-def copy_on_write(pool: BlockPool, block: jax.Array) -> tuple[BlockPool, jax.Array, jax.Array, jax.Array]:
+def copy_on_write(
+    pool: BlockPool, block: jax.Array
+) -> tuple[BlockPool, jax.Array, jax.Array, jax.Array]:
     """Make ``block`` private before a write.
 
     If its refcount is 1 nothing changes and no copy is needed. If it is shared, a fresh
@@ -208,13 +233,12 @@ def copy_on_write(pool: BlockPool, block: jax.Array) -> tuple[BlockPool, jax.Arr
     shared = in_range & (rc > 1)
     ok = in_range & (rc > 0) & (~shared | (pool.num_free > 0))
 
-    def cow(pool: BlockPool) -> tuple[BlockPool, jax.Array]:
-        pool, new, _ = allocate(pool, 1, 1)
-        pool = pool._replace(refcount=pool.refcount.at[block].add(-1))
-        return pool, new[0]
-
-    pool, target = jax.lax.cond(ok & shared, cow, lambda p: (p, block), pool)
-    return pool, target, ok & shared, ok
+    do = ok & shared
+    pool, new, _ = allocate(pool, do.astype(jnp.int32), 1)
+    rc = jax.lax.optimization_barrier(_get(pool.refcount, block) - do.astype(jnp.int32))
+    pool = pool._replace(refcount=_set(pool.refcount, block, rc))
+    target = jnp.where(do, new[0], block)
+    return pool, target, do, ok
 
 
 def unlink_free(pool: BlockPool, block: jax.Array) -> tuple[BlockPool, jax.Array]:
@@ -227,11 +251,9 @@ def unlink_free(pool: BlockPool, block: jax.Array) -> tuple[BlockPool, jax.Array
     in_range = (block > NULL_BLOCK) & (block < pool.num_blocks)
     ok = in_range & (pool.refcount[jnp.where(in_range, block, 0)] == 0)
 
-    def revive(pool: BlockPool) -> BlockPool:
-        pool = _unlink(pool, block)
-        return pool._replace(refcount=pool.refcount.at[block].set(1))
-
-    return jax.lax.cond(ok, revive, lambda p: p, pool), ok
+    rc = jax.lax.optimization_barrier(jnp.where(ok, 1, _get(pool.refcount, block)))
+    pool = _unlink(pool, block, ok)
+    return pool._replace(refcount=_set(pool.refcount, block, rc)), ok
 
 
 def num_used(pool: BlockPool) -> jax.Array:

@@ -139,9 +139,7 @@ def append_tokens(
 
     pool, bt, cow = jax.lax.cond(ok, do, refuse, (pool, bt))
     tok = jnp.arange(max_new_tokens, dtype=jnp.int32)
-    slots = slot_mapping(
-        bt.tables, jnp.full_like(tok, s), length + tok, ok & (tok < n), block_size
-    )
+    slots = slot_mapping(bt.tables, jnp.full_like(tok, s), length + tok, ok & (tok < n), block_size)
     return pool, bt, slots, cow, ok
 
 

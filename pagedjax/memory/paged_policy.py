@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 
 from pagedjax.memory import block_table as btm
@@ -74,8 +73,14 @@ class PagedPolicy:
         ns = jnp.maximum(jnp.asarray(new_lens, jnp.int32) - state.tables.lengths[safe], 0)
         reserve = jnp.where(use_watermark, self.watermark_blocks, 0)
         pool, tables, cow, ok = btm.append_tokens_batched(
-            state.pool, state.tables, seq_ids, ns, mask, self.block_size,
-            self.max_model_len, reserve,
+            state.pool,
+            state.tables,
+            seq_ids,
+            ns,
+            mask,
+            self.block_size,
+            self.max_model_len,
+            reserve,
         )
         return PagedState(pool, tables, cow), ok
 
@@ -84,8 +89,9 @@ class PagedPolicy:
         return state._replace(pool=pool, tables=tables)
 
     def usage(self, state, lens, final_lens, live) -> MemoryUsage:
-        return paged_usage(state.tables.lengths, lens, final_lens, live, self.block_size,
-                           self.capacity_tokens)
+        return paged_usage(
+            state.tables.lengths, lens, final_lens, live, self.block_size, self.capacity_tokens
+        )
 
 
 def paged_usage(held_lens, lens, final_lens, live, block_size: int, capacity: int) -> MemoryUsage:
@@ -105,4 +111,3 @@ def paged_usage(held_lens, lens, final_lens, live, block_size: int, capacity: in
     internal = jnp.sum(f * jnp.clip(held - final, 0))
     cap = jnp.asarray(capacity, jnp.float32)
     return MemoryUsage(tokens, reserved, internal, cap - tokens - reserved - internal, cap)
-

@@ -1,0 +1,1 @@
+"""Memory management: the paged block pool, block tables and reservation baselines."""
