@@ -1,0 +1,77 @@
+"""How many KV blocks the pool gets.
+
+GPU (``device.memory_stats()`` reports a ``bytes_limit``): as vLLM, run one profiling
+forward at the largest bucket, read the peak bytes in use, and give the pool
+``bytes_limit * gpu_memory_utilization - peak``. XLA preallocates 75% of GPU memory by
+default, and then ``bytes_limit`` is that preallocated arena, not the card: set
+``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (or ``XLA_PYTHON_CLIENT_MEM_FRACTION``) so the
+limit means what gpu_memory_utilization assumes.
+
+CPU (no memory stats): ``num_gpu_blocks_override``, else ``kv_cache_memory_bytes``, else
+``CPU_DEFAULT_KV_BYTES``. Every path is capped at the blocks that max_num_seqs sequences
+of max_model_len tokens could ever hold (more would never be used), plus the null block.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 256 << 20  # 256 MiB: a CPU run is a smoke test, not a server
+
+
+def block_bytes(kv_bytes_per_token: int, block_size: int) -> int:
+    return kv_bytes_per_token * block_size
+
+
+def num_kv_blocks(
+    *,
+    kv_bytes_per_token: int,
+    block_size: int,
+    max_blocks_needed: int,
+    num_gpu_blocks_override: int | None,
+    kv_cache_memory_bytes: int | None,
+    gpu_memory_utilization: float,
+    device: Any,
+    profile: Callable[[], None] | None = None,
+) -> int:
+    """Blocks in the pool, counting the null block (so usable = result - 1).
+
+    profile: runs the largest forward once (GPU path only), so its peak is measured.
+    Raises ValueError when the memory left cannot hold one block.
+    """
+    per_block = block_bytes(kv_bytes_per_token, block_size)
+    cap = max_blocks_needed + 1
+    if num_gpu_blocks_override is not None:
+        n, why = num_gpu_blocks_override, "num_gpu_blocks_override"
+    elif kv_cache_memory_bytes is not None:
+        n = min(kv_cache_memory_bytes // per_block, cap)
+        why = f"kv_cache_memory_bytes={kv_cache_memory_bytes}"
+    else:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if stats and "bytes_limit" in stats:
+            if profile is not None:
+                profile()
+                stats = device.memory_stats()
+            limit = stats["bytes_limit"]
+            peak = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
+            free = int(limit * gpu_memory_utilization) - peak
+            n = free // per_block
+            why = (
+                f"{device.platform}: limit {limit / 2**30:.2f} GiB x {gpu_memory_utilization}"
+                f" - profiled peak {peak / 2**30:.2f} GiB"
+            )
+        else:
+            n, why = CPU_DEFAULT_KV_BYTES // per_block, "CPU default 256 MiB"
+        n = min(n, cap)
+    if n < 2:
+        raise ValueError(
+            f"KV cache too small: {why} gives {n} blocks of {per_block} bytes; need >= 2"
+            " (block 0 is the null block). Raise gpu_memory_utilization or"
+            " kv_cache_memory_bytes, or lower max_num_batched_tokens."
+        )
+    log.info("KV cache: %d blocks of %d tokens (%s)", n, block_size, why)
+    return n

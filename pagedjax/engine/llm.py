@@ -1,0 +1,189 @@
+"""``LLM``: vLLM's offline API (``LLM(model=...).generate(prompts, params)``) over LLMEngine."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pagedjax.config import SchedulerConfig as EngineSchedulerConfig
+from pagedjax.engine.llm_engine import DEFAULT_MAX_LOGPROBS, LLMEngine
+from pagedjax.engine.outputs import RequestOutput
+from pagedjax.sampling import SamplingParams
+
+PromptType = str | Sequence[int] | dict
+
+
+class LLM:
+    """An LLM for offline batched generation, with vLLM's argument names.
+
+    model: a local Hugging Face checkpoint directory or a preset name (random weights).
+    Options whose features later issues build are accepted by name and raise
+    NotImplementedError when turned on: enable_prefix_caching=True,
+    preemption_mode="swap", tensor_parallel_size > 1. Unknown keyword arguments raise
+    TypeError. On CPU the KV pool size comes from num_gpu_blocks_override or
+    kv_cache_memory_bytes (else 256 MiB); see docs/engine.md.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: str | None = None,
+        *,
+        dtype: str = "auto",
+        load_format: str = "auto",
+        seed: int = 0,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        gpu_memory_utilization: float = 0.9,
+        num_gpu_blocks_override: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        swap_space: float = 4.0,
+        enable_prefix_caching: bool = False,
+        preemption_mode: str | None = None,
+        tensor_parallel_size: int = 1,
+        scheduling_mode: str = "default",
+        watermark: float = 0.01,
+        attention_backend: str = "reference",
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        **unknown: Any,
+    ):
+        if unknown:
+            raise TypeError(
+                f"LLM() got unknown keyword argument(s) {sorted(unknown)}; see"
+                " help(pagedjax.LLM) for the supported options"
+            )
+        if preemption_mode not in (None, "recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}"
+            )
+        config = EngineConfig(
+            model=ModelConfig(
+                model=model,
+                dtype=dtype,  # type: ignore[arg-type]
+                load_format=load_format,  # type: ignore[arg-type]
+                max_model_len=max_model_len,
+                tokenizer=tokenizer,
+                seed=seed,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                num_gpu_blocks_override=num_gpu_blocks_override,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                swap_space=swap_space,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=EngineSchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                scheduling_mode=scheduling_mode,  # type: ignore[arg-type]
+                watermark=watermark,
+                preemption_mode=preemption_mode,  # type: ignore[arg-type]
+            ),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            attention_backend=attention_backend,  # type: ignore[arg-type]
+        )
+        _check_literals(config)
+        self.llm_engine = LLMEngine.from_config(config, max_logprobs=max_logprobs)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in input order.
+
+        prompts: a str, a list of token ids, a {"prompt_token_ids": ...} dict, or a list
+        of these. sampling_params: one for all, or one per prompt (default SamplingParams()).
+        If any prompt or option is invalid, nothing of this call is left in the engine and
+        the error is raised.
+        """
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        ids = [f"{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params, strict=True):
+                engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            engine.abort_request(added)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        start, out_tokens = time.perf_counter(), 0
+        try:
+            while len(done) < len(ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        if bar is not None:
+                            rate = out_tokens / max(time.perf_counter() - start, 1e-9)
+                            bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+                            bar.update(1)
+                if not engine.has_unfinished_requests() and len(done) < len(ids):
+                    missing = sorted(wanted - set(done))
+                    raise RuntimeError(f"requests {missing[:5]} vanished without finishing")
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in done])  # e.g. KeyboardInterrupt
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if (
+        isinstance(prompts, Sequence)
+        and prompts
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in prompts)
+    ):
+        return [list(prompts)]  # one tokenized prompt
+    if isinstance(prompts, Sequence):
+        return list(prompts)
+    raise TypeError(f"prompts must be a str, token ids or a list of them, got {prompts!r}")
+
+
+def _check_literals(config: EngineConfig) -> None:
+    """The config dataclasses type their choices as Literal but only YAML loading checks
+    them; check the ones reachable from LLM's keywords here."""
+    choices = {
+        "dtype": (config.model.dtype, ("auto", "float32", "bfloat16", "float16")),
+        "load_format": (config.model.load_format, ("auto", "dummy", "safetensors")),
+        "scheduling_mode": (config.scheduler.scheduling_mode, ("default", "paper", "static")),
+        "attention_backend": (config.attention_backend, ("reference", "pallas", "auto")),
+    }
+    for name, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")

@@ -1,0 +1,517 @@
+"""LLMEngine: requests in, streamed RequestOutputs out, one iteration per ``step()``.
+
+One step (docs/engine.md gives the reasons):
+
+1. host: give queued sequences free slots; one jitted ``add_requests`` for all of them.
+2. device: ``schedule`` (jitted) picks rows and grows their blocks.
+3. host: read back the batch's sizes and rows (a few [max_seqs] int arrays, one sync) to
+   pick the padding bucket (T, S).
+4. device: the ModelRunner step for (T, S): build the ragged input from the device token
+   buffer, copy-on-write copies, forward (KV donated), sample, append the ids.
+5. host: read the sampled ids (second sync), detokenize, check EOS / stop ids / stop
+   strings / length, build the RequestOutputs.
+6. device: ``update`` with the stop mask, then ``recycle`` of finished slots (async).
+
+Token ids live in both places: the device buffer ``int32[max_seqs, max_model_len]``
+feeds the model (prefill, decode and recompute after preemption read it there, so the
+host never uploads a batch), and the host keeps each sequence's ids for detokenization.
+A sequence of a request with n > 1 is an independent slot (block sharing comes later).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pagedjax.config import EngineConfig
+from pagedjax.engine.buckets import pick, pow2_buckets
+from pagedjax.engine.detokenizer import IncrementalDetokenizer
+from pagedjax.engine.kv_budget import num_kv_blocks
+from pagedjax.engine.loading import load_model
+from pagedjax.engine.model_runner import ModelRunner, jitted_update
+from pagedjax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedjax.memory.block_table import blocks_for
+from pagedjax.memory.paged_policy import PagedPolicy
+from pagedjax.model import ModelArch, allocate_kv_cache
+from pagedjax.model.forward import dummy_input, make_forward
+from pagedjax.sampling import BeamSearchParams, SamplingParams, SamplingTensors
+from pagedjax.sampling.params import MAX_SEED
+from pagedjax.scheduler import (
+    REASON_CAPACITY,
+    REASON_TOO_LONG,
+    SchedulerConfig,
+    abort,
+    add_requests,
+    init_state,
+    recycle,
+    schedule,
+)
+from pagedjax.tokenizer import Tokenizer
+from pallas_kernels.dispatch import select_attention_backend
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's max_logprobs default
+
+
+@dataclass
+class _Seq:
+    """One sample of a request (host side)."""
+
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    target: int  # output length at which it finishes by length
+    arrival: int
+    slot: int | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[_Seq] = field(default_factory=list)
+
+
+class LLMEngine:
+    """The serving engine over one model (see the module docstring for one step).
+
+    arch, params: the model (params in their compute dtype). tokenizer: for text prompts,
+    detokenization and EOS. config: EngineConfig (cache / scheduler / model sections).
+    kv_dtype: the KV pool's dtype (default: the params' dtype).
+    """
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        params: Any,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        *,
+        kv_dtype: Any = None,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        kv_fill_value: float = 0.0,
+    ):
+        _reject_unbuilt_features(config)
+        cc, sc = config.cache, config.scheduler
+        self.arch, self.params, self.tokenizer, self.config = arch, params, tokenizer, config
+        dtype = jax.tree.leaves(params)[0].dtype
+        self.kv_dtype = kv_dtype if kv_dtype is not None else dtype
+        self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
+        self.block_size = cc.block_size
+        self.max_num_seqs = sc.max_num_seqs
+        self.max_seqs = sc.max_num_seqs  # slots; queued requests wait on the host
+        max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+
+        backend = select_attention_backend(config.attention_backend)
+        log.info("attention backend: %s (%s)", backend.name, backend.reason)
+        self.runner = ModelRunner(
+            arch, self.block_size, backend.ragged_paged_attention, max_logprobs
+        )
+        self.max_logprobs = max_logprobs
+        budget = sc.max_num_batched_tokens
+        self.token_buckets = pow2_buckets(budget, smallest=min(16, budget))
+        self.seq_buckets = pow2_buckets(self.max_num_seqs)
+
+        device = jax.devices()[0]
+        self.num_blocks = num_kv_blocks(
+            kv_bytes_per_token=arch.kv_bytes_per_token(self.kv_dtype),
+            block_size=self.block_size,
+            max_blocks_needed=self.max_seqs * max_blocks_per_seq,
+            num_gpu_blocks_override=cc.num_gpu_blocks_override,
+            kv_cache_memory_bytes=cc.kv_cache_memory_bytes,
+            gpu_memory_utilization=cc.gpu_memory_utilization,
+            device=device,
+            profile=functools.partial(self._profile, budget, max_blocks_per_seq),
+        )
+        self.policy = PagedPolicy(
+            self.num_blocks,
+            self.block_size,
+            self.max_seqs,
+            max_blocks_per_seq,
+            watermark_frac=sc.watermark,
+        )
+        self.sched_config = SchedulerConfig(
+            max_seqs=self.max_seqs,
+            max_num_batched_tokens=budget,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            mode=sc.scheduling_mode,
+            priority=sc.policy,
+        )
+        self.state = init_state(self.policy, self.max_seqs)
+        self.kv = allocate_kv_cache(
+            arch, self.num_blocks, self.block_size, self.kv_dtype, fill_value=kv_fill_value
+        )
+        self.tokens = jnp.zeros((self.max_seqs, self.max_model_len), jnp.int32)
+
+        policy, scfg = self.policy, self.sched_config
+        self._schedule = jax.jit(functools.partial(schedule, policy, scfg))
+        self._add = jax.jit(add_requests)
+        self._post = jitted_update(policy, scfg)
+        self._abort = jax.jit(
+            lambda s, ids, m: recycle(abort(policy, s, ids, m), ids, m), donate_argnums=(0,)
+        )
+        self._set_row = jax.jit(lambda buf, slot, row: buf.at[slot].set(row), donate_argnums=(0,))
+
+        # Per-slot sampling rows (host mirror, uploaded when a slot changes).
+        self._slot_sampling = {
+            k: np.array(v)
+            for k, v in SamplingTensors.from_params([], self.max_seqs)._asdict().items()
+        }
+        self._slot_sampling_dev: SamplingTensors | None = None
+        self._eos = {i for i in (*arch.eos_token_ids, tokenizer.eos_token_id) if i is not None}
+        self._rng = np.random.default_rng(config.model.seed)
+        self._requests: dict[str, _Request] = {}
+        self._queue: deque[tuple[_Request, _Seq]] = deque()  # sequences without a slot
+        self._slot_owner: dict[int, tuple[_Request, _Seq]] = {}
+        self._free_slots = list(range(self.max_seqs - 1, -1, -1))  # pop() gives slot 0 first
+        self._arrival = 0
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> LLMEngine:
+        """Load config.model (directory or preset) and build the engine."""
+        _reject_unbuilt_features(config)  # before spending time on loading weights
+        arch, params, tokenizer, _ = load_model(config.model)
+        return cls(arch, params, tokenizer, config, **kwargs)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int] | dict,
+        params: SamplingParams | None = None,
+    ) -> None:
+        """Queue a request. prompt: text, token ids, or {"prompt_token_ids": [...]} /
+        {"prompt": "..."} (vLLM's TextPrompt / TokensPrompt). Raises (changing nothing)
+        on a duplicate id, bad ids, a prompt over max_model_len (or the token budget in
+        paper/static mode), a prompt the KV pool can never hold, or unsupported options.
+        """
+        params = SamplingParams() if params is None else params
+        if isinstance(params, BeamSearchParams):
+            raise NotImplementedError("beam search (BeamSearchParams) is not implemented yet")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        self._validate(ids, params)
+        if params.seed is None and not params.greedy:
+            # Drawn here, once, so the request's samples survive preemption unchanged.
+            params = params.with_seed(int(self._rng.integers(0, MAX_SEED + 1)))
+        max_tokens = params.max_tokens or (self.max_model_len - len(ids))
+        target = max(1, min(max_tokens, self.max_model_len - len(ids)))
+        req = _Request(request_id, text, ids)
+        for i in range(params.n):
+            seq = _Seq(
+                index=i,
+                params=params,
+                detok=IncrementalDetokenizer(self.tokenizer, params.stop),
+                target=target,
+                arrival=self._arrival,
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            self._arrival += 1
+            req.seqs.append(seq)
+            self._queue.append((req, seq))
+        self._requests[request_id] = req
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Drop requests now: their blocks return to the pool at once. Unknown ids are
+        ignored (as vLLM: the request may have finished in the meantime)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        mask = np.zeros(self.max_seqs, bool)
+        for rid in ids:
+            req = self._requests.pop(rid, None)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if seq.slot is not None:
+                    mask[seq.slot] = True
+                    self._release_slot(seq)
+            self._queue = deque(x for x in self._queue if x[0] is not req)
+        if mask.any():
+            self.state = self._abort(self.state, np.arange(self.max_seqs, dtype=np.int32), mask)
+
+    abort = abort_request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns the requests that got a token or finished (cumulative)."""
+        self._assign_slots()
+        if not self._slot_owner:
+            return []
+        self.state, batch = self._schedule(self.state)
+        num_tokens, num_seqs, seq_ids, emits, rejected, preempted, reason = jax.device_get(
+            (
+                batch.num_tokens,
+                batch.num_seqs,
+                batch.seq_ids,
+                batch.emits,
+                batch.rejected,
+                batch.preempted,
+                self.state.finish_reason,
+            )
+        )
+        num_tokens, num_seqs = int(num_tokens), int(num_seqs)
+        self.num_preemptions += int(preempted.sum())
+        self.num_steps += 1
+        touched: dict[str, _Request] = {}
+        recycle_mask = np.zeros(self.max_seqs, bool)
+        for slot in np.flatnonzero(rejected):
+            req, seq = self._slot_owner[int(slot)]
+            why = {REASON_TOO_LONG: "too long", REASON_CAPACITY: "cannot fit the KV pool"}
+            log.warning("request %s rejected: %s", req.request_id, why.get(int(reason[slot])))
+            seq.finish_reason = "length"  # vLLM's FINISHED_IGNORED reports "length"
+            recycle_mask[slot] = True
+            touched[req.request_id] = req
+
+        finished_mask = np.zeros(self.max_seqs, bool)
+        if num_seqs > 0:
+            t_bucket = pick(self.token_buckets, num_tokens)
+            s_bucket = pick(self.seq_buckets, num_seqs)
+            self._upload_sampling()
+            self.kv, self.tokens, out = self.runner.step(
+                self.params,
+                self.kv,
+                self.tokens,
+                self.state.mem,
+                batch,
+                self._slot_sampling_dev,
+                self.state.prompt_len,
+                self.state.output_len,
+                num_tokens=t_bucket,
+                num_seqs=s_bucket,
+            )
+            rows = [r for r in range(num_seqs) if emits[r]]
+            want_top = any(self._slot_owner[int(seq_ids[r])][1].logprobs is not None for r in rows)
+            fetch = (out.token_ids, out.logprobs) + (
+                (out.ranks, out.top_ids, out.top_logprobs) if want_top else ()
+            )
+            host = jax.device_get(fetch)
+            for r in rows:
+                slot = int(seq_ids[r])
+                req, seq = self._slot_owner[slot]
+                top = (host[2][r], host[3][r], host[4][r]) if want_top else None
+                if self._on_token(seq, int(host[0][r]), float(host[1][r]), top):
+                    recycle_mask[slot] = True
+                    finished_mask[r] = seq.finish_reason == "stop"
+                touched[req.request_id] = req
+        self.state = self._post(self.state, batch, finished_mask, recycle_mask)
+        for slot in np.flatnonzero(recycle_mask):
+            self._release_slot(self._slot_owner[int(slot)][1])
+        outputs = [self._output(req) for req in touched.values()]
+        for o in outputs:
+            if o.finished:
+                del self._requests[o.request_id]
+        return outputs
+
+    # ------------------------------------------------------------------ helpers
+
+    def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Sequence | np.ndarray):
+            return None, self._check_ids(prompt)
+        raise TypeError(f"prompt must be a str, token ids or a prompt dict, got {prompt!r}")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        out = []
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int | np.integer):
+                raise ValueError(f"prompt token ids must be ints, got {i!r}")
+            if not 0 <= i < self.arch.vocab_size:
+                raise ValueError(
+                    f"prompt token id {i} outside the vocabulary [0, {self.arch.vocab_size})"
+                )
+            out.append(int(i))
+        return out
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        limit = self.sched_config.prompt_limit
+        if len(ids) > limit:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, longer than the limit {limit}"
+                f" (max_model_len={self.max_model_len}"
+                + (
+                    ""
+                    if self.sched_config.chunked_prefill
+                    else ", and no chunked prefill in this mode: max_num_batched_tokens"
+                )
+                + ")"
+            )
+        usable = self.num_blocks - 1 - self.policy.watermark_blocks
+        need = int(blocks_for(len(ids), self.block_size))
+        if need > usable:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens needs {need} KV blocks but the pool can never"
+                f" give more than {usable} ({self.num_blocks} blocks of {self.block_size},"
+                " minus the null block and the watermark)"
+            )
+        if params.prompt_logprobs is not None:
+            raise NotImplementedError("prompt_logprobs are not implemented yet")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.max_logprobs}")
+        for t in params.stop_token_ids:
+            if t >= self.arch.vocab_size:
+                raise ValueError(f"stop_token_ids has {t}, outside the vocabulary")
+
+    def _assign_slots(self) -> None:
+        """Give queued sequences free slots (FCFS) and register them with the scheduler."""
+        if not self._queue or not self._free_slots:
+            return
+        n = self.max_seqs
+        slot_ids = np.zeros(n, np.int32)
+        prompt_lens = np.ones(n, np.int32)
+        max_tokens = np.ones(n, np.int32)
+        arrivals = np.zeros(n, np.int32)
+        mask = np.zeros(n, bool)
+        k = 0
+        while self._queue and self._free_slots:
+            req, seq = self._queue.popleft()
+            slot = self._free_slots.pop()
+            seq.slot = slot
+            self._slot_owner[slot] = (req, seq)
+            ids = req.prompt_token_ids
+            row = np.zeros(self.max_model_len, np.int32)
+            row[: len(ids)] = ids
+            self.tokens = self._set_row(self.tokens, np.int32(slot), row)
+            t = SamplingTensors.from_params([(seq.params, seq.index, 0)], 1)
+            for name, v in t._asdict().items():
+                self._slot_sampling[name][slot] = v[0]
+            slot_ids[k], prompt_lens[k], max_tokens[k] = slot, len(ids), seq.target
+            arrivals[k], mask[k] = seq.arrival, True
+            k += 1
+        self._slot_sampling_dev = None
+        final = prompt_lens + max_tokens
+        self.state = self._add(self.state, slot_ids, prompt_lens, max_tokens, final, arrivals, mask)
+
+    def _upload_sampling(self) -> None:
+        if self._slot_sampling_dev is None:
+            self._slot_sampling_dev = SamplingTensors(
+                **{k: jnp.asarray(v) for k, v in self._slot_sampling.items()}
+            )
+
+    def _release_slot(self, seq: _Seq) -> None:
+        assert seq.slot is not None
+        del self._slot_owner[seq.slot]
+        self._free_slots.append(seq.slot)
+        seq.slot = None
+
+    def _on_token(self, seq: _Seq, tok: int, logprob: float, top: tuple | None) -> bool:
+        """Record a sampled token; returns True when the sequence finished."""
+        seq.cumulative_logprob += logprob
+        stop_str = seq.detok.append(tok)
+        if seq.logprobs is not None and top is not None:
+            rank, top_ids, top_lps = top
+            k = seq.params.logprobs
+            entry = {tok: Logprob(logprob, int(rank), self.tokenizer.decode([tok]))}
+            for j in range(k):
+                tid = int(top_ids[j])
+                if tid not in entry:
+                    entry[tid] = Logprob(float(top_lps[j]), j + 1, self.tokenizer.decode([tid]))
+            seq.logprobs.append(entry)
+        if tok in self._eos and not seq.params.ignore_eos:
+            seq.finish_reason = "stop"
+        elif tok in seq.params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", tok
+        elif stop_str is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop_str
+        elif len(seq.detok.ids) >= seq.target:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detok.text,
+                token_ids=list(s.detok.ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in req.seqs
+        ]
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=list(req.prompt_token_ids),
+            prompt_logprobs=None,
+            outputs=outs,
+            finished=all(s.finish_reason is not None for s in req.seqs),
+        )
+
+    def _profile(self, budget: int, max_blocks: int) -> None:
+        """One forward at the largest bucket over a 2-block cache (GPU sizing only)."""
+        s = self.max_num_seqs
+        kv = allocate_kv_cache(self.arch, 2, self.block_size, self.kv_dtype)
+        batch = dummy_input(budget, s, max_blocks)._replace(
+            logits_indices=jnp.zeros((s,), jnp.int32)
+        )
+        _, logits = make_forward(self.arch, donate=False)(self.params, kv, batch)
+        # The sampler holds a few [S, V] float32 arrays on top of the forward's peak.
+        scratch = jnp.zeros((4, s, self.arch.vocab_size), jnp.float32)
+        jax.block_until_ready((logits, scratch))
+
+    # ------------------------------------------------------------------ introspection
+
+    def num_free_blocks(self) -> int:
+        return int(self.state.mem.pool.num_free)
+
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+
+def _reject_unbuilt_features(config: EngineConfig) -> None:
+    if config.cache.enable_prefix_caching:
+        raise NotImplementedError(
+            "enable_prefix_caching=True: automatic prefix caching is not implemented yet"
+        )
+    if config.scheduler.preemption_mode == "swap":
+        raise NotImplementedError(
+            "preemption_mode='swap': swapping to a host pool is not implemented yet;"
+            " use 'recompute'"
+        )
+    if config.parallel.tensor_parallel_size > 1 or config.parallel.data_parallel_size > 1:
+        raise NotImplementedError(
+            "tensor_parallel_size / data_parallel_size > 1: multi-device execution is not"
+            " implemented yet"
+        )
+    if config.scheduler.num_multi_steps != 1:
+        raise NotImplementedError("num_multi_steps > 1: multi-step decoding is not implemented yet")

@@ -1,0 +1,77 @@
+"""Model, weights and tokenizer from a ModelConfig: a local HF directory or a preset name."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pagedjax.config import ModelConfig
+from pagedjax.model import PRESETS, ModelArch, load_arch, load_hf_checkpoint, preset_arch
+from pagedjax.model import random_params as make_random_params
+from pagedjax.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(name: str, checkpoint_dir: Path | None, platform: str) -> Any:
+    """ "auto": float32 on CPU (bf16 matmuls are emulated there, slow and lossy); on an
+    accelerator the checkpoint's torch_dtype when it is 16-bit, else bfloat16."""
+    if name != "auto":
+        return _DTYPES[name]
+    if platform == "cpu":
+        return jnp.float32
+    if checkpoint_dir is not None and (checkpoint_dir / "config.json").is_file():
+        cfg = json.loads((checkpoint_dir / "config.json").read_text())
+        if cfg.get("torch_dtype") in ("float16", "bfloat16"):
+            return _DTYPES[cfg["torch_dtype"]]
+        if cfg.get("torch_dtype") == "float32":
+            return jnp.float32
+    return jnp.bfloat16
+
+
+def load_model(mc: ModelConfig) -> tuple[ModelArch, Any, Tokenizer, Any]:
+    """(arch, params, tokenizer, dtype) for mc.model.
+
+    A directory with config.json loads its safetensors (load_format "auto" /
+    "safetensors") or random weights ("dummy"); a preset name has no weights, so
+    "auto" means "dummy" there (logged). The tokenizer comes from mc.tokenizer, else the
+    directory, else a byte-level fallback with the model's bos/eos ids.
+    """
+    platform = jax.devices()[0].platform
+    path = Path(mc.model)
+    if path.is_dir():
+        dtype = resolve_dtype(mc.dtype, path, platform)
+        if mc.load_format == "dummy":
+            arch = load_arch(path)
+            params = make_random_params(arch, mc.seed, dtype)
+        else:
+            arch, params = load_hf_checkpoint(path, dtype)
+        tok_dir: Path | None = path
+    elif mc.model in PRESETS:
+        if mc.load_format == "safetensors":
+            raise ValueError(f"preset {mc.model!r} has no weights; use load_format='dummy'")
+        if mc.load_format == "auto":
+            log.info("preset %s has no checkpoint: random weights (load_format=dummy)", mc.model)
+        dtype = resolve_dtype(mc.dtype, None, platform)
+        arch = preset_arch(mc.model)
+        params = make_random_params(arch, mc.seed, dtype)
+        tok_dir = None
+    else:
+        raise FileNotFoundError(
+            f"model {mc.model!r} is neither a local checkpoint directory nor a preset"
+            f" ({sorted(PRESETS)})"
+        )
+    if mc.tokenizer is not None:
+        tokenizer = load_tokenizer(mc.tokenizer)
+    elif tok_dir is not None:
+        tokenizer = load_tokenizer(tok_dir)
+    else:
+        tokenizer = ByteTokenizer(arch.eos_token_id, arch.bos_token_id)
+    return arch, params, tokenizer, dtype

@@ -1,0 +1,175 @@
+"""The device half of one engine step, as one jitted function per padding bucket.
+
+``step(params, kv, tokens, mem, batch, slot_sampling, prompt_len, output_len)`` builds the
+ragged ModelInput from the scheduler's batch and the token buffer (on device, no host
+round trip), applies the pending copy-on-write block copies, runs the forward, samples
+one token per emitting row and writes it into the token buffer. The KV pool and the token
+buffer are donated, so both update in place.
+
+Shapes (N = max_seqs slots, Lb = token-buffer width = max_model_len, T / S = the step's
+token / sequence bucket, static; M = max blocks per sequence):
+  tokens int32[N, Lb]: prompt then generated ids of each slot.
+  mem: PagedState (block tables int32[N, M], last_cow CopyOnWrite of [N]).
+  batch: ScheduledBatch (rows [N]; only the first S rows can be real, as num_seqs <= S).
+  slot_sampling: SamplingTensors of [N], one row per slot (set at add_request).
+  prompt_len, output_len: int32[N] from the scheduler state *before* update.
+Returns (kv', tokens', SamplerOutput of [S] rows in batch order).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pagedjax.memory.block_table import slot_mapping
+from pagedjax.model import ModelArch, ModelInput
+from pagedjax.model.forward import forward
+from pagedjax.sampling import SamplingTensors, TokenHistory, sample
+from pagedjax.scheduler import ScheduledBatch
+from pallas_kernels.kv_cache import copy_blocks
+
+
+def build_model_input(
+    tokens: jax.Array,
+    tables: jax.Array,
+    batch: ScheduledBatch,
+    num_tokens: int,
+    num_seqs: int,
+    block_size: int,
+) -> ModelInput:
+    """ModelInput padded to (T=num_tokens, S=num_seqs) from the batch's first S rows.
+
+    Token i belongs to the row r with cu[r] <= i < cu[r+1]; its position is
+    start_pos[r] + i - cu[r]. Tokens past the batch's total are padding (PAD_SLOT writes,
+    row S, which no kv_len covers).
+    """
+    seq_ids = batch.seq_ids[:num_seqs]
+    q_lens = batch.q_lens[:num_seqs]
+    start = batch.start_pos[:num_seqs]
+    row_ok = seq_ids >= 0
+    safe = jnp.maximum(seq_ids, 0)
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    row = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
+    valid = row < num_seqs
+    r = jnp.minimum(row, num_seqs - 1)
+    positions = jnp.where(valid, start[r] + t - cu[r], 0)
+    seq = safe[r]
+    ids = jnp.where(valid, tokens[seq, jnp.minimum(positions, tokens.shape[1] - 1)], 0)
+    slots = slot_mapping(tables, seq, positions, valid, block_size)
+    return ModelInput(
+        tokens=ids,
+        positions=positions,
+        slot_mapping=slots,
+        block_tables=jnp.where(row_ok[:, None], tables[safe], 0),
+        kv_lens=jnp.where(row_ok, start + q_lens, 0),
+        cu_q_lens=cu,
+        logits_indices=jnp.maximum(cu[1:] - 1, 0),
+    )
+
+
+def apply_cow(kv: Any, src: jax.Array, dst: jax.Array, valid: jax.Array) -> Any:
+    """Copy pages src -> dst (where valid) in every layer's K and V, before any write."""
+    dst = jnp.where(valid, dst, -1)  # copy_blocks drops out-of-range destinations
+
+    def copy(kv):
+        return jax.tree.map(lambda p: copy_blocks(p, p, src, dst), kv)
+
+    # Without sharing (n = 1) there is never a copy; skip the page gathers entirely.
+    return lax.cond(jnp.any(valid), copy, lambda kv: kv, kv)
+
+
+def token_history(
+    tokens: jax.Array, safe_ids: jax.Array, prompt_len: jax.Array, total_len: jax.Array
+) -> TokenHistory:
+    """Penalty history of the rows' slots: prompt ids and generated ids, -1 elsewhere."""
+    rows = tokens[safe_ids]  # [S, Lb]
+    col = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    p, n = prompt_len[:, None], total_len[:, None]
+    return TokenHistory(
+        prompt_ids=jnp.where(col < p, rows, -1),
+        output_ids=jnp.where((col >= p) & (col < n), rows, -1),
+    )
+
+
+class ModelRunner:
+    """Holds the jitted step for one (arch, attention, block size) and counts its traces.
+
+    ``trace_count[(T, S)]`` is incremented when the step is traced for that bucket: jit
+    traces once per new static-argument combination, so a count above 1 means a
+    recompilation (e.g. a changed dtype or shape that should have been static).
+    """
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        block_size: int,
+        attention_fn: Callable[..., jax.Array],
+        max_logprobs: int,
+    ):
+        self.arch = arch
+        self.block_size = block_size
+        self.max_logprobs = max_logprobs
+        self.trace_count: dict[tuple[int, int], int] = {}
+        self._attention_fn = attention_fn
+        self.step = jax.jit(
+            self._step,
+            static_argnames=("num_tokens", "num_seqs"),
+            donate_argnames=("kv", "tokens"),
+        )
+
+    def _step(
+        self,
+        params: Any,
+        kv: Any,
+        tokens: jax.Array,
+        mem: Any,
+        batch: ScheduledBatch,
+        slot_sampling: SamplingTensors,
+        prompt_len: jax.Array,
+        output_len: jax.Array,
+        *,
+        num_tokens: int,
+        num_seqs: int,
+    ) -> tuple[Any, jax.Array, Any]:
+        key = (num_tokens, num_seqs)
+        self.trace_count[key] = self.trace_count.get(key, 0) + 1  # runs at trace time only
+        tables = mem.tables.tables
+        inp = build_model_input(tokens, tables, batch, num_tokens, num_seqs, self.block_size)
+        cow = mem.last_cow
+        kv = apply_cow(kv, cow.src, cow.dst, cow.valid)
+        kv, logits = forward(params, kv, inp, arch=self.arch, attention_fn=self._attention_fn)
+
+        seq_ids = batch.seq_ids[:num_seqs]
+        safe = jnp.maximum(seq_ids, 0)
+        t = jax.tree.map(lambda a: a[safe], slot_sampling)
+        # The row's key depends on (seed, sample index, output position) only, so the
+        # draw is the same whatever the batch, the slot or a preemption before it.
+        t = t._replace(output_position=output_len[safe])
+        total = prompt_len[safe] + output_len[safe]
+        history = token_history(tokens, safe, prompt_len[safe], total)
+        out = sample(logits, t, history, max_logprobs=self.max_logprobs)
+
+        emit = batch.emits[:num_seqs] & (seq_ids >= 0)
+        n = tokens.shape[0]
+        # The new token sits at position prompt + output (= start + q for an emitting row).
+        tokens = tokens.at[jnp.where(emit, seq_ids, n), total].set(out.token_ids, mode="drop")
+        return kv, tokens, out
+
+
+@functools.cache
+def jitted_update(policy: Any, config: Any) -> Callable[..., Any]:
+    """update then recycle in one dispatch: (state, batch, finished_mask, recycle_mask)."""
+    from pagedjax.scheduler import recycle, update
+
+    def fn(state, batch, finished_mask, recycle_mask):
+        state = update(policy, config, state, batch, finished_mask)
+        ids = jnp.arange(config.max_seqs, dtype=jnp.int32)
+        return recycle(state, ids, recycle_mask)
+
+    return jax.jit(fn, donate_argnums=(0,))

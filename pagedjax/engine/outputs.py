@@ -1,0 +1,60 @@
+"""What the engine returns: vLLM's RequestOutput / CompletionOutput / Logprob shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability under the raw model distribution, its rank (1 = the
+    most likely token) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated position: {token_id: Logprob} holding the sampled token and the top-k.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n samples.
+
+    index: the sample's index in [0, n). text: detokenized output (stop string removed).
+    token_ids: every generated id (including an EOS or stop token that ended it).
+    cumulative_logprob: sum of the sampled tokens' raw logprobs.
+    logprobs: per-position top logprobs when SamplingParams.logprobs is set, else None.
+    finish_reason: None while running, else "stop" (EOS, stop token or string) or
+        "length" (max_tokens / max_model_len / the KV pool cannot hold it) or "abort".
+    stop_reason: the stop string or stop token id that ended it; None for EOS or length.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step (cumulative, as vLLM's default output kind).
+
+    prompt: the prompt text (None when given as token ids). prompt_logprobs: None (not
+    implemented yet; asking for them raises). finished: every sample has finished.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list | None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
