@@ -11,7 +11,7 @@ from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, ParallelConf
 from pagedjax.config import SchedulerConfig as EngineSchedulerConfig
 from pagedjax.engine.llm_engine import DEFAULT_MAX_LOGPROBS, LLMEngine
 from pagedjax.engine.outputs import RequestOutput
-from pagedjax.sampling import SamplingParams
+from pagedjax.sampling import BeamSearchParams, SamplingParams
 
 PromptType = str | Sequence[int] | dict
 
@@ -111,8 +111,8 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
+        if isinstance(sampling_params, SamplingParams | BeamSearchParams):
+            params = [sampling_params] * len(prompts)  # add_request rejects beam search
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
