@@ -1,0 +1,207 @@
+"""Experiment configuration: one dataclass per section, loaded from YAML (unknown keys fail).
+
+A config names the experiments to run, the executor, the simulated server (model
+geometry, GPU, KV pool, scheduler limits) and one section per experiment. Every section
+states its trace duration and request rates, so a result can be traced to its setup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pagedjax.config import ConfigError
+
+EXPERIMENTS = (
+    "memory_waste",
+    "batched_requests",
+    "throughput_vs_rate",
+    "block_size",
+    "preemption",
+    "engine_throughput",
+    "simulator_validation",
+)
+SYSTEMS = ("orca_max", "orca_pow2", "orca_oracle", "paged", "ft_static")
+DATASETS = ("sharegpt", "alpaca")
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The simulated server: what the cost model and the memory pool describe.
+
+    model: a cost-model preset (``pagedjax.simulator.cost_model.model_geometry``).
+    gpu: a GPU of the roofline (A100-40GB, A100-80GB, H100-80GB, H200).
+    kv_slots: KV-cache slots (tokens) of the pool; OPT-13B on an A100-40GB: 15,728.
+    slots: scheduler rows (waiting + running requests inside the scheduler); arrivals
+        beyond them queue outside in order (see pagedjax/simulator/simulate.py).
+    warmup_frac: the steady window starts at max(first completion, warmup_frac x
+        duration) and ends at the last arrival.
+    horizon_factor: a run stops at horizon_factor x duration of simulated time;
+        requests unfinished then count with their latency so far (a lower bound).
+    """
+
+    model: str = "opt-13b"
+    gpu: str = "A100-40GB"
+    tp: int = 1
+    kv_slots: int = 15728
+    max_model_len: int = 2048
+    block_size: int = 16
+    slots: int = 256
+    max_num_batched_tokens: int = 2560
+    max_num_seqs: int = 256
+    watermark: float = 0.01
+    step_overhead_s: float = 2e-3
+    warmup_frac: float = 0.1
+    horizon_factor: float = 1.5
+
+    def __post_init__(self) -> None:
+        from pagedjax.simulator.cost_model import GPUS
+
+        _check(self.gpu in GPUS, "server.gpu", f"must be one of {sorted(GPUS)}, got {self.gpu!r}")
+        _check(self.kv_slots >= 16, "server.kv_slots", f"must be >= 16, got {self.kv_slots}")
+        _check(self.slots >= 1, "server.slots", f"must be >= 1, got {self.slots}")
+        _check(
+            1 <= self.max_num_seqs <= self.slots,
+            "server.max_num_seqs",
+            f"must be in [1, server.slots={self.slots}], got {self.max_num_seqs}",
+        )
+        _check(0 <= self.watermark < 1, "server.watermark", "must be in [0, 1)")
+        _check(0 <= self.warmup_frac < 1, "server.warmup_frac", "must be in [0, 1)")
+        _check(self.horizon_factor >= 1, "server.horizon_factor", "must be >= 1")
+        _check(
+            self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+            "server.block_size",
+            f"must be a power of two, got {self.block_size}",
+        )
+
+
+@dataclass(frozen=True)
+class MemoryWasteSettings:
+    """Fig. 2: KV memory by category, averaged over the steady window."""
+
+    dataset: Literal["sharegpt", "alpaca"] = "sharegpt"
+    rate: float = 2.0
+    duration_s: float = 1200.0
+    seed: int = 0
+    spread_scales: list[float] = field(default_factory=lambda: [0.75, 1.25])
+
+    def __post_init__(self) -> None:
+        _check(self.rate > 0, "memory_waste.rate", "must be > 0")
+        _check(self.duration_s > 0, "memory_waste.duration_s", "must be > 0")
+
+
+@dataclass(frozen=True)
+class Workload:
+    dataset: Literal["sharegpt", "alpaca"] = "sharegpt"
+    rate: float = 2.0
+
+
+@dataclass(frozen=True)
+class BatchedRequestsSettings:
+    """Fig. 13: average scheduled requests per step over the steady window."""
+
+    workloads: list[Workload] = field(
+        default_factory=lambda: [Workload("sharegpt", 2.0), Workload("alpaca", 30.0)]
+    )
+    duration_s: float = 1200.0
+    seed: int = 0
+    spread_scales: list[float] = field(default_factory=lambda: [0.75, 1.25])
+
+    def __post_init__(self) -> None:
+        _check(self.duration_s > 0, "batched_requests.duration_s", "must be > 0")
+        for i, w in enumerate(self.workloads):
+            _check(w.rate > 0, f"batched_requests.workloads[{i}].rate", "must be > 0")
+
+
+@dataclass(frozen=True)
+class ThroughputSettings:
+    """Fig. 12: normalized latency vs request rate; knees at the thresholds."""
+
+    dataset: Literal["sharegpt", "alpaca"] = "sharegpt"
+    rates: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0])
+    systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
+    duration_s: float = 600.0
+    seed: int = 0
+    thresholds: list[float] = field(default_factory=lambda: [0.2, 0.5, 1.0])
+    spread_scales: list[float] = field(default_factory=lambda: [0.75, 1.25])
+
+    def __post_init__(self) -> None:
+        _check(len(self.rates) >= 2, "throughput_vs_rate.rates", "needs >= 2 rates")
+        _check(
+            all(r > 0 for r in self.rates) and list(self.rates) == sorted(self.rates),
+            "throughput_vs_rate.rates",
+            "must be positive and increasing",
+        )
+        for s in self.systems:
+            _check(s in SYSTEMS, "throughput_vs_rate.systems", f"unknown system {s!r}")
+        _check(self.duration_s > 0, "throughput_vs_rate.duration_s", "must be > 0")
+
+
+@dataclass(frozen=True)
+class BlockSizeSettings:
+    """Fig. 18b: mean normalized latency vs block size (paged, simulated)."""
+
+    workloads: list[Workload] = field(
+        default_factory=lambda: [Workload("sharegpt", 2.0), Workload("alpaca", 20.0)]
+    )
+    block_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
+    duration_s: float = 300.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for b in self.block_sizes:
+            _check(b >= 1 and b & (b - 1) == 0, "block_size.block_sizes", f"{b} not a power of 2")
+
+
+@dataclass(frozen=True)
+class PreemptionSettings:
+    """Fig. 19b: recompute vs swap across block sizes (swap: not built yet)."""
+
+    dataset: Literal["sharegpt", "alpaca"] = "sharegpt"
+    rate: float = 2.0
+    block_sizes: list[int] = field(default_factory=lambda: [8, 16, 32, 64, 128, 256])
+    duration_s: float = 300.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for b in self.block_sizes:
+            _check(b >= 1 and b & (b - 1) == 0, "preemption.block_sizes", f"{b} not a power of 2")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The real executor: a (small) model served by pagedjax.LLM on this machine."""
+
+    model: str = "tiny-llama"
+    max_model_len: int = 256
+    num_requests: int = 32
+    rates: list[float] = field(default_factory=lambda: [1.0, 2.0, 4.0])
+    num_gpu_blocks: int = 256
+    block_size: int = 16
+    max_num_seqs: int = 16
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """Top level of configs/*.yaml."""
+
+    name: str = "experiments"
+    executor: Literal["auto", "real", "simulated"] = "auto"
+    experiments: list[str] = field(default_factory=lambda: ["memory_waste"])
+    server: ServerSettings = field(default_factory=ServerSettings)
+    memory_waste: MemoryWasteSettings = field(default_factory=MemoryWasteSettings)
+    batched_requests: BatchedRequestsSettings = field(default_factory=BatchedRequestsSettings)
+    throughput_vs_rate: ThroughputSettings = field(default_factory=ThroughputSettings)
+    block_size: BlockSizeSettings = field(default_factory=BlockSizeSettings)
+    preemption: PreemptionSettings = field(default_factory=PreemptionSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+
+    def __post_init__(self) -> None:
+        for i, e in enumerate(self.experiments):
+            _check(e in EXPERIMENTS, f"experiments[{i}]", f"unknown experiment {e!r}")

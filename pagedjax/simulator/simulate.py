@@ -1,0 +1,332 @@
+"""The simulated executor: a whole request trace inside one ``lax.while_loop``.
+
+Each loop iteration is one engine step of the real scheduler and memory policy
+(``pagedjax.scheduler``), with the model step replaced by a cost model:
+
+1. FINISHED slots are recycled (their times were recorded when they finished).
+2. Requests whose arrival time has passed enter free slots, in arrival order
+   (``add_requests``). If nothing is live, the clock first jumps to the next arrival.
+3. ``schedule`` picks the batch; the cost model gives the step time from the batch's
+   prefill tokens, decode sequences and KV tokens read; the clock advances.
+4. ``update`` advances lengths; a sequence finishes at its true output length
+   (``final_len``, the requests are sent with ``ignore_eos`` as in vLLM's benchmark).
+
+Slots bound the requests inside the scheduler (waiting + running); arrivals beyond the
+free slots wait outside, in order. Because admission is strictly FCFS, the outside queue
+only changes decisions when every slot is taken by waiting requests *and* more could be
+admitted in one step; ``max_seqs`` of a few times ``max_num_seqs`` makes that rare.
+
+Everything is array code, so ``simulate_many`` vmaps the loop over several traces (request
+rates, seeds, length spreads) sharing one policy, scheduler config and cost model. All
+outputs are *simulated*: callers must label them so.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pagedjax.scheduler import (
+    FINISHED,
+    FREE,
+    REASON_LENGTH,
+    RUNNING,
+    WAITING,
+    SchedulerConfig,
+    add_requests,
+    init_state,
+    recycle,
+    schedule,
+    update,
+)
+from pagedjax.scheduler.schedule import ScheduledBatch
+
+
+class Trace(NamedTuple):
+    """One padded request trace (arrays ``[N]``; add a leading axis for ``simulate_many``).
+
+    arrival: float32 seconds, non-decreasing; padding rows +inf.
+    prompt_len, output_len: int32 >= 1 (padding rows 1).
+    num_real: int32[] real requests (the first num_real rows).
+    window_start: float32[] earliest start of the steady window (a warm-up to skip); the
+        window opens at max(window_start, first completion).
+    window_end: float32[] end of the steady window (the last real arrival).
+    horizon: float32[] simulated time at which the run stops even if requests remain.
+    """
+
+    arrival: jax.Array
+    prompt_len: jax.Array
+    output_len: jax.Array
+    num_real: jax.Array
+    window_start: jax.Array
+    window_end: jax.Array
+    horizon: jax.Array
+
+
+class SimResult(NamedTuple):
+    """Per-request arrays ``[N]`` and steady-window averages (``[]``) of one trace.
+
+    finish_time: float32 seconds; +inf if unfinished at the horizon or never run.
+    first_token_time: float32 seconds of the first output token; +inf if none.
+    rejected: bool, finished without running (too long / cannot fit the pool).
+    num_preemptions: int32 recompute preemptions.
+    clock: float32[] simulated time at the end. steps: int32[] engine steps.
+    win_time: float32[] seconds of the steady window [max(window_start, first
+        completion), last arrival].
+    win_batched: float32[] time-weighted mean of scheduled sequences per step in it.
+    win_usage: float32[4] time-weighted mean slots: token, reserved, internal frag,
+        external frag + free (sums to the pool's capacity).
+    busy_time: float32[] simulated seconds spent in steps.
+    """
+
+    finish_time: jax.Array
+    first_token_time: jax.Array
+    rejected: jax.Array
+    num_preemptions: jax.Array
+    clock: jax.Array
+    steps: jax.Array
+    win_time: jax.Array
+    win_batched: jax.Array
+    win_usage: jax.Array
+    busy_time: jax.Array
+
+
+def make_trace(
+    arrival: np.ndarray,
+    prompt_len: np.ndarray,
+    output_len: np.ndarray,
+    pad_to: int | None = None,
+    horizon: float = np.inf,
+    window_start: float = 0.0,
+) -> Trace:
+    """A padded Trace from numpy arrays ``[n]`` (arrival in seconds, sorted)."""
+    n = len(arrival)
+    size = n if pad_to is None else pad_to
+    if size < n:
+        raise ValueError(f"pad_to ({pad_to}) is below the number of requests ({n})")
+    arr = np.full(size, np.inf, np.float32)
+    arr[:n] = arrival
+    p = np.ones(size, np.int32)
+    o = np.ones(size, np.int32)
+    p[:n] = prompt_len
+    o[:n] = output_len
+    end = float(arrival[-1]) if n else 0.0
+    return Trace(
+        jnp.asarray(arr),
+        jnp.asarray(p),
+        jnp.asarray(o),
+        jnp.int32(n),
+        jnp.float32(window_start),
+        jnp.float32(end),
+        jnp.float32(horizon),
+    )
+
+
+def stack_traces(traces: list[Trace]) -> Trace:
+    """Stack equally padded traces along a new leading axis (for ``simulate_many``)."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *traces)
+
+
+def batch_work(state: Any, batch: ScheduledBatch) -> tuple[jax.Array, ...]:
+    """The cost model's inputs for one scheduled batch (int32/float32 scalars).
+
+    A row is a decode when it computes one token on top of cached KV; every other row
+    is a prefill (a prompt, a chunk, or a recompute after preemption). Returns
+    (prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs, prefill_seqs).
+    """
+    row = batch.seq_ids >= 0
+    q = batch.q_lens
+    start = batch.start_pos
+    decode = row & (q == 1) & (start > 0)
+    prefill = row & ~decode
+    f32 = jnp.float32
+    prefill_tokens = jnp.sum(jnp.where(prefill, q, 0)).astype(f32)
+    decode_seqs = jnp.sum(decode).astype(f32)
+    # Decode reads its whole context (incl. the token it writes); a chunk reads its prefix.
+    kv = jnp.sum(jnp.where(decode, start + 1, 0)) + jnp.sum(jnp.where(prefill, start, 0))
+    qf, sf = q.astype(f32), start.astype(f32)
+    pairs = jnp.sum(jnp.where(prefill, qf * (qf + 1) / 2 + qf * sf, 0.0))
+    prefill_seqs = jnp.sum(prefill & batch.emits).astype(f32)
+    del state
+    return prefill_tokens, decode_seqs, kv.astype(f32), pairs, prefill_seqs
+
+
+class _Carry(NamedTuple):
+    state: Any
+    clock: jax.Array  # Kahan-summed float32 clock (hi, lo): 1e5 steps of ms would drift
+    clock_lo: jax.Array
+    next_req: jax.Array
+    slot_req: jax.Array
+    finish: jax.Array
+    first_tok: jax.Array
+    rejected: jax.Array
+    preempt: jax.Array
+    n_done: jax.Array
+    first_done: jax.Array
+    steps: jax.Array
+    win_time: jax.Array
+    win_batched: jax.Array
+    win_usage: jax.Array
+    busy: jax.Array
+
+
+def _simulate(policy, config: SchedulerConfig, cost_model, max_steps: int, trace: Trace):
+    n_slots = config.max_seqs
+    n_req = trace.arrival.shape[0]
+    slots = jnp.arange(n_slots, dtype=jnp.int32)
+    inf = jnp.float32(jnp.inf)
+
+    def admit(c: _Carry) -> _Carry:
+        st = recycle(c.state, slots, c.state.status == FINISHED)
+        live = jnp.any((st.status == WAITING) | (st.status == RUNNING))
+        nxt = trace.arrival[jnp.minimum(c.next_req, n_req - 1)]
+        pending = c.next_req < trace.num_real
+        jump = ~live & pending & (nxt > c.clock)
+        clock = jnp.where(jump, nxt, c.clock)
+        clock_lo = jnp.where(jump, 0.0, c.clock_lo)
+        arrived = jnp.minimum(
+            jnp.searchsorted(trace.arrival, clock, side="right").astype(jnp.int32),
+            trace.num_real,
+        )
+        free = st.status == FREE
+        k = jnp.minimum(jnp.sum(free, dtype=jnp.int32), arrived - c.next_req)
+        rank = jnp.where(free, jnp.cumsum(free) - 1, n_slots)
+        slot_by_rank = jnp.full((n_slots,), 0, jnp.int32).at[rank].set(slots, mode="drop")
+        mask = slots < k
+        req = jnp.minimum(c.next_req + slots, n_req - 1)
+        p, o = trace.prompt_len[req], trace.output_len[req]
+        st = add_requests(st, slot_by_rank, p, o, p + o, c.next_req + slots, mask)
+        slot_req = c.slot_req.at[jnp.where(mask, slot_by_rank, n_slots)].set(req, mode="drop")
+        return c._replace(
+            state=st, clock=clock, clock_lo=clock_lo, next_req=c.next_req + k, slot_req=slot_req
+        )
+
+    def step(c: _Carry) -> _Carry:
+        c = admit(c)
+        st0 = c.state
+        st1, batch = schedule(policy, config, st0)
+        dt = cost_model(*batch_work(st1, batch))
+        dt = jnp.where(batch.num_seqs > 0, dt, 0.0).astype(jnp.float32)
+        # Kahan summation of the clock.
+        y = dt - c.clock_lo
+        t = c.clock + y
+        clock_lo = (t - c.clock) - y
+        t0, t1 = c.clock, t
+
+        # Memory held during the step (after schedule's grows): Fig. 2 accounting.
+        ids = jnp.where(batch.seq_ids >= 0, batch.seq_ids, n_slots)
+        q_slot = jnp.zeros((n_slots,), jnp.int32).at[ids].set(batch.q_lens, mode="drop")
+        lens = st1.num_computed + q_slot
+        use = policy.usage(st1.mem, lens, st1.final_len, st1.status == RUNNING)
+        use_vec = jnp.stack(
+            [use.token_slots, use.reserved_slots, use.internal_frag_slots, use.external_free_slots]
+        )
+
+        st2 = update(policy, config, st1, batch, jnp.zeros((n_slots,), bool))
+        newly = (st2.status == FINISHED) & (st0.status != FINISHED)
+        req_ids = jnp.where(newly, c.slot_req, n_req)
+        finish = c.finish.at[req_ids].set(t1, mode="drop")
+        rej = newly & (st2.finish_reason != REASON_LENGTH)
+        rejected = c.rejected.at[jnp.where(rej, c.slot_req, n_req)].set(True, mode="drop")
+        got_first = (st2.output_len > 0) & (st0.output_len == 0) & (st0.status != FREE)
+        first_tok = c.first_tok.at[jnp.where(got_first, c.slot_req, n_req)].set(t1, mode="drop")
+        pre = c.preempt.at[jnp.where(batch.preempted, c.slot_req, n_req)].add(1, mode="drop")
+        n_fin = jnp.sum(newly & ~rej, dtype=jnp.int32)
+
+        # Steady window: from the first completion to the last arrival (time-weighted).
+        lo = jnp.maximum(jnp.maximum(t0, c.first_done), trace.window_start)
+        w = jnp.clip(jnp.minimum(t1, trace.window_end) - lo, 0.0)
+        first_done = jnp.where((n_fin > 0) & (c.first_done == inf), t1, c.first_done)
+        return c._replace(
+            state=st2,
+            clock=t,
+            clock_lo=clock_lo,
+            finish=finish,
+            first_tok=first_tok,
+            rejected=rejected,
+            preempt=pre,
+            n_done=c.n_done + jnp.sum(newly, dtype=jnp.int32),
+            first_done=first_done,
+            steps=c.steps + 1,
+            win_time=c.win_time + w,
+            win_batched=c.win_batched + w * batch.num_seqs.astype(jnp.float32),
+            win_usage=c.win_usage + w * use_vec,
+            busy=c.busy + dt,
+        )
+
+    def cond(c: _Carry) -> jax.Array:
+        return (c.n_done < trace.num_real) & (c.clock < trace.horizon) & (c.steps < max_steps)
+
+    z = jnp.float32(0.0)
+    c0 = _Carry(
+        state=init_state(policy, n_slots),
+        clock=z,
+        clock_lo=z,
+        next_req=jnp.int32(0),
+        slot_req=jnp.zeros((n_slots,), jnp.int32),
+        finish=jnp.full((n_req,), inf),
+        first_tok=jnp.full((n_req,), inf),
+        rejected=jnp.zeros((n_req,), bool),
+        preempt=jnp.zeros((n_req,), jnp.int32),
+        n_done=jnp.int32(0),
+        first_done=inf,
+        steps=jnp.int32(0),
+        win_time=z,
+        win_batched=z,
+        win_usage=jnp.zeros((4,), jnp.float32),
+        busy=z,
+    )
+    c = lax.while_loop(cond, step, c0)
+    safe = jnp.maximum(c.win_time, 1e-9)
+    return SimResult(
+        finish_time=c.finish,
+        first_token_time=c.first_tok,
+        rejected=c.rejected,
+        num_preemptions=c.preempt,
+        clock=c.clock,
+        steps=c.steps,
+        win_time=c.win_time,
+        win_batched=c.win_batched / safe,
+        win_usage=c.win_usage / safe,
+        busy_time=c.busy,
+    )
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _simulate_jit(policy, config, cost_model, max_steps, trace):
+    return _simulate(policy, config, cost_model, max_steps, trace)
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _simulate_vmap(policy, config, cost_model, max_steps, traces):
+    return jax.vmap(lambda t: _simulate(policy, config, cost_model, max_steps, t))(traces)
+
+
+def simulate(
+    policy: Any,
+    config: SchedulerConfig,
+    cost_model: Any,
+    trace: Trace,
+    max_steps: int = 2_000_000,
+) -> SimResult:
+    """Run one trace (jitted; policy, config, cost_model must be hashable)."""
+    return _simulate_jit(policy, config, cost_model, max_steps, trace)
+
+
+def simulate_many(
+    policy: Any,
+    config: SchedulerConfig,
+    cost_model: Any,
+    traces: Trace,
+    max_steps: int = 2_000_000,
+) -> SimResult:
+    """Run stacked traces (leading axis R) at once under ``vmap``; results gain axis R.
+
+    The loop runs until every trace is done, so pair traces of similar length.
+    """
+    return _simulate_vmap(policy, config, cost_model, max_steps, traces)
