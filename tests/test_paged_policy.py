@@ -20,6 +20,9 @@ batched = jax.jit(
     functools.partial(btm.append_tokens_batched, block_size=BS, max_new_tokens=MAXNEW)
 )
 single = jax.jit(functools.partial(btm.append_tokens, block_size=BS, max_new_tokens=MAXNEW))
+fork = jax.jit(btm.fork)
+release_b = jax.jit(btm.release_batched)
+release_one = jax.jit(btm.release)
 
 
 @given(
@@ -27,26 +30,52 @@ single = jax.jit(functools.partial(btm.append_tokens, block_size=BS, max_new_tok
     ns=st.lists(st.integers(0, MAXNEW), min_size=SEQS, max_size=SEQS),
     mask=st.lists(st.booleans(), min_size=SEQS, max_size=SEQS),
     prefill=st.lists(st.integers(0, 9), min_size=SEQS, max_size=SEQS),
+    forks=st.lists(st.tuples(st.integers(0, SEQS - 1), st.integers(0, SEQS - 1)), max_size=4),
 )
-def test_batched_append_serves_in_priority_order(order, ns, mask, prefill):
-    """The batched form equals single appends in array order; refused entries change
-    nothing, and later (smaller) requests may still be served."""
+def test_batched_append_serves_in_priority_order(order, ns, mask, prefill, forks):
+    """The batched form equals single appends in array order, including copy-on-write of
+    forked (shared) last blocks; refused entries change nothing, and later (smaller)
+    requests may still be served."""
     pool = bp.create_block_pool(NUM_BLOCKS)
     bt = btm.create_block_tables(SEQS, MAXB)
     for s, n in enumerate(prefill):
-        pool, bt, *_ = single(pool, bt, s, n)
+        if all(s != c for _, c in forks):  # fork targets must start empty
+            pool, bt, *_ = single(pool, bt, s, n)
+    for p, c in forks:
+        pool, bt, _ = fork(pool, bt, p, c)
     ids = jnp.asarray(order, jnp.int32)
-    pool_b, bt_b, _, ok_b = batched(pool, bt, ids, jnp.asarray(ns), jnp.asarray(mask))
-    want_ok = []
+    pool_b, bt_b, cow_b, ok_b = batched(pool, bt, ids, jnp.asarray(ns), jnp.asarray(mask))
+    want_ok, want_cow = [], []
     for s, n, m in zip(order, ns, mask, strict=True):
         if not m:
             want_ok.append(True)
+            want_cow.append((False, 0, 0))
             continue
-        pool, bt, _, _, ok = single(pool, bt, s, n)
+        pool, bt, _, cow, ok = single(pool, bt, s, n)
         want_ok.append(bool(ok))
+        want_cow.append((True, int(cow.src), int(cow.dst)) if cow.valid else (False, 0, 0))
     assert list(np.asarray(ok_b)) == want_ok
-    for x, y in zip(jax.tree.leaves((pool, bt)), jax.tree.leaves((pool_b, bt_b)), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    got_cow = [
+        (bool(v), int(a), int(b)) if v else (False, 0, 0)
+        for v, a, b in zip(cow_b.valid, cow_b.src, cow_b.dst, strict=True)
+    ]
+    assert got_cow == want_cow
+    assert_same_state((pool, bt), (pool_b, bt_b))
+    # Batched release equals releasing one by one, in order (free-list order included).
+    release_mask = jnp.asarray(mask)
+    pool_r, bt_r = release_b(pool_b, bt_b, ids, release_mask)
+    for s, m in zip(order, mask, strict=True):
+        if m:
+            pool_b, bt_b = release_one(pool_b, bt_b, s)
+    assert_same_state((pool_b, bt_b), (pool_r, bt_r))
+
+
+def assert_same_state(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.ndim == 1 and x.shape[0] == NUM_BLOCKS + 2:  # free-list links: last = trash
+            x, y = x[:-1], y[:-1]
+        np.testing.assert_array_equal(x, y)
 
 
 POLICY = PagedPolicy(num_blocks=NUM_BLOCKS, block_size=BS, max_seqs=SEQS, max_blocks_per_seq=MAXB)

@@ -162,6 +162,29 @@ def allocate(
     return pool, blocks, ok
 
 
+def pop_blocks(pool: BlockPool, n: jax.Array, max_n: int) -> tuple[BlockPool, jax.Array]:
+    """Unchecked ``allocate``: the caller guarantees 0 <= n <= min(max_n, num_free)."""
+    pool, blocks, _ = allocate(pool, n, max_n)
+    return pool, blocks
+
+
+def drop_refs(pool: BlockPool, blocks: jax.Array, count: jax.Array) -> BlockPool:
+    """Unchecked ``free`` of ``blocks[:count]`` (int32[K], no NULL_BLOCK among them).
+
+    For callers whose bookkeeping guarantees validity (block tables hold exactly the
+    references they drop); skips ``free``'s O(K^2) double-free check, so K can be large.
+    Cost is O(count).
+    """
+
+    def body(i, pool):
+        b = _get(blocks, i)
+        rc = jax.lax.optimization_barrier(_get(pool.refcount, b) - 1)
+        pool = pool._replace(refcount=_set(pool.refcount, b, rc))
+        return _push_back(pool, b, rc == 0)
+
+    return jax.lax.fori_loop(0, count, body, pool)
+
+
 def _occurrences(blocks: jax.Array) -> jax.Array:
     """How often each entry's value appears in ``blocks`` (int32[K]); O(K^2), K small."""
     return jnp.sum(blocks[:, None] == blocks[None, :], axis=1).astype(jnp.int32)

@@ -155,34 +155,69 @@ def append_tokens_batched(
 ) -> tuple[BlockPool, BlockTables, CopyOnWrite, jax.Array]:
     """Append ``ns[i]`` tokens to ``seq_ids[i]`` for each masked i, in array (priority) order.
 
-    Each entry succeeds or fails on its own: when the pool cannot serve all, earlier
-    entries are served first and a refused entry changes nothing.
+    Equivalent to calling ``append_tokens`` on each masked entry in order: when the pool
+    cannot serve all, earlier entries are served first, and a refused entry changes
+    nothing (later, smaller ones may still succeed). Masked ``seq_ids`` must be distinct.
+
+    It runs as: a scan over scalars that decides each entry (free blocks left, and
+    copy-on-write of shared last blocks, counting copies made by earlier entries); one
+    pop of all granted blocks from the free list; and one scatter into the tables. Cost
+    is O(B^2 + blocks granted), never a per-entry copy of the tables or the pool.
 
     Args: seq_ids, ns int32[B]; mask bool[B]; min_free_after scalar or int32[B].
     Returns: (pool', bt', cow (each field [B]), ok bool[B]); ok is True where not masked.
     """
     seq_ids = jnp.asarray(seq_ids, jnp.int32)
     ns = jnp.asarray(ns, jnp.int32)
-    reserve = jnp.broadcast_to(jnp.asarray(min_free_after, jnp.int32), seq_ids.shape)
+    mask = jnp.asarray(mask, bool)
+    nb = seq_ids.shape[0]
+    m = bt.max_blocks_per_seq
+    reserve = jnp.broadcast_to(jnp.asarray(min_free_after, jnp.int32), (nb,))
+    valid_seq = (seq_ids >= 0) & (seq_ids < bt.max_seqs)
+    s = jnp.where(valid_seq, seq_ids, 0)
+    length = bt.lengths[s]
+    held = blocks_for(length, block_size)
+    new_len = length + ns
+    need = blocks_for(new_len, block_size) - held
+    last = bt.tables[s, jnp.maximum(held - 1, 0)]
+    writes_into_last = (ns > 0) & (length % block_size != 0)
+    last_rc = pool.refcount[last]
+    fits = valid_seq & (ns >= 0) & (ns <= max_new_tokens) & (blocks_for(new_len, block_size) <= m)
 
-    def body(carry, x):
-        pool, bt = carry
-        seq, n, m, r = x
+    def decide(carry, i):
+        free, copied_from = carry
+        # Earlier copies of the same shared block lowered its refcount.
+        rc = last_rc[i] - jnp.sum(copied_from == last[i])
+        cow = writes_into_last[i] & (rc > 1)
+        total = need[i] + cow.astype(jnp.int32)
+        ok = mask[i] & fits[i] & (free - total >= reserve[i])
+        free = free - jnp.where(ok, total, 0)
+        copied_from = copied_from.at[i].set(jnp.where(ok & cow, last[i], -1))
+        return (free, copied_from), (ok, cow & ok)
 
-        def go(c):
-            pool, bt = c
-            pool, bt, _, cow, ok = append_tokens(pool, bt, seq, n, block_size, max_new_tokens, r)
-            return (pool, bt), cow, ok
+    init = (pool.num_free, jnp.full((nb,), -1, jnp.int32))
+    _, (ok, cow) = jax.lax.scan(decide, init, jnp.arange(nb))
+    counts = jnp.where(ok, need + cow.astype(jnp.int32), 0)
+    offsets = jnp.cumsum(counts) - counts
+    max_new_blocks = (max_new_tokens + block_size - 1) // block_size + 1
+    pool, popped = bp.pop_blocks(pool, jnp.sum(counts), nb * max_new_blocks)
 
-        def skip(c):
-            z = jnp.asarray(NULL_BLOCK, jnp.int32)
-            return c, CopyOnWrite(z, z, jnp.asarray(False)), jnp.asarray(True)
+    # Copy-on-write: the entry's first popped block replaces its shared last block.
+    cow_dst = popped[offsets]
+    n_cow = jnp.sum(cow)
+    cow_entries = jnp.nonzero(cow, size=nb, fill_value=0)[0]
+    pool = bp.drop_refs(pool, last[cow_entries], n_cow)  # never reaches 0: rc was > 1
+    tables = bt.tables.at[jnp.where(cow, s, bt.max_seqs), held - 1].set(cow_dst, mode="drop")
 
-        carry, cow, ok = jax.lax.cond(m, go, skip, (pool, bt))
-        return carry, (cow, ok)
-
-    (pool, bt), (cow, ok) = jax.lax.scan(body, (pool, bt), (seq_ids, ns, mask, reserve))
-    return pool, bt, cow, ok
+    # Fresh blocks go to positions held .. held + need - 1 of each row.
+    k = jnp.arange(max_new_blocks, dtype=jnp.int32)[None, :]
+    take = ok[:, None] & (k < need[:, None])
+    src = offsets[:, None] + cow[:, None].astype(jnp.int32) + k
+    rows = jnp.where(take, s[:, None], bt.max_seqs)
+    tables = tables.at[rows, held[:, None] + k].set(popped[jnp.where(take, src, 0)], mode="drop")
+    lengths = bt.lengths.at[jnp.where(ok, s, bt.max_seqs)].set(new_len, mode="drop")
+    copies = CopyOnWrite(last, jnp.where(cow, cow_dst, NULL_BLOCK), cow)
+    return pool, BlockTables(tables, lengths), copies, ok | ~mask
 
 
 def release(pool: BlockPool, bt: BlockTables, seq: jax.Array) -> tuple[BlockPool, BlockTables]:
@@ -200,15 +235,22 @@ def release(pool: BlockPool, bt: BlockTables, seq: jax.Array) -> tuple[BlockPool
 def release_batched(
     pool: BlockPool, bt: BlockTables, seq_ids: jax.Array, mask: jax.Array
 ) -> tuple[BlockPool, BlockTables]:
-    """``release`` for each masked entry of ``seq_ids`` (int32[B], bool[B])."""
+    """``release`` for each masked entry of ``seq_ids`` (int32[B], bool[B]; distinct ids).
 
-    def body(carry, x):
-        seq, m = x
-        carry = jax.lax.cond(m, lambda c: release(c[0], c[1], seq), lambda c: c, carry)
-        return carry, None
-
-    (pool, bt), _ = jax.lax.scan(body, (pool, bt), (jnp.asarray(seq_ids, jnp.int32), mask))
-    return pool, bt
+    The masked rows' blocks are compacted into one list and dropped in one loop, in row
+    order, so the cost follows the blocks freed rather than B * max_blocks_per_seq.
+    """
+    seq_ids = jnp.asarray(seq_ids, jnp.int32)
+    mask = jnp.asarray(mask, bool) & (seq_ids >= 0) & (seq_ids < bt.max_seqs)
+    s = jnp.where(mask, seq_ids, 0)
+    rows = jnp.where(mask[:, None], bt.tables[s], NULL_BLOCK).reshape(-1)
+    real = rows != NULL_BLOCK
+    order = jnp.nonzero(real, size=rows.shape[0], fill_value=0)[0]
+    pool = bp.drop_refs(pool, rows[order], jnp.sum(real))
+    gone = jnp.where(mask, s, bt.max_seqs)
+    tables = bt.tables.at[gone].set(NULL_BLOCK, mode="drop")
+    lengths = bt.lengths.at[gone].set(0, mode="drop")
+    return pool, BlockTables(tables, lengths)
 
 
 def fork(
