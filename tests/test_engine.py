@@ -130,7 +130,8 @@ requests_st = st.lists(
         st.integers(1, MAX_OUT),  # max_tokens
         st.integers(0, 6),  # arrival step
     ),
-    min_size=1,
+    # At least 3 requests, so every example batches (a lone request is the reference).
+    min_size=3,
     max_size=7,
 )
 
