@@ -64,8 +64,14 @@ def _greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-def _drain(engine: LLMEngine, arrivals: dict[int, list] | None = None, max_steps: int = 2000):
-    """Step until idle, adding (request_id, prompt, params) at their arrival steps.
+def _drain(
+    engine: LLMEngine,
+    arrivals: dict[int, list] | None = None,
+    max_steps: int = 2000,
+    on_step=None,
+):
+    """Step until idle, adding (request_id, prompt, params) at their arrival steps, and
+    calling on_step() after each step.
 
     Returns {request_id: final RequestOutput}; each request must finish exactly once."""
     arrivals = arrivals or {}
@@ -78,6 +84,8 @@ def _drain(engine: LLMEngine, arrivals: dict[int, list] | None = None, max_steps
             if out.finished:
                 assert out.request_id not in done, "a request finished twice"
                 done[out.request_id] = out
+        if on_step is not None:
+            on_step()
         step += 1
         assert step < max_steps, "engine did not finish (hang or starvation)"
     return done
@@ -175,13 +183,18 @@ def test_seeded_sampling_independent_of_batch_and_preemption():
     prompt = _workload_prompt(rng, 10)
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
     alone = _drain(engine, {0: [("s", prompt, params)]})["s"].outputs[0].token_ids
-    # The same request among greedy neighbours arriving at different steps, in a pool
-    # small enough that somebody is preempted (the sampled request arrives last, so FCFS
-    # picks it as the victim).
-    before = engine.num_preemptions
+    # The same request among greedy neighbours arriving earlier, in a pool small enough
+    # that the sampled request (the latest arrival: FCFS's victim) is preempted.
+    preempted = []
+
+    def watch():
+        req = engine._requests.get("s")
+        if req is not None and req.seqs[0].slot is not None:
+            preempted.append(int(engine.state.num_preemptions[req.seqs[0].slot]))
+
     others = [(f"o{i}", _workload_prompt(rng, 20), _greedy(MAX_OUT)) for i in range(3)]
-    done = _drain(engine, {0: others, 2: [("s", prompt, params)]})
-    assert engine.num_preemptions > before
+    done = _drain(engine, {0: others, 2: [("s", prompt, params)]}, on_step=watch)
+    assert max(preempted) >= 1, "the sampled request was meant to be preempted"
     assert done["s"].outputs[0].token_ids == alone
     # Different seed, different sample (the seed is actually used).
     other = _drain(engine, {0: [("t", prompt, params.__class__(**{**_kw(params), "seed": 99}))]})
@@ -193,7 +206,7 @@ def _kw(p: SamplingParams) -> dict:
     return {f: getattr(p, f) for f in p.__dataclass_fields__}
 
 
-def test_unseeded_requests_get_distinct_reproducible_seeds():
+def test_n_samples_are_distinct_sequences():
     engine = _engine()
     prompt = [5, 6, 7]
     p = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, n=2)
@@ -215,6 +228,7 @@ def test_step_compiles_once_per_bucket():
     counts = engine.runner.trace_count
     assert counts and all(v == 1 for v in counts.values()), counts
     assert all(t in engine.token_buckets and s in engine.seq_buckets for t, s in counts)
+    assert engine.runner.step._cache_size() == len(counts)
     assert engine._schedule._cache_size() == 1
     _assert_idle(engine)
 
@@ -360,6 +374,22 @@ def test_prompt_that_can_never_fit_the_pool_is_rejected():
     engine = LLMEngine(ARCH, _params(), ByteTokenizer(), config)
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request("x", list(range(3, 3 + 3 * BLOCK + 1)), _greedy(1))
+    assert not engine.has_unfinished_requests()
+
+
+def test_paper_mode_rejects_prompts_over_the_budget():
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN),
+        cache=CacheConfig(
+            block_size=BLOCK, num_gpu_blocks_override=40, enable_prefix_caching=False
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=BUDGET, max_num_seqs=2, scheduling_mode="paper"
+        ),
+    )
+    engine = LLMEngine(ARCH, _params(), ByteTokenizer(), config)
+    with pytest.raises(ValueError, match="does not chunk"):
+        engine.add_request("x", list(range(3, 3 + BUDGET + 1)), _greedy(1))
     assert not engine.has_unfinished_requests()
 
 

@@ -370,7 +370,8 @@ class LLMEngine:
                 + (
                     ""
                     if self.sched_config.chunked_prefill
-                    else ", and no chunked prefill in this mode: max_num_batched_tokens"
+                    else f", or max_num_batched_tokens={self.sched_config.max_num_batched_tokens}:"
+                    f" {self.sched_config.mode} mode does not chunk prompts"
                 )
                 + ")"
             )
