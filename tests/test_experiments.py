@@ -1,0 +1,50 @@
+"""experiments/run.py end to end on configs/tiny.yaml, and config validation."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = [sys.executable, str(ROOT / "experiments" / "run.py")]
+
+
+def test_invalid_config_fails_before_work_naming_the_key(tmp_path):
+    p = subprocess.run(
+        RUN + ["--config", "tiny", "--out", str(tmp_path / "o"), "--set", "server.kv_slot=3"],
+        capture_output=True,
+        text=True,
+    )
+    assert p.returncode == 2
+    assert "server.kv_slot" in p.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    p = subprocess.run(
+        RUN + ["--config", "tiny", "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    return out, p.stdout
+
+
+def test_tiny_writes_summary_csv_and_figures(tiny_run):
+    out, stdout = tiny_run
+    s = json.loads((out / "summary.json").read_text())
+    for system in ("orca_max", "orca_pow2", "orca_oracle", "paged"):
+        m = s["memory_waste"][system]
+        keys = ("token_states_pct", "reserved_pct", "internal_frag_pct", "external_frag_pct")
+        assert sum(m[k] for k in keys) == pytest.approx(100, abs=0.1)
+        assert isinstance(s["batched_requests"]["sharegpt"][system], float)
+    # Orca (Max) can never hold more than 7 chunks of 2048 in 15,728 slots.
+    assert s["batched_requests"]["sharegpt"]["orca_max"] <= 7.0
+    assert "knee@0.5" in s["throughput_vs_rate"]["spread_1.0"]
+    for name in ("memory_waste", "batched_requests", "throughput_vs_rate", "preemption"):
+        assert (out / f"{name}.csv").stat().st_size > 0
+        assert (out / f"{name}.png").stat().st_size > 0
+        assert "simulated" in (out / f"{name}.csv").read_text()
+    assert "simulated" in stdout
