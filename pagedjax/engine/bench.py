@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--num-blocks", type=int, default=None, help="num_gpu_blocks_override")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights for a directory")
     args = ap.parse_args()
 
     llm = LLM(
@@ -35,6 +36,7 @@ def main() -> None:
         max_model_len=args.max_model_len,
         num_gpu_blocks_override=args.num_blocks,
         seed=args.seed,
+        load_format=args.load_format,
     )
     engine = llm.llm_engine
     vocab = engine.arch.vocab_size
