@@ -11,6 +11,7 @@ from pagedjax.memory import block_table as btm
 from pagedjax.memory.block_pool import BlockPool, create_block_pool
 from pagedjax.memory.block_table import BlockTables, CopyOnWrite, blocks_for
 from pagedjax.memory.policy import MemoryUsage
+from pagedjax.memory.prefix_cache import PrefixCacheState, create_prefix_cache, invalidate
 
 
 class PagedState(NamedTuple):
@@ -19,6 +20,8 @@ class PagedState(NamedTuple):
     # The copies a grow requested (one per grow entry); the engine applies them to the KV
     # pool before the step's writes.
     last_cow: CopyOnWrite
+    # Prefix-cache truth (see prefix_cache.py); None when prefix caching is off.
+    prefix: PrefixCacheState | None = None
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class PagedPolicy:
     max_seqs: int
     max_blocks_per_seq: int
     watermark_frac: float = 0.0
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
@@ -64,6 +68,9 @@ class PagedPolicy:
             create_block_pool(self.num_blocks),
             btm.create_block_tables(self.max_seqs, self.max_blocks_per_seq),
             CopyOnWrite(z, z, jnp.zeros((self.max_seqs,), bool)),
+            create_prefix_cache(self.num_blocks, self.block_size)
+            if self.enable_prefix_caching
+            else None,
         )
 
     def grow(self, state, seq_ids, new_lens, final_lens, max_lens, mask, use_watermark):
@@ -82,7 +89,13 @@ class PagedPolicy:
             self.max_model_len,
             reserve,
         )
-        return PagedState(pool, tables, cow), ok
+        prefix = state.prefix
+        if prefix is not None:
+            # Blocks the pool just handed out get new contents: they are no longer cached.
+            rows = jnp.clip(seq_ids, 0, self.max_seqs - 1)
+            before, after = state.tables.tables[rows], tables.tables[rows]
+            prefix = invalidate(prefix, after.reshape(-1), (after != before).reshape(-1))
+        return PagedState(pool, tables, cow, prefix), ok
 
     def release(self, state, seq_ids, mask):
         pool, tables = btm.release_batched(state.pool, state.tables, seq_ids, mask)
