@@ -21,7 +21,7 @@ class IncrementalDetokenizer:
     """Text of one sequence's output ids, grown one token at a time."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
-        self._tok = tokenizer
+        self.tokenizer = tokenizer
         self._stop = tuple(stop)
         self.ids: list[int] = []
         self.text = ""
@@ -35,8 +35,8 @@ class IncrementalDetokenizer:
         include_stop_str_in_output=False); the id itself stays in self.ids.
         """
         self.ids.append(token_id)
-        before = self._tok.decode(self.ids[self._prefix : self._read])
-        window = self._tok.decode(self.ids[self._prefix :])
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        window = self.tokenizer.decode(self.ids[self._prefix :])
         if len(window) <= len(before) or window.endswith(_REPLACEMENT):
             return None  # nothing printable yet
         delta = window[len(before) :]

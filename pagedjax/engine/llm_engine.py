@@ -24,7 +24,6 @@ import functools
 import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -37,7 +36,8 @@ from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.kv_budget import num_kv_blocks
 from pagedjax.engine.loading import load_model
 from pagedjax.engine.model_runner import ModelRunner, jitted_update
-from pagedjax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedjax.engine.outputs import RequestOutput
+from pagedjax.engine.sequence import RequestState, SequenceState
 from pagedjax.memory.block_table import blocks_for
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.model import ModelArch, allocate_kv_cache
@@ -60,30 +60,6 @@ from pallas_kernels.dispatch import select_attention_backend
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's max_logprobs default
-
-
-@dataclass
-class _Seq:
-    """One sample of a request (host side)."""
-
-    index: int
-    params: SamplingParams
-    detok: IncrementalDetokenizer
-    target: int  # output length at which it finishes by length
-    arrival: int
-    slot: int | None = None
-    cumulative_logprob: float = 0.0
-    logprobs: list | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[_Seq] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -175,9 +151,9 @@ class LLMEngine:
         self._slot_sampling_dev: SamplingTensors | None = None
         self._eos = {i for i in (*arch.eos_token_ids, tokenizer.eos_token_id) if i is not None}
         self._rng = np.random.default_rng(config.model.seed)
-        self._requests: dict[str, _Request] = {}
-        self._queue: deque[tuple[_Request, _Seq]] = deque()  # sequences without a slot
-        self._slot_owner: dict[int, tuple[_Request, _Seq]] = {}
+        self._requests: dict[str, RequestState] = {}
+        self._queue: deque[tuple[RequestState, SequenceState]] = deque()  # sequences without a slot
+        self._slot_owner: dict[int, tuple[RequestState, SequenceState]] = {}
         self._free_slots = list(range(self.max_seqs - 1, -1, -1))  # pop() gives slot 0 first
         self._arrival = 0
         self.num_preemptions = 0
@@ -219,9 +195,9 @@ class LLMEngine:
             params = params.with_seed(int(self._rng.integers(0, MAX_SEED + 1)))
         max_tokens = params.max_tokens or (self.max_model_len - len(ids))
         target = max(1, min(max_tokens, self.max_model_len - len(ids)))
-        req = _Request(request_id, text, ids)
+        req = RequestState(request_id, text, ids)
         for i in range(params.n):
-            seq = _Seq(
+            seq = SequenceState(
                 index=i,
                 params=params,
                 detok=IncrementalDetokenizer(self.tokenizer, params.stop),
@@ -281,7 +257,7 @@ class LLMEngine:
         num_tokens, num_seqs = int(num_tokens), int(num_seqs)
         self.num_preemptions += int(preempted.sum())
         self.num_steps += 1
-        touched: dict[str, _Request] = {}
+        touched: dict[str, RequestState] = {}
         recycle_mask = np.zeros(self.max_seqs, bool)
         for slot in np.flatnonzero(rejected):
             req, seq = self._slot_owner[int(slot)]
@@ -318,14 +294,14 @@ class LLMEngine:
                 slot = int(seq_ids[r])
                 req, seq = self._slot_owner[slot]
                 top = (host[2][r], host[3][r], host[4][r]) if want_top else None
-                if self._on_token(seq, int(host[0][r]), float(host[1][r]), top):
+                if seq.record(int(host[0][r]), float(host[1][r]), top, self._eos):
                     recycle_mask[slot] = True
                     finished_mask[r] = seq.finish_reason == "stop"
                 touched[req.request_id] = req
         self.state = self._post(self.state, batch, finished_mask, recycle_mask)
         for slot in np.flatnonzero(recycle_mask):
             self._release_slot(self._slot_owner[int(slot)][1])
-        outputs = [self._output(req) for req in touched.values()]
+        outputs = [req.output() for req in touched.values()]
         for o in outputs:
             if o.finished:
                 del self._requests[o.request_id]
@@ -427,56 +403,11 @@ class LLMEngine:
                 **{k: jnp.asarray(v) for k, v in self._slot_sampling.items()}
             )
 
-    def _release_slot(self, seq: _Seq) -> None:
+    def _release_slot(self, seq: SequenceState) -> None:
         assert seq.slot is not None
         del self._slot_owner[seq.slot]
         self._free_slots.append(seq.slot)
         seq.slot = None
-
-    def _on_token(self, seq: _Seq, tok: int, logprob: float, top: tuple | None) -> bool:
-        """Record a sampled token; returns True when the sequence finished."""
-        seq.cumulative_logprob += logprob
-        stop_str = seq.detok.append(tok)
-        if seq.logprobs is not None and top is not None:
-            rank, top_ids, top_lps = top
-            k = seq.params.logprobs
-            entry = {tok: Logprob(logprob, int(rank), self.tokenizer.decode([tok]))}
-            for j in range(k):
-                tid = int(top_ids[j])
-                if tid not in entry:
-                    entry[tid] = Logprob(float(top_lps[j]), j + 1, self.tokenizer.decode([tid]))
-            seq.logprobs.append(entry)
-        if tok in self._eos and not seq.params.ignore_eos:
-            seq.finish_reason = "stop"
-        elif tok in seq.params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", tok
-        elif stop_str is not None:
-            seq.finish_reason, seq.stop_reason = "stop", stop_str
-        elif len(seq.detok.ids) >= seq.target:
-            seq.finish_reason = "length"
-        return seq.finish_reason is not None
-
-    def _output(self, req: _Request) -> RequestOutput:
-        outs = [
-            CompletionOutput(
-                index=s.index,
-                text=s.detok.text,
-                token_ids=list(s.detok.ids),
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for s in req.seqs
-        ]
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=list(req.prompt_token_ids),
-            prompt_logprobs=None,
-            outputs=outs,
-            finished=all(s.finish_reason is not None for s in req.seqs),
-        )
 
     def _profile(self, budget: int, max_blocks: int) -> None:
         """One forward at the largest bucket over a 2-block cache (GPU sizing only)."""

@@ -1,0 +1,101 @@
+"""Host-side request bookkeeping: each sample's ids, text, logprobs and finish state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedjax.engine.detokenizer import IncrementalDetokenizer
+from pagedjax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedjax.sampling import SamplingParams
+
+
+@dataclass
+class SequenceState:
+    """One of a request's n samples.
+
+    target: output length at which it finishes by length (min(max_tokens, max_model_len -
+    prompt), >= 1: the scheduler's output_target, so host and device agree).
+    arrival: FCFS order key given to the scheduler. slot: its scheduler slot, None while
+    queued on the host or after it finished.
+    """
+
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    target: int
+    arrival: int
+    slot: int | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def record(
+        self,
+        tok: int,
+        logprob: float,
+        top: tuple[int, np.ndarray, np.ndarray] | None,
+        eos_ids: set[int],
+    ) -> bool:
+        """Append a sampled token (its raw logprob; top = (rank, top ids, top logprobs)
+        when logprobs were fetched) and check the stop rules in vLLM's order: EOS, stop
+        token ids, stop strings, length. Returns True when the sequence finished."""
+        self.cumulative_logprob += logprob
+        stop_str = self.detok.append(tok)
+        if self.logprobs is not None and top is not None:
+            self.logprobs.append(self._logprob_entry(tok, logprob, top))
+        if tok in eos_ids and not self.params.ignore_eos:
+            self.finish_reason = "stop"
+        elif tok in self.params.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", tok
+        elif stop_str is not None:
+            self.finish_reason, self.stop_reason = "stop", stop_str
+        elif len(self.detok.ids) >= self.target:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def _logprob_entry(self, tok: int, logprob: float, top: tuple) -> dict[int, Logprob]:
+        rank, top_ids, top_lps = top
+        decode = self.detok.tokenizer.decode
+        entry = {tok: Logprob(logprob, int(rank), decode([tok]))}
+        for j in range(self.params.logprobs or 0):
+            tid = int(top_ids[j])
+            if tid not in entry:
+                entry[tid] = Logprob(float(top_lps[j]), j + 1, decode([tid]))
+        return entry
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.detok.text,
+            token_ids=list(self.detok.ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[SequenceState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        """Cumulative output so far (vLLM's default output kind)."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            prompt_logprobs=None,
+            outputs=[s.completion() for s in self.seqs],
+            finished=self.finished,
+        )
