@@ -352,7 +352,7 @@ def test_invalid_requests_raise_and_engine_keeps_serving():
         ("vocab", [ARCH.vocab_size], _greedy(1), ValueError, "vocabulary"),
         ("neg", [-1], _greedy(1), ValueError, "vocabulary"),
         ("ok", [3], _greedy(1), ValueError, "already in use"),
-        ("plp", [3], SamplingParams(prompt_logprobs=1), NotImplementedError, "prompt_logprobs"),
+        ("plp", [3], SamplingParams(prompt_logprobs=21), ValueError, "prompt_logprobs=21"),
         ("lp", [3], SamplingParams(logprobs=21), ValueError, "max_logprobs"),
         ("type", [3], {"temperature": 0}, TypeError, "SamplingParams"),
     ]

@@ -121,6 +121,37 @@ def test_outputs_in_input_order_with_vllm_fields(llm):
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in outs[1].outputs]
 
 
+def test_prompt_logprobs_match_transformers(llm, hf_dir):
+    """Prompt logprobs of a chunked prompt (40 tokens, budget 32) and a short one, batched
+    with a request that does not ask for them, equal log_softmax of HF's logits."""
+    from tests.model_helpers import hf_logits
+
+    _, model = hf_dir
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 384, size=n).tolist() for n in (40, 7, 12)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0),
+        SamplingParams(temperature=0.0, max_tokens=2),
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[2].prompt_logprobs is None
+    for prompt, out, k in zip(prompts[:2], outs[:2], (3, 0), strict=True):
+        ref = hf_logits(model, prompt)  # float64 [len, vocab]
+        lps = out.prompt_logprobs
+        assert len(lps) == len(prompt) and lps[0] is None
+        for i in range(1, len(prompt)):
+            row = ref[i - 1] - ref[i - 1].max()
+            row = row - np.log(np.exp(row).sum())  # log_softmax: scores prompt token i
+            entry = lps[i]
+            assert entry[prompt[i]].logprob == pytest.approx(row[prompt[i]], abs=1e-4)
+            assert entry[prompt[i]].rank == 1 + int(np.sum(row > row[prompt[i]] + 1e-6))
+            assert len(entry) <= k + 1 and len(entry) >= max(k, 1)
+            best = max(entry.values(), key=lambda lp: lp.logprob)
+            if k:
+                assert best.logprob == pytest.approx(row.max(), abs=1e-4)
+
+
 def test_invalid_inputs_raise_and_engine_keeps_serving(llm):
     engine = llm.llm_engine
     good = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -36,7 +36,7 @@ from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.kv_budget import num_kv_blocks
 from pagedjax.engine.loading import load_model
 from pagedjax.engine.model_runner import ModelRunner, jitted_update
-from pagedjax.engine.outputs import RequestOutput
+from pagedjax.engine.outputs import Logprob, RequestOutput
 from pagedjax.engine.sequence import RequestState, SequenceState
 from pagedjax.memory.block_table import blocks_for
 from pagedjax.memory.paged_policy import PagedPolicy
@@ -196,6 +196,9 @@ class LLMEngine:
         max_tokens = params.max_tokens or (self.max_model_len - len(ids))
         target = max(1, min(max_tokens, self.max_model_len - len(ids)))
         req = RequestState(request_id, text, ids)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
+            req.num_prompt_logprobs = params.prompt_logprobs
         for i in range(params.n):
             seq = SequenceState(
                 index=i,
@@ -243,61 +246,34 @@ class LLMEngine:
         if not self._slot_owner:
             return []
         self.state, batch = self._schedule(self.state)
-        num_tokens, num_seqs, seq_ids, emits, rejected, preempted, reason = jax.device_get(
-            (
-                batch.num_tokens,
-                batch.num_seqs,
-                batch.seq_ids,
-                batch.emits,
-                batch.rejected,
-                batch.preempted,
-                self.state.finish_reason,
+        host = jax.device_get(
+            dict(
+                num_tokens=batch.num_tokens,
+                num_seqs=batch.num_seqs,
+                seq_ids=batch.seq_ids,
+                q_lens=batch.q_lens,
+                start_pos=batch.start_pos,
+                emits=batch.emits,
+                rejected=batch.rejected,
+                preempted=batch.preempted,
+                reason=self.state.finish_reason,
             )
         )
-        num_tokens, num_seqs = int(num_tokens), int(num_seqs)
-        self.num_preemptions += int(preempted.sum())
+        self.num_preemptions += int(host["preempted"].sum())
         self.num_steps += 1
         touched: dict[str, RequestState] = {}
         recycle_mask = np.zeros(self.max_seqs, bool)
-        for slot in np.flatnonzero(rejected):
+        for slot in np.flatnonzero(host["rejected"]):
             req, seq = self._slot_owner[int(slot)]
             why = {REASON_TOO_LONG: "too long", REASON_CAPACITY: "cannot fit the KV pool"}
-            log.warning("request %s rejected: %s", req.request_id, why.get(int(reason[slot])))
+            reason = why.get(int(host["reason"][slot]))
+            log.warning("request %s rejected: %s", req.request_id, reason)
             seq.finish_reason = "length"  # vLLM's FINISHED_IGNORED reports "length"
             recycle_mask[slot] = True
             touched[req.request_id] = req
-
         finished_mask = np.zeros(self.max_seqs, bool)
-        if num_seqs > 0:
-            t_bucket = pick(self.token_buckets, num_tokens)
-            s_bucket = pick(self.seq_buckets, num_seqs)
-            self._upload_sampling()
-            self.kv, self.tokens, out = self.runner.step(
-                self.params,
-                self.kv,
-                self.tokens,
-                self.state.mem,
-                batch,
-                self._slot_sampling_dev,
-                self.state.prompt_len,
-                self.state.output_len,
-                num_tokens=t_bucket,
-                num_seqs=s_bucket,
-            )
-            rows = [r for r in range(num_seqs) if emits[r]]
-            want_top = any(self._slot_owner[int(seq_ids[r])][1].logprobs is not None for r in rows)
-            fetch = (out.token_ids, out.logprobs) + (
-                (out.ranks, out.top_ids, out.top_logprobs) if want_top else ()
-            )
-            host = jax.device_get(fetch)
-            for r in rows:
-                slot = int(seq_ids[r])
-                req, seq = self._slot_owner[slot]
-                top = (host[2][r], host[3][r], host[4][r]) if want_top else None
-                if seq.record(int(host[0][r]), float(host[1][r]), top, self._eos):
-                    recycle_mask[slot] = True
-                    finished_mask[r] = seq.finish_reason == "stop"
-                touched[req.request_id] = req
+        if int(host["num_seqs"]) > 0:
+            self._run(batch, host, touched, finished_mask, recycle_mask)
         self.state = self._post(self.state, batch, finished_mask, recycle_mask)
         for slot in np.flatnonzero(recycle_mask):
             self._release_slot(self._slot_owner[int(slot)][1])
@@ -306,6 +282,76 @@ class LLMEngine:
             if o.finished:
                 del self._requests[o.request_id]
         return outputs
+
+    def _run(
+        self,
+        batch: Any,
+        host: dict[str, np.ndarray],
+        touched: dict[str, RequestState],
+        finished_mask: np.ndarray,
+        recycle_mask: np.ndarray,
+    ) -> None:
+        """The device step for the batch's bucket, then the sampled tokens on the host:
+        fills touched, finished_mask (batch rows) and recycle_mask (slots) in place."""
+        num_seqs = int(host["num_seqs"])
+        seq_ids, emits = host["seq_ids"], host["emits"]
+        owners = [self._slot_owner[int(seq_ids[r])] for r in range(num_seqs)]
+        # A row holding prompt tokens of a request that wants prompt logprobs.
+        all_logits = any(
+            req.prompt_logprobs is not None and host["start_pos"][r] < len(req.prompt_token_ids)
+            for r, (req, _) in enumerate(owners)
+        )
+        self._upload_sampling()
+        self.kv, self.tokens, out, plp = self.runner.step(
+            self.params,
+            self.kv,
+            self.tokens,
+            self.state.mem,
+            batch,
+            self._slot_sampling_dev,
+            self.state.prompt_len,
+            self.state.output_len,
+            num_tokens=pick(self.token_buckets, int(host["num_tokens"])),
+            num_seqs=pick(self.seq_buckets, num_seqs),
+            all_logits=all_logits,
+        )
+        rows = [r for r in range(num_seqs) if emits[r]]
+        want_top = any(owners[r][1].logprobs is not None for r in rows)
+        fetch = [out.token_ids, out.logprobs]
+        if want_top:  # [S, K] arrays: fetched only when a row asked for logprobs
+            fetch += [out.ranks, out.top_ids, out.top_logprobs]
+        got = jax.device_get(fetch)
+        if plp is not None:
+            self._record_prompt_logprobs(host, owners, jax.device_get(plp))
+        for r in rows:
+            req, seq = owners[r]
+            top = (got[2][r], got[3][r], got[4][r]) if want_top else None
+            if seq.record(int(got[0][r]), float(got[1][r]), top, self._eos):
+                recycle_mask[seq.slot] = True
+                finished_mask[r] = seq.finish_reason == "stop"
+            touched[req.request_id] = req
+
+    def _record_prompt_logprobs(self, host: dict, owners: list, plp: Any) -> None:
+        """Entry p + 1 of a request's prompt_logprobs scores prompt token p + 1 given the
+        tokens before it (entry 0 stays None, as vLLM). A recompute after preemption or a
+        second sample writes the same values again."""
+        cu = np.concatenate([[0], np.cumsum(host["q_lens"][: len(owners)])])
+        for r, (req, _) in enumerate(owners):
+            if req.prompt_logprobs is None:
+                continue
+            k = req.num_prompt_logprobs
+            for t in range(int(cu[r]), int(cu[r + 1])):
+                p = int(host["start_pos"][r]) + t - int(cu[r])
+                if p + 1 >= len(req.prompt_token_ids):
+                    break
+                tok = req.prompt_token_ids[p + 1]
+                decode = self.tokenizer.decode
+                entry = {tok: Logprob(float(plp.logprobs[t]), int(plp.ranks[t]), decode([tok]))}
+                for j in range(k):
+                    tid = int(plp.top_ids[t, j])
+                    if tid not in entry:
+                        entry[tid] = Logprob(float(plp.top_logprobs[t, j]), j + 1, decode([tid]))
+                req.prompt_logprobs[p + 1] = entry
 
     # ------------------------------------------------------------------ helpers
 
@@ -359,10 +405,10 @@ class LLMEngine:
                 f" give more than {usable} ({self.num_blocks} blocks of {self.block_size},"
                 " minus the null block and the watermark)"
             )
-        if params.prompt_logprobs is not None:
-            raise NotImplementedError("prompt_logprobs are not implemented yet")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.max_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(f"{name}={k} exceeds max_logprobs={self.max_logprobs}")
         for t in params.stop_token_ids:
             if t >= self.arch.vocab_size:
                 raise ValueError(f"stop_token_ids has {t}, outside the vocabulary")

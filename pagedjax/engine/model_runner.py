@@ -13,7 +13,10 @@ token / sequence bucket, static; M = max blocks per sequence):
   batch: ScheduledBatch (rows [N]; only the first S rows can be real, as num_seqs <= S).
   slot_sampling: SamplingTensors of [N], one row per slot (set at add_request).
   prompt_len, output_len: int32[N] from the scheduler state *before* update.
-Returns (kv', tokens', SamplerOutput of [S] rows in batch order).
+Returns (kv', tokens', SamplerOutput of [S] rows in batch order, PromptLogprobs of [T]
+tokens or None). With ``all_logits`` (a step holding prompt tokens of a request that
+asked for prompt_logprobs) the forward returns logits for all T tokens, each scored
+against the next prompt token; a separate compilation of the bucket.
 """
 
 from __future__ import annotations
@@ -29,7 +32,13 @@ from jax import lax
 from pagedjax.memory.block_table import slot_mapping
 from pagedjax.model import ModelArch, ModelInput
 from pagedjax.model.forward import forward
-from pagedjax.sampling import SamplingTensors, TokenHistory, sample
+from pagedjax.sampling import (
+    PromptLogprobs,
+    SamplingTensors,
+    TokenHistory,
+    prompt_logprobs,
+    sample,
+)
 from pagedjax.scheduler import ScheduledBatch
 from pallas_kernels.kv_cache import copy_blocks
 
@@ -119,7 +128,7 @@ class ModelRunner:
         self._attention_fn = attention_fn
         self.step = jax.jit(
             self._step,
-            static_argnames=("num_tokens", "num_seqs"),
+            static_argnames=("num_tokens", "num_seqs", "all_logits"),
             donate_argnames=("kv", "tokens"),
         )
 
@@ -136,14 +145,24 @@ class ModelRunner:
         *,
         num_tokens: int,
         num_seqs: int,
-    ) -> tuple[Any, jax.Array, Any]:
-        key = (num_tokens, num_seqs)
+        all_logits: bool = False,
+    ) -> tuple[Any, jax.Array, Any, PromptLogprobs | None]:
+        key = (num_tokens, num_seqs) if not all_logits else (num_tokens, num_seqs, "all_logits")
         self.trace_count[key] = self.trace_count.get(key, 0) + 1  # runs at trace time only
         tables = mem.tables.tables
         inp = build_model_input(tokens, tables, batch, num_tokens, num_seqs, self.block_size)
         cow = mem.last_cow
         kv = apply_cow(kv, cow.src, cow.dst, cow.valid)
+        last = inp.logits_indices
+        if all_logits:  # prompt logprobs: logits at every token, not only each row's last
+            inp = inp._replace(logits_indices=jnp.arange(num_tokens, dtype=jnp.int32))
         kv, logits = forward(params, kv, inp, arch=self.arch, attention_fn=self._attention_fn)
+        plp = None
+        if all_logits:
+            plp = prompt_logprobs(
+                logits, self._next_prompt_ids(tokens, batch, inp, prompt_len), self.max_logprobs
+            )
+            logits = logits[last]
 
         seq_ids = batch.seq_ids[:num_seqs]
         safe = jnp.maximum(seq_ids, 0)
@@ -159,7 +178,21 @@ class ModelRunner:
         n = tokens.shape[0]
         # The new token sits at position prompt + output (= start + q for an emitting row).
         tokens = tokens.at[jnp.where(emit, seq_ids, n), total].set(out.token_ids, mode="drop")
-        return kv, tokens, out
+        return kv, tokens, out, plp
+
+    @staticmethod
+    def _next_prompt_ids(
+        tokens: jax.Array, batch: ScheduledBatch, inp: ModelInput, prompt_len: jax.Array
+    ) -> jax.Array:
+        """int32[T]: the prompt token after each token, -1 past the prompt or in padding."""
+        num_seqs = inp.kv_lens.shape[0]
+        t = jnp.arange(inp.tokens.shape[0], dtype=jnp.int32)
+        row = jnp.searchsorted(inp.cu_q_lens[1:], t, side="right")
+        valid = row < num_seqs
+        seq = jnp.maximum(batch.seq_ids[:num_seqs], 0)[jnp.minimum(row, num_seqs - 1)]
+        nxt = inp.positions + 1
+        ok = valid & (nxt < prompt_len[seq])
+        return jnp.where(ok, tokens[seq, jnp.minimum(nxt, tokens.shape[1] - 1)], -1)
 
 
 @functools.cache

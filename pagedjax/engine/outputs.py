@@ -48,8 +48,10 @@ class CompletionOutput:
 class RequestOutput:
     """A request's state after a step (cumulative, as vLLM's default output kind).
 
-    prompt: the prompt text (None when given as token ids). prompt_logprobs: None (not
-    implemented yet; asking for them raises). finished: every sample has finished.
+    prompt: the prompt text (None when given as token ids). prompt_logprobs: when
+    SamplingParams.prompt_logprobs is set, one entry per prompt token: None for the first,
+    then {token_id: Logprob} with the actual token and the top-k (raw model logprobs).
+    finished: every sample has finished.
     """
 
     request_id: str

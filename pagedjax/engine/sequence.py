@@ -84,6 +84,9 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[SequenceState] = field(default_factory=list)
+    # [prompt_len] entries when asked for: None for token 0, then {id: Logprob}.
+    prompt_logprobs: list | None = None
+    num_prompt_logprobs: int = 0
 
     @property
     def finished(self) -> bool:
@@ -95,7 +98,7 @@ class RequestState:
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=list(self.prompt_token_ids),
-            prompt_logprobs=None,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs else None,
             outputs=[s.completion() for s in self.seqs],
             finished=self.finished,
         )
