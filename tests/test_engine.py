@@ -227,9 +227,26 @@ def test_step_compiles_once_per_bucket():
     _drain(engine, arrivals)
     counts = engine.runner.trace_count
     assert counts and all(v == 1 for v in counts.values()), counts
-    assert all(t in engine.token_buckets and s in engine.seq_buckets for t, s in counts)
+    assert all(k[0] in engine.token_buckets and k[1] in engine.seq_buckets for k in counts)
     assert engine.runner.step._cache_size() == len(counts)
     assert engine._schedule._cache_size() == 1
+    _assert_idle(engine)
+
+
+def test_warmup_compiles_the_executable_real_steps_use():
+    engine = _engine()
+    prompt = [3, 9, 27]
+    ref = _drain(engine, {0: [("w0", prompt, _greedy(4))]})["w0"].outputs[0].token_ids
+    compiled = engine.runner.step._cache_size()
+    traces = dict(engine.runner.trace_count)
+    assert engine.warmup([(16, 1)]) == [(16, 1)]  # the pair the lone request ran in
+    assert engine.runner.step._cache_size() == compiled  # a cache hit: same executable
+    assert engine.runner.trace_count == traces
+    # The padding step changed nothing: same output again, pool intact.
+    again = _drain(engine, {0: [("w1", prompt, _greedy(4))]})["w1"].outputs[0].token_ids
+    assert again == ref
+    with pytest.raises(ValueError, match="bucket pair"):
+        engine.warmup([(17, 1)])
     _assert_idle(engine)
 
 

@@ -47,6 +47,7 @@ from pagedjax.sampling.params import MAX_SEED
 from pagedjax.scheduler import (
     REASON_CAPACITY,
     REASON_TOO_LONG,
+    ScheduledBatch,
     SchedulerConfig,
     abort,
     add_requests,
@@ -466,6 +467,35 @@ class LLMEngine:
         # The sampler holds a few [S, V] float32 arrays on top of the forward's peak.
         scratch = jnp.zeros((4, s, self.arch.vocab_size), jnp.float32)
         jax.block_until_ready((logits, scratch))
+
+    def warmup(self, pairs: Iterable[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+        """Compile the step for (T, S) bucket pairs now, by running it on an all-padding
+        batch (no KV write, no token appended, no copy-on-write). Default: the decode
+        pairs (smallest T >= S, S) for every S bucket, and the largest prefill pair.
+        Returns the pairs run. Costs one compilation per new pair (seconds each)."""
+        if pairs is None:
+            pairs = {(pick(self.token_buckets, s), s) for s in self.seq_buckets}
+            pairs.add((self.token_buckets[-1], self.seq_buckets[-1]))
+        pairs = sorted(pairs)
+        for t, s in pairs:
+            if t not in self.token_buckets or s not in self.seq_buckets:
+                raise ValueError(f"({t}, {s}) is not a bucket pair of this engine")
+        n = self.max_seqs
+        z, f = jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool)
+        batch = ScheduledBatch(
+            jnp.full((n,), -1, jnp.int32), z, z, f, jnp.int32(0), jnp.int32(0), f, f
+        )
+        mem = self.state.mem
+        mem = mem._replace(last_cow=mem.last_cow._replace(valid=f))
+        self._upload_sampling()
+        for t, s in pairs:
+            self.kv, self.tokens, out, _ = self.runner.step(
+                self.params, self.kv, self.tokens, mem, batch, self._slot_sampling_dev,
+                self.state.prompt_len, self.state.output_len, num_tokens=t, num_seqs=s,
+                all_logits=False,  # spelled out: jit caches by the keywords given
+            )  # fmt: skip
+            jax.block_until_ready(out)
+        return pairs
 
     # ------------------------------------------------------------------ introspection
 
