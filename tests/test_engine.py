@@ -410,6 +410,15 @@ def test_paper_mode_rejects_prompts_over_the_budget():
     assert not engine.has_unfinished_requests()
 
 
+def test_max_model_len_over_the_model_limit_is_rejected():
+    config = EngineConfig(
+        model=ModelConfig(max_model_len=ARCH.max_position_embeddings + 1),
+        cache=CacheConfig(enable_prefix_caching=False),
+    )
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLMEngine(ARCH, _params(), ByteTokenizer(), config)
+
+
 def test_unbuilt_features_raise_not_implemented():
     for cache, sched, match in [
         (CacheConfig(enable_prefix_caching=True), SchedulerConfig(), "prefix caching"),

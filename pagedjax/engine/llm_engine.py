@@ -88,6 +88,11 @@ class LLMEngine:
         dtype = jax.tree.leaves(params)[0].dtype
         self.kv_dtype = kv_dtype if kv_dtype is not None else dtype
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's"
+                f" max_position_embeddings={arch.max_position_embeddings}"
+            )
         self.block_size = cc.block_size
         self.max_num_seqs = sc.max_num_seqs
         self.max_seqs = sc.max_num_seqs  # slots; queued requests wait on the host
