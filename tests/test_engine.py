@@ -382,7 +382,7 @@ def test_invalid_requests_raise_and_engine_keeps_serving():
     _assert_idle(engine)
 
 
-def test_prompt_that_can_never_fit_the_pool_is_rejected():
+def test_requests_that_can_never_fit_the_pool():
     config = EngineConfig(
         model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN),
         cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=4, enable_prefix_caching=False),
@@ -392,6 +392,16 @@ def test_prompt_that_can_never_fit_the_pool_is_rejected():
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request("x", list(range(3, 3 + 3 * BLOCK + 1)), _greedy(1))
     assert not engine.has_unfinished_requests()
+    # A prompt that fits but whose output outgrows the 3-block pool even alone finishes
+    # ("length", vLLM's ignored sequence) instead of preempting itself forever; the
+    # engine then serves the next request normally.
+    prompt = list(range(3, 3 + 2 * BLOCK))
+    done = _drain(engine, {0: [("grow", prompt, _greedy(20))], 1: [("next", [5, 6], _greedy(3))]})
+    out = done["grow"].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) < 20
+    assert len(out.token_ids) >= BLOCK  # it ran until the pool was full
+    assert len(done["next"].outputs[0].token_ids) == 3
+    _assert_idle(engine)
 
 
 def test_paper_mode_rejects_prompts_over_the_budget():
