@@ -431,7 +431,6 @@ def test_max_model_len_over_the_model_limit_is_rejected():
 
 def test_unbuilt_features_raise_not_implemented():
     for cache, sched, match in [
-        (CacheConfig(enable_prefix_caching=True), SchedulerConfig(), "prefix caching"),
         (CacheConfig(enable_prefix_caching=False), SchedulerConfig(preemption_mode="swap"), "swap"),
     ]:
         with pytest.raises(NotImplementedError, match=match):

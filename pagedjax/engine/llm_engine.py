@@ -15,7 +15,11 @@ One step (docs/engine.md gives the reasons):
 Token ids live in both places: the device buffer ``int32[max_seqs, max_model_len]``
 feeds the model (prefill, decode and recompute after preemption read it there, so the
 host never uploads a batch), and the host keeps each sequence's ids for detokenization.
-A sequence of a request with n > 1 is an independent slot (block sharing comes later).
+Block sharing (docs/engine.md): with prefix caching on, a sequence admitted to a slot
+(new, or preempted by recompute) first reuses the verified cached blocks of its longest
+cached prefix (``sharing.attach_hits``), and the blocks each step fills are registered
+after it (``sharing.register_step``). A request with n > 1 prefills its prompt once as
+sample 0; when that prompt is done, samples 1..n-1 fork its blocks into their own slots.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.config import EngineConfig
+from pagedjax.engine import sharing
+from pagedjax.engine.block_hashes import extend_hashes
 from pagedjax.engine.buckets import pick, pow2_buckets
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.kv_budget import num_kv_blocks
@@ -38,8 +44,10 @@ from pagedjax.engine.loading import load_model
 from pagedjax.engine.model_runner import ModelRunner, jitted_update
 from pagedjax.engine.outputs import Logprob, RequestOutput
 from pagedjax.engine.sequence import RequestState, SequenceState
+from pagedjax.memory.block_pool import NULL_BLOCK
 from pagedjax.memory.block_table import blocks_for
 from pagedjax.memory.paged_policy import PagedPolicy
+from pagedjax.memory.prefix_cache import PrefixIndex
 from pagedjax.model import ModelArch, allocate_kv_cache
 from pagedjax.model.forward import dummy_input, make_forward
 from pagedjax.sampling import BeamSearchParams, SamplingParams, SamplingTensors
@@ -125,7 +133,10 @@ class LLMEngine:
             self.max_seqs,
             max_blocks_per_seq,
             watermark_frac=sc.watermark,
+            enable_prefix_caching=cc.enable_prefix_caching,
         )
+        self.enable_prefix_caching = cc.enable_prefix_caching
+        self.max_blocks_per_seq = max_blocks_per_seq
         self.sched_config = SchedulerConfig(
             max_seqs=self.max_seqs,
             max_num_batched_tokens=budget,
@@ -148,6 +159,14 @@ class LLMEngine:
             lambda s, ids, m: recycle(abort(policy, s, ids, m), ids, m), donate_argnums=(0,)
         )
         self._set_row = jax.jit(lambda buf, slot, row: buf.at[slot].set(row), donate_argnums=(0,))
+        bs = self.block_size
+        self._attach = jax.jit(functools.partial(sharing.attach_hits, bs), donate_argnums=(0,))
+        self._register = jax.jit(functools.partial(sharing.register_step, bs), donate_argnums=(0,))
+        self._fork = jax.jit(functools.partial(sharing.fork_children, bs), donate_argnums=(0,))
+        self._usage = jax.jit(functools.partial(sharing.sharing_usage, bs))
+        self.prefix_index = PrefixIndex()
+        self._relookup: set[int] = set()  # slots preempted by recompute: look up again
+        self.reset_stats()
 
         # Per-slot sampling rows (host mirror, uploaded when a slot changes).
         self._slot_sampling = {
@@ -216,7 +235,9 @@ class LLMEngine:
             )
             self._arrival += 1
             req.seqs.append(seq)
-            self._queue.append((req, seq))
+        # n > 1: only sample 0 prefills; the others fork its blocks when its prompt is done.
+        self._queue.append((req, req.seqs[0]))
+        req.pending = req.seqs[1:]
         self._requests[request_id] = req
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -263,10 +284,21 @@ class LLMEngine:
                 rejected=batch.rejected,
                 preempted=batch.preempted,
                 reason=self.state.finish_reason,
+                usage=self._usage(self.state),
+                tables=self.state.mem.tables.tables if self.enable_prefix_caching else None,
             )
         )
+        host["used"], host["unshared"] = host.pop("usage")
         self.num_preemptions += int(host["preempted"].sum())
         self.num_steps += 1
+        used, unshared = int(host["used"]), int(host["unshared"])
+        if unshared > 0:
+            self._sharing_steps += 1
+            self._saved_frac_sum += 1.0 - used / unshared
+            self._used_sum += used
+            self._unshared_sum += unshared
+        if self.enable_prefix_caching:
+            self._relookup.update(int(x) for x in np.flatnonzero(host["preempted"]))
         touched: dict[str, RequestState] = {}
         recycle_mask = np.zeros(self.max_seqs, bool)
         for slot in np.flatnonzero(host["rejected"]):
@@ -275,14 +307,16 @@ class LLMEngine:
             reason = why.get(int(host["reason"][slot]))
             log.warning("request %s rejected: %s", req.request_id, reason)
             seq.finish_reason = "length"  # vLLM's FINISHED_IGNORED reports "length"
+            for child in req.pending:  # samples never forked share the parent's fate
+                child.finish_reason = "length"
+            req.pending = []
             recycle_mask[slot] = True
             touched[req.request_id] = req
         finished_mask = np.zeros(self.max_seqs, bool)
         if int(host["num_seqs"]) > 0:
             self._run(batch, host, touched, finished_mask, recycle_mask)
         self.state = self._post(self.state, batch, finished_mask, recycle_mask)
-        for slot in np.flatnonzero(recycle_mask):
-            self._release_slot(self._slot_owner[int(slot)][1])
+        self._free_recycled(recycle_mask)
         outputs = [req.output() for req in touched.values()]
         for o in outputs:
             if o.finished:
@@ -336,6 +370,56 @@ class LLMEngine:
                 recycle_mask[seq.slot] = True
                 finished_mask[r] = seq.finish_reason == "stop"
             touched[req.request_id] = req
+        if self.enable_prefix_caching:
+            self._register_blocks(batch, host, owners)
+        for r in rows:
+            req, seq = owners[r]
+            if req.pending and seq.index == 0 and len(seq.detok.ids) == 1:
+                self._fork_samples(req, seq)
+
+    def _register_blocks(self, batch: Any, host: dict, owners: list) -> None:
+        """The step wrote the KV of its rows' tokens: mark the blocks it filled cached on
+        device, and record their hashes -> block ids in the host hint."""
+        self.state = self._register(
+            self.state, self.tokens, batch.seq_ids, batch.start_pos, batch.q_lens
+        )
+        b = self.block_size
+        for r, (req, seq) in enumerate(owners):
+            start, q = int(host["start_pos"][r]), int(host["q_lens"][r])
+            lo, hi = start // b, (start + q) // b
+            if hi <= lo:
+                continue
+            extend_hashes(seq.hashes, req.prompt_token_ids + seq.detok.ids, b, hi)
+            blocks = host["tables"][int(host["seq_ids"][r])]
+            self.prefix_index.record(seq.hashes[lo:hi], [int(x) for x in blocks[lo:hi]])
+
+    def _fork_samples(self, req: RequestState, parent: SequenceState) -> None:
+        """Sample 0's prompt is computed (it just sampled its first token): give samples
+        1..n-1 slots sharing its prompt blocks. Samples that find no free slot now wait in
+        the host queue (front) as independent sequences (prefix caching may still share)."""
+        n = self.max_seqs
+        children = np.zeros(n, np.int32)
+        mask = np.zeros(n, bool)
+        max_tokens = np.ones(n, np.int32)
+        arrivals = np.zeros(n, np.int32)
+        k = 0
+        leftover = []
+        for seq in req.pending:
+            if not self._free_slots:
+                leftover.append(seq)
+                continue
+            slot = self._take_slot(req, seq)
+            children[k], mask[k], max_tokens[k], arrivals[k] = slot, True, seq.target, seq.arrival
+            seq.hashes = list(parent.hashes)  # the shared prompt blocks' hashes
+            k += 1
+        req.pending = []
+        self._queue.extendleft((req, s) for s in reversed(leftover))
+        if k:
+            self._slot_sampling_dev = None
+            self.state = self._fork(
+                self.state, np.int32(parent.slot), children, mask, max_tokens, arrivals
+            )
+            self.num_forked += k
 
     def _record_prompt_logprobs(self, host: dict, owners: list, plp: Any) -> None:
         """Entry p + 1 of a request's prompt_logprobs scores prompt token p + 1 given the
@@ -420,34 +504,85 @@ class LLMEngine:
                 raise ValueError(f"stop_token_ids has {t}, outside the vocabulary")
 
     def _assign_slots(self) -> None:
-        """Give queued sequences free slots (FCFS) and register them with the scheduler."""
-        if not self._queue or not self._free_slots:
-            return
-        n = self.max_seqs
-        slot_ids = np.zeros(n, np.int32)
-        prompt_lens = np.ones(n, np.int32)
-        max_tokens = np.ones(n, np.int32)
-        arrivals = np.zeros(n, np.int32)
+        """Give queued sequences free slots (FCFS), register them with the scheduler, then
+        (prefix caching) attach cached prefixes to them and to re-waiting preempted slots."""
+        new: list[int] = []
+        if self._queue and self._free_slots:
+            n = self.max_seqs
+            slot_ids = np.zeros(n, np.int32)
+            prompt_lens = np.ones(n, np.int32)
+            max_tokens = np.ones(n, np.int32)
+            arrivals = np.zeros(n, np.int32)
+            mask = np.zeros(n, bool)
+            k = 0
+            while self._queue and self._free_slots:
+                req, seq = self._queue.popleft()
+                slot = self._take_slot(req, seq)
+                slot_ids[k], prompt_lens[k], max_tokens[k] = (
+                    slot,
+                    len(req.prompt_token_ids),
+                    seq.target,
+                )
+                arrivals[k], mask[k] = seq.arrival, True
+                new.append(slot)
+                k += 1
+            self._slot_sampling_dev = None
+            final = prompt_lens + max_tokens
+            self.state = self._add(
+                self.state, slot_ids, prompt_lens, max_tokens, final, arrivals, mask
+            )
+        if self.enable_prefix_caching:
+            lookup = new + sorted(s for s in self._relookup if s in self._slot_owner)
+            self._relookup.clear()
+            if lookup:
+                self._lookup(lookup)
+
+    def _take_slot(self, req: RequestState, seq: SequenceState) -> int:
+        """Bind a free slot to seq: owner map, token buffer row (prompt + any output kept
+        for a recompute) and sampling row."""
+        slot = self._free_slots.pop()
+        seq.slot = slot
+        self._slot_owner[slot] = (req, seq)
+        ids = req.prompt_token_ids + seq.detok.ids
+        row = np.zeros(self.max_model_len, np.int32)
+        row[: len(ids)] = ids
+        self.tokens = self._set_row(self.tokens, np.int32(slot), row)
+        t = SamplingTensors.from_params([(seq.params, seq.index, len(seq.detok.ids))], 1)
+        for name, v in t._asdict().items():
+            self._slot_sampling[name][slot] = v[0]
+        return slot
+
+    def _lookup(self, slots: list[int]) -> None:
+        """Prefix-cache lookup for WAITING slots with empty tables (docs/engine.md):
+        the host proposes hinted blocks, the device verifies, acquires and attaches them,
+        and sets num_computed to the hit, before ``schedule`` sees the slots."""
+        n, m, b = self.max_seqs, self.max_blocks_per_seq, self.block_size
+        slot_arr = np.zeros(n, np.int32)
+        cand = np.full((n, m), NULL_BLOCK, np.int32)
         mask = np.zeros(n, bool)
-        k = 0
-        while self._queue and self._free_slots:
-            req, seq = self._queue.popleft()
-            slot = self._free_slots.pop()
-            seq.slot = slot
-            self._slot_owner[slot] = (req, seq)
-            ids = req.prompt_token_ids
-            row = np.zeros(self.max_model_len, np.int32)
-            row[: len(ids)] = ids
-            self.tokens = self._set_row(self.tokens, np.int32(slot), row)
-            t = SamplingTensors.from_params([(seq.params, seq.index, 0)], 1)
-            for name, v in t._asdict().items():
-                self._slot_sampling[name][slot] = v[0]
-            slot_ids[k], prompt_lens[k], max_tokens[k] = slot, len(ids), seq.target
-            arrivals[k], mask[k] = seq.arrival, True
-            k += 1
-        self._slot_sampling_dev = None
-        final = prompt_lens + max_tokens
-        self.state = self._add(self.state, slot_ids, prompt_lens, max_tokens, final, arrivals, mask)
+        props = []
+        for k, slot in enumerate(slots):
+            req, seq = self._slot_owner[slot]
+            ids = req.prompt_token_ids + seq.detok.ids
+            extend_hashes(seq.hashes, ids, b, len(ids) // b)
+            hashes = seq.hashes[: len(ids) // b]
+            prop = self.prefix_index.propose(hashes)
+            slot_arr[k], mask[k] = slot, True
+            cand[k, : len(prop)] = prop
+            props.append((hashes, len(prop), len(ids)))
+        self.state, verified, used = self._attach(self.state, self.tokens, slot_arr, cand, mask)
+        verified, used = jax.device_get((verified, used))
+        for k, (hashes, proposed, total) in enumerate(props):
+            hit = int(verified[k])
+            if hit < proposed:
+                self.prefix_index.forget(hashes[hit:proposed])
+            self.prefix_index.count(proposed, hit)
+            self._lookup_tokens += total
+            self._hit_tokens += int(used[k]) * b
+
+    def _free_recycled(self, recycle_mask: np.ndarray) -> None:
+        for slot in np.flatnonzero(recycle_mask):
+            self._release_slot(self._slot_owner[int(slot)][1])
 
     def _upload_sampling(self) -> None:
         if self._slot_sampling_dev is None:
@@ -510,12 +645,47 @@ class LLMEngine:
     def num_usable_blocks(self) -> int:
         return self.num_blocks - 1
 
+    def reset_stats(self) -> None:
+        """Zero the counters ``stats()`` reports (the prefix cache's contents stay)."""
+        self._lookup_tokens = 0
+        self._hit_tokens = 0
+        self._sharing_steps = 0
+        self._saved_frac_sum = 0.0
+        self._used_sum = 0
+        self._unshared_sum = 0
+        self.num_forked = 0
+        self.prefix_index.queries = self.prefix_index.hit_blocks = 0
+        self.prefix_index.query_blocks = 0
+
+    def stats(self) -> dict[str, float | int]:
+        """Sharing metrics since the last ``reset_stats`` (docs/engine.md):
+
+        prefix_cache_queries: lookups (admissions and re-admissions after preemption).
+        prefix_cache_query_tokens: tokens looked up (prompt, or prompt + output to redo).
+        prefix_cache_hit_tokens: tokens whose KV was reused = prefill tokens saved.
+        prefix_cache_hit_rate: hit tokens / query tokens.
+        blocks_saved_by_sharing: 1 - blocks in use / blocks without sharing, averaged
+            over steps (a step counts when some sequence holds blocks); the ratio of the
+            sums is ``blocks_saved_by_sharing_total``.
+        """
+        q = self._lookup_tokens
+        steps = self._sharing_steps
+        return dict(
+            prefix_cache_queries=self.prefix_index.queries,
+            prefix_cache_query_tokens=q,
+            prefix_cache_hit_tokens=self._hit_tokens,
+            prefill_tokens_saved=self._hit_tokens,
+            prefix_cache_hit_rate=self._hit_tokens / q if q else 0.0,
+            blocks_saved_by_sharing=self._saved_frac_sum / steps if steps else 0.0,
+            blocks_saved_by_sharing_total=(
+                1.0 - self._used_sum / self._unshared_sum if self._unshared_sum else 0.0
+            ),
+            sharing_steps=steps,
+            forked_samples=self.num_forked,
+        )
+
 
 def _reject_unbuilt_features(config: EngineConfig) -> None:
-    if config.cache.enable_prefix_caching:
-        raise NotImplementedError(
-            "enable_prefix_caching=True: automatic prefix caching is not implemented yet"
-        )
     if config.scheduler.preemption_mode == "swap":
         raise NotImplementedError(
             "preemption_mode='swap': swapping to a host pool is not implemented yet;"

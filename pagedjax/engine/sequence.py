@@ -31,6 +31,8 @@ class SequenceState:
     logprobs: list | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Chained hashes of the full blocks of prompt + output so far (prefix caching).
+    hashes: list[int] = field(default_factory=list)
 
     def record(
         self,
@@ -87,6 +89,8 @@ class RequestState:
     # [prompt_len] entries when asked for: None for token 0, then {id: Logprob}.
     prompt_logprobs: list | None = None
     num_prompt_logprobs: int = 0
+    # n > 1: samples 1..n-1 waiting for sample 0's prompt, to fork from its blocks.
+    pending: list[SequenceState] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
