@@ -23,28 +23,43 @@ SYSTEMS = ("orca_max", "orca_pow2", "orca_oracle", "paged")
 def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
     s = cfg.batched_requests
     spreads = [1.0] + [x for x in s.spread_scales if x != 1.0]
+    summary, rows = _run_one(cfg, cfg.server, spreads, progress)
+    summary["cost_model"] = cfg.server.cost_model
+    for cm in s.also_cost_models:  # the same runs under another step-time model, spread 1
+        if cm == cfg.server.cost_model:
+            continue
+        server = dataclasses.replace(cfg.server, cost_model=cm)
+        sub, sub_rows = _run_one(cfg, server, [1.0], progress)
+        summary[f"cost_model={cm}"] = sub
+        rows += sub_rows
+    write_csv(out / "batched_requests.csv", rows)
+    _plot(summary, [w.dataset for w in s.workloads], out / "batched_requests.png")
+    return summary
+
+
+def _run_one(
+    cfg: ExperimentConfig, base: Any, spreads: list[float], progress: Any
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    s = cfg.batched_requests
     summary: dict[str, Any] = {"executor": SIM_LABEL}
     rows = []
     jobs = [(w, sys) for w in s.workloads for sys in SYSTEMS]
-    for w, system in progress(jobs, desc="batched_requests", leave=False):
+    for w, system in progress(jobs, desc=f"batched_requests ({base.cost_model})", leave=False):
         dur = w.duration_s or s.duration_s
         sp = [(w.dataset, w.rate, dur, s.seed, x) for x in spreads]
-        server = cfg.server
+        server = base
         if w.slots is not None:  # Alpaca needs more rows than ShareGPT (132 run at once)
-            n = w.slots
-            server = dataclasses.replace(
-                server,
-                slots=n,
-            )
+            server = dataclasses.replace(server, slots=w.slots)
         runs = run_sim(system, server, sp, drain=False)
         for x, r in zip(spreads, runs, strict=True):
             b = float(r.result.win_batched)
             rows.append(
                 dict(
                     executor=SIM_LABEL,
+                    cost_model=base.cost_model,
                     workload=w.dataset,
                     rate=w.rate,
-                    duration_s=s.duration_s,
+                    duration_s=dur,
                     system=system,
                     spread_scale=x,
                     avg_batched=b,
@@ -62,21 +77,28 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
         e["paged/orca_max"] = round(e["paged"] / e["orca_max"], 2)
         e["rate"] = w.rate
         e["duration_s"] = w.duration_s or s.duration_s
-    write_csv(out / "batched_requests.csv", rows)
-    _plot(summary, [w.dataset for w in s.workloads], out / "batched_requests.png")
-    return summary
+    return summary, rows
 
 
 def _plot(summary: dict[str, Any], loads: list[str], path: Path) -> None:
     fig, axes = plt.subplots(1, len(loads), figsize=(4.5 * len(loads), 3.8), squeeze=False)
     for ax, load in zip(axes[0], loads, strict=True):
-        vals = [summary[load][s] for s in SYSTEMS]
+        series = [(f"ours, {summary.get('cost_model', 'roofline')} ({SIM_LABEL})", summary)]
+        series += [
+            (f"ours, {k[11:]} ({SIM_LABEL})", v)
+            for k, v in summary.items()
+            if k.startswith("cost_model=") and load in v
+        ]
         paper = [paper_values.FIG13.get(load, {}).get(s, np.nan) for s in SYSTEMS]
         x = np.arange(len(SYSTEMS))
-        ax.bar(x - 0.2, vals, 0.4, label=f"ours ({SIM_LABEL})", color="tab:blue")
-        ax.bar(x + 0.2, paper, 0.4, label="paper", color="lightgray")
-        for i, v in enumerate(vals):
-            ax.text(i - 0.2, v, f"{v:.1f}", ha="center", va="bottom", fontsize=7)
+        width = 0.8 / (len(series) + 1)
+        for j, (label, summ) in enumerate(series):
+            vals = [summ[load][s] for s in SYSTEMS]
+            ax.bar(x + (j - len(series) / 2) * width, vals, width, label=label)
+            for i, v in enumerate(vals):
+                xi = i + (j - len(series) / 2) * width
+                ax.text(xi, v, f"{v:.1f}", ha="center", va="bottom", fontsize=6)
+        ax.bar(x + len(series) / 2 * width, paper, width, label="paper", color="lightgray")
         ax.set_xticks(x, [SYSTEM_LABELS[s] for s in SYSTEMS], fontsize=7, rotation=15)
         ax.set_title(f"{load} @ {summary[load]['rate']} req/s")
         ax.set_ylabel("avg batched requests")
@@ -99,4 +121,13 @@ def table(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
                 f"{paper['paged'] / paper['orca_oracle']:.2f}",
             )
         )
+        for key, sub in summary.items():
+            if key.startswith("cost_model=") and load in sub:
+                rows.append(
+                    (
+                        f"batched {load} paged/oracle [{key[11:]}]",
+                        f"{sub[load]['paged/orca_oracle']:.2f}",
+                        f"{paper['paged'] / paper['orca_oracle']:.2f}",
+                    )
+                )
     return rows

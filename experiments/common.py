@@ -32,7 +32,7 @@ from pagedjax.memory.paged_policy import PagedPolicy  # noqa: E402
 from pagedjax.memory.reservation import ReservationPolicy  # noqa: E402
 from pagedjax.memory.static_batching import static_batch_size  # noqa: E402
 from pagedjax.scheduler import SchedulerConfig  # noqa: E402
-from pagedjax.simulator.cost_model import roofline  # noqa: E402
+from pagedjax.simulator.cost_model import calibrated, roofline  # noqa: E402
 from pagedjax.simulator.simulate import (  # noqa: E402
     SimResult,
     make_trace,
@@ -85,7 +85,9 @@ def build_system(
 
 
 def cost_model(server: ServerSettings) -> Any:
-    """The roofline of server.gpu for server.model (hashable, jit-static)."""
+    """The step-time model named by server.cost_model (hashable, jit-static)."""
+    if server.cost_model != "roofline":
+        return calibrated(server.cost_model, server.gpu, server.model, server.tp)
     return roofline(server.gpu, server.model, server.tp, step_overhead_s=server.step_overhead_s)
 
 

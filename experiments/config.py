@@ -23,6 +23,10 @@ EXPERIMENTS = (
 )
 SYSTEMS = ("orca_max", "orca_pow2", "orca_oracle", "paged", "ft_static")
 DATASETS = ("sharegpt", "alpaca")
+# roofline: the GPU's roofline with default efficiencies and server.step_overhead_s.
+# vllm2023: the roofline calibrated to 2023 vLLM on an A100-40GB (cost_model.CALIBRATIONS;
+# its efficiencies and overhead replace server.step_overhead_s).
+COST_MODELS = ("roofline", "vllm2023")
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -59,10 +63,16 @@ class ServerSettings:
     step_overhead_s: float = 2e-3
     warmup_frac: float = 0.1
     horizon_factor: float = 1.5
+    cost_model: str = "roofline"
 
     def __post_init__(self) -> None:
         from pagedjax.simulator.cost_model import GPUS
 
+        _check(
+            self.cost_model in COST_MODELS,
+            "server.cost_model",
+            f"must be one of {list(COST_MODELS)}, got {self.cost_model!r}",
+        )
         _check(self.gpu in GPUS, "server.gpu", f"must be one of {sorted(GPUS)}, got {self.gpu!r}")
         _check(self.kv_slots >= 16, "server.kv_slots", f"must be >= 16, got {self.kv_slots}")
         _check(self.slots >= 1, "server.slots", f"must be >= 1, got {self.slots}")
@@ -112,9 +122,12 @@ class BatchedRequestsSettings:
     duration_s: float = 1200.0
     seed: int = 0
     spread_scales: list[float] = field(default_factory=lambda: [0.75, 1.25])
+    also_cost_models: list[str] = field(default_factory=list)  # rerun under these (spread 1)
 
     def __post_init__(self) -> None:
         _check(self.duration_s > 0, "batched_requests.duration_s", "must be > 0")
+        for c in self.also_cost_models:
+            _check(c in COST_MODELS, "batched_requests.also_cost_models", f"unknown {c!r}")
         for i, w in enumerate(self.workloads):
             _check(w.rate > 0, f"batched_requests.workloads[{i}].rate", "must be > 0")
 
@@ -131,8 +144,14 @@ class ThroughputSettings:
     thresholds: list[float] = field(default_factory=lambda: [0.2, 0.5, 1.0])
     spread_scales: list[float] = field(default_factory=lambda: [0.75, 1.25])
     slots: int | None = None  # scheduler rows for this sweep (None: server.slots)
+    also_cost_models: list[str] = field(default_factory=list)  # rerun under these (spread 1)
+    # Stop a system's sweep after its first rate above the largest threshold: higher rates
+    # only explode further, and exploded runs are the most expensive (they reach the horizon).
+    stop_after_exceed: bool = True
 
     def __post_init__(self) -> None:
+        for c in self.also_cost_models:
+            _check(c in COST_MODELS, "throughput_vs_rate.also_cost_models", f"unknown {c!r}")
         _check(len(self.rates) >= 2, "throughput_vs_rate.rates", "needs >= 2 rates")
         _check(
             all(r > 0 for r in self.rates) and list(self.rates) == sorted(self.rates),
@@ -186,7 +205,18 @@ class EngineSettings:
     num_gpu_blocks: int = 256
     block_size: int = 16
     max_num_seqs: int = 16
+    # None: max(512, max_model_len). Every (token, seq) padding bucket is compiled before
+    # timing, so a smaller budget and seq cap mean fewer compilations at start-up.
+    max_num_batched_tokens: int | None = None
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        b = self.max_num_batched_tokens
+        _check(
+            b is None or b >= self.max_model_len,
+            "engine.max_num_batched_tokens",
+            f"must be >= max_model_len ({self.max_model_len}) or null, got {b}",
+        )
 
 
 @dataclass(frozen=True)

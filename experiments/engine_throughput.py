@@ -11,26 +11,27 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from experiments.common import save_fig, workload, write_csv
+from experiments.common import save_fig, write_csv
 from experiments.config import ExperimentConfig
-from experiments.real_serving import make_llm, metrics, serve
+from experiments.real_serving import metrics, real_runs
 
 
 def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
     s = cfg.engine
     try:
-        llm = make_llm(s)
+        real = real_runs(s, progress)
     except Exception as e:  # noqa: BLE001 - report, do not fake numbers
         return {"executor": "real", "status": f"not available: {type(e).__name__}: {e}"}
-    # Warm-up: compile the buckets once so the first rate is not charged for it.
-    serve(llm, workload("sharegpt", 100.0, 1.0, s.seed + 99, 1.0, s.max_model_len).head(8))
-    rows, summary = (
-        [],
-        {"executor": "real", "model": s.model, "max_model_len": s.max_model_len, "rates": {}},
-    )
-    for rate in progress(s.rates, desc="engine_throughput", leave=False):
-        w = workload("sharegpt", rate, 1e6, s.seed, 1.0, s.max_model_len).head(s.num_requests)
-        m = metrics(w, serve(llm, w))
+    rows = []
+    summary: dict[str, Any] = {
+        "executor": "real",
+        "model": s.model,
+        "max_model_len": s.max_model_len,
+        "warmup": real["warmup"],
+        "rates": {},
+    }
+    for rate, w, r in zip(s.rates, real["loads"], real["reals"], strict=True):
+        m = metrics(w, r)
         rows.append(dict(executor="real", model=s.model, rate=rate, requests=len(w), **m))
         summary["rates"][str(rate)] = {k: round(v, 4) for k, v in m.items()}
     write_csv(out / "engine_throughput.csv", rows)

@@ -47,29 +47,67 @@ def server_for(cfg: ExperimentConfig) -> Any:
     )
 
 
+def sweep(
+    system: str, server: Any, s: Any, spread: float
+) -> tuple[list[float], list[dict[str, Any]]]:
+    """Run one system over the rates (ascending); returns (rates run, metrics).
+
+    With stop_after_exceed the sweep ends after the first rate whose normalized latency is
+    above the largest threshold: the knees are already determined, and exploded runs are
+    the slowest to simulate (they run to the horizon).
+    """
+    rates, ms = [], []
+    for rate in s.rates:
+        (r,) = run_sim(system, server, [(s.dataset, rate, s.duration_s, s.seed, spread)])
+        m = latency_metrics(r)
+        rates.append(rate)
+        ms.append(m)
+        if s.stop_after_exceed and m["norm_latency_s_per_token"] > max(s.thresholds):
+            break
+    return rates, ms
+
+
 def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
     s = cfg.throughput_vs_rate
     server = server_for(cfg)
     spreads = [1.0] + [x for x in s.spread_scales if x != 1.0]
-    specs = [(s.dataset, r, s.duration_s, s.seed, sp) for sp in spreads for r in s.rates]
+    summary, rows, curves = _run_one(server, s, spreads, progress)
+    summary["cost_model"] = server.cost_model
+    plots = [(server.cost_model, curves)]
+    for cm in s.also_cost_models:  # the same sweep under another step-time model, spread 1
+        if cm == server.cost_model:
+            continue
+        sub, sub_rows, sub_curves = _run_one(
+            dataclasses.replace(server, cost_model=cm), s, [1.0], progress
+        )
+        summary[f"cost_model={cm}"] = sub
+        rows += sub_rows
+        plots.append((cm, sub_curves))
+    write_csv(out / "throughput_vs_rate.csv", rows)
+    _plot(plots, out / "throughput_vs_rate.png", s.dataset, server)
+    return summary
+
+
+def _run_one(server: Any, s: Any, spreads: list[float], progress: Any):
     rows, curves = [], {}
-    for system in progress(s.systems, desc="throughput_vs_rate", leave=False):
-        runs = run_sim(system, server, specs)
-        for (_, rate, dur, seed, sp), r in zip(specs, runs, strict=True):
-            m = latency_metrics(r)
+    jobs = [(sp, system) for sp in spreads for system in s.systems]
+    for sp, system in progress(jobs, desc=f"throughput_vs_rate ({server.cost_model})", leave=False):
+        rates, ms = sweep(system, server, s, sp)
+        for rate, m in zip(rates, ms, strict=True):
             rows.append(
                 dict(
                     executor=SIM_LABEL,
+                    cost_model=server.cost_model,
                     system=system,
                     dataset=s.dataset,
                     rate=rate,
-                    duration_s=dur,
-                    seed=seed,
+                    duration_s=s.duration_s,
+                    seed=s.seed,
                     spread_scale=sp,
                     **m,
                 )
             )
-            curves.setdefault(sp, {}).setdefault(system, []).append(m["norm_latency_s_per_token"])
+        curves.setdefault(sp, {})[system] = (rates, [m["norm_latency_s_per_token"] for m in ms])
     summary: dict[str, Any] = {
         "executor": SIM_LABEL,
         "rates": list(s.rates),
@@ -80,10 +118,13 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
     }
     for sp in spreads:
         entry: dict[str, Any] = {
-            "norm_latency": {k: [round(v, 4) for v in c] for k, c in curves[sp].items()}
+            "norm_latency": {
+                k: {str(r): round(v, 4) for r, v in zip(*c, strict=True)}
+                for k, c in curves[sp].items()
+            }
         }
         for th in s.thresholds:
-            knees = {k: knee(s.rates, c, th) for k, c in curves[sp].items()}
+            knees = {k: knee(*c, th) for k, c in curves[sp].items()}
             ratios = {}
             if "paged" in knees:
                 for k, v in knees.items():
@@ -91,34 +132,40 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
                         ratios[f"paged/{k}"] = round(knees["paged"] / v, 2) if v else math.inf
             entry[f"knee@{th}"] = {"rates": knees, "ratios": ratios}
         summary["spread_1.0" if sp == 1.0 else f"spread_{sp}"] = entry
-    write_csv(out / "throughput_vs_rate.csv", rows)
-    _plot(s.rates, curves[1.0], out / "throughput_vs_rate.png", s.dataset, server)
-    return summary
+    return summary, rows, curves[1.0]
 
 
-def _plot(rates, curves, path: Path, dataset: str, server: Any) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for k, c in curves.items():
-        ax.plot(rates, c, "o-", color=SYSTEM_COLORS[k], label=SYSTEM_LABELS[k], ms=3)
-    ax.axhline(0.5, color="k", lw=0.5, ls=":")
-    ax.set_ylim(0, 1.0)
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("normalized latency (s/token)")
-    ax.set_title(f"Fig. 12 {server.model} {server.gpu} {dataset} ({SIM_LABEL})", fontsize=9)
-    ax.legend(fontsize=7)
+def _plot(plots, path: Path, dataset: str, server: Any) -> None:
+    fig, axes = plt.subplots(1, len(plots), figsize=(5.5 * len(plots), 4), squeeze=False)
+    for ax, (cm, curves) in zip(axes[0], plots, strict=True):
+        for k, (rates, lat) in curves.items():
+            ax.plot(rates, lat, "o-", color=SYSTEM_COLORS[k], label=SYSTEM_LABELS[k], ms=3)
+        ax.axhline(0.5, color="k", lw=0.5, ls=":")
+        ax.set_ylim(0, 1.0)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("normalized latency (s/token)")
+        title = f"Fig. 12 {server.model} {server.gpu} {dataset}, {cm} ({SIM_LABEL})"
+        ax.set_title(title, fontsize=8)
+        ax.legend(fontsize=7)
     save_fig(fig, path)
 
 
 def table(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows = []
-    for th in ("0.2", "0.5", "1.0"):
-        e = summary["spread_1.0"].get(f"knee@{float(th)}")
-        if not e:
-            continue
-        for name, (lo, hi) in paper_values.FIG12_RATIO_RANGES.items():
-            if name in e["ratios"]:
-                rng = f"{lo or ''}-{hi}x"
-                rows.append((f"knee ratio {name} @{th} s/tok", f"{e['ratios'][name]}", rng))
+    subs = [(summary.get("cost_model", "roofline"), summary)] + [
+        (k[11:], v) for k, v in summary.items() if k.startswith("cost_model=")
+    ]
+    for cm, sub in subs:
+        for th in ("0.2", "0.5", "1.0"):
+            e = sub["spread_1.0"].get(f"knee@{float(th)}")
+            if not e:
+                continue
+            for name, (lo, hi) in paper_values.FIG12_RATIO_RANGES.items():
+                if name in e["ratios"]:
+                    rng = f"{lo or ''}-{hi}x"
+                    rows.append(
+                        (f"knee ratio {name} @{th} s/tok [{cm}]", f"{e['ratios'][name]}", rng)
+                    )
     for sp in ("spread_0.75", "spread_1.25"):
         if sp in summary:
             r = summary[sp]["knee@0.5"]["ratios"]

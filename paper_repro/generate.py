@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +38,7 @@ def rows(s: dict, cmd: str) -> list[tuple[str, str, str, str, str]]:
             )
         out.append(
             (
-                "Fig. 2 token states, paged (% of allocated memory)",
+                "Fig. 2 token states, paged (% of allocated memory; acceptance basis)",
                 cmd,
                 f"{m['paged']['token_of_allocated_pct']:.1f}",
                 "96.3",
@@ -43,36 +46,63 @@ def rows(s: dict, cmd: str) -> list[tuple[str, str, str, str, str]]:
             )
         )
     if "batched_requests" in s:
-        for load, paper in pv.FIG13.items():
-            if load in s["batched_requests"]:
-                b = s["batched_requests"][load]
+        br = s["batched_requests"]
+        subs = [(br.get("cost_model", "roofline"), br)] + [
+            (k[11:], v) for k, v in br.items() if k.startswith("cost_model=")
+        ]
+        for cm, sub in subs:
+            for load, paper in pv.FIG13.items():
+                if load not in sub:
+                    continue
+                b = sub[load]
                 for k in ("orca_max", "orca_pow2", "orca_oracle", "paged"):
                     out.append(
                         (
-                            f"Fig. 13 batched requests, {load}, {k}",
+                            f"Fig. 13 batched requests, {load}, {k} [{cm}]",
                             cmd,
                             f"{b[k]:.2f}",
                             f"{paper[k]:.2f}",
                             "simulated",
                         )
                     )
-    if "throughput_vs_rate" in s:
-        t = s["throughput_vs_rate"]["spread_1.0"]
-        for th in ("0.2", "0.5", "1.0"):
-            e = t.get(f"knee@{th}")
-            if not e:
-                continue
-            for name, (lo, hi) in pv.FIG12_RATIO_RANGES.items():
-                if name in e["ratios"]:
+                for k in ("orca_oracle", "orca_max"):
                     out.append(
                         (
-                            f"Fig. 12a knee ratio {name} @ {th} s/token",
+                            f"Fig. 13 ratio paged/{k}, {load} [{cm}]",
                             cmd,
-                            f"{e['ratios'][name]}",
-                            f"{lo or '<='}-{hi}x",
+                            f"{b[f'paged/{k}']:.2f}",
+                            f"{paper['paged'] / paper[k]:.2f}",
                             "simulated",
                         )
                     )
+    if "throughput_vs_rate" in s:
+        tv = s["throughput_vs_rate"]
+        subs = [(tv.get("cost_model", "roofline"), tv)] + [
+            (k[11:], v) for k, v in tv.items() if k.startswith("cost_model=")
+        ]
+        for cm, sub in subs:
+            t = sub["spread_1.0"]
+            for th in ("0.2", "0.5", "1.0"):
+                e = t.get(f"knee@{th}")
+                if not e:
+                    continue
+                knees = ", ".join(f"{k} {v}" for k, v in e["rates"].items())
+                out.append(
+                    (f"Fig. 12a knees (req/s) @ {th} s/token [{cm}]", cmd, knees, "-", "simulated")
+                )
+                for name, (lo, hi) in pv.FIG12_RATIO_RANGES.items():
+                    if name in e["ratios"]:
+                        w = pv.FIG12_WIDEN
+                        acc = f"; accept {lo / w:.3g}-{hi * w:.3g}x" if lo else ""
+                        out.append(
+                            (
+                                f"Fig. 12a knee ratio {name} @ {th} s/token [{cm}]",
+                                cmd,
+                                f"{e['ratios'][name]}",
+                                f"{lo or '<='}-{hi}x{acc}",
+                                "simulated",
+                            )
+                        )
     if "block_size" in s:
         for k, v in s["block_size"].items():
             if isinstance(v, dict):
@@ -107,13 +137,24 @@ def rows(s: dict, cmd: str) -> list[tuple[str, str, str, str, str]]:
         v = s["simulator_validation"]
         out.append(
             (
-                "simulator vs real, max error %",
+                "simulator vs real, max error % (norm. latency and tok/s, all rates)",
                 cmd,
                 v.get("status") or str(v["max_error_pct"]),
                 "<= 20 (target)",
                 "real + simulated",
             )
         )
+        for r, m in v.get("rates", {}).items():
+            out.append(
+                (
+                    f"simulator vs real @ {r} req/s: norm. latency real / sim (s/token)",
+                    cmd,
+                    f"{m['real_norm_latency']:.4f} / {m['simulated_norm_latency']:.4f}"
+                    f" (tok/s {m['real_tok_s']:.1f} / {m['simulated_tok_s']:.1f})",
+                    "-",
+                    "real + simulated",
+                )
+            )
     return out
 
 
@@ -121,8 +162,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", nargs="+", required=True, help="results directories")
     ap.add_argument("--out", default=str(ROOT / "paper_repro" / "README.md"))
+    ap.add_argument(
+        "--machine",
+        default=None,
+        help="where the results were measured (default: this machine's CPU count and load)",
+    )
+    ap.add_argument("--note", action="append", default=[], help="extra line(s) for the header")
     a = ap.parse_args()
     table = []
+    stamps = []
     for d in a.results:
         d = Path(d)
         s = json.loads((d / "summary.json").read_text())
@@ -131,6 +179,13 @@ def main() -> None:
         )
         cfg = Path(info.get("config", d.name)).name
         table += rows(s, f"`python experiments/run.py --config {cfg}`")
+        secs = info.get("seconds", {}).get("total")
+        when = time.strftime("%Y-%m-%d %H:%M", time.gmtime((d / "summary.json").stat().st_mtime))
+        stamps.append(f"- `{cfg}`: {d.name}, finished {when} UTC, run time {secs} s")
+    machine = a.machine or (
+        f"{platform.machine()} Linux, {os.cpu_count()} CPU cores (shared with other jobs,"
+        f" load average {os.getloadavg()[0]:.1f} at generation), no GPU"
+    )
     lines = [
         "# Paper reproduction table",
         "",
@@ -138,6 +193,12 @@ def main() -> None:
         "summary.json files of `experiments/run.py`; do not edit by hand. Simulated rows come",
         "from the jitted simulator with an A100-40GB roofline (no GPU was used); see",
         "docs/experiments.md for the setup, definitions and why numbers differ from the paper.",
+        "Cost models: [roofline] = A100-40GB roofline with default efficiencies; [vllm2023] =",
+        "the roofline calibrated to 2023 vLLM from an independent anchor (not Fig. 12/13).",
+        "",
+        f"Machine: {machine}.",
+        *stamps,
+        *a.note,
         "",
         "| figure / table | command | ours | paper | real or simulated |",
         "|---|---|---|---|---|",

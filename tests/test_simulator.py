@@ -6,7 +6,13 @@ import pytest
 from pagedjax.scheduler import SchedulerConfig
 from pagedjax.scheduler.counting_policy import CountingPolicy
 from pagedjax.simulator.cost_model import FittedCostModel
-from pagedjax.simulator.simulate import make_trace, simulate, simulate_many, stack_traces
+from pagedjax.simulator.simulate import (
+    make_trace,
+    simulate,
+    simulate_many,
+    simulate_recorded,
+    stack_traces,
+)
 
 # 10 ms per step + 1 ms per prefill token: easy to reason about by hand.
 COST = FittedCostModel((0.01, 0.001, 0.0, 0.0, 0.0))
@@ -53,3 +59,35 @@ def test_vmap_matches_single_runs():
     for i, t in enumerate(traces):
         one = simulate(pol, _cfg(), COST, t)
         np.testing.assert_allclose(np.asarray(many.finish_time[i]), np.asarray(one.finish_time))
+
+
+def test_recorded_steps_sum_to_the_busy_time():
+    # All requests at t = 0: the recorded cost-model inputs give the busy time exactly.
+    rng = np.random.default_rng(2)
+    tr = make_trace(np.zeros(20), rng.integers(2, 20, 20), rng.integers(2, 30, 20), pad_to=32)
+    res, rec = simulate_recorded(POLICY, _cfg(), COST, tr, record=512)
+    rec = np.asarray(rec)[: int(res.steps)]
+    assert np.asarray(rec)[int(res.steps) :].sum() == 0
+    total = float(np.sum(np.asarray(COST(*rec.T))))
+    assert total == pytest.approx(float(res.busy_time), rel=1e-5)
+
+
+def test_calibration_fit_reproduces_anchors_of_a_known_roofline():
+    from pagedjax.simulator.calibrate import fit
+    from pagedjax.simulator.cost_model import roofline
+
+    rng = np.random.default_rng(3)
+    true = roofline("A100-40GB", "opt-13b", mem_efficiency=0.6, flop_efficiency=0.5,
+                    step_overhead_s=0.01)  # fmt: skip
+    records, anchor = {}, {}
+    for cap, n in ((32, 50), (512, 400)):
+        dec = rng.integers(1, 30, n).astype(float)
+        pre = np.where(rng.random(n) < 0.2, rng.integers(500, 4000, n), 0).astype(float)
+        rec = np.stack([pre, dec, dec * 600, pre * 256, (pre > 0).astype(float)], axis=1)
+        tokens = 100_000
+        records[cap] = (rec, tokens)
+        anchor[cap] = tokens / float(np.sum(np.asarray(true(*rec.T), np.float64)))
+    cal = fit(records, anchor)
+    assert cal.rms_rel_error < 0.01
+    for cap in records:
+        assert cal.predicted_tok_s[cap] == pytest.approx(anchor[cap], rel=0.01)

@@ -173,9 +173,12 @@ class _Carry(NamedTuple):
     win_batched: jax.Array
     win_usage: jax.Array
     busy: jax.Array
+    rec: jax.Array  # float32[record, 5]: the first `record` steps' cost-model inputs
 
 
-def _simulate(policy, config: SchedulerConfig, cost_model, max_steps: int, trace: Trace):
+def _simulate(
+    policy, config: SchedulerConfig, cost_model, max_steps: int, trace: Trace, record: int = 0
+):
     n_slots = config.max_seqs
     n_req = trace.arrival.shape[0]
     slots = jnp.arange(n_slots, dtype=jnp.int32)
@@ -210,7 +213,11 @@ def _simulate(policy, config: SchedulerConfig, cost_model, max_steps: int, trace
         c = admit(c)
         st0 = c.state
         st1, batch = schedule(policy, config, st0)
-        dt = cost_model(*batch_work(st1, batch))
+        work = batch_work(st1, batch)
+        dt = cost_model(*work)
+        rec = c.rec
+        if record:  # static: runs without recording pay nothing
+            rec = rec.at[jnp.minimum(c.steps, record)].set(jnp.stack(work), mode="drop")
         dt = jnp.where(batch.num_seqs > 0, dt, 0.0).astype(jnp.float32)
         # Kahan summation of the clock.
         y = dt - c.clock_lo
@@ -257,6 +264,7 @@ def _simulate(policy, config: SchedulerConfig, cost_model, max_steps: int, trace
             win_batched=c.win_batched + w * batch.num_seqs.astype(jnp.float32),
             win_usage=c.win_usage + w * use_vec,
             busy=c.busy + dt,
+            rec=rec,
         )
 
     def cond(c: _Carry) -> jax.Array:
@@ -280,10 +288,11 @@ def _simulate(policy, config: SchedulerConfig, cost_model, max_steps: int, trace
         win_batched=z,
         win_usage=jnp.zeros((4,), jnp.float32),
         busy=z,
+        rec=jnp.zeros((max(record, 1), 5), jnp.float32),
     )
     c = lax.while_loop(cond, step, c0)
     safe = jnp.maximum(c.win_time, 1e-9)
-    return SimResult(
+    res = SimResult(
         finish_time=c.finish,
         first_token_time=c.first_tok,
         rejected=c.rejected,
@@ -295,11 +304,17 @@ def _simulate(policy, config: SchedulerConfig, cost_model, max_steps: int, trace
         win_usage=c.win_usage / safe,
         busy_time=c.busy,
     )
+    return (res, c.rec) if record else res
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _simulate_jit(policy, config, cost_model, max_steps, trace):
     return _simulate(policy, config, cost_model, max_steps, trace)
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _simulate_rec(policy, config, cost_model, max_steps, record, trace):
+    return _simulate(policy, config, cost_model, max_steps, trace, record)
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3))
@@ -330,3 +345,23 @@ def simulate_many(
     The loop runs until every trace is done, so pair traces of similar length.
     """
     return _simulate_vmap(policy, config, cost_model, max_steps, traces)
+
+
+def simulate_recorded(
+    policy: Any,
+    config: SchedulerConfig,
+    cost_model: Any,
+    trace: Trace,
+    record: int,
+    max_steps: int = 2_000_000,
+) -> tuple[SimResult, jax.Array]:
+    """``simulate`` that also returns the cost-model inputs of its first ``record`` steps.
+
+    float32[record, 5] rows of (prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs,
+    prefill_seqs), zeros past the last step. When every request arrives at t = 0 the
+    schedule does not depend on step times, so the total time under *any* cost model is
+    the sum of that model over these rows (used by ``calibrate``).
+    """
+    if record < 1:
+        raise ValueError(f"record must be >= 1, got {record}")
+    return _simulate_rec(policy, config, cost_model, max_steps, record, trace)
