@@ -129,3 +129,26 @@ def test_watermark_applies_to_admissions_only():
         state, jnp.array([0]), jnp.array([36]), jnp.array([36]), jnp.array([36]), one, ~one
     )
     assert bool(ok[0]) and int(state.pool.num_free) == 1
+
+
+def test_copies_from_several_grows_in_one_step_are_all_pending():
+    """The scheduler grows running sequences and admissions in separate calls; copies
+    requested by both must reach the engine, and begin_step clears them."""
+    policy = PagedPolicy(num_blocks=12, block_size=4, max_seqs=4, max_blocks_per_seq=4)
+    state = policy.init_state()
+    one = jnp.ones(1, bool)
+    n = lambda v: jnp.asarray([v], jnp.int32)  # noqa: E731
+    state, _ = policy.grow(state, n(0), n(5), n(9), n(9), one, ~one)
+    state, _ = policy.grow(state, n(2), n(6), n(9), n(9), one, ~one)
+    pool, tables, _ = fork(state.pool, state.tables, 0, 1)
+    pool, tables, _ = fork(pool, tables, 2, 3)
+    state = policy.begin_step(state._replace(pool=pool, tables=tables))
+    shared0, shared2 = int(tables.tables[0, 1]), int(tables.tables[2, 1])
+    state, ok = policy.grow(state, n(1), n(6), n(9), n(9), one, ~one)  # e.g. running
+    state, ok2 = policy.grow(state, n(3), n(7), n(9), n(9), one, ~one)  # e.g. admission
+    assert bool(ok[0]) and bool(ok2[0])
+    cow = jax.device_get(state.last_cow)
+    assert list(cow.valid) == [False, True, False, True]
+    assert (cow.src[1], cow.src[3]) == (shared0, shared2)
+    assert cow.dst[1] == state.tables.tables[1, 1] and cow.dst[3] == state.tables.tables[3, 1]
+    assert not np.asarray(policy.begin_step(state).last_cow.valid).any()

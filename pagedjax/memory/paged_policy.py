@@ -17,8 +17,9 @@ from pagedjax.memory.prefix_cache import PrefixCacheState, create_prefix_cache, 
 class PagedState(NamedTuple):
     pool: BlockPool
     tables: BlockTables
-    # The copies a grow requested (one per grow entry); the engine applies them to the KV
-    # pool before the step's writes.
+    # KV block copies requested by the grows of the current step, indexed by sequence
+    # slot (a sequence copies at most its last block, once, per step). The engine applies
+    # them before the step's KV writes; ``begin_step`` clears them.
     last_cow: CopyOnWrite
     # Prefix-cache truth (see prefix_cache.py); None when prefix caching is off.
     prefix: PrefixCacheState | None = None
@@ -73,6 +74,11 @@ class PagedPolicy:
             else None,
         )
 
+    def begin_step(self, state: PagedState) -> PagedState:
+        """Forget the previous step's (already applied) copies."""
+        z = jnp.zeros((self.max_seqs,), jnp.int32)
+        return state._replace(last_cow=CopyOnWrite(z, z, jnp.zeros((self.max_seqs,), bool)))
+
     def grow(self, state, seq_ids, new_lens, final_lens, max_lens, mask, use_watermark):
         del final_lens, max_lens  # paged allocation needs only the current length
         seq_ids = jnp.asarray(seq_ids, jnp.int32)
@@ -89,13 +95,20 @@ class PagedPolicy:
             self.max_model_len,
             reserve,
         )
+        # Merge this call's copies into the step's pending copies, by sequence slot.
+        slot = jnp.where(cow.valid, seq_ids, self.max_seqs)  # out of range: dropped
+        pending = CopyOnWrite(
+            state.last_cow.src.at[slot].set(cow.src, mode="drop"),
+            state.last_cow.dst.at[slot].set(cow.dst, mode="drop"),
+            state.last_cow.valid.at[slot].set(True, mode="drop"),
+        )
         prefix = state.prefix
         if prefix is not None:
             # Blocks the pool just handed out get new contents: they are no longer cached.
             rows = jnp.clip(seq_ids, 0, self.max_seqs - 1)
             before, after = state.tables.tables[rows], tables.tables[rows]
             prefix = invalidate(prefix, after.reshape(-1), (after != before).reshape(-1))
-        return PagedState(pool, tables, cow, prefix), ok
+        return PagedState(pool, tables, pending, prefix), ok
 
     def release(self, state, seq_ids, mask):
         pool, tables = btm.release_batched(state.pool, state.tables, seq_ids, mask)

@@ -146,6 +146,9 @@ def schedule(
             f"config.max_seqs ({n}), state rows ({state.max_seqs}) and policy.max_seqs"
             f" ({policy.max_seqs}) must agree"
         )
+    # Per-step bookkeeping of the memory policy (the paged policy's pending KV copies).
+    if hasattr(policy, "begin_step"):
+        state = state._replace(mem=policy.begin_step(state.mem))
     pos = jnp.arange(n, dtype=jnp.int32)
     total = state.prompt_len + state.output_len  # tokens the sequence has (KV + last)
     caps_all = max_lens(state, config.max_model_len)
