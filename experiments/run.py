@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     # Reruns (and the tests after a first run) reuse compiled simulators.
-    jax.config.update("jax_compilation_cache_dir", str(ROOT / "results" / ".jax_cache"))
+    # PAGEDJAX_JAX_CACHE points it elsewhere (an empty directory times a fresh machine).
+    cache = os.environ.get("PAGEDJAX_JAX_CACHE") or str(ROOT / "results" / ".jax_cache")
+    jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(a.out) if a.out else ROOT / "results" / f"{path.stem}-{stamp}"
