@@ -45,14 +45,15 @@ def _params():
 
 
 @functools.cache
-def _engine() -> LLMEngine:
+def _engine(budget: int = BUDGET) -> LLMEngine:
+    """One engine (one set of compiled buckets) per token budget."""
     config = EngineConfig(
         model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN, seed=0),
         cache=CacheConfig(
             block_size=BLOCK, num_gpu_blocks_override=NUM_BLOCKS, enable_prefix_caching=False
         ),
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS, watermark=0.0
+            max_num_batched_tokens=budget, max_num_seqs=MAX_SEQS, watermark=0.0
         ),
     )
     tok = ByteTokenizer(eos_token_id=ARCH.eos_token_id, bos_token_id=ARCH.bos_token_id)
@@ -145,9 +146,14 @@ requests_st = st.lists(
 
 
 @settings(max_examples=8)
-@given(reqs=requests_st, seed=st.integers(0, 2**16))
-def test_batched_greedy_equals_alone(reqs, seed):
-    engine = _engine()
+@given(
+    reqs=requests_st,
+    seed=st.integers(0, 2**16),
+    # Two budgets (each compiles its own buckets once): 8 chunks most prompts, 16 fewer.
+    budget=st.sampled_from([BUDGET, BUDGET // 2]),
+)
+def test_batched_greedy_equals_alone(reqs, seed, budget):
+    engine = _engine(budget)
     rng = np.random.default_rng(seed)
     arrivals: dict[int, list] = {}
     prompts = {}
