@@ -140,7 +140,7 @@ def serve(llm: Any, w: Workload, vocab: int = 256, seed: int = 0) -> dict[str, A
     }
 
 
-_REAL: dict[Any, dict[str, Any]] = {}
+_REAL: dict[str, dict[str, Any]] = {}
 
 
 def real_runs(s: EngineSettings, progress: Any = None) -> dict[str, Any]:
@@ -149,8 +149,9 @@ def real_runs(s: EngineSettings, progress: Any = None) -> dict[str, Any]:
     short warm-up workload (compiles schedule/update), then one ShareGPT-like trace per
     rate, timed. Returns {"llm", "warmup", "loads", "reals"}; raises if the engine fails.
     """
-    if s in _REAL:
-        return _REAL[s]
+    key = repr(s)  # EngineSettings holds a list (rates): not hashable itself
+    if key in _REAL:
+        return _REAL[key]
     from experiments.common import workload
 
     llm = make_llm(s)
@@ -164,8 +165,8 @@ def real_runs(s: EngineSettings, progress: Any = None) -> dict[str, Any]:
         w = workload("sharegpt", rate, 1e6, s.seed, 1.0, s.max_model_len).head(s.num_requests)
         loads.append(w)
         reals.append(serve(llm, w))
-    _REAL[s] = {"llm": llm, "warmup": info, "loads": loads, "reals": reals}
-    return _REAL[s]
+    _REAL[key] = {"llm": llm, "warmup": info, "loads": loads, "reals": reals}
+    return _REAL[key]
 
 
 def metrics(w: Workload, r: dict[str, Any]) -> dict[str, float]:

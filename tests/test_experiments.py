@@ -48,3 +48,17 @@ def test_tiny_writes_summary_csv_and_figures(tiny_run):
         assert (out / f"{name}.png").stat().st_size > 0
         assert "simulated" in (out / f"{name}.csv").read_text()
     assert "simulated" in stdout
+
+
+def test_paper_repro_table_regenerates_from_the_run(tiny_run, tmp_path):
+    out, _ = tiny_run
+    dest = tmp_path / "README.md"
+    gen = [sys.executable, str(ROOT / "paper_repro" / "generate.py")]
+    p = subprocess.run(
+        gen + ["--results", str(out), "--out", str(dest)], capture_output=True, text=True
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    text = dest.read_text()
+    assert "| Fig. 2 token states, paged (% of pool) |" in text
+    assert "Fig. 12a knee ratio paged/orca_max @ 0.5 s/token [roofline]" in text
+    assert "simulated" in text and "Machine:" in text
