@@ -93,7 +93,7 @@ def rows(s: dict, cmd: str) -> list[tuple[str, str, str, str, str]]:
                 for name, (lo, hi) in pv.FIG12_RATIO_RANGES.items():
                     if name in e["ratios"]:
                         w = pv.FIG12_WIDEN
-                        acc = f"; accept {lo / w:.3g}-{hi * w:.3g}x" if lo else ""
+                        acc = f"; accept {lo * (2 - w):.4g}-{hi * w:.4g}x" if lo else ""
                         out.append(
                             (
                                 f"Fig. 12a knee ratio {name} @ {th} s/token [{cm}]",
@@ -171,6 +171,7 @@ def main() -> None:
     a = ap.parse_args()
     table = []
     stamps = []
+    seen: dict[str, int] = {}
     for d in a.results:
         d = Path(d)
         s = json.loads((d / "summary.json").read_text())
@@ -178,7 +179,10 @@ def main() -> None:
             json.loads((d / "run_info.json").read_text()) if (d / "run_info.json").exists() else {}
         )
         cfg = Path(info.get("config", d.name)).name
-        table += rows(s, f"`python experiments/run.py --config {cfg}`")
+        seen[cfg] = seen.get(cfg, 0) + 1
+        again = f" (repeat {seen[cfg]}: {Path(d).name})" if seen[cfg] > 1 else ""
+        sets = "".join(f" --set '{o}'" for o in info.get("overrides", []))
+        table += rows(s, f"`python experiments/run.py --config {cfg}{sets}`{again}")
         secs = info.get("seconds", {}).get("total")
         when = time.strftime("%Y-%m-%d %H:%M", time.gmtime((d / "summary.json").stat().st_mtime))
         stamps.append(f"- `{cfg}`: {d.name}, finished {when} UTC, run time {secs} s")
