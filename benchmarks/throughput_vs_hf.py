@@ -143,14 +143,21 @@ def main(argv: list[str] | None = None) -> float:
               f" {num_requests} sharegpt requests: {int(wl.prompt_len.sum())} prompt +"
               f" {n_out} output tokens")  # fmt: skip
 
+        # Rows are printed as they are measured (flushed): a long run shows partial results.
+        print(f"{'engine':>24} | {'seconds':>8} | {'out tokens':>10} | {'out tok/s':>9} | notes")
         rows: list[tuple[str, float, int, str]] = []
+
+        def row(name: str, sec: float, tok: int, note: str = "") -> None:
+            rows.append((name, sec, tok, note))
+            print(f"{name:>24} | {sec:>8.2f} | {tok:>10} | {tok / sec:>9.1f} | {note}", flush=True)
+
         hf = transformers.LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
         run_hf(hf, prompts[:2], [2, 2], 2)  # warm-up
         best_hf = 0.0
         for bs in hf_sizes:
             dt, counted = run_hf(hf, prompts, out_lens, bs)
             best_hf = max(best_hf, counted / dt)
-            rows.append((f"HF generate, batch {bs}", dt, counted, ""))
+            row(f"HF generate, batch {bs}", dt, counted)
         del hf
 
         llm = LLM(model=d, dtype="float32", max_model_len=ctx, max_num_seqs=args.max_num_seqs,
@@ -168,11 +175,8 @@ def main(argv: list[str] | None = None) -> float:
         assert got == n_out, (got, n_out)
         compiles = sum(engine.runner.trace_count.values()) - traces0
         note = f"{engine.num_steps - steps0} steps, {compiles} compiles (cold run {cold:.1f} s)"
-        rows.append(("pagedjax LLM.generate", dt, got, note))
+        row("pagedjax LLM.generate", dt, got, note)
 
-    print(f"{'engine':>24} | {'seconds':>8} | {'out tokens':>10} | {'out tok/s':>9} | notes")
-    for name, sec, tok, note in rows:
-        print(f"{name:>24} | {sec:>8.2f} | {tok:>10} | {tok / sec:>9.1f} | {note}")
     speedup = (rows[-1][2] / rows[-1][1]) / best_hf
     print(f"speedup_vs_hf: {speedup:.2f}")
     return speedup
