@@ -43,3 +43,8 @@ FIG12_WIDEN = 1.25
 # Fig. 18b / 19b: qualitative.
 FIG18B = "best block size: ShareGPT 16-128, Alpaca 16-32 (default 16)"
 FIG19B = "recompute and swap comparable end to end for block sizes 16-64"
+
+
+def format_ratio_range(lo: float | None, hi: float) -> str:
+    """The paper's ratio range as text: "1.7-2.7x", or "up to 22x" without a lower bound."""
+    return f"{lo}-{hi}x" if lo else f"up to {hi:g}x"

@@ -162,7 +162,7 @@ def table(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
                 continue
             for name, (lo, hi) in paper_values.FIG12_RATIO_RANGES.items():
                 if name in e["ratios"]:
-                    rng = f"{lo or ''}-{hi}x"
+                    rng = paper_values.format_ratio_range(lo, hi)
                     rows.append(
                         (f"knee ratio {name} @{th} s/tok [{cm}]", f"{e['ratios'][name]}", rng)
                     )

@@ -99,7 +99,7 @@ def rows(s: dict, cmd: str) -> list[tuple[str, str, str, str, str]]:
                                 f"Fig. 12a knee ratio {name} @ {th} s/token [{cm}]",
                                 cmd,
                                 f"{e['ratios'][name]}",
-                                f"{lo or '<='}-{hi}x{acc}",
+                                f"{pv.format_ratio_range(lo, hi)}{acc}",
                                 "simulated",
                             )
                         )
