@@ -20,6 +20,7 @@ EXPERIMENTS = (
     "preemption",
     "engine_throughput",
     "simulator_validation",
+    "shared_prefix",
 )
 SYSTEMS = ("orca_max", "orca_pow2", "orca_oracle", "paged", "ft_static")
 DATASETS = ("sharegpt", "alpaca")
@@ -220,6 +221,52 @@ class EngineSettings:
 
 
 @dataclass(frozen=True)
+class SharedPrefixSettings:
+    """Fig. 16 analogue on the real executor: translation-like prompts that share a
+    few-shot prefix, served with prefix caching off and on.
+
+    prefix_tokens: the shared prefix per setting (the paper's 1-shot 80 and 5-shot 341).
+    sentence_tokens / output_tokens: means of the per-request suffix and output lengths
+        (uniform over [mean/2, 3*mean/2], a WMT16-sentence-like scale).
+    rates: Poisson request rates (req/s); num_requests per run.
+    warmup: compile every (token, seq) bucket and the cache programs before timing.
+    """
+
+    model: str = "tiny-llama"
+    max_model_len: int = 512
+    prefix_tokens: list[int] = field(default_factory=lambda: [80, 341])
+    sentence_tokens: int = 32
+    output_tokens: int = 32
+    num_requests: int = 32
+    rates: list[float] = field(default_factory=lambda: [4.0, 16.0])
+    num_gpu_blocks: int = 512
+    block_size: int = 16
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    seed: int = 0
+    # Compile every bucket before timing; off only for smoke tests (throughput then
+    # includes compilations, prefill counts do not change).
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        longest = max(self.prefix_tokens, default=0) + 3 * self.sentence_tokens // 2
+        longest += 3 * self.output_tokens // 2
+        _check(
+            longest <= self.max_model_len,
+            "shared_prefix.max_model_len",
+            f"must hold the longest request ({longest} tokens), got {self.max_model_len}",
+        )
+        _check(bool(self.prefix_tokens), "shared_prefix.prefix_tokens", "needs >= 1 entry")
+        _check(all(r > 0 for r in self.rates), "shared_prefix.rates", "must be positive")
+        _check(self.num_requests >= 2, "shared_prefix.num_requests", "must be >= 2")
+        _check(
+            self.max_num_batched_tokens >= self.max_model_len,
+            "shared_prefix.max_num_batched_tokens",
+            f"must be >= max_model_len ({self.max_model_len})",
+        )
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """Top level of configs/*.yaml."""
 
@@ -233,6 +280,7 @@ class ExperimentConfig:
     block_size: BlockSizeSettings = field(default_factory=BlockSizeSettings)
     preemption: PreemptionSettings = field(default_factory=PreemptionSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    shared_prefix: SharedPrefixSettings = field(default_factory=SharedPrefixSettings)
 
     def __post_init__(self) -> None:
         for i, e in enumerate(self.experiments):

@@ -73,8 +73,18 @@ def warm_up(llm: Any) -> dict[str, Any]:
     return {"buckets": pairs, "how": how, "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def serve(llm: Any, w: Workload, vocab: int = 256, seed: int = 0) -> dict[str, Any]:
-    """Returns per-request times (s from start) and per-step (features, seconds)."""
+def serve(
+    llm: Any,
+    w: Workload,
+    vocab: int = 256,
+    seed: int = 0,
+    prompts: list[list[int]] | None = None,
+) -> dict[str, Any]:
+    """Returns per-request times (s from start) and per-step (features, seconds).
+
+    prompts: the requests' token ids (len(w) lists, of w.prompt_len tokens each);
+    default: random ids in [1, vocab) drawn with ``seed``.
+    """
     from pagedjax import SamplingParams
 
     eng = llm.llm_engine
@@ -109,7 +119,10 @@ def serve(llm: Any, w: Workload, vocab: int = 256, seed: int = 0) -> dict[str, A
         while nxt < n or eng.has_unfinished_requests():
             now = time.perf_counter() - t0
             while nxt < n and w.arrival_time[nxt] <= now:
-                ids = rng.integers(1, vocab, int(w.prompt_len[nxt])).tolist()
+                if prompts is None:
+                    ids = rng.integers(1, vocab, int(w.prompt_len[nxt])).tolist()
+                else:
+                    ids = prompts[nxt]
                 p = SamplingParams(
                     max_tokens=int(w.output_len[nxt]), ignore_eos=True, temperature=0
                 )

@@ -133,6 +133,30 @@ def rows(s: dict, cmd: str) -> list[tuple[str, str, str, str, str]]:
             f"{r} req/s: {m['throughput_tok_s']:.0f} tok/s" for r, m in e["rates"].items()
         )
         out.append(("engine throughput (scaled-down model, this CPU)", cmd, val, "-", "real"))
+    if "shared_prefix" in s:
+        sp = s["shared_prefix"]
+        if "status" in sp:
+            out.append(("Fig. 16 shared prefix", cmd, sp["status"], "-", "real"))
+        for key, r in sp.get("runs", {}).items():
+            paper = r["paper_vllm_over_oracle"]
+            out.append(
+                (
+                    f"Fig. 16 analogue {key}: prefill tokens saved by prefix caching",
+                    cmd,
+                    f"{r['prefill_saved_pct']:.1f}% (hit rate {r['on']['hit_rate']:.2f})",
+                    "-",
+                    f"real ({sp['model']}, this CPU)",
+                )
+            )
+            out.append(
+                (
+                    f"Fig. 16 analogue {key}: throughput caching on / off",
+                    cmd,
+                    f"{r['throughput_on_over_off']:.2f}x",
+                    f"vLLM / Orca (Oracle) {paper}x (a different comparison)" if paper else "-",
+                    f"real ({sp['model']}, this CPU)",
+                )
+            )
     if "simulator_validation" in s:
         v = s["simulator_validation"]
         out.append(
