@@ -16,31 +16,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.reference import check_paged_inputs
+
 # Upper bound on the bytes of scores + gathered pages held by one vmapped batch of items.
 _ITEM_BATCH_BYTES = 1 << 26
 
 
 def _check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens) -> None:
-    if q.ndim != 3:
-        raise ValueError(f"q must be [T, num_q_heads, head_dim], got {q.shape}")
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError(
-            "k_pages/v_pages must both be [num_blocks, num_kv_heads, block_size, head_dim], "
-            f"got {k_pages.shape} and {v_pages.shape}"
-        )
-    if k_pages.shape[3] != q.shape[2]:
-        raise ValueError(f"head_dim mismatch: q {q.shape}, k_pages {k_pages.shape}")
-    if q.shape[1] % k_pages.shape[1]:
-        raise ValueError(
-            f"num_q_heads={q.shape[1]} must be a multiple of num_kv_heads={k_pages.shape[1]}"
-        )
-    if block_tables.ndim != 2 or block_tables.shape[0] < 1:
+    """The kernels' input contract (pallas_kernels.reference), plus S >= 1 and a cu_q_lens."""
+    if cu_q_lens is None:
+        raise ValueError("cu_q_lens is required (int32[S + 1])")
+    check_paged_inputs(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens)
+    if block_tables.shape[0] < 1:
         raise ValueError(f"block_tables must be int32[S>=1, max_blocks], got {block_tables.shape}")
-    num_seqs = block_tables.shape[0]
-    if kv_lens.shape != (num_seqs,):
-        raise ValueError(f"kv_lens must be int32[{num_seqs}], got {kv_lens.shape}")
-    if cu_q_lens.shape != (num_seqs + 1,):
-        raise ValueError(f"cu_q_lens must be int32[{num_seqs + 1}], got {cu_q_lens.shape}")
 
 
 def ragged_paged_attention(
