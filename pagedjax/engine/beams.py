@@ -201,8 +201,9 @@ class _Group:
         self.req: RequestState | None = None
         self.done = False
 
-    def advance(self, cands: list[list[tuple[int, float, Logprob]]]) -> list[tuple[int, int]]:
-        """One step given each running beam's top-2k (token, logprob, entry) candidates.
+    def advance(self, cands: list[list[tuple[int, float, dict]]]) -> list[tuple[int, int]]:
+        """One step given each running beam's top-2k (token, logprob, step's logprobs)
+        candidates.
 
         Returns the new running beams as (parent beam index, token) best first, or []
         when the search ended (``self.done``).
@@ -295,11 +296,13 @@ def _ids_detok(tokenizer: Any, ids: list[int]) -> IncrementalDetokenizer:
     return d
 
 
-def _candidates(seq: SequenceState, n: int) -> list[tuple[int, float, Logprob]]:
-    """The slot's last step's top-n (token, logprob, entry), best first."""
+def _candidates(seq: SequenceState, n: int) -> list[tuple[int, float, dict[int, Logprob]]]:
+    """The slot's last step's top-n (token, logprob, {token: Logprob} of all n), best
+    first; the dict is what a hypothesis keeps for that position (vLLM's logprobs)."""
     entry = seq.logprobs[-1]
-    ranked = sorted(entry.items(), key=lambda kv: (-kv[1].logprob, kv[1].rank or 0))
-    return [(tok, lp.logprob, lp) for tok, lp in ranked[:n]]
+    ranked = sorted(entry.items(), key=lambda kv: (-kv[1].logprob, kv[1].rank or 0))[:n]
+    step = dict(ranked)
+    return [(tok, lp.logprob, step) for tok, lp in ranked]
 
 
 def group_block_bound(prompt_len: int, max_new: int, k: int, block_size: int) -> int:
