@@ -189,6 +189,7 @@ class _Group:
                  eos: set[int]):  # fmt: skip
         self.request_id, self.prompt_ids, self.max_new = request_id, prompt_ids, max_new
         self.k, self.lp, self.early = p.beam_width, p.length_penalty, p.early_stopping
+        self.temperature = p.temperature if p.temperature >= SAMPLING_EPS else 1.0
         self.eos = eos
         # transformers keeps max(2, 1 + #EOS ids) * k candidates per step, so that k of
         # them do not end in EOS; each beam's own top that many are enough to find them.
@@ -197,6 +198,7 @@ class _Group:
         self.finished = [_Finished(NEG, None, False) for _ in range(self.k)]
         self.improvable = True  # transformers' is_early_stop_heuristic_unsatisfied
         self.slots: list[int] = []
+        self.block_bound = 0  # group_block_bound, set by beam_search
         self.steps = 0  # tokens generated so far by every running beam
         self.req: RequestState | None = None
         self.done = False
@@ -315,52 +317,58 @@ def group_block_bound(prompt_len: int, max_new: int, k: int, block_size: int) ->
 def beam_search(
     engine: LLMEngine,
     prompts: Sequence[Any],
-    params: BeamSearchParams,
+    params: BeamSearchParams | Sequence[BeamSearchParams],
     use_tqdm: bool = False,
     concurrency_limit: int | None = None,
 ) -> list[BeamSearchOutput]:
     """Run beam search for every prompt through ``engine``; outputs in prompt order.
 
-    Groups are admitted while beam_width free slots and the worst-case blocks of every
-    admitted group (``group_block_bound``) fit the pool, and at most concurrency_limit
-    groups at once. Raises ValueError (before anything runs) on bad params or a prompt
-    that cannot run, and BeamSearchOutOfStep (after aborting this call's requests) if a
-    beam misses a step.
+    params: one for all prompts (vLLM's API), or one per prompt. Groups are admitted
+    while their beam_width free slots and the worst-case blocks of every admitted group
+    (``group_block_bound``) fit, and at most concurrency_limit groups at once. Raises
+    ValueError (before anything runs) on bad params or a prompt that cannot run, and
+    BeamSearchOutOfStep (after aborting this call's requests) if a beam misses a step.
     """
-    if not isinstance(params, BeamSearchParams):
-        raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
-    k = params.beam_width
-    eos = set() if params.ignore_eos else set(engine._eos)
-    n_cand = max(2, 1 + len(eos)) * k
-    if n_cand > min(engine.max_logprobs, engine.arch.vocab_size):
-        raise ValueError(
-            f"beam_width={k} needs the top {n_cand} log-probs per step, over the engine's"
-            f" max_logprobs={engine.max_logprobs} (or the vocabulary)"
-        )
-    if k > engine.max_seqs:
-        raise ValueError(f"beam_width={k} exceeds max_num_seqs={engine.max_seqs} (slots)")
+    if isinstance(params, BeamSearchParams):
+        params = [params] * len(prompts)
+    params = list(params)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(params)} BeamSearchParams for {len(prompts)} prompts")
+    for p in params:
+        if not isinstance(p, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(p).__name__}")
     if concurrency_limit is not None and concurrency_limit < 1:
         raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
     usable = engine.num_blocks - 1 - engine.policy.watermark_blocks
     groups: list[_Group] = []
-    for i, prompt in enumerate(prompts):
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        k = p.beam_width
+        eos = set() if p.ignore_eos else set(engine._eos)
+        n_cand = max(2, 1 + len(eos)) * k
+        if n_cand > min(engine.max_logprobs, engine.arch.vocab_size):
+            raise ValueError(
+                f"beam_width={k} needs the top {n_cand} log-probs per step, over the"
+                f" engine's max_logprobs={engine.max_logprobs} (or the vocabulary)"
+            )
+        if k > engine.max_seqs:
+            raise ValueError(f"beam_width={k} exceeds max_num_seqs={engine.max_seqs} (slots)")
         _, ids = engine._tokenize(prompt)
-        max_new = min(params.max_tokens, engine.max_model_len - len(ids))
+        max_new = min(p.max_tokens, engine.max_model_len - len(ids))
         if max_new < 1:
             raise ValueError(
                 f"prompt {i} has {len(ids)} tokens: no room to generate within"
                 f" max_model_len={engine.max_model_len}"
             )
-        sp = _slot_params(n_cand, max_new)
-        engine._validate(ids, sp)
-        need = group_block_bound(len(ids), max_new, k, engine.block_size)
-        if need > usable:
+        engine._validate(ids, _slot_params(n_cand, max_new))
+        g = _Group(f"beam-{next(_ids)}", ids, max_new, p, eos)
+        g.block_bound = group_block_bound(len(ids), max_new, k, engine.block_size)
+        if g.block_bound > usable:
             raise ValueError(
                 f"prompt {i}: {k} beams of up to {len(ids) + max_new} tokens may need"
-                f" {need} KV blocks, more than the pool's {usable}"
+                f" {g.block_bound} KV blocks, more than the pool's {usable}"
             )
-        groups.append(_Group(f"beam-{next(_ids)}", ids, max_new, params, eos))
-    return _Driver(engine, params, groups, concurrency_limit).run(use_tqdm)
+        groups.append(g)
+    return _Driver(engine, groups, concurrency_limit).run(use_tqdm)
 
 
 _ids = itertools.count()
@@ -375,17 +383,9 @@ def _slot_params(num_candidates: int, max_new: int) -> SamplingParams:
 
 
 class _Driver:
-    def __init__(self, engine: LLMEngine, params: BeamSearchParams, groups: list[_Group],
-                 limit: int | None):  # fmt: skip
-        self.engine, self.params, self.groups = engine, params, groups
+    def __init__(self, engine: LLMEngine, groups: list[_Group], limit: int | None):
+        self.engine, self.groups = engine, groups
         self.limit = limit or len(groups)
-        self.k = params.beam_width
-        self.temp = params.temperature if params.temperature >= SAMPLING_EPS else 1.0
-        self.block_bound = {
-            g.request_id: group_block_bound(len(g.prompt_ids), g.max_new, self.k,
-                                            engine.block_size)
-            for g in groups
-        }  # fmt: skip
         self.usable = engine.num_blocks - 1 - engine.policy.watermark_blocks
 
     def run(self, use_tqdm: bool) -> list[BeamSearchOutput]:
@@ -433,11 +433,10 @@ class _Driver:
         if len(active) >= self.limit:
             return False
         engine = self.engine
-        reserved = sum(self.k - len(a.slots) for a in active) + len(engine._queue)
-        if len(engine._free_slots) - reserved < self.k:
+        reserved = sum(a.k - len(a.slots) for a in active) + len(engine._queue)
+        if len(engine._free_slots) - reserved < g.k:
             return False
-        held = sum(self.block_bound[a.request_id] for a in active)
-        return held + self.block_bound[g.request_id] <= self.usable
+        return sum(a.block_bound for a in active) + g.block_bound <= self.usable
 
     def _admit(self, g: _Group) -> None:
         """Add the group's first beam as a request and give it a slot now, so its
@@ -452,7 +451,7 @@ class _Driver:
             raise RuntimeError(f"beam search group {g.request_id} got no slot")
         seq.detok = _ids_detok(engine.tokenizer, [])
         g.slots = [seq.slot]
-        engine._slot_sampling["logprob_temperature"][seq.slot] = self.temp
+        engine._slot_sampling["logprob_temperature"][seq.slot] = g.temperature
         engine._slot_sampling_dev = None
 
     def _advance(self, g: _Group) -> list[tuple[int, int, int, int, int]]:
