@@ -331,6 +331,8 @@ def beam_search(
     """
     if isinstance(params, BeamSearchParams):
         params = [params] * len(prompts)
+    if not isinstance(params, Sequence):
+        raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
     params = list(params)
     if len(params) != len(prompts):
         raise ValueError(f"got {len(params)} BeamSearchParams for {len(prompts)} prompts")
