@@ -7,6 +7,7 @@ caches are its own."""
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -39,3 +40,35 @@ def test_benchmark_last_line(script: str, args: list[str], name: str) -> None:
     assert m, f"last line {lines[-1]!r} is not '{name}: <number>'"
     value = float(m.group(1))
     assert math.isfinite(value) and value > 0, value
+
+
+def test_sharing_memory_quick() -> None:
+    """benchmarks/sharing_memory.py --quick: the Fig. 15 table (ours beside the paper's),
+    beam search saving more than parallel sampling, and the headline last line. Run with
+    this checkout first on the path, so a worktree's pagedjax is the one measured."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "sharing_memory.py"), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    num = r" +([\d.]+)% \|"
+    rows = {}
+    for line in proc.stdout.splitlines():
+        m = re.match(r"\| (parallel sampling n=|beam search width=)(\d) +\|" + num * 3, line)
+        if m:
+            rows[(m.group(1)[:4], int(m.group(2)))] = tuple(float(m.group(i)) for i in (3, 4, 5))
+    assert set(rows) == {(m, w) for m in ("para", "beam") for w in (2, 4, 6)}, proc.stdout
+    assert rows[("beam", 6)][2] == 55.16 and rows[("para", 2)][2] == 6.09  # the paper's
+    for w in (2, 4, 6):  # whole run and steady: beams share more than parallel samples
+        for col in (0, 1):
+            assert 0 < rows[("para", w)][col] < rows[("beam", w)][col] < 100
+    m = re.fullmatch(r"beam6_saved_pct: (\S+)", proc.stdout.strip().splitlines()[-1])
+    assert m and float(m.group(1)) == rows[("beam", 6)][1]

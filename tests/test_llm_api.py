@@ -166,7 +166,7 @@ def test_invalid_inputs_raise_and_engine_keeps_serving(llm):
         ([[3, 4, 5], list(range(3, 3 + MAX_LEN + 1))], good, ValueError, "longer than"),
         ([[3, 4, 5], [999]], good, ValueError, "vocabulary"),
         ([[3, 4, 5]], [good, good], ValueError, "sampling_params"),
-        ([[3, 4, 5]], BeamSearchParams(beam_width=2, max_tokens=3), NotImplementedError, "beam"),
+        ([[3, 4, 5]], BeamSearchParams(beam_width=2, max_tokens=3), TypeError, "beam_search"),
         ([[3, 4, 5], []], good, ValueError, "empty"),
         ([1.5], good, TypeError, "prompt"),
     ]

@@ -9,6 +9,7 @@ from typing import Any
 
 from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from pagedjax.config import SchedulerConfig as EngineSchedulerConfig
+from pagedjax.engine.beams import BeamSearchOutput, beam_search
 from pagedjax.engine.llm_engine import DEFAULT_MAX_LOGPROBS, LLMEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.sampling import BeamSearchParams, SamplingParams
@@ -112,7 +113,7 @@ class LLM:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams | BeamSearchParams):
-            params = [sampling_params] * len(prompts)  # add_request rejects beam search
+            params = [sampling_params] * len(prompts)  # add_request points beam search here
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -128,6 +129,26 @@ class LLM:
             engine.abort_request(added)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (vLLM's ``LLM.beam_search``); outputs in input order.
+
+        Each output holds the beam_width best hypotheses, best first; a hypothesis'
+        ``tokens`` are prompt + output and ``text`` decodes them, as vLLM. The search
+        follows Hugging Face's ``generate(num_beams=beam_width, do_sample=False)``
+        (length_penalty, early_stopping); the beams of a prompt share KV blocks by
+        reference count (pagedjax/engine/beams.py, docs/engine.md). concurrency_limit:
+        most prompts searched at once (default: as many as the KV pool and slots hold).
+        """
+        return beam_search(
+            self.llm_engine, _as_prompt_list(prompts), params, use_tqdm, concurrency_limit
+        )
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

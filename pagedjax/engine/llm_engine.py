@@ -206,7 +206,7 @@ class LLMEngine:
         """
         params = SamplingParams() if params is None else params
         if isinstance(params, BeamSearchParams):
-            raise NotImplementedError("beam search (BeamSearchParams) is not implemented yet")
+            raise TypeError("BeamSearchParams go to LLM.beam_search (or engine.beams.beam_search)")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(request_id, str):

@@ -157,11 +157,23 @@ def _normalise_token_ids(ids: object) -> tuple[int, ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class BeamSearchParams:
-    """Options for beam search (vLLM's BeamSearchParams); consumed by the beam search issue.
+    """Options for ``LLM.beam_search`` (vLLM's BeamSearchParams, plus ``early_stopping``).
 
     beam_width: beams kept per step (>= 1). max_tokens: most tokens to generate (>= 1).
-    temperature: >= 0, applied to logits before ranking beams (0 = plain log-probs).
-    length_penalty: exponent of the length in the score cumulative_logprob / len**alpha.
+    ignore_eos: keep EOS out of the search (every hypothesis runs to max_tokens).
+    temperature: >= 0; the beams are ranked by log_softmax(logits / temperature)
+        (0 = plain log-probs), as vLLM's beam search passes it to the sampler.
+    length_penalty: exponent alpha of Hugging Face's score,
+        cumulative_logprob / generated_len ** alpha (generated_len counts an EOS token).
+    early_stopping: Hugging Face's rule for ending the search (extension; vLLM has no
+        such option): True stops as soon as beam_width hypotheses are finished; False
+        (HF's default) stops when the best running beam, scored at its current length,
+        cannot beat the worst finished one; "never" scores it at max length when
+        length_penalty > 0 (the canonical rule).
+
+    Scoring follows Hugging Face ``generate(num_beams=..., do_sample=False)``, not vLLM's
+    own beam search: vLLM divides by the length of prompt + output (minus a final EOS),
+    keeps every EOS hypothesis and always runs max_tokens steps. See docs/engine.md.
     """
 
     beam_width: int
@@ -169,6 +181,7 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if _check_int("beam_width", self.beam_width) < 1:
@@ -183,3 +196,7 @@ class BeamSearchParams:
         object.__setattr__(
             self, "length_penalty", _check_float("length_penalty", self.length_penalty)
         )
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
+            )

@@ -7,7 +7,8 @@ does not depend on its slot, its neighbours, the padding, the engine step or pre
 
 Reported logprobs are those of the raw model distribution, log_softmax(logits) before
 penalties, temperature and filtering (vLLM's default, "raw_logprobs"): the sampled
-token's logprob and rank, and the top max_logprobs tokens sorted by logprob.
+token's logprob and rank, and the top max_logprobs tokens sorted by logprob. A row whose
+``logprob_temperature`` is not 1 (beam search only) reports log_softmax(logits / it).
 
 Shapes: S sampled rows (padded), V vocabulary, K = min(max_logprobs, V).
 """
@@ -169,7 +170,9 @@ def sample(
         lambda x: jax.vmap(jax.random.categorical)(row_keys(t), x),
         processed,
     ).astype(jnp.int32)
-    raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    # Raw logprobs (logprob_temperature 1.0), or temperature-scaled ones for beam search.
+    scale = t.logprob_temperature.astype(jnp.float32)[:, None]
+    raw = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
     k = min(max_logprobs, logits.shape[-1])
     return SamplerOutput(ids, *_logprob_summary(raw, ids, k))
 

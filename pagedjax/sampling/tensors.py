@@ -27,6 +27,9 @@ class SamplingTensors(NamedTuple):
     output_position: int32, index of the token being sampled within that sample's
         output (0 for the first generated token). The row's PRNG key depends on
         (seed, sample_index, output_position) only.
+    logprob_temperature: float32, the reported logprobs are log_softmax(logits / it):
+        1.0 = the raw distribution (vLLM's default, every request); beam search sets
+        its temperature here so it ranks beams by temperature-scaled log-probs.
     """
 
     temperature: jax.Array
@@ -40,6 +43,7 @@ class SamplingTensors(NamedTuple):
     seed: jax.Array
     sample_index: jax.Array
     output_position: jax.Array
+    logprob_temperature: jax.Array
 
     @classmethod
     def from_params(
@@ -98,6 +102,7 @@ def _neutral(s: int) -> dict[str, np.ndarray]:
         seed=np.zeros(s, np.uint32),
         sample_index=np.zeros(s, i32),
         output_position=np.zeros(s, i32),
+        logprob_temperature=np.ones(s, f32),
     )
 
 
