@@ -21,6 +21,7 @@ EXPERIMENTS = (
     "engine_throughput",
     "simulator_validation",
     "shared_prefix",
+    "sharing",
 )
 SYSTEMS = ("orca_max", "orca_pow2", "orca_oracle", "paged", "ft_static")
 DATASETS = ("sharegpt", "alpaca")
@@ -267,6 +268,34 @@ class SharedPrefixSettings:
 
 
 @dataclass(frozen=True)
+class SharingSettings:
+    """Fig. 15 on the real executor: KV blocks saved by parallel sampling and beam search
+    (benchmarks/sharing_memory.py: Alpaca-like lengths, closed loop of ``concurrency``
+    requests in flight, block size 16, nothing preempted)."""
+
+    model: str = "tiny-llama"
+    num_requests: int = 32
+    concurrency: int = 8
+    max_model_len: int = 512
+    max_num_seqs: int = 64
+    max_output: int | None = None  # cap on output lengths (smoke tests)
+    parallel_n: list[int] = field(default_factory=lambda: [2, 4, 6])
+    beam_widths: list[int] = field(default_factory=lambda: [2, 4, 6])
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.num_requests >= 1, "sharing.num_requests", "must be >= 1")
+        _check(self.concurrency >= 1, "sharing.concurrency", "must be >= 1")
+        for k in (*self.parallel_n, *self.beam_widths):
+            _check(k >= 1, "sharing.parallel_n / beam_widths", f"must be >= 1, got {k}")
+        _check(
+            self.max_num_seqs >= self.concurrency * max([*self.parallel_n, *self.beam_widths, 1]),
+            "sharing.max_num_seqs",
+            "must hold concurrency x the largest n or beam width (no preemption)",
+        )
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """Top level of configs/*.yaml."""
 
@@ -281,6 +310,7 @@ class ExperimentConfig:
     preemption: PreemptionSettings = field(default_factory=PreemptionSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     shared_prefix: SharedPrefixSettings = field(default_factory=SharedPrefixSettings)
+    sharing: SharingSettings = field(default_factory=SharingSettings)
 
     def __post_init__(self) -> None:
         for i, e in enumerate(self.experiments):

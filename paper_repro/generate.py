@@ -133,6 +133,22 @@ def rows(s: dict, cmd: str) -> list[tuple[str, str, str, str, str]]:
             f"{r} req/s: {m['throughput_tok_s']:.0f} tok/s" for r, m in e["rates"].items()
         )
         out.append(("engine throughput (scaled-down model, this CPU)", cmd, val, "-", "real"))
+    if "sharing" in s:
+        sh = s["sharing"]
+        if "status" in sh:
+            out.append(("Fig. 15 memory saved by sharing", cmd, sh["status"], "-", "real"))
+        for mode, what in (("parallel", "parallel sampling n="), ("beam", "beam search width=")):
+            for k, v in sh.get(mode, {}).items():
+                paper = v["paper_pct"]
+                out.append(
+                    (
+                        f"Fig. 15 memory saved, {what}{k} (steady; whole run)",
+                        cmd,
+                        f"{v['steady_saved_pct']:.1f}% ({v['saved_pct']:.1f}%)",
+                        f"{paper:.2f}%" if paper is not None else "-",
+                        f"real ({sh['model']}, Alpaca-like, this CPU)",
+                    )
+                )
     if "shared_prefix" in s:
         sp = s["shared_prefix"]
         if "status" in sp:

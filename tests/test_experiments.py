@@ -64,11 +64,18 @@ def test_paper_repro_table_regenerates_from_the_run(tiny_run, tmp_path):
     assert "simulated" in text and "Machine:" in text
 
 
-def test_shared_prefix_saves_prefill_and_reports_it(tmp_path):
-    """The Fig. 16 analogue end to end on a tiny setting (real engine, two compiles)."""
+def test_sharing_experiments_report_savings(tmp_path):
+    """configs/sharing.yaml end to end on a tiny setting (real engine, three compiles):
+    Fig. 15 (parallel sampling, beam search) and the Fig. 16 analogue (shared prefix)."""
     out = tmp_path / "sp"
     sets = [
-        "experiments=[shared_prefix]",
+        "sharing.num_requests=2",
+        "sharing.concurrency=2",
+        "sharing.max_model_len=128",
+        "sharing.max_num_seqs=4",
+        "sharing.max_output=12",
+        "sharing.parallel_n=[2]",
+        "sharing.beam_widths=[2]",
         "shared_prefix.max_model_len=128",
         "shared_prefix.prefix_tokens=[32]",
         "shared_prefix.sentence_tokens=8",
@@ -85,7 +92,14 @@ def test_shared_prefix_saves_prefill_and_reports_it(tmp_path):
         cmd += ["--set", s]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    (run,) = json.loads((out / "summary.json").read_text())["shared_prefix"]["runs"].values()
+    summary = json.loads((out / "summary.json").read_text())
+    sh = summary["sharing"]
+    for mode in ("parallel", "beam"):
+        v = sh[mode]["2"]
+        assert v["preemptions"] == 0 and v["steps"] > 0
+        assert 0 < v["saved_pct"] < 100  # beams and samples share at least the prompt
+    assert (out / "sharing.png").stat().st_size > 0
+    (run,) = summary["shared_prefix"]["runs"].values()
     off, on = run["off"], run["on"]
     assert off["hit_tokens"] == 0 and off["prefill_computed"] == off["prefill_tokens"]
     # Requests after the first reuse the 32-token prefix (2 full blocks of 16) unless they
