@@ -42,6 +42,7 @@ from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.kv_budget import num_kv_blocks
 from pagedjax.engine.loading import load_model
 from pagedjax.engine.model_runner import ModelRunner, jitted_update
+from pagedjax.engine.multi_step import MultiStepDecoder
 from pagedjax.engine.outputs import Logprob, RequestOutput
 from pagedjax.engine.sequence import RequestState, SequenceState
 from pagedjax.memory.block_pool import NULL_BLOCK
@@ -164,6 +165,8 @@ class LLMEngine:
         self._register = jax.jit(functools.partial(sharing.register_step, bs), donate_argnums=(0,))
         self._fork = jax.jit(functools.partial(sharing.fork_children, bs), donate_argnums=(0,))
         self._usage = jax.jit(functools.partial(sharing.sharing_usage, bs))
+        # K-step on-device decode loop (multi_step.py); K = 1 keeps the one-step path.
+        self.multi_step = MultiStepDecoder(self.runner, policy, scfg, sc.num_multi_steps)
         self.prefix_index = PrefixIndex()
         self._relookup: set[int] = set()  # slots preempted by recompute: look up again
         self.reset_stats()
@@ -272,6 +275,9 @@ class LLMEngine:
         self._assign_slots()
         if not self._slot_owner:
             return []
+        outputs = self.multi_step.step(self)  # None: a host event needs the one-step path
+        if outputs is not None:
+            return outputs
         self.state, batch = self._schedule(self.state)
         host = jax.device_get(
             dict(
@@ -696,5 +702,3 @@ def _reject_unbuilt_features(config: EngineConfig) -> None:
             "tensor_parallel_size / data_parallel_size > 1: multi-device execution is not"
             " implemented yet"
         )
-    if config.scheduler.num_multi_steps != 1:
-        raise NotImplementedError("num_multi_steps > 1: multi-step decoding is not implemented yet")
