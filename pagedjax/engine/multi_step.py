@@ -54,9 +54,21 @@ if TYPE_CHECKING:
 # runs one step at a time.
 MAX_STOP_IDS = 16
 
+# The loop pads S up to at least this many rows (or max_num_seqs when smaller): a decode
+# step's cost hardly depends on S at small S (the weights are read once per step), and
+# fewer buckets mean fewer loop programs to compile and warm up.
+MIN_LOOP_SEQS = 8
+
 EXIT_DONE, EXIT_IDLE, EXIT_SHAPE, EXIT_FINISH = 0, 1, 2, 3
 EXIT_NAMES = {EXIT_DONE: "done", EXIT_IDLE: "idle", EXIT_SHAPE: "shape", EXIT_FINISH: "finish"}
 _GOING = -1
+
+
+def loop_buckets(seq_buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """The sequence buckets the loop compiles for: the engine's, below MIN_LOOP_SEQS
+    merged into one (e.g. (1, 2, 4, 8, 16) -> (8, 16); (1, 2) -> (2,))."""
+    floor = min(MIN_LOOP_SEQS, seq_buckets[-1])
+    return tuple(sorted({max(s, floor) for s in seq_buckets}))
 
 
 class LoopOutput(NamedTuple):
@@ -303,7 +315,7 @@ class MultiStepDecoder:
             self.stats.skipped[why] = self.stats.skipped.get(why, 0) + 1
             return None
         owners = dict(engine._slot_owner)
-        s_b = pick(engine.seq_buckets, min(len(owners), engine.max_num_seqs))
+        s_b = pick(loop_buckets(engine.seq_buckets), min(len(owners), engine.max_num_seqs))
         engine._upload_sampling()
         t0 = time.perf_counter()
         engine.state, engine.kv, engine.tokens, out = self.loop(

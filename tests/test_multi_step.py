@@ -1,0 +1,217 @@
+"""Multi-step decoding (K iterations in one jitted loop) gives the outputs of K = 1;
+warm-up leaves nothing to compile; the host-overhead benchmark runs.
+
+Two engines (prefix caching off / on), each built once with ``warmup="all"``; the K = 1
+reference runs on the same engine with the loop disabled (``multi_step.enabled``), so
+both paths share one set of compiled programs. A 1-layer variant of tiny-llama keeps
+compilation (most of this module's time) short.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.engine.multi_step import loop_buckets
+from pagedjax.engine.warmup import backend_compilations, bucket_pairs, engine_compilations
+from pagedjax.model import preset_arch, random_params
+from pagedjax.sampling import SamplingParams
+from pagedjax.scheduler import FREE
+from pagedjax.tokenizer import ByteTokenizer
+
+ARCH = dataclasses.replace(preset_arch("tiny-llama"), num_layers=1)
+BLOCK = 4
+MAX_LEN = 64
+MAX_SEQS = 2  # fewer slots than requests: admissions interleave with loops
+BUDGET = 16  # prompts over 16 tokens are chunked
+NUM_BLOCKS = 14  # 13 usable (52 tokens): two long sequences must preempt
+K = 4
+
+
+@functools.cache
+def _engine(caching: bool) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN, seed=0),
+        cache=CacheConfig(
+            block_size=BLOCK, num_gpu_blocks_override=NUM_BLOCKS, enable_prefix_caching=caching
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS, watermark=0.0, num_multi_steps=K
+        ),
+        warmup="all",
+    )
+    params = random_params(ARCH, seed=0, dtype=jnp.float32, std=0.15)
+    tok = ByteTokenizer(eos_token_id=ARCH.eos_token_id, bos_token_id=ARCH.bos_token_id)
+    # NaN pages: anything read from a slot a sequence does not own poisons its logits.
+    return LLMEngine(ARCH, params, tok, config, kv_fill_value=float("nan"))
+
+
+def _drain(engine: LLMEngine, arrivals: dict[int, list], max_steps: int = 2000) -> dict:
+    """Step until idle, adding (request_id, prompt, params) at their arrival steps."""
+    done, step = {}, 0
+    while engine.has_unfinished_requests() or any(k >= step for k in arrivals):
+        for rid, prompt, params in arrivals.get(step, []):
+            engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in done, "a request finished twice"
+                done[out.request_id] = out
+        step += 1
+        assert step < max_steps, "engine did not finish"
+    return done
+
+
+def _assert_idle(engine: LLMEngine) -> None:
+    assert engine.num_free_blocks() == engine.num_usable_blocks()
+    assert len(engine._free_slots) == engine.max_seqs and not engine._slot_owner
+    assert np.all(np.asarray(engine.state.status) == FREE)
+    assert not engine._queue and not engine._requests
+
+
+def _greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def _prompt(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(3, ARCH.vocab_size, size=n).tolist()
+
+
+def _run(engine: LLMEngine, multi: bool, arrivals: dict, eos: set[int]) -> dict:
+    engine.multi_step.enabled = multi
+    saved, engine._eos = engine._eos, eos
+    try:
+        return _drain(engine, arrivals)
+    finally:
+        engine._eos = saved
+        engine.multi_step.enabled = True
+
+
+def _workload(engine: LLMEngine, seed: int) -> tuple[dict, set[int], dict]:
+    """Mixed requests: greedy (with logprobs), seeded sampling (top-p, penalties), n = 2,
+    a prompt over the budget (chunked), a 1-token output, a stop token id and an EOS
+    hitting mid-output, staggered arrivals. Returns (arrivals, eos set, expected stops)."""
+    rng = np.random.default_rng(seed)
+    p = {i: _prompt(rng, n) for i, n in enumerate([5, 17, 1, 9, 7, 12, 3, 20])}
+    # Probe the greedy outputs of the stop requests (K = 1) to place the stops mid-output.
+    probe = _run(engine, False, {0: [("p3", p[3], _greedy(20)), ("p4", p[4], _greedy(20))]}, set())
+    stop_id = probe["p3"].outputs[0].token_ids[9]
+    eos_id = probe["p4"].outputs[0].token_ids[6]
+    sampled = dict(temperature=1.0, ignore_eos=True)
+    reqs = {
+        0: [
+            ("g", p[0], _greedy(22, logprobs=2)),
+            ("chunked", p[1], SamplingParams(top_p=0.9, seed=7, max_tokens=13, **sampled)),
+            ("one", p[2], _greedy(1)),
+        ],
+        1: [("stopid", p[3], _greedy(20, stop_token_ids=[stop_id]))],
+        2: [("eos", p[4], SamplingParams(temperature=0.0, max_tokens=20))],
+        4: [
+            ("penalty", p[5], SamplingParams(presence_penalty=0.5, seed=3, max_tokens=25,
+                                             **sampled)),
+            ("n2", p[6], SamplingParams(n=2, seed=11, max_tokens=10, logprobs=1, **sampled)),
+        ],
+        # Two long ones together (12 + 11 blocks > 13): one is preempted mid-decode.
+        9: [("late", p[7][:10], _greedy(36)), ("late2", p[7][10:18], _greedy(36))],
+    }  # fmt: skip
+    return reqs, {eos_id}, {"stopid": stop_id, "eos": None}
+
+
+def _same(a, b) -> None:
+    assert set(a) == set(b)
+    for rid in a:
+        assert len(a[rid].outputs) == len(b[rid].outputs)
+        for x, y in zip(a[rid].outputs, b[rid].outputs, strict=True):
+            assert x.token_ids == y.token_ids, rid
+            assert (x.finish_reason, x.stop_reason, x.text) == (
+                y.finish_reason,
+                y.stop_reason,
+                y.text,
+            ), rid
+            assert math.isclose(x.cumulative_logprob, y.cumulative_logprob, abs_tol=1e-3), rid
+            if x.logprobs is not None:
+                assert len(x.logprobs) == len(y.logprobs) == len(x.token_ids)
+                for ex, ey in zip(x.logprobs, y.logprobs, strict=True):
+                    assert ex.keys() == ey.keys(), rid
+                    for t in ex:
+                        assert abs(ex[t].logprob - ey[t].logprob) < 1e-4, rid
+                        assert ex[t].rank == ey[t].rank, rid
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_k_steps_equal_one_step(caching: bool):
+    engine = _engine(caching)
+    arrivals, eos, stops = _workload(engine, seed=1)
+    pre0 = engine.num_preemptions
+    ref = _run(engine, False, arrivals, eos)
+    assert engine.num_preemptions > pre0
+    engine.reset_stats()
+    pre0 = engine.num_preemptions
+    got = _run(engine, True, arrivals, eos)
+    _same(ref, got)
+    # The stops hit mid-output (and so, with K = 4, inside loops).
+    for rid, reason in stops.items():
+        o = got[rid].outputs[0]
+        assert o.finish_reason == "stop" and o.stop_reason == reason, (rid, o)
+        assert 2 < len(o.token_ids) < 20, (rid, o.token_ids)
+    ms = engine.multi_step.stats
+    assert ms.iterations >= 2 * ms.loops > 0, ms  # loops ran, mostly several iterations each
+    assert ms.exits.get("finish", 0) > 0, ms  # left a loop to admit a queued request
+    # A preemption ends a loop (rolled back, then run by the one-step path).
+    assert engine.num_preemptions > pre0 and ms.exits.get("shape", 0) + ms.rolled_back > 0, ms
+    _assert_idle(engine)
+
+
+def test_k_steps_register_prefix_blocks_filled_inside_the_loop():
+    """A prompt that is an earlier request's prompt + output hits every full block,
+    including those the earlier request completed inside a decode loop."""
+    engine = _engine(True)
+    rng = np.random.default_rng(5)
+    prompt = _prompt(rng, 5)  # unique: 1 full block after prefill
+    engine.reset_stats()
+    first = _drain(engine, {0: [("a", prompt, _greedy(16))]})["a"].outputs[0].token_ids
+    assert engine.multi_step.stats.iterations >= 8  # most of its decode ran in loops
+    follow = prompt + first[:14]  # 19 tokens: 4 full blocks, 3 of them filled by decode
+    hits0 = engine.stats()["prefix_cache_hit_tokens"]
+    _drain(engine, {0: [("b", follow, _greedy(2))]})
+    assert engine.stats()["prefix_cache_hit_tokens"] - hits0 == 4 * BLOCK
+    _assert_idle(engine)
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_no_compilation_after_warmup(caching: bool):
+    engine = _engine(caching)  # built with warmup="all"
+    assert engine.runner.trace_count.keys() >= set(
+        bucket_pairs(engine.token_buckets, engine.seq_buckets, "all")
+    )
+    assert set(engine.multi_step.trace_count) == set(loop_buckets(engine.seq_buckets))
+    before, xla_before = engine_compilations(engine), backend_compilations()[0]
+    assert engine.stats()["compilations"] == before > 0
+    arrivals, eos, _ = _workload(engine, seed=2)
+    _run(engine, True, arrivals, eos)
+    engine.add_request("abort-me", [5, 6, 7], _greedy(10))
+    engine.step()
+    engine.abort_request("abort-me")
+    assert engine_compilations(engine) == before
+    assert backend_compilations()[0] == xla_before  # nothing in the process compiled
+    assert all(v == 1 for v in engine.runner.trace_count.values())
+    assert all(v == 1 for v in engine.multi_step.trace_count.values())
+    _assert_idle(engine)
+
+
+def test_host_overhead_benchmark_tiny():
+    """The benchmark's measurement on this module's engine (already compiled)."""
+    from benchmarks.host_overhead import measure
+
+    engine = _engine(False)
+    dev, rows = measure(engine, [1, K], K, num_seqs=2, prompt_len=4, output_len=12, repeats=1)
+    assert dev > 0 and set(rows) == {1, K}
+    for per_iter, iters in rows.values():
+        assert per_iter > 0 and iters == 11  # 12 tokens: the first comes from the prefill
+    _assert_idle(engine)
