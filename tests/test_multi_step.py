@@ -20,7 +20,12 @@ import pytest
 from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.multi_step import loop_buckets
-from pagedjax.engine.warmup import backend_compilations, bucket_pairs, engine_compilations
+from pagedjax.engine.warmup import (
+    backend_compilations,
+    bucket_pairs,
+    engine_compilations,
+    engine_jits,
+)
 from pagedjax.model import preset_arch, random_params
 from pagedjax.sampling import SamplingParams
 from pagedjax.scheduler import FREE
@@ -50,7 +55,16 @@ def _engine(caching: bool) -> LLMEngine:
     params = random_params(ARCH, seed=0, dtype=jnp.float32, std=0.15)
     tok = ByteTokenizer(eos_token_id=ARCH.eos_token_id, bos_token_id=ARCH.bos_token_id)
     # NaN pages: anything read from a slot a sequence does not own poisons its logits.
-    return LLMEngine(ARCH, params, tok, config, kv_fill_value=float("nan"))
+    engine = LLMEngine(ARCH, params, tok, config, kv_fill_value=float("nan"))
+    _WARM[caching] = _per_function(engine)  # right after the warm-up
+    return engine
+
+
+_WARM: dict[bool, dict[str, int]] = {}
+
+
+def _per_function(engine: LLMEngine) -> dict[str, int]:
+    return {name: f._cache_size() for name, f in engine_jits(engine).items()}
 
 
 def _drain(engine: LLMEngine, arrivals: dict[int, list], max_steps: int = 2000) -> dict:
@@ -191,13 +205,17 @@ def test_no_compilation_after_warmup(caching: bool):
         bucket_pairs(engine.token_buckets, engine.seq_buckets, "all")
     )
     assert set(engine.multi_step.trace_count) == set(loop_buckets(engine.seq_buckets))
-    before, xla_before = engine_compilations(engine), backend_compilations()[0]
+    # Whatever ran on this engine before (other tests too) compiled nothing new.
+    warm, xla_before = _WARM[caching], backend_compilations()[0]
+    assert _per_function(engine) == warm
+    before = sum(warm.values())
     assert engine.stats()["compilations"] == before > 0
     arrivals, eos, _ = _workload(engine, seed=2)
     _run(engine, True, arrivals, eos)
     engine.add_request("abort-me", [5, 6, 7], _greedy(10))
     engine.step()
     engine.abort_request("abort-me")
+    assert _per_function(engine) == warm
     assert engine_compilations(engine) == before
     assert backend_compilations()[0] == xla_before  # nothing in the process compiled
     assert all(v == 1 for v in engine.runner.trace_count.values())

@@ -154,7 +154,9 @@ class LLMEngine:
 
         policy, scfg = self.policy, self.sched_config
         self._schedule = jax.jit(functools.partial(schedule, policy, scfg))
-        self._add = jax.jit(add_requests)
+        # A partial of its own: jit shares one cache between wrappers of the same function,
+        # and stats()["compilations"] counts this engine's entries only.
+        self._add = jax.jit(functools.partial(add_requests))
         self._post = jitted_update(policy, scfg)
         self._abort = jax.jit(
             lambda s, ids, m: recycle(abort(policy, s, ids, m), ids, m), donate_argnums=(0,)

@@ -162,7 +162,9 @@ def warm_up(
 
 
 def _padding_batch(n: int) -> ScheduledBatch:
-    z, f = np.zeros((n,), np.int32), np.zeros((n,), bool)
+    """A batch of padding rows, of device arrays like ``schedule``'s (jit's cache key
+    tells device arrays from numpy ones: a numpy batch would compile another copy)."""
+    z, f = jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool)
     return ScheduledBatch(jnp.full((n,), -1, jnp.int32), z, z, f, jnp.int32(0), jnp.int32(0), f, f)
 
 
@@ -194,8 +196,8 @@ def _loop(engine: LLMEngine, s: int) -> None:
 
 
 def _small(engine: LLMEngine) -> None:
-    """Each small state function once, with masks that select nothing, argument types
-    exactly as the engine passes them (jit caches by them)."""
+    """Each small state function once, with masks that select nothing, each argument a
+    numpy or a device array exactly as the engine passes it (jit caches by that too)."""
     n, m = engine.max_seqs, engine.max_blocks_per_seq
     i32 = np.zeros((n,), np.int32)
     ones = np.ones((n,), np.int32)
@@ -215,7 +217,10 @@ def _small(engine: LLMEngine) -> None:
     if engine.enable_prefix_caching:
         cand = np.zeros((n, m), np.int32)
         engine.state, verified, used = engine._attach(engine.state, engine.tokens, i32, cand, f)
-        engine.state = engine._register(engine.state, engine.tokens, i32 - 1, i32, i32)
+        batch = _padding_batch(n)  # the engine passes the batch's (device) rows
+        engine.state = engine._register(
+            engine.state, engine.tokens, batch.seq_ids, batch.start_pos, batch.q_lens
+        )
         jax.device_get((verified, used))
     engine.state = engine._fork(engine.state, np.int32(0), i32, f, i32, i32)
     jax.block_until_ready(engine.state)
