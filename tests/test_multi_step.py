@@ -97,14 +97,17 @@ def _prompt(rng: np.random.Generator, n: int) -> list[int]:
     return rng.integers(3, ARCH.vocab_size, size=n).tolist()
 
 
-def _run(engine: LLMEngine, multi: bool, arrivals: dict, eos: set[int]) -> dict:
+def _run(
+    engine: LLMEngine, multi: bool, arrivals: dict, eos: set[int], pipeline: bool = True
+) -> dict:
     engine.multi_step.enabled = multi
+    engine.multi_step.pipeline = pipeline
     saved, engine._eos = engine._eos, eos
     try:
         return _drain(engine, arrivals)
     finally:
         engine._eos = saved
-        engine.multi_step.enabled = True
+        engine.multi_step.enabled = engine.multi_step.pipeline = True
 
 
 def _workload(engine: LLMEngine, seed: int) -> tuple[dict, set[int], dict]:
@@ -179,6 +182,38 @@ def test_k_steps_equal_one_step(caching: bool):
     assert ms.exits.get("finish", 0) > 0, ms  # left a loop to admit a queued request
     # A preemption ends a loop (rolled back, then run by the one-step path).
     assert engine.num_preemptions > pre0 and ms.exits.get("shape", 0) + ms.rolled_back > 0, ms
+    assert ms.pipelined > 0, ms  # some loops were dispatched before the previous replay
+    _assert_idle(engine)
+    # Without pipelining: the same outputs again.
+    engine.reset_stats()
+    _same(ref, _run(engine, True, arrivals, eos, pipeline=False))
+    assert engine.multi_step.stats.pipelined == 0 < engine.multi_step.stats.loops
+    _assert_idle(engine)
+
+
+def test_abort_while_a_loop_is_in_flight():
+    """A request aborted while its loop's results are unread: they are dropped, its slot
+    is reused at once, the other request's output is unchanged."""
+    engine = _engine(False)
+    rng = np.random.default_rng(7)
+    a, b, c = _prompt(rng, 6), _prompt(rng, 3), _prompt(rng, 4)
+    arrivals = {0: [("x", a, _greedy(30)), ("y", b, _greedy(30))]}
+    ref = _run(engine, False, arrivals, set())
+    alone_c = _run(engine, False, {0: [("z", c, _greedy(8))]}, set())["z"]
+    for rid, prompt, params in arrivals[0]:
+        engine.add_request(rid, prompt, params)
+    done = {}
+    for _ in range(100):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if engine.multi_step._inflight is not None:
+            break
+    assert engine.multi_step._inflight is not None and not done
+    engine.abort_request("x")
+    engine.add_request("z", c, _greedy(8))  # takes x's slot while the loop is unread
+    got = _drain(engine, {})
+    done.update(got)
+    assert set(done) == {"y", "z"}
+    _same({"y": ref["y"], "z": alone_c}, done)
     _assert_idle(engine)
 
 

@@ -691,6 +691,7 @@ class LLMEngine:
             multi_step_loops=ms.loops,
             multi_step_iterations=ms.iterations,
             multi_step_rolled_back=ms.rolled_back,
+            multi_step_pipelined=ms.pipelined,
         )
 
 

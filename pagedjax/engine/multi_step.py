@@ -225,6 +225,13 @@ def runner_out_shapes(s: int, top_k: int) -> tuple:
     )
 
 
+class _Pending(NamedTuple):
+    owners: dict  # slot -> (RequestState, SequenceState) at dispatch
+    out: LoopOutput  # device arrays (top_* None unless a row wants logprobs)
+    want_top: bool
+    t0: float
+
+
 @dataclass
 class MultiStepStats:
     """Counters since the last reset (``LLMEngine.stats()`` reports them)."""
@@ -232,6 +239,7 @@ class MultiStepStats:
     loops: int = 0  # loop dispatches that ran >= 1 iteration
     iterations: int = 0  # engine iterations run inside loops
     rolled_back: int = 0  # dispatches whose first iteration was not a pure decode
+    pipelined: int = 0  # loops dispatched before the host replayed the previous one
     exits: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)  # why the one-step path ran
 
@@ -261,6 +269,8 @@ class MultiStepDecoder:
         ids = np.arange(n, dtype=np.int32)
         self.recycle = jax.jit(lambda s, m: recycle(s, ids, m), donate_argnums=(0,))
         self._stop_cache: tuple[Any, jax.Array] | None = None
+        self.pipeline = True
+        self._inflight: _Pending | None = None  # a loop dispatched, not yet read
         self.last_loop_seconds = 0.0  # wall time of the last dispatch + transfer
 
     def _traced(self, *args: Any, num_seqs: int) -> Any:
@@ -308,12 +318,25 @@ class MultiStepDecoder:
         return self._stop_cache[1]
 
     def step(self, engine: LLMEngine) -> list[RequestOutput] | None:
-        """Run one loop if eligible; None means "take the one-step path" (not eligible,
-        or the first iteration was not a pure decode and was rolled back)."""
+        """Run (or finish) one loop; None means "take the one-step path" (not eligible,
+        or the loop's first iteration was not a pure decode and was rolled back).
+
+        Pipelining (``pipeline``, default on): when a loop ran all its iterations and the
+        host has nothing to do in between (eligible, no queued request), the next loop is
+        dispatched as soon as the previous one has finished on the device, before the
+        host replays the previous one's tokens (detokenization, stops, outputs), so the
+        two overlap. Its outputs are returned by the next ``step`` call.
+        """
+        if self._inflight is not None:
+            pending, self._inflight = self._inflight, None
+            return self._finish(engine, pending)
         why = self.ineligible(engine)
         if why is not None:
             self.stats.skipped[why] = self.stats.skipped.get(why, 0) + 1
             return None
+        return self._finish(engine, self._dispatch(engine))
+
+    def _dispatch(self, engine: LLMEngine) -> _Pending:
         owners = dict(engine._slot_owner)
         s_b = pick(loop_buckets(engine.seq_buckets), min(len(owners), engine.max_num_seqs))
         engine._upload_sampling()
@@ -326,25 +349,46 @@ class MultiStepDecoder:
         want_top = any(seq.logprobs is not None for _, seq in owners.values())
         if not want_top:  # the [K, S, L] arrays stay on device
             out = out._replace(top_ids=None, top_logprobs=None)
-        got = jax.device_get(out)  # the one device -> host transfer
-        self.last_loop_seconds = time.perf_counter() - t0
-        n_it = int(got.num_iters)
-        reason = EXIT_NAMES[int(got.exit_reason)]
+        return _Pending(owners, out, want_top, t0)
+
+    def _finish(self, engine: LLMEngine, pending: _Pending) -> list[RequestOutput] | None:
+        """Wait for a dispatched loop, maybe dispatch the next (pipelining), then read
+        its results (one transfer) and replay them on the host."""
+        head = jax.device_get((pending.out.num_iters, pending.out.exit_reason))  # waits
+        n_it, code = int(head[0]), int(head[1])
+        if (
+            code == EXIT_DONE
+            and self.pipeline
+            and not engine._queue
+            and self.ineligible(engine) is None
+        ):
+            self._inflight = self._dispatch(engine)
+            self.stats.pipelined += 1
+        got = jax.device_get(pending.out)  # one transfer of all K x S results
+        self.last_loop_seconds = time.perf_counter() - pending.t0
         if n_it == 0:
             self.stats.rolled_back += 1
             return None
         self.stats.loops += 1
         self.stats.iterations += n_it
+        reason = EXIT_NAMES[code]
         self.stats.exits[reason] = self.stats.exits.get(reason, 0) + 1
-        return self._emit(engine, owners, got, n_it, want_top)
+        return self._emit(engine, pending.owners, got, n_it, pending.want_top)
 
     def _emit(
         self, engine: LLMEngine, owners: dict, got: LoopOutput, n_it: int, want_top: bool
     ) -> list[RequestOutput]:
-        """Replay the loop's iterations on the host, in order, as ``_run`` does for one."""
+        """Replay the loop's iterations on the host, in order, as ``_run`` does for one.
+
+        owners: the slot owners when the loop was dispatched. A request aborted since
+        (possible with pipelining) is skipped; its slot may already serve another one."""
         touched: dict[str, Any] = {}
-        recycle_mask = np.zeros(engine.max_seqs, bool)
+        finished: list[tuple[int, Any]] = []
         b = engine.block_size
+
+        def live(req: Any) -> bool:
+            return engine._requests.get(req.request_id) is req
+
         for j in range(n_it):
             used, unshared = int(got.used[j]), int(got.unshared[j])
             if unshared > 0:
@@ -355,6 +399,8 @@ class MultiStepDecoder:
             for r in np.flatnonzero(got.seq_ids[j] >= 0):
                 slot = int(got.seq_ids[j, r])
                 req, seq = owners[slot]
+                if not live(req):
+                    continue
                 if seq.finish_reason is not None:
                     raise RuntimeError(
                         f"multi-step: slot {slot} ran after the host saw it finish"
@@ -371,17 +417,24 @@ class MultiStepDecoder:
                 if seq.record(
                     int(got.token_ids[j, r]), float(got.logprobs[j, r]), top, engine._eos
                 ):
-                    recycle_mask[slot] = True
+                    finished.append((slot, seq))
                 touched[req.request_id] = req
         engine.num_steps += n_it
-        for slot in np.flatnonzero(recycle_mask != (got.status == FINISHED)):
-            if slot in owners:  # a finished slot not recycled yet must be one we saw finish
-                raise RuntimeError(
-                    f"multi-step: host and device disagree on whether slot {slot} finished"
-                )
+        recycle_mask = np.zeros(engine.max_seqs, bool)
+        for slot, _ in finished:
+            recycle_mask[slot] = True
+        for slot, (req, seq) in owners.items():
+            # Cross-check: the device finished exactly the sequences the host did.
+            current = engine._slot_owner.get(slot)
+            if live(req) and current is not None and current[1] is seq:
+                if recycle_mask[slot] != (got.status[slot] == FINISHED):
+                    raise RuntimeError(
+                        f"multi-step: host and device disagree on whether slot {slot} finished"
+                    )
         if recycle_mask.any():
             engine.state = self.recycle(engine.state, recycle_mask)
-            engine._free_recycled(recycle_mask)
+            for _, seq in finished:
+                engine._release_slot(seq)
         outputs = [req.output() for req in touched.values()]
         for o in outputs:
             if o.finished:
