@@ -17,7 +17,8 @@ tokens, divided by the iterations they ran. It still holds one dispatch and one 
 per device-k iterations, so it is an upper bound of device time and the overhead column
 (wall/iter - device/iter) a lower bound. Every K is run ``--repeats`` times after a
 warm-up run (compilation), the median is printed. The last line is the overhead at the
-largest K of ``--ks``.
+largest K of ``--ks``, pipelined (docs/engine.md); K > 1 rows are run with and
+without pipelining.
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.model import preset_arch, random_params
 from pagedjax.sampling import SamplingParams
 from pagedjax.tokenizer import ByteTokenizer
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
 
 
 def build_engine(
@@ -63,14 +72,20 @@ def build_engine(
 
 
 def decode_phase(
-    engine: LLMEngine, k: int, num_seqs: int, prompt_len: int, output_len: int, seed: int = 0
+    engine: LLMEngine,
+    k: int,
+    num_seqs: int,
+    prompt_len: int,
+    output_len: int,
+    pipeline: bool = False,
+    seed: int = 0,
 ) -> tuple[float, int, float, int]:
     """Run the workload with K = k; returns (decode wall seconds, decode iterations,
     seconds inside loop calls, iterations inside loops)."""
     ms = engine.multi_step
     if k > ms.num_steps:
         raise ValueError(f"K={k} exceeds the engine's num_multi_steps={ms.num_steps}")
-    ms.enabled, ms.steps_per_call = k > 1, max(k, 1)
+    ms.enabled, ms.steps_per_call, ms.pipeline = k > 1, max(k, 1), pipeline
     rng = np.random.default_rng(seed)
     vocab = engine.arch.vocab_size
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
@@ -100,18 +115,22 @@ def measure(
     prompt_len: int,
     output_len: int,
     repeats: int = 3,
-) -> tuple[float, dict[int, tuple[float, int]]]:
-    """(device seconds per iteration, {K: (median wall seconds per iteration, iterations)})."""
-    decode_phase(engine, device_k, num_seqs, prompt_len, output_len)  # compiles the loop
+) -> tuple[float, dict[tuple[int, bool], tuple[float, int]]]:
+    """(device seconds per iteration, {(K, pipelined): (median wall seconds per
+    iteration, iterations)}); every K > 1 is run without and with pipelining."""
+    wl = (num_seqs, prompt_len, output_len)
+    decode_phase(engine, device_k, *wl)  # compiles the loop
     dev = []
     for _ in range(repeats):
-        _, _, loop_s, loop_it = decode_phase(engine, device_k, num_seqs, prompt_len, output_len)
+        _, _, loop_s, loop_it = decode_phase(engine, device_k, *wl)
         dev.append(loop_s / loop_it)
     out = {}
     for k in ks:
-        decode_phase(engine, k, num_seqs, prompt_len, output_len)  # compiles what K meets
-        runs = [decode_phase(engine, k, num_seqs, prompt_len, output_len) for _ in range(repeats)]
-        out[k] = (statistics.median(w / it for w, it, _, _ in runs), runs[0][1])
+        for pipeline in (False, True) if k > 1 else (False,):
+            decode_phase(engine, k, *wl, pipeline=pipeline)  # compiles what K meets
+            runs = [decode_phase(engine, k, *wl, pipeline=pipeline) for _ in range(repeats)]
+            out[k, pipeline] = (statistics.median(w / it for w, it, _, _ in runs), runs[0][1])
+    engine.multi_step.pipeline = True
     return statistics.median(dev), out
 
 
@@ -128,18 +147,23 @@ def main(argv: list[str] | None = None) -> float:
     device_k = max(args.device_k, *args.ks)
     max_len = args.prompt_len + args.output_len + 1
     engine = build_engine(args.model, args.num_seqs, max_len, device_k)
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cpus"
-          f" ({platform.processor() or '?'}), load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+          f" ({cpu_model()}), load average {load}")  # fmt: skip
     print(f"model {args.model} (random fp32), {args.num_seqs} sequences, prompt"
           f" {args.prompt_len}, {args.output_len} output tokens, decode phase only")  # fmt: skip
     dev, rows = measure(
         engine, args.ks, device_k, args.num_seqs, args.prompt_len, args.output_len, args.repeats
     )
     print(f"device time per iteration (K={device_k} loop calls only): {dev * 1e6:.0f} us")
-    print(f"{'K':>4} | {'iterations':>10} | {'us/iter (wall)':>14} | {'host overhead us/iter':>21}")
-    for k, (per_iter, iters) in rows.items():
-        print(f"{k:>4} | {iters:>10} | {per_iter * 1e6:>14.0f} | {(per_iter - dev) * 1e6:>21.0f}")
-    head = rows[max(args.ks)][0] - dev
+    print(f"{'K':>4} | {'pipelined':>9} | {'iterations':>10} | {'us/iter (wall)':>14} |"
+          f" {'host overhead us/iter':>21}")  # fmt: skip
+    for (k, pipe), (per_iter, iters) in rows.items():
+        print(f"{k:>4} | {'yes' if pipe else 'no':>9} | {iters:>10} | {per_iter * 1e6:>14.0f} |"
+              f" {(per_iter - dev) * 1e6:>21.0f}")  # fmt: skip
+    print("load average at the end: " + " / ".join(f"{x:.2f}" for x in os.getloadavg()))
+    k_max = max(args.ks)
+    head = rows[k_max, k_max > 1][0] - dev
     print(f"host_overhead_us_per_iter: {head * 1e6:.0f}")
     return head
 

@@ -264,7 +264,36 @@ def test_host_overhead_benchmark_tiny():
 
     engine = _engine(False)
     dev, rows = measure(engine, [1, K], K, num_seqs=2, prompt_len=4, output_len=12, repeats=1)
-    assert dev > 0 and set(rows) == {1, K}
+    assert dev > 0 and set(rows) == {(1, False), (K, False), (K, True)}
     for per_iter, iters in rows.values():
         assert per_iter > 0 and iters == 11  # 12 tokens: the first comes from the prefill
+    _assert_idle(engine)
+
+
+def test_loop_runs_while_a_request_waits_in_a_slot_for_memory():
+    """A request holding a slot but not admitted (the pool is full) does not stop the
+    loop; once memory frees, the loop exits and the prefill runs one step at a time."""
+    engine = _engine(False)
+    rng = np.random.default_rng(9)
+    a, b = _prompt(rng, 8), _prompt(rng, 40)
+    ref = _run(engine, False, {0: [("A", a, _greedy(40)), ("B", b, _greedy(6))]}, set())
+    engine.reset_stats()
+    engine.add_request("A", a, _greedy(40))
+    done: dict = {}
+
+    def step() -> int:
+        outs = engine.step()
+        done.update({o.request_id: o for o in outs if o.finished})
+        return max((len(o.outputs[0].token_ids) for o in outs if o.request_id == "A"), default=0)
+
+    while step() < 32:  # A then holds 40 tokens = 10 of the 13 blocks
+        pass
+    engine.add_request("B", b, _greedy(6))  # its first chunk needs 4 blocks: it waits
+    it0 = engine.multi_step.stats.iterations
+    while "A" not in done:
+        step()
+        assert not engine._requests["B"].seqs[0].detok.ids  # B got nothing before A ends
+    assert engine.multi_step.stats.iterations - it0 >= 4  # A decoded in loops meanwhile
+    done.update(_drain(engine, {}))
+    _same(ref, done)
     _assert_idle(engine)

@@ -299,6 +299,7 @@ class LLMEngine:
             )
         )
         host["used"], host["unshared"] = host.pop("usage")
+        self.multi_step.note_step(self, host)
         self.num_preemptions += int(host["preempted"].sum())
         self.num_steps += 1
         used, unshared = int(host["used"]), int(host["unshared"])

@@ -270,6 +270,8 @@ class MultiStepDecoder:
         self.recycle = jax.jit(lambda s, m: recycle(s, ids, m), donate_argnums=(0,))
         self._stop_cache: tuple[Any, jax.Array] | None = None
         self.pipeline = True
+        self._last_pure_decode = False  # see note_step
+        self._noted: set[int] = set()
         self._inflight: _Pending | None = None  # a loop dispatched, not yet read
         self.last_loop_seconds = 0.0  # wall time of the last dispatch + transfer
 
@@ -285,8 +287,12 @@ class MultiStepDecoder:
         if not self.enabled or self.steps_per_call <= 1:
             return "disabled"
         for req, seq in engine._slot_owner.values():
-            if not seq.detok.ids:
-                return "prefill"  # new, or an n > 1 child: prompt still to compute
+            # No token yet: a prompt (or an n > 1 child's last prompt token) to compute,
+            # unless the last one-step schedule saw it and still ran a pure decode (it
+            # waits for memory or a running-sequence place: the loop can run meanwhile,
+            # and exits, rolled back, when the schedule admits it).
+            if not seq.detok.ids and not (self._last_pure_decode and id(seq) in self._noted):
+                return "prefill"
             if seq.params.stop:
                 return "stop_strings"  # only the host detokenizer can see them
             if req.pending:
@@ -294,6 +300,15 @@ class MultiStepDecoder:
             if len(self._stop_set(engine, seq)) > MAX_STOP_IDS:
                 return "many_stop_ids"
         return None
+
+    def note_step(self, engine: LLMEngine, host: dict[str, Any]) -> None:
+        """After a one-step schedule (its batch sizes read on the host): remember whether
+        it was a pure decode, and which sequences held slots then."""
+        n = int(host["num_seqs"])
+        self._last_pure_decode = (
+            n > 0 and int(host["num_tokens"]) == n and not host["preempted"].any()
+        )
+        self._noted = {id(seq) for _, seq in engine._slot_owner.values()}
 
     @staticmethod
     def _stop_set(engine: LLMEngine, seq: Any) -> set[int]:
