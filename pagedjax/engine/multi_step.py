@@ -7,7 +7,8 @@ When nothing needs the host between iterations (docs/engine.md, "Multi-step deco
     schedule -> (pure decode of RUNNING sequences?) -> forward + sample + append ids
              -> stop-id / EOS check on device -> register filled prefix blocks -> update
 
-and then reads the K x S sampled ids (and logprobs) back in one ``device_get``. The host
+and then reads the K x S sampled ids (and logprobs) back in one transfer (after two
+scalars: how many iterations ran and why it stopped). The host
 replays them in iteration order through the same ``SequenceState.record`` the one-step
 path uses (detokenization, stop checks, logprobs), so the outputs are the ones K single
 steps would give: the schedule is the same jitted function, the sampler's keys are
@@ -25,8 +26,9 @@ Exit rules (the loop stops before K iterations when):
   (``stop_on_finish``), so the host can recycle the slot and admit them.
 - EXIT_DONE: the K iterations ran (or the ``max_iters`` asked for).
 
-The loop compiles once per sequence bucket S (T = S: one token per row); K is static
-(the size of the output buffers), the number of iterations to run is a traced argument.
+The loop compiles once per loop bucket S (``loop_buckets``; T = S: one token per row);
+K is static (the size of the output buffers), the number of iterations to run is a
+traced argument.
 """
 
 from __future__ import annotations
@@ -271,7 +273,7 @@ class MultiStepDecoder:
         self._stop_cache: tuple[Any, jax.Array] | None = None
         self.pipeline = True
         self._last_pure_decode = False  # see note_step
-        self._noted: set[int] = set()
+        self._noted: dict[int, Any] = {}  # id -> the SequenceState (kept alive)
         self._inflight: _Pending | None = None  # a loop dispatched, not yet read
         self.last_loop_seconds = 0.0  # wall time of the last dispatch + transfer
 
@@ -291,7 +293,8 @@ class MultiStepDecoder:
             # unless the last one-step schedule saw it and still ran a pure decode (it
             # waits for memory or a running-sequence place: the loop can run meanwhile,
             # and exits, rolled back, when the schedule admits it).
-            if not seq.detok.ids and not (self._last_pure_decode and id(seq) in self._noted):
+            noted = self._noted.get(id(seq)) is seq
+            if not seq.detok.ids and not (self._last_pure_decode and noted):
                 return "prefill"
             if seq.params.stop:
                 return "stop_strings"  # only the host detokenizer can see them
@@ -308,7 +311,7 @@ class MultiStepDecoder:
         self._last_pure_decode = (
             n > 0 and int(host["num_tokens"]) == n and not host["preempted"].any()
         )
-        self._noted = {id(seq) for _, seq in engine._slot_owner.values()}
+        self._noted = {id(seq): seq for _, seq in engine._slot_owner.values()}
 
     @staticmethod
     def _stop_set(engine: LLMEngine, seq: Any) -> set[int]:
@@ -318,17 +321,14 @@ class MultiStepDecoder:
         return ids
 
     def _stop_ids(self, engine: LLMEngine) -> jax.Array:
-        """int32[max_seqs, MAX_STOP_IDS] for the current slot owners (cached while the
-        owners and the EOS set are unchanged)."""
-        key = (
-            tuple((s, id(q)) for s, (_, q) in engine._slot_owner.items()),
-            frozenset(engine._eos),
-        )
+        """int32[max_seqs, MAX_STOP_IDS] for the current slot owners (uploaded again only
+        when some slot's stop ids change)."""
+        owners = engine._slot_owner.items()
+        key = tuple(sorted((s, tuple(sorted(self._stop_set(engine, q)))) for s, (_, q) in owners))
         if self._stop_cache is None or self._stop_cache[0] != key:
             arr = np.full((engine.max_seqs, MAX_STOP_IDS), -1, np.int32)
-            for slot, (_, seq) in engine._slot_owner.items():
-                ids = sorted(self._stop_set(engine, seq))
-                arr[slot, : len(ids)] = ids
+            for slot, ids in key:
+                arr[slot, : min(len(ids), MAX_STOP_IDS)] = ids[:MAX_STOP_IDS]  # more: ineligible
             self._stop_cache = (key, jnp.asarray(arr))
         return self._stop_cache[1]
 

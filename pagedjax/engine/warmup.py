@@ -77,8 +77,9 @@ def bucket_pairs(
 ) -> list[tuple[int, int]]:
     """The (T, S) runner pairs a mode compiles (sorted)."""
     decode = {(pick(token_buckets, s), s) for s in seq_buckets if s <= token_buckets[-1]}
-    if mode == "decode":
-        return sorted(decode | {(token_buckets[-1], seq_buckets[-1])})
+    if mode == "decode":  # and the largest prefill pair (rows <= tokens)
+        largest = (token_buckets[-1], pick(seq_buckets, min(seq_buckets[-1], token_buckets[-1])))
+        return sorted(decode | {largest})
     if mode == "all":
         pairs = set()
         for i, s in enumerate(seq_buckets):
