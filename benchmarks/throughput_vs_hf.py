@@ -16,8 +16,9 @@ the batch's longest output, counting only each request's own length).
 - pagedjax: ``LLM.generate`` with continuous batching and the K-step on-device decode
   loop (``--multi-steps K``, ``LLM(num_scheduler_steps=K)``; 1 = one dispatch per step;
   docs/engine.md, "Multi-step decoding"). Warmed up by running the identical
-  workload once (the timed run then meets only compiled buckets; the runner's trace
-  counter must not move during the timed run, and the table shows it).
+  workload once (the timed run then meets only compiled programs; the engine's compile
+  count, ``stats()["compilations"]``, must not move during the timed run, and the table
+  shows it).
 - Threads: XLA's CPU client runs one Eigen thread per core (``os.cpu_count()``); torch is
   set to the same number with ``torch.set_num_threads`` (``--threads`` overrides torch's).
 
