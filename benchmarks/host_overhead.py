@@ -15,10 +15,10 @@ dispatch for that many iterations): the time of the loop calls alone (dispatch, 
 one transfer; ``MultiStepDecoder.last_loop_seconds``), without the host's replay of the
 tokens, divided by the iterations they ran. It still holds one dispatch and one transfer
 per device-k iterations, so it is an upper bound of device time and the overhead column
-(wall/iter - device/iter) a lower bound. Every K is run ``--repeats`` times after a
-warm-up run (compilation), the median is printed. The last line is the overhead at the
-largest K of ``--ks``, pipelined (docs/engine.md); K > 1 rows are run with and
-without pipelining.
+(wall/iter - device/iter) a lower bound. After one warm-up run per row (compilation), the
+rows are run round-robin ``--repeats`` times (so load from other processes hits them
+alike); medians are printed. K > 1 rows are run with and without pipelining
+(docs/engine.md). The last line is the overhead at the largest K of ``--ks``, pipelined.
 """
 
 from __future__ import annotations
@@ -115,21 +115,27 @@ def measure(
     prompt_len: int,
     output_len: int,
     repeats: int = 3,
-) -> tuple[float, dict[tuple[int, bool], tuple[float, int]]]:
+) -> tuple[float, dict[tuple[int, bool], tuple[float, int, float, float]]]:
     """(device seconds per iteration, {(K, pipelined): (median wall seconds per
-    iteration, iterations)}); every K > 1 is run without and with pipelining."""
+    iteration, iterations, min, max)}); every K > 1 is run without and with pipelining."""
     wl = (num_seqs, prompt_len, output_len)
+    configs = [(k, p) for k in ks for p in ((False, True) if k > 1 else (False,))]
     decode_phase(engine, device_k, *wl)  # compiles the loop
-    dev = []
+    for k, pipeline in configs:
+        decode_phase(engine, k, *wl, pipeline=pipeline)  # compiles what K meets
+    # Round-robin over the rows, so that a burst of load from other processes lands on
+    # all of them alike rather than on one row's consecutive runs.
+    dev: list[float] = []
+    per: dict[tuple[int, bool], list[float]] = {c: [] for c in configs}
+    iters: dict[tuple[int, bool], int] = {}
     for _ in range(repeats):
         _, _, loop_s, loop_it = decode_phase(engine, device_k, *wl)
         dev.append(loop_s / loop_it)
-    out = {}
-    for k in ks:
-        for pipeline in (False, True) if k > 1 else (False,):
-            decode_phase(engine, k, *wl, pipeline=pipeline)  # compiles what K meets
-            runs = [decode_phase(engine, k, *wl, pipeline=pipeline) for _ in range(repeats)]
-            out[k, pipeline] = (statistics.median(w / it for w, it, _, _ in runs), runs[0][1])
+        for k, pipeline in configs:
+            wall, it, _, _ = decode_phase(engine, k, *wl, pipeline=pipeline)
+            per[k, pipeline].append(wall / it)
+            iters[k, pipeline] = it
+    out = {c: (statistics.median(per[c]), iters[c], min(per[c]), max(per[c])) for c in configs}
     engine.multi_step.pipeline = True
     return statistics.median(dev), out
 
@@ -157,10 +163,11 @@ def main(argv: list[str] | None = None) -> float:
     )
     print(f"device time per iteration (K={device_k} loop calls only): {dev * 1e6:.0f} us")
     print(f"{'K':>4} | {'pipelined':>9} | {'iterations':>10} | {'us/iter (wall)':>14} |"
-          f" {'host overhead us/iter':>21}")  # fmt: skip
-    for (k, pipe), (per_iter, iters) in rows.items():
+          f" {'min-max':>11} | {'host overhead us/iter':>21}")  # fmt: skip
+    for (k, pipe), (per_iter, iters, lo, hi) in rows.items():
+        spread = f"{lo * 1e6:.0f}-{hi * 1e6:.0f}"
         print(f"{k:>4} | {'yes' if pipe else 'no':>9} | {iters:>10} | {per_iter * 1e6:>14.0f} |"
-              f" {(per_iter - dev) * 1e6:>21.0f}")  # fmt: skip
+              f" {spread:>11} | {(per_iter - dev) * 1e6:>21.0f}")  # fmt: skip
     print("load average at the end: " + " / ".join(f"{x:.2f}" for x in os.getloadavg()))
     k_max = max(args.ks)
     head = rows[k_max, k_max > 1][0] - dev
