@@ -160,6 +160,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_backend: Literal["reference", "pallas", "auto"] = "reference"
+    # Compile at start-up (pagedjax/engine/warmup.py): "auto" = "decode" on an
+    # accelerator, "none" on CPU; "all" = every reachable bucket pair.
+    warmup: Literal["auto", "all", "decode", "none"] = "auto"
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> EngineConfig:

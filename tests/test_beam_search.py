@@ -120,7 +120,7 @@ def watched(setup, monkeypatch):
     live slots of a request carry one group id."""
     _, llm, _ = setup
     engine = llm.llm_engine
-    seen = dict(max_rc=0, cow=0, groups_ok=True, multi=0)
+    seen = dict(max_rc=0, cow=0, groups_ok=True, multi=0, loop_blocked=True)
     step = engine.step
 
     def wrapped():
@@ -132,6 +132,16 @@ def watched(setup, monkeypatch):
             if len(slots) > 1:
                 seen["multi"] += 1
                 seen["groups_ok"] &= len({int(group[s]) for s in slots}) == 1
+        # The K-step decode loop must stay out while beams hold slots (the host picks
+        # every step's tokens); asked as if the engine had num_scheduler_steps=4.
+        if any(r.host_driven and r.seqs[0].slot is not None for r in engine._requests.values()):
+            ms = engine.multi_step
+            saved = ms.enabled, ms.steps_per_call
+            ms.enabled, ms.steps_per_call = True, 4
+            try:
+                seen["loop_blocked"] &= ms.ineligible(engine) is not None
+            finally:
+                ms.enabled, ms.steps_per_call = saved
         out = step()
         _check_pool(engine)
         seen["cow"] += int(np.asarray(engine.state.mem.last_cow.valid).sum())
@@ -141,6 +151,7 @@ def watched(setup, monkeypatch):
     engine.reset_stats()
     yield llm, seen
     _assert_idle(engine)
+    assert seen["loop_blocked"]
 
 
 def _compare(model, prompts, outs, k, n_new, **kw) -> list:

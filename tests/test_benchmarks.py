@@ -32,6 +32,11 @@ def test_benchmark_last_line(script: str, args: list[str], name: str) -> None:
         capture_output=True,
         text=True,
         timeout=600,
+        # Import pagedjax from this checkout, not from wherever the venv's install points.
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        },
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()

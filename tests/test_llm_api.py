@@ -198,6 +198,8 @@ def test_prompt_the_pool_can_never_hold(hf_dir):
         (dict(block_size=12), ValueError, "block_size"),
         (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
         (dict(dtype="int8"), ValueError, "dtype"),
+        (dict(warmup="some"), ValueError, "warmup"),
+        (dict(num_scheduler_steps=0), ValueError, "num_multi_steps"),
     ],
 )
 def test_llm_options_rejected_before_loading(kwargs, exc, match):

@@ -448,6 +448,7 @@ class _Driver:
                            _slot_params(g.num_candidates, g.max_new))  # fmt: skip
         engine._assign_slots()
         g.req = engine._requests[g.request_id]
+        g.req.host_driven = True  # keeps the multi-step decode loop out (multi_step.py)
         seq = g.req.seqs[0]
         if seq.slot is None:  # _fits checked free slots; the engine must agree
             raise RuntimeError(f"beam search group {g.request_id} got no slot")

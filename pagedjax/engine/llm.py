@@ -26,6 +26,9 @@ class LLM:
     preemption_mode="swap", tensor_parallel_size > 1. Unknown keyword arguments raise
     TypeError. On CPU the KV pool size comes from num_gpu_blocks_override or
     kv_cache_memory_bytes (else 256 MiB); see docs/engine.md.
+    num_scheduler_steps (vLLM's name; ``SchedulerConfig.num_multi_steps``): K, the most
+    decode iterations run in one on-device loop. warmup: "auto" (compile the decode
+    programs at start-up on an accelerator, nothing on CPU), "decode", "all" or "none".
     """
 
     def __init__(
@@ -51,6 +54,8 @@ class LLM:
         watermark: float = 0.01,
         attention_backend: str = "reference",
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        num_scheduler_steps: int = 1,
+        warmup: str = "auto",
         **unknown: Any,
     ):
         if unknown:
@@ -85,9 +90,11 @@ class LLM:
                 scheduling_mode=scheduling_mode,  # type: ignore[arg-type]
                 watermark=watermark,
                 preemption_mode=preemption_mode,  # type: ignore[arg-type]
+                num_multi_steps=num_scheduler_steps,
             ),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             attention_backend=attention_backend,  # type: ignore[arg-type]
+            warmup=warmup,  # type: ignore[arg-type]
         )
         _check_literals(config)
         self.llm_engine = LLMEngine.from_config(config, max_logprobs=max_logprobs)
@@ -204,6 +211,7 @@ def _check_literals(config: EngineConfig) -> None:
         "load_format": (config.model.load_format, ("auto", "dummy", "safetensors")),
         "scheduling_mode": (config.scheduler.scheduling_mode, ("default", "paper", "static")),
         "attention_backend": (config.attention_backend, ("reference", "pallas", "auto")),
+        "warmup": (config.warmup, ("auto", "all", "decode", "none")),
     }
     for name, (value, allowed) in choices.items():
         if value not in allowed:

@@ -42,8 +42,10 @@ from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.kv_budget import num_kv_blocks
 from pagedjax.engine.loading import load_model
 from pagedjax.engine.model_runner import ModelRunner, jitted_update
+from pagedjax.engine.multi_step import MultiStepDecoder
 from pagedjax.engine.outputs import Logprob, RequestOutput
 from pagedjax.engine.sequence import RequestState, SequenceState
+from pagedjax.engine.warmup import backend_compilations, engine_compilations, warm_up
 from pagedjax.memory.block_pool import NULL_BLOCK
 from pagedjax.memory.block_table import blocks_for
 from pagedjax.memory.paged_policy import PagedPolicy
@@ -55,7 +57,6 @@ from pagedjax.sampling.params import MAX_SEED
 from pagedjax.scheduler import (
     REASON_CAPACITY,
     REASON_TOO_LONG,
-    ScheduledBatch,
     SchedulerConfig,
     abort,
     add_requests,
@@ -153,7 +154,9 @@ class LLMEngine:
 
         policy, scfg = self.policy, self.sched_config
         self._schedule = jax.jit(functools.partial(schedule, policy, scfg))
-        self._add = jax.jit(add_requests)
+        # A partial of its own: jit shares one cache between wrappers of the same function,
+        # and stats()["compilations"] counts this engine's entries only.
+        self._add = jax.jit(functools.partial(add_requests))
         self._post = jitted_update(policy, scfg)
         self._abort = jax.jit(
             lambda s, ids, m: recycle(abort(policy, s, ids, m), ids, m), donate_argnums=(0,)
@@ -164,6 +167,8 @@ class LLMEngine:
         self._register = jax.jit(functools.partial(sharing.register_step, bs), donate_argnums=(0,))
         self._fork = jax.jit(functools.partial(sharing.fork_children, bs), donate_argnums=(0,))
         self._usage = jax.jit(functools.partial(sharing.sharing_usage, bs))
+        # K-step on-device decode loop (multi_step.py); K = 1 keeps the one-step path.
+        self.multi_step = MultiStepDecoder(self.runner, policy, scfg, sc.num_multi_steps)
         self.prefix_index = PrefixIndex()
         self._relookup: set[int] = set()  # slots preempted by recompute: look up again
         self.reset_stats()
@@ -183,6 +188,8 @@ class LLMEngine:
         self._arrival = 0
         self.num_preemptions = 0
         self.num_steps = 0
+        if config.warmup != "none":  # "auto": decode on an accelerator, none on CPU
+            self.warmup(mode=config.warmup, progress=True)
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> LLMEngine:
@@ -272,6 +279,9 @@ class LLMEngine:
         self._assign_slots()
         if not self._slot_owner:
             return []
+        outputs = self.multi_step.step(self)  # None: a host event needs the one-step path
+        if outputs is not None:
+            return outputs
         self.state, batch = self._schedule(self.state)
         host = jax.device_get(
             dict(
@@ -289,6 +299,7 @@ class LLMEngine:
             )
         )
         host["used"], host["unshared"] = host.pop("usage")
+        self.multi_step.note_step(self, host)
         self.num_preemptions += int(host["preempted"].sum())
         self.num_steps += 1
         used, unshared = int(host["used"]), int(host["unshared"])
@@ -608,34 +619,18 @@ class LLMEngine:
         scratch = jnp.zeros((4, s, self.arch.vocab_size), jnp.float32)
         jax.block_until_ready((logits, scratch))
 
-    def warmup(self, pairs: Iterable[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
-        """Compile the step for (T, S) bucket pairs now, by running it on an all-padding
-        batch (no KV write, no token appended, no copy-on-write). Default: the decode
-        pairs (smallest T >= S, S) for every S bucket, and the largest prefill pair.
-        Returns the pairs run. Costs one compilation per new pair (seconds each)."""
-        if pairs is None:
-            pairs = {(pick(self.token_buckets, s), s) for s in self.seq_buckets}
-            pairs.add((self.token_buckets[-1], self.seq_buckets[-1]))
-        pairs = sorted(pairs)
-        for t, s in pairs:
-            if t not in self.token_buckets or s not in self.seq_buckets:
-                raise ValueError(f"({t}, {s}) is not a bucket pair of this engine")
-        n = self.max_seqs
-        z, f = jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool)
-        batch = ScheduledBatch(
-            jnp.full((n,), -1, jnp.int32), z, z, f, jnp.int32(0), jnp.int32(0), f, f
-        )
-        mem = self.state.mem
-        mem = mem._replace(last_cow=mem.last_cow._replace(valid=f))
-        self._upload_sampling()
-        for t, s in pairs:
-            self.kv, self.tokens, out, _ = self.runner.step(
-                self.params, self.kv, self.tokens, mem, batch, self._slot_sampling_dev,
-                self.state.prompt_len, self.state.output_len, num_tokens=t, num_seqs=s,
-                all_logits=False,  # spelled out: jit caches by the keywords given
-            )  # fmt: skip
-            jax.block_until_ready(out)
-        return pairs
+    def warmup(
+        self,
+        pairs: Iterable[tuple[int, int]] | None = None,
+        *,
+        mode: str = "decode",
+        progress: bool = False,
+    ) -> list[tuple[int, int]]:
+        """Compile now, by running on no-op inputs (``warmup.py``): ``mode`` "decode"
+        (decode pairs, the largest prefill pair, decode loops, state functions), "all"
+        (every reachable (T, S) pair too) or "none"; ``pairs`` runs just those runner
+        pairs. Returns the runner pairs run. Costs one compilation per new program."""
+        return warm_up(self, mode, pairs, progress)
 
     # ------------------------------------------------------------------ introspection
 
@@ -654,6 +649,7 @@ class LLMEngine:
         self._used_sum = 0
         self._unshared_sum = 0
         self.num_forked = 0
+        self.multi_step.reset_stats()
         self.prefix_index.queries = self.prefix_index.hit_blocks = 0
         self.prefix_index.query_blocks = 0
 
@@ -682,6 +678,21 @@ class LLMEngine:
             ),
             sharing_steps=steps,
             forked_samples=self.num_forked,
+            **self._compile_and_loop_stats(),
+        )
+
+    def _compile_and_loop_stats(self) -> dict[str, int]:
+        """compilations: executables compiled for this engine's jitted functions (never
+        reset); xla_compilations: backend compilations in the whole process (never reset);
+        multi_step_*: decode-loop dispatches and the engine iterations they ran."""
+        ms = self.multi_step.stats
+        return dict(
+            compilations=engine_compilations(self),
+            xla_compilations=backend_compilations()[0],
+            multi_step_loops=ms.loops,
+            multi_step_iterations=ms.iterations,
+            multi_step_rolled_back=ms.rolled_back,
+            multi_step_pipelined=ms.pipelined,
         )
 
 
@@ -696,5 +707,3 @@ def _reject_unbuilt_features(config: EngineConfig) -> None:
             "tensor_parallel_size / data_parallel_size > 1: multi-device execution is not"
             " implemented yet"
         )
-    if config.scheduler.num_multi_steps != 1:
-        raise NotImplementedError("num_multi_steps > 1: multi-step decoding is not implemented yet")

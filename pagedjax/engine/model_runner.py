@@ -149,6 +149,28 @@ class ModelRunner:
     ) -> tuple[Any, jax.Array, Any, PromptLogprobs | None]:
         key = (num_tokens, num_seqs) if not all_logits else (num_tokens, num_seqs, "all_logits")
         self.trace_count[key] = self.trace_count.get(key, 0) + 1  # runs at trace time only
+        return self.forward_sample(
+            params, kv, tokens, mem, batch, slot_sampling, prompt_len, output_len,
+            num_tokens=num_tokens, num_seqs=num_seqs, all_logits=all_logits,
+        )  # fmt: skip
+
+    def forward_sample(
+        self,
+        params: Any,
+        kv: Any,
+        tokens: jax.Array,
+        mem: Any,
+        batch: ScheduledBatch,
+        slot_sampling: SamplingTensors,
+        prompt_len: jax.Array,
+        output_len: jax.Array,
+        *,
+        num_tokens: int,
+        num_seqs: int,
+        all_logits: bool = False,
+    ) -> tuple[Any, jax.Array, Any, PromptLogprobs | None]:
+        """The traced body of ``step`` (not jitted, not counted): also called inside the
+        multi-step decode loop (``multi_step.py``), which counts its own traces."""
         tables = mem.tables.tables
         inp = build_model_input(tokens, tables, batch, num_tokens, num_seqs, self.block_size)
         cow = mem.last_cow

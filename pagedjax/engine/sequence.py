@@ -91,6 +91,9 @@ class RequestState:
     num_prompt_logprobs: int = 0
     # n > 1: samples 1..n-1 waiting for sample 0's prompt, to fork from its blocks.
     pending: list[SequenceState] = field(default_factory=list)
+    # Beam search (engine/beams.py): the host picks every step's tokens, so the K-step
+    # decode loop must not run while such a request holds slots.
+    host_driven: bool = False
 
     @property
     def finished(self) -> bool:
