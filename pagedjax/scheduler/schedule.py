@@ -4,22 +4,27 @@ Rules (docs/scheduler.md gives the reasons; ``reference.py`` states them sequent
 
 1. Reject WAITING requests that can never run: prompt over ``config.prompt_limit``
    (paper/static modes: prompt + generated output, which a recompute must prefill whole).
-2. RUNNING sequences in priority order each take ``min(remaining, budget left)`` tokens
-   (a decode is 1). Each scheduled one grows its memory to ``num_computed + q``. When a
-   grow fails, the lowest-priority running sequence not yet visited is preempted by
-   recompute (memory released, back to WAITING, num_computed = 0) and the grow retried;
-   if that victim would be the sequence itself, it is preempted and the pass ends. A
-   sequence that fails alone (everything else preempted) can never fit: it finishes
-   with REASON_CAPACITY instead.
-3. If nobody was preempted (and, in static mode, nothing runs), WAITING sequences in
-   priority order are admitted strictly in order while the number of running sequences
-   stays within max_num_seqs (static: static_batch_size) and the budget allows: default
-   mode chunks the last prompt to the budget left, paper/static modes need it whole.
-   Admission grows with the policy's watermark; the first refusal stops admission, and
-   if nothing runs the refused request can never fit (REASON_CAPACITY).
+2. RUNNING sequences, group by group (groups in the order of their best member, members
+   in priority order), each take ``min(remaining, budget left)`` tokens (a decode is 1)
+   and grow their memory to ``num_computed + q``, all or nothing per group. When a
+   group's grow fails, the lowest-priority running group not yet visited is preempted
+   whole (by swap or recompute, per ``config.preemption_mode``; recompute when the host
+   pool cannot take it) and the grow retried; if that victim would be the group itself,
+   it is preempted and the pass ends. A group that fails alone (everything else
+   preempted) can never fit: it finishes with REASON_CAPACITY instead.
+3. If nobody was preempted, SWAPPED groups in priority order are swapped back in (all
+   members, RUNNING from the next step) while the device keeps watermark + one block
+   per member free; the first that does not fit stops.
+4. If nobody was preempted, no group is still swapped out (and, in static mode, nothing
+   runs), WAITING sequences in priority order are admitted strictly in order while the
+   number of running sequences stays within max_num_seqs (static: static_batch_size)
+   and the budget allows: default mode chunks the last prompt to the budget left,
+   paper/static modes need it whole. Admission grows with the policy's watermark; the
+   first refusal stops admission, and if nothing runs the refused request can never fit
+   (REASON_CAPACITY).
 
-The common case (no preemption, no refusal) costs a few batched policy calls; the
-sequential preemption loop only runs from the first failed grow.
+The common case (no preemption, no refusal, nothing swapped) costs a few batched policy
+calls; the sequential preemption and swap-in loops only run when needed.
 """
 
 from __future__ import annotations
