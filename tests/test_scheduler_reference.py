@@ -102,6 +102,11 @@ CASES = {
         PagedPolicy(17, 4, N, 12, num_host_blocks=3),
         SchedulerConfig(N, 16, max_num_seqs=6, max_model_len=48, preemption_mode="swap"),
     ),
+    # A group that needs nearly the whole pool (hand-made trace below).
+    "counting_swap_tight": (
+        CountingPolicy(N, 40, unit=4, host_units=20),
+        SchedulerConfig(N, 64, max_num_seqs=6, max_model_len=48, preemption_mode="swap"),
+    ),
 }
 ORACLE_ONLY = ("orca_pow2_default", "orca_max_static")
 GROUP_CASES = (
@@ -109,6 +114,7 @@ GROUP_CASES = (
     "counting_groups_recompute",
     "paged_swap_paper_default",
     "paged_swap_tiny_host",
+    "counting_swap_tight",
 )
 
 _schedule = jax.jit(schedule, static_argnums=(0, 1))
@@ -351,6 +357,20 @@ def test_swap_happens_in_the_traces() -> None:
     assert got["preempted"] > got["swapped_out"]
     got = run_trace("counting_groups_recompute", reqs)
     assert got["preempted"] > 0 and got["swapped_out"] == 0
+
+
+def test_swapped_group_needing_nearly_the_whole_pool_comes_back():
+    """10 units: X (1 unit) and the group G (5 + 4 units) fill the pool; X's next token
+    preempts G, which holds 9 units on the host. With nothing running, G must come back
+    without the spare unit per sequence (9 + 2 > 10), or nothing would ever run again
+    (admissions are closed while G is out); it then finishes."""
+    reqs = [
+        (0, 4, 2, 1, None, False),  # X
+        (0, 20, 2, 1, None, False),  # G1
+        (0, 15, 2, 1, None, True),  # G2, G1's group
+    ]
+    got = run_trace("counting_swap_tight", reqs)  # all finish by length (checked inside)
+    assert got["swapped_out"] == got["swapped_in"] == 2
 
 
 @pytest.mark.parametrize("case", ["paged_default", "paged_paper", *ORACLE_ONLY])

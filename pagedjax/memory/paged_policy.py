@@ -134,12 +134,13 @@ class PagedPolicy:
         ), ok
 
     def swap_in(
-        self, state: PagedState, mask: jax.Array, num_seqs: jax.Array
+        self, state: PagedState, mask: jax.Array, num_seqs: jax.Array, reserve: jax.Array
     ) -> tuple[PagedState, jax.Array]:
-        """Move the masked slots' blocks (on host) back to device, all or nothing, if the
-        device keeps ``watermark + num_seqs`` blocks free afterwards (vLLM's can_swap_in:
-        one spare block per sequence for its next token)."""
-        reserve = self.watermark_blocks + jnp.asarray(num_seqs, jnp.int32)
+        """Move the masked slots' blocks (on host) back to device, all or nothing. With
+        ``reserve`` the device must keep ``watermark + num_seqs`` blocks free afterwards
+        (vLLM's can_swap_in: one spare block per sequence for its next token)."""
+        extra = self.watermark_blocks + jnp.asarray(num_seqs, jnp.int32)
+        reserve = jnp.where(reserve, extra, 0)
         host, pool, tables, src, dst, count, ok = move_rows(
             state.host_pool, state.pool, state.tables, mask, reserve
         )

@@ -111,10 +111,11 @@ class CountingPolicy:
             state.host_free - jnp.where(ok, need, 0),
         ), ok
 
-    def swap_in(self, state, mask, num_seqs):
-        """Back to device, all or nothing, leaving watermark + num_seqs units free."""
+    def swap_in(self, state, mask, num_seqs, reserve):
+        """Back to device, all or nothing; with ``reserve``, leaving watermark + num_seqs
+        units free."""
         need = jnp.sum(jnp.where(mask, state.host_held, 0))
-        ok = state.free - need >= self.watermark_units + num_seqs
+        ok = state.free - need >= jnp.where(reserve, self.watermark_units + num_seqs, 0)
         move = mask & ok
         return CountingState(
             jnp.where(move, state.host_held, state.held),

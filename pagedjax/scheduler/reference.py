@@ -4,7 +4,7 @@ The jitted ``schedule`` / ``update`` must agree with this decision by decision; 
 differential tests step both on the same random traces. Memory is an oracle object with
 ``grow(slot, new_len, final_len, max_len, use_watermark) -> bool``, ``release(slot)``,
 ``snapshot()`` / ``restore(snap)`` (a group grows all or nothing), and for swap
-preemption ``can_swap``, ``swap_out(slots) -> bool`` and ``swap_in(slots) -> bool``;
+preemption ``can_swap``, ``swap_out(slots) -> bool`` and ``swap_in(slots, reserve) -> bool``;
 ``PolicyOracle`` adapts any MemoryPolicy by calling it on one sequence (or one group)
 at a time; ``UnitPoolModel`` restates a fungible-unit pool (the paged pool's block
 counts, or ``CountingPolicy``) in a few lines of Python, independent of the array code.
@@ -60,8 +60,10 @@ class PolicyOracle:
             self.state = state
         return bool(ok)
 
-    def swap_in(self, slots: list[int]) -> bool:
-        state, ok = self._swap_in(self.state, self._mask(slots), jnp.int32(len(slots)))
+    def swap_in(self, slots: list[int], reserve: bool) -> bool:
+        state, ok = self._swap_in(
+            self.state, self._mask(slots), jnp.int32(len(slots)), jnp.asarray(reserve)
+        )
         if bool(ok):
             self.state = state
         return bool(ok)
@@ -85,8 +87,8 @@ class UnitPoolModel:
 
     Admissions (watermark) must leave ``watermark_units`` free; ``max_units`` (optional)
     caps one sequence (the paged pool's block-table row). ``host_units``: a host pool for
-    swapping (0: none); a swap moves a slot's units whole, and a swap-in must leave the
-    watermark plus one unit per sequence free (vLLM's can_swap_in).
+    swapping (0: none); a swap moves a slot's units whole, and a swap-in with ``reserve`` must
+    leave the watermark plus one unit per sequence free (vLLM's can_swap_in).
     """
 
     def __init__(
@@ -148,9 +150,9 @@ class UnitPoolModel:
         self.host_free -= need
         return True
 
-    def swap_in(self, slots: list[int]) -> bool:
+    def swap_in(self, slots: list[int], reserve: bool) -> bool:
         need = sum(self.host_held.get(s, 0) for s in slots)
-        if self.free - need < self.watermark_units + len(slots):
+        if self.free - need < (self.watermark_units + len(slots) if reserve else 0):
             return False
         for s in slots:
             self.held[s] = self.host_held.pop(s, 0)
@@ -321,7 +323,8 @@ class ReferenceScheduler:
             seq_cap = min(cfg.static_batch_size, cfg.max_num_seqs)
         swapped_in: set[int] = set()
         for group in self._groups(SWAPPED) if not preempted else []:
-            if n_running + len(group) > seq_cap or not self.memory.swap_in(group):
+            # Spare blocks (watermark + one per sequence) only while something runs.
+            if n_running + len(group) > seq_cap or not self.memory.swap_in(group, n_running > 0):
                 break
             for s in group:
                 self.reqs[s].status = RUNNING

@@ -227,7 +227,11 @@ def _run_running(policy, config, state, mem, order, want, new_lens, finals, caps
 def _swap_in(policy, config, state, mem, seq_cap, n_running):
     """Swapped groups in priority order come back while they fit (device blocks with the
     watermark plus one block per sequence, and max_num_seqs); the first that does not
-    fit stops the pass. Returns (mem', swapped_in bool[N], sequences swapped in)."""
+    fit stops the pass. When nothing runs the spare blocks are not asked for: a group
+    that needs nearly the whole pool would otherwise never come back (and, with
+    admissions closed while it is out, the engine would idle forever); if it then cannot
+    grow alone, the running pass finishes it for capacity.
+    Returns (mem', swapped_in bool[N], sequences swapped in)."""
     n = state.max_seqs
     swapped = state.status == SWAPPED
     n_sw = jnp.sum(swapped, dtype=jnp.int32)
@@ -239,7 +243,7 @@ def _swap_in(policy, config, state, mem, seq_cap, n_running):
         gm = swapped & (state.group == state.group[order[i]])
         k = jnp.sum(gm, dtype=jnp.int32)
         fits = nr + k <= seq_cap
-        m2, ok = policy.swap_in(m, gm & fits, k)
+        m2, ok = policy.swap_in(m, gm & fits, k, nr > 0)
         ok = ok & fits
         m = _tree_where(ok, m2, m)
         return m, jnp.where(ok, end[i], i), ok, sin | (gm & ok), nr + jnp.where(ok, k, 0)
