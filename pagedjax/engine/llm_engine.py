@@ -6,6 +6,8 @@ One step (docs/engine.md gives the reasons):
 2. device: ``schedule`` (jitted) picks rows and grows their blocks.
 3. host: read back the batch's sizes and rows (a few [max_seqs] int arrays, one sync) to
    pick the padding bucket (T, S).
+3b. swap copies the schedule decided (``_apply_swaps``): device -> host blocks of groups
+   swapped out, then host -> device blocks of groups swapped in.
 4. device: the ModelRunner step for (T, S): build the ragged input from the device token
    buffer, copy-on-write copies, forward (KV donated), sample, append the ids.
 5. host: read the sampled ids (second sync), detokenize, check EOS / stop ids / stop
