@@ -17,7 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedjax.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from pagedjax.engine.buckets import pick, pow2_buckets
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.kv_budget import CPU_DEFAULT_KV_BYTES, num_kv_blocks
@@ -436,11 +442,12 @@ def test_max_model_len_over_the_model_limit_is_rejected():
 
 
 def test_unbuilt_features_raise_not_implemented():
-    for cache, sched, match in [
-        (CacheConfig(enable_prefix_caching=False), SchedulerConfig(preemption_mode="swap"), "swap"),
-    ]:
-        with pytest.raises(NotImplementedError, match=match):
-            LLMEngine(ARCH, _params(), ByteTokenizer(), EngineConfig(cache=cache, scheduler=sched))
+    config = EngineConfig(
+        cache=CacheConfig(enable_prefix_caching=False),
+        parallel=ParallelConfig(tensor_parallel_size=2),
+    )
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
+        LLMEngine(ARCH, _params(), ByteTokenizer(), config)
 
 
 # ---------------------------------------------------------------- host-side helpers

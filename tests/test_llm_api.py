@@ -191,7 +191,6 @@ def test_prompt_the_pool_can_never_hold(hf_dir):
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        (dict(preemption_mode="swap"), NotImplementedError, "swap"),
         (dict(tensor_parallel_size=2), NotImplementedError, "tensor_parallel_size"),
         (dict(not_an_option=1), TypeError, "not_an_option"),
         (dict(preemption_mode="nope"), ValueError, "preemption_mode"),

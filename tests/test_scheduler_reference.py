@@ -25,6 +25,8 @@ from pagedjax.scheduler import (
     REASON_STOP,
     REASON_TOO_LONG,
     RUNNING,
+    SWAPPED,
+    WAITING,
     SchedulerConfig,
     add_requests,
     init_state,
@@ -82,8 +84,38 @@ CASES = {
             N, 96, max_num_seqs=6, max_model_len=48, mode="static", static_batch_size=3
         ),
     ),
+    # Sequence groups (gang scheduling) with swap preemption; requests may join the
+    # previous request's group (run with groups=True).
+    "counting_swap": (
+        CountingPolicy(N, 64, unit=4, host_units=12),
+        SchedulerConfig(N, 16, max_num_seqs=6, max_model_len=48, preemption_mode="swap"),
+    ),
+    "counting_groups_recompute": (
+        CountingPolicy(N, 64, unit=4, host_units=40),
+        SchedulerConfig(N, 16, max_num_seqs=6, max_model_len=48, preemption_mode="recompute"),
+    ),
+    "paged_swap_paper_default": (  # None: swap groups of several, recompute single ones
+        PagedPolicy(17, 4, N, 12, watermark_frac=0.1, num_host_blocks=16),
+        SchedulerConfig(N, 40, max_num_seqs=6, max_model_len=48, mode="paper"),
+    ),
+    "paged_swap_tiny_host": (  # the host pool is often too small: recompute fallback
+        PagedPolicy(17, 4, N, 12, num_host_blocks=3),
+        SchedulerConfig(N, 16, max_num_seqs=6, max_model_len=48, preemption_mode="swap"),
+    ),
+    # A group that needs nearly the whole pool (hand-made trace below).
+    "counting_swap_tight": (
+        CountingPolicy(N, 40, unit=4, host_units=20),
+        SchedulerConfig(N, 64, max_num_seqs=6, max_model_len=48, preemption_mode="swap"),
+    ),
 }
 ORACLE_ONLY = ("orca_pow2_default", "orca_max_static")
+GROUP_CASES = (
+    "counting_swap",
+    "counting_groups_recompute",
+    "paged_swap_paper_default",
+    "paged_swap_tiny_host",
+    "counting_swap_tight",
+)
 
 _schedule = jax.jit(schedule, static_argnums=(0, 1))
 _update = jax.jit(update, static_argnums=(0, 1))
@@ -98,6 +130,15 @@ def _free_units(policy, mem) -> tuple[int, int]:
     if isinstance(policy, ReservationPolicy):  # sequences holding a reservation
         return N - int(np.sum(mem.held)), N
     return int(mem.pool.num_free), policy.num_blocks - 1
+
+
+def _host_free(policy, mem) -> tuple[int, int]:
+    """(free, total) of the host swap pool; (0, 0) without one."""
+    if isinstance(policy, CountingPolicy):
+        return int(mem.host_free), policy.host_units
+    if isinstance(policy, PagedPolicy) and policy.can_swap:
+        return int(mem.host_pool.num_free), policy.num_host_blocks
+    return 0, 0
 
 
 def _held_tokens(policy, mem) -> np.ndarray:
@@ -133,14 +174,36 @@ requests = st.lists(
     max_size=12,
 )
 
+# Requests with a sixth field: join the previous request's sequence group.
+group_requests = st.lists(
+    st.tuples(
+        st.integers(0, 12),
+        st.integers(1, 30),
+        st.integers(1, 24),
+        st.integers(0, 23),
+        st.one_of(st.none(), st.integers(0, 10)),
+        st.booleans(),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
 # Scaled to the profile: 8 per case in CI, 200 under the long profile.
 _EXAMPLES = max(6, settings.default.max_examples // 25)
 
 
-def run_trace(case: str, reqs: list[tuple], oracle: bool = False) -> None:
+def run_trace(case: str, reqs: list[tuple], oracle: bool = False) -> dict[str, int]:
     """Step both schedulers over ``reqs``; the reference's memory is an independent
-    Python model of the pool, or (oracle) the policy itself called per sequence."""
+    Python model of the pool, or (oracle) the policy itself called per sequence.
+
+    Requests with a sixth field True join the previous request's group (group id: the
+    index of the group's first request). Returns counts of preemptions and swaps.
+    """
     policy, cfg = CASES[case]
+    group_of = []
+    for k, r in enumerate(reqs):
+        group_of.append(group_of[k - 1] if k and len(r) > 5 and r[5] else k)
+    counts = dict(preempted=0, swapped_out=0, swapped_in=0)
     state = init_state(policy, N)
     memory = PolicyOracle(policy) if oracle else UnitPoolModel.of(policy)
     ref = ReferenceScheduler(cfg, memory)
@@ -157,22 +220,24 @@ def run_trace(case: str, reqs: list[tuple], oracle: bool = False) -> None:
         mask = np.zeros(N, bool)
         mask[done_slots] = True
         state = _recycle(state, jnp.arange(N, dtype=jnp.int32), jnp.asarray(mask))
-        ids, pl, mt, fl, ar = (np.zeros(N, np.int32) for _ in range(5))
+        ids, pl, mt, fl, ar, gr = (np.zeros(N, np.int32) for _ in range(6))
         add = np.zeros(N, bool)
         free = [s for s in range(N) if s not in ref.reqs]
         while pending and free and reqs[pending[0]][0] <= t:
             k = pending.pop(0)
             s = free.pop(0)
-            _, p, m, o, _ = reqs[k]
+            p, m, o = reqs[k][1:4]
             out = min(o + 1, m)
-            ref.add(s, p, m, p + out, k)
+            ref.add(s, p, m, p + out, k, group_of[k])
             slot_req[s] = k
             ids[s], pl[s], mt[s], fl[s], ar[s], add[s] = s, p, m, p + out, k, True
-        state = _add(state, ids, pl, mt, fl, ar, add)
+            gr[s] = group_of[k]
+        state = _add(state, ids, pl, mt, fl, ar, add, gr)
         if not pending and not ref.reqs:
             break
 
         # Schedule: both must decide the same.
+        before = jax.device_get(state.status)
         state, batch = _schedule(policy, cfg, state)
         rb = ref.schedule()
         b = jax.device_get(batch)
@@ -186,6 +251,23 @@ def run_trace(case: str, reqs: list[tuple], oracle: bool = False) -> None:
         assert not b.emits[ns:].any()
         assert set(np.flatnonzero(b.preempted)) == rb.preempted, f"step {t}"
         assert set(np.flatnonzero(b.rejected)) == rb.rejected, f"step {t}"
+        assert set(np.flatnonzero(b.swap.swapped_out)) == rb.swapped_out, f"step {t}"
+        assert set(np.flatnonzero(b.swap.swapped_in)) == rb.swapped_in, f"step {t}"
+        counts["preempted"] += len(rb.preempted)
+        counts["swapped_out"] += len(rb.swapped_out)
+        counts["swapped_in"] += len(rb.swapped_in)
+        after = jax.device_get(state.status)
+        # Gang preemption: a group's running sequences are preempted together or not at all.
+        groups = jax.device_get(state.group)
+        for s in rb.preempted:
+            mates = (groups == groups[s]) & (before == RUNNING)
+            assert set(np.flatnonzero(mates)) <= rb.preempted, f"step {t}"
+        # No admission while a group is swapped out; swapped groups hold no device memory.
+        if (after == SWAPPED).any():
+            assert not ((before == WAITING) & (after == RUNNING)).any(), f"step {t}"
+        if isinstance(policy, PagedPolicy) and policy.can_swap:
+            on_host = np.asarray(jax.device_get(state.mem.on_host))
+            np.testing.assert_array_equal(on_host, after == SWAPPED)
         assert int(b.num_tokens) == sum(q for _, q, _, _ in rows) <= cfg.max_num_batched_tokens
         # The step's KV writes have memory.
         held = _held_tokens(policy, jax.device_get(state.mem))
@@ -222,27 +304,73 @@ def run_trace(case: str, reqs: list[tuple], oracle: bool = False) -> None:
     assert sorted(finished_reqs) == list(range(len(reqs)))
     free_now, total = _free_units(policy, jax.device_get(state.mem))
     assert free_now == total
+    host_now, host_total = _host_free(policy, jax.device_get(state.mem))
+    assert host_now == host_total
     if oracle:
         assert _free_units(policy, jax.device_get(memory.state)) == (total, total)
     else:
         assert memory.free == memory.total == total
     for k, reason in finished_reqs.items():
-        _, p, m, o, eos = reqs[k]
+        p, m, o = reqs[k][1:4]
         target = max(1, min(m, o + 1, cfg.max_model_len - p))
         if reason == REASON_TOO_LONG:
             assert p > cfg.prompt_limit or not cfg.chunked_prefill
-        elif reason == REASON_CAPACITY:
-            assert not _fits_alone(policy, p + target - 1)
+        elif reason == REASON_CAPACITY:  # a group can fail together where one would fit
+            assert not _fits_alone(policy, p + target - 1) or group_of.count(group_of[k]) > 1
         else:
             assert p <= cfg.prompt_limit
             assert reason in (REASON_LENGTH, REASON_STOP)
+    return counts
 
 
-@pytest.mark.parametrize("case", sorted(set(CASES) - set(ORACLE_ONLY)))
+@pytest.mark.parametrize("case", sorted(set(CASES) - set(ORACLE_ONLY) - set(GROUP_CASES)))
 @settings(max_examples=_EXAMPLES)
 @given(reqs=requests)
 def test_jitted_matches_reference(case: str, reqs: list[tuple]) -> None:
     run_trace(case, reqs)
+
+
+@pytest.mark.parametrize("case", GROUP_CASES)
+@settings(max_examples=_EXAMPLES)
+@given(reqs=group_requests)
+def test_groups_and_swap_match_reference(case: str, reqs: list[tuple]) -> None:
+    """Gang preemption, swap out / in, the recompute fallback and no admission while
+    swapped: the jitted scheduler agrees with the reference step by step."""
+    run_trace(case, reqs)
+
+
+@settings(max_examples=max(3, _EXAMPLES // 4))
+@given(reqs=group_requests)
+def test_swap_matches_reference_calling_the_policy(reqs: list[tuple]) -> None:
+    """The real PagedPolicy's swap_out / swap_in, called per group by the reference."""
+    run_trace("paged_swap_paper_default", reqs, oracle=True)
+
+
+def test_swap_happens_in_the_traces() -> None:
+    """The group cases really swap out, swap back in and fall back to recompute."""
+    reqs = [(0, 8, 24, 23, None, k % 2 == 1) for k in range(6)]
+    got = run_trace("counting_swap", reqs)
+    assert got["swapped_out"] > 0 and got["swapped_in"] == got["swapped_out"]
+    got = run_trace("paged_swap_paper_default", reqs)
+    assert got["swapped_out"] > 0 and got["swapped_in"] == got["swapped_out"]
+    got = run_trace("paged_swap_tiny_host", reqs)  # 3 host blocks: groups need more
+    assert got["preempted"] > got["swapped_out"]
+    got = run_trace("counting_groups_recompute", reqs)
+    assert got["preempted"] > 0 and got["swapped_out"] == 0
+
+
+def test_swapped_group_needing_nearly_the_whole_pool_comes_back():
+    """10 units: X (1 unit) and the group G (5 + 4 units) fill the pool; X's next token
+    preempts G, which holds 9 units on the host. With nothing running, G must come back
+    without the spare unit per sequence (9 + 2 > 10), or nothing would ever run again
+    (admissions are closed while G is out); it then finishes."""
+    reqs = [
+        (0, 4, 2, 1, None, False),  # X
+        (0, 20, 2, 1, None, False),  # G1
+        (0, 15, 2, 1, None, True),  # G2, G1's group
+    ]
+    got = run_trace("counting_swap_tight", reqs)  # all finish by length (checked inside)
+    assert got["swapped_out"] == got["swapped_in"] == 2
 
 
 @pytest.mark.parametrize("case", ["paged_default", "paged_paper", *ORACLE_ONLY])

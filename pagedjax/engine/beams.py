@@ -19,7 +19,8 @@ Lockstep: every beam of a group must sample exactly once per step. The driver ad
 group only while the worst-case blocks of all admitted groups fit the pool, so the
 scheduler never has to preempt a beam; if a beam still falls out of step (preempted for
 another request's sake, or refused by the scheduler), the whole group is aborted and
-``BeamSearchOutOfStep`` is raised: the scheduler has no gang preemption of groups yet.
+``BeamSearchOutOfStep`` is raised: the scheduler preempts a group whole, but re-admits
+its waiting members one at a time, so beams cannot be re-synced after a preemption.
 """
 
 from __future__ import annotations
@@ -476,7 +477,8 @@ class _Driver:
             raise BeamSearchOutOfStep(
                 f"beam search group {g.request_id}: beams out of step (generated {lens},"
                 f" expected {g.steps + 1} each); a beam was preempted or not scheduled."
-                " The scheduler has no gang preemption of groups yet: give the engine"
+                " A group preempted by recompute is re-admitted one beam at a time; keep"
+                " preemption_mode='swap' (the default for groups), or give the engine"
                 " more KV blocks or run fewer requests beside beam search."
             )
         cands = [_candidates(s, g.num_candidates) for s in seqs]
@@ -491,7 +493,9 @@ class _Driver:
             slot = self._claim_slot(g)
             g.slots.append(slot)
             new_slots.append(slot)
-        group_id = g.slots[0]
+        # The engine's group id for a request: its first sequence's arrival number
+        # (unique among live groups; a slot id could collide with another request's).
+        group_id = g.req.seqs[0].arrival
         moves = []
         hashes = [list(s.hashes) for s in seqs]
         for i, (b, tok) in enumerate(choice):

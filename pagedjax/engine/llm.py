@@ -22,8 +22,9 @@ class LLM:
 
     model: a local Hugging Face checkpoint directory or a preset name (random weights).
     Options whose features later issues build are accepted by name and raise
-    NotImplementedError when turned on: enable_prefix_caching=True,
-    preemption_mode="swap", tensor_parallel_size > 1. Unknown keyword arguments raise
+    NotImplementedError when turned on: tensor_parallel_size > 1. swap_space (GiB) sizes
+    the host pool for preemption by swap (preemption_mode "swap", or None: swap groups of
+    several samples, recompute single sequences; docs/engine.md). Unknown keyword arguments raise
     TypeError. On CPU the KV pool size comes from num_gpu_blocks_override or
     kv_cache_memory_bytes (else 256 MiB); see docs/engine.md.
     num_scheduler_steps (vLLM's name; ``SchedulerConfig.num_multi_steps``): K, the most

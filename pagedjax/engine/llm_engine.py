@@ -6,6 +6,8 @@ One step (docs/engine.md gives the reasons):
 2. device: ``schedule`` (jitted) picks rows and grows their blocks.
 3. host: read back the batch's sizes and rows (a few [max_seqs] int arrays, one sync) to
    pick the padding bucket (T, S).
+3b. swap copies the schedule decided (``_apply_swaps``): device -> host blocks of groups
+   swapped out, then host -> device blocks of groups swapped in.
 4. device: the ModelRunner step for (T, S): build the ragged input from the device token
    buffer, copy-on-write copies, forward (KV donated), sample, append the ids.
 5. host: read the sampled ids (second sync), detokenize, check EOS / stop ids / stop
@@ -20,6 +22,12 @@ Block sharing (docs/engine.md): with prefix caching on, a sequence admitted to a
 cached prefix (``sharing.attach_hits``), and the blocks each step fills are registered
 after it (``sharing.register_step``). A request with n > 1 prefills its prompt once as
 sample 0; when that prompt is done, samples 1..n-1 fork its blocks into their own slots.
+
+Sequence groups and swap (docs/engine.md): the samples of one request form a sequence
+group (group id: sample 0's arrival number), which the scheduler preempts all or
+nothing. A group preempted by swap has its blocks copied to a host KV pool (numpy,
+``swap_space`` GiB) in step 3b, before the step's forward overwrites the freed device
+blocks, and copied back into fresh device blocks when it is swapped in.
 """
 
 from __future__ import annotations
@@ -41,7 +49,12 @@ from pagedjax.engine.buckets import pick, pow2_buckets
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.kv_budget import num_kv_blocks
 from pagedjax.engine.loading import load_model
-from pagedjax.engine.model_runner import ModelRunner, jitted_update
+from pagedjax.engine.model_runner import (
+    ModelRunner,
+    gather_blocks,
+    jitted_update,
+    scatter_blocks,
+)
 from pagedjax.engine.multi_step import MultiStepDecoder
 from pagedjax.engine.outputs import Logprob, RequestOutput
 from pagedjax.engine.sequence import RequestState, SequenceState
@@ -57,6 +70,7 @@ from pagedjax.sampling.params import MAX_SEED
 from pagedjax.scheduler import (
     REASON_CAPACITY,
     REASON_TOO_LONG,
+    ScheduledBatch,
     SchedulerConfig,
     abort,
     add_requests,
@@ -128,6 +142,12 @@ class LLMEngine:
             device=device,
             profile=functools.partial(self._profile, budget, max_blocks_per_seq),
         )
+        self.num_host_blocks = num_host_blocks(
+            cc.swap_space,
+            arch.kv_bytes_per_token(self.kv_dtype) * self.block_size,
+            self.max_seqs * max_blocks_per_seq,
+            sc.preemption_mode,
+        )
         self.policy = PagedPolicy(
             self.num_blocks,
             self.block_size,
@@ -135,6 +155,7 @@ class LLMEngine:
             max_blocks_per_seq,
             watermark_frac=sc.watermark,
             enable_prefix_caching=cc.enable_prefix_caching,
+            num_host_blocks=self.num_host_blocks,
         )
         self.enable_prefix_caching = cc.enable_prefix_caching
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -145,12 +166,19 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             mode=sc.scheduling_mode,
             priority=sc.policy,
+            preemption_mode=sc.preemption_mode,
         )
         self.state = init_state(self.policy, self.max_seqs)
         self.kv = allocate_kv_cache(
             arch, self.num_blocks, self.block_size, self.kv_dtype, fill_value=kv_fill_value
         )
         self.tokens = jnp.zeros((self.max_seqs, self.max_model_len), jnp.int32)
+        # Host swap pool, page shape as the device pool's; row 0 is the host null block.
+        self.host_kv = tuple(
+            tuple(np.zeros((self.num_host_blocks + 1, *p.shape[1:]), p.dtype) for p in layer)
+            for layer in self.kv
+        )
+        self._swapped_slots: set[int] = set()
 
         policy, scfg = self.policy, self.sched_config
         self._schedule = jax.jit(functools.partial(schedule, policy, scfg))
@@ -296,12 +324,17 @@ class LLMEngine:
                 reason=self.state.finish_reason,
                 usage=self._usage(self.state),
                 tables=self.state.mem.tables.tables if self.enable_prefix_caching else None,
+                num_out=batch.swap.num_out,
+                num_in=batch.swap.num_in,
+                swapped_out=batch.swap.swapped_out,
+                swapped_in=batch.swap.swapped_in,
             )
         )
         host["used"], host["unshared"] = host.pop("usage")
         self.multi_step.note_step(self, host)
         self.num_preemptions += int(host["preempted"].sum())
         self.num_steps += 1
+        self._apply_swaps(batch, host)
         used, unshared = int(host["used"]), int(host["unshared"])
         if unshared > 0:
             self._sharing_steps += 1
@@ -309,7 +342,9 @@ class LLMEngine:
             self._used_sum += used
             self._unshared_sum += unshared
         if self.enable_prefix_caching:
-            self._relookup.update(int(x) for x in np.flatnonzero(host["preempted"]))
+            self._relookup.difference_update(int(x) for x in host["seq_ids"][: host["num_seqs"]])
+            recomputed = host["preempted"] & ~host["swapped_out"]
+            self._relookup.update(int(x) for x in np.flatnonzero(recomputed))
         touched: dict[str, RequestState] = {}
         recycle_mask = np.zeros(self.max_seqs, bool)
         for slot in np.flatnonzero(host["rejected"]):
@@ -358,7 +393,7 @@ class LLMEngine:
             self.kv,
             self.tokens,
             self.state.mem,
-            batch,
+            batch._replace(swap=None),  # applied by _apply_swaps; one pytree with warmup
             self._slot_sampling_dev,
             self.state.prompt_len,
             self.state.output_len,
@@ -387,6 +422,35 @@ class LLMEngine:
             req, seq = owners[r]
             if req.pending and seq.index == 0 and len(seq.detok.ids) == 1:
                 self._fork_samples(req, seq)
+
+    def _apply_swaps(self, batch: ScheduledBatch, host: dict) -> None:
+        """Copy this step's swapped blocks: out (device -> host) first, while the freed
+        device blocks still hold the group's KV (the forward and its copy-on-write copies
+        may overwrite them this step), then in (host -> device) into the fresh blocks,
+        before any forward reads them. One gather + device_get, one upload + scatter."""
+        n_out, n_in = int(host["num_out"]), int(host["num_in"])
+        out_slots = np.flatnonzero(host["swapped_out"])
+        in_slots = np.flatnonzero(host["swapped_in"])
+        self.num_preemptions_swap += len(out_slots)
+        self.num_preemptions_recompute += int(host["preempted"].sum()) - len(out_slots)
+        self._swapped_slots.update(int(x) for x in out_slots)
+        self._swapped_slots.difference_update(int(x) for x in in_slots)
+        sw = batch.swap
+        if n_out:
+            k = _bucket(n_out, sw.out_src.shape[0])
+            pages, dst = jax.device_get((gather_blocks(self.kv, sw.out_src, k=k), sw.out_dst))
+            dst = dst[:n_out]
+            for host_layer, got_layer in zip(self.host_kv, pages, strict=True):
+                for h, g in zip(host_layer, got_layer, strict=True):
+                    h[dst] = g[:n_out]
+            self.num_swapped_out_blocks += n_out
+        if n_in:
+            k = _bucket(n_in, sw.in_src.shape[0])
+            src = np.zeros(k, np.int32)  # padding rows read the host null block
+            src[:n_in] = jax.device_get(sw.in_src)[:n_in]
+            pages = tuple(tuple(h[src] for h in layer) for layer in self.host_kv)
+            self.kv = scatter_blocks(self.kv, sw.in_dst, sw.num_in, jax.device_put(pages))
+            self.num_swapped_in_blocks += n_in
 
     def _register_blocks(self, batch: Any, host: dict, owners: list) -> None:
         """The step wrote the KV of its rows' tokens: mark the blocks it filled cached on
@@ -524,6 +588,7 @@ class LLMEngine:
             prompt_lens = np.ones(n, np.int32)
             max_tokens = np.ones(n, np.int32)
             arrivals = np.zeros(n, np.int32)
+            groups = np.zeros(n, np.int32)
             mask = np.zeros(n, bool)
             k = 0
             while self._queue and self._free_slots:
@@ -535,14 +600,20 @@ class LLMEngine:
                     seq.target,
                 )
                 arrivals[k], mask[k] = seq.arrival, True
+                groups[k] = req.seqs[0].arrival  # unique among live groups
                 new.append(slot)
                 k += 1
             self._slot_sampling_dev = None
             final = prompt_lens + max_tokens
             self.state = self._add(
-                self.state, slot_ids, prompt_lens, max_tokens, final, arrivals, mask
+                self.state, slot_ids, prompt_lens, max_tokens, final, arrivals, mask, groups
             )
         if self.enable_prefix_caching:
+            if self._swapped_slots:
+                # No admission while a group is swapped out: a lookup now would hold
+                # cached blocks for a sequence that cannot run. Look up later.
+                self._relookup.update(new)
+                return
             lookup = new + sorted(s for s in self._relookup if s in self._slot_owner)
             self._relookup.clear()
             if lookup:
@@ -604,6 +675,7 @@ class LLMEngine:
     def _release_slot(self, seq: SequenceState) -> None:
         assert seq.slot is not None
         del self._slot_owner[seq.slot]
+        self._swapped_slots.discard(seq.slot)
         self._free_slots.append(seq.slot)
         seq.slot = None
 
@@ -640,6 +712,11 @@ class LLMEngine:
     def num_usable_blocks(self) -> int:
         return self.num_blocks - 1
 
+    def num_free_host_blocks(self) -> int:
+        """Free blocks of the host swap pool (0 without one)."""
+        host = self.state.mem.host_pool
+        return int(host.num_free) if host is not None else 0
+
     def reset_stats(self) -> None:
         """Zero the counters ``stats()`` reports (the prefix cache's contents stay)."""
         self._lookup_tokens = 0
@@ -650,6 +727,10 @@ class LLMEngine:
         self._unshared_sum = 0
         self.num_forked = 0
         self.multi_step.reset_stats()
+        self.num_preemptions_recompute = 0
+        self.num_preemptions_swap = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
         self.prefix_index.queries = self.prefix_index.hit_blocks = 0
         self.prefix_index.query_blocks = 0
 
@@ -663,6 +744,9 @@ class LLMEngine:
         blocks_saved_by_sharing: 1 - blocks in use / blocks without sharing, averaged
             over steps (a step counts when some sequence holds blocks); the ratio of the
             sums is ``blocks_saved_by_sharing_total``.
+        preemptions_recompute / preemptions_swap: sequences preempted by each kind.
+        swapped_out_blocks / swapped_in_blocks: KV blocks copied device -> host and
+            host -> device (a block shared within a group counts once).
         """
         q = self._lookup_tokens
         steps = self._sharing_steps
@@ -678,6 +762,10 @@ class LLMEngine:
             ),
             sharing_steps=steps,
             forked_samples=self.num_forked,
+            preemptions_recompute=self.num_preemptions_recompute,
+            preemptions_swap=self.num_preemptions_swap,
+            swapped_out_blocks=self.num_swapped_out_blocks,
+            swapped_in_blocks=self.num_swapped_in_blocks,
             **self._compile_and_loop_stats(),
         )
 
@@ -696,12 +784,23 @@ class LLMEngine:
         )
 
 
+def num_host_blocks(
+    swap_space_gib: float, bytes_per_block: int, max_useful: int, preemption_mode: str | None
+) -> int:
+    """Blocks of the host swap pool: ``swap_space`` GiB / bytes per block (all layers),
+    capped at ``max_useful`` (every slot's whole block table: more can never be used),
+    and 0 when preemption is by recompute only."""
+    if preemption_mode == "recompute":
+        return 0
+    return min(int(swap_space_gib * (1 << 30)) // bytes_per_block, max_useful)
+
+
+def _bucket(n: int, limit: int) -> int:
+    """The power of two >= n, at most limit (the swap copies' padding bucket)."""
+    return min(1 << max(n - 1, 0).bit_length(), limit)
+
+
 def _reject_unbuilt_features(config: EngineConfig) -> None:
-    if config.scheduler.preemption_mode == "swap":
-        raise NotImplementedError(
-            "preemption_mode='swap': swapping to a host pool is not implemented yet;"
-            " use 'recompute'"
-        )
     if config.parallel.tensor_parallel_size > 1 or config.parallel.data_parallel_size > 1:
         raise NotImplementedError(
             "tensor_parallel_size / data_parallel_size > 1: multi-device execution is not"

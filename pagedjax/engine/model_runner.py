@@ -228,3 +228,32 @@ def jitted_update(policy: Any, config: Any) -> Callable[..., Any]:
         return recycle(state, ids, recycle_mask)
 
     return jax.jit(fn, donate_argnums=(0,))
+
+
+# ---------------------------------------------------------------------------- swapping
+# Preemption by swap moves whole KV blocks between the device pool and a host pool of
+# the same page shape (numpy arrays, one (k, v) pair per layer). Each direction is one
+# batched transfer per step: a gather of the step's blocks and one device_get (out), or
+# one upload and one scatter into the donated pool (in). The pair count is padded to a
+# power-of-two bucket ``k`` (static), so a few compilations cover all steps.
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def gather_blocks(kv: Any, src: jax.Array, *, k: int) -> Any:
+    """The pages ``src[:k]`` of every layer's K and V: a pytree like kv of [k, H, B, D]."""
+    idx = src[:k]
+    return jax.tree.map(lambda p: p[idx], kv)
+
+
+@functools.partial(jax.jit, donate_argnames=("kv",))
+def scatter_blocks(kv: Any, dst: jax.Array, count: jax.Array, pages: Any) -> Any:
+    """kv with page ``dst[i]`` := ``pages[i]`` for i < count (pages: [k, H, B, D] per
+    layer, k <= len(dst)); padding pairs write nothing. kv is donated (in place)."""
+    k = jax.tree.leaves(pages)[0].shape[0]
+    i = jnp.arange(k, dtype=jnp.int32)
+
+    def put(p: jax.Array, x: jax.Array) -> jax.Array:
+        d = jnp.where(i < count, dst[:k], p.shape[0])  # out of range: dropped
+        return p.at[d].set(x.astype(p.dtype), mode="drop")
+
+    return jax.tree.map(put, kv, pages)

@@ -142,6 +142,10 @@ def decode_loop(
             & ~jnp.any(batch.preempted)
             & ~jnp.any(batch.rejected)
             & jnp.all(decode_only)
+            # Swap copies are host work between steps (LLMEngine._apply_swaps): a swap-in
+            # (or swap-out) step is rolled back and redone by the one-step path.
+            & (batch.swap.num_out == 0)
+            & (batch.swap.num_in == 0)
         )
         used, unshared = sharing.sharing_usage(bs, st1)
         start = batch.start_pos[:s_b]

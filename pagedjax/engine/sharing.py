@@ -9,7 +9,8 @@ The host side (hashes, the ``PrefixIndex`` hint, counters) lives in ``llm_engine
   reference to the usable hit, write it into the slot's table row and set
   ``num_computed`` to the hit length, before the jitted ``schedule`` sees the request.
 - ``register_step``: after a step, mark the blocks that step filled as cached.
-- ``fork_children``: share a finished prompt's blocks with n - 1 child slots.
+- ``fork_children``: share a finished prompt's blocks with n - 1 child slots, in the
+  parent's sequence group (gang-scheduled, preempted and swapped together).
 - ``sharing_usage``: blocks in use vs. blocks that would be in use without sharing.
 """
 
@@ -22,7 +23,7 @@ from pagedjax.memory import block_pool as bp
 from pagedjax.memory import prefix_cache as pc
 from pagedjax.memory.block_pool import NULL_BLOCK
 from pagedjax.memory.block_table import blocks_for
-from pagedjax.scheduler import FINISHED, FREE, SchedulerState, add_requests
+from pagedjax.scheduler import RUNNING, WAITING, SchedulerState, add_requests
 
 
 def _block_tokens(tokens: jax.Array, rows: jax.Array, num_blocks: int, b: int) -> jax.Array:
@@ -131,10 +132,13 @@ def fork_children(
 
     parent: int32[] slot whose prompt (length P) was just computed. children int32[K]
     FREE slots, mask bool[K], max_tokens / arrivals int32[K]. Each child gets the
-    parent's blocks covering its first P - 1 tokens, num_computed = P - 1, and WAITING
-    status: it computes the last prompt token itself (copying the shared partial block
-    on write when there is one) and samples its first token with its own sample index,
-    so sample k is the same as sample k of an unshared run.
+    parent's blocks covering its first P - 1 tokens, num_computed = P - 1, the parent's
+    group id and RUNNING status: it joins the running group at once (no admission, as
+    vLLM's forked sequences, so the group is scheduled, preempted and swapped as one and
+    no admission rule can strand a child holding shared blocks), computes the last
+    prompt token itself next step (copying the shared partial block on write when there
+    is one) and samples its first token with its own sample index, so sample k is the
+    same as sample k of an unshared run.
     """
     mem = state.mem
     m = mem.tables.max_blocks_per_seq
@@ -162,10 +166,12 @@ def fork_children(
         p_len + max_tokens,
         arrivals,
         mask,
+        jnp.broadcast_to(state.group[parent], children.shape),
     )
     return state._replace(
         mem=mem._replace(pool=pool, tables=tables),
         num_computed=state.num_computed.at[ids].set(shared, mode="drop"),
+        status=state.status.at[ids].set(RUNNING, mode="drop"),
     )
 
 
@@ -173,10 +179,11 @@ def sharing_usage(block_size: int, state: SchedulerState) -> tuple[jax.Array, ja
     """(blocks referenced, blocks the live rows would hold without sharing): int32[] each.
 
     Without sharing every sequence holds its own ceil(len / B) blocks; with it a shared
-    block counts once (refcount > 0). Free cached blocks count as free.
+    block counts once (refcount > 0). Free cached blocks count as free; swapped-out
+    sequences hold host blocks, not device ones, and are not counted.
     """
     used = jnp.sum(state.mem.pool.refcount > 0, dtype=jnp.int32)
-    live = (state.status != FREE) & (state.status != FINISHED)
+    live = (state.status == WAITING) | (state.status == RUNNING)
     lens = state.mem.tables.lengths
     unshared = jnp.sum(jnp.where(live, blocks_for(lens, block_size), 0), dtype=jnp.int32)
     return used, unshared

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from pagedjax.memory import block_table as btm
@@ -12,6 +13,7 @@ from pagedjax.memory.block_pool import BlockPool, create_block_pool
 from pagedjax.memory.block_table import BlockTables, CopyOnWrite, blocks_for
 from pagedjax.memory.policy import MemoryUsage
 from pagedjax.memory.prefix_cache import PrefixCacheState, create_prefix_cache, invalidate
+from pagedjax.memory.swap import SwapMap, append_pairs, empty_map, move_rows
 
 
 class PagedState(NamedTuple):
@@ -23,6 +25,13 @@ class PagedState(NamedTuple):
     last_cow: CopyOnWrite
     # Prefix-cache truth (see prefix_cache.py); None when prefix caching is off.
     prefix: PrefixCacheState | None = None
+    # Swap preemption (None when the policy has no host pool): the host block pool, which
+    # slots' table rows hold host block ids (SWAPPED), and the step's pending block copies
+    # device -> host (swap_out) and host -> device (swap_in), cleared by ``begin_step``.
+    host_pool: BlockPool | None = None
+    on_host: jax.Array | None = None
+    swap_out: SwapMap | None = None
+    swap_in: SwapMap | None = None
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,8 @@ class PagedPolicy:
     num_blocks counts the null block, so ``num_blocks - 1`` blocks are usable.
     watermark_frac: admissions (use_watermark) must leave int(watermark_frac * num_blocks)
     blocks free, as vLLM's block manager does (paper_notes section 6).
+    num_host_blocks: the host (CPU) swap pool's usable blocks; 0 = no swapping (the
+    scheduler then preempts by recompute only). See ``swap_out`` / ``swap_in``.
     """
 
     num_blocks: int
@@ -40,6 +51,7 @@ class PagedPolicy:
     max_blocks_per_seq: int
     watermark_frac: float = 0.0
     enable_prefix_caching: bool = False
+    num_host_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
@@ -50,6 +62,12 @@ class PagedPolicy:
             raise ValueError("max_seqs and max_blocks_per_seq must be >= 1")
         if not 0.0 <= self.watermark_frac < 1.0:
             raise ValueError(f"watermark_frac must be in [0, 1), got {self.watermark_frac}")
+        if self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
+
+    @property
+    def can_swap(self) -> bool:
+        return self.num_host_blocks > 0
 
     @property
     def capacity_tokens(self) -> int:
@@ -72,12 +90,72 @@ class PagedPolicy:
             create_prefix_cache(self.num_blocks, self.block_size)
             if self.enable_prefix_caching
             else None,
+            *(
+                (
+                    create_block_pool(self.num_host_blocks + 1),
+                    jnp.zeros((self.max_seqs,), bool),
+                    empty_map(self.num_blocks),
+                    empty_map(self.num_blocks),
+                )
+                if self.can_swap
+                else ()
+            ),
         )
 
     def begin_step(self, state: PagedState) -> PagedState:
         """Forget the previous step's (already applied) copies."""
         z = jnp.zeros((self.max_seqs,), jnp.int32)
-        return state._replace(last_cow=CopyOnWrite(z, z, jnp.zeros((self.max_seqs,), bool)))
+        state = state._replace(last_cow=CopyOnWrite(z, z, jnp.zeros((self.max_seqs,), bool)))
+        if self.can_swap:
+            state = state._replace(
+                swap_out=empty_map(self.num_blocks), swap_in=empty_map(self.num_blocks)
+            )
+        return state
+
+    # -- swap preemption ------------------------------------------------------------------
+    # A step moves each device block out at most once (a block freed by a swap-out may be
+    # reallocated to a growing sequence in the same step, but that sequence is never a
+    # victim later in the step) and swaps in only in steps without preemption, so both
+    # maps fit num_blocks pairs and a step's swap-out and swap-in blocks are disjoint.
+
+    def swap_out(self, state: PagedState, mask: jax.Array) -> tuple[PagedState, jax.Array]:
+        """Move the masked slots' blocks (bool[max_seqs], on device) to the host pool,
+        all or nothing; shared blocks are copied once. ok False: the host pool is full."""
+        pool, host, tables, src, dst, count, ok = move_rows(
+            state.pool, state.host_pool, state.tables, mask
+        )
+        # The freed device blocks keep their contents, so their prefix-cache entries stay.
+        return state._replace(
+            pool=pool,
+            host_pool=host,
+            tables=tables,
+            on_host=state.on_host | (mask & ok),
+            swap_out=append_pairs(state.swap_out, src, dst, count),
+        ), ok
+
+    def swap_in(
+        self, state: PagedState, mask: jax.Array, num_seqs: jax.Array, reserve: jax.Array
+    ) -> tuple[PagedState, jax.Array]:
+        """Move the masked slots' blocks (on host) back to device, all or nothing. With
+        ``reserve`` the device must keep ``watermark + num_seqs`` blocks free afterwards
+        (vLLM's can_swap_in: one spare block per sequence for its next token)."""
+        extra = self.watermark_blocks + jnp.asarray(num_seqs, jnp.int32)
+        reserve = jnp.where(reserve, extra, 0)
+        host, pool, tables, src, dst, count, ok = move_rows(
+            state.host_pool, state.pool, state.tables, mask, reserve
+        )
+        prefix = state.prefix
+        if prefix is not None:  # the blocks get the swapped-in contents
+            valid = jnp.arange(dst.shape[0]) < count
+            prefix = invalidate(prefix, dst, valid)
+        return state._replace(
+            pool=pool,
+            host_pool=host,
+            tables=tables,
+            prefix=prefix,
+            on_host=state.on_host & ~(mask & ok),
+            swap_in=append_pairs(state.swap_in, src, dst, count),
+        ), ok
 
     def grow(self, state, seq_ids, new_lens, final_lens, max_lens, mask, use_watermark):
         del final_lens, max_lens  # paged allocation needs only the current length
@@ -108,11 +186,21 @@ class PagedPolicy:
             rows = jnp.clip(seq_ids, 0, self.max_seqs - 1)
             before, after = state.tables.tables[rows], tables.tables[rows]
             prefix = invalidate(prefix, after.reshape(-1), (after != before).reshape(-1))
-        return PagedState(pool, tables, pending, prefix), ok
+        return state._replace(pool=pool, tables=tables, last_cow=pending, prefix=prefix), ok
 
     def release(self, state, seq_ids, mask):
-        pool, tables = btm.release_batched(state.pool, state.tables, seq_ids, mask)
-        return state._replace(pool=pool, tables=tables)
+        if not self.can_swap:
+            pool, tables = btm.release_batched(state.pool, state.tables, seq_ids, mask)
+            return state._replace(pool=pool, tables=tables)
+        # Swapped rows hold host block ids: their references go back to the host pool.
+        seq_ids = jnp.asarray(seq_ids, jnp.int32)
+        mask = jnp.asarray(mask, bool)
+        host = state.on_host[jnp.clip(seq_ids, 0, self.max_seqs - 1)]
+        pool, tables = btm.release_batched(state.pool, state.tables, seq_ids, mask & ~host)
+        hpool, tables = btm.release_batched(state.host_pool, tables, seq_ids, mask & host)
+        gone = jnp.where(mask, seq_ids, self.max_seqs)
+        on_host = state.on_host.at[gone].set(False, mode="drop")
+        return state._replace(pool=pool, tables=tables, host_pool=hpool, on_host=on_host)
 
     def usage(self, state, lens, final_lens, live) -> MemoryUsage:
         return paged_usage(

@@ -5,7 +5,7 @@ abort, recycle, schedule, update; priorities in ``priority``; the spec in ``refe
 """
 
 from pagedjax.scheduler.config import SchedulerConfig
-from pagedjax.scheduler.schedule import ScheduledBatch, schedule
+from pagedjax.scheduler.schedule import ScheduledBatch, SwapPlan, schedule
 from pagedjax.scheduler.state import (
     FINISHED,
     FREE,
@@ -16,6 +16,7 @@ from pagedjax.scheduler.state import (
     REASON_STOP,
     REASON_TOO_LONG,
     RUNNING,
+    SWAPPED,
     WAITING,
     SchedulerState,
     abort,
@@ -36,8 +37,10 @@ __all__ = [
     "REASON_STOP",
     "REASON_TOO_LONG",
     "RUNNING",
+    "SWAPPED",
     "WAITING",
     "ScheduledBatch",
+    "SwapPlan",
     "SchedulerConfig",
     "SchedulerState",
     "abort",

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MODES = ("default", "paper", "static")
+PREEMPTION_MODES = (None, "recompute", "swap")
 
 # vLLM v0.1.x EngineArgs defaults (paper_notes section 6).
 PAPER_MAX_NUM_BATCHED_TOKENS = 2560
@@ -35,6 +36,12 @@ class SchedulerConfig:
         "shortest_remaining") or a callable ``(state, config) -> tuple of int32[max_seqs]``
         keys, most significant first (lower runs first). Paper mode requires "fcfs".
     static_batch_size: the batch size B of static mode (ignored otherwise).
+    preemption_mode: how a preempted sequence group gives its memory back: "recompute"
+        (free the blocks, prefill prompt + output again later), "swap" (move the blocks to
+        the policy's host pool, move them back later) or None, the paper's default: swap
+        groups with several running sequences, recompute single ones. Swap needs a policy
+        with a host pool (``policy.can_swap``); otherwise, and whenever the host pool
+        cannot take a group, the group is recomputed.
     """
 
     max_seqs: int
@@ -44,6 +51,7 @@ class SchedulerConfig:
     mode: str = "default"
     priority: str | Callable[..., Any] = "fcfs"
     static_batch_size: int = 8
+    preemption_mode: str | None = None
 
     def __post_init__(self) -> None:
         _check_pos_int("max_seqs", self.max_seqs)
@@ -60,6 +68,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"static_batch_size ({self.static_batch_size}) must be <= max_seqs"
                 f" ({self.max_seqs})"
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
             )
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")

@@ -18,20 +18,28 @@ from pagedjax.memory.policy import MemoryUsage
 
 
 class CountingState(NamedTuple):
-    """held: int32[max_seqs] units per slot. free: int32[] free units."""
+    """held: int32[max_seqs] units per slot. free: int32[] free units. host_held,
+    host_free: the same for the host (swap) pool; host_held[s] > 0 only while swapped."""
 
     held: jax.Array
     free: jax.Array
+    host_held: jax.Array
+    host_free: jax.Array
 
 
 @dataclass(frozen=True)
 class CountingPolicy:
-    """capacity_tokens // unit units; admissions must leave int(watermark_frac * units)."""
+    """capacity_tokens // unit units; admissions must leave int(watermark_frac * units).
+
+    host_units: units of the host swap pool (0: no swapping). Units are not shared, so
+    a swap moves exactly the units the rows hold.
+    """
 
     max_seqs: int
     capacity_tokens: int
     unit: int = 16
     watermark_frac: float = 0.0
+    host_units: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "capacity_tokens", "unit"):
@@ -40,6 +48,12 @@ class CountingPolicy:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if not 0.0 <= self.watermark_frac < 1.0:
             raise ValueError(f"watermark_frac must be in [0, 1), got {self.watermark_frac}")
+        if self.host_units < 0:
+            raise ValueError(f"host_units must be >= 0, got {self.host_units}")
+
+    @property
+    def can_swap(self) -> bool:
+        return self.host_units > 0
 
     @property
     def num_units(self) -> int:
@@ -53,7 +67,8 @@ class CountingPolicy:
         return (jnp.asarray(length, jnp.int32) + self.unit - 1) // self.unit
 
     def init_state(self) -> CountingState:
-        return CountingState(jnp.zeros((self.max_seqs,), jnp.int32), jnp.int32(self.num_units))
+        z = jnp.zeros((self.max_seqs,), jnp.int32)
+        return CountingState(z, jnp.int32(self.num_units), z, jnp.int32(self.host_units))
 
     def grow(self, state, seq_ids, new_lens, final_lens, max_lens, mask, use_watermark):
         del final_lens, max_lens
@@ -70,12 +85,44 @@ class CountingPolicy:
         free, ok = lax.scan(step, state.free, (need, reserve, jnp.asarray(mask, bool)))
         take = jnp.where(mask & ok, need, 0)
         held = state.held.at[ids].add(take)
-        return CountingState(held, free), ok
+        return state._replace(held=held, free=free), ok
 
     def release(self, state, seq_ids, mask):
         ids = jnp.where(mask, jnp.asarray(seq_ids, jnp.int32), self.max_seqs)
-        back = jnp.sum(jnp.where(mask, state.held[jnp.clip(ids, 0, self.max_seqs - 1)], 0))
-        return CountingState(state.held.at[ids].set(0, mode="drop"), state.free + back)
+        safe = jnp.clip(ids, 0, self.max_seqs - 1)
+        back = jnp.sum(jnp.where(mask, state.held[safe], 0))
+        host_back = jnp.sum(jnp.where(mask, state.host_held[safe], 0))
+        return CountingState(
+            state.held.at[ids].set(0, mode="drop"),
+            state.free + back,
+            state.host_held.at[ids].set(0, mode="drop"),
+            state.host_free + host_back,
+        )
+
+    def swap_out(self, state, mask):
+        """Move the masked slots' units (bool[max_seqs]) to the host pool, all or nothing."""
+        need = jnp.sum(jnp.where(mask, state.held, 0))
+        ok = state.host_free >= need
+        move = mask & ok
+        return CountingState(
+            jnp.where(move, 0, state.held),
+            state.free + jnp.where(ok, need, 0),
+            jnp.where(move, state.held, state.host_held),
+            state.host_free - jnp.where(ok, need, 0),
+        ), ok
+
+    def swap_in(self, state, mask, num_seqs, reserve):
+        """Back to device, all or nothing; with ``reserve``, leaving watermark + num_seqs
+        units free."""
+        need = jnp.sum(jnp.where(mask, state.host_held, 0))
+        ok = state.free - need >= jnp.where(reserve, self.watermark_units + num_seqs, 0)
+        move = mask & ok
+        return CountingState(
+            jnp.where(move, state.host_held, state.held),
+            state.free - jnp.where(ok, need, 0),
+            jnp.where(move, 0, state.host_held),
+            state.host_free + jnp.where(ok, need, 0),
+        ), ok
 
     def usage(self, state, lens, final_lens, live) -> MemoryUsage:
         held = (state.held * self.unit).astype(jnp.float32)

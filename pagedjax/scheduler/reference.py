@@ -2,10 +2,12 @@
 
 The jitted ``schedule`` / ``update`` must agree with this decision by decision; the
 differential tests step both on the same random traces. Memory is an oracle object with
-``grow(slot, new_len, final_len, max_len, use_watermark) -> bool`` and ``release(slot)``;
-``PolicyOracle`` adapts any MemoryPolicy by calling it on one sequence at a time;
-``UnitPoolModel`` restates a fungible-unit pool (the paged pool's block counts, or
-``CountingPolicy``) in a few lines of Python, independent of the array code.
+``grow(slot, new_len, final_len, max_len, use_watermark) -> bool``, ``release(slot)``,
+``snapshot()`` / ``restore(snap)`` (a group grows all or nothing), and for swap
+preemption ``can_swap``, ``swap_out(slots) -> bool`` and ``swap_in(slots, reserve) -> bool``;
+``PolicyOracle`` adapts any MemoryPolicy by calling it on one sequence (or one group)
+at a time; ``UnitPoolModel`` restates a fungible-unit pool (the paged pool's block
+counts, or ``CountingPolicy``) in a few lines of Python, independent of the array code.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pagedjax.scheduler.state import (
     REASON_STOP,
     REASON_TOO_LONG,
     RUNNING,
+    SWAPPED,
     WAITING,
 )
 
@@ -37,6 +40,33 @@ class PolicyOracle:
         self.state = policy.init_state()
         self._grow = jax.jit(policy.grow)
         self._release = jax.jit(policy.release)
+        self.can_swap = bool(getattr(policy, "can_swap", False))
+        if self.can_swap:
+            self._swap_out = jax.jit(policy.swap_out)
+            self._swap_in = jax.jit(policy.swap_in)
+
+    def _mask(self, slots: list[int]) -> jax.Array:
+        return jnp.zeros((self.policy.max_seqs,), bool).at[jnp.asarray(slots)].set(True)
+
+    def snapshot(self) -> Any:
+        return self.state
+
+    def restore(self, snap: Any) -> None:
+        self.state = snap
+
+    def swap_out(self, slots: list[int]) -> bool:
+        state, ok = self._swap_out(self.state, self._mask(slots))
+        if bool(ok):
+            self.state = state
+        return bool(ok)
+
+    def swap_in(self, slots: list[int], reserve: bool) -> bool:
+        state, ok = self._swap_in(
+            self.state, self._mask(slots), jnp.int32(len(slots)), jnp.asarray(reserve)
+        )
+        if bool(ok):
+            self.state = state
+        return bool(ok)
 
     def grow(self, slot: int, new_len: int, final_len: int, max_len: int, wm: bool) -> bool:
         i = lambda v: jnp.asarray([v], jnp.int32)
@@ -56,15 +86,25 @@ class UnitPoolModel:
     """A pool of ``num_units`` units of ``unit`` tokens; a length L holds ceil(L / unit).
 
     Admissions (watermark) must leave ``watermark_units`` free; ``max_units`` (optional)
-    caps one sequence (the paged pool's block-table row).
+    caps one sequence (the paged pool's block-table row). ``host_units``: a host pool for
+    swapping (0: none); a swap moves a slot's units whole, and a swap-in with ``reserve`` must
+    leave the watermark plus one unit per sequence free (vLLM's can_swap_in).
     """
 
     def __init__(
-        self, unit: int, num_units: int, watermark_units: int = 0, max_units: int | None = None
+        self,
+        unit: int,
+        num_units: int,
+        watermark_units: int = 0,
+        max_units: int | None = None,
+        host_units: int = 0,
     ) -> None:
         self.unit, self.free, self.total = unit, num_units, num_units
         self.watermark_units, self.max_units = watermark_units, max_units
         self.held: dict[int, int] = {}  # slot -> units
+        self.host_free = self.host_total = host_units
+        self.host_held: dict[int, int] = {}  # swapped slot -> units
+        self.can_swap = host_units > 0
 
     @classmethod
     def of(cls, policy: Any) -> UnitPoolModel:
@@ -75,8 +115,9 @@ class UnitPoolModel:
                 policy.num_blocks - 1,
                 policy.watermark_blocks,
                 policy.max_blocks_per_seq,
+                policy.num_host_blocks,
             )
-        return cls(policy.unit, policy.num_units, policy.watermark_units)
+        return cls(policy.unit, policy.num_units, policy.watermark_units, None, policy.host_units)
 
     def grow(self, slot: int, new_len: int, final_len: int, max_len: int, wm: bool) -> bool:
         units = -(-new_len // self.unit)
@@ -91,6 +132,33 @@ class UnitPoolModel:
 
     def release(self, slot: int) -> None:
         self.free += self.held.pop(slot, 0)
+        self.host_free += self.host_held.pop(slot, 0)
+
+    def snapshot(self) -> Any:
+        return (self.free, dict(self.held))
+
+    def restore(self, snap: Any) -> None:
+        self.free, self.held = snap[0], dict(snap[1])
+
+    def swap_out(self, slots: list[int]) -> bool:
+        need = sum(self.held.get(s, 0) for s in slots)
+        if need > self.host_free:
+            return False
+        for s in slots:
+            self.host_held[s] = self.held.pop(s, 0)
+        self.free += need
+        self.host_free -= need
+        return True
+
+    def swap_in(self, slots: list[int], reserve: bool) -> bool:
+        need = sum(self.host_held.get(s, 0) for s in slots)
+        if self.free - need < (self.watermark_units + len(slots) if reserve else 0):
+            return False
+        for s in slots:
+            self.held[s] = self.host_held.pop(s, 0)
+        self.free -= need
+        self.host_free += need
+        return True
 
 
 @dataclass
@@ -99,6 +167,7 @@ class Req:
     prompt_len: int
     max_tokens: int
     final_len: int
+    group: int = 0
     status: int = WAITING
     finish_reason: int = 0
     output_len: int = 0
@@ -116,11 +185,15 @@ class Req:
 
 @dataclass
 class RefBatch:
-    """rows: (slot, q_len, start_pos, emits) in batch order; preempted/rejected: slots."""
+    """rows: (slot, q_len, start_pos, emits) in batch order; the sets hold slots:
+    preempted (recompute or swap), rejected, swapped_out (of the preempted, those
+    swapped), swapped_in (back on device, RUNNING from the next step)."""
 
     rows: list[tuple[int, int, int, bool]]
     preempted: set[int]
     rejected: set[int]
+    swapped_out: set[int]
+    swapped_in: set[int]
 
 
 class ReferenceScheduler:
@@ -132,7 +205,15 @@ class ReferenceScheduler:
         self.reqs: dict[int, Req] = {}  # slot -> request (FREE slots are absent)
 
     # -- intake -------------------------------------------------------------------------
-    def add(self, slot: int, prompt_len: int, max_tokens: int, final_len: int, arrival: int):
+    def add(
+        self,
+        slot: int,
+        prompt_len: int,
+        max_tokens: int,
+        final_len: int,
+        arrival: int,
+        group: int | None = None,
+    ):
         if not 0 <= slot < self.config.max_seqs:
             raise ValueError(f"slot must be in [0, {self.config.max_seqs}), got {slot}")
         if slot in self.reqs and self.reqs[slot].status != FINISHED:
@@ -141,11 +222,13 @@ class ReferenceScheduler:
             raise ValueError("need prompt_len >= 1, max_tokens >= 1, final_len > prompt_len")
         if any(r.arrival == arrival for r in self.reqs.values() if r.status != FINISHED):
             raise ValueError(f"arrival {arrival} is not unique")
-        self.reqs[slot] = Req(arrival, prompt_len, max_tokens, final_len)
+        self.reqs[slot] = Req(
+            arrival, prompt_len, max_tokens, final_len, slot if group is None else group
+        )
 
     def abort(self, slot: int) -> None:
         r = self.reqs[slot]
-        if r.status in (WAITING, RUNNING):
+        if r.status in (WAITING, RUNNING, SWAPPED):
             self.memory.release(slot)
             r.status, r.finish_reason = FINISHED, REASON_ABORTED
 
@@ -163,6 +246,14 @@ class ReferenceScheduler:
 
     def _with(self, status: int) -> list[int]:
         return sorted((s for s, r in self.reqs.items() if r.status == status), key=self.key)
+
+    def _groups(self, status: int) -> list[list[int]]:
+        """Groups of the slots with ``status``: each group's members in priority order,
+        groups ordered by their best member."""
+        groups: dict[int, list[int]] = {}
+        for s in self._with(status):
+            groups.setdefault(self.reqs[s].group, []).append(s)
+        return sorted(groups.values(), key=lambda g: self.key(g[0]))
 
     def _grow(self, slot: int, new_len: int, wm: bool) -> bool:
         r, cfg = self.reqs[slot], self.config
@@ -188,45 +279,61 @@ class ReferenceScheduler:
                 self._finish(s, REASON_TOO_LONG)
                 rejected.add(s)
 
-        # 2. Running sequences in priority order; victims from the back.
+        # 2. Running groups in priority order, each all or nothing; victims (whole
+        # groups) from the back.
         budget = cfg.max_num_batched_tokens
-        queue = self._with(RUNNING)
+        queue = self._groups(RUNNING)
+        swapped_out: set[int] = set()
         i = 0
         while i < len(queue):
-            s = queue[i]
-            r = self.reqs[s]
-            q = min(r.total - r.num_computed, budget)
-            if q == 0:  # budget spent: stays running, holds its memory
-                i += 1
-                continue
-            grown = self._grow(s, r.num_computed + q, False)
+            group = queue[i]
+            plan, left = [], budget
+            for s in group:
+                r = self.reqs[s]
+                q = min(r.total - r.num_computed, left)
+                left -= q
+                if q > 0:  # q == 0: budget spent: stays running, holds its memory
+                    plan.append((s, q, r.num_computed))
+            grown = self._grow_group(plan)
             while not grown and len(queue) - 1 > i:
-                v = queue.pop()
-                self._preempt(v)
-                preempted.add(v)
-                grown = self._grow(s, r.num_computed + q, False)
+                victim = queue.pop()
+                self._preempt(victim, preempted, swapped_out)
+                grown = self._grow_group(plan)
             if grown:
-                rows.append((s, q, r.num_computed, r.num_computed + q == r.total))
-                budget -= q
+                rows += [(s, q, start, start + q == self.reqs[s].total) for s, q, start in plan]
+                budget = left
                 i += 1
                 continue
             queue.pop()
             if i == 0:  # failed with everything else preempted: it can never fit
-                self.memory.release(s)
-                r.num_computed = 0
-                self._finish(s, REASON_CAPACITY)
-                rejected.add(s)
+                for s in group:
+                    self.memory.release(s)
+                    self.reqs[s].num_computed = 0
+                    self._finish(s, REASON_CAPACITY)
+                    rejected.add(s)
             else:
-                self._preempt(s)
-                preempted.add(s)
+                self._preempt(group, preempted, swapped_out)
             break
 
-        # 3. Admissions, strictly in priority order.
-        n_running = len(queue)
-        admit = not preempted and (cfg.mode != "static" or n_running == 0)
+        # Swapped groups come back (not in a step that preempted), in priority order,
+        # while they fit; they run from the next step.
+        n_running = sum(len(g) for g in queue)
         seq_cap = cfg.max_num_seqs
         if cfg.mode == "static":
             seq_cap = min(cfg.static_batch_size, cfg.max_num_seqs)
+        swapped_in: set[int] = set()
+        for group in self._groups(SWAPPED) if not preempted else []:
+            # Spare blocks (watermark + one per sequence) only while something runs.
+            if n_running + len(group) > seq_cap or not self.memory.swap_in(group, n_running > 0):
+                break
+            for s in group:
+                self.reqs[s].status = RUNNING
+            swapped_in.update(group)
+            n_running += len(group)
+
+        # 3. Admissions, strictly in priority order; none while a group is swapped out.
+        admit = not preempted and not self._with(SWAPPED)
+        admit = admit and (cfg.mode != "static" or n_running == 0)
         for s in self._with(WAITING) if admit else []:
             r = self.reqs[s]
             if n_running >= seq_cap:
@@ -244,14 +351,34 @@ class ReferenceScheduler:
             rows.append((s, q, r.num_computed, r.num_computed + q == r.total))
             budget -= q
             n_running += 1
-        self.last = RefBatch(rows, preempted, rejected)
+        self.last = RefBatch(rows, preempted, rejected, swapped_out, swapped_in)
         return self.last
 
-    def _preempt(self, slot: int) -> None:
-        r = self.reqs[slot]
-        self.memory.release(slot)
-        r.status, r.num_computed = WAITING, 0
-        r.num_preemptions += 1
+    def _grow_group(self, plan: list[tuple[int, int, int]]) -> bool:
+        """Grow each (slot, q, start) of one group; all or nothing."""
+        snap = self.memory.snapshot()
+        for s, q, start in plan:
+            if not self._grow(s, start + q, False):
+                self.memory.restore(snap)
+                return False
+        return True
+
+    def _preempt(self, group: list[int], preempted: set[int], swapped: set[int]) -> None:
+        """Preempt a running group: swap (mode "swap", or None with several sequences)
+        if the memory has a host pool that takes the whole group, else recompute."""
+        mode = self.config.preemption_mode
+        swap = self.memory.can_swap and (mode == "swap" or (mode is None and len(group) > 1))
+        if swap and self.memory.swap_out(group):
+            for s in group:
+                self.reqs[s].status = SWAPPED
+            swapped.update(group)
+        else:
+            for s in group:
+                self.memory.release(s)
+                self.reqs[s].status, self.reqs[s].num_computed = WAITING, 0
+        for s in group:
+            self.reqs[s].num_preemptions += 1
+        preempted.update(group)
 
     def update(self, batch: RefBatch, stopped: set[int]) -> list[int]:
         """Apply the step; ``stopped``: slots whose sampled token was EOS / a stop.

@@ -4,22 +4,27 @@ Rules (docs/scheduler.md gives the reasons; ``reference.py`` states them sequent
 
 1. Reject WAITING requests that can never run: prompt over ``config.prompt_limit``
    (paper/static modes: prompt + generated output, which a recompute must prefill whole).
-2. RUNNING sequences in priority order each take ``min(remaining, budget left)`` tokens
-   (a decode is 1). Each scheduled one grows its memory to ``num_computed + q``. When a
-   grow fails, the lowest-priority running sequence not yet visited is preempted by
-   recompute (memory released, back to WAITING, num_computed = 0) and the grow retried;
-   if that victim would be the sequence itself, it is preempted and the pass ends. A
-   sequence that fails alone (everything else preempted) can never fit: it finishes
-   with REASON_CAPACITY instead.
-3. If nobody was preempted (and, in static mode, nothing runs), WAITING sequences in
-   priority order are admitted strictly in order while the number of running sequences
-   stays within max_num_seqs (static: static_batch_size) and the budget allows: default
-   mode chunks the last prompt to the budget left, paper/static modes need it whole.
-   Admission grows with the policy's watermark; the first refusal stops admission, and
-   if nothing runs the refused request can never fit (REASON_CAPACITY).
+2. RUNNING sequences, group by group (groups in the order of their best member, members
+   in priority order), each take ``min(remaining, budget left)`` tokens (a decode is 1)
+   and grow their memory to ``num_computed + q``, all or nothing per group. When a
+   group's grow fails, the lowest-priority running group not yet visited is preempted
+   whole (by swap or recompute, per ``config.preemption_mode``; recompute when the host
+   pool cannot take it) and the grow retried; if that victim would be the group itself,
+   it is preempted and the pass ends. A group that fails alone (everything else
+   preempted) can never fit: it finishes with REASON_CAPACITY instead.
+3. If nobody was preempted, SWAPPED groups in priority order are swapped back in (all
+   members, RUNNING from the next step) while the device keeps watermark + one block
+   per member free; the first that does not fit stops.
+4. If nobody was preempted, no group is still swapped out (and, in static mode, nothing
+   runs), WAITING sequences in priority order are admitted strictly in order while the
+   number of running sequences stays within max_num_seqs (static: static_batch_size)
+   and the budget allows: default mode chunks the last prompt to the budget left,
+   paper/static modes need it whole. Admission grows with the policy's watermark; the
+   first refusal stops admission, and if nothing runs the refused request can never fit
+   (REASON_CAPACITY).
 
-The common case (no preemption, no refusal) costs a few batched policy calls; the
-sequential preemption loop only runs from the first failed grow.
+The common case (no preemption, no refusal, nothing swapped) costs a few batched policy
+calls; the sequential preemption and swap-in loops only run when needed.
 """
 
 from __future__ import annotations
@@ -37,10 +42,32 @@ from pagedjax.scheduler.state import (
     REASON_CAPACITY,
     REASON_TOO_LONG,
     RUNNING,
+    SWAPPED,
     WAITING,
     SchedulerState,
     max_lens,
 )
+
+
+class SwapPlan(NamedTuple):
+    """This step's swap work, for the engine to copy before the model step.
+
+    out_src, out_dst: int32[K] device -> host block pairs; the first ``num_out`` are
+        real (K static: the device pool's size for the paged policy, 1 for policies
+        without block ids). in_src, in_dst: int32[K] host -> device pairs, ``num_in``.
+    swapped_out: bool[max_seqs] by slot: preempted by swap this step (also in
+        ``ScheduledBatch.preempted``). swapped_in: bool[max_seqs]: back on device this
+        step (RUNNING; they run from the next step).
+    """
+
+    out_src: jax.Array
+    out_dst: jax.Array
+    num_out: jax.Array
+    in_src: jax.Array
+    in_dst: jax.Array
+    num_in: jax.Array
+    swapped_out: jax.Array
+    swapped_in: jax.Array
 
 
 class ScheduledBatch(NamedTuple):
@@ -53,9 +80,10 @@ class ScheduledBatch(NamedTuple):
     emits: bool, the row's last token completes prompt + generated output, so its logits
         are sampled (False for a non-final prefill chunk and for padding).
     num_seqs: int32[] scheduled rows. num_tokens: int32[] sum of q_lens (padding bucket).
-    preempted: bool[max_seqs] by slot: preempted this step.
+    preempted: bool[max_seqs] by slot: preempted this step (recompute or swap).
     rejected: bool[max_seqs] by slot: finished this step without running (too long, or
         cannot fit the pool); see state.finish_reason.
+    swap: SwapPlan (always set by ``schedule``; None only in hand-built batches).
     """
 
     seq_ids: jax.Array
@@ -66,6 +94,7 @@ class ScheduledBatch(NamedTuple):
     num_tokens: jax.Array
     preempted: jax.Array
     rejected: jax.Array
+    swap: SwapPlan | None = None
 
 
 def _tree_where(c: jax.Array, a: Any, b: Any) -> Any:
@@ -85,51 +114,153 @@ def _budget_prefix(need: jax.Array, budget: jax.Array) -> jax.Array:
     return jnp.clip(budget - before, 0, need).astype(jnp.int32)
 
 
-def _run_running(policy, mem, order, want, new_lens, finals, caps, n_run):
-    """Grow the running sequences (positions in ``order``); preempt from the back.
+def group_order(state: SchedulerState, config: SchedulerConfig, members: jax.Array) -> jax.Array:
+    """Like ``priority_order`` but group-contiguous: groups ordered by their best member,
+    members by priority within the group. For n = 1 groups it is the priority order.
+    Group ids are any int32 (one sort, no table indexed by group id)."""
+    n = state.max_seqs
+    order = priority_order(state, config, members)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    rank = jnp.zeros((n,), jnp.int32).at[order].set(pos)
+    # Sorted by (group, rank), each group's first entry holds its best rank. Non-members
+    # rank after all members, so they never lower a member group's best.
+    by_group = jnp.lexsort((rank, state.group))
+    g = state.group[by_group]
+    first = lax.cummax(jnp.where((pos == 0) | (g != jnp.roll(g, 1)), pos, 0))
+    best = jnp.zeros((n,), jnp.int32).at[by_group].set(rank[by_group][first])
+    gkey = jnp.where(members, best, n)
+    return jnp.lexsort((rank, gkey)).astype(jnp.int32)
 
-    Returns (mem', preempted_pos bool[N], capacity_pos bool[N], end) where positions in
-    [end, n_run) were preempted (unless marked capacity) and earlier wanted ones grew.
+
+def _group_bounds(order: jax.Array, group: jax.Array, n_members: jax.Array) -> tuple:
+    """(start, end) int32[N]: the positions [start, end) of each position's group in a
+    group-contiguous ``order`` whose first n_members positions are members."""
+    n = order.shape[0]
+    pos = jnp.arange(n, dtype=jnp.int32)
+    g = group[order]
+    boundary = (pos == 0) | (g != jnp.roll(g, 1)) | (pos >= n_members)
+    start = lax.cummax(jnp.where(boundary, pos, 0))
+    nxt = jnp.concatenate([jnp.where(boundary, pos, n)[1:], jnp.full((1,), n, jnp.int32)])
+    end = lax.cummin(nxt, reverse=True)
+    return start, end
+
+
+def _preempt_group(policy, config, mem, gm, alone):
+    """Preempt the running members ``gm`` (bool[N]) of one group: swap them out if the
+    mode asks for it and the host pool takes them all, else release (recompute). A group
+    that cannot fit even alone (``alone``) is released. Returns (mem', swapped bool[])."""
+    n = gm.shape[0]
+    released = policy.release(mem, jnp.arange(n, dtype=jnp.int32), gm)
+    if not getattr(policy, "can_swap", False) or config.preemption_mode == "recompute":
+        return released, jnp.asarray(False)
+    if config.preemption_mode == "swap":
+        want = ~alone
+    else:  # the paper's default: swap groups with several running sequences
+        want = ~alone & (jnp.sum(gm, dtype=jnp.int32) > 1)
+    swapped_mem, ok = policy.swap_out(mem, gm)
+    use = want & ok
+    return _tree_where(use, swapped_mem, released), use
+
+
+def _run_running(policy, config, state, mem, order, want, new_lens, finals, caps, n_run):
+    """Grow the running sequences (positions in a group-contiguous ``order``); preempt
+    whole groups from the back.
+
+    Returns (mem', preempted, swapped, capacity), each bool[N] by slot: preempted (by
+    recompute or swap), of those the swapped ones, and groups finished for capacity.
     """
     n = order.shape[0]
     pos = jnp.arange(n, dtype=jnp.int32)
     no_wm = jnp.zeros((n,), bool)
     mem_all, ok_all = policy.grow(mem, order, new_lens, finals, caps, want, no_wm)
     f = _first_false(ok_all, want)
+    z = jnp.zeros((n,), bool)
 
     def fast() -> tuple:
-        z = jnp.zeros((n,), bool)
-        return mem_all, z, z, n_run
+        return mem_all, z, z, z
 
     def slow() -> tuple:
-        # Everything before the first failure grows exactly as in the batched call.
-        m, _ = policy.grow(mem, order, new_lens, finals, caps, want & (pos < f), no_wm)
+        start, end = _group_bounds(order, state.group, n_run)
+        g0 = start[jnp.minimum(f, n - 1)]
+        # Every group before the failing one grows exactly as in the batched call.
+        m, _ = policy.grow(mem, order, new_lens, finals, caps, want & (pos < g0), no_wm)
+        running = state.status == RUNNING
         f1 = jnp.zeros((1,), bool)
 
-        def body(c):
-            m, i, j, pre, cap = c
-            s, w = order[i], want[i]
-            m_grown, ok = policy.grow(
-                m, s[None], new_lens[i][None], finals[i][None], caps[i][None], w[None], f1
+        def grow_one(k, c):
+            m, ok = c
+            w = want[k] & ok
+            m2, ok1 = policy.grow(
+                m, order[k][None], new_lens[k][None], finals[k][None], caps[k][None], w[None], f1
             )
-            ok = ok[0] | ~w
-            other = j - 1 > i  # a lower-priority victim remains
-            # n = nobody (an out-of-range index, dropped by the scatters below).
-            victim = jnp.where(ok, n, jnp.where(other, j - 1, i))
-            m_rel = policy.release(m, order[jnp.minimum(victim, n - 1)][None], (victim < n)[None])
-            m = _tree_where(ok & w, m_grown, m_rel)
-            alone = ~ok & ~other & (i == 0)
-            pre = pre.at[victim].set(~alone, mode="drop")
-            cap = cap.at[victim].set(alone, mode="drop")
-            i = jnp.where(ok, i + 1, i)
-            j = jnp.where(ok, j, jnp.where(other, j - 1, i))
-            return m, i, j, pre, cap
+            return m2, ok & (ok1[0] | ~w)
 
-        z = jnp.zeros((n,), bool)
-        m, _, j, pre, cap = lax.while_loop(lambda c: c[1] < c[2], body, (m, f, n_run, z, z))
-        return m, pre, cap, j
+        def body(c):
+            m, i, j, pre, swp, cap = c
+            e = end[i]
+            # The group's members grow one by one; all or nothing for the group.
+            m_try, ok = lax.fori_loop(i, e, grow_one, (m, jnp.asarray(True)))
+            other = j > e  # a lower-priority group remains
+            vs = jnp.where(other, start[jnp.maximum(j - 1, 0)], i)  # the victim's first position
+            gm = running & (state.group == state.group[order[vs]])
+            alone = ~other & (i == 0)
+
+            def victim():
+                return _preempt_group(policy, config, m, gm, alone)
+
+            m_pre, swapped = lax.cond(ok, lambda: (m, jnp.asarray(False)), victim)
+            m = _tree_where(ok, m_try, m_pre)
+            hit = ~ok & gm
+            pre = pre | (hit & ~alone)
+            swp = swp | (hit & swapped)
+            cap = cap | (hit & alone)
+            return m, jnp.where(ok, e, i), jnp.where(ok, j, vs), pre, swp, cap
+
+        m, _, _, pre, swp, cap = lax.while_loop(
+            lambda c: c[1] < c[2], body, (m, g0, n_run, z, z, z)
+        )
+        return m, pre, swp, cap
 
     return lax.cond(f >= n, fast, slow)
+
+
+def _swap_in(policy, config, state, mem, seq_cap, n_running):
+    """Swapped groups in priority order come back while they fit (device blocks with the
+    watermark plus one block per sequence, and max_num_seqs); the first that does not
+    fit stops the pass. When nothing runs the spare blocks are not asked for: a group
+    that needs nearly the whole pool would otherwise never come back (and, with
+    admissions closed while it is out, the engine would idle forever); if it then cannot
+    grow alone, the running pass finishes it for capacity.
+    Returns (mem', swapped_in bool[N], sequences swapped in)."""
+    n = state.max_seqs
+    swapped = state.status == SWAPPED
+    n_sw = jnp.sum(swapped, dtype=jnp.int32)
+    order = group_order(state, config, swapped)
+    _, end = _group_bounds(order, state.group, n_sw)
+
+    def body(c):
+        m, i, _, sin, nr = c
+        gm = swapped & (state.group == state.group[order[i]])
+        k = jnp.sum(gm, dtype=jnp.int32)
+        fits = nr + k <= seq_cap
+        m2, ok = policy.swap_in(m, gm & fits, k, nr > 0)
+        ok = ok & fits
+        m = _tree_where(ok, m2, m)
+        return m, jnp.where(ok, end[i], i), ok, sin | (gm & ok), nr + jnp.where(ok, k, 0)
+
+    z = jnp.zeros((n,), bool)
+    init = (mem, jnp.int32(0), jnp.asarray(True), z, n_running)
+    m, _, _, sin, nr = lax.while_loop(lambda c: c[2] & (c[1] < n_sw), body, init)
+    return m, sin, nr - n_running
+
+
+def _swap_maps(mem: Any) -> tuple:
+    """The policy state's pending swap maps, or empty ones (K = 1) without block ids."""
+    out, inn = getattr(mem, "swap_out", None), getattr(mem, "swap_in", None)
+    if out is None:
+        z, c = jnp.zeros((1,), jnp.int32), jnp.zeros((), jnp.int32)
+        return z, z, c, z, z, c
+    return out.src, out.dst, out.count, inn.src, inn.dst, inn.count
 
 
 def schedule(
@@ -160,15 +291,17 @@ def schedule(
     too_long = waiting & (length > config.prompt_limit)
     waiting = waiting & ~too_long
 
-    # 2. Running sequences.
+    # 2. Running sequences, group by group.
     running = state.status == RUNNING
     n_run = jnp.sum(running, dtype=jnp.int32)
-    order_r = priority_order(state, config, running)
+    order_r = group_order(state, config, running)
     rem_r = jnp.where(pos < n_run, (total - state.num_computed)[order_r], 0)
     q_r = _budget_prefix(rem_r, budget)
     want_r = q_r > 0
-    mem, pre_pos, cap_pos, _ = _run_running(
+    mem, preempted, swapped_out, cap_run = _run_running(
         policy,
+        config,
+        state,
         state.mem,
         order_r,
         want_r,
@@ -177,17 +310,29 @@ def schedule(
         caps_all[order_r],
         n_run,
     )
-    sched_r = want_r & ~pre_pos & ~cap_pos
-    preempted = jnp.zeros((n,), bool).at[order_r].set(pre_pos)
-    cap_run = jnp.zeros((n,), bool).at[order_r].set(cap_pos)
-    n_run_after = n_run - jnp.sum(pre_pos | cap_pos, dtype=jnp.int32)
-
-    # 3. Admissions.
-    allow = ~jnp.any(pre_pos)
+    sched_r = want_r & ~(preempted | cap_run)[order_r]
+    n_run_after = n_run - jnp.sum(preempted | cap_run, dtype=jnp.int32)
     seq_cap = config.max_num_seqs
     if config.mode == "static":
-        allow = allow & (n_run_after == 0)
         seq_cap = min(config.static_batch_size, config.max_num_seqs)
+
+    # 3. Swapped groups come back before anything new is admitted (not in a step that
+    # preempted); they run from the next step.
+    swapped_in = jnp.zeros((n,), bool)
+    if getattr(policy, "can_swap", False):
+        any_out = jnp.any(state.status == SWAPPED)
+        mem, swapped_in, n_in = lax.cond(
+            ~jnp.any(preempted) & any_out,
+            lambda: _swap_in(policy, config, state, mem, seq_cap, n_run_after),
+            lambda: (mem, swapped_in, jnp.int32(0)),
+        )
+        n_run_after = n_run_after + n_in
+    still_out = ((state.status == SWAPPED) & ~swapped_in) | swapped_out
+
+    # 4. Admissions: none in a step that preempted, none while a group is swapped out.
+    allow = ~jnp.any(preempted) & ~jnp.any(still_out)
+    if config.mode == "static":
+        allow = allow & (n_run_after == 0)
     n_wait = jnp.sum(waiting, dtype=jnp.int32)
     order_w = priority_order(state, config, waiting)
     need_w = jnp.where(pos < n_wait, (total - state.num_computed)[order_w], 0)
@@ -230,15 +375,17 @@ def schedule(
     emits = row & (start + q_lens == total[safe])
 
     rejected = too_long | cap_run | cap_wait
-    status = jnp.where(admitted, RUNNING, state.status)
-    status = jnp.where(preempted, WAITING, status)
+    recomputed = preempted & ~swapped_out
+    status = jnp.where(admitted | swapped_in, RUNNING, state.status)
+    status = jnp.where(recomputed, WAITING, status)
+    status = jnp.where(swapped_out, SWAPPED, status)
     status = jnp.where(rejected, FINISHED, status)
     reason = jnp.where(too_long, REASON_TOO_LONG, state.finish_reason)
     reason = jnp.where(cap_run | cap_wait, REASON_CAPACITY, reason)
     new_state = state._replace(
         status=status.astype(jnp.int32),
         finish_reason=reason.astype(jnp.int32),
-        num_computed=jnp.where(preempted | cap_run, 0, state.num_computed),
+        num_computed=jnp.where(recomputed | cap_run, 0, state.num_computed),
         num_preemptions=state.num_preemptions + preempted.astype(jnp.int32),
         mem=mem,
     )
@@ -251,5 +398,6 @@ def schedule(
         num_tokens=jnp.sum(q_lens, dtype=jnp.int32),
         preempted=preempted,
         rejected=rejected,
+        swap=SwapPlan(*_swap_maps(mem), swapped_out, swapped_in),
     )
     return new_state, batch

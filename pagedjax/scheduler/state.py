@@ -16,6 +16,7 @@ FREE = 0  # slot unused
 WAITING = 1  # queued (new, or preempted: num_computed = 0, output kept for recompute)
 RUNNING = 2  # admitted; holds memory
 FINISHED = 3  # done; memory released; results not yet read (see recycle)
+SWAPPED = 4  # preempted by swap: its blocks (and block-table row) are in the host pool
 
 # finish_reason (meaningful when status == FINISHED)
 REASON_NONE = 0
@@ -29,7 +30,7 @@ REASON_CAPACITY = 5  # cannot fit the memory pool even alone
 class SchedulerState(NamedTuple):
     """All arrays are ``int32[max_seqs]`` (one row per slot) unless noted.
 
-    status: FREE / WAITING / RUNNING / FINISHED.
+    status: FREE / WAITING / RUNNING / FINISHED / SWAPPED.
     finish_reason: REASON_* (REASON_NONE unless FINISHED).
     arrival: order key given at add_requests; FCFS serves lower first; ties by slot id.
     prompt_len: prompt tokens.
@@ -40,7 +41,9 @@ class SchedulerState(NamedTuple):
         final_len - prompt_len, max_model_len - prompt_len) output tokens.
     num_computed: tokens whose KV is cached (0 after preemption by recompute).
     num_preemptions: times preempted.
-    group: sequence-group id (gang scheduling, issue 5); the slot id for n = 1.
+    group: sequence-group id (any int32, unique among live groups; default the slot id).
+        A group's running sequences are scheduled, preempted (all or nothing) and
+        swapped back in together (docs/scheduler.md).
     mem: the memory policy's state (a pytree).
     step: int32[] steps scheduled so far.
     """
@@ -109,6 +112,7 @@ def add_requests(
     final_lens: jax.Array,
     arrivals: jax.Array,
     mask: jax.Array,
+    groups: jax.Array | None = None,
 ) -> SchedulerState:
     """Queue new requests (jittable). Each argument is ``[B]``; only masked rows count.
 
@@ -116,6 +120,8 @@ def add_requests(
     prompt_lens: int32 >= 1. max_tokens: int32 >= 1.
     final_lens: int32 prompt + true output (prompt + max_tokens when unknown).
     arrivals: int32 order keys (distinct; FCFS serves lower first).
+    groups: int32 sequence-group ids (default: the slot ids, n = 1). An id must not be
+        reused while a sequence of the old group is live.
     The preconditions cannot be checked under jit; the reference scheduler checks them.
     """
     _check_rows(
@@ -126,9 +132,11 @@ def add_requests(
             final_lens=final_lens,
             arrivals=arrivals,
             mask=mask,
+            **({} if groups is None else dict(groups=groups)),
         )
     )
     ids = _masked_ids(state, slot_ids, mask)
+    groups = slot_ids if groups is None else groups
 
     def put(a: jax.Array, v: Any) -> jax.Array:
         v = jnp.broadcast_to(jnp.asarray(v, a.dtype), ids.shape)
@@ -144,18 +152,19 @@ def add_requests(
         final_len=put(state.final_len, final_lens),
         num_computed=put(state.num_computed, 0),
         num_preemptions=put(state.num_preemptions, 0),
-        group=put(state.group, slot_ids),
+        group=put(state.group, groups),
     )
 
 
 def abort(
     policy: Any, state: SchedulerState, slot_ids: jax.Array, mask: jax.Array
 ) -> SchedulerState:
-    """Finish the masked WAITING/RUNNING slots (``[B]`` ids and mask) and free their memory."""
+    """Finish the masked WAITING/RUNNING/SWAPPED slots (``[B]`` ids and mask) and free
+    their memory (a swapped slot's host blocks)."""
     _check_rows(dict(slot_ids=slot_ids, mask=mask))
     ids = _masked_ids(state, slot_ids, mask)
     hit = jnp.zeros((state.max_seqs,), bool).at[ids].set(True, mode="drop")
-    live = hit & ((state.status == WAITING) | (state.status == RUNNING))
+    live = hit & ((state.status == WAITING) | (state.status == RUNNING) | (state.status == SWAPPED))
     mem = policy.release(state.mem, jnp.arange(state.max_seqs, dtype=jnp.int32), live)
     return state._replace(
         status=jnp.where(live, FINISHED, state.status),

@@ -36,6 +36,7 @@ from pagedjax.scheduler import (
     FREE,
     REASON_LENGTH,
     RUNNING,
+    SWAPPED,
     WAITING,
     SchedulerConfig,
     add_requests,
@@ -74,7 +75,8 @@ class SimResult(NamedTuple):
     finish_time: float32 seconds; +inf if unfinished at the horizon or never run.
     first_token_time: float32 seconds of the first output token; +inf if none.
     rejected: bool, finished without running (too long / cannot fit the pool).
-    num_preemptions: int32 recompute preemptions.
+    num_preemptions: int32 preemptions (by recompute or, with a swap policy, by swap;
+        a simulated swap costs no copy time: the cost model has no PCIe term yet).
     clock: float32[] simulated time at the end. steps: int32[] engine steps.
     win_time: float32[] seconds of the steady window [max(window_start, first
         completion), last arrival].
@@ -186,7 +188,7 @@ def _simulate(
 
     def admit(c: _Carry) -> _Carry:
         st = recycle(c.state, slots, c.state.status == FINISHED)
-        live = jnp.any((st.status == WAITING) | (st.status == RUNNING))
+        live = jnp.any((st.status == WAITING) | (st.status == RUNNING) | (st.status == SWAPPED))
         nxt = trace.arrival[jnp.minimum(c.next_req, n_req - 1)]
         pending = c.next_req < trace.num_real
         jump = ~live & pending & (nxt > c.clock)
