@@ -47,6 +47,10 @@ def resolve_config(name: str) -> Path:
     raise FileNotFoundError(f"config not found: {name} (looked in {CONFIG_DIR})")
 
 
+# Experiments that always run the real engine on a small model (no simulated variant).
+REAL_ONLY = {"engine_throughput", "shared_prefix", "sharing"}
+
+
 def resolve_executor(cfg: ExperimentConfig) -> tuple[str, str]:
     """(executor, reason). auto: real on a GPU, simulated on CPU (models too large)."""
     import jax
@@ -56,6 +60,11 @@ def resolve_executor(cfg: ExperimentConfig) -> tuple[str, str]:
         return cfg.executor, f"set in the config (device: {platform})"
     if platform == "gpu":
         return "real", "auto: a GPU is present"
+    if set(cfg.experiments) <= REAL_ONLY:
+        return (
+            "real",
+            f"auto: every experiment here runs the real engine on a small model ({platform})",
+        )
     return "simulated", (
         f"auto: no GPU ({platform}); {cfg.server.model} at trace scale is too large for this"
         " machine, so trace experiments use the simulated executor"
