@@ -291,27 +291,72 @@ def test_bad_input_raises_clearly(setup):
     _assert_idle(engine)
 
 
-def test_beam_preempted_by_other_request_aborts_group(setup):
-    """Requests admitted before the beams grow with them until the pool runs out; the
-    scheduler preempts the latest arrivals, beams, one at a time: the group falls out of
-    step and is aborted with a clear error, and the other requests still finish."""
+def test_beam_preempted_by_recompute_aborts_group(setup, monkeypatch):
+    """Under preemption_mode="recompute" a preempted group's beams come back one at a
+    time: the group falls out of step and is aborted with a clear error, and the other
+    requests still finish. (The engine's schedule is re-jitted with that mode: the model
+    programs stay compiled.)"""
+    import dataclasses
+    import functools
+
+    import jax
+
+    from pagedjax.scheduler import schedule
+
     _, llm, _ = setup
     engine = llm.llm_engine
+    cfg = dataclasses.replace(engine.sched_config, preemption_mode="recompute")
+    monkeypatch.setattr(
+        engine, "_schedule", jax.jit(functools.partial(schedule, engine.policy, cfg))
+    )
     rng = np.random.default_rng(5)
     for i in range(3):  # 3 x 64 tokens = 48 of the 63 blocks
         hog = rng.integers(3, VOCAB, size=20).tolist()
         engine.add_request(f"hog{i}", hog, SamplingParams(temperature=0.0, max_tokens=44,
                                                           ignore_eos=True))  # fmt: skip
-    for _ in range(4):  # the hogs' prompts (chunked over the 16-token budget) run first
+    for _ in range(4):
         engine.step()
     prompt = rng.integers(3, VOCAB, size=12).tolist()
-    # 4 beams of 64 tokens hold >= 16 blocks even fully shared: 48 + 16 > 63.
     params = BeamSearchParams(beam_width=4, max_tokens=52, ignore_eos=True)
     preempted = engine.num_preemptions
     with pytest.raises(BeamSearchOutOfStep, match="out of step"):
         llm.beam_search([prompt], params)
     assert engine.num_preemptions > preempted
-    assert sorted(engine._requests) == [f"hog{i}" for i in range(3)]  # the group is gone
+    assert all(r.startswith("hog") for r in engine._requests)  # the group is gone
+    while engine.has_unfinished_requests():
+        engine.step()
+        _check_pool(engine)
+    _assert_idle(engine)
+
+
+def test_beam_group_is_swapped_whole_and_resumes_in_lockstep(setup):
+    """Requests admitted before the beams grow with them until the pool runs out; the
+    scheduler preempts the latest arrival, the beam group, whole: a group of several
+    sequences is swapped to the host pool (the default preemption mode), comes back when
+    the others finish, and its beams resume in lockstep: the results equal an unpressured
+    run. The other requests finish too; both pools end empty."""
+    _, llm, _ = setup
+    engine = llm.llm_engine
+    rng = np.random.default_rng(5)
+    hogs = [rng.integers(3, VOCAB, size=20).tolist() for _ in range(3)]
+    prompt = rng.integers(3, VOCAB, size=12).tolist()
+    # 4 beams of 64 tokens hold >= 16 blocks even fully shared: 48 + 16 > 63.
+    params = BeamSearchParams(beam_width=4, max_tokens=52, ignore_eos=True)
+    (ref,) = llm.beam_search([prompt], params)
+    _assert_idle(engine)
+    engine.reset_stats()
+    for i, hog in enumerate(hogs):  # 3 x 64 tokens = 48 of the 63 blocks
+        engine.add_request(f"hog{i}", hog, SamplingParams(temperature=0.0, max_tokens=44,
+                                                          ignore_eos=True))  # fmt: skip
+    for _ in range(4):  # the hogs' prompts (chunked over the 16-token budget) run first
+        engine.step()
+    (out,) = llm.beam_search([prompt], params)
+    st = engine.stats()
+    assert st["preemptions_swap"] > 0 and st["swapped_in_blocks"] > 0, st
+    assert st["preemptions_recompute"] == 0, st
+    assert [s.tokens for s in out.sequences] == [s.tokens for s in ref.sequences]
+    for a, b in zip(out.sequences, ref.sequences, strict=True):
+        assert math.isclose(a.score, b.score, rel_tol=1e-5, abs_tol=1e-5)
     while engine.has_unfinished_requests():
         engine.step()
         _check_pool(engine)
