@@ -32,7 +32,7 @@ from pagedjax.memory.paged_policy import PagedPolicy  # noqa: E402
 from pagedjax.memory.reservation import ReservationPolicy  # noqa: E402
 from pagedjax.memory.static_batching import static_batch_size  # noqa: E402
 from pagedjax.scheduler import SchedulerConfig  # noqa: E402
-from pagedjax.simulator.cost_model import calibrated, roofline  # noqa: E402
+from pagedjax.simulator.cost_model import calibrated, model_geometry, roofline  # noqa: E402
 from pagedjax.simulator.simulate import (  # noqa: E402
     SimResult,
     make_trace,
@@ -58,9 +58,16 @@ SYSTEM_COLORS = {
 
 
 def build_system(
-    system: str, server: ServerSettings, block_size: int | None = None
+    system: str,
+    server: ServerSettings,
+    block_size: int | None = None,
+    swap_space_gib: float | None = None,
 ) -> tuple[Any, SchedulerConfig]:
-    """The (memory policy, scheduler config) of a named system."""
+    """The (memory policy, scheduler config) of a named system.
+
+    swap_space_gib (paged only): preempt by swap into a host pool of that size (capped
+    at every slot's whole block table) instead of by recompute.
+    """
     bs = server.block_size if block_size is None else block_size
     n, mlen, cap = server.slots, server.max_model_len, server.kv_slots
     cfg = dict(
@@ -70,7 +77,17 @@ def build_system(
         max_model_len=mlen,
         mode="paper",
     )
-    if system == "paged":
+    if swap_space_gib is not None and system != "paged":
+        raise ValueError(f"swap preemption is simulated for the paged system, not {system!r}")
+    if system == "paged" and swap_space_gib is not None:
+        geom = model_geometry(server.model, server.tp)
+        per_block = bs * geom.kv_bytes_per_token // geom.tp  # one GPU's share
+        host = min(int(swap_space_gib * (1 << 30)) // per_block, n * -(-mlen // bs))
+        policy = PagedPolicy(
+            cap // bs + 1, bs, n, -(-mlen // bs), server.watermark, num_host_blocks=host
+        )
+        cfg.update(preemption_mode="swap")
+    elif system == "paged":
         policy = PagedPolicy(cap // bs + 1, bs, n, -(-mlen // bs), server.watermark)
     elif system in ("orca_max", "orca_pow2", "orca_oracle"):
         policy = ReservationPolicy(system.split("_")[1], n, cap, mlen, server.watermark)
@@ -118,6 +135,7 @@ def run_sim(
     *,
     block_size: int | None = None,
     drain: bool = True,
+    swap_space_gib: float | None = None,
 ) -> list[Run]:
     """Simulate traces (dataset, rate, duration_s, seed, spread) of one system.
 
@@ -125,10 +143,10 @@ def run_sim(
     (enough for window averages); otherwise at horizon_factor x duration.
     Results are cached per arguments, so experiments sharing runs pay once.
     """
-    key = (system, server, tuple(specs), block_size, drain)
+    key = (system, server, tuple(specs), block_size, drain, swap_space_gib)
     if key in _CACHE:
         return _CACHE[key]
-    policy, cfg = build_system(system, server, block_size)
+    policy, cfg = build_system(system, server, block_size, swap_space_gib)
     loads = [workload(d, r, dur, s, sp, server.max_model_len) for d, r, dur, s, sp in specs]
     pad = max(len(w) for w in loads)
     # Powers of two from 512: few shapes, so experiments share compiled simulators.

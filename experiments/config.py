@@ -183,17 +183,22 @@ class BlockSizeSettings:
 
 @dataclass(frozen=True)
 class PreemptionSettings:
-    """Fig. 19b: recompute vs swap across block sizes (swap: not built yet)."""
+    """Fig. 19b: recompute vs swap across block sizes (paged, simulated; the swap copies
+    cost the cost model's swap_time: PCIe bandwidth plus a fixed cost per block copy).
+
+    swap_space_gib: the host swap pool per GPU (vLLM's default 4 GiB)."""
 
     dataset: Literal["sharegpt", "alpaca"] = "sharegpt"
     rate: float = 2.0
     block_sizes: list[int] = field(default_factory=lambda: [8, 16, 32, 64, 128, 256])
     duration_s: float = 300.0
     seed: int = 0
+    swap_space_gib: float = 4.0
 
     def __post_init__(self) -> None:
         for b in self.block_sizes:
             _check(b >= 1 and b & (b - 1) == 0, "preemption.block_sizes", f"{b} not a power of 2")
+        _check(self.swap_space_gib > 0, "preemption.swap_space_gib", "must be > 0")
 
 
 @dataclass(frozen=True)

@@ -116,17 +116,21 @@ def rows(s: dict, cmd: str) -> list[tuple[str, str, str, str, str]]:
                     )
                 )
     if "preemption" in s:
-        p = s["preemption"]["recompute"]
-        nl = ", ".join(f"{b}: {v['norm_latency']:.3f}" for b, v in p.items())
-        out.append(
-            (
-                "Fig. 19b recompute normalized latency by block size",
-                cmd,
-                nl,
-                pv.FIG19B,
-                "simulated (swap not built)",
+        pre = s["preemption"]
+        for mode in ("recompute", "swap"):
+            p = pre.get(mode) or {}
+            if not isinstance(p, dict) or not p:
+                continue
+            nl = ", ".join(f"{b}: {v['norm_latency']:.3f}" for b, v in p.items())
+            out.append(
+                (
+                    f"Fig. 19b {mode} normalized latency (s/token) by block size",
+                    cmd,
+                    nl,
+                    pv.FIG19B,
+                    "simulated",
+                )
             )
-        )
     if "engine_throughput" in s:
         e = s["engine_throughput"]
         val = e.get("status") or ", ".join(

@@ -29,13 +29,15 @@ class GPUSpec:
     peak_flops: float
     memory_bytes: float
     nvlink_bytes_per_s: float  # per GPU, both directions added
+    host_link_bytes_per_s: float = 32e9  # PCIe x16 to the host, one direction (swap)
 
 
 GPUS: dict[str, GPUSpec] = {
-    "A100-40GB": GPUSpec("A100-40GB", 1.555e12, 312e12, 40e9, 600e9),
-    "A100-80GB": GPUSpec("A100-80GB", 2.039e12, 312e12, 80e9, 600e9),
-    "H100-80GB": GPUSpec("H100-80GB", 3.35e12, 989e12, 80e9, 900e9),
-    "H200": GPUSpec("H200", 4.8e12, 989e12, 141e9, 900e9),
+    # Host links: PCIe 4.0 x16 (A100), PCIe 5.0 x16 (H100 / H200), one direction.
+    "A100-40GB": GPUSpec("A100-40GB", 1.555e12, 312e12, 40e9, 600e9, 32e9),
+    "A100-80GB": GPUSpec("A100-80GB", 2.039e12, 312e12, 80e9, 600e9, 32e9),
+    "H100-80GB": GPUSpec("H100-80GB", 3.35e12, 989e12, 80e9, 900e9, 64e9),
+    "H200": GPUSpec("H200", 4.8e12, 989e12, 141e9, 900e9, 64e9),
 }
 
 
@@ -166,13 +168,23 @@ class RooflineCostModel:
     comm_efficiency: float = 0.70
     allreduce_latency_s: float = 10e-6
     step_overhead_s: float = 2e-3
+    # Swap copies (swap_time): PCIe efficiency, and the fixed cost of one copy call. vLLM
+    # 0.1 swapped with one cudaMemcpyAsync per block, per layer, for K and for V, so small
+    # blocks pay many fixed costs; 5 us is a typical launch + DMA setup (an assumption).
+    host_link_efficiency: float = 0.8
+    copy_latency_s: float = 5e-6
 
     def __post_init__(self) -> None:
-        for field in ("mem_efficiency", "flop_efficiency", "comm_efficiency"):
+        for field in (
+            "mem_efficiency",
+            "flop_efficiency",
+            "comm_efficiency",
+            "host_link_efficiency",
+        ):
             v = getattr(self, field)
             if not 0 < v <= 1:
                 raise ValueError(f"{field} must be in (0, 1], got {v}")
-        for field in ("allreduce_latency_s", "step_overhead_s"):
+        for field in ("allreduce_latency_s", "step_overhead_s", "copy_latency_s"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
 
@@ -228,6 +240,16 @@ class RooflineCostModel:
         return self.memory_time(prefill_tokens, decode_seqs, kv_tokens) >= self.compute_time(
             prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs, prefill_seqs
         )
+
+    def swap_time(self, blocks_moved, block_size: int) -> jnp.ndarray:
+        """Seconds to copy ``blocks_moved`` KV blocks over the host link (either way):
+        one copy per block, layer and K/V (copy_latency_s each) plus the bytes at the
+        link's bandwidth x host_link_efficiency. float32."""
+        m = self.model
+        blocks = _f32(blocks_moved)
+        bytes_ = blocks * (block_size * m.kv_bytes_per_token / m.tp)
+        bw = self.gpu.host_link_bytes_per_s * self.host_link_efficiency
+        return blocks * (2 * m.num_layers * self.copy_latency_s) + bytes_ / bw
 
     def __call__(
         self, prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs=0, prefill_seqs=0

@@ -76,7 +76,7 @@ class SimResult(NamedTuple):
     first_token_time: float32 seconds of the first output token; +inf if none.
     rejected: bool, finished without running (too long / cannot fit the pool).
     num_preemptions: int32 preemptions (by recompute or, with a swap policy, by swap;
-        a simulated swap costs no copy time: the cost model has no PCIe term yet).
+        a swap's copies cost the cost model's ``swap_time`` when it has one).
     clock: float32[] simulated time at the end. steps: int32[] engine steps.
     win_time: float32[] seconds of the steady window [max(window_start, first
         completion), last arrival].
@@ -217,6 +217,10 @@ def _simulate(
         st1, batch = schedule(policy, config, st0)
         work = batch_work(st1, batch)
         dt = cost_model(*work)
+        swap_time = getattr(cost_model, "swap_time", None)
+        if swap_time is not None:  # swap copies of the step (0 without a swap pool)
+            moved = batch.swap.num_out + batch.swap.num_in
+            dt = dt + swap_time(moved, getattr(policy, "block_size", 1))
         rec = c.rec
         if record:  # static: runs without recording pay nothing
             rec = rec.at[jnp.minimum(c.steps, record)].set(jnp.stack(work), mode="drop")
