@@ -124,3 +124,16 @@ def test_bad_inputs_raise():
         ModelGeometry("bad", 2, 64, 6, 4, 16, 128, 100)
     with pytest.raises(ValueError, match="step_time_s"):
         FittedCostModel.fit([1, 2], [1, 2], [1, 2], [1.0])
+
+
+def test_swap_time_is_copies_plus_bytes_over_pcie():
+    """OPT-13B on an A100: a 16-token block is 13.1 MB; 40 layers x K/V = 80 copies."""
+    cm = roofline("A100-40GB", "opt-13b")
+    assert float(cm.swap_time(0, 16)) == 0.0
+    block_bytes = 16 * 819_200
+    want = 80 * cm.copy_latency_s + block_bytes / (32e9 * cm.host_link_efficiency)
+    assert float(cm.swap_time(1, 16)) == pytest.approx(want, rel=1e-5)
+    assert float(cm.swap_time(10, 16)) == pytest.approx(10 * want, rel=1e-5)
+    # The same tokens in 16x smaller blocks: equal bytes, 16x the fixed copy costs.
+    small, big = float(cm.swap_time(16, 1)), float(cm.swap_time(1, 16))
+    assert small - big == pytest.approx(15 * 80 * cm.copy_latency_s, rel=1e-4)
