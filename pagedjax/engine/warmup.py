@@ -162,11 +162,15 @@ def warm_up(
     return pairs
 
 
-def _padding_batch(n: int) -> ScheduledBatch:
-    """A batch of padding rows, of device arrays like ``schedule``'s (jit's cache key
-    tells device arrays from numpy ones: a numpy batch would compile another copy)."""
-    z, f = jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool)
-    return ScheduledBatch(jnp.full((n,), -1, jnp.int32), z, z, f, jnp.int32(0), jnp.int32(0), f, f)
+def _padding_batch(engine: LLMEngine) -> ScheduledBatch:
+    """A batch of padding rows with the pytree of ``schedule``'s batches (its SwapPlan
+    included), of device arrays like them (jit's cache key tells device arrays from
+    numpy ones, and a batch without the SwapPlan from one with it: either would compile
+    another copy). The engine's own schedule gives the structure; its rows are zeroed
+    (seq_ids -1), so nothing runs, whatever is queued."""
+    _, batch = engine._schedule(engine.state)  # not donated: the state is unchanged
+    batch = jax.tree.map(jnp.zeros_like, batch)
+    return batch._replace(seq_ids=jnp.full_like(batch.seq_ids, -1))
 
 
 def _runner(engine: LLMEngine, t: int, s: int) -> None:
@@ -178,7 +182,8 @@ def _runner(engine: LLMEngine, t: int, s: int) -> None:
     engine._upload_sampling()
     st = engine.state
     engine.kv, engine.tokens, out, _ = engine.runner.step(
-        engine.params, engine.kv, engine.tokens, mem, _padding_batch(n),
+        engine.params, engine.kv, engine.tokens, mem,
+        _padding_batch(engine)._replace(swap=None),  # as LLMEngine.step passes it
         engine._slot_sampling_dev, st.prompt_len, st.output_len, num_tokens=t, num_seqs=s,
         all_logits=False,  # spelled out: jit caches by the keywords given
     )  # fmt: skip
@@ -207,18 +212,18 @@ def _small(engine: LLMEngine) -> None:
     engine._schedule(engine.state)  # result dropped: not donated, the state is unchanged
     jax.block_until_ready(engine._usage(engine.state))
     # Not donated, returns fresh buffers (a new engine's state shares zero arrays).
-    engine.state = engine._add(engine.state, i32, ones, ones, ones + ones, i32, f)
+    engine.state = engine._add(engine.state, i32, ones, ones, ones + ones, i32, f, i32)
     engine.state = engine._abort(engine.state, ids, f)
     engine.state = engine.multi_step.recycle(engine.state, f)
     # update on an all-padding batch only advances the state's step counter.
-    engine.state = engine._post(engine.state, _padding_batch(n), f, f)
+    engine.state = engine._post(engine.state, _padding_batch(engine), f, f)
     slot = engine.max_seqs - 1
     row = np.asarray(jax.device_get(engine.tokens[slot]), np.int32)
     engine.tokens = engine._set_row(engine.tokens, np.int32(slot), row)
     if engine.enable_prefix_caching:
         cand = np.zeros((n, m), np.int32)
         engine.state, verified, used = engine._attach(engine.state, engine.tokens, i32, cand, f)
-        batch = _padding_batch(n)  # the engine passes the batch's (device) rows
+        batch = _padding_batch(engine)  # the engine passes the batch's (device) rows
         engine.state = engine._register(
             engine.state, engine.tokens, batch.seq_ids, batch.start_pos, batch.q_lens
         )
