@@ -47,6 +47,7 @@ def test_benchmark_last_line(script: str, args: list[str], name: str) -> None:
     assert math.isfinite(value) and value > 0, value
 
 
+@pytest.mark.slow  # the same loops run in test_experiments' sharing test (CI time limit)
 def test_sharing_memory_quick() -> None:
     """benchmarks/sharing_memory.py --quick: the Fig. 15 table (ours beside the paper's),
     beam search saving more than parallel sampling, and the headline last line. Run with

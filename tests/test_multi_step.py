@@ -161,7 +161,13 @@ def _same(a, b) -> None:
                         assert ex[t].rank == ey[t].rank, rid
 
 
-@pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+@pytest.mark.parametrize(
+    "caching",
+    # Without caching: a subset of the cached run's paths; slow (run with -m slow) to keep
+    # CI under its time limit.
+    [pytest.param(False, marks=pytest.mark.slow), True],
+    ids=["no-prefix-cache", "prefix-cache"],
+)
 def test_k_steps_equal_one_step(caching: bool):
     engine = _engine(caching)
     arrivals, eos, stops = _workload(engine, seed=1)
@@ -233,7 +239,13 @@ def test_k_steps_register_prefix_blocks_filled_inside_the_loop():
     _assert_idle(engine)
 
 
-@pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+@pytest.mark.parametrize(
+    "caching",
+    # Without caching: a subset of the cached run's paths; slow (run with -m slow) to keep
+    # CI under its time limit.
+    [pytest.param(False, marks=pytest.mark.slow), True],
+    ids=["no-prefix-cache", "prefix-cache"],
+)
 def test_no_compilation_after_warmup(caching: bool):
     engine = _engine(caching)  # built with warmup="all"
     assert engine.runner.trace_count.keys() >= set(

@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -190,6 +191,7 @@ def test_abort_of_a_swapped_group_returns_its_host_blocks():
     _assert_idle(engine)
 
 
+@pytest.mark.slow  # builds a second engine; the fallback is also checked at the scheduler level
 def test_llm_swap_space_too_small_falls_back_to_recompute():
     """Through the LLM API: preemption_mode="swap" with a host pool of 2 blocks, which no
     group fits, recomputes instead (and does not raise, unlike vLLM v0.2)."""
