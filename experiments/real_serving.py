@@ -34,43 +34,18 @@ def make_llm(s: EngineSettings) -> Any:
 
 
 def warm_up(llm: Any) -> dict[str, Any]:
-    """Compile every (token, seq) bucket of the engine's model step before timing.
-
-    The engine has no warm-up call, so this runs its jitted step (the same function
-    object, hence the same compile cache) once per bucket pair on an empty batch (every
-    row padding: writes are dropped, the KV pool keeps its contents), plus the schedule
-    and update programs through a short workload. Returns what it did and how long it
-    took. Falls back to the workload only if the engine's internals differ.
-    """
+    """Compile every (token, seq) bucket of the engine's model step and its state
+    functions before timing: the engine's own ``warmup(mode="all")``, which runs each
+    program on no-op inputs shaped exactly as the engine's steps pass them (so the timed
+    runs meet only compiled programs). Returns what it did and how long it took."""
     eng = llm.llm_engine
     t0 = time.perf_counter()
-    pairs = 0
-    try:
-        _, batch = eng._schedule(eng.state)  # nothing waiting: an all-padding batch
-        eng._upload_sampling()
-        for t in eng.token_buckets:
-            for s in eng.seq_buckets:
-                if s > t:
-                    continue  # a step never has more sequences than tokens
-                eng.kv, eng.tokens, out, _ = eng.runner.step(
-                    eng.params,
-                    eng.kv,
-                    eng.tokens,
-                    eng.state.mem,
-                    batch,
-                    eng._slot_sampling_dev,
-                    eng.state.prompt_len,
-                    eng.state.output_len,
-                    num_tokens=t,
-                    num_seqs=s,
-                    all_logits=False,  # passed as the engine passes it: same cache key
-                )
-                jax.block_until_ready(out.token_ids)
-                pairs += 1
-        how = "every bucket pair on an empty batch"
-    except (AttributeError, TypeError) as e:  # engine internals changed: workload only
-        how = f"workload only ({type(e).__name__}: {e})"
-    return {"buckets": pairs, "how": how, "seconds": round(time.perf_counter() - t0, 1)}
+    pairs = eng.warmup(mode="all")
+    return {
+        "buckets": len(pairs),
+        "how": "LLMEngine.warmup(mode='all')",
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def serve(
