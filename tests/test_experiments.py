@@ -64,41 +64,43 @@ def test_paper_repro_table_regenerates_from_the_run(tiny_run, tmp_path):
     assert "simulated" in text and "Machine:" in text
 
 
-def test_sharing_experiments_report_savings(tmp_path):
-    """configs/sharing.yaml end to end on a tiny setting (real engine, three compiles):
-    Fig. 15 (parallel sampling, beam search) and the Fig. 16 analogue (shared prefix)."""
-    out = tmp_path / "sp"
-    sets = [
-        "sharing.num_requests=2",
-        "sharing.concurrency=2",
-        "sharing.max_model_len=128",
-        "sharing.max_num_seqs=4",
-        "sharing.max_output=12",
-        "sharing.parallel_n=[2]",
-        "sharing.beam_widths=[2]",
-        "shared_prefix.max_model_len=128",
-        "shared_prefix.prefix_tokens=[32]",
-        "shared_prefix.sentence_tokens=8",
-        "shared_prefix.output_tokens=4",
-        "shared_prefix.num_requests=4",
-        "shared_prefix.rates=[50.0]",
-        "shared_prefix.max_num_batched_tokens=128",
-        "shared_prefix.num_gpu_blocks=64",
-        "shared_prefix.max_num_seqs=2",
-        "shared_prefix.warmup=false",
-    ]
+SHARED_PREFIX_TINY = [
+    "shared_prefix.max_model_len=128",
+    "shared_prefix.prefix_tokens=[32]",
+    "shared_prefix.sentence_tokens=8",
+    "shared_prefix.output_tokens=4",
+    "shared_prefix.num_requests=4",
+    "shared_prefix.rates=[50.0]",
+    "shared_prefix.max_num_batched_tokens=128",
+    "shared_prefix.num_gpu_blocks=64",
+    "shared_prefix.max_num_seqs=2",
+    "shared_prefix.warmup=false",
+]
+SHARING_TINY = [
+    "sharing.num_requests=2",
+    "sharing.concurrency=2",
+    "sharing.max_model_len=128",
+    "sharing.max_num_seqs=4",
+    "sharing.max_output=12",
+    "sharing.parallel_n=[2]",
+    "sharing.beam_widths=[2]",
+]
+
+
+def _run_sharing_config(out, sets):
     cmd = RUN + ["--config", "sharing", "--out", str(out)]
     for s in sets:
         cmd += ["--set", s]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    summary = json.loads((out / "summary.json").read_text())
-    sh = summary["sharing"]
-    for mode in ("parallel", "beam"):
-        v = sh[mode]["2"]
-        assert v["preemptions"] == 0 and v["steps"] > 0
-        assert 0 < v["saved_pct"] < 100  # beams and samples share at least the prompt
-    assert (out / "sharing.png").stat().st_size > 0
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_shared_prefix_saves_prefill_and_reports_it(tmp_path):
+    """The Fig. 16 analogue of configs/sharing.yaml end to end on a tiny setting (real
+    engine, two compiles)."""
+    out = tmp_path / "sp"
+    summary = _run_sharing_config(out, ["experiments=[shared_prefix]", *SHARED_PREFIX_TINY])
     (run,) = summary["shared_prefix"]["runs"].values()
     off, on = run["off"], run["on"]
     assert off["hit_tokens"] == 0 and off["prefill_computed"] == off["prefill_tokens"]
@@ -109,3 +111,15 @@ def test_sharing_experiments_report_savings(tmp_path):
     assert run["prefill_saved_pct"] > 0
     assert (out / "shared_prefix.csv").stat().st_size > 0
     assert (out / "shared_prefix.png").stat().st_size > 0
+
+
+@pytest.mark.slow  # a third engine compile; beam search / n > 1 sharing is tested elsewhere
+def test_sharing_experiment_reports_savings(tmp_path):
+    """Fig. 15 of configs/sharing.yaml end to end on a tiny setting."""
+    out = tmp_path / "sh"
+    summary = _run_sharing_config(out, ["experiments=[sharing]", *SHARING_TINY])
+    for mode in ("parallel", "beam"):
+        v = summary["sharing"][mode]["2"]
+        assert v["preemptions"] == 0 and v["steps"] > 0
+        assert 0 < v["saved_pct"] < 100  # beams and samples share at least the prompt
+    assert (out / "sharing.png").stat().st_size > 0
