@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 
@@ -35,17 +34,10 @@ import numpy as np
 
 from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.machine import cpu_model
 from pagedjax.model import preset_arch, random_params
 from pagedjax.sampling import SamplingParams
 from pagedjax.tokenizer import ByteTokenizer
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def build_engine(

@@ -26,17 +26,9 @@ import numpy as np
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.baselines.contiguous import ContiguousEngine
+from pagedjax.machine import cpu_model
 from pagedjax.scheduler.state import RUNNING
 from pagedjax.workloads import make_workload
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (platform.processor() is often empty)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
 
 
 def run_paged(llm: LLM, prompts: list[list[int]], out_lens: list[int]) -> dict:

@@ -36,6 +36,7 @@ import numpy as np
 
 from pagedjax import LLM, BeamSearchParams, SamplingParams
 from pagedjax.engine.beams import beam_search
+from pagedjax.machine import cpu_model
 from pagedjax.workloads import sample_lengths
 
 # Fig. 15 [FIG], OPT-13B on Alpaca (paper_notes.md).
@@ -47,14 +48,6 @@ PAPER = {
     ("beam", 4): 53.13,
     ("beam", 6): 55.16,
 }
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
 
 
 def workload(n: int, max_len: int, max_out: int | None, seed: int) -> list[tuple[list, int]]:

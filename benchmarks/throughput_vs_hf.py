@@ -37,6 +37,8 @@ import numpy as np
 import torch
 import transformers
 
+from pagedjax.machine import cpu_model
+
 # Llama shapes: vocab, hidden, layers, heads, kv heads, intermediate, context.
 SIZES: dict[str, tuple[int, int, int, int, int, int, int]] = {
     "tiny": (512, 64, 2, 4, 2, 128, 128),
@@ -44,15 +46,6 @@ SIZES: dict[str, tuple[int, int, int, int, int, int, int]] = {
     "106m": (32000, 768, 8, 12, 12, 2048, 512),
 }
 HF_BATCH_SIZES = (8, 32, 64)
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (platform.processor() is often empty)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
 
 
 def build_model(size: str, directory: str, seed: int) -> tuple[int, int]:
