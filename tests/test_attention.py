@@ -25,12 +25,19 @@ VARIANTS = {
 }
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap"))
-def _rpa(q, k_pages, v_pages, bt, kv_lens, cu, sliding_window, soft_cap):
+@functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "tiling"))
+def _rpa(q, k_pages, v_pages, bt, kv_lens, cu, sliding_window, soft_cap, tiling=None):
+    kw = {} if tiling is None else dict(zip(("chunk_keys", "chunk_bytes"), tiling, strict=True))
     return ragged_paged_attention(
         q, k_pages, v_pages, bt, kv_lens, cu,
-        sm_scale=D**-0.5, sliding_window=sliding_window, soft_cap=soft_cap,
+        sm_scale=D**-0.5, sliding_window=sliding_window, soft_cap=soft_cap, **kw,
     )  # fmt: skip
+
+
+# The test shapes fit one chunk and one batch under the default tiling; these tilings make
+# every item walk 1- or 2-page chunks (online softmax across chunks) in batches of 1-3
+# items (several batches, items of different lengths sharing one).
+SMALL_TILINGS = {"1page_1item": (BS, 1), "2page_3items": (2 * BS, 3 * 2 * 2 * 2 * BS * D * 4)}
 
 
 def dense_attention(q, k, v, q_pos, sm_scale, window=None, soft_cap=None):
@@ -115,6 +122,44 @@ def test_matches_dense_attention_fp32(variant, case):
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     assert (got[cu[-1] :] == 0).all(), "padding tokens must give exactly 0"
+
+
+@pytest.mark.parametrize("tiling", list(SMALL_TILINGS))
+@settings(max_examples=20, deadline=None)
+@given(case=ragged_lengths())
+def test_small_tiles_match_dense_attention(tiling, case):
+    hq, hkv, window, cap = VARIANTS["gqa_window_softcap"]
+    q_lens, kv_lens, perm, seed = case
+    rng = np.random.default_rng(seed)
+    q, kp, vp, bt, kvl, cu, seqs = make_case(rng, q_lens, kv_lens, hq, hkv, perm)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    got = _rpa(f32(q), f32(kp), f32(vp), jnp.asarray(bt), jnp.asarray(kvl), jnp.asarray(cu),
+               sliding_window=window, soft_cap=cap, tiling=SMALL_TILINGS[tiling])  # fmt: skip
+    got = np.asarray(got)
+    np.testing.assert_allclose(got, expected_output(q, cu, kvl, seqs, hq, window, cap),
+                               atol=2e-5, rtol=1e-5)  # fmt: skip
+    assert (got[cu[-1] :] == 0).all(), "padding tokens must give exactly 0"
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=ragged_lengths(), other_kv=st.lists(st.integers(1, M * BS), min_size=S, max_size=S))
+def test_result_of_a_sequence_does_not_depend_on_its_neighbours(case, other_kv):
+    """Sequence 0's rows are bitwise equal whatever the other sequences' lengths: a batch
+    walks its longest item's chunks, and a fully masked chunk must leave the others exact."""
+    q_lens, kv_lens, perm, seed = case
+    if q_lens[0] == 0:
+        q_lens, kv_lens = [1, *q_lens[1:]], [max(1, kv_lens[0]), *kv_lens[1:]]
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    outs = []
+    pairs = zip(q_lens[1:], other_kv[1:], strict=True)
+    for others in (kv_lens[1:], [0 if q == 0 else max(q, k) for q, k in pairs]):
+        rng = np.random.default_rng(seed)
+        q, kp, vp, bt, kvl, cu, _ = make_case(rng, q_lens, [kv_lens[0], *others], 4, 2, perm)
+        got = _rpa(f32(q), f32(kp), f32(vp), jnp.asarray(bt), jnp.asarray(kvl),
+                   jnp.asarray(cu), sliding_window=None, soft_cap=None,
+                   tiling=SMALL_TILINGS["2page_3items"])  # fmt: skip
+        outs.append(np.asarray(got)[: cu[1]])
+    np.testing.assert_array_equal(outs[0], outs[1])
 
 
 def test_bf16_inputs_accumulate_in_fp32():
