@@ -34,10 +34,15 @@ def _rpa(q, k_pages, v_pages, bt, kv_lens, cu, sliding_window, soft_cap, tiling=
     )  # fmt: skip
 
 
-# The test shapes fit one chunk and one batch under the default tiling; these tilings make
-# every item walk 1- or 2-page chunks (online softmax across chunks) in batches of 1-3
-# items (several batches, items of different lengths sharing one).
-SMALL_TILINGS = {"1page_1item": (BS, 1), "2page_3items": (2 * BS, 3 * 2 * 2 * 2 * BS * D * 4)}
+# The test shapes fit one chunk and one batch under the CPU tiling; the first two tilings
+# make every item walk 1- or 2-page chunks (online softmax across chunks) in batches of 1-3
+# items (several batches, items of different lengths sharing one); the third is the
+# tiling used off CPU.
+SMALL_TILINGS = {
+    "1page_1item": (BS, 1),
+    "2page_3items": (2 * BS, 3 * 2 * 2 * 2 * BS * D * 4),
+    "whole_table_1batch": (M * BS, 1 << 40),  # the non-CPU default: one wide pass
+}
 
 
 def dense_attention(q, k, v, q_pos, sm_scale, window=None, soft_cap=None):

@@ -24,10 +24,21 @@ from jax import lax
 
 from pallas_kernels.reference import check_paged_inputs
 
-# Default tiling (measured on the 2-core CPU box: a 256-sequence decode was fastest with
+# Default tiling on CPU (measured on the 2-core box: a 256-sequence decode was fastest with
 # 64-key chunks and ~2 MiB per batch chunk; 32-256 keys and 0.5-8 MiB were within ~30 %).
-CHUNK_KEYS = 64  # keys per chunk an item attends at once (rounded to whole pages)
-CHUNK_BYTES = 1 << 21  # bytes per chunk for a whole batch: gathered K + V, or fp32 scores
+CPU_CHUNK_KEYS = 64  # keys per chunk an item attends at once (rounded to whole pages)
+CPU_CHUNK_BYTES = 1 << 21  # bytes per chunk for a whole batch: gathered K + V, or fp32 scores
+# Elsewhere (a GPU without the Pallas kernels) many tiny sequential loop iterations would
+# cost more than they save: one batch of all items over the whole table, i.e. one wide
+# vectorized pass (not timed on a GPU yet).
+WIDE_CHUNK_BYTES = 1 << 40
+
+
+def default_tiling() -> tuple[int | None, int]:
+    """(chunk_keys, chunk_bytes) for the default backend; None keys = the whole table."""
+    if jax.default_backend() == "cpu":
+        return CPU_CHUNK_KEYS, CPU_CHUNK_BYTES
+    return None, WIDE_CHUNK_BYTES
 
 
 def _check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens) -> None:
@@ -50,8 +61,8 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    chunk_keys: int = CHUNK_KEYS,
-    chunk_bytes: int = CHUNK_BYTES,
+    chunk_keys: int | None = None,
+    chunk_bytes: int | None = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch of queries over a paged KV pool.
 
@@ -68,8 +79,8 @@ def ragged_paged_attention(
       soft_cap: if set, scores become cap * tanh(scores / cap) (after sm_scale).
       chunk_keys, chunk_bytes: tiling (module docstring): keys per chunk (rounded down to
         whole pages, at least one) and the bytes one batch may gather or score per chunk
-        (sets the batch size B, at least one item). Results do not depend on them beyond
-        fp32 rounding.
+        (sets the batch size B, at least one item); default ``default_tiling()``. Results
+        do not depend on them beyond fp32 rounding.
 
     Returns:
       [T, num_q_heads, head_dim] in q.dtype; padding tokens get exactly 0. Query i of
@@ -89,6 +100,10 @@ def ragged_paged_attention(
     num_items = num_seqs + -(-num_tokens // qb)
 
     # Static tiling: C pages per chunk, B items per batch (both >= 1).
+    default_keys, default_bytes = default_tiling()
+    chunk_keys = default_keys if chunk_keys is None else chunk_keys
+    chunk_bytes = default_bytes if chunk_bytes is None else chunk_bytes
+    chunk_keys = max_blocks * block_size if chunk_keys is None else chunk_keys  # whole table
     chunk = max(1, min(max_blocks, chunk_keys // block_size))
     chunk_keys = chunk * block_size
     page_bytes = 2 * num_kv_heads * block_size * head_dim * 4  # K + V, fp32
