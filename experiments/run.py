@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "overrides": a.set,
         "executor": executor,
         "executor_reason": why,
+        "cost_model": cfg.server.cost_model,  # of simulated rows, unless a row names another
         "seconds": {},
     }
     tables = []
