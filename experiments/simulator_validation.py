@@ -70,6 +70,12 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
                 simulated_tok_s=sim["throughput_tok_s"],
                 err_norm_latency=e_nl,
                 err_throughput=e_tp,
+                real_steps=rm["steps"],
+                simulated_steps=sim["steps"],
+                real_step_seconds=float(real["steps"][:, 4].sum()),
+                simulated_busy_seconds=float(res.busy_time),
+                real_preemptions=int(real["preemptions"]),
+                simulated_preemptions=sim["preemptions"],
             )
         )
         summary["rates"][str(rate)] = {k: round(v, 4) for k, v in rows[-1].items()}
