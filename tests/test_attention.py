@@ -167,6 +167,24 @@ def test_result_of_a_sequence_does_not_depend_on_its_neighbours(case, other_kv):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("variant", ["mha_softcap", "gqa_window_softcap"])
+@settings(max_examples=15, deadline=None)
+@given(case=ragged_lengths())
+def test_decode_only_batch_matches_dense_attention(variant, case):
+    """T = S, one query per sequence (an engine decode step): tiles of qb = 1 query."""
+    hq, hkv, window, cap = VARIANTS[variant]
+    _, kv_lens, perm, seed = case
+    q_lens = [1 if k else 0 for k in kv_lens]
+    rng = np.random.default_rng(seed)
+    q, kp, vp, bt, kvl, cu, seqs = make_case(rng, q_lens, kv_lens, hq, hkv, perm)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    got = _rpa(f32(q[:S]), f32(kp), f32(vp), jnp.asarray(bt), jnp.asarray(kvl),
+               jnp.asarray(cu), sliding_window=window, soft_cap=cap,
+               tiling=SMALL_TILINGS["2page_3items"])  # fmt: skip
+    want = expected_output(q, cu, kvl, seqs, hq, window, cap)[:S]
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-5)
+
+
 def test_bf16_inputs_accumulate_in_fp32():
     """bf16 pool and queries: error stays at bf16 rounding of inputs/output (<= 2e-2)."""
     rng = np.random.default_rng(0)

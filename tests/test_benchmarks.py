@@ -21,6 +21,7 @@ CASES = [
     ("throughput_vs_hf.py", ["--tiny"], "speedup_vs_hf"),
     ("paged_vs_contiguous.py", ["--tiny"], "concurrency_ratio"),
     ("scheduler_overhead.py", ["--seqs", "256", "--steps", "3"], "us_per_step_at_256"),
+    ("attention_cpu.py", ["--only", "1", "--reps", "1"], "ms_decode_256"),
 ]
 
 

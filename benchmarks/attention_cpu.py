@@ -1,0 +1,95 @@
+"""Times the XLA ragged paged attention (pagedjax.attention, the CPU path) on batch shapes
+the engine runs: one layer of the 58M-parameter Llama of throughput_vs_hf.py (8 heads of
+64, fp32, 16-token pages, 512-token tables).
+
+    python benchmarks/attention_cpu.py [--reps 3] [--ref FILE] [--only N]
+
+``--ref FILE`` also times another implementation of the same function (e.g. an older
+``pagedjax/attention/reference.py`` from git: ``git show REV:pagedjax/attention/reference.py
+> /tmp/old.py``) and prints its time and largest difference beside ours. The last line is
+``ms_decode_256: X`` (the 256-sequence decode with contexts ~U(20, 500)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pagedjax.attention import ragged_paged_attention
+from pagedjax.machine import cpu_model
+
+HEADS, HEAD_DIM, BLOCK, MAX_BLOCKS, NUM_BLOCKS = 8, 64, 16, 32, 4096
+
+
+def case(rng, num_seqs: int, num_tokens: int, q_lens: list[int], kv_lens: list[int]) -> tuple:
+    """One batch: queries, a random pool, block tables pointing the null block past kv_len."""
+    q = jnp.asarray(rng.standard_normal((num_tokens, HEADS, HEAD_DIM)), jnp.float32)
+    cu = np.zeros(num_seqs + 1, np.int32)
+    cu[1 : len(q_lens) + 1] = np.cumsum(q_lens)
+    cu[len(q_lens) + 1 :] = cu[len(q_lens)]
+    kv = np.zeros(num_seqs, np.int32)
+    kv[: len(kv_lens)] = kv_lens
+    bt = rng.integers(1, NUM_BLOCKS, (num_seqs, MAX_BLOCKS)).astype(np.int32)
+    bt = np.where(np.arange(MAX_BLOCKS)[None, :] * BLOCK < kv[:, None], bt, 0)
+    return q, jnp.asarray(bt), jnp.asarray(kv), jnp.asarray(cu)
+
+
+def timed(fn, args, reps: int) -> tuple[float, jax.Array]:
+    f = jax.jit(lambda *a: fn(*a, sm_scale=HEAD_DIM**-0.5))
+    out = f(*args).block_until_ready()  # compile
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        f(*args).block_until_ready()
+    return (time.perf_counter() - t0) / reps * 1e3, out
+
+
+def main(argv: list[str] | None = None) -> float:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--ref", default=None, help="another reference.py to time beside ours")
+    ap.add_argument("--only", type=int, default=None, help="time only the first N batches")
+    a = ap.parse_args(argv)
+    other = None
+    if a.ref:
+        spec = importlib.util.spec_from_file_location("other_reference", a.ref)
+        other = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(other)
+    rng = np.random.default_rng(0)
+    shape = (NUM_BLOCKS, HEADS, BLOCK, HEAD_DIM)
+    k_pages = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    v_pages = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    ctx = rng.integers(20, 500, 200)
+    cases = {
+        "decode 256 seqs, ctx ~U(20,500)": case(rng, 256, 256, [1] * 200, ctx),
+        "decode 256 seqs, ctx 160": case(rng, 256, 256, [1] * 256, [160] * 256),
+        "decode 16 seqs, ctx ~U(20,500)": case(rng, 16, 16, [1] * 12, rng.integers(20, 500, 12)),
+        "prefill 2 x 200 (T=512, S=4)": case(rng, 4, 512, [200, 200], [200, 200]),
+        "mixed 1 x 300 + 50 decodes (T=512, S=64)": case(
+            rng, 64, 512, [300] + [1] * 50, [300, *rng.integers(20, 500, 50)]
+        ),
+    }  # fmt: skip
+    geometry = f"{HEADS} x {HEAD_DIM} heads, fp32, pages of {BLOCK}, tables of {MAX_BLOCKS}"
+    print(f"jax {jax.__version__}, {jax.default_backend()}, {cpu_model()}; one layer: {geometry}")
+    head = f"{'batch':>42} | {'ms':>7}"
+    print(head + (f" | {'--ref ms':>8} | {'max |diff|':>10}" if other else ""))
+    first = None
+    for name, (q, bt, kv, cu) in list(cases.items())[: a.only]:
+        args = (q, k_pages, v_pages, bt, kv, cu)
+        ms, out = timed(ragged_paged_attention, args, a.reps)
+        first = ms if first is None else first
+        line = f"{name:>42} | {ms:>7.1f}"
+        if other:
+            ms_o, out_o = timed(other.ragged_paged_attention, args, a.reps)
+            line += f" | {ms_o:>8.1f} | {float(jnp.max(jnp.abs(out - out_o))):>10.2e}"
+        print(line, flush=True)
+    print(f"ms_decode_256: {first:.1f}")
+    return first
+
+
+if __name__ == "__main__":
+    main()
