@@ -59,7 +59,8 @@ def test_paper_repro_table_regenerates_from_the_run(tiny_run, tmp_path):
     )
     assert p.returncode == 0, p.stderr[-2000:]
     text = dest.read_text()
-    assert "| Fig. 2 token states, paged (% of pool) |" in text
+    # Every simulated row names its cost model (tiny.yaml: the plain roofline).
+    assert "| Fig. 2 token states, paged (% of pool) [roofline] |" in text
     assert "Fig. 12a knee ratio paged/orca_max @ 0.5 s/token [roofline]" in text
     assert "simulated" in text and "Machine:" in text
 
