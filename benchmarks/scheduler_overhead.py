@@ -14,10 +14,10 @@ before it gives the per-dispatch time, what a one-step-per-dispatch engine pays.
 from __future__ import annotations
 
 import argparse
-import platform
 
 import jax
 
+from pagedjax.machine import cpu_model
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.scheduler import SchedulerConfig
 from pagedjax.scheduler.bench import bench
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> dict[int, tuple[float, float]]:
     ap.add_argument("--steps", type=int, default=50)
     args = ap.parse_args(argv)
     bs = 16
-    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {platform.processor() or '?'}")
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {cpu_model()}")
     print(f"{'running seqs':>12} | {'us/step (dispatch)':>18} | {'us/step (in loop)':>17}")
     out = {}
     for n in args.seqs:
