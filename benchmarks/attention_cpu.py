@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import time
 
 import jax
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> float:
     ap.add_argument("--only", type=int, default=None, help="time only the first N batches")
     a = ap.parse_args(argv)
     other = None
+    if a.ref and not os.path.isfile(a.ref):
+        ap.error(f"--ref {a.ref}: no such file (e.g. git show REV:pagedjax/attention/reference.py)")
     if a.ref:
         spec = importlib.util.spec_from_file_location("other_reference", a.ref)
         other = importlib.util.module_from_spec(spec)

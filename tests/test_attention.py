@@ -241,6 +241,10 @@ def test_bad_shapes_raise():
     bt, kvl, cu = jnp.zeros((2, 3), jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(3, jnp.int32)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         ragged_paged_attention(q, pages, pages, bt, kvl, cu, sm_scale=1.0)
+    with pytest.raises(ValueError, match="chunk_keys must be >= 1"):
+        ragged_paged_attention(q[:, :2], pages, pages, bt, kvl, cu, sm_scale=1.0, chunk_keys=0)
+    with pytest.raises(ValueError, match="chunk_bytes must be >= 1"):
+        ragged_paged_attention(q[:, :2], pages, pages, bt, kvl, cu, sm_scale=1.0, chunk_bytes=-1)
     with pytest.raises(ValueError, match="cu_q_lens"):
         ragged_paged_attention(jnp.zeros((4, 4, 8)), pages, pages, bt, kvl, cu[:2], sm_scale=1.0)
     with pytest.raises(ValueError, match="slot_mapping"):

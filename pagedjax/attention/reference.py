@@ -92,6 +92,9 @@ def ragged_paged_attention(
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
+    for name, value in (("chunk_keys", chunk_keys), ("chunk_bytes", chunk_bytes)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1 or None, got {value}")
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_pages.shape
     num_seqs, max_blocks = block_tables.shape
