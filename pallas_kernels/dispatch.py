@@ -1,8 +1,10 @@
-"""Backend switch: the Pallas Mosaic GPU kernels or the XLA reference.
+"""Backend switch: the Pallas Mosaic GPU kernels, the native CPU kernel or the XLA reference.
 
-``select_attention_backend("auto")`` picks the kernels only on a Hopper GPU *and* once an
-H200 parity run is committed (``pallas_kernels.parity``): untested kernels must never be
-chosen silently. The reference comes from ``pagedjax.attention`` when importable (imported
+``select_attention_backend("auto")`` picks the Pallas kernels only on a Hopper GPU *and*
+once an H200 parity run is committed (``pallas_kernels.parity``): untested kernels must
+never be chosen silently. On the CPU it picks the native kernel
+(``pagedjax.attention.native_cpu``, tested against the reference) when it builds. The
+reference comes from ``pagedjax.attention`` when importable (imported
 lazily, so this package never pulls in flax), else from ``pallas_kernels.reference``; a
 caller may pass its own.
 """
@@ -18,14 +20,14 @@ import jax
 
 from pallas_kernels import parity
 
-BackendName = Literal["reference", "pallas", "auto"]
+BackendName = Literal["reference", "pallas", "native_cpu", "auto"]
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
     """The chosen pair of callables and why they were chosen."""
 
-    name: Literal["reference", "pallas"]
+    name: Literal["reference", "pallas", "native_cpu"]
     ragged_paged_attention: Callable[..., jax.Array]
     paged_decode_attention: Callable[..., jax.Array] | None
     reason: str
@@ -55,22 +57,40 @@ def _reference_attention() -> tuple[Callable[..., jax.Array], Callable[..., jax.
     )
 
 
+def _native_cpu_available() -> tuple[bool, str]:
+    try:
+        from pagedjax.attention import native_cpu
+    except ImportError as e:  # e.g. the torch/flax-free kernel-test venv
+        return False, f"native kernel not importable: {e}"
+    return native_cpu.available()
+
+
 def select_attention_backend(
     name: BackendName = "auto",
     *,
     reference: Callable[..., jax.Array] | None = None,
     device: Any | None = None,
 ) -> AttentionBackend:
-    """Returns the attention backend for ``name`` ("reference", "pallas" or "auto").
+    """Returns the attention backend for ``name`` ("reference", "pallas", "native_cpu" or
+    "auto").
 
     ``reference``: the ragged reference callable to use instead of the lazily imported
     one. "pallas" is returned even off-GPU (for interpret-mode runs); "auto" returns it
-    only on Hopper with ``parity.H200_PARITY_VERIFIED``.
+    only on Hopper with ``parity.H200_PARITY_VERIFIED``, and "native_cpu" on a CPU where
+    that kernel builds. "native_cpu" itself runs the XLA reference for inputs it does not
+    take (not fp32, not on the CPU, no compiler).
     """
-    if name not in ("reference", "pallas", "auto"):
-        raise ValueError(f"backend must be 'reference', 'pallas' or 'auto', got {name!r}")
+    if name not in ("reference", "pallas", "native_cpu", "auto"):
+        raise ValueError(
+            f"backend must be 'reference', 'pallas', 'native_cpu' or 'auto', got {name!r}"
+        )
+    device = device if device is not None else jax.devices()[0]
     if name == "auto":
-        if not parity.H200_PARITY_VERIFIED:
+        if device.platform == "cpu" and reference is None:
+            ok, why = _native_cpu_available()
+            name = "native_cpu" if ok else "reference"
+            reason = f"auto: CPU, native kernel {why}" if ok else f"auto: CPU, {why}"
+        elif not parity.H200_PARITY_VERIFIED:
             name, reason = "reference", "auto: no committed H200 parity run yet"
         elif not is_hopper(device):
             name, reason = "reference", "auto: not a Hopper GPU"
@@ -78,6 +98,10 @@ def select_attention_backend(
             name, reason = "pallas", f"auto: Hopper, parity in {parity.H200_PARITY_REPORT}"
     else:
         reason = "requested"
+    if name == "native_cpu":
+        from pagedjax.attention import native_cpu
+
+        return AttentionBackend("native_cpu", native_cpu.ragged_paged_attention, None, reason)
     if name == "pallas":
         from pallas_kernels import paged_attention
 

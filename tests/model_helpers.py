@@ -104,7 +104,8 @@ class PagedRunner:
     """
 
     def __init__(self, arch: ModelArch, params, *, block_size: int, max_tokens: int,
-                 max_seqs: int, max_len: int, seed: int = 0, dtype=jnp.float32):  # fmt: skip
+                 max_seqs: int, max_len: int, seed: int = 0, dtype=jnp.float32,
+                 attention_fn=None):  # fmt: skip
         self.arch, self.params, self.block_size = arch, params, block_size
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.max_blocks = -(-max_len // block_size)
@@ -112,7 +113,11 @@ class PagedRunner:
         self.kv = allocate_kv_cache(arch, num_blocks, block_size, dtype, fill_value=np.nan)
         self.free = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
         self.seqs: dict[int, _Seq] = {}
-        self.forward = make_forward(arch)
+        self.forward = (
+            make_forward(arch)
+            if attention_fn is None
+            else make_forward(arch, attention_fn=attention_fn)
+        )
 
     def step(self, work: list[tuple[int, list[int]]], all_logits: bool = False):
         """Runs one ragged step: work = [(seq_id, new tokens), ...] (any mix of prompt chunks

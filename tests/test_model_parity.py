@@ -41,8 +41,10 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-def _runner(arch, params, family, seed, dtype=None):
+def _runner(arch, params, family, seed, dtype=None, attention_fn=None):
     kwargs = {} if dtype is None else {"dtype": dtype}
+    if attention_fn is not None:
+        kwargs["attention_fn"] = attention_fn
     return PagedRunner(arch, params, block_size=BLOCK_SIZES[family], max_tokens=MAX_TOKENS,
                        max_seqs=MAX_SEQS, max_len=MAX_LEN, seed=seed, **kwargs)  # fmt: skip
 
@@ -88,7 +90,7 @@ def _sequences(rng, vocab):
     return [(list(map(int, rng.integers(3, vocab, n + NUM_DECODE))), n) for n in lens]
 
 
-def logits_max_diff(family, checkpoints, dtype=None):
+def logits_max_diff(family, checkpoints, dtype=None, attention_fn=None):
     model, _, arch, params = checkpoints(family)
     if dtype is not None:
         import jax
@@ -96,7 +98,7 @@ def logits_max_diff(family, checkpoints, dtype=None):
         params = jax.tree.map(lambda x: x.astype(dtype), params)
     rng = np.random.default_rng(sum(map(ord, family)))
     seqs = _sequences(rng, arch.vocab_size)
-    got = run_mixed_schedule(_runner(arch, params, family, 0, dtype), seqs, rng)
+    got = run_mixed_schedule(_runner(arch, params, family, 0, dtype, attention_fn), seqs, rng)
     diffs = []
     for s, (tokens, _) in enumerate(seqs):
         ours = got[s]
@@ -110,6 +112,18 @@ def logits_max_diff(family, checkpoints, dtype=None):
 def test_logits_match_transformers_fp32(family, checkpoints):
     diff = logits_max_diff(family, checkpoints)
     print(f"{family} block_size={BLOCK_SIZES[family]} fp32 max|dlogit| = {diff:.2e}")
+    assert diff <= FP32_ATOL
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "opt"])
+def test_logits_match_transformers_on_the_native_cpu_kernel(family, checkpoints):
+    """The engine's default CPU attention (GQA, sliding window, 1-token pages)."""
+    from pagedjax.attention import native_cpu
+
+    if not native_cpu.available()[0]:
+        pytest.skip(native_cpu.available()[1])
+    diff = logits_max_diff(family, checkpoints, attention_fn=native_cpu.ragged_paged_attention)
+    print(f"{family} native_cpu fp32 max|dlogit| = {diff:.2e}")
     assert diff <= FP32_ATOL
 
 

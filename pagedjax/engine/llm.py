@@ -53,7 +53,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         scheduling_mode: str = "default",
         watermark: float = 0.01,
-        attention_backend: str = "reference",
+        attention_backend: str = "auto",
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         num_scheduler_steps: int = 1,
         warmup: str = "auto",
@@ -211,7 +211,10 @@ def _check_literals(config: EngineConfig) -> None:
         "dtype": (config.model.dtype, ("auto", "float32", "bfloat16", "float16")),
         "load_format": (config.model.load_format, ("auto", "dummy", "safetensors")),
         "scheduling_mode": (config.scheduler.scheduling_mode, ("default", "paper", "static")),
-        "attention_backend": (config.attention_backend, ("reference", "pallas", "auto")),
+        "attention_backend": (
+            config.attention_backend,
+            ("reference", "pallas", "native_cpu", "auto"),
+        ),
         "warmup": (config.warmup, ("auto", "all", "decode", "none")),
     }
     for name, (value, allowed) in choices.items():
