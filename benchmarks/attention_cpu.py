@@ -1,13 +1,15 @@
-"""Times the XLA ragged paged attention (pagedjax.attention, the CPU path) on batch shapes
-the engine runs: one layer of the 58M-parameter Llama of throughput_vs_hf.py (8 heads of
-64, fp32, 16-token pages, 512-token tables).
+"""Times ragged paged attention on the CPU on batch shapes the engine runs: one layer of the
+58M-parameter Llama of throughput_vs_hf.py (8 heads of 64, fp32, 16-token pages, 512-token
+tables). Columns: the XLA version (pagedjax.attention, the oracle) and the native kernel
+(pagedjax.attention.native_cpu, the engine's default on CPU), with their largest difference.
 
     python benchmarks/attention_cpu.py [--reps 3] [--ref FILE] [--only N]
 
 ``--ref FILE`` also times another implementation of the same function (e.g. an older
 ``pagedjax/attention/reference.py`` from git: ``git show REV:pagedjax/attention/reference.py
 > /tmp/old.py``) and prints its time and largest difference beside ours. The last line is
-``ms_decode_256: X`` (the 256-sequence decode with contexts ~U(20, 500)).
+``ms_decode_256: X``: the native kernel (or, where it does not build, the XLA version) on
+the 256-sequence decode with contexts ~U(20, 500).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.attention import ragged_paged_attention
+from pagedjax.attention import native_cpu, ragged_paged_attention
 from pagedjax.machine import cpu_model
 
 HEADS, HEAD_DIM, BLOCK, MAX_BLOCKS, NUM_BLOCKS = 8, 64, 16, 32, 4096
@@ -77,15 +79,25 @@ def main(argv: list[str] | None = None) -> float:
         ),
     }  # fmt: skip
     geometry = f"{HEADS} x {HEAD_DIM} heads, fp32, pages of {BLOCK}, tables of {MAX_BLOCKS}"
+    native, why = native_cpu.available()
     print(f"jax {jax.__version__}, {jax.default_backend()}, {cpu_model()}; one layer: {geometry}")
-    head = f"{'batch':>42} | {'ms':>7}"
+    print(f"native kernel: {why}")
+    head = f"{'batch':>42} | {'XLA ms':>7}"
+    if native:
+        head += f" | {'native ms':>9} | {'XLA/native':>10} | {'max |diff|':>10}"
     print(head + (f" | {'--ref ms':>8} | {'max |diff|':>10}" if other else ""))
     first = None
     for name, (q, bt, kv, cu) in list(cases.items())[: a.only]:
         args = (q, k_pages, v_pages, bt, kv, cu)
         ms, out = timed(ragged_paged_attention, args, a.reps)
-        first = ms if first is None else first
         line = f"{name:>42} | {ms:>7.1f}"
+        headline = ms
+        if native:
+            ms_n, out_n = timed(native_cpu.ragged_paged_attention, args, a.reps)
+            diff = float(jnp.max(jnp.abs(out - out_n)))
+            line += f" | {ms_n:>9.1f} | {ms / ms_n:>10.2f} | {diff:>10.2e}"
+            headline = ms_n
+        first = headline if first is None else first
         if other:
             ms_o, out_o = timed(other.ragged_paged_attention, args, a.reps)
             line += f" | {ms_o:>8.1f} | {float(jnp.max(jnp.abs(out - out_o))):>10.2e}"

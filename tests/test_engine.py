@@ -24,7 +24,7 @@ from pagedjax.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from pagedjax.engine.buckets import pick, pow2_buckets
+from pagedjax.engine.buckets import pick, pow2_buckets, step_buckets
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.kv_budget import CPU_DEFAULT_KV_BYTES, num_kv_blocks
 from pagedjax.engine.llm_engine import LLMEngine
@@ -454,6 +454,14 @@ def test_unbuilt_features_raise_not_implemented():
 
 
 def test_buckets():
+    assert step_buckets(256) == (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+    assert step_buckets(2048, 16)[:4] == (16, 32, 48, 64) and step_buckets(100)[-2:] == (96, 100)
+    assert step_buckets(4) == (1, 2, 4) and step_buckets(16, 16) == (16,)
+    for cap in range(1, 600):  # rows padded: under half up to 32, at most a third above
+        b = step_buckets(cap)
+        assert b[-1] == cap and list(b) == sorted(set(b))
+        for n in range(1, cap + 1):
+            assert pick(b, n) < 2 * n if n <= 32 else 2 * pick(b, n) <= 3 * n
     assert pow2_buckets(48, 8) == (8, 16, 32, 48)
     assert pow2_buckets(16, 16) == (16,)
     b = pow2_buckets(256)

@@ -45,7 +45,7 @@ import numpy as np
 from pagedjax.config import EngineConfig
 from pagedjax.engine import sharing
 from pagedjax.engine.block_hashes import extend_hashes
-from pagedjax.engine.buckets import pick, pow2_buckets
+from pagedjax.engine.buckets import pick, step_buckets
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.kv_budget import num_kv_blocks
 from pagedjax.engine.loading import load_model
@@ -129,8 +129,8 @@ class LLMEngine:
         )
         self.max_logprobs = max_logprobs
         budget = sc.max_num_batched_tokens
-        self.token_buckets = pow2_buckets(budget, smallest=min(16, budget))
-        self.seq_buckets = pow2_buckets(self.max_num_seqs)
+        self.token_buckets = step_buckets(budget, smallest=min(16, budget))
+        self.seq_buckets = step_buckets(self.max_num_seqs)
 
         device = jax.devices()[0]
         self.num_blocks = num_kv_blocks(
