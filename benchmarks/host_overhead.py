@@ -1,13 +1,16 @@
 """Host overhead per decode iteration: one step per dispatch (K = 1) vs the K-step loop.
 
     python benchmarks/host_overhead.py [--num-seqs 32] [--output-len 128] [--ks 1 8]
-                                       [--device-k 64] [--repeats 3]
+                                       [--device-k 64] [--repeats 3] [--model PRESET]
+                                       [--dtype float32|bfloat16]
 
-One engine (random tiny-llama weights unless ``--model`` names another preset, fp32,
-greedy, ``ignore_eos``), ``num_seqs`` requests of ``prompt_len`` tokens all added at once,
-each generating ``output_len`` tokens. Only the decode phase is timed: from the first
-step after every request has its first token until all finish (so every iteration is a
-decode of the same S rows). For each K the phase's wall time is divided by its engine
+On an H200 (issue 8's GPU check): ``--model llama-2-7b --dtype bfloat16 --num-seqs 256``.
+
+One engine (random tiny-llama weights unless ``--model`` names another preset, fp32
+unless ``--dtype``, greedy, ``ignore_eos``), ``num_seqs`` requests of ``prompt_len`` tokens
+all added at once, each generating ``output_len`` tokens. Only the decode phase is timed:
+from the first step after every request has its first token until all finish (so every
+iteration is a decode of the same S rows). For each K the phase's wall time is divided by its engine
 iterations (``engine.num_steps``).
 
 Device time per iteration comes from the same workload run with K = ``--device-k`` (one
@@ -19,6 +22,13 @@ per device-k iterations, so it is an upper bound of device time and the overhead
 rows are run round-robin ``--repeats`` times (so load from other processes hits them
 alike); medians are printed. K > 1 rows are run with and without pipelining
 (docs/engine.md). The last line is the overhead at the largest K of ``--ks``, pipelined.
+
+Roofline: a decode iteration must read every weight once and each sequence's K and V up
+to its position; at the measured device copy bandwidth (a jitted copy of a large array:
+bytes read + written over its time) that takes ``(weight bytes + mean KV bytes per
+iteration) / bandwidth``. The device time per iteration over that is printed as
+``roofline ratio`` (issue 8's target on an H200: <= 1.25), and the host overhead as a share
+of the wall time per iteration (target <= 5 % at 256 sequences).
 """
 
 from __future__ import annotations
@@ -41,10 +51,15 @@ from pagedjax.tokenizer import ByteTokenizer
 
 
 def build_engine(
-    model: str, num_seqs: int, max_model_len: int, device_k: int, block_size: int = 16
+    model: str,
+    num_seqs: int,
+    max_model_len: int,
+    device_k: int,
+    block_size: int = 16,
+    dtype: str = "float32",
 ) -> LLMEngine:
     arch = preset_arch(model)
-    params = random_params(arch, seed=0, dtype=jnp.float32, std=0.15)
+    params = random_params(arch, seed=0, dtype=jnp.dtype(dtype), std=0.15)
     blocks = num_seqs * -(-max_model_len // block_size) + 1  # never preempts
     config = EngineConfig(
         model=ModelConfig(model=model, max_model_len=max_model_len, seed=0),
@@ -61,6 +76,28 @@ def build_engine(
     )
     tok = ByteTokenizer(eos_token_id=arch.eos_token_id, bos_token_id=arch.bos_token_id)
     return LLMEngine(arch, params, tok, config)
+
+
+def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second of a jitted device copy (read + write) of an nbytes array."""
+    x = jnp.ones(nbytes // 4, jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0)
+    copy(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        copy(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * x.nbytes / best
+
+
+def roofline_seconds(engine: LLMEngine, num_seqs: int, prompt_len: int, output_len: int,
+                     bandwidth: float) -> tuple[float, int, int]:  # fmt: skip
+    """(seconds, weight bytes, mean KV bytes) of one decode iteration at ``bandwidth``."""
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))
+    mean_context = prompt_len + (output_len + 1) / 2  # positions read, averaged over the phase
+    kv_bytes = int(num_seqs * mean_context * engine.arch.kv_bytes_per_token(engine.kv_dtype))
+    return (weight_bytes + kv_bytes) / bandwidth, weight_bytes, kv_bytes
 
 
 def decode_phase(
@@ -141,14 +178,16 @@ def main(argv: list[str] | None = None) -> float:
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--device-k", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--copy-mib", type=int, default=None, help="copy size for the bandwidth")
     args = ap.parse_args(argv)
     device_k = max(args.device_k, *args.ks)
     max_len = args.prompt_len + args.output_len + 1
-    engine = build_engine(args.model, args.num_seqs, max_len, device_k)
+    engine = build_engine(args.model, args.num_seqs, max_len, device_k, dtype=args.dtype)
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cpus"
           f" ({cpu_model()}), load average {load}")  # fmt: skip
-    print(f"model {args.model} (random fp32), {args.num_seqs} sequences, prompt"
+    print(f"model {args.model} (random {args.dtype}), {args.num_seqs} sequences, prompt"
           f" {args.prompt_len}, {args.output_len} output tokens, decode phase only")  # fmt: skip
     dev, rows = measure(
         engine, args.ks, device_k, args.num_seqs, args.prompt_len, args.output_len, args.repeats
@@ -163,6 +202,17 @@ def main(argv: list[str] | None = None) -> float:
     print("load average at the end: " + " / ".join(f"{x:.2f}" for x in os.getloadavg()))
     k_max = max(args.ks)
     head = rows[k_max, k_max > 1][0] - dev
+    on_cpu = jax.devices()[0].platform == "cpu"
+    copy_mib = args.copy_mib or (256 if on_cpu else 4096)
+    bw = copy_bandwidth(copy_mib << 20)
+    roof, wbytes, kvbytes = roofline_seconds(
+        engine, args.num_seqs, args.prompt_len, args.output_len, bw
+    )
+    print(f"roofline: {wbytes / 1e9:.3f} GB weights + {kvbytes / 1e9:.3f} GB mean KV per"
+          f" iteration at {bw / 1e9:.1f} GB/s ({copy_mib} MiB copy) = {roof * 1e6:.0f} us;"
+          f" device time / roofline: {dev / roof:.2f}")  # fmt: skip
+    wall = rows[k_max, k_max > 1][0]
+    print(f"host overhead at K={k_max}: {100 * head / wall:.1f} % of the wall time per iteration")
     print(f"host_overhead_us_per_iter: {head * 1e6:.0f}")
     return head
 

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -272,13 +273,20 @@ def test_no_compilation_after_warmup(caching: bool):
 
 def test_host_overhead_benchmark_tiny():
     """The benchmark's measurement on this module's engine (already compiled)."""
-    from benchmarks.host_overhead import measure
+    from benchmarks.host_overhead import copy_bandwidth, measure, roofline_seconds
 
     engine = _engine(False)
     dev, rows = measure(engine, [1, K], K, num_seqs=2, prompt_len=4, output_len=12, repeats=1)
     assert dev > 0 and set(rows) == {(1, False), (K, False), (K, True)}
     for per_iter, iters, lo, hi in rows.values():
         assert 0 < lo <= per_iter <= hi and iters == 11  # the first token: from the prefill
+    # Roofline of one iteration: every weight once, plus 2 sequences' K/V at mean position
+    # 4 + 13 / 2 = 10.5 tokens, at 1 GB/s.
+    seconds, wbytes, kvbytes = roofline_seconds(engine, 2, 4, 12, 1e9)
+    assert wbytes == sum(x.nbytes for x in jax.tree.leaves(engine.params))
+    assert kvbytes == int(2 * 10.5 * engine.arch.kv_bytes_per_token(engine.kv_dtype))
+    assert seconds == pytest.approx((wbytes + kvbytes) / 1e9)
+    assert copy_bandwidth(1 << 20, repeats=2) > 1e8  # any machine copies 100 MB/s
     _assert_idle(engine)
 
 
