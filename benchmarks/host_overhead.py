@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> float:
     roof, wbytes, kvbytes = roofline_seconds(
         engine, args.num_seqs, args.prompt_len, args.output_len, bw
     )
-    print(f"roofline: {wbytes / 1e9:.3f} GB weights + {kvbytes / 1e9:.3f} GB mean KV per"
+    print(f"roofline: {wbytes / 1e6:.1f} MB weights + {kvbytes / 1e6:.1f} MB mean KV per"
           f" iteration at {bw / 1e9:.1f} GB/s ({copy_mib} MiB copy) = {roof * 1e6:.0f} us;"
           f" device time / roofline: {dev / roof:.2f}")  # fmt: skip
     wall = rows[k_max, k_max > 1][0]

@@ -35,6 +35,7 @@ import numpy as np
 
 from pagedjax.attention import PAD_SLOT
 from pagedjax.model import ModelArch, ModelInput, allocate_kv_cache, forward
+from pallas_kernels.dispatch import select_attention_backend
 
 
 def _bucket(n: int, lo: int) -> int:
@@ -101,12 +102,15 @@ class ContiguousEngine:
             self.num_slots, self.pages_per_slot
         )
         self.trace_count: collections.Counter[tuple[int, int]] = collections.Counter()
+        # The paged engine's default attention (the native kernel on a CPU), so that only
+        # the memory layout differs between the two engines.
+        self.attention_fn = select_attention_backend("auto").ragged_paged_attention
         self._step = jax.jit(self._step_fn, donate_argnums=(1,))
 
     def _step_fn(self, params: Any, kv: Any, inp: ModelInput) -> tuple[Any, jax.Array]:
         # Runs only while tracing: counts compilations per bucket.
         self.trace_count[(inp.tokens.shape[0], inp.kv_lens.shape[0])] += 1
-        kv, logits = forward(params, kv, inp, arch=self.arch)
+        kv, logits = forward(params, kv, inp, arch=self.arch, attention_fn=self.attention_fn)
         return kv, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def _input(self, rows: list[tuple[int, list[int], int]]) -> ModelInput:
