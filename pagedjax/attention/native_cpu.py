@@ -139,10 +139,7 @@ def ragged_paged_attention(
             chunk_bytes=chunk_bytes,
         )  # fmt: skip
     reference._check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens)
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    if soft_cap is not None and soft_cap <= 0:
-        raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
+    reference._check_options(sliding_window, soft_cap)
     call = jax.ffi.ffi_call(
         TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential"
     )

@@ -50,6 +50,13 @@ def _check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens) -> None
         raise ValueError(f"block_tables must be int32[S>=1, max_blocks], got {block_tables.shape}")
 
 
+def _check_options(sliding_window: int | None, soft_cap: float | None) -> None:
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
+
+
 def ragged_paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -88,10 +95,7 @@ def ragged_paged_attention(
       fp32; keys at or past kv_len (and unused pages, e.g. NaN-filled) never reach the output.
     """
     _check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens)
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    if soft_cap is not None and soft_cap <= 0:
-        raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
+    _check_options(sliding_window, soft_cap)
     for name, value in (("chunk_keys", chunk_keys), ("chunk_bytes", chunk_bytes)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1 or None, got {value}")
