@@ -1,6 +1,7 @@
 """Attention over the paged KV cache: ragged paged attention and the KV write.
 
-The XLA implementation here is the reference oracle and the CPU path; Pallas kernels in
+The XLA implementation here is the reference oracle (and the fallback); ``native_cpu`` is
+the engine's default on a CPU (a C++ kernel through the XLA FFI); Pallas kernels in
 ``pallas_kernels/`` implement the same signature.
 """
 

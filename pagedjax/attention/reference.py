@@ -1,4 +1,7 @@
-"""Ragged paged attention in plain XLA: the oracle for the Pallas kernels and the CPU path.
+"""Ragged paged attention in plain XLA: the oracle for the Pallas and native CPU kernels.
+
+The engine runs it where neither kernel applies (a GPU before the Pallas kernels' parity
+run, non-fp32 inputs on a CPU, a CPU without a C++ compiler).
 
 Work decomposition. Tokens of the flattened batch are grouped into work items: a tile of
 ``qb = ceil(T / S)`` consecutive queries of one sequence, so there are at most
