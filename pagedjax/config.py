@@ -159,7 +159,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    attention_backend: Literal["reference", "pallas", "native_cpu", "auto"] = "auto"
+    attention_backend: Literal["reference", "pallas", "native_cpu", "triton", "auto"] = "auto"
     # Compile at start-up (pagedjax/engine/warmup.py): "auto" = "decode" on an
     # accelerator, "none" on CPU; "all" = every reachable bucket pair.
     warmup: Literal["auto", "all", "decode", "none"] = "auto"
