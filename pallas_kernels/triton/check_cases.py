@@ -150,7 +150,7 @@ def run_case(spec: CaseSpec, device: str = "cpu") -> dict[str, Any]:
     return compare(spec, out.float().cpu().numpy(), ref, num_splits=plan.num_splits)
 
 
-class _FakeJaxTriton:
+class FakeJaxTriton:
     """A stand-in for jax-triton's ``triton_call`` (0.3.x spelling): records each call and
     runs it the way jax-triton lays out a kernel call (array and scalar arguments in order,
     then one pointer per output; keyword metaparameters as constexprs; outputs in
@@ -169,7 +169,7 @@ class _FakeJaxTriton:
         import jax.numpy as jnp
         import torch
 
-        from pallas_kernels.triton.torch_launch import _interpreted
+        from pallas_kernels.triton.torch_launch import interpreted
 
         outs_spec = list(out_shape)
         self.calls.append(dict(
@@ -191,7 +191,7 @@ class _FakeJaxTriton:
         for i, s in enumerate(outs_spec):
             fill = 0 if i in zeroed_outputs else float("nan")
             outs.append(torch.full(s.shape, fill, dtype=_torch_dtype(jnp.dtype(s.dtype).name)))
-        _interpreted(kernel)[tuple(grid)](*t_args, *outs, **metaparams)
+        interpreted(kernel)[tuple(grid)](*t_args, *outs, **metaparams)
         return [jnp.asarray(o.numpy()) for o in outs]
 
 
@@ -200,7 +200,7 @@ def run_binding_case(spec: CaseSpec) -> dict[str, Any]:
     stand-in: checks what the binding hands jax-triton, and the numbers it gets back."""
     import jax.numpy as jnp
 
-    fake = _FakeJaxTriton()
+    fake = FakeJaxTriton()
     saved = sys.modules.get("jax_triton")
     sys.modules["jax_triton"] = fake  # type: ignore[assignment]
     try:

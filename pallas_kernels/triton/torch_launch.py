@@ -21,7 +21,7 @@ _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.floa
 
 
 @functools.cache
-def _interpreted(kernel: Any) -> Any:
+def interpreted(kernel: Any) -> Any:
     """The interpreter's version of a ``triton.jit`` kernel, whatever TRITON_INTERPRET said
     when the kernel module was imported (the kernels stay compilable for the other tests)."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -87,8 +87,8 @@ def paged_attention(
     layer_t = torch.as_tensor(layer, dtype=torch.int32, device=device).reshape(1)
     if not interpret and not 0 <= int(layer_t.item()) < num_layers:
         raise ValueError(f"layer {int(layer_t.item())} outside [0, {num_layers})")
-    attend = _interpreted(paged_attention_kernel) if interpret else paged_attention_kernel
-    merge = _interpreted(merge_splits_kernel) if interpret else merge_splits_kernel
+    attend = interpreted(paged_attention_kernel) if interpret else paged_attention_kernel
+    merge = interpreted(merge_splits_kernel) if interpret else merge_splits_kernel
     out = torch.zeros_like(q)  # padding tokens stay 0
     if plan.num_splits == 1:
         target, lse = out, torch.empty((1,), dtype=torch.float32, device=device)
@@ -116,4 +116,4 @@ def paged_attention(
     return out
 
 
-__all__ = ["paged_attention"]
+__all__ = ["interpreted", "paged_attention"]
