@@ -188,6 +188,7 @@ def plan_launch(
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
+        BLOCK_M=block_q * group_pad,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=block_size,

@@ -71,6 +71,7 @@ def paged_attention_kernel(
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
     BLOCK_Q: tl.constexpr,  # query tokens per tile
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD rows per tile
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,  # next power of two >= max(HEAD_DIM, 16)
     BLOCK_SIZE: tl.constexpr,  # tokens per page
@@ -78,7 +79,6 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else "tf32" (ignored for 16-bit)
 ):
-    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
