@@ -53,6 +53,9 @@ VARIANTS = [
             dtype="float32", num_q_heads=8, num_kv_heads=8, head_dim=64, block_size=8),
     Variant("prefill MQA, pages of 128", num_tokens=1024, num_seqs=2, num_q_heads=16,
             num_kv_heads=1, block_size=128, max_blocks=32),
+    # num_seqs == max_blocks == 1: jax-triton and Triton's launcher make them constexprs
+    Variant("decode batch 1, one page, 2 splits", num_tokens=1, num_seqs=1, max_blocks=1,
+            num_splits=2),
 ]  # fmt: skip
 
 
@@ -66,6 +69,29 @@ def _signature(kernel: Any, pointer_types: dict[str, str], constexprs: dict[str,
         else:
             sig[name] = "i32"
     return sig
+
+
+def _scalar_values(variant: Variant, num_splits: int) -> dict[str, dict[str, int]]:
+    """The integer arguments equal to 1, by kernel: jax-triton (and Triton's own launcher)
+    compile those as the constant 1, so the compile test must too."""
+    from pallas_kernels.triton.kernels import merge_splits_kernel, paged_attention_kernel
+
+    rm = configs.row_major_strides
+    q = (variant.num_tokens, variant.num_q_heads, variant.head_dim)
+    pool = (1, 1, variant.num_kv_heads, variant.block_size, variant.head_dim)
+    bt = (variant.num_seqs, variant.max_blocks)
+    if num_splits == 1:
+        out, lse = (0, *rm(q)), (0, 0)
+    else:
+        out, lse = rm((num_splits, *q)), rm((num_splits, *q[:2]))
+    attn = configs.attention_scalars(rm(q), rm(pool), rm(bt), out, lse, *bt)
+    merge = configs.merge_scalars(out, lse, rm(q), variant.num_seqs)
+    names_a = paged_attention_kernel.arg_names[7 : 7 + len(attn)]
+    names_m = merge_splits_kernel.arg_names[3 : 3 + len(merge)]
+    return {
+        "attention": {n: 1 for n, v in zip(names_a, attn, strict=True) if v == 1},
+        "merge": {n: 1 for n, v in zip(names_m, merge, strict=True) if v == 1},
+    }
 
 
 def compile_variant(variant: Variant, capability: int) -> dict[str, Any]:
@@ -94,9 +120,13 @@ def compile_variant(variant: Variant, capability: int) -> dict[str, Any]:
         out_ptr=split_out, lse_ptr="fp32", partial_ptr="fp32",
     )  # fmt: skip
     target = GPUTarget("cuda", capability, 32)
-    launches = [(paged_attention_kernel, plan.attention_constexprs, plan.num_warps)]
+    scalars = _scalar_values(variant, plan.num_splits)
+    launches = [(paged_attention_kernel, {**scalars["attention"], **plan.attention_constexprs},
+                 plan.num_warps)]  # fmt: skip
     if plan.merge_constexprs is not None:
-        launches.append((merge_splits_kernel, plan.merge_constexprs, 1))
+        launches.append(
+            (merge_splits_kernel, {**scalars["merge"], **plan.merge_constexprs}, 1)
+        )
     result: dict[str, Any] = dict(
         variant=variant.name, capability=capability, num_splits=plan.num_splits, kernels=[]
     )
