@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> float:
         block_size=bs,
         max_model_len=max_len,
         max_num_batched_tokens=budget,
-        kv_dtype=engine.kv[0][0].dtype,
+        kv_dtype=engine.kv[0].dtype,
     )
 
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cpus,"

@@ -19,6 +19,11 @@ position are replaced (``where``, not multiplied), and V rows past kv_len in the
 chunk are zeroed in SMEM before P V, because 0 x NaN is NaN and the null block, unused
 table entries and slots past kv_len may hold anything.
 
+Calling convention (docs/kernels.md): the pool is stacked over layers, ``[L, N, Hkv, B, D]``
+per K and V, and the kernel gets the whole pool plus the layer index (and the sliding
+window, 0 = none) as scalar operands it reads itself: the model's layer loop must not hand
+it ``pool[layer]``, which XLA would copy every layer of every step.
+
 The dense-gather reference is ``pallas_kernels.reference``.
 """
 
@@ -33,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.reference import check_paged_inputs
+from pallas_kernels.reference import check_paged_inputs, stacked_pool
 
 ROWS = 64  # wgmma M: query rows (tokens x grouped heads) per tile
 _MASK = -1e30  # finite mask value: an all-masked row gives exp(0) junk, never NaN
@@ -70,14 +75,14 @@ def _tile_schedule(
 
 def _attention_tiles(
     q_tiles: jax.Array,  # [Hkv, num_tiles, ROWS, D]
-    k_pages: jax.Array,  # [N, Hkv, B, D]
+    k_pages: jax.Array,  # [L, N, Hkv, B, D]: the whole stacked pool
     v_pages: jax.Array,
     block_tables: jax.Array,  # int32[S, M], M a multiple of pages per chunk
     meta: jax.Array,  # int32[num_tiles, 4]: seq, pos0, ntok, kv_len
+    scalars: jax.Array,  # int32[2]: layer index, sliding window (0: none)
     *,
     group: int,
     sm_scale: float,
-    sliding_window: int | None,
     soft_cap: float | None,
     block_kv: int,
     num_splits: int,
@@ -86,15 +91,18 @@ def _attention_tiles(
     """The Mosaic GPU kernel. Returns per split o [Hkv, tiles, splits, ROWS, D] (q dtype,
     normalised) and lse [Hkv, tiles, splits, ROWS] (fp32, -inf where nothing was seen)."""
     num_kv_heads, num_tiles, rows, head_dim = q_tiles.shape
-    _, _, block_size, _ = k_pages.shape
+    _, _, _, block_size, _ = k_pages.shape
     max_blocks = block_tables.shape[1]
     pages_per_chunk = block_kv // block_size
     max_chunks = max_blocks // pages_per_chunk
     chunks_per_split = pl.cdiv(max_chunks, num_splits)
     dtype = q_tiles.dtype
 
-    def body(q_ref, k_ref, v_ref, bt_ref, meta_ref, o_ref, lse_ref, scratch):
+    def body(q_ref, k_ref, v_ref, bt_ref, meta_ref, scal_ref, o_ref, lse_ref, scratch):
         q_smem, k_smem, v_smem, p_smem, lse_smem, q_bar, k_bar, v_bar = scratch
+        layer = scal_ref[0]
+        window = scal_ref[1]
+        windowed = window > 0
         h = lax.axis_index("h")
         t = lax.axis_index("t")
         sp = lax.axis_index("split")
@@ -105,9 +113,8 @@ def _attention_tiles(
         # Keys a tile can see end at its last token's position (causal, <= kv_len).
         kv_end = jnp.where(ntok > 0, pos0 + ntok, 0)
         first_chunk = sp * chunks_per_split
-        if sliding_window is not None:
-            kv_begin = jnp.maximum(pos0 - sliding_window + 1, 0)
-            first_chunk = jnp.maximum(first_chunk, kv_begin // block_kv)
+        kv_begin = jnp.where(windowed, jnp.maximum(pos0 - window + 1, 0), 0)
+        first_chunk = jnp.maximum(first_chunk, kv_begin // block_kv)
         end_chunk = jnp.minimum((sp + 1) * chunks_per_split, pl.cdiv(kv_end, block_kv))
         seq_row = jnp.maximum(seq, 0)
 
@@ -115,8 +122,12 @@ def _attention_tiles(
             for j in range(pages_per_chunk):  # static: one TMA per page
                 page = bt_ref[seq_row, chunk * pages_per_chunk + j]
                 dst = pl.ds(j * block_size, block_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[page, h], k_smem.at[slot, dst], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[page, h], v_smem.at[slot, dst], v_bar.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    k_ref.at[layer, page, h], k_smem.at[slot, dst], k_bar.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(
+                    v_ref.at[layer, page, h], v_smem.at[slot, dst], v_bar.at[slot]
+                )
 
         plgpu.copy_gmem_to_smem(q_ref.at[h, t], q_smem, q_bar)
 
@@ -152,8 +163,7 @@ def _attention_tiles(
                 s = soft_cap * jnp.tanh(s / soft_cap)
             kv_pos = i * block_kv + col
             visible = row_live & (kv_pos <= row_pos) & (kv_pos < kv_len)
-            if sliding_window is not None:
-                visible = visible & (kv_pos > row_pos - sliding_window)
+            visible = visible & (jnp.logical_not(windowed) | (kv_pos > row_pos - window))
             s = jnp.where(visible, s, _MASK)
             m_new = jnp.maximum(m_i, s.max(axis=1))
             alpha = jnp.exp(m_i - m_new)
@@ -213,14 +223,14 @@ def _attention_tiles(
         jax.ShapeDtypeStruct((num_kv_heads, num_tiles, num_splits, rows), jnp.float32),
     )
     kernel = plgpu.kernel(
-        lambda *refs: body(*refs[:7], refs[7:]),
+        lambda *refs: body(*refs[:8], refs[8:]),
         out_type=out_type,
         scratch_types=scratch,
         grid=(num_kv_heads, num_tiles, num_splits),
         grid_names=("h", "t", "split"),
         interpret=interpret,
     )
-    return kernel(q_tiles, k_pages, v_pages, block_tables, meta)
+    return kernel(q_tiles, k_pages, v_pages, block_tables, meta, scalars)
 
 
 def _merge_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
@@ -242,7 +252,6 @@ def _default_num_splits(work_items: int, max_chunks: int, target_programs: int =
     jax.jit,
     static_argnames=(
         "sm_scale",
-        "sliding_window",
         "soft_cap",
         "block_q",
         "block_kv",
@@ -258,8 +267,9 @@ def ragged_paged_attention(
     kv_lens: jax.Array,
     cu_q_lens: jax.Array,
     *,
+    layer: jax.Array | int | None = None,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
@@ -271,13 +281,16 @@ def ragged_paged_attention(
     Args:
       q: [T, num_q_heads, head_dim], bf16 or fp16. Token i of sequence s is
         q[cu_q_lens[s] + i] at position kv_lens[s] - q_len_s + i.
-      k_pages, v_pages: [num_blocks, num_kv_heads, block_size, head_dim], q's dtype;
-        block 0 is the null block.
+      k_pages, v_pages: the stacked pool [num_layers, num_blocks, num_kv_heads, block_size,
+        head_dim] in q's dtype, with ``layer`` the int32 scalar index (may be traced) of
+        the layer to read; or one layer's 4-D pages with layer=None. Block 0 is the null
+        block.
       block_tables: int32[S, max_blocks_per_seq].
       kv_lens: int32[S], context length including this step's tokens (0: padding).
       cu_q_lens: int32[S+1]; tokens at index >= cu_q_lens[S] are padding.
       sm_scale: score scale (usually head_dim ** -0.5).
-      sliding_window: if set, a query sees only its last ``sliding_window`` positions.
+      sliding_window: if set, a query sees only its last ``sliding_window`` positions; may
+        be a traced int32 scalar (<= 0: no window).
       soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
       block_q: query tokens per tile; default 64 // G (G = query heads per KV head).
       block_kv: KV tokens per pipeline step, a multiple of 64 and of block_size;
@@ -288,13 +301,14 @@ def ragged_paged_attention(
     Returns:
       [T, num_q_heads, head_dim] in q's dtype; padding tokens are 0.
     """
-    check_paged_inputs(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens)
+    check_paged_inputs(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, layer)
+    k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
     if jnp.dtype(q.dtype) not in _SUPPORTED_DTYPES or k_pages.dtype != q.dtype:
         raise ValueError(
             f"q and pages must share a dtype in bf16/fp16, got {q.dtype}, {k_pages.dtype}"
         )
     num_tokens, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, block_size, _ = k_pages.shape
+    _, _, num_kv_heads, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     if head_dim % 64:
         raise ValueError(f"head_dim must be a multiple of 64 (wgmma tiles), got {head_dim}")
@@ -308,8 +322,10 @@ def ragged_paged_attention(
     block_kv = block_kv or max(64, block_size)
     if block_kv % 64 or block_kv % block_size:
         raise ValueError(f"block_kv ({block_kv}) must be a multiple of 64 and of block_size")
-    if sliding_window is not None and sliding_window < 1:
+    if isinstance(sliding_window, int) and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
+    scalars = jnp.stack([layer, window]).astype(jnp.int32)
 
     num_seqs, max_blocks = block_tables.shape
     pages_per_chunk = block_kv // block_size
@@ -343,9 +359,9 @@ def ragged_paged_attention(
         v_pages,
         bt,
         meta,
+        scalars,
         group=group,
         sm_scale=sm_scale,
-        sliding_window=sliding_window,
         soft_cap=soft_cap,
         block_kv=block_kv,
         num_splits=num_splits,
@@ -367,8 +383,9 @@ def paged_decode_attention(
     block_tables: jax.Array,
     kv_lens: jax.Array,
     *,
+    layer: jax.Array | int | None = None,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     block_kv: int | None = None,
     num_splits: int | None = None,
@@ -398,6 +415,7 @@ def paged_decode_attention(
         block_tables[order],
         kv_lens[order],
         cu_q_lens,
+        layer=layer,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,

@@ -4,6 +4,14 @@ Kept here, free of flax, so the kernel tests run in a torch/flax-free environmen
 gathers every sequence's pages into a dense [S, max_blocks * block_size] cache and runs
 masked softmax attention in float32; the XLA reference in pagedjax/attention has the same
 signature and is interchangeable with it.
+
+Pool layout (the calling convention of every backend): ``k_pool, v_pool`` are stacked over
+layers, ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]``, and the caller
+passes the layer index ``layer`` (an int32 scalar, traced inside the model's layer loop);
+a kernel indexes the pool itself, because handing it ``pool[layer]`` would copy the layer's
+pages every layer of every step. One layer's 4-D pages with ``layer=None`` are accepted too
+(tests, single-layer callers). ``sliding_window`` may be a traced int32 scalar (per-layer
+windows under the layer loop), where 0 means no window.
 """
 
 from __future__ import annotations
@@ -21,18 +29,29 @@ def check_paged_inputs(
     block_tables: jax.Array,
     kv_lens: jax.Array,
     cu_q_lens: jax.Array | None,
+    layer: jax.Array | int | None = None,
 ) -> None:
-    """Raises ValueError on inconsistent shapes or dtypes (shared by reference and kernels)."""
+    """Raises ValueError on inconsistent shapes or dtypes (shared by reference and kernels).
+
+    The pool is [num_layers, num_blocks, num_kv_heads, block_size, head_dim] with a layer
+    index, or one layer's [num_blocks, num_kv_heads, block_size, head_dim] with layer=None.
+    """
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_q_heads, head_dim], got shape {q.shape}")
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+    if k_pages.ndim not in (4, 5) or k_pages.shape != v_pages.shape:
         raise ValueError(
-            "k_pages and v_pages must both be [num_blocks, num_kv_heads, block_size, head_dim],"
-            f" got {k_pages.shape} and {v_pages.shape}"
+            "k_pool and v_pool must both be [num_layers, num_blocks, num_kv_heads, block_size,"
+            f" head_dim] (or one layer's 4-D pages), got {k_pages.shape} and {v_pages.shape}"
         )
+    if (k_pages.ndim == 5) != (layer is not None):
+        raise ValueError(
+            f"a {k_pages.ndim}-D pool needs layer={'an index' if k_pages.ndim == 5 else 'None'}"
+        )
+    if layer is not None and jnp.ndim(layer) != 0:
+        raise ValueError(f"layer must be a scalar index, got shape {jnp.shape(layer)}")
     if k_pages.dtype != v_pages.dtype:
         raise ValueError(f"k_pages/v_pages dtypes differ: {k_pages.dtype} vs {v_pages.dtype}")
-    _, num_kv_heads, _, head_dim = k_pages.shape
+    _, num_kv_heads, _, head_dim = k_pages.shape[-4:]
     if q.shape[2] != head_dim:
         raise ValueError(f"q head_dim {q.shape[2]} != page head_dim {head_dim}")
     if q.shape[1] % num_kv_heads:
@@ -55,6 +74,27 @@ def check_paged_inputs(
         )
 
 
+def stacked_pool(
+    k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array | int | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(k [L, N, Hkv, B, D], v, layer int32 scalar): a 4-D pool gains a unit layer axis
+    (a free reshape) and layer 0, so kernels handle one layout."""
+    if k_pool.ndim == 4:
+        return k_pool[None], v_pool[None], jnp.zeros((), jnp.int32)
+    return k_pool, v_pool, jnp.asarray(layer, jnp.int32)
+
+
+def window_visible(col: jax.Array, pos: jax.Array, sliding_window: jax.Array | int | None):
+    """Mask of keys at ``col`` a query at ``pos`` sees under the window: (pos - w, pos].
+    ``sliding_window`` None (static) or a traced int32 scalar <= 0 means no window."""
+    if sliding_window is None:
+        return jnp.ones(jnp.broadcast_shapes(col.shape, pos.shape), bool)
+    if isinstance(sliding_window, int):
+        return col > pos - sliding_window
+    w = jnp.asarray(sliding_window, jnp.int32)
+    return (w <= 0) | (col > pos - w)
+
+
 def ragged_paged_attention_reference(
     q: jax.Array,
     k_pages: jax.Array,
@@ -63,17 +103,21 @@ def ragged_paged_attention_reference(
     kv_lens: jax.Array,
     cu_q_lens: jax.Array,
     *,
+    layer: jax.Array | int | None = None,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:
     """Causal attention of ragged query tokens over paged KV.
 
-    Shapes: q [T, Hq, D]; k_pages, v_pages [N, Hkv, B, D]; block_tables int32[S, M];
-    kv_lens int32[S] (including this step's tokens); cu_q_lens int32[S+1]. Returns
-    [T, Hq, D] in q.dtype; tokens at index >= cu_q_lens[S] are 0.
+    Shapes: q [T, Hq, D]; k_pages, v_pages [L, N, Hkv, B, D] with ``layer`` (or [N, Hkv,
+    B, D] with layer=None); block_tables int32[S, M]; kv_lens int32[S] (including this
+    step's tokens); cu_q_lens int32[S+1]. Returns [T, Hq, D] in q.dtype; tokens at index
+    >= cu_q_lens[S] are 0. (A test oracle: it slices the layer out, a copy.)
     """
-    check_paged_inputs(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens)
+    check_paged_inputs(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, layer)
+    if layer is not None:
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_pages.shape
     num_seqs, max_blocks = block_tables.shape
@@ -102,8 +146,7 @@ def ragged_paged_attention_reference(
         s = soft_cap * jnp.tanh(s / soft_cap)
     col = jnp.arange(ctx)[None, :]
     visible = (col <= pos[:, None]) & (col < kv_lens[seq_c][:, None]) & valid_tok[:, None]
-    if sliding_window is not None:
-        visible &= col > pos[:, None] - sliding_window
+    visible &= window_visible(col, pos[:, None], sliding_window)
     visible = visible[:, None, None, :]
     s = jnp.where(visible, s, _MASK)
     p = jnp.exp(s - s.max(axis=-1, keepdims=True))
@@ -122,8 +165,9 @@ def paged_decode_attention_reference(
     block_tables: jax.Array,
     kv_lens: jax.Array,
     *,
+    layer: jax.Array | int | None = None,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:
     """Decode (one query token per sequence): q [S, Hq, D] -> [S, Hq, D].
@@ -145,6 +189,7 @@ def paged_decode_attention_reference(
         block_tables[order],
         kv_lens[order],
         cu_q_lens,
+        layer=layer,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,

@@ -166,3 +166,30 @@ def test_engine_runs_on_the_native_kernel_by_default():
     )
     assert config.attention_backend == "auto"
     assert LLMEngine(ARCH, _params(), tok, config).attention_backend == "native_cpu"
+
+
+def test_stacked_pool_layer_index_and_traced_window():
+    """Whole stacked pool + traced layer index (other layers NaN: reading one shows) and a
+    traced window equal the 4-D pages with a static window; a layer outside the pool is an
+    error, not a stray read."""
+    rng = np.random.default_rng(3)
+    q, kp, vp, bt, kvl, cu, _ = make_case(rng, [3, 1, 0, 2], [17, 9, 0, 2], 4, 2,
+                                          list(range(1, NB)))  # fmt: skip
+    q, kp, vp = _f32(q, kp, vp)
+    bt, kvl, cu = jnp.asarray(bt), jnp.asarray(kvl), jnp.asarray(cu)
+    k5 = jnp.full((3, *kp.shape), jnp.nan, jnp.float32).at[2].set(kp)
+    v5 = jnp.full((3, *vp.shape), jnp.nan, jnp.float32).at[2].set(vp)
+
+    @jax.jit
+    def stacked(layer, window):
+        return native_cpu.ragged_paged_attention(
+            q, k5, v5, bt, kvl, cu, layer=layer, sm_scale=D**-0.5, sliding_window=window
+        )
+
+    for window in (0, 5):
+        got = np.asarray(stacked(jnp.int32(2), jnp.int32(window)))
+        want = np.asarray(_native(q, kp, vp, bt, kvl, cu, sliding_window=window or None))
+        np.testing.assert_array_equal(got, want)
+        assert np.isfinite(got).all()
+    with pytest.raises(Exception, match="layer index 3 outside"):
+        np.asarray(stacked(jnp.int32(3), jnp.int32(0)))

@@ -279,7 +279,7 @@ def test_step_aliases_the_pool_without_a_pool_sized_copy():
     engine = _engine()
     runner = ModelRunner(ARCH, BLOCK, engine.runner._attention_fn, engine.max_logprobs)
     pages = (4096, ARCH.num_kv_heads, BLOCK, ARCH.head_dim)
-    kv = tuple((jax.ShapeDtypeStruct(pages, jnp.float32),) * 2 for _ in range(ARCH.num_layers))
+    kv = (jax.ShapeDtypeStruct((ARCH.num_layers, *pages), jnp.float32),) * 2
     pool_bytes = 2 * ARCH.num_layers * int(np.prod(pages)) * 4
     state, batch = engine._schedule(engine.state)
     sampling = engine._slot_sampling_dev

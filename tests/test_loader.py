@@ -181,7 +181,7 @@ def test_random_params_run_and_arch_json_round_trip():
     assert ModelArch.from_json(arch.to_json()) == arch
     params = random_params(arch, seed=0, dtype=jnp.float32)
     runner = PagedRunner(arch, params, block_size=4, max_tokens=8, max_seqs=2, max_len=16)
-    before = runner.kv[0][0]
+    before = runner.kv[0]
     out = runner.step([(0, [5, 6, 7]), (1, [9])])
     assert out[0].shape == (1, arch.vocab_size) and np.isfinite(out[0]).all()
     assert np.abs(out[0] - out[1]).max() > 0
@@ -193,16 +193,19 @@ def test_random_params_run_and_arch_json_round_trip():
 def test_kv_cache_allocation():
     arch = preset_arch("tiny-llama")
     cache = allocate_kv_cache(arch, num_blocks=6, block_size=16, dtype=jnp.bfloat16)
-    assert len(cache) == arch.num_layers
-    assert all(k.shape == (6, 2, 16, 16) and v.dtype == jnp.bfloat16 for k, v in cache)
+    k, v = cache  # stacked over layers: [L, blocks, kv heads, block size, head dim]
+    assert k.shape == v.shape == (arch.num_layers, 6, 2, 16, 16) and v.dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="num_blocks"):
         allocate_kv_cache(arch, num_blocks=1, block_size=16)
     params = abstract_params(arch)
     batch = dummy_input(4, 2, 3)
-    with pytest.raises(ValueError, match="kv_cache has 1 layers, model has 2"):
-        jax.eval_shape(functools.partial(forward, arch=arch), params, cache[:1], batch)
-    other = allocate_kv_cache(preset_arch("llama-2-7b"), num_blocks=2, block_size=1)[:2]
-    with pytest.raises(ValueError, match="kv_cache pages must be"):
+    one_layer = (k[:1], v[:1])
+    with pytest.raises(ValueError, match=r"kv_cache must be \(k, v\), each \[2, num_blocks"):
+        jax.eval_shape(functools.partial(forward, arch=arch), params, one_layer, batch)
+    other = jax.eval_shape(
+        lambda: allocate_kv_cache(preset_arch("llama-2-7b"), num_blocks=2, block_size=1)
+    )
+    with pytest.raises(ValueError, match="kv_cache must be"):
         jax.eval_shape(functools.partial(forward, arch=arch), params, other, batch)
 
 

@@ -7,6 +7,11 @@
 // each query of the tile folds the page's keys into its online softmax (flash-attention
 // style, one rescale per page). Units are shared between the calling thread and XLA's
 // intra-op thread pool through an atomic counter.
+//
+// The pool is stacked over layers, [L, NB, Hkv, bs, D] per K and V, and the layer index is an
+// operand: the model's layer loop hands this call the whole carried pool (no per-layer slice,
+// which XLA would materialize as a copy every layer of every step) and the kernel offsets
+// into it. The sliding window is an operand too (per-layer windows under the loop; <= 0: none).
 
 #include <algorithm>
 #include <atomic>
@@ -30,7 +35,7 @@ constexpr int64_t kQueryTile = 16;  // queries of one sequence per work unit
 
 struct Problem {
   const float* q;            // [T, Hq, D]
-  const float* k;            // [NB, Hkv, bs, D]
+  const float* k;            // [NB, Hkv, bs, D]: the selected layer of the stacked pool
   const float* v;            // [NB, Hkv, bs, D]
   const int32_t* tables;     // [S, M]
   const int32_t* kv_lens;    // [S]
@@ -154,23 +159,33 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                 ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                                 ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
-                                ffi::ResultBuffer<ffi::F32> out, float sm_scale,
-                                int32_t sliding_window, float soft_cap) {
+                                ffi::Buffer<ffi::S32> layer_index,
+                                ffi::Buffer<ffi::S32> window_size,
+                                ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap) {
   const auto qd = q.dimensions();
   const auto kd = k_pages.dimensions();
   const auto td = block_tables.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2) {
-    return ffi::Error::InvalidArgument("expected q [T,Hq,D], pages [NB,Hkv,bs,D], tables [S,M]");
+  if (qd.size() != 3 || kd.size() != 5 || td.size() != 2) {
+    return ffi::Error::InvalidArgument(
+        "expected q [T,Hq,D], pool [L,NB,Hkv,bs,D], tables [S,M]");
   }
   const int64_t num_tokens = qd[0], hq = qd[1], d = qd[2];
-  const int64_t hkv = kd[1], bs = kd[2], num_seqs = td[0], max_blocks = td[1];
-  if (kd[3] != d || hkv <= 0 || hq % hkv != 0) {
+  const int64_t num_layers = kd[0], num_blocks = kd[1];
+  const int64_t hkv = kd[2], bs = kd[3], num_seqs = td[0], max_blocks = td[1];
+  if (kd[4] != d || hkv <= 0 || hq % hkv != 0) {
     return ffi::Error::InvalidArgument("head_dim mismatch or Hq not a multiple of Hkv");
   }
-  Problem p{q.typed_data(), k_pages.typed_data(), v_pages.typed_data(),
+  const int64_t layer = layer_index.typed_data()[0];
+  if (layer < 0 || layer >= num_layers) {
+    return ffi::Error::InvalidArgument("layer index " + std::to_string(layer) +
+                                       " outside [0, " + std::to_string(num_layers) + ")");
+  }
+  const int64_t layer_stride = num_blocks * hkv * bs * d;
+  Problem p{q.typed_data(), k_pages.typed_data() + layer * layer_stride,
+            v_pages.typed_data() + layer * layer_stride,
             block_tables.typed_data(), kv_lens.typed_data(), cu_q_lens.typed_data(),
-            out->typed_data(), kd[0], hkv, hq / hkv, bs, d, max_blocks,
-            sm_scale, sliding_window, soft_cap};
+            out->typed_data(), num_blocks, hkv, hq / hkv, bs, d, max_blocks,
+            sm_scale, std::max<int32_t>(window_size.typed_data()[0], 0), soft_cap};
   std::memset(p.out, 0, sizeof(float) * num_tokens * hq * d);  // padding rows stay 0
 
   auto sh = std::make_shared<Shared>();
@@ -235,7 +250,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttention, RaggedPagedAttention
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
-                                  .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap"));

@@ -1,4 +1,10 @@
-"""Scatter of new keys/values into the paged KV pool by slot mapping."""
+"""Scatter of new keys/values into the paged KV pool by slot mapping.
+
+The pool is stacked over layers (``[num_layers, num_blocks, num_kv_heads, block_size,
+head_dim]`` per K and V) and the layer loop carries it: each layer writes its rows with a
+dynamic ``layer`` index into the carried arrays, which XLA updates in place (no per-layer
+slice, no copy). A 4-D pool (one layer) is still accepted with ``layer=None``.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +17,19 @@ PAD_SLOT: int = int(jnp.iinfo(jnp.int32).max)
 
 
 def write_kv(
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
     k: jax.Array,
     v: jax.Array,
     slot_mapping: jax.Array,
+    layer: jax.Array | int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Writes one step's keys and values into their slots of the paged pool.
+    """Writes one step's keys and values of one layer into their slots of the paged pool.
 
     Args:
-      k_pages, v_pages: [num_blocks, num_kv_heads, block_size, head_dim].
+      k_pool, v_pool: [num_layers, num_blocks, num_kv_heads, block_size, head_dim] with
+        ``layer`` an int32 scalar (traced or not) in [0, num_layers); or one layer's
+        [num_blocks, num_kv_heads, block_size, head_dim] with ``layer=None``.
       k, v: [T, num_kv_heads, head_dim] new keys/values (cast to the pool dtype).
       slot_mapping: int32[T], slot = block * block_size + offset. Slots >= num_blocks *
         block_size (use ``PAD_SLOT``) are dropped, so padding tokens write nowhere.
@@ -28,14 +37,19 @@ def write_kv(
         like a plain Python index, silently overwriting live data.
 
     Returns:
-      (k_pages, v_pages) updated; under jit with the pool donated this is in place.
+      (k_pool, v_pool) updated; under jit with the pool donated (or carried through a
+      loop) this is in place.
     """
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+    if k_pool.shape != v_pool.shape or k_pool.ndim not in (4, 5):
         raise ValueError(
-            f"k_pages/v_pages must both be [num_blocks, num_kv_heads, block_size, head_dim], "
-            f"got {k_pages.shape} and {v_pages.shape}"
+            "k_pool/v_pool must both be [num_layers, num_blocks, num_kv_heads, block_size, "
+            f"head_dim] (or one layer's 4-D pages), got {k_pool.shape} and {v_pool.shape}"
         )
-    num_blocks, num_kv_heads, block_size, head_dim = k_pages.shape
+    if (k_pool.ndim == 5) != (layer is not None):
+        raise ValueError(
+            f"a {k_pool.ndim}-D pool needs layer={'an index' if k_pool.ndim == 5 else 'None'}"
+        )
+    num_blocks, num_kv_heads, block_size, head_dim = k_pool.shape[-4:]
     if k.shape != v.shape or k.ndim != 3 or k.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(
             f"k/v must be [T, {num_kv_heads}, {head_dim}], got {k.shape} and {v.shape}"
@@ -46,7 +60,12 @@ def write_kv(
     # Out-of-range slots give block >= num_blocks, which mode="drop" discards.
     block = slot_mapping // block_size
     offset = slot_mapping % block_size
-    # Advanced indices on dims 0 and 2 around a slice: the update is indexed [T, heads, dim].
-    k_pages = k_pages.at[block, :, offset].set(k.astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[block, :, offset].set(v.astype(v_pages.dtype), mode="drop")
-    return k_pages, v_pages
+    if layer is None:
+        # Advanced indices on dims 0 and 2 around a slice: the update is [T, heads, dim].
+        k_pool = k_pool.at[block, :, offset].set(k.astype(k_pool.dtype), mode="drop")
+        v_pool = v_pool.at[block, :, offset].set(v.astype(v_pool.dtype), mode="drop")
+        return k_pool, v_pool
+    lyr = jnp.full(block.shape, layer, jnp.int32)
+    k_pool = k_pool.at[lyr, block, :, offset].set(k.astype(k_pool.dtype), mode="drop")
+    v_pool = v_pool.at[lyr, block, :, offset].set(v.astype(v_pool.dtype), mode="drop")
+    return k_pool, v_pool

@@ -33,6 +33,7 @@ import numpy as np
 
 from pagedjax.attention import reference
 from pagedjax.machine import cpu_model
+from pallas_kernels.reference import stacked_pool
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +113,9 @@ def ragged_paged_attention(
     kv_lens: jax.Array,
     cu_q_lens: jax.Array,
     *,
+    layer: jax.Array | int | None = None,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     chunk_keys: int | None = None,
     chunk_bytes: int | None = None,
@@ -123,7 +125,10 @@ def ragged_paged_attention(
     Runs the native kernel for fp32 q and pages when it is available, else the XLA version
     (``chunk_keys`` / ``chunk_bytes`` only tile the XLA version). Inputs are checked as
     the XLA version checks them; the kernel also reports, as an error, a sequence with
-    q_len > kv_len or kv_len beyond its table, and a page id outside the pool.
+    q_len > kv_len or kv_len beyond its table, a page id outside the pool and a layer
+    index outside it. The whole stacked pool [L, N, Hkv, B, D] and ``layer`` go to the
+    kernel as operands (no per-layer slice is materialized); ``sliding_window`` may be a
+    traced int32 scalar (<= 0: no window).
     """
     use_native = (
         jax.default_backend() == "cpu"
@@ -134,12 +139,14 @@ def ragged_paged_attention(
     )
     if not use_native:
         return reference.ragged_paged_attention(
-            q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, sm_scale=sm_scale,
-            sliding_window=sliding_window, soft_cap=soft_cap, chunk_keys=chunk_keys,
-            chunk_bytes=chunk_bytes,
+            q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, layer=layer,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            chunk_keys=chunk_keys, chunk_bytes=chunk_bytes,
         )  # fmt: skip
-    reference._check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens)
-    reference._check_options(sliding_window, soft_cap)
+    reference.check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, layer)
+    reference.check_options(sliding_window, soft_cap)
+    k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
+    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
     call = jax.ffi.ffi_call(
         TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential"
     )
@@ -150,7 +157,8 @@ def ragged_paged_attention(
         block_tables.astype(jnp.int32),
         kv_lens.astype(jnp.int32),
         cu_q_lens.astype(jnp.int32),
+        layer,
+        window,
         sm_scale=np.float32(sm_scale),
-        sliding_window=np.int32(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
     )

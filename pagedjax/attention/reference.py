@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.reference import check_paged_inputs
+from pallas_kernels.reference import check_paged_inputs, stacked_pool, window_visible
 
 # Default tiling on CPU (measured on the 2-core box: a 256-sequence decode was fastest with
 # 64-key chunks and ~2 MiB per batch chunk; 32-256 keys and 0.5-8 MiB were within ~30 %).
@@ -44,17 +44,19 @@ def default_tiling() -> tuple[int | None, int]:
     return None, WIDE_CHUNK_BYTES
 
 
-def _check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens) -> None:
+def check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, layer=None) -> None:
     """The kernels' input contract (pallas_kernels.reference), plus S >= 1 and a cu_q_lens."""
     if cu_q_lens is None:
         raise ValueError("cu_q_lens is required (int32[S + 1])")
-    check_paged_inputs(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens)
+    check_paged_inputs(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, layer)
     if block_tables.shape[0] < 1:
         raise ValueError(f"block_tables must be int32[S>=1, max_blocks], got {block_tables.shape}")
 
 
-def _check_options(sliding_window: int | None, soft_cap: float | None) -> None:
-    if sliding_window is not None and sliding_window < 1:
+def check_options(sliding_window: jax.Array | int | None, soft_cap: float | None) -> None:
+    """Static option checks shared by the backends (a traced window is not checked: <= 0
+    means no window there)."""
+    if isinstance(sliding_window, int) and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
@@ -68,8 +70,9 @@ def ragged_paged_attention(
     kv_lens: jax.Array,
     cu_q_lens: jax.Array,
     *,
+    layer: jax.Array | int | None = None,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     chunk_keys: int | None = None,
     chunk_bytes: int | None = None,
@@ -78,14 +81,18 @@ def ragged_paged_attention(
 
     Args:
       q: [T, num_q_heads, head_dim]; tokens of sequence s are q[cu_q_lens[s]:cu_q_lens[s+1]].
-      k_pages, v_pages: [num_blocks, num_kv_heads, block_size, head_dim]; already hold this
-        step's keys/values. num_q_heads must be a multiple of num_kv_heads (GQA/MQA).
+      k_pages, v_pages: the stacked pool [num_layers, num_blocks, num_kv_heads, block_size,
+        head_dim] (or one layer's 4-D pages with layer=None); already hold this step's
+        keys/values. num_q_heads must be a multiple of num_kv_heads (GQA/MQA).
+      layer: int32 scalar (may be traced), the layer whose pages to read; pages are
+        gathered from the stacked pool directly, never sliced out whole.
       block_tables: int32[S, max_blocks_per_seq]; page ids of each sequence, in order.
       kv_lens: int32[S]; context length of each sequence INCLUDING this step's tokens.
       cu_q_lens: int32[S+1]; cumulative query lengths, cu_q_lens[0] = 0. Padding sequences
         have q_len 0 and kv_len 0; tokens at index >= cu_q_lens[S] are padding.
       sm_scale: score scale, usually head_dim ** -0.5.
-      sliding_window: if set, a query at position p attends keys in (p - window, p].
+      sliding_window: if set, a query at position p attends keys in (p - window, p]; a
+        traced int32 scalar (per-layer windows) means no window when <= 0.
       soft_cap: if set, scores become cap * tanh(scores / cap) (after sm_scale).
       chunk_keys, chunk_bytes: tiling (module docstring): keys per chunk (rounded down to
         whole pages, at least one) and the bytes one batch may gather or score per chunk
@@ -97,13 +104,14 @@ def ragged_paged_attention(
       sequence s sits at position kv_lens[s] - q_len_s + i. Scores and the value sum are in
       fp32; keys at or past kv_len (and unused pages, e.g. NaN-filled) never reach the output.
     """
-    _check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens)
-    _check_options(sliding_window, soft_cap)
+    check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, layer)
+    check_options(sliding_window, soft_cap)
+    k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
     for name, value in (("chunk_keys", chunk_keys), ("chunk_bytes", chunk_bytes)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1 or None, got {value}")
     num_tokens, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, block_size, _ = k_pages.shape
+    _, _, num_kv_heads, block_size, _ = k_pages.shape
     num_seqs, max_blocks = block_tables.shape
     group = num_q_heads // num_kv_heads
     qb = -(-num_tokens // num_seqs)
@@ -166,18 +174,17 @@ def ragged_paged_attention(
             pages = lax.dynamic_slice_in_dim(tables, c * chunk, chunk, axis=1)  # [B, C]
             kpos = c * chunk_keys + offsets  # [C * bs]
             key_valid = kpos[None, :] < kv_len[:, None]  # [B, C * bs]
-            k = k_pages[pages].astype(jnp.float32)  # [B, C, Hkv, bs, D]
+            k = k_pages[layer, pages].astype(jnp.float32)  # [B, C, Hkv, bs, D]
             # Zero values past kv_len: masked probabilities are 0, but 0 * NaN is NaN.
             v_ok = key_valid.reshape(batch, chunk, 1, block_size, 1)
-            v = jnp.where(v_ok, v_pages[pages].astype(jnp.float32), 0.0)
+            v = jnp.where(v_ok, v_pages[layer, pages].astype(jnp.float32), 0.0)
             s = jnp.einsum("nqhgd,nmhbd->nhgqmb", qi, k, precision=highest) * sm_scale
             s = s.reshape(batch, num_kv_heads, group, qb, chunk_keys)
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             mask = key_valid[:, None, :] & (kpos[None, None, :] <= qpos[:, :, None])
             mask &= row_valid[:, :, None]
-            if sliding_window is not None:
-                mask &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
+            mask &= window_visible(kpos[None, None, :], qpos[:, :, None], sliding_window)
             mask = mask[:, None, None]  # [B, 1, 1, qb, C * bs]
             s = jnp.where(mask, s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))

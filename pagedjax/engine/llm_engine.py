@@ -174,10 +174,11 @@ class LLMEngine:
             arch, self.num_blocks, self.block_size, self.kv_dtype, fill_value=kv_fill_value
         )
         self.tokens = jnp.zeros((self.max_seqs, self.max_model_len), jnp.int32)
-        # Host swap pool, page shape as the device pool's; row 0 is the host null block.
+        # Host swap pool (k, v), each [L, host blocks + 1, Hkv, bs, D] like the device
+        # pool; block 0 is the host null block.
         self.host_kv = tuple(
-            tuple(np.zeros((self.num_host_blocks + 1, *p.shape[1:]), p.dtype) for p in layer)
-            for layer in self.kv
+            np.zeros((p.shape[0], self.num_host_blocks + 1, *p.shape[2:]), p.dtype)
+            for p in self.kv
         )
         self._swapped_slots: set[int] = set()
 
@@ -441,15 +442,14 @@ class LLMEngine:
             k = _bucket(n_out, sw.out_src.shape[0])
             pages, dst = jax.device_get((gather_blocks(self.kv, sw.out_src, k=k), sw.out_dst))
             dst = dst[:n_out]
-            for host_layer, got_layer in zip(self.host_kv, pages, strict=True):
-                for h, g in zip(host_layer, got_layer, strict=True):
-                    h[dst] = g[:n_out]
+            for h, g in zip(self.host_kv, pages, strict=True):
+                h[:, dst] = g[:, :n_out]
             self.num_swapped_out_blocks += n_out
         if n_in:
             k = _bucket(n_in, sw.in_src.shape[0])
             src = np.zeros(k, np.int32)  # padding rows read the host null block
             src[:n_in] = jax.device_get(sw.in_src)[:n_in]
-            pages = tuple(tuple(h[src] for h in layer) for layer in self.host_kv)
+            pages = tuple(h[:, src] for h in self.host_kv)
             self.kv = scatter_blocks(self.kv, sw.in_dst, sw.num_in, jax.device_put(pages))
             self.num_swapped_in_blocks += n_in
 

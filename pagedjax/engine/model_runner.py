@@ -83,7 +83,7 @@ def build_model_input(
 
 
 def apply_cow(kv: Any, src: jax.Array, dst: jax.Array, valid: jax.Array) -> Any:
-    """Copy pages src -> dst (where valid) in every layer's K and V, before any write."""
+    """Copy blocks src -> dst (where valid) in every layer of K and V, before any write."""
     dst = jnp.where(valid, dst, -1)  # copy_blocks drops out-of-range destinations
 
     def copy(kv):
@@ -232,7 +232,7 @@ def jitted_update(policy: Any, config: Any) -> Callable[..., Any]:
 
 # ---------------------------------------------------------------------------- swapping
 # Preemption by swap moves whole KV blocks between the device pool and a host pool of
-# the same page shape (numpy arrays, one (k, v) pair per layer). Each direction is one
+# the same page shape (numpy arrays (k, v), each [L, blocks, H, B, D]). Each direction is one
 # batched transfer per step: a gather of the step's blocks and one device_get (out), or
 # one upload and one scatter into the donated pool (in). The pair count is padded to a
 # power-of-two bucket ``k`` (static), so a few compilations cover all steps.
@@ -240,20 +240,21 @@ def jitted_update(policy: Any, config: Any) -> Callable[..., Any]:
 
 @functools.partial(jax.jit, static_argnames=("k",))
 def gather_blocks(kv: Any, src: jax.Array, *, k: int) -> Any:
-    """The pages ``src[:k]`` of every layer's K and V: a pytree like kv of [k, H, B, D]."""
+    """The blocks ``src[:k]`` in every layer of K and V: (k, v) of [L, k, H, B, D]."""
     idx = src[:k]
-    return jax.tree.map(lambda p: p[idx], kv)
+    return jax.tree.map(lambda p: p[:, idx], kv)
 
 
 @functools.partial(jax.jit, donate_argnames=("kv",))
 def scatter_blocks(kv: Any, dst: jax.Array, count: jax.Array, pages: Any) -> Any:
-    """kv with page ``dst[i]`` := ``pages[i]`` for i < count (pages: [k, H, B, D] per
-    layer, k <= len(dst)); padding pairs write nothing. kv is donated (in place)."""
-    k = jax.tree.leaves(pages)[0].shape[0]
+    """kv with block ``dst[i]`` := ``pages[:, i]`` in every layer for i < count (pages:
+    (k, v) of [L, k, H, B, D], k <= len(dst)); padding pairs write nothing. kv is donated
+    (in place)."""
+    k = jax.tree.leaves(pages)[0].shape[1]
     i = jnp.arange(k, dtype=jnp.int32)
 
     def put(p: jax.Array, x: jax.Array) -> jax.Array:
-        d = jnp.where(i < count, dst[:k], p.shape[0])  # out of range: dropped
-        return p.at[d].set(x.astype(p.dtype), mode="drop")
+        d = jnp.where(i < count, dst[:k], p.shape[1])  # out of range: dropped
+        return p.at[:, d].set(x.astype(p.dtype), mode="drop")
 
     return jax.tree.map(put, kv, pages)

@@ -32,13 +32,14 @@ def build_module(
 
 
 def _check_cache(arch: ModelArch, kv_cache: KVCache) -> None:
-    if len(kv_cache) != arch.num_layers:
-        raise ValueError(f"kv_cache has {len(kv_cache)} layers, model has {arch.num_layers}")
-    k, v = kv_cache[0]
-    if k.ndim != 4 or k.shape != v.shape or k.shape[1::2] != (arch.num_kv_heads, arch.head_dim):
+    if not isinstance(kv_cache, tuple | list) or len(kv_cache) != 2:
+        raise ValueError("kv_cache must be (k, v), each [num_layers, num_blocks, ...]")
+    k, v = kv_cache
+    want = (arch.num_layers, arch.num_kv_heads, arch.head_dim)
+    if k.ndim != 5 or k.shape != v.shape or (k.shape[0], k.shape[2], k.shape[4]) != want:
         raise ValueError(
-            f"kv_cache pages must be [num_blocks, {arch.num_kv_heads}, block_size, "
-            f"{arch.head_dim}], got k {k.shape}, v {v.shape}"
+            f"kv_cache must be (k, v), each [{arch.num_layers}, num_blocks, "
+            f"{arch.num_kv_heads}, block_size, {arch.head_dim}], got k {k.shape}, v {v.shape}"
         )
 
 
@@ -91,10 +92,8 @@ def dummy_input(num_tokens: int, num_seqs: int, max_blocks: int) -> ModelInput:
 def abstract_params(arch: ModelArch, dtype: Any = jnp.float32) -> Params:
     """ShapeDtypeStruct tree of arch's parameters (no memory allocated)."""
     module = build_module(arch, param_dtype=dtype)
-    cache = tuple(
-        (jax.ShapeDtypeStruct((2, arch.num_kv_heads, 1, arch.head_dim), dtype),) * 2
-        for _ in range(arch.num_layers)
-    )
+    pool = (arch.num_layers, 2, arch.num_kv_heads, 1, arch.head_dim)
+    cache = (jax.ShapeDtypeStruct(pool, dtype),) * 2
     shapes = jax.eval_shape(
         lambda c: module.init(jax.random.key(0), c, dummy_input(1, 1, 1)), cache
     )

@@ -1,9 +1,18 @@
-"""Building blocks shared by the model families: norms, activations, paged self-attention."""
+"""Building blocks shared by the model families: norms, activations, paged self-attention,
+and the layer loop.
+
+The decoder layers run under ``lax.scan`` (Flax ``nn.scan``) with their parameters stacked
+on a leading layer axis: the step program holds one layer body whatever the depth, so its
+compile time does not grow with the number of layers (docs/engine.md). The KV pool, stacked
+the same way (``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` per K and V),
+is part of the loop's carry: each layer writes its new rows into it at its own layer index
+and attention reads it there, so XLA keeps one buffer, updated in place.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -13,6 +22,46 @@ from pagedjax.attention import write_kv
 from pagedjax.model.input import ModelInput
 
 AttentionFn = Callable[..., jax.Array]
+KVPool = tuple[jax.Array, jax.Array]  # (k, v), each [L, num_blocks, Hkv, block_size, D]
+# A layer's sliding window: a static int / None when every layer shares it, else a traced
+# int32 scalar from the loop's per-layer inputs (<= 0: full attention).
+Window = int | None | jax.Array
+
+
+class LayerInputs(NamedTuple):
+    """Per-layer values the layer loop scans over: int32[L] each."""
+
+    index: jax.Array  # the layer's index into the stacked pool
+    window: jax.Array  # the layer's sliding window, 0 for none
+
+
+def layer_inputs(layer_windows: tuple[int | None, ...]) -> tuple[LayerInputs, bool]:
+    """(per-layer inputs, uniform): uniform when every layer has the same window, which the
+    layers then use as a static value (no traced masking)."""
+    n = len(layer_windows)
+    inputs = LayerInputs(
+        index=jnp.arange(n, dtype=jnp.int32),
+        window=jnp.asarray([w or 0 for w in layer_windows], jnp.int32),
+    )
+    return inputs, len(set(layer_windows)) <= 1
+
+
+def layer_window(layer_windows: tuple[int | None, ...], uniform: bool, traced: jax.Array) -> Window:
+    """The window a layer body passes to attention: static if uniform, else traced."""
+    return layer_windows[0] if uniform else traced
+
+
+def scan_layers(layer_cls: type[nn.Module], num_layers: int) -> type[nn.Module]:
+    """``layer_cls`` applied num_layers times under one ``lax.scan``: parameters stacked on
+    a leading axis (Flax collection "params", the module named "layers"), call signature
+    ``(carry, LayerInputs, batch) -> (carry, None)`` with batch broadcast to every layer."""
+    return nn.scan(
+        layer_cls,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(0, nn.broadcast),
+        length=num_layers,
+    )
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
@@ -48,26 +97,29 @@ def paged_self_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    kv: tuple[jax.Array, jax.Array],
+    kv: KVPool,
+    layer: jax.Array,
     batch: ModelInput,
     *,
     sm_scale: float,
-    sliding_window: int | None,
+    sliding_window: Window,
     attention_fn: AttentionFn,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Writes this step's k/v [T, Hkv, D] into the layer's pages, then attends q [T, Hq, D].
+) -> tuple[jax.Array, KVPool]:
+    """Writes this step's k/v [T, Hkv, D] into layer ``layer`` of the stacked pool, then
+    attends q [T, Hq, D] over it. The whole pool and the layer index go to the backend.
 
-    Returns (out [T, Hq, D], (k_pages, v_pages)).
+    Returns (out [T, Hq, D], (k_pool, v_pool)).
     """
-    k_pages, v_pages = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
+    k_pool, v_pool = write_kv(kv[0], kv[1], k, v, batch.slot_mapping, layer)
     out = attention_fn(
         q,
-        k_pages,
-        v_pages,
+        k_pool,
+        v_pool,
         batch.block_tables,
         batch.kv_lens,
         batch.cu_q_lens,
+        layer=layer,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
     )
-    return out, (k_pages, v_pages)
+    return out, (k_pool, v_pool)

@@ -1,5 +1,7 @@
 """Llama family over the paged KV cache: Llama 2/3 (llama3 RoPE), Mistral (sliding window),
-Qwen2 (qkv bias). Parameter names follow the HF module names, so conversion is mechanical."""
+Qwen2 (qkv bias). Parameter names follow the HF module names, so conversion is mechanical;
+the decoder layers are stacked under ``layers`` (leading axis = layer) and run under one
+``lax.scan`` (layers.py says why)."""
 
 from __future__ import annotations
 
@@ -12,20 +14,30 @@ import jax.numpy as jnp
 from pagedjax.attention import ragged_paged_attention
 from pagedjax.model.config import ModelArch
 from pagedjax.model.input import ModelInput
-from pagedjax.model.layers import AttentionFn, RMSNorm, activation, paged_self_attention
+from pagedjax.model.layers import (
+    AttentionFn,
+    KVPool,
+    LayerInputs,
+    RMSNorm,
+    Window,
+    activation,
+    layer_inputs,
+    layer_window,
+    paged_self_attention,
+    scan_layers,
+)
 from pagedjax.model.rope import apply_rope, inv_frequencies
-
-KV = tuple[jax.Array, jax.Array]
 
 
 class LlamaAttention(nn.Module):
     arch: ModelArch
-    layer: int
     param_dtype: Any
     attention_fn: AttentionFn
 
     @nn.compact
-    def __call__(self, x: jax.Array, kv: KV, batch: ModelInput) -> tuple[jax.Array, KV]:
+    def __call__(
+        self, x: jax.Array, kv: KVPool, layer: jax.Array, window: Window, batch: ModelInput
+    ) -> tuple[jax.Array, KVPool]:
         a, t = self.arch, x.shape[0]
         h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
 
@@ -39,9 +51,9 @@ class LlamaAttention(nn.Module):
         q = apply_rope(q, batch.positions, inv_freq)
         k = apply_rope(k, batch.positions, inv_freq)
         o, kv = paged_self_attention(
-            q, k, v, kv, batch,
+            q, k, v, kv, layer, batch,
             sm_scale=d**-0.5,
-            sliding_window=a.layer_windows[self.layer],
+            sliding_window=window,
             attention_fn=self.attention_fn,
         )  # fmt: skip
         return proj("o_proj", a.hidden_size, a.o_bias)(o.reshape(t, h * d)), kv
@@ -65,22 +77,28 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """One layer as a scan body: ((x [T, H], k_pool, v_pool), LayerInputs, batch) ->
+    (carry, None)."""
+
     arch: ModelArch
-    layer: int
     param_dtype: Any
     attention_fn: AttentionFn
+    uniform_window: bool
 
     @nn.compact
-    def __call__(self, x: jax.Array, kv: KV, batch: ModelInput) -> tuple[jax.Array, KV]:
+    def __call__(self, carry, inputs: LayerInputs, batch: ModelInput):
+        x, k_pool, v_pool = carry
         eps, pd = self.arch.norm_eps, self.param_dtype
-        h, kv = LlamaAttention(self.arch, self.layer, pd, self.attention_fn, name="self_attn")(
-            RMSNorm(eps, pd, name="input_layernorm")(x), kv, batch
-        )
+        window = layer_window(self.arch.layer_windows, self.uniform_window, inputs.window)
+        h, (k_pool, v_pool) = LlamaAttention(self.arch, pd, self.attention_fn, name="self_attn")(
+            RMSNorm(eps, pd, name="input_layernorm")(x), (k_pool, v_pool), inputs.index,
+            window, batch,
+        )  # fmt: skip
         x = x + h
         x = x + LlamaMLP(self.arch, pd, name="mlp")(
             RMSNorm(eps, pd, name="post_attention_layernorm")(x)
         )
-        return x, kv
+        return (x, k_pool, v_pool), None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -91,15 +109,15 @@ class LlamaForCausalLM(nn.Module):
     attention_fn: AttentionFn = ragged_paged_attention
 
     @nn.compact
-    def __call__(self, kv_cache, batch: ModelInput):
+    def __call__(self, kv_cache: KVPool, batch: ModelInput):
         a, pd = self.arch, self.param_dtype
         embed = nn.Embed(a.vocab_size, a.hidden_size, name="embed_tokens", param_dtype=pd)
         x = embed(batch.tokens)
-        new_cache = []
-        for i in range(a.num_layers):
-            layer = LlamaDecoderLayer(a, i, pd, self.attention_fn, name=f"layers_{i}")
-            x, kv = layer(x, kv_cache[i], batch)
-            new_cache.append(kv)
+        inputs, uniform = layer_inputs(a.layer_windows)
+        layers = scan_layers(LlamaDecoderLayer, a.num_layers)(
+            a, pd, self.attention_fn, uniform, name="layers"
+        )
+        (x, k_pool, v_pool), _ = layers((x, *kv_cache), inputs, batch)
         # Norm and head are per token: gather first, so only the requested rows pay for them.
         x = jnp.take(x, batch.logits_indices, axis=0, mode="clip")
         x = RMSNorm(a.norm_eps, pd, name="norm")(x)
@@ -107,4 +125,4 @@ class LlamaForCausalLM(nn.Module):
             logits = embed.attend(x)
         else:
             logits = nn.Dense(a.vocab_size, use_bias=False, name="lm_head", param_dtype=pd)(x)
-        return tuple(new_cache), logits.astype(jnp.float32)
+        return (k_pool, v_pool), logits.astype(jnp.float32)

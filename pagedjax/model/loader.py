@@ -57,12 +57,15 @@ def _normalize(name: str, family: str) -> str:
     return name
 
 
-def _hf_key(path: tuple[str, ...]) -> tuple[str, bool]:
-    """Flax param path -> (normalized HF key, transpose?). Dense kernels are [in, out]."""
+def _hf_key(path: tuple[str, ...]) -> tuple[str, bool, bool]:
+    """Flax param path -> (normalized HF key, transpose?, stacked?). Dense kernels are
+    [in, out]; a stacked key (under the scanned "layers") has a "{i}" for the layer index."""
     *mods, leaf = path
-    mods = [re.sub(r"^layers_(\d+)$", r"layers.\1", m) for m in mods]
+    stacked = bool(mods) and mods[0] == "layers"
+    if stacked:
+        mods = ["layers", "{i}", *mods[1:]]
     hf_leaf = {"kernel": "weight", "embedding": "weight", "scale": "weight"}.get(leaf, leaf)
-    return ".".join([*mods, hf_leaf]), leaf == "kernel"
+    return ".".join([*mods, hf_leaf]), leaf == "kernel", stacked
 
 
 def convert_hf_tensors(
@@ -76,8 +79,7 @@ def convert_hf_tensors(
     used = set()
     missing = []
 
-    def convert(path, spec):
-        key, transpose = _hf_key(tuple(p.key for p in path))
+    def one(key: str, transpose: bool, shape: tuple[int, ...]) -> np.ndarray | None:
         if key not in by_key:
             missing.append(key)
             return None
@@ -85,13 +87,24 @@ def convert_hf_tensors(
         x = tensors[by_key[key]]
         if transpose:
             x = x.T
-        if x.shape != spec.shape:
+        if x.shape != shape:
             raise ValueError(
                 f"shape mismatch for tensor {by_key[key]!r}: checkpoint has "
                 f"{tuple(tensors[by_key[key]].shape)}, config implies "
-                f"{spec.shape[::-1] if transpose else spec.shape}"
+                f"{shape[::-1] if transpose else shape}"
             )
-        return jnp.asarray(np.asarray(x).astype(dtype))
+        return np.asarray(x).astype(dtype)
+
+    def convert(path, spec):
+        key, transpose, stacked = _hf_key(tuple(p.key for p in path))
+        if not stacked:
+            x = one(key, transpose, spec.shape)
+            return None if x is None else jnp.asarray(x)
+        # Decoder layers are stacked on a leading axis (the layer loop's scan).
+        rows = [one(key.format(i=i), transpose, spec.shape[1:]) for i in range(spec.shape[0])]
+        if any(r is None for r in rows):
+            return None
+        return jnp.asarray(np.stack(rows))
 
     params = jax.tree_util.tree_map_with_path(convert, shapes)
     if missing:

@@ -1,5 +1,6 @@
 """OPT over the paged KV cache: learned positions (offset 2), pre- or post-LayerNorm per
-``do_layer_norm_before``, ReLU MLP, project_in/out when word_embed_proj_dim != hidden_size."""
+``do_layer_norm_before``, ReLU MLP, project_in/out when word_embed_proj_dim != hidden_size.
+Decoder layers stacked under ``layers`` and run under one ``lax.scan`` (layers.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,16 @@ import jax.numpy as jnp
 from pagedjax.attention import ragged_paged_attention
 from pagedjax.model.config import ModelArch
 from pagedjax.model.input import ModelInput
-from pagedjax.model.layers import AttentionFn, activation, paged_self_attention
+from pagedjax.model.layers import (
+    AttentionFn,
+    KVPool,
+    LayerInputs,
+    activation,
+    layer_inputs,
+    paged_self_attention,
+    scan_layers,
+)
 
-KV = tuple[jax.Array, jax.Array]
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2 (a fairseq legacy)
 
 
@@ -35,7 +43,9 @@ class OPTAttention(nn.Module):
     attention_fn: AttentionFn
 
     @nn.compact
-    def __call__(self, x: jax.Array, kv: KV, batch: ModelInput) -> tuple[jax.Array, KV]:
+    def __call__(
+        self, x: jax.Array, kv: KVPool, layer: jax.Array, batch: ModelInput
+    ) -> tuple[jax.Array, KVPool]:
         a, t = self.arch, x.shape[0]
         h, d = a.num_heads, a.head_dim
         dense = lambda name: nn.Dense(
@@ -46,25 +56,28 @@ class OPTAttention(nn.Module):
         v = dense("v_proj")(x).reshape(t, h, d)
         # HF scales q by head_dim**-0.5 before the product; same math via sm_scale.
         o, kv = paged_self_attention(
-            q, k, v, kv, batch,
+            q, k, v, kv, layer, batch,
             sm_scale=d**-0.5, sliding_window=None, attention_fn=self.attention_fn,
         )  # fmt: skip
         return dense("out_proj")(o.reshape(t, h * d)), kv
 
 
 class OPTDecoderLayer(nn.Module):
+    """One layer as a scan body: ((x, k_pool, v_pool), LayerInputs, batch) -> (carry, None)."""
+
     arch: ModelArch
     param_dtype: Any
     attention_fn: AttentionFn
 
     @nn.compact
-    def __call__(self, x: jax.Array, kv: KV, batch: ModelInput) -> tuple[jax.Array, KV]:
+    def __call__(self, carry, inputs: LayerInputs, batch: ModelInput):
+        x, *kv = carry
         a, pd = self.arch, self.param_dtype
         pre = a.do_layer_norm_before
         attn_norm = _layer_norm(a, "self_attn_layer_norm", pd)
         ffn_norm = _layer_norm(a, "final_layer_norm", pd)
         h, kv = OPTAttention(a, pd, self.attention_fn, name="self_attn")(
-            attn_norm(x) if pre else x, kv, batch
+            attn_norm(x) if pre else x, tuple(kv), inputs.index, batch
         )
         x = x + h
         if not pre:
@@ -77,7 +90,7 @@ class OPTDecoderLayer(nn.Module):
         x = x + h
         if not pre:
             x = ffn_norm(x)
-        return x, kv
+        return (x, *kv), None
 
 
 class OPTForCausalLM(nn.Module):
@@ -88,7 +101,7 @@ class OPTForCausalLM(nn.Module):
     attention_fn: AttentionFn = ragged_paged_attention
 
     @nn.compact
-    def __call__(self, kv_cache, batch: ModelInput):
+    def __call__(self, kv_cache: KVPool, batch: ModelInput):
         a, pd = self.arch, self.param_dtype
         proj_dim = a.word_embed_proj_dim or a.hidden_size
         embed = nn.Embed(a.vocab_size, proj_dim, name="embed_tokens", param_dtype=pd)
@@ -100,12 +113,11 @@ class OPTForCausalLM(nn.Module):
             name="embed_positions", param_dtype=pd,
         )  # fmt: skip
         x = x + positions(batch.positions + POSITION_OFFSET)
-        new_cache = []
-        for i in range(a.num_layers):
-            x, kv = OPTDecoderLayer(a, pd, self.attention_fn, name=f"layers_{i}")(
-                x, kv_cache[i], batch
-            )
-            new_cache.append(kv)
+        inputs, _ = layer_inputs(a.layer_windows)
+        layers = scan_layers(OPTDecoderLayer, a.num_layers)(
+            a, pd, self.attention_fn, name="layers"
+        )
+        (x, k_pool, v_pool), _ = layers((x, *kv_cache), inputs, batch)
         x = jnp.take(x, batch.logits_indices, axis=0, mode="clip")
         if a.final_layer_norm:
             x = _layer_norm(a, "final_layer_norm", pd)(x)
@@ -115,4 +127,4 @@ class OPTForCausalLM(nn.Module):
             logits = embed.attend(x)
         else:
             logits = nn.Dense(a.vocab_size, use_bias=False, name="lm_head", param_dtype=pd)(x)
-        return tuple(new_cache), logits.astype(jnp.float32)
+        return (k_pool, v_pool), logits.astype(jnp.float32)

@@ -161,3 +161,51 @@ def test_lowers_to_mosaic_gpu(bs, t, s, extra):
         spec((s + 1,), jnp.int32),
     ).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_stacked_pool_with_traced_layer_and_window():
+    """The calling convention of the layer loop: the whole stacked pool [L, N, Hkv, B, D]
+    with a traced layer index and a traced sliding window (0: none). Other layers hold NaN
+    (poison), so reading the wrong layer shows; the result equals the 4-D case's."""
+    rng = np.random.default_rng(5)
+    bs, d, kv_lens, q_lens = 16, 64, [40, 3], [4, 1]
+    case = make_case(
+        rng, q_lens=q_lens, kv_lens=kv_lens, num_tokens=6, num_q_heads=4, num_kv_heads=2,
+        head_dim=d, block_size=bs, max_blocks=4, num_blocks=8,
+    )  # fmt: skip
+    q, k4, v4, bt, kv = _args(case, jnp.bfloat16)
+    cu = jnp.asarray(case.cu_q_lens)
+    poison = jnp.full((3, *k4.shape), jnp.nan, k4.dtype)
+    k5, v5 = poison.at[1].set(k4), poison.at[1].set(v4)
+
+    @jax.jit
+    def run(layer, window):
+        return ragged_paged_attention(
+            q, k5, v5, bt, kv, cu, layer=layer, sm_scale=d**-0.5, sliding_window=window,
+            num_splits=1, interpret=default_interpret(),
+        )  # fmt: skip
+
+    for window, static in ((0, None), (20, 20)):
+        out = run(jnp.int32(1), jnp.int32(window))
+        ref = ragged_paged_attention_reference(
+            q, k4, v4, bt, kv, cu, sm_scale=d**-0.5, sliding_window=static
+        )
+        _check(out, ref, sum(q_lens))
+        ref5 = ragged_paged_attention_reference(
+            q, k5, v5, bt, kv, cu, layer=1, sm_scale=d**-0.5, sliding_window=static
+        )
+        np.testing.assert_array_equal(np.asarray(ref5), np.asarray(ref))
+
+
+def test_stacked_pool_lowers_to_mosaic_gpu():
+    """The stacked-pool convention cross-lowers for CUDA too (layer and window traced)."""
+    hq, hkv, d, bs, m, t, s = 32, 8, 128, 16, 4, 8, 2
+    f = jax.jit(functools.partial(ragged_paged_attention, sm_scale=d**-0.5))
+    spec = jax.ShapeDtypeStruct
+    pool = spec((3, 16, hkv, bs, d), jnp.bfloat16)
+    lowered = f.trace(
+        spec((t, hq, d), jnp.bfloat16), pool, pool, spec((s, m), jnp.int32),
+        spec((s,), jnp.int32), spec((s + 1,), jnp.int32),
+        layer=spec((), jnp.int32), sliding_window=spec((), jnp.int32),
+    ).lower(lowering_platforms=("cuda",))  # fmt: skip
+    assert "mosaic_gpu" in lowered.as_text()
