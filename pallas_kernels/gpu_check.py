@@ -270,7 +270,8 @@ def _parity_specs(dry_run: bool) -> list[Any]:
         return [
             CaseSpec((1, 1, 1), (1, 16, 17), 4, block_size=16, max_blocks=2, **small),
             CaseSpec((5, 1, 0), (40, 1, 0), 8, block_size=16, max_blocks=3,
-                     sliding_window=20, soft_cap=5.0, num_splits=2, **small),
+                     sliding_window=20, dynamic_window=True, soft_cap=5.0, num_splits=2,
+                     **small),
         ]  # fmt: skip
     llama = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
     return [
@@ -281,6 +282,8 @@ def _parity_specs(dry_run: bool) -> list[Any]:
                  **llama),
         CaseSpec((64, 1), (700, 333), 65, block_size=16, max_blocks=48, sliding_window=256,
                  soft_cap=30.0, **llama),
+        CaseSpec((64, 1), (700, 333), 65, block_size=16, max_blocks=48, sliding_window=100,
+                 dynamic_window=True, num_layers=3, layer=2, **llama),
         CaseSpec((17, 1), (129, 127), 18, block_size=32, max_blocks=8, num_q_heads=8,
                  num_kv_heads=8, head_dim=128, dtype="float16"),
         CaseSpec((1, 1, 1), (129, 5, 1024), 3, block_size=128, max_blocks=8,
@@ -291,8 +294,20 @@ def _parity_specs(dry_run: bool) -> list[Any]:
 _TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
 
 
+def _split_window(spec: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(static keywords, traced keywords) for the case's window: a static int / None is
+    bound before jit; a run-time window (the layer loop's per-layer values, 0 = none) is an
+    int32 argument of the jitted call."""
+    import jax.numpy as jnp
+
+    if spec.dynamic_window:
+        return {}, {"sliding_window": jnp.int32(spec.sliding_window or 0)}
+    return {"sliding_window": spec.sliding_window}, {}
+
+
 def _jax_backends(dry_run: bool) -> dict[str, Any]:
-    """name -> fn(spec, inputs as jnp arrays) -> output, for the backends this host runs."""
+    """name -> fn(spec, inputs as jnp arrays) -> output, for the backends this host runs.
+    Every backend gets the whole stacked pool and the layer index (the engine's contract)."""
     import functools
 
     import jax
@@ -303,42 +318,42 @@ def _jax_backends(dry_run: bool) -> dict[str, Any]:
     on_gpu = jax.devices()[0].platform == "gpu"
     backends: dict[str, Any] = {}
 
-    def per_layer(fn, needs_64: bool = False):
+    def stacked(fn, needs_64: bool = False, jit: bool = True):
         def run(spec, a):
             if needs_64 and (spec.head_dim % 64 or spec.dtype == "float32"):
                 return None  # outside the Mosaic kernels' contract
-            f = functools.partial(
-                fn, sm_scale=spec.head_dim**-0.5, sliding_window=spec.sliding_window,
-                soft_cap=spec.soft_cap,
-            )  # fmt: skip
-            return f(a["q"], a["k_pool"][spec.layer], a["v_pool"][spec.layer],
-                     a["block_tables"], a["kv_lens"], a["cu_q_lens"])  # fmt: skip
+            static, dynamic = _split_window(spec)
+            f = functools.partial(fn, sm_scale=spec.head_dim**-0.5, soft_cap=spec.soft_cap,
+                                  **static)  # fmt: skip
+            if jit:
+                f = jax.jit(f)
+            return f(a["q"], a["k_pool"], a["v_pool"], a["block_tables"], a["kv_lens"],
+                     a["cu_q_lens"], layer=jnp.int32(spec.layer), **dynamic)  # fmt: skip
 
         return run
 
     ref = select_attention_backend("reference").ragged_paged_attention
-    backends["XLA reference (pagedjax.attention)"] = per_layer(jax.jit(
-        ref, static_argnames=("sm_scale", "sliding_window", "soft_cap")))  # fmt: skip
+    backends["XLA reference (pagedjax.attention)"] = stacked(ref)
     if _is_hopper() or dry_run:
         from pallas_kernels.paged_attention import default_interpret, ragged_paged_attention
 
         interp = default_interpret() if dry_run else None
-        backends["Mosaic GPU (pallas_kernels)"] = per_layer(
+        backends["Mosaic GPU (pallas_kernels)"] = stacked(
             functools.partial(ragged_paged_attention, interpret=interp), needs_64=True
         )
     if (on_gpu and _triton_jax_available()) or dry_run:
         from pallas_kernels.triton.jax_binding import triton_paged_attention
 
         def triton_jax(spec, a):
+            static, dynamic = _split_window(spec)
             f = functools.partial(
-                triton_paged_attention, sm_scale=spec.head_dim**-0.5,
-                sliding_window=spec.sliding_window, soft_cap=spec.soft_cap,
-                num_splits=spec.num_splits,
+                triton_paged_attention, sm_scale=spec.head_dim**-0.5, soft_cap=spec.soft_cap,
+                num_splits=spec.num_splits, **static,
             )  # fmt: skip
-            if on_gpu:
+            if on_gpu:  # the stand-in of the dry run runs eagerly
                 f = jax.jit(f)
             return f(a["q"], a["k_pool"], a["v_pool"], jnp.int32(spec.layer),
-                     a["block_tables"], a["kv_lens"], a["cu_q_lens"])  # fmt: skip
+                     a["block_tables"], a["kv_lens"], a["cu_q_lens"], **dynamic)  # fmt: skip
 
         name = "Triton via jax-triton" + (" (stand-in, interpreted)" if dry_run else "")
         backends[name] = triton_jax
@@ -398,6 +413,8 @@ def part_parity(dry_run: bool) -> int:
         label = (f"q {list(spec.q_lens)} kv {list(spec.kv_lens)} bs {spec.block_size}"
                  f" heads {spec.num_q_heads}/{spec.num_kv_heads} d {spec.head_dim}"
                  + (f" window {spec.sliding_window}" if spec.sliding_window else "")
+                 + (" (run-time)" if spec.dynamic_window else "")
+                 + f" layer {spec.layer}/{spec.num_layers}"
                  + (f" cap {spec.soft_cap}" if spec.soft_cap else ""))  # fmt: skip
         for name, m in _parity_results(spec, backends, torch_device):
             rows += 1
@@ -495,7 +512,8 @@ def _bench_row(
     kv_bytes *= jnp.dtype(dtype).itemsize
     q, k_pool, v_pool = a["q"], a["k_pool"], a["v_pool"]
     bt, kv_lens, cu = a["block_tables"], a["kv_lens"], a["cu_q_lens"]
-    per_layer = (q, k_pool[0], v_pool[0], bt, kv_lens, cu)
+    stacked = (q, k_pool, v_pool, bt, kv_lens, cu)
+    layer0 = jnp.int32(0)
 
     def timed(key: str, fn: Any, bw_key: str | None = None) -> float | None:
         try:
@@ -524,7 +542,7 @@ def _bench_row(
 
         interp = default_interpret() if dry_run else None
         g = jax.jit(functools.partial(ragged_paged_attention, sm_scale=sm, interpret=interp))
-        timed("Mosaic ms", lambda: g(*per_layer), "Mosaic bw")
+        timed("Mosaic ms", lambda: g(*stacked, layer=layer0), "Mosaic bw")
     if shape.kind == "decode" and on_gpu:
         from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
 
@@ -533,7 +551,7 @@ def _bench_row(
         timed("JAX Pallas op ms", lambda: h(q, kt, vt, bt, kv_lens))
     ref_fn = select_attention_backend("reference").ragged_paged_attention
     ref = jax.jit(functools.partial(ref_fn, sm_scale=sm))
-    timed("XLA reference ms", lambda: ref(*per_layer))
+    timed("XLA reference ms", lambda: ref(*stacked, layer=layer0))
 
     def dense_layout(x: jax.Array) -> jax.Array:  # [N, Hkv, B, D] -> [batch, ctx, Hkv, D]
         x = x[1:].reshape(shape.batch, -1, *x.shape[1:]).transpose(0, 1, 3, 2, 4)

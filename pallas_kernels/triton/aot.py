@@ -115,7 +115,7 @@ def compile_variant(variant: Variant, capability: int) -> dict[str, Any]:
     data = _TRITON_TYPES[variant.dtype]
     split_out = "fp32" if plan.num_splits > 1 else data
     pointers = dict(
-        q_ptr=data, k_pool_ptr=data, v_pool_ptr=data, layer_ptr="i32",
+        q_ptr=data, k_pool_ptr=data, v_pool_ptr=data, scalars_ptr="i32",
         block_tables_ptr="i32", kv_lens_ptr="i32", cu_q_lens_ptr="i32",
         out_ptr=split_out, lse_ptr="fp32", partial_ptr="fp32",
     )  # fmt: skip

@@ -45,6 +45,7 @@ class CaseSpec:
     layer: int = 1
     dtype: str = "float16"
     sliding_window: int | None = None
+    dynamic_window: bool = False  # pass the window as a run-time int32 scalar (0 if None)
     soft_cap: float | None = None
     num_splits: int | None = None
     block_m: int | None = None  # tile override (block_m, tile_n); None: the sm_80 table
@@ -133,17 +134,21 @@ def run_case(spec: CaseSpec, device: str = "cpu") -> dict[str, Any]:
     tile = None
     if spec.block_m is not None:
         tile = configs.TileConfig(spec.block_m, spec.tile_n or 16, 4, 2)
+    window: Any = spec.sliding_window
+    if spec.dynamic_window:
+        window = torch.tensor(spec.sliding_window or 0, dtype=torch.int32, device=device)
     out = torch_launch.paged_attention(
         t["q"].to(dt), t["k_pool"].to(dt), t["v_pool"].to(dt), spec.layer,
         t["block_tables"], t["kv_lens"], t["cu_q_lens"], sm_scale=spec.head_dim**-0.5,
-        sliding_window=spec.sliding_window, soft_cap=spec.soft_cap,
-        num_splits=spec.num_splits, tile=tile,
+        sliding_window=window, soft_cap=spec.soft_cap, num_splits=spec.num_splits,
+        tile=tile,
     )  # fmt: skip
     plan = configs.plan_launch(
         num_tokens=spec.num_tokens, num_q_heads=spec.num_q_heads,
         num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, block_size=spec.block_size,
         num_seqs=len(spec.kv_lens), max_blocks=spec.max_blocks, dtype=spec.dtype,
-        sm_scale=1.0, sliding_window=spec.sliding_window, soft_cap=spec.soft_cap,
+        sm_scale=1.0, sliding_window=None if spec.dynamic_window else spec.sliding_window,
+        soft_cap=spec.soft_cap, dynamic_window=spec.dynamic_window,
         num_splits=spec.num_splits, tile=tile,
     )  # fmt: skip
     ref = reference_output(spec, inputs)
@@ -208,12 +213,14 @@ def run_binding_case(spec: CaseSpec) -> dict[str, Any]:
 
         inputs = make_inputs(spec)
         j = {k: jnp.asarray(v) for k, v in inputs.items()}
+        window: Any = spec.sliding_window
+        if spec.dynamic_window:
+            window = jnp.int32(spec.sliding_window or 0)
         out = triton_paged_attention(
             j["q"].astype(spec.dtype), j["k_pool"].astype(spec.dtype),
             j["v_pool"].astype(spec.dtype), jnp.int32(spec.layer), j["block_tables"],
             j["kv_lens"], j["cu_q_lens"], sm_scale=spec.head_dim**-0.5,
-            sliding_window=spec.sliding_window, soft_cap=spec.soft_cap,
-            num_splits=spec.num_splits,
+            sliding_window=window, soft_cap=spec.soft_cap, num_splits=spec.num_splits,
         )  # fmt: skip
     finally:
         if saved is None:

@@ -142,6 +142,7 @@ def plan_launch(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    dynamic_window: bool = False,
     capability: int = 80,
     num_splits: int | None = None,
     tile: TileConfig | None = None,
@@ -152,6 +153,9 @@ def plan_launch(
     tiles, and is split along the context until ~2 waves of programs fill the GPU, each
     split keeping >= MIN_STEPS_PER_SPLIT key steps; ``num_splits`` overrides that. ``tile``
     overrides the table (tests use small tiles to exercise many steps on small shapes).
+    ``sliding_window`` is the static window (None: none); ``dynamic_window`` says a window
+    arrives at run time (a traced per-layer value, <= 0 meaning none), so the kernel keeps
+    its window code without knowing the value.
     """
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
@@ -184,7 +188,7 @@ def plan_launch(
     attention = dict(
         SM_SCALE=float(sm_scale),
         SOFT_CAP=float(soft_cap or 0.0),
-        SLIDING_WINDOW=int(sliding_window or 0),
+        USE_WINDOW=sliding_window is not None or dynamic_window,
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,

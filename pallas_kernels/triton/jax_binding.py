@@ -85,7 +85,7 @@ def triton_paged_attention(
     cu_q_lens: jax.Array,
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
     num_splits: int | None = None,
     capability: int | None = None,
@@ -100,7 +100,9 @@ def triton_paged_attention(
       block_tables: int32[S, M]; only entries of pages below kv_len are read.
       kv_lens: int32[S], context including this step's tokens (0: padding sequence).
       cu_q_lens: int32[S + 1]; tokens at index >= cu_q_lens[S] are padding.
-      sm_scale, sliding_window, soft_cap: as in the reference.
+      sm_scale, soft_cap: as in the reference.
+      sliding_window: None, an int >= 1, or an int32 scalar array (may be traced: the
+        layer loop's per-layer window; <= 0 means none), read by the kernel at run time.
       num_splits: context splits (flash-decoding); default from ``configs.plan_launch``.
       capability: compute capability as 80 / 86 / 89 / 90 for the tile table; default
         the first device's (80 off-GPU).
@@ -118,13 +120,22 @@ def triton_paged_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, num_kv_heads, block_size, _ = k_pool.shape
     num_seqs, max_blocks = block_tables.shape
+    dynamic = sliding_window is not None and not isinstance(sliding_window, int)
+    if dynamic and jnp.ndim(sliding_window) != 0:
+        raise ValueError(f"sliding_window must be a scalar, got shape {jnp.shape(sliding_window)}")
+    if jnp.ndim(layer) != 0:
+        raise ValueError(f"layer must be a scalar index, got shape {jnp.shape(layer)}")
     plan = configs.plan_launch(
         num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, block_size=block_size, num_seqs=num_seqs, max_blocks=max_blocks,
-        dtype=jnp.dtype(q.dtype).name, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, capability=_capability(capability), num_splits=num_splits,
+        dtype=jnp.dtype(q.dtype).name, sm_scale=sm_scale,
+        sliding_window=None if dynamic else sliding_window, soft_cap=soft_cap,
+        dynamic_window=dynamic, capability=_capability(capability), num_splits=num_splits,
     )  # fmt: skip
-    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    # Layer and window as an int32[2] operand: jax-triton bakes Python scalars into the
+    # kernel, and both may be traced.
+    window = sliding_window if sliding_window is not None else 0
+    run_scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
     out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     strides = configs.row_major_strides  # XLA hands the kernel dense row-major buffers
     if plan.num_splits == 1:
@@ -142,7 +153,7 @@ def triton_paged_attention(
         out_strides, lse_strides, num_seqs, max_blocks,
     )  # fmt: skip
     partial, lse_out = _triton_call(
-        q, k_pool, v_pool, layer_arr, block_tables, kv_lens, cu_q_lens, *scalars,
+        q, k_pool, v_pool, run_scalars, block_tables, kv_lens, cu_q_lens, *scalars,
         kernel=paged_attention_kernel, out_shapes=[target, lse], grid=plan.grid,
         num_warps=plan.num_warps, num_stages=plan.num_stages, zeroed_outputs=zeroed,
         constexprs=plan.attention_constexprs,
@@ -162,22 +173,28 @@ def triton_paged_attention(
 
 def ragged_paged_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
     block_tables: jax.Array,
     kv_lens: jax.Array,
     cu_q_lens: jax.Array,
     *,
+    layer: jax.Array | int | None = None,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:
-    """The per-layer attention contract the engine calls today (pages [N, Hkv, B, D]):
-    the stacked kernel over a one-layer pool. ``k_pages[None]`` is a reshape, not a copy.
-    Once the engine hands attention the whole stacked pool and a layer index, it calls
-    ``triton_paged_attention`` directly."""
+    """The engine's attention contract (``pagedjax.attention``): the stacked pool
+    [L, N, Hkv, B, D] with ``layer``, or one layer's 4-D pages with ``layer=None`` (a
+    one-layer pool: ``k[None]`` is a reshape, not a copy)."""
+    if k_pool.ndim == 4:
+        if layer is not None:
+            raise ValueError("4-D pages take layer=None; pass the stacked 5-D pool with a layer")
+        k_pool, v_pool, layer = k_pool[None], v_pool[None], 0
+    elif layer is None:
+        raise ValueError("a stacked 5-D pool needs its layer index")
     return triton_paged_attention(
-        q, k_pages[None], v_pages[None], 0, block_tables, kv_lens, cu_q_lens,
+        q, k_pool, v_pool, layer, block_tables, kv_lens, cu_q_lens,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
     )  # fmt: skip
 

@@ -30,6 +30,9 @@ passes them (inputs, then outputs); ``tl.constexpr`` arguments are keyword metap
     writes an fp32 normalised partial and its log-sum-exp (-inf: the split saw nothing),
     which ``merge_splits_kernel`` combines.
 
+The layer index and the sliding window arrive as a small int32 array the kernel reads (not
+as launch constants): inside the model's layer loop both are traced values.
+
 Pool offsets are computed in int64: a whole stacked pool [L, N, Hkv, B, D] on a large GPU
 holds more than 2**31 elements.
 """
@@ -45,7 +48,7 @@ def paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_pool_ptr,  # [L, N, Hkv, B, D]
     v_pool_ptr,  # same shape and strides as k_pool
-    layer_ptr,  # int32[1]: the layer of the stacked pool to read
+    scalars_ptr,  # int32[2]: the layer of the stacked pool to read, the window (<= 0: none)
     block_tables_ptr,  # int32[S, M]
     kv_lens_ptr,  # int32[S]
     cu_q_lens_ptr,  # int32[S + 1]
@@ -67,7 +70,7 @@ def paged_attention_kernel(
     lse_ptr,
     SM_SCALE: tl.constexpr,
     SOFT_CAP: tl.constexpr,  # 0.0: no soft cap
-    SLIDING_WINDOW: tl.constexpr,  # 0: no window
+    USE_WINDOW: tl.constexpr,  # False: no window code at all (the window is statically None)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
     BLOCK_Q: tl.constexpr,  # query tokens per tile
@@ -100,7 +103,7 @@ def paged_attention_kernel(
     if q_block * BLOCK_Q >= q_len:
         return  # past this sequence's last tile (or a padding sequence)
     kv_len = tl.load(kv_lens_ptr + seq)
-    layer = tl.load(layer_ptr).to(tl.int64)
+    layer = tl.load(scalars_ptr).to(tl.int64)
 
     rows = tl.arange(0, BLOCK_M)
     q_idx = q_block * BLOCK_Q + rows // GROUP_PAD  # token index within the sequence
@@ -122,9 +125,11 @@ def paged_attention_kernel(
     last_q = tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
     kv_end = kv_len - q_len + last_q + 1
     kv_start = 0
-    if SLIDING_WINDOW > 0:
+    if USE_WINDOW:
+        # A runtime value: layers with different windows share one compiled kernel.
+        window = tl.load(scalars_ptr + 1)
         first_pos = kv_len - q_len + q_block * BLOCK_Q
-        kv_start = tl.maximum(first_pos - SLIDING_WINDOW + 1, 0)
+        kv_start = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0), 0)
     step_lo = kv_start // TILE_N
     step_hi = tl.cdiv(kv_end, TILE_N)
     per_split = tl.cdiv(step_hi - step_lo, NUM_SPLITS)
@@ -154,8 +159,8 @@ def paged_attention_kernel(
             # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, no libdevice call.
             s = SOFT_CAP * (1.0 - 2.0 / (tl.exp(2.0 * s / SOFT_CAP) + 1.0))
         visible = row_ok[:, None] & key_ok[None, :] & (kpos[None, :] <= pos[:, None])
-        if SLIDING_WINDOW > 0:
-            visible = visible & (kpos[None, :] > pos[:, None] - SLIDING_WINDOW)
+        if USE_WINDOW:
+            visible = visible & ((window <= 0) | (kpos[None, :] > pos[:, None] - window))
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN

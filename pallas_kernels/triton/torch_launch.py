@@ -43,7 +43,7 @@ def paged_attention(
     cu_q_lens: torch.Tensor,
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | torch.Tensor | None = None,
     soft_cap: float | None = None,
     num_splits: int | None = None,
     tile: configs.TileConfig | None = None,
@@ -56,6 +56,8 @@ def paged_attention(
     q [T, Hq, D]; k_pool, v_pool [L, N, Hkv, B, D] (same strides); layer: int or int32
     tensor; block_tables int32[S, M]; kv_lens int32[S]; cu_q_lens int32[S + 1], all on one
     device. Returns [T, Hq, D] in q's dtype; tokens at index >= cu_q_lens[S] are 0.
+    ``sliding_window``: None, an int >= 1, or an int32 scalar tensor read at run time
+    (<= 0: no window), as the layer loop passes per-layer windows.
     ``interpret`` defaults to True on CPU tensors; ``capability`` (e.g. 90) picks the tile
     table, default the tensor's GPU or 80 on CPU.
     """
@@ -78,15 +80,22 @@ def paged_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, block_size, _ = k_pool.shape
     num_seqs, max_blocks = block_tables.shape
+    dynamic = isinstance(sliding_window, torch.Tensor)
+    static_window = None if dynamic else sliding_window
     plan = configs.plan_launch(
         num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, block_size=block_size, num_seqs=num_seqs, max_blocks=max_blocks,
-        dtype=_dtype_name(q), sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, capability=capability, num_splits=num_splits, tile=tile,
+        dtype=_dtype_name(q), sm_scale=sm_scale, sliding_window=static_window,
+        soft_cap=soft_cap, dynamic_window=dynamic, capability=capability,
+        num_splits=num_splits, tile=tile,
     )  # fmt: skip
-    layer_t = torch.as_tensor(layer, dtype=torch.int32, device=device).reshape(1)
-    if not interpret and not 0 <= int(layer_t.item()) < num_layers:
-        raise ValueError(f"layer {int(layer_t.item())} outside [0, {num_layers})")
+    window = sliding_window if sliding_window is not None else 0
+    scalars_t = torch.stack([
+        torch.as_tensor(layer, dtype=torch.int32, device=device).reshape(()),
+        torch.as_tensor(window, dtype=torch.int32, device=device).reshape(()),
+    ])  # fmt: skip
+    if not 0 <= int(scalars_t[0].item()) < num_layers:
+        raise ValueError(f"layer {int(scalars_t[0].item())} outside [0, {num_layers})")
     attend = interpreted(paged_attention_kernel) if interpret else paged_attention_kernel
     merge = interpreted(merge_splits_kernel) if interpret else merge_splits_kernel
     out = torch.zeros_like(q)  # padding tokens stay 0
@@ -105,7 +114,7 @@ def paged_attention(
         num_seqs, max_blocks,
     )  # fmt: skip
     attend[plan.grid](
-        q, k_pool, v_pool, layer_t, block_tables, kv_lens, cu_q_lens, *scalars, target, lse,
+        q, k_pool, v_pool, scalars_t, block_tables, kv_lens, cu_q_lens, *scalars, target, lse,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.attention_constexprs,
     )  # fmt: skip
     if plan.merge_grid is not None:

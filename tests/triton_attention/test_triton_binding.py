@@ -30,7 +30,7 @@ def test_single_split_call_layout_and_numerics(interp_worker):
     # 12 // 32 + 4 = 4 query tiles, 2 KV heads, 1 split
     assert call["grid"] == [4, 2, 1]
     assert call["array_shapes"] == [
-        [12, 4, 32], [2, 11, 2, 16, 32], [2, 11, 2, 16, 32], [1], [4, 5], [4], [5]
+        [12, 4, 32], [2, 11, 2, 16, 32], [2, 11, 2, 16, 32], [2], [4, 5], [4], [5]
     ]  # fmt: skip
     assert call["array_dtypes"] == ["float16"] * 3 + ["int32"] * 4
     # q strides (128, 32); pool (11264, 1024, 512, 32); table row 5; out (0, 128, 32);
@@ -108,10 +108,18 @@ def test_both_jax_triton_spellings_and_a_traced_layer(monkeypatch, spelling):
 
     out = step(jnp.int32(2))
     assert out.shape == q.shape and out.dtype == q.dtype
-    (call,) = calls
-    layer_arg = call["args"][3]
-    assert layer_arg.shape == (1,) and layer_arg.dtype == jnp.int32
-    assert call["kw"]["zeroed_outputs"] == (0,)
+
+    @jax.jit
+    def windowed(layer, window):  # per-layer windows arrive traced too
+        return triton_paged_attention(q, pool, pool, layer, bt, kv, cu, sm_scale=0.125,
+                                      sliding_window=window, num_splits=1)  # fmt: skip
+
+    windowed(jnp.int32(1), jnp.int32(4096))
+    plain, with_window = calls
+    run_scalars = plain["args"][3]  # [layer, window]
+    assert run_scalars.shape == (2,) and run_scalars.dtype == jnp.int32
+    assert plain["kw"]["zeroed_outputs"] == (0,)
+    assert plain["kw"]["USE_WINDOW"] is False and with_window["kw"]["USE_WINDOW"] is True
 
 
 def test_missing_jax_triton_names_the_extra(monkeypatch):
@@ -123,15 +131,24 @@ def test_missing_jax_triton_names_the_extra(monkeypatch):
         triton_paged_attention(q, pool, pool, 0, bt, kv, cu, sm_scale=0.125)
 
 
-def test_per_layer_adapter_reads_layer_zero_of_a_one_layer_pool(monkeypatch):
+def test_engine_contract_adapter(monkeypatch):
+    """pagedjax.attention's signature: the stacked pool with layer=, or 4-D pages with
+    layer=None (a one-layer pool, layer 0); the pool is never sliced."""
     from pallas_kernels.triton.jax_binding import ragged_paged_attention
 
     calls: list = []
     monkeypatch.setitem(sys.modules, "jax_triton", _recording_module("out_shape", calls))
-    q, pool, bt, kv, cu = _inputs(layers=1)
+    q, pool, bt, kv, cu = _inputs(layers=3)
+    ragged_paged_attention(q, pool, pool, bt, kv, cu, layer=jnp.int32(2), sm_scale=0.125)
+    args = calls[-1]["args"]
+    assert args[1].shape == (3, 6, 2, 16, 64) and np.asarray(args[3]).tolist() == [2, 0]
     ragged_paged_attention(q, pool[0], pool[0], bt, kv, cu, sm_scale=0.125)
-    args = calls[0]["args"]
-    assert args[1].shape == (1, 6, 2, 16, 64) and int(np.asarray(args[3])[0]) == 0
+    args = calls[-1]["args"]
+    assert args[1].shape == (1, 6, 2, 16, 64) and np.asarray(args[3]).tolist() == [0, 0]
+    with pytest.raises(ValueError, match="layer"):
+        ragged_paged_attention(q, pool, pool, bt, kv, cu, sm_scale=0.125)
+    with pytest.raises(ValueError, match="layer=None"):
+        ragged_paged_attention(q, pool[0], pool[0], bt, kv, cu, layer=0, sm_scale=0.125)
 
 
 def test_rejects_bad_inputs():

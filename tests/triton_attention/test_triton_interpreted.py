@@ -48,6 +48,12 @@ CASES = [
                       max_blocks=2, dtype="float32"), id="prefill-mha-fp32"),
     pytest.param(case([17, 2], [90, 2], 19, num_q_heads=4, num_kv_heads=1, max_blocks=6,
                       sliding_window=24, block_m=16, tile_n=16), id="window-prefill-mqa"),
+    # the window as a run-time scalar (the layer loop's per-layer windows): 24, and 0 = none
+    pytest.param(case([17, 2], [90, 2], 19, num_q_heads=4, num_kv_heads=1, max_blocks=6,
+                      sliding_window=24, dynamic_window=True, block_m=16, tile_n=16,
+                      num_splits=2), id="runtime-window-prefill-split2"),
+    pytest.param(case([3, 1], [50, 20], 4, max_blocks=4, dynamic_window=True),
+                 id="runtime-window-0-is-none"),
     # head_dim 48 (padded to 64 inside), pages of 64 cut into 16-key steps, GQA 3 (pad 4)
     pytest.param(case([3, 1], [70, 64], 4, num_q_heads=6, num_kv_heads=2, head_dim=48,
                       block_size=64, max_blocks=2, tile_n=16, block_m=16),
@@ -57,6 +63,7 @@ CASES = [
 
 @pytest.mark.parametrize("spec", CASES)
 def test_matches_reference(interp_worker, spec):
+    """Each case on layer 1 of a 2-layer pool unless it says otherwise."""
     _check(interp_worker.run("case", spec), spec.get("dtype", "float16"))
 
 
