@@ -160,10 +160,15 @@ class FakeJaxTriton:
     runs it the way jax-triton lays out a kernel call (array and scalar arguments in order,
     then one pointer per output; keyword metaparameters as constexprs; outputs in
     ``zeroed_outputs`` zero-filled, the others NaN-filled so an unwritten slot shows), in
-    Triton's interpreter on CPU tensors."""
+    Triton's interpreter on CPU tensors.
 
-    def __init__(self) -> None:
+    ``callback=False``: runs at once on concrete arrays (eager calls only).
+    ``callback=True``: runs through ``jax.pure_callback``, so it also works under
+    ``jax.jit`` and inside the model's ``lax.scan`` layer loop (traced layer and window)."""
+
+    def __init__(self, callback: bool = False) -> None:
         self.calls: list[dict[str, Any]] = []
+        self.callback = callback
 
     def triton_call(
         self, *args: Any, kernel: Any, out_shape: Any, grid: Any, num_warps: Any = None,
@@ -189,15 +194,25 @@ class FakeJaxTriton:
         for a in args:
             if not isinstance(a, jax.Array | int):
                 raise TypeError(f"jax-triton takes arrays and Python scalars, got {type(a)}")
-        t_args = [
-            torch.from_numpy(np.array(a)) if isinstance(a, jax.Array) else a for a in args
-        ]
-        outs = []
-        for i, s in enumerate(outs_spec):
-            fill = 0 if i in zeroed_outputs else float("nan")
-            outs.append(torch.full(s.shape, fill, dtype=_torch_dtype(jnp.dtype(s.dtype).name)))
-        interpreted(kernel)[tuple(grid)](*t_args, *outs, **metaparams)
-        return [jnp.asarray(o.numpy()) for o in outs]
+        is_array = [isinstance(a, jax.Array) for a in args]
+
+        def host(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+            it = iter(arrays)
+            t_args = [torch.from_numpy(np.array(next(it))) if arr else a
+                      for a, arr in zip(args, is_array, strict=True)]  # fmt: skip
+            outs = []
+            for i, s in enumerate(outs_spec):
+                fill = 0 if i in zeroed_outputs else float("nan")
+                dt = _torch_dtype(jnp.dtype(s.dtype).name)
+                outs.append(torch.full(s.shape, fill, dtype=dt))
+            interpreted(kernel)[tuple(grid)](*t_args, *outs, **metaparams)
+            return tuple(o.numpy() for o in outs)
+
+        arrays = [a for a, arr in zip(args, is_array, strict=True) if arr]
+        if not self.callback:
+            return [jnp.asarray(o) for o in host(*arrays)]
+        shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in outs_spec)
+        return list(jax.pure_callback(host, shapes, *arrays))
 
 
 def run_binding_case(spec: CaseSpec) -> dict[str, Any]:
