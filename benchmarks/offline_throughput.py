@@ -32,7 +32,7 @@ def run_backend(args: argparse.Namespace, backend: str) -> dict:
         args.model, dtype=args.dtype, attention_backend=backend,
         max_model_len=args.prompt_len + args.output_len + 1,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_scheduler_steps=args.multi_steps, seed=0,
+        num_scheduler_steps=args.multi_steps, seed=0, warmup=args.warmup,
     )  # fmt: skip
     rng = np.random.default_rng(0)
     vocab = llm.llm_engine.arch.vocab_size
@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--multi-steps", type=int, default=8, help="K of the decode loop")
     ap.add_argument("--backends", nargs="+", default=["auto"])
+    ap.add_argument("--warmup", default="none", choices=["auto", "all", "decode", "none"],
+                    help="LLM's start-up compilation; the untimed first run compiles what the"
+                         " workload meets anyway")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="tiny-llama, 4 requests (CPU smoke)")
     args = ap.parse_args(argv)
     if args.tiny:

@@ -48,6 +48,10 @@ class CaseSpec:
     dynamic_window: bool = False  # pass the window as a run-time int32 scalar (0 if None)
     soft_cap: float | None = None
     num_splits: int | None = None
+    # Table entries past each sequence's last page set to ids far outside the pool (huge and
+    # negative), not just other blocks: a kernel that dereferenced one would fault or read
+    # garbage. Off by default: some backends refuse such tables outright.
+    wild_tail: bool = False
     block_m: int | None = None  # tile override (block_m, tile_n); None: the sm_80 table
     tile_n: int | None = None
     seed: int = 0
@@ -72,6 +76,11 @@ def make_inputs(spec: CaseSpec) -> dict[str, np.ndarray]:
         head_dim=spec.head_dim, block_size=spec.block_size, max_blocks=spec.max_blocks,
         num_blocks=need + spec.extra_blocks,
     )  # fmt: skip
+    if spec.wild_tail:
+        for row, n in zip(case.block_tables, spec.kv_lens, strict=True):
+            first_unused = -(-n // spec.block_size)
+            for j in range(first_unused, row.shape[0]):
+                row[j] = 2**30 + j if j % 2 else -(j + 1)
     pool_shape = (spec.num_layers, *case.k_pages.shape)
     k_pool = np.full(pool_shape, np.nan, np.float32)
     v_pool = np.full(pool_shape, np.nan, np.float32)

@@ -1,6 +1,7 @@
 """Triton paged attention in Triton's interpreter (CPU, torch tensors) against the jnp
 reference, on poisoned cases: every slot that holds no token, the null block, the pages
-behind garbage table tails and every other layer of the stacked pool are NaN. Output must be
+behind garbage table tails and every other layer of the stacked pool are NaN; in the
+"wild_tail" cases the tails hold block ids far outside the pool (2**30 + j, -j). Output must be
 NaN-free, padding tokens exactly 0, error within fp16 / fp32 rounding. bf16 is left to the
 GPU check: the interpreter's tl.dot on bf16 is not trustworthy."""
 
@@ -25,7 +26,7 @@ def case(q_lens, kv_lens, num_tokens, **kw):
 CASES = [
     # decode: lengths 1 / bs-1 / bs / bs+1, a padding token, GQA 4
     pytest.param(case([1, 1, 1, 1], [1, 15, 16, 17], 5, num_q_heads=8, num_kv_heads=2,
-                      block_size=16, max_blocks=3), id="decode-gqa4-b16-edges"),
+                      block_size=16, max_blocks=3, wild_tail=True), id="decode-gqa4-b16-edges"),
     # MQA, pages of 8, a padding sequence (kv_len 0), 2 splits, fp32, layer 0 of 3
     pytest.param(case([1, 1, 0, 1], [7, 9, 0, 64], 3, num_q_heads=4, num_kv_heads=1,
                       block_size=8, max_blocks=8, num_splits=2, dtype="float32",
@@ -39,8 +40,8 @@ CASES = [
     pytest.param(case([1, 1], [50, 3], 2, sliding_window=20, soft_cap=5.0, num_splits=3,
                       block_m=16, tile_n=16), id="decode-window-softcap-split3"),
     # ragged: prefill + decode + padding sequence + padding tokens
-    pytest.param(case([5, 1, 3, 0], [40, 1, 64, 0], 12, block_size=16, max_blocks=5),
-                 id="mixed-pad-tokens"),
+    pytest.param(case([5, 1, 3, 0], [40, 1, 64, 0], 12, block_size=16, max_blocks=5,
+                      wild_tail=True), id="mixed-pad-tokens"),
     # chunked prefill, several query tiles (block_m 16 / GQA 4 = 4 tokens per tile)
     pytest.param(case([20], [70], 20, num_q_heads=8, num_kv_heads=2, block_size=8,
                       max_blocks=9, block_m=16, tile_n=16), id="chunked-prefill-b8-tiles"),
@@ -75,7 +76,7 @@ def test_random_lengths(interp_worker, seed):
     kv_lens = [int(x) for x in rng.integers(0, mb * bs + 1, num_seqs)]
     q_lens = [int(rng.integers(1, min(n, 8) + 1)) if n else 0 for n in kv_lens]
     spec = case(q_lens, kv_lens, 16, block_size=bs, max_blocks=mb, num_splits=2,
-                block_m=16, tile_n=16, seed=seed)  # fmt: skip
+                block_m=16, tile_n=16, seed=seed, wild_tail=True)  # fmt: skip
     _check(interp_worker.run("case", spec), "float16")
 
 
