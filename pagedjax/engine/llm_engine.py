@@ -108,6 +108,7 @@ class LLMEngine:
         kv_fill_value: float = 0.0,
     ):
         _reject_unbuilt_features(config)
+        compile_cache.enable(config.compilation_cache)  # idempotent; from_config did it too
         cc, sc = config.cache, config.scheduler
         self.arch, self.params, self.tokenizer, self.config = arch, params, tokenizer, config
         dtype = jax.tree.leaves(params)[0].dtype
