@@ -107,6 +107,9 @@ class SchedulerConfig:
     watermark: fraction of blocks kept free at admission.
     preemption_mode: ``recompute`` or ``swap``; None picks the paper's default
         (recompute for single-sequence groups, swap for the rest).
+    num_multi_steps: K, decode iterations per on-device loop (vLLM's
+        ``num_scheduler_steps``); ``"auto"`` picks K by device kind
+        (``pagedjax.engine.multi_step.AUTO_STEPS``).
     """
 
     max_num_batched_tokens: int = 2048
@@ -115,7 +118,7 @@ class SchedulerConfig:
     policy: Literal["fcfs", "shortest_remaining"] = "fcfs"
     watermark: float = 0.01
     preemption_mode: Literal["recompute", "swap"] | None = None
-    num_multi_steps: int = 1
+    num_multi_steps: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         _check(
@@ -134,9 +137,10 @@ class SchedulerConfig:
             f"must be in [0, 1), got {self.watermark}",
         )
         _check(
-            self.num_multi_steps >= 1,
+            self.num_multi_steps == "auto"
+            or (isinstance(self.num_multi_steps, int) and self.num_multi_steps >= 1),
             "scheduler.num_multi_steps",
-            f"must be >= 1, got {self.num_multi_steps}",
+            f"must be 'auto' or an integer >= 1, got {self.num_multi_steps!r}",
         )
 
 
@@ -160,9 +164,15 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_backend: Literal["reference", "pallas", "native_cpu", "triton", "auto"] = "auto"
-    # Compile at start-up (pagedjax/engine/warmup.py): "auto" = "decode" on an
-    # accelerator, "none" on CPU; "all" = every reachable bucket pair.
+    # Compile at start-up (pagedjax/engine/warmup.py): "auto" = "all" (every step
+    # program; cheap with the layer loop and the persistent cache), unless the
+    # PAGEDJAX_WARMUP environment variable names another mode (the test suite sets
+    # "none"); "decode" = the decode programs only.
     warmup: Literal["auto", "all", "decode", "none"] = "auto"
+    # JAX's persistent compilation cache (pagedjax/compile_cache.py): None = the
+    # PAGEDJAX_COMPILATION_CACHE environment variable, else ~/.cache/pagedjax/jax;
+    # a directory; or "off".
+    compilation_cache: str | None = None
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> EngineConfig:

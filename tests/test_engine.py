@@ -251,7 +251,8 @@ def test_warmup_compiles_the_executable_real_steps_use():
     ref = _drain(engine, {0: [("w0", prompt, _greedy(4))]})["w0"].outputs[0].token_ids
     compiled = engine.runner.step._cache_size()
     traces = dict(engine.runner.trace_count)
-    assert engine.warmup([(16, 1)]) == [(16, 1)]  # the pair the lone request ran in
+    # The pair the lone request ran in: T = 16, S = min(T, max_num_seqs) (one program per T).
+    assert engine.warmup([(16, MAX_SEQS)]) == [(16, MAX_SEQS)]
     assert engine.runner.step._cache_size() == compiled  # a cache hit: same executable
     assert engine.runner.trace_count == traces
     # The padding step changed nothing: same output again, pool intact.

@@ -1,10 +1,16 @@
 """Padding buckets: the static sizes one engine step is compiled for.
 
-A step with ``t`` scheduled tokens over ``s`` sequences runs padded to ``(T, S)`` =
-(``token_bucket(t)``, ``seq_bucket(s)``). Both lists are ``step_buckets``: powers of two
-up to 32, then also 1.5 x each power of two (48, 96, 192, ...), capped by the engine's
-limits (the cap itself is the last bucket), so the jitted step compiles at most
-``len(token_buckets) * len(seq_buckets)`` times, and usually far fewer: S <= T always.
+A step with ``t`` scheduled tokens runs padded to ``T = pick(token_buckets, t)`` tokens,
+and its per-sequence metadata (block tables, lengths, sampling rows) to
+``S = seqs_for_tokens(seq_buckets, T) = min(T, max_num_seqs)`` rows: the sequence count is
+not a bucket dimension of its own, because a step's sequences never outnumber its tokens
+(each scheduled sequence has at least one). So the jitted step compiles once per token
+bucket: 14 programs for the default budget of 2,048 tokens, where a (T, S) grid compiled up
+to 141 (issue 13). The price is padding rows of metadata and logits in prefill-heavy steps
+(a 2,048-token step with two prompts samples 256 rows); their cost is a small share of a
+step that computes 2,048 tokens through every layer. ``token_buckets`` are
+``step_buckets``: powers of two up to 32, then also 1.5 x each power of two (48, 96, 192,
+...), capped by the engine's budget (the cap itself is the last bucket).
 
 Why the 1.5x steps: on a CPU a decode step's matmuls cost about in proportion to its
 padded rows, so pure powers of two waste up to half of them (82 sequences ran 128 rows).
@@ -43,6 +49,20 @@ def step_buckets(cap: int, smallest: int = 1) -> tuple[int, ...]:
             out.add(b * 3 // 2)
         b *= 2
     return tuple(sorted(out))
+
+
+def seq_buckets_for(token_buckets: tuple[int, ...], max_num_seqs: int) -> tuple[int, ...]:
+    """The sequence-row counts the step programs use: ``min(T, max_num_seqs)`` per T."""
+    return tuple(sorted({min(t, max_num_seqs) for t in token_buckets}))
+
+
+def seqs_for_tokens(seq_buckets: tuple[int, ...], num_tokens_bucket: int) -> int:
+    """S of the program for token bucket T: the largest sequence bucket <= T (every step
+    with T tokens has at most T sequences, and at most the largest bucket)."""
+    i = bisect.bisect_right(seq_buckets, num_tokens_bucket)
+    if i == 0:
+        raise ValueError(f"no sequence bucket <= {num_tokens_bucket} in {seq_buckets}")
+    return seq_buckets[i - 1]
 
 
 def pick(buckets: tuple[int, ...], n: int) -> int:

@@ -28,8 +28,10 @@ class LLM:
     TypeError. On CPU the KV pool size comes from num_gpu_blocks_override or
     kv_cache_memory_bytes (else 256 MiB); see docs/engine.md.
     num_scheduler_steps (vLLM's name; ``SchedulerConfig.num_multi_steps``): K, the most
-    decode iterations run in one on-device loop. warmup: "auto" (compile the decode
-    programs at start-up on an accelerator, nothing on CPU), "decode", "all" or "none".
+    decode iterations run in one on-device loop; "auto" picks K per device kind.
+    warmup: "auto" (every step program at start-up, or ``$PAGEDJAX_WARMUP``), "decode",
+    "all" or "none". compilation_cache: JAX's persistent compilation cache directory
+    (default ``$PAGEDJAX_COMPILATION_CACHE``, else ~/.cache/pagedjax/jax), or "off".
     """
 
     def __init__(
@@ -55,8 +57,9 @@ class LLM:
         watermark: float = 0.01,
         attention_backend: str = "auto",
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-        num_scheduler_steps: int = 1,
+        num_scheduler_steps: int | str = "auto",
         warmup: str = "auto",
+        compilation_cache: str | None = None,
         **unknown: Any,
     ):
         if unknown:
@@ -96,6 +99,7 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             attention_backend=attention_backend,  # type: ignore[arg-type]
             warmup=warmup,  # type: ignore[arg-type]
+            compilation_cache=compilation_cache,
         )
         _check_literals(config)
         self.llm_engine = LLMEngine.from_config(config, max_logprobs=max_logprobs)

@@ -42,10 +42,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax import compile_cache
+from pagedjax.compile_cache import CompileCounter
 from pagedjax.config import EngineConfig
 from pagedjax.engine import sharing
 from pagedjax.engine.block_hashes import extend_hashes
-from pagedjax.engine.buckets import pick, step_buckets
+from pagedjax.engine.buckets import pick, seq_buckets_for, seqs_for_tokens, step_buckets
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.kv_budget import num_kv_blocks
 from pagedjax.engine.loading import load_model
@@ -55,7 +57,7 @@ from pagedjax.engine.model_runner import (
     jitted_update,
     scatter_blocks,
 )
-from pagedjax.engine.multi_step import MultiStepDecoder
+from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
 from pagedjax.engine.outputs import Logprob, RequestOutput
 from pagedjax.engine.sequence import RequestState, SequenceState
 from pagedjax.engine.warmup import backend_compilations, engine_compilations, warm_up
@@ -106,6 +108,7 @@ class LLMEngine:
         kv_fill_value: float = 0.0,
     ):
         _reject_unbuilt_features(config)
+        compile_cache.enable(config.compilation_cache)  # idempotent; from_config did it too
         cc, sc = config.cache, config.scheduler
         self.arch, self.params, self.tokenizer, self.config = arch, params, tokenizer, config
         dtype = jax.tree.leaves(params)[0].dtype
@@ -130,7 +133,8 @@ class LLMEngine:
         self.max_logprobs = max_logprobs
         budget = sc.max_num_batched_tokens
         self.token_buckets = step_buckets(budget, smallest=min(16, budget))
-        self.seq_buckets = step_buckets(self.max_num_seqs)
+        # One program per token bucket: S follows from T (buckets.py).
+        self.seq_buckets = seq_buckets_for(self.token_buckets, self.max_num_seqs)
 
         device = jax.devices()[0]
         self.num_blocks = num_kv_blocks(
@@ -198,7 +202,8 @@ class LLMEngine:
         self._fork = jax.jit(functools.partial(sharing.fork_children, bs), donate_argnums=(0,))
         self._usage = jax.jit(functools.partial(sharing.sharing_usage, bs))
         # K-step on-device decode loop (multi_step.py); K = 1 keeps the one-step path.
-        self.multi_step = MultiStepDecoder(self.runner, policy, scfg, sc.num_multi_steps)
+        num_steps = resolve_num_steps(sc.num_multi_steps, jax.devices()[0].platform)
+        self.multi_step = MultiStepDecoder(self.runner, policy, scfg, num_steps)
         self.prefix_index = PrefixIndex()
         self._relookup: set[int] = set()  # slots preempted by recompute: look up again
         self.reset_stats()
@@ -218,13 +223,20 @@ class LLMEngine:
         self._arrival = 0
         self.num_preemptions = 0
         self.num_steps = 0
-        if config.warmup != "none":  # "auto": decode on an accelerator, none on CPU
-            self.warmup(mode=config.warmup, progress=True)
+        # Start-up compilation ("auto": every step program, warmup.py), counted: how many
+        # programs and how many came from the persistent compilation cache.
+        self.startup_compiles = CompileCounter()
+        if config.warmup != "none":
+            with self.startup_compiles:
+                self.warmup(mode=config.warmup, progress=True)
+            log.info("warm-up: %s", self.startup_compiles.summary())
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> LLMEngine:
-        """Load config.model (directory or preset) and build the engine."""
+        """Load config.model (directory or preset) and build the engine. Turns on the
+        persistent compilation cache first (config.compilation_cache)."""
         _reject_unbuilt_features(config)  # before spending time on loading weights
+        compile_cache.enable(config.compilation_cache)
         arch, params, tokenizer, _ = load_model(config.model)
         return cls(arch, params, tokenizer, config, **kwargs)
 
@@ -390,6 +402,9 @@ class LLMEngine:
             for r, (req, _) in enumerate(owners)
         )
         self._upload_sampling()
+        # One program per token bucket; its row count S >= num_seqs (buckets.py).
+        padded_tokens = pick(self.token_buckets, int(host["num_tokens"]))
+        padded_seqs = seqs_for_tokens(self.seq_buckets, padded_tokens)
         self.kv, self.tokens, out, plp = self.runner.step(
             self.params,
             self.kv,
@@ -399,8 +414,8 @@ class LLMEngine:
             self._slot_sampling_dev,
             self.state.prompt_len,
             self.state.output_len,
-            num_tokens=pick(self.token_buckets, int(host["num_tokens"])),
-            num_seqs=pick(self.seq_buckets, num_seqs),
+            num_tokens=padded_tokens,
+            num_seqs=padded_seqs,
             all_logits=all_logits,
         )
         rows = [r for r in range(num_seqs) if emits[r]]

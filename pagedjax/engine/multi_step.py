@@ -61,6 +61,22 @@ MAX_STOP_IDS = 16
 # fewer buckets mean fewer loop programs to compile and warm up.
 MIN_LOOP_SEQS = 8
 
+# K for num_scheduler_steps="auto", by device platform. CPU: 1, because on the 2-core box
+# the loop did not beat the one-step path (issue 13's run: 985 vs 1,014 tok/s at K = 8;
+# docs/benchmarks.md "num_scheduler_steps"): there the host's work per step hides behind
+# the device step's. Accelerators: 8, where each returned step costs a host round trip
+# that the loop removes (vLLM's multi-step used 8 by default); not measured on a GPU yet.
+AUTO_STEPS = {"cpu": 1, "gpu": 8, "tpu": 8}
+
+
+def resolve_num_steps(num_steps: int | str, platform: str) -> int:
+    """K for the engine: an int as given, "auto" from AUTO_STEPS (8 for other platforms)."""
+    if num_steps == "auto":
+        return AUTO_STEPS.get(platform, 8)
+    if not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_scheduler_steps must be 'auto' or >= 1, got {num_steps!r}")
+    return num_steps
+
 EXIT_DONE, EXIT_IDLE, EXIT_SHAPE, EXIT_FINISH = 0, 1, 2, 3
 EXIT_NAMES = {EXIT_DONE: "done", EXIT_IDLE: "idle", EXIT_SHAPE: "shape", EXIT_FINISH: "finish"}
 _GOING = -1

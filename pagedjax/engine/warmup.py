@@ -17,9 +17,13 @@ Modes (``EngineConfig.warmup`` / ``LLM(warmup=...)``):
   in T), the loops and the small functions: no compilation while serving, except the
   ``all_logits`` variants.
 - ``"none"``: compile on first use.
-- ``"auto"`` (default): ``"decode"`` on an accelerator (as vLLM captures its CUDA graphs
-  at start-up), ``"none"`` on CPU, where one compilation of the tiny test model already
-  takes seconds and tests build many engines.
+- ``"auto"`` (default): ``"all"``, so the first ``generate`` never stalls on a
+  compilation (as vLLM captures its CUDA graphs at start-up). Affordable since the layers
+  run under one loop (a program's compile time does not grow with depth), the step
+  compiles once per token bucket (about 14 programs, buckets.py) and programs come from the
+  persistent compilation cache after the first start (compile_cache.py). The environment
+  variable ``PAGEDJAX_WARMUP`` replaces what "auto" means (the test suite sets "none":
+  it builds many short-lived engines).
 
 Counting: ``engine_compilations`` sums the jit caches of the engine's own functions
 (one entry per compiled signature); ``backend_compilations`` counts XLA backend
@@ -29,6 +33,7 @@ eager ``jnp`` operations on the serving path.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.engine.buckets import pick
+from pagedjax.engine.buckets import seqs_for_tokens
 from pagedjax.engine.multi_step import loop_buckets
 from pagedjax.scheduler import ScheduledBatch
 
@@ -64,30 +69,31 @@ def backend_compilations() -> tuple[int, float]:
     return _counter["count"], _counter["seconds"]
 
 
+WARMUP_ENV = "PAGEDJAX_WARMUP"
+
+
 def resolve_mode(mode: str) -> str:
+    """The concrete mode: "auto" is "all", or ``$PAGEDJAX_WARMUP`` when set."""
     if mode not in MODES:
         raise ValueError(f"warmup must be one of {MODES}, got {mode!r}")
     if mode == "auto":
-        return "none" if jax.devices()[0].platform == "cpu" else "decode"
+        env = os.environ.get(WARMUP_ENV, "all")
+        if env not in MODES or env == "auto":
+            raise ValueError(f"{WARMUP_ENV} must be one of {MODES[1:]}, got {env!r}")
+        return env
     return mode
 
 
 def bucket_pairs(
     token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...], mode: str
 ) -> list[tuple[int, int]]:
-    """The (T, S) runner pairs a mode compiles (sorted)."""
-    decode = {(pick(token_buckets, s), s) for s in seq_buckets if s <= token_buckets[-1]}
-    if mode == "decode":  # and the largest prefill pair (rows <= tokens)
-        largest = (token_buckets[-1], pick(seq_buckets, min(seq_buckets[-1], token_buckets[-1])))
-        return sorted(decode | {largest})
+    """The (T, S) runner pairs a mode compiles (sorted): one per token bucket T, with
+    S = seqs_for_tokens(seq_buckets, T) (buckets.py)."""
+    every = [(t, seqs_for_tokens(seq_buckets, t)) for t in token_buckets]
+    if mode == "decode":  # steps of one token per row (T <= the row cap), and the largest
+        return sorted({(t, s) for t, s in every if t <= seq_buckets[-1]} | {every[-1]})
     if mode == "all":
-        pairs = set()
-        for i, s in enumerate(seq_buckets):
-            smallest = seq_buckets[i - 1] + 1 if i else 1  # fewest rows that pick s
-            for t in token_buckets:
-                if smallest <= t:  # >= smallest rows need >= smallest tokens (q >= 1)
-                    pairs.add((t, s))
-        return sorted(pairs)
+        return sorted(every)
     if mode == "none":
         return []
     raise ValueError(f"mode must be 'all', 'decode' or 'none' here, got {mode!r}")

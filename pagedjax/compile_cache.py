@@ -1,0 +1,152 @@
+"""JAX's persistent compilation cache, on by default, and a count of what it saved.
+
+Contract. ``enable()`` points JAX's persistent compilation cache at a per-user directory
+(``$XDG_CACHE_HOME/pagedjax/jax`` or ``~/.cache/pagedjax/jax``), or at the directory named
+by the ``cache_dir`` argument or the ``PAGEDJAX_COMPILATION_CACHE`` environment variable;
+``"off"`` (or ``"0"``, ``"none"``, ``False``) disables it. Every program is kept, however
+small or quick to compile (``jax_persistent_cache_min_compile_time_secs = 0``): a step
+program of a small model compiles in about a second, and a server start-up compiles twenty
+of them. ``LLM``, the server, ``experiments/run.py`` and the benchmarks call it before
+their first compilation; the test suite points it at a temporary directory (conftest).
+
+``CompileCounter`` counts, from JAX's monitoring events, how many programs a span of code
+compiled and how many of those came from the cache, for the start-up line
+("compiled 18 programs: 18 from the cache, 0 new, in 2.1 s").
+
+Why a module of its own: the cache is process-wide JAX state, and JAX decides whether to use
+it at the first compilation of the process; calling ``enable`` later switches it on with
+``reset_cache()`` (public, in ``jax.experimental.compilation_cache``), so the order of
+imports and calls does not matter. Programs holding the native CPU attention kernel (an XLA
+FFI custom call) reload from the cache like any other: the call is by target name, and the
+kernel registers that name while the step is traced, which happens before the cache lookup
+(tests/test_compile_cache.py checks it in a fresh process).
+
+Refusals: a cache directory that cannot be created is reported (logged) and the cache is
+left off; compilation then works as without a cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "PAGEDJAX_COMPILATION_CACHE"
+_OFF = {"", "0", "off", "none", "false", "no"}
+
+_HITS = "/jax/compilation_cache/cache_hits"
+_MISSES = "/jax/compilation_cache/cache_misses"  # recorded when a new entry is written
+_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/pagedjax/jax``, else ``~/.cache/pagedjax/jax``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pagedjax" / "jax"
+
+
+def resolve_cache_dir(cache_dir: str | os.PathLike | bool | None = None) -> Path | None:
+    """The directory to use: the argument, else the environment variable, else the
+    default; None when disabled (``False`` or an "off" value)."""
+    if cache_dir is False:
+        return None
+    if cache_dir is None or cache_dir is True:
+        env = os.environ.get(ENV_VAR)
+        if env is not None:
+            return None if env.strip().lower() in _OFF else Path(env).expanduser()
+        return default_cache_dir()
+    text = str(cache_dir)
+    return None if text.strip().lower() in _OFF else Path(text).expanduser()
+
+
+def enable(cache_dir: str | os.PathLike | bool | None = None) -> Path | None:
+    """Turns the persistent compilation cache on at the resolved directory (or off).
+
+    Returns the directory in use, or None when disabled or not creatable. Idempotent: a
+    second call with the same directory changes nothing.
+    """
+    path = resolve_cache_dir(cache_dir)
+    current = jax.config.jax_compilation_cache_dir
+    if path is None:
+        if current:
+            jax_cache.set_cache_dir(None)
+            jax_cache.reset_cache()
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        log.warning("compilation cache off: cannot create %s (%s)", path, e)
+        return None
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if current != str(path):
+        jax_cache.set_cache_dir(str(path))
+        # JAX decides at the first compilation of a process whether the cache is used;
+        # resetting makes the next compilation look again, with the new directory.
+        jax_cache.reset_cache()
+    return path
+
+
+class CompileCounter:
+    """Counts compilations between ``start()`` and ``stop()`` from JAX's monitoring
+    events (process-wide: concurrent compilations elsewhere in the process count too).
+
+    ``requests``: programs that went to the persistent cache (every compilation while the
+    cache is on); ``hits``: loaded from it; ``written``: compiled and stored.
+    """
+
+    _lock = threading.Lock()
+    _active: list[CompileCounter] = []
+    _registered = False
+
+    def __init__(self) -> None:
+        self.requests = self.hits = self.written = 0
+        self.seconds = 0.0
+        self._t0 = 0.0
+
+    @classmethod
+    def _listener(cls, event: str, **kwargs: object) -> None:
+        with cls._lock:
+            for c in cls._active:
+                if event == _HITS:
+                    c.hits += 1
+                elif event == _MISSES:
+                    c.written += 1
+                elif event == _REQUESTS:
+                    c.requests += 1
+
+    def start(self) -> CompileCounter:
+        with CompileCounter._lock:
+            if not CompileCounter._registered:
+                jax.monitoring.register_event_listener(CompileCounter._listener)
+                CompileCounter._registered = True
+            CompileCounter._active.append(self)
+        self._t0 = time.perf_counter()
+        return self
+
+    def stop(self) -> CompileCounter:
+        self.seconds = time.perf_counter() - self._t0
+        with CompileCounter._lock:
+            if self in CompileCounter._active:
+                CompileCounter._active.remove(self)
+        return self
+
+    def __enter__(self) -> CompileCounter:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def summary(self) -> str:
+        """One line for start-up logs."""
+        return (
+            f"{self.requests} programs compiled: {self.hits} from the cache, "
+            f"{self.requests - self.hits} new, in {self.seconds:.1f} s"
+        )
