@@ -3,6 +3,7 @@
     python benchmarks/host_overhead.py [--num-seqs 32] [--output-len 128] [--ks 1 8]
                                        [--device-k 64] [--repeats 3] [--model PRESET]
                                        [--dtype float32|bfloat16]
+                                       [--attention-backend auto|reference|pallas|triton]
 
 On an H200 (issue 8's GPU check): ``--model llama-2-7b --dtype bfloat16 --num-seqs 256``.
 
@@ -57,6 +58,7 @@ def build_engine(
     device_k: int,
     block_size: int = 16,
     dtype: str = "float32",
+    attention_backend: str = "auto",
 ) -> LLMEngine:
     arch = preset_arch(model)
     params = random_params(arch, seed=0, dtype=jnp.dtype(dtype), std=0.15)
@@ -73,6 +75,7 @@ def build_engine(
             num_multi_steps=device_k,
         ),
         warmup="none",
+        attention_backend=attention_backend,  # type: ignore[arg-type]
     )
     tok = ByteTokenizer(eos_token_id=arch.eos_token_id, bos_token_id=arch.bos_token_id)
     return LLMEngine(arch, params, tok, config)
@@ -180,15 +183,21 @@ def main(argv: list[str] | None = None) -> float:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--copy-mib", type=int, default=None, help="copy size for the bandwidth")
+    ap.add_argument("--attention-backend", default="auto",
+                    choices=["auto", "reference", "pallas", "native_cpu", "triton"])
     args = ap.parse_args(argv)
     device_k = max(args.device_k, *args.ks)
     max_len = args.prompt_len + args.output_len + 1
-    engine = build_engine(args.model, args.num_seqs, max_len, device_k, dtype=args.dtype)
+    engine = build_engine(
+        args.model, args.num_seqs, max_len, device_k, dtype=args.dtype,
+        attention_backend=args.attention_backend,
+    )  # fmt: skip
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cpus"
           f" ({cpu_model()}), load average {load}")  # fmt: skip
     print(f"model {args.model} (random {args.dtype}), {args.num_seqs} sequences, prompt"
-          f" {args.prompt_len}, {args.output_len} output tokens, decode phase only")  # fmt: skip
+          f" {args.prompt_len}, {args.output_len} output tokens, decode phase only,"
+          f" attention {engine.attention_backend}")  # fmt: skip
     dev, rows = measure(
         engine, args.ks, device_k, args.num_seqs, args.prompt_len, args.output_len, args.repeats
     )

@@ -163,7 +163,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    attention_backend: Literal["reference", "pallas", "native_cpu", "auto"] = "auto"
+    attention_backend: Literal["reference", "pallas", "native_cpu", "triton", "auto"] = "auto"
     # Compile at start-up (pagedjax/engine/warmup.py): "auto" = "all" (every step
     # program; cheap with the layer loop and the persistent cache), unless the
     # PAGEDJAX_WARMUP environment variable names another mode (the test suite sets

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
+import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -20,14 +22,15 @@ import jax
 
 from pallas_kernels import parity
 
-BackendName = Literal["reference", "pallas", "native_cpu", "auto"]
+BackendName = Literal["reference", "pallas", "native_cpu", "triton", "auto"]
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
     """The chosen pair of callables and why they were chosen."""
 
-    name: Literal["reference", "pallas", "native_cpu"]
+    name: Literal["reference", "pallas", "native_cpu", "triton"]
     ragged_paged_attention: Callable[..., jax.Array]
     paged_decode_attention: Callable[..., jax.Array] | None
     reason: str
@@ -71,20 +74,26 @@ def select_attention_backend(
     reference: Callable[..., jax.Array] | None = None,
     device: Any | None = None,
 ) -> AttentionBackend:
-    """Returns the attention backend for ``name`` ("reference", "pallas", "native_cpu" or
-    "auto").
+    """Returns the attention backend for ``name`` ("reference", "pallas", "native_cpu",
+    "triton" or "auto").
 
     ``reference``: the ragged reference callable to use instead of the lazily imported
     one. "pallas" is returned even off-GPU (for interpret-mode runs); "auto" returns it
     only on Hopper with ``parity.H200_PARITY_VERIFIED``, and "native_cpu" on a CPU where
     that kernel builds. "native_cpu" itself runs the XLA reference for inputs it does not
-    take (not fp32, not on the CPU, no compiler).
+    take (not fp32, not on the CPU, no compiler). "triton" (the Triton-language kernels
+    through jax-triton, any CUDA GPU from sm_80) is only ever chosen explicitly: it needs
+    a CUDA GPU and jax-triton, and logs a warning unless a parity run on that GPU model is
+    committed (``parity.TRITON_PARITY_REPORTS``).
     """
-    if name not in ("reference", "pallas", "native_cpu", "auto"):
+    if name not in ("reference", "pallas", "native_cpu", "triton", "auto"):
         raise ValueError(
-            f"backend must be 'reference', 'pallas', 'native_cpu' or 'auto', got {name!r}"
+            "backend must be 'reference', 'pallas', 'native_cpu', 'triton' or 'auto',"
+            f" got {name!r}"
         )
     device = device if device is not None else jax.devices()[0]
+    if name == "triton":
+        return _triton_backend(device)
     if name == "auto":
         if device.platform == "cpu" and reference is None:
             ok, why = _native_cpu_available()
@@ -115,6 +124,31 @@ def select_attention_backend(
     if reference is not None:
         ragged, decode = reference, None
     return AttentionBackend("reference", ragged, decode, reason)
+
+
+def _triton_backend(device: Any) -> AttentionBackend:
+    # CUDA devices report a compute capability; the CPU and other backends do not.
+    if device.platform != "gpu" or getattr(device, "compute_capability", None) is None:
+        raise ValueError(
+            f"attention_backend='triton' needs a CUDA GPU; this device is {device.platform}"
+        )
+    if importlib.util.find_spec("jax_triton") is None:
+        raise ImportError(
+            "attention_backend='triton' needs jax-triton: pip install 'pagedjax[triton]'"
+        )
+    from pallas_kernels.triton import jax_binding
+
+    kind = getattr(device, "device_kind", "?")
+    report = parity.TRITON_PARITY_REPORTS.get(kind)
+    if report is None:
+        reason = f"requested; no parity run of the Triton kernels on {kind} is committed"
+        log.warning(
+            "attention backend 'triton' on %s: no committed parity run for this GPU"
+            " (python -m pallas_kernels.gpu_check; docs/kernels.md)", kind,
+        )  # fmt: skip
+    else:
+        reason = f"requested; parity on {kind} in {report}"
+    return AttentionBackend("triton", jax_binding.ragged_paged_attention, None, reason)
 
 
 __all__ = ["AttentionBackend", "is_hopper", "select_attention_backend"]

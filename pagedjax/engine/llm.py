@@ -217,7 +217,7 @@ def _check_literals(config: EngineConfig) -> None:
         "scheduling_mode": (config.scheduler.scheduling_mode, ("default", "paper", "static")),
         "attention_backend": (
             config.attention_backend,
-            ("reference", "pallas", "native_cpu", "auto"),
+            ("reference", "pallas", "native_cpu", "triton", "auto"),
         ),
         "warmup": (config.warmup, ("auto", "all", "decode", "none")),
     }

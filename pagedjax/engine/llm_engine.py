@@ -126,7 +126,7 @@ class LLMEngine:
 
         backend = select_attention_backend(config.attention_backend)
         log.info("attention backend: %s (%s)", backend.name, backend.reason)
-        self.attention_backend = backend.name  # "native_cpu", "reference" or "pallas"
+        self.attention_backend = backend.name  # "native_cpu", "reference", "pallas" or "triton"
         self.runner = ModelRunner(
             arch, self.block_size, backend.ragged_paged_attention, max_logprobs
         )

@@ -1,0 +1,58 @@
+"""python -m pallas_kernels.gpu_check --dry-run: every part at a tiny size on the CPU
+(Triton and Mosaic GPU kernels in their interpreters, the engine parts on tiny-llama), so
+the script that will run on a GPU cannot rot unseen.
+
+CI runs the kernel parts (environment, parity, bench: ~35 s of CPU); the full dry run adds
+the two engine scripts on tiny-llama (~40 s more of compilation) and is marked slow
+(host_overhead.py's own tiny test is in tests/test_multi_step.py)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+
+def _dry_run(tmp_path, env, *only: str) -> str:
+    out = tmp_path / "report.md"
+    argv = [sys.executable, "-m", "pallas_kernels.gpu_check", "--dry-run", "--out", str(out)]
+    if only:
+        argv += ["--only", *only]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = out.read_text()
+    assert "DRY RUN" in text and "sets nothing verified" in text
+    for part in only or ("environment", "parity", "bench", "roofline", "e2e"):
+        assert re.search(rf"^\| {part} \| ok \|", text, re.M), part
+    return text
+
+
+def _check_kernel_parts(text: str) -> None:
+    # parity: the XLA reference, Mosaic GPU (interpreted), Triton through the jax-triton
+    # stand-in and Triton through torch, on 2 cases: 8 rows, all passing
+    assert "| parity | ok |" in text and "8/8 rows pass" in text
+    rows = [line for line in text.splitlines() if line.startswith("| Triton via")]
+    assert len(rows) == 4 and all(line.endswith("| pass |") for line in rows)
+    bench_rows = [line for line in text.splitlines() if line.startswith("| tiny ")]
+    assert len(bench_rows) == 2
+    for line in bench_rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        float(cells[1]), float(cells[4]), float(cells[7]), float(cells[8])  # ran: numbers
+
+
+def test_dry_run_kernel_parts(tmp_path, subprocess_env):
+    text = _dry_run(tmp_path, subprocess_env(interpret=False), "environment", "parity", "bench")
+    _check_kernel_parts(text)
+    assert "| roofline |" not in text
+
+
+@pytest.mark.slow
+def test_dry_run_every_part(tmp_path, subprocess_env):
+    text = _dry_run(tmp_path, subprocess_env(interpret=False))
+    _check_kernel_parts(text)
+    assert "device time / roofline" in text and "offline_throughput_tok_s[auto]" in text
