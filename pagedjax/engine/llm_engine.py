@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax.attention import select_attention_backend
 from pagedjax.config import EngineConfig
 from pagedjax.engine import sharing
 from pagedjax.engine.block_hashes import extend_hashes
@@ -79,7 +80,6 @@ from pagedjax.scheduler import (
     schedule,
 )
 from pagedjax.tokenizer import Tokenizer
-from pallas_kernels.dispatch import select_attention_backend
 
 log = logging.getLogger(__name__)
 
