@@ -110,7 +110,7 @@ def _assert_idle(engine) -> None:
     assert engine.num_free_blocks() == engine.num_usable_blocks()
     assert not np.asarray(engine.state.mem.pool.refcount).any()
     assert np.all(np.asarray(engine.state.status) == FREE)
-    assert len(engine._free_slots) == engine.max_seqs and not engine._requests
+    assert len(engine.book.free_slots) == engine.max_seqs and not engine.book.requests
 
 
 @pytest.fixture
@@ -127,14 +127,14 @@ def watched(setup, monkeypatch):
         _check_pool(engine)
         seen["max_rc"] = max(seen["max_rc"], int(np.asarray(engine.state.mem.pool.refcount).max()))
         group = np.asarray(engine.state.group)
-        for req in engine._requests.values():
+        for req in engine.book.requests.values():
             slots = [s.slot for s in req.seqs if s.slot is not None]
             if len(slots) > 1:
                 seen["multi"] += 1
                 seen["groups_ok"] &= len({int(group[s]) for s in slots}) == 1
         # The K-step decode loop must stay out while beams hold slots (the host picks
         # every step's tokens); asked as if the engine had num_scheduler_steps=4.
-        if any(r.host_driven and r.seqs[0].slot is not None for r in engine._requests.values()):
+        if any(r.host_driven and r.seqs[0].slot is not None for r in engine.book.requests.values()):
             ms = engine.multi_step
             saved = ms.enabled, ms.steps_per_call
             ms.enabled, ms.steps_per_call = True, 4
@@ -322,7 +322,7 @@ def test_beam_preempted_by_recompute_aborts_group(setup, monkeypatch):
     with pytest.raises(BeamSearchOutOfStep, match="out of step"):
         llm.beam_search([prompt], params)
     assert engine.num_preemptions > preempted
-    assert all(r.startswith("hog") for r in engine._requests)  # the group is gone
+    assert all(r.startswith("hog") for r in engine.book.requests)  # the group is gone
     while engine.has_unfinished_requests():
         engine.step()
         _check_pool(engine)
