@@ -139,7 +139,7 @@ def watched(setup, monkeypatch):
             saved = ms.enabled, ms.steps_per_call
             ms.enabled, ms.steps_per_call = True, 4
             try:
-                seen["loop_blocked"] &= ms.ineligible(engine) is not None
+                seen["loop_blocked"] &= ms.ineligible(engine.core) is not None
             finally:
                 ms.enabled, ms.steps_per_call = saved
         out = step()
@@ -217,7 +217,7 @@ def test_reachable_eos_matches_transformers(watched, setup, liked_eos, monkeypat
     model, _, prompts = setup
     llm, _ = watched
     # The engine's EOS ids, as a checkpoint whose config says eos_token_id=liked_eos.
-    monkeypatch.setattr(llm.llm_engine, "_eos", {liked_eos})
+    monkeypatch.setattr(llm.llm_engine.book, "eos", {liked_eos})
     n_new = 14
     params = BeamSearchParams(beam_width=k, max_tokens=n_new, length_penalty=lp, early_stopping=es)
     outs = llm.beam_search(prompts, params)
@@ -231,7 +231,7 @@ def test_reachable_eos_matches_transformers(watched, setup, liked_eos, monkeypat
 def test_beam_width_1_is_transformers_greedy(watched, setup, liked_eos, monkeypatch):
     model, _, prompts = setup
     llm, _ = watched
-    monkeypatch.setattr(llm.llm_engine, "_eos", {liked_eos})
+    monkeypatch.setattr(llm.llm_engine.book, "eos", {liked_eos})
     outs = llm.beam_search(prompts, BeamSearchParams(beam_width=1, max_tokens=14))
     _compare(model, prompts, outs, 1, 14, eos=liked_eos)
 
