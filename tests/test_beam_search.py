@@ -307,7 +307,7 @@ def test_beam_preempted_by_recompute_aborts_group(setup, monkeypatch):
     engine = llm.llm_engine
     cfg = dataclasses.replace(engine.sched_config, preemption_mode="recompute")
     monkeypatch.setattr(
-        engine, "_schedule", jax.jit(functools.partial(schedule, engine.policy, cfg))
+        engine.device, "schedule_fn", jax.jit(functools.partial(schedule, engine.policy, cfg))
     )
     rng = np.random.default_rng(5)
     for i in range(3):  # 3 x 64 tokens = 48 of the 63 blocks
