@@ -10,7 +10,7 @@ every request generates exactly ``output_len`` tokens), one untimed run of the s
 per second and generated tokens per second, and a last line per backend
 ``offline_throughput_tok_s[<backend>]: <generated tokens / s>``. A backend that cannot
 start here (e.g. ``triton`` without a CUDA GPU) is reported and skipped. Used by
-``python -m pallas_kernels.gpu_check`` (the end-to-end part).
+``python -m pagedjax.gpu_check`` (the end-to-end part).
 """
 
 from __future__ import annotations

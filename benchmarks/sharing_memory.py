@@ -82,10 +82,10 @@ class StepLog:
 
     def step(self):
         e = self.engine
-        s0, n0 = e._saved_frac_sum, e._sharing_steps
+        s0, n0 = e.core.sharing.saved_frac_sum, e.core.sharing.steps
         out = self._step()
-        if e._sharing_steps > n0:
-            self.saved.append(e._saved_frac_sum - s0)
+        if e.core.sharing.steps > n0:
+            self.saved.append(e.core.sharing.saved_frac_sum - s0)
             self.backlog.append(self.added < self.total)
         return out
 

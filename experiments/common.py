@@ -1,13 +1,9 @@
 """Shared pieces of the experiments: systems, traces, simulated runs, metrics, output.
 
 A *system* is a memory policy plus scheduler settings, run by the simulated executor
-(``pagedjax.simulator.simulate``) with a roofline cost model of the configured GPU:
-
-| system | memory policy | scheduler |
-|---|---|---|
-| paged | PagedPolicy (block_size) | paper mode: FCFS, 2560 tokens, 256 seqs, 1% watermark |
-| orca_max / orca_pow2 / orca_oracle | ReservationPolicy (buddy) | the same paper mode |
-| ft_static | Orca Max reservations | static mode: batches of B = pool // max_len |
+with a cost model of the configured GPU; the named systems, cost models and metrics live
+in the package (``pagedjax.simulator.systems``), built here from the experiment config's
+``ServerSettings``.
 
 Every number produced here is simulated; the writers label files and figures so.
 """
@@ -16,7 +12,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,11 +23,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.config import ServerSettings  # noqa: E402
-from pagedjax.memory.paged_policy import PagedPolicy  # noqa: E402
-from pagedjax.memory.reservation import ReservationPolicy  # noqa: E402
-from pagedjax.memory.static_batching import static_batch_size  # noqa: E402
 from pagedjax.scheduler import SchedulerConfig  # noqa: E402
-from pagedjax.simulator.cost_model import calibrated, model_geometry, roofline  # noqa: E402
+from pagedjax.simulator import systems  # noqa: E402
 from pagedjax.simulator.simulate import (  # noqa: E402
     SimResult,
     make_trace,
@@ -40,14 +32,8 @@ from pagedjax.simulator.simulate import (  # noqa: E402
 )
 from pagedjax.workloads import Workload, make_workload  # noqa: E402
 
-SIM_LABEL = "simulated"
-SYSTEM_LABELS = {
-    "orca_max": "Orca (Max)",
-    "orca_pow2": "Orca (Pow2)",
-    "orca_oracle": "Orca (Oracle)",
-    "paged": "paged (vLLM)",
-    "ft_static": "FasterTransformer-like (static)",
-}
+SIM_LABEL = systems.SIM_LABEL
+SYSTEM_LABELS = systems.SYSTEM_LABELS
 SYSTEM_COLORS = {
     "orca_max": "red",
     "orca_pow2": "orange",
@@ -63,49 +49,29 @@ def build_system(
     block_size: int | None = None,
     swap_space_gib: float | None = None,
 ) -> tuple[Any, SchedulerConfig]:
-    """The (memory policy, scheduler config) of a named system.
-
-    swap_space_gib (paged only): preempt by swap into a host pool of that size (capped
-    at every slot's whole block table) instead of by recompute.
-    """
-    bs = server.block_size if block_size is None else block_size
-    n, mlen, cap = server.slots, server.max_model_len, server.kv_slots
-    cfg = dict(
-        max_seqs=n,
+    """The (memory policy, scheduler config) of a named system on ``server``
+    (``pagedjax.simulator.systems.build_system``, which documents the systems)."""
+    return systems.build_system(
+        system,
+        kv_slots=server.kv_slots,
+        block_size=server.block_size if block_size is None else block_size,
+        max_model_len=server.max_model_len,
+        slots=server.slots,
         max_num_batched_tokens=server.max_num_batched_tokens,
-        max_num_seqs=min(server.max_num_seqs, n),
-        max_model_len=mlen,
-        mode="paper",
+        max_num_seqs=server.max_num_seqs,
+        watermark=server.watermark,
+        swap_space_gib=swap_space_gib,
+        model=server.model,
+        tp=server.tp,
     )
-    if swap_space_gib is not None and system != "paged":
-        raise ValueError(f"swap preemption is simulated for the paged system, not {system!r}")
-    if system == "paged" and swap_space_gib is not None:
-        geom = model_geometry(server.model, server.tp)
-        per_block = bs * geom.kv_bytes_per_token // geom.tp  # one GPU's share
-        host = min(int(swap_space_gib * (1 << 30)) // per_block, n * -(-mlen // bs))
-        policy = PagedPolicy(
-            cap // bs + 1, bs, n, -(-mlen // bs), server.watermark, num_host_blocks=host
-        )
-        cfg.update(preemption_mode="swap")
-    elif system == "paged":
-        policy = PagedPolicy(cap // bs + 1, bs, n, -(-mlen // bs), server.watermark)
-    elif system in ("orca_max", "orca_pow2", "orca_oracle"):
-        policy = ReservationPolicy(system.split("_")[1], n, cap, mlen, server.watermark)
-    elif system == "ft_static":
-        b = min(static_batch_size(cap, mlen), n)
-        policy = ReservationPolicy("max", n, cap, mlen, server.watermark)
-        # The budget must take B whole prompts: a static batch is prefilled at once.
-        cfg.update(mode="static", static_batch_size=b, max_num_batched_tokens=b * mlen)
-    else:
-        raise ValueError(f"unknown system {system!r}")
-    return policy, SchedulerConfig(**cfg)
 
 
 def cost_model(server: ServerSettings) -> Any:
     """The step-time model named by server.cost_model (hashable, jit-static)."""
-    if server.cost_model != "roofline":
-        return calibrated(server.cost_model, server.gpu, server.model, server.tp)
-    return roofline(server.gpu, server.model, server.tp, step_overhead_s=server.step_overhead_s)
+    return systems.make_cost_model(
+        server.gpu, server.model, server.tp, calibration=server.cost_model,
+        step_overhead_s=server.step_overhead_s,
+    )  # fmt: skip
 
 
 def workload(
@@ -170,51 +136,13 @@ def run_sim(
 
 
 def latency_metrics(run: Run) -> dict[str, float]:
-    """Mean normalized latency (s/token), throughput and completion of one run.
-
-    Unfinished requests at the horizon count with their latency so far, a lower bound;
-    ``unfinished`` says how many, so an exploded point is recognisable.
-    """
-    w, r = run.workload, run.result
-    n = len(w)
-    fin = r.finish_time[:n].astype(np.float64)
-    ok = np.isfinite(fin) & ~r.rejected[:n]
-    end = np.where(np.isfinite(fin), fin, float(r.clock))
-    lat = end - w.arrival_time
-    norm = lat / w.output_len
-    first = r.first_token_time[:n].astype(np.float64)
-    ttft = (first - w.arrival_time)[np.isfinite(first)]
-    t_end = float(np.max(fin[ok])) if ok.any() else float(r.clock)
-    return {
-        "requests": n,
-        "finished": int(ok.sum()),
-        "unfinished": int(n - ok.sum() - r.rejected[:n].sum()),
-        "rejected": int(r.rejected[:n].sum()),
-        "norm_latency_s_per_token": float(np.mean(norm)) if n else math.nan,
-        "mean_latency_s": float(np.mean(lat)) if n else math.nan,
-        "mean_ttft_s": float(np.mean(ttft)) if len(ttft) else math.nan,
-        "throughput_req_s": float(ok.sum() / t_end) if t_end > 0 else math.nan,
-        "throughput_tok_s": float(w.output_len[ok].sum() / t_end) if t_end > 0 else math.nan,
-        "preemptions": int(r.num_preemptions[:n].sum()),
-        "steps": int(r.steps),
-        "sim_time_s": float(r.clock),
-    }
+    """``pagedjax.simulator.systems.latency_metrics`` of one run."""
+    return systems.latency_metrics(run.workload, run.result)
 
 
 def usage_pcts(run: Run, capacity: int) -> dict[str, float]:
-    """Fig. 2 shares (% of the pool) over the steady window, and the token share of the
-    allocated memory (pool minus external fragmentation and free)."""
-    u = run.result.win_usage.astype(np.float64)
-    pct = 100.0 * u / capacity
-    alloc = u[0] + u[1] + u[2]
-    return {
-        "token_states_pct": float(pct[0]),
-        "reserved_pct": float(pct[1]),
-        "internal_frag_pct": float(pct[2]),
-        "external_frag_pct": float(pct[3]),
-        "token_of_allocated_pct": float(100.0 * u[0] / alloc) if alloc > 0 else math.nan,
-        "window_s": float(run.result.win_time),
-    }
+    """``pagedjax.simulator.systems.usage_pcts`` of one run (Fig. 2 shares)."""
+    return systems.usage_pcts(run.result, capacity)
 
 
 # --- output -------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def serve(
 
     eng = llm.llm_engine
     steps: list[tuple[float, float, float, float]] = []
-    orig = eng._schedule
+    orig = eng.device.schedule_fn
 
     def recording(state):  # wrap: record the batch's work, keep the engine unchanged
         st, b = orig(state)
@@ -86,13 +86,13 @@ def serve(
         return st, b
 
     pending: list[tuple] = []
-    eng._schedule = recording
+    eng.device.schedule_fn = recording
     rng = np.random.default_rng(seed)
     n = len(w)
     first = np.full(n, np.nan)
     done = np.full(n, np.nan)
     nxt = 0
-    # Read as attributes: stats() would ask the wrapped _schedule for its jit cache size.
+    # Read as attributes: stats() would ask the wrapped schedule_fn for its jit cache size.
     kinds = ("num_preemptions_recompute", "num_preemptions_swap")
     pre0 = sum(getattr(eng, k) for k in kinds)
     t0 = time.perf_counter()
@@ -127,7 +127,7 @@ def serve(
             if pending:
                 steps.append((*pending[-1], time.perf_counter() - ts))
     finally:
-        eng._schedule = orig
+        eng.device.schedule_fn = orig
     return {
         "first": first,
         "finish": done,

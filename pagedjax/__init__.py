@@ -1,8 +1,11 @@
 """pagedjax: vLLM's PagedAttention serving engine in JAX/Pallas.
 
 ``from pagedjax import LLM, SamplingParams`` mirrors ``from vllm import LLM, SamplingParams``.
-The names load lazily (PEP 562), so importing a submodule such as ``pagedjax.memory``
-does not pull in the model, Flax and the engine.
+For simulated ablations: the paper's named systems (``build_system``, ``SYSTEMS``), cost
+models by GPU and model name (``make_cost_model``), Azure-format traces (``load_trace``)
+and one call to simulate a workload under a system (``simulate_system``); README
+"Ablations". The names load lazily (PEP 562), so importing a submodule such as
+``pagedjax.memory`` (or the simulator names) does not pull in the model, Flax and the engine.
 """
 
 from __future__ import annotations
@@ -17,20 +20,41 @@ _EXPORTS = {
     "CompletionOutput": "pagedjax.engine",
     "SamplingParams": "pagedjax.sampling",
     "BeamSearchParams": "pagedjax.sampling",
+    "SYSTEMS": "pagedjax.simulator.systems",
+    "build_system": "pagedjax.simulator.systems",
+    "make_cost_model": "pagedjax.simulator.systems",
+    "simulate_system": "pagedjax.simulator.systems",
+    "load_trace": "pagedjax.workloads",
+    "make_workload": "pagedjax.workloads",
+    "Workload": "pagedjax.workloads",
 }
 
 __all__ = [
     "LLM",
+    "SYSTEMS",
     "BeamSearchParams",
     "CompletionOutput",
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "Workload",
+    "build_system",
+    "load_trace",
+    "make_cost_model",
+    "make_workload",
+    "simulate_system",
 ]
 
 if TYPE_CHECKING:
     from pagedjax.engine import LLM, CompletionOutput, LLMEngine, RequestOutput
     from pagedjax.sampling import BeamSearchParams, SamplingParams
+    from pagedjax.simulator.systems import (
+        SYSTEMS,
+        build_system,
+        make_cost_model,
+        simulate_system,
+    )
+    from pagedjax.workloads import Workload, load_trace, make_workload
 
 
 def __getattr__(name: str) -> Any:

@@ -1,9 +1,10 @@
 """Pallas kernels (Mosaic GPU, Hopper) for paged attention, beside their jnp references.
 
-Importing this package imports only jax; see docs/kernels.md.
+Importing this package imports only jax, and nothing from pagedjax: it is the leaf of the
+import graph. Choosing among backends is pagedjax.attention.backends' job. See
+docs/kernels.md.
 """
 
-from pallas_kernels.dispatch import select_attention_backend
 from pallas_kernels.kv_cache import copy_blocks, write_kv
 from pallas_kernels.paged_attention import (
     default_interpret,
@@ -22,6 +23,5 @@ __all__ = [
     "paged_decode_attention_reference",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
-    "select_attention_backend",
     "write_kv",
 ]

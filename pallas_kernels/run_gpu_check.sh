@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs `python -m pallas_kernels.gpu_check` on a GPU machine whose Python has jax (CUDA)
+# Runs `python -m pagedjax.gpu_check` on a GPU machine whose Python has jax (CUDA)
 # and triton but not jax-triton (the H200 image: jax 0.11.2, triton 3.6). Wheels carried
 # in .wheels/ (git-ignored) are installed into .wheels/site first, without network.
 #
@@ -15,4 +15,4 @@ if ! "$py" -c 'import jax_triton' 2>/dev/null && compgen -G "$repo/.wheels/*.whl
 fi
 cd "$repo"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
-exec "$py" -m pallas_kernels.gpu_check "$@"
+exec "$py" -m pagedjax.gpu_check "$@"

@@ -110,7 +110,7 @@ def _assert_idle(engine) -> None:
     assert engine.num_free_blocks() == engine.num_usable_blocks()
     assert not np.asarray(engine.state.mem.pool.refcount).any()
     assert np.all(np.asarray(engine.state.status) == FREE)
-    assert len(engine._free_slots) == engine.max_seqs and not engine._requests
+    assert len(engine.book.free_slots) == engine.max_seqs and not engine.book.requests
 
 
 @pytest.fixture
@@ -127,19 +127,19 @@ def watched(setup, monkeypatch):
         _check_pool(engine)
         seen["max_rc"] = max(seen["max_rc"], int(np.asarray(engine.state.mem.pool.refcount).max()))
         group = np.asarray(engine.state.group)
-        for req in engine._requests.values():
+        for req in engine.book.requests.values():
             slots = [s.slot for s in req.seqs if s.slot is not None]
             if len(slots) > 1:
                 seen["multi"] += 1
                 seen["groups_ok"] &= len({int(group[s]) for s in slots}) == 1
         # The K-step decode loop must stay out while beams hold slots (the host picks
         # every step's tokens); asked as if the engine had num_scheduler_steps=4.
-        if any(r.host_driven and r.seqs[0].slot is not None for r in engine._requests.values()):
+        if any(r.host_driven and r.seqs[0].slot is not None for r in engine.book.requests.values()):
             ms = engine.multi_step
             saved = ms.enabled, ms.steps_per_call
             ms.enabled, ms.steps_per_call = True, 4
             try:
-                seen["loop_blocked"] &= ms.ineligible(engine) is not None
+                seen["loop_blocked"] &= ms.ineligible(engine.core) is not None
             finally:
                 ms.enabled, ms.steps_per_call = saved
         out = step()
@@ -217,7 +217,7 @@ def test_reachable_eos_matches_transformers(watched, setup, liked_eos, monkeypat
     model, _, prompts = setup
     llm, _ = watched
     # The engine's EOS ids, as a checkpoint whose config says eos_token_id=liked_eos.
-    monkeypatch.setattr(llm.llm_engine, "_eos", {liked_eos})
+    monkeypatch.setattr(llm.llm_engine.book, "eos", {liked_eos})
     n_new = 14
     params = BeamSearchParams(beam_width=k, max_tokens=n_new, length_penalty=lp, early_stopping=es)
     outs = llm.beam_search(prompts, params)
@@ -231,7 +231,7 @@ def test_reachable_eos_matches_transformers(watched, setup, liked_eos, monkeypat
 def test_beam_width_1_is_transformers_greedy(watched, setup, liked_eos, monkeypatch):
     model, _, prompts = setup
     llm, _ = watched
-    monkeypatch.setattr(llm.llm_engine, "_eos", {liked_eos})
+    monkeypatch.setattr(llm.llm_engine.book, "eos", {liked_eos})
     outs = llm.beam_search(prompts, BeamSearchParams(beam_width=1, max_tokens=14))
     _compare(model, prompts, outs, 1, 14, eos=liked_eos)
 
@@ -307,7 +307,7 @@ def test_beam_preempted_by_recompute_aborts_group(setup, monkeypatch):
     engine = llm.llm_engine
     cfg = dataclasses.replace(engine.sched_config, preemption_mode="recompute")
     monkeypatch.setattr(
-        engine, "_schedule", jax.jit(functools.partial(schedule, engine.policy, cfg))
+        engine.device, "schedule_fn", jax.jit(functools.partial(schedule, engine.policy, cfg))
     )
     rng = np.random.default_rng(5)
     for i in range(3):  # 3 x 64 tokens = 48 of the 63 blocks
@@ -322,7 +322,7 @@ def test_beam_preempted_by_recompute_aborts_group(setup, monkeypatch):
     with pytest.raises(BeamSearchOutOfStep, match="out of step"):
         llm.beam_search([prompt], params)
     assert engine.num_preemptions > preempted
-    assert all(r.startswith("hog") for r in engine._requests)  # the group is gone
+    assert all(r.startswith("hog") for r in engine.book.requests)  # the group is gone
     while engine.has_unfinished_requests():
         engine.step()
         _check_pool(engine)

@@ -101,9 +101,9 @@ def _drain(
 def _assert_idle(engine: LLMEngine) -> None:
     """Every block back in the pool, every slot free, on host and device."""
     assert engine.num_free_blocks() == engine.num_usable_blocks()
-    assert len(engine._free_slots) == engine.max_seqs and not engine._slot_owner
+    assert len(engine.book.free_slots) == engine.max_seqs and not engine.book.slot_owner
     assert np.all(np.asarray(engine.state.status) == FREE)
-    assert not engine._queue and not engine._requests
+    assert not engine.book.queue and not engine.book.requests
 
 
 _ALONE: dict[tuple[int, ...], tuple[list[int], np.ndarray]] = {}
@@ -200,7 +200,7 @@ def test_seeded_sampling_independent_of_batch_and_preemption():
     preempted = []
 
     def watch():
-        req = engine._requests.get("s")
+        req = engine.book.requests.get("s")
         if req is not None and req.seqs[0].slot is not None:
             preempted.append(int(engine.state.num_preemptions[req.seqs[0].slot]))
 
@@ -241,7 +241,7 @@ def test_step_compiles_once_per_bucket():
     assert counts and all(v == 1 for v in counts.values()), counts
     assert all(k[0] in engine.token_buckets and k[1] in engine.seq_buckets for k in counts)
     assert engine.runner.step._cache_size() == len(counts)
-    assert engine._schedule._cache_size() == 1
+    assert engine.device.schedule_fn._cache_size() == 1
     _assert_idle(engine)
 
 
@@ -282,11 +282,8 @@ def test_step_aliases_the_pool_without_a_pool_sized_copy():
     pages = (4096, ARCH.num_kv_heads, BLOCK, ARCH.head_dim)
     kv = (jax.ShapeDtypeStruct((ARCH.num_layers, *pages), jnp.float32),) * 2
     pool_bytes = 2 * ARCH.num_layers * int(np.prod(pages)) * 4
-    state, batch = engine._schedule(engine.state)
-    sampling = engine._slot_sampling_dev
-    if sampling is None:
-        engine._upload_sampling()
-        sampling = engine._slot_sampling_dev
+    state, batch = engine.device.preview_schedule()
+    sampling = engine.device.sampling()
     compiled = runner.step.lower(
         engine.params, kv, engine.tokens, state.mem, batch, sampling,
         state.prompt_len, state.output_len, num_tokens=16, num_seqs=4,
@@ -325,8 +322,8 @@ def test_stop_token_ids_eos_and_stop_strings():
     assert (o.finish_reason, o.stop_reason) == ("stop", stop_id)
     # EOS unless ignore_eos: use a tokenizer whose EOS is the model's 3rd greedy token.
     eos_tok = ref[2]
-    saved = engine._eos
-    engine._eos = {eos_tok}
+    saved = engine.book.eos
+    engine.book.eos = {eos_tok}
     try:
         p = SamplingParams(temperature=0.0, max_tokens=MAX_OUT)
         o = _drain(engine, {0: [("e", prompt, p)]})["e"].outputs[0]
@@ -335,7 +332,7 @@ def test_stop_token_ids_eos_and_stop_strings():
         o = _drain(engine, {0: [("i", prompt, _greedy(6))]})["i"].outputs[0]
         assert o.token_ids == ref[:6] and o.finish_reason == "length"
     finally:
-        engine._eos = saved
+        engine.book.eos = saved
     _assert_idle(engine)
 
 

@@ -19,14 +19,10 @@ import numpy as np
 import pytest
 
 from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedjax.engine.engine_stats import backend_compilations, engine_compilations, engine_jits
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.multi_step import loop_buckets
-from pagedjax.engine.warmup import (
-    backend_compilations,
-    bucket_pairs,
-    engine_compilations,
-    engine_jits,
-)
+from pagedjax.engine.warmup import bucket_pairs
 from pagedjax.model import preset_arch, random_params
 from pagedjax.sampling import SamplingParams
 from pagedjax.scheduler import FREE
@@ -65,7 +61,8 @@ _WARM: dict[bool, dict[str, int]] = {}
 
 
 def _per_function(engine: LLMEngine) -> dict[str, int]:
-    return {name: f._cache_size() for name, f in engine_jits(engine).items()}
+    jits = engine_jits(engine.core, engine.multi_step)
+    return {name: f._cache_size() for name, f in jits.items()}
 
 
 def _drain(engine: LLMEngine, arrivals: dict[int, list], max_steps: int = 2000) -> dict:
@@ -85,9 +82,9 @@ def _drain(engine: LLMEngine, arrivals: dict[int, list], max_steps: int = 2000) 
 
 def _assert_idle(engine: LLMEngine) -> None:
     assert engine.num_free_blocks() == engine.num_usable_blocks()
-    assert len(engine._free_slots) == engine.max_seqs and not engine._slot_owner
+    assert len(engine.book.free_slots) == engine.max_seqs and not engine.book.slot_owner
     assert np.all(np.asarray(engine.state.status) == FREE)
-    assert not engine._queue and not engine._requests
+    assert not engine.book.queue and not engine.book.requests
 
 
 def _greedy(n: int, **kw) -> SamplingParams:
@@ -103,11 +100,11 @@ def _run(
 ) -> dict:
     engine.multi_step.enabled = multi
     engine.multi_step.pipeline = pipeline
-    saved, engine._eos = engine._eos, eos
+    saved, engine.book.eos = engine.book.eos, eos
     try:
         return _drain(engine, arrivals)
     finally:
-        engine._eos = saved
+        engine.book.eos = saved
         engine.multi_step.enabled = engine.multi_step.pipeline = True
 
 
@@ -264,7 +261,7 @@ def test_no_compilation_after_warmup(caching: bool):
     engine.step()
     engine.abort_request("abort-me")
     assert _per_function(engine) == warm
-    assert engine_compilations(engine) == before
+    assert engine_compilations(engine.core, engine.multi_step) == before
     assert backend_compilations()[0] == xla_before  # nothing in the process compiled
     assert all(v == 1 for v in engine.runner.trace_count.values())
     assert all(v == 1 for v in engine.multi_step.trace_count.values())
@@ -312,7 +309,7 @@ def test_loop_runs_while_a_request_waits_in_a_slot_for_memory():
     it0 = engine.multi_step.stats.iterations
     while "A" not in done:
         step()
-        assert not engine._requests["B"].seqs[0].detok.ids  # B got nothing before A ends
+        assert not engine.book.requests["B"].seqs[0].detok.ids  # B got nothing before A ends
     assert engine.multi_step.stats.iterations - it0 >= 4  # A decoded in loops meanwhile
     done.update(_drain(engine, {}))
     _same(ref, done)

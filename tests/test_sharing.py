@@ -73,7 +73,7 @@ def _assert_idle(engine: LLMEngine) -> None:
     assert engine.num_free_blocks() == engine.num_usable_blocks()
     assert not np.asarray(engine.state.mem.pool.refcount).any()
     assert np.all(np.asarray(engine.state.status) == FREE)
-    assert len(engine._free_slots) == engine.max_seqs and not engine._requests
+    assert len(engine.book.free_slots) == engine.max_seqs and not engine.book.requests
 
 
 def _greedy(**kw) -> SamplingParams:
@@ -171,15 +171,15 @@ def test_seeded_forked_samples_equal_unshared_samples():
     shared = _drain(engine, {0: [("s", prompt, p)]})["s"]
 
     def unshared(req, parent):  # every sample prefills the prompt itself
-        engine._queue.extendleft((req, s) for s in reversed(req.pending))
+        engine.book.queue.extendleft((req, s) for s in reversed(req.pending))
         req.pending = []
 
-    engine._fork_samples = unshared
+    engine.fork_samples = unshared
     try:
         saved, engine.prefix_index = engine.prefix_index, PrefixIndex()
         alone = _drain(engine, {0: [("u", prompt, p)]})["u"]
     finally:
-        del engine._fork_samples
+        del engine.fork_samples
         engine.prefix_index = saved
     got = [o.token_ids for o in shared.outputs]
     assert got == [o.token_ids for o in alone.outputs]

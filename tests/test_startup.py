@@ -18,9 +18,10 @@ import pytest
 
 from pagedjax import LLM, SamplingParams, compile_cache
 from pagedjax.config import EngineConfig, ModelConfig
+from pagedjax.engine.engine_stats import backend_compilations, engine_compilations
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.multi_step import loop_buckets
-from pagedjax.engine.warmup import backend_compilations, bucket_pairs, engine_compilations
+from pagedjax.engine.warmup import bucket_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_STEP_PROGRAMS = 20  # one-step programs of a default engine (issue 13's bound)
@@ -51,14 +52,15 @@ def test_default_start_up_compiles_everything_generate_needs(monkeypatch):
               num_gpu_blocks_override=64)  # fmt: skip
     engine = llm.llm_engine
     assert engine.startup_compiles.requests > 0
-    before, xla_before = engine_compilations(engine), backend_compilations()[0]
+    before = engine_compilations(engine.core, engine.multi_step)
+    xla_before = backend_compilations()[0]
     prompts = [list(range(3, 3 + n)) for n in (5, 70, 1, 33, 12, 2)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
               for m in (3, 9, 20, 1, 6, 12)]  # fmt: skip
     params[3] = SamplingParams(temperature=0.9, n=2, max_tokens=5, seed=1, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 9, 20, 5, 6, 12]
-    assert engine_compilations(engine) == before
+    assert engine_compilations(engine.core, engine.multi_step) == before
     assert backend_compilations()[0] == xla_before
 
 

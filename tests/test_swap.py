@@ -93,7 +93,7 @@ def _assert_idle(engine: LLMEngine) -> None:
         assert not np.asarray(mem.host_pool.refcount).any()
         assert not np.asarray(mem.on_host).any()
     assert np.all(np.asarray(engine.state.status) == FREE)
-    assert not engine._slot_owner and not engine._swapped_slots
+    assert not engine.book.slot_owner and not engine.book.swapped_slots
 
 
 def _check_refcounts(engine: LLMEngine) -> None:
@@ -138,8 +138,8 @@ def test_group_swaps_out_and_back_with_identical_samples():
         assert step < 500
         _check_refcounts(engine)
         status = np.asarray(engine.state.status)
-        if b_rows_out is None and "b" in engine._requests:
-            b_slots = [s.slot for s in engine._requests["b"].seqs if s.slot is not None]
+        if b_rows_out is None and "b" in engine.book.requests:
+            b_slots = [s.slot for s in engine.book.requests["b"].seqs if s.slot is not None]
         if (status == SWAPPED).any():
             # Nothing is admitted while a group is swapped out.
             assert not ((before == WAITING) & (status == RUNNING)).any()
@@ -155,11 +155,11 @@ def test_group_swaps_out_and_back_with_identical_samples():
                 engine.add_request("c", PROMPT_C, SHORT)
                 c_added = True
             # While B is out, A writes its KV into blocks B held.
-            a_slot = engine._requests["a"].seqs[0].slot if "a" in engine._requests else None
+            a_slot = engine.book.requests["a"].seqs[0].slot if "a" in engine.book.requests else None
             if a_slot is not None:
                 now = np.asarray(engine.state.mem.tables.tables)[a_slot]
                 reused |= bool(b_blocks_out & set(now[now > 0].tolist()))
-        elif b_rows_out is not None and not back_elsewhere and "b" in engine._requests:
+        elif b_rows_out is not None and not back_elsewhere and "b" in engine.book.requests:
             # Swapped in: other block ids, the same sharing between the two samples.
             rows = np.asarray(engine.state.mem.tables.tables)[b_slots]
             assert (rows > 0).sum() == (b_rows_out > 0).sum()
@@ -185,7 +185,7 @@ def test_abort_of_a_swapped_group_returns_its_host_blocks():
     assert engine.num_free_host_blocks() < engine.num_host_blocks  # B is on the host
     engine.abort_request("b")
     assert engine.num_free_host_blocks() == engine.num_host_blocks
-    assert not engine._swapped_slots
+    assert not engine.book.swapped_slots
     while engine.has_unfinished_requests():
         engine.step()
     _assert_idle(engine)

@@ -33,9 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.attention import PAD_SLOT
+from pagedjax.attention import PAD_SLOT, select_attention_backend
 from pagedjax.model import ModelArch, ModelInput, allocate_kv_cache, forward
-from pallas_kernels.dispatch import select_attention_backend
 
 
 def _bucket(n: int, lo: int) -> int:

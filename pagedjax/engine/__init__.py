@@ -1,6 +1,6 @@
 """The serving engine: model runner (buckets, donation), LLMEngine (step loop) and LLM API."""
 
-from pagedjax.engine.beams import BeamSearchOutput, BeamSearchSequence
+from pagedjax.engine.beam_group import BeamSearchOutput, BeamSearchSequence
 from pagedjax.engine.llm import LLM
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import CompletionOutput, Logprob, RequestOutput

@@ -4,7 +4,7 @@ Each prompt is one sequence group: its beams live in engine slots and share KV b
 reference count. The engine runs the beam slots as ordinary greedy sequences
 (``ignore_eos``, ``logprobs = 2 * beam_width``) and returns, per beam and step, the top
 2k log-probs. After each step the host picks the new beams from those candidates with
-Hugging Face's rules (``_Group.advance``), and one jitted device function,
+Hugging Face's rules (``BeamGroup.advance``), and one jitted device function,
 ``reassign_beams``, re-points every beam slot at its parent's block-table row (incref the
 new rows, release the old ones), copies the parent's lengths and token-buffer row and
 overwrites the last token with the chosen one. All beams then share every block; the
@@ -30,55 +30,22 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax.engine.beam_group import BeamGroup, BeamSearchOutput, BeamSearchSequence
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
+from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import Logprob
-from pagedjax.engine.sequence import RequestState, SequenceState
+from pagedjax.engine.sequence import SequenceState
 from pagedjax.memory import block_pool as bp
 from pagedjax.memory.block_pool import NULL_BLOCK
 from pagedjax.memory.block_table import BlockTables
-from pagedjax.sampling import SAMPLING_EPS, BeamSearchParams, SamplingParams
+from pagedjax.sampling import BeamSearchParams, SamplingParams
 from pagedjax.scheduler import SchedulerState
-
-if TYPE_CHECKING:
-    from pagedjax.engine.llm_engine import LLMEngine
-
-NEG = -1.0e9  # Hugging Face's "impossible" score offset
-
-
-@dataclass
-class BeamSearchSequence:
-    """One returned hypothesis (vLLM's fields, plus ``score``).
-
-    tokens: prompt + generated ids (an EOS that ended it included). logprobs: per
-    generated position, {token_id: Logprob} of the candidates ranked there (2 *
-    beam_width, more with several EOS ids). cum_logprob: sum of the chosen tokens'
-    (temperature-scaled) log-probs.
-    text: tokens decoded (prompt included, as vLLM). finish_reason: "stop" (EOS) or
-    "length". score: Hugging Face's ``sequences_scores`` value,
-    cum_logprob / generated_len ** length_penalty.
-    """
-
-    tokens: list[int]
-    logprobs: list[dict[int, Logprob]]
-    cum_logprob: float = 0.0
-    text: str | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    score: float = 0.0
-
-
-@dataclass
-class BeamSearchOutput:
-    """The beam_width best hypotheses of one prompt, best first."""
-
-    sequences: list[BeamSearchSequence]
 
 
 class BeamSearchOutOfStep(RuntimeError):
@@ -164,141 +131,6 @@ def _jitted_reassign():
 # ---------------------------------------------------------------------- host side
 
 
-@dataclass
-class _Beam:
-    tokens: list[int]  # generated ids
-    score: np.float32  # cumulative log-prob, accumulated in float32 as transformers does
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-
-
-@dataclass
-class _Finished:
-    score: float  # normalised (length penalty); NEG-offset entries are placeholders
-    beam: _Beam | None
-    done: bool
-
-
-class _Group:
-    """One prompt's search state: Hugging Face's beam search for one batch item.
-
-    ``running`` holds the live beams best first (beam i lives in ``slots[i]``);
-    ``finished`` the beam_width best finished hypotheses, best first, padded with
-    placeholders as transformers pads with -1e9.
-    """
-
-    def __init__(self, request_id: str, prompt_ids: list[int], max_new: int, p: BeamSearchParams,
-                 eos: set[int]):  # fmt: skip
-        self.request_id, self.prompt_ids, self.max_new = request_id, prompt_ids, max_new
-        self.k, self.lp, self.early = p.beam_width, p.length_penalty, p.early_stopping
-        self.temperature = p.temperature if p.temperature >= SAMPLING_EPS else 1.0
-        self.eos = eos
-        # transformers keeps max(2, 1 + #EOS ids) * k candidates per step, so that k of
-        # them do not end in EOS; each beam's own top that many are enough to find them.
-        self.num_candidates = max(2, 1 + len(eos)) * self.k
-        self.running = [_Beam([], np.float32(0.0))]
-        self.finished = [_Finished(NEG, None, False) for _ in range(self.k)]
-        self.improvable = True  # transformers' is_early_stop_heuristic_unsatisfied
-        self.slots: list[int] = []
-        self.block_bound = 0  # group_block_bound, set by beam_search
-        self.steps = 0  # tokens generated so far by every running beam
-        self.req: RequestState | None = None
-        self.done = False
-
-    def advance(self, cands: list[list[tuple[int, float, dict]]]) -> list[tuple[int, int]]:
-        """One step given each running beam's top-2k (token, logprob, step's logprobs)
-        candidates.
-
-        Returns the new running beams as (parent beam index, token) best first, or []
-        when the search ended (``self.done``).
-        """
-        k = self.k
-        flat = []
-        for b, beam in enumerate(self.running):
-            for rank, (tok, lp, _) in enumerate(cands[b]):
-                flat.append((np.float32(beam.score + np.float32(lp)), b, rank, tok))
-        flat.sort(key=lambda c: (-float(c[0]), c[1], c[2]))
-        top = flat[: self.num_candidates]
-        last = self.steps + 1 >= self.max_new
-        hits = [last or c[3] in self.eos for c in top]
-
-        def child(c) -> _Beam:
-            score, b, rank, tok = c
-            parent = self.running[b]
-            return _Beam(parent.tokens + [tok], score, parent.logprobs + [cands[b][rank][2]])
-
-        # Finished hypotheses: only the top k candidates may be finalised.
-        all_done = all(f.done for f in self.finished)
-        norm = float((self.steps + 1) ** self.lp)
-        new = []
-        for j, c in enumerate(top):
-            just = hits[j] and j < k
-            s = float(c[0]) / norm
-            if all_done and self.early is True:
-                s += NEG
-            if not self.improvable:
-                s += NEG
-            if not just:
-                s += NEG
-            new.append(_Finished(s, child(c) if just else None, just))
-        merged = self.finished + new
-        order = sorted(range(len(merged)), key=lambda i: -merged[i].score)  # stable
-        self.finished = [merged[i] for i in order[:k]]
-
-        # Running beams for the next step: the best non-finishing candidates.
-        keep = [j for j in range(len(top)) if not hits[j]][:k]
-        self.steps += 1
-        if not keep:
-            self.done = True
-            return []
-        self.running = [child(top[j]) for j in keep]
-
-        # transformers' _check_early_stop_heuristic and stopping condition.
-        if self.early == "never" and self.lp > 0.0:
-            best_len = self.max_new
-        else:
-            best_len = self.steps
-        best = float(self.running[0].score) / float(best_len**self.lp)
-        worst = min(f.score for f in self.finished)
-        self.improvable = self.improvable and any(
-            best > (worst if f.done else NEG) for f in self.finished
-        )
-        all_done = all(f.done for f in self.finished)
-        if not self.improvable or (all_done and self.early is True) or all(hits):
-            self.done = True
-            return []
-        return [(top[j][1], top[j][3]) for j in keep]
-
-    def results(self, decode) -> BeamSearchOutput:
-        out = []
-        for f in self.finished:
-            if not f.done or f.beam is None:
-                continue
-            b = f.beam
-            tokens = self.prompt_ids + b.tokens
-            stop = bool(b.tokens) and b.tokens[-1] in self.eos
-            out.append(
-                BeamSearchSequence(
-                    tokens=tokens,
-                    logprobs=b.logprobs,
-                    cum_logprob=float(b.score),
-                    text=decode(tokens),
-                    finish_reason="stop" if stop else "length",
-                    score=f.score,
-                )
-            )
-        return BeamSearchOutput(out)
-
-
-def _ids_detok(tokenizer: Any, ids: list[int]) -> IncrementalDetokenizer:
-    """A detokenizer holding ``ids`` whose text starts empty: beam slots' per-step text
-    is never read (each hypothesis is decoded once at the end), so none is rebuilt when
-    a slot takes another beam's history."""
-    d = IncrementalDetokenizer(tokenizer)
-    d.ids = list(ids)
-    d._prefix = d._read = len(ids)
-    return d
-
-
 def _candidates(seq: SequenceState, n: int) -> list[tuple[int, float, dict[int, Logprob]]]:
     """The slot's last step's top-n (token, logprob, {token: Logprob} of all n), best
     first; the dict is what a hypothesis keeps for that position (vLLM's logprobs)."""
@@ -343,10 +175,10 @@ def beam_search(
     if concurrency_limit is not None and concurrency_limit < 1:
         raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
     usable = engine.num_blocks - 1 - engine.policy.watermark_blocks
-    groups: list[_Group] = []
+    groups: list[BeamGroup] = []
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         k = p.beam_width
-        eos = set() if p.ignore_eos else set(engine._eos)
+        eos = set() if p.ignore_eos else set(engine.book.eos)
         n_cand = max(2, 1 + len(eos)) * k
         if n_cand > min(engine.max_logprobs, engine.arch.vocab_size):
             raise ValueError(
@@ -355,15 +187,15 @@ def beam_search(
             )
         if k > engine.max_seqs:
             raise ValueError(f"beam_width={k} exceeds max_num_seqs={engine.max_seqs} (slots)")
-        _, ids = engine._tokenize(prompt)
+        _, ids = engine.tokenize_prompt(prompt)
         max_new = min(p.max_tokens, engine.max_model_len - len(ids))
         if max_new < 1:
             raise ValueError(
                 f"prompt {i} has {len(ids)} tokens: no room to generate within"
                 f" max_model_len={engine.max_model_len}"
             )
-        engine._validate(ids, _slot_params(n_cand, max_new))
-        g = _Group(f"beam-{next(_ids)}", ids, max_new, p, eos)
+        engine.check_request(ids, _slot_params(n_cand, max_new))
+        g = BeamGroup(f"beam-{next(_ids)}", ids, max_new, p, eos)
         g.block_bound = group_block_bound(len(ids), max_new, k, engine.block_size)
         if g.block_bound > usable:
             raise ValueError(
@@ -386,7 +218,7 @@ def _slot_params(num_candidates: int, max_new: int) -> SamplingParams:
 
 
 class _Driver:
-    def __init__(self, engine: LLMEngine, groups: list[_Group], limit: int | None):
+    def __init__(self, engine: LLMEngine, groups: list[BeamGroup], limit: int | None):
         self.engine, self.groups = engine, groups
         self.limit = limit or len(groups)
         self.usable = engine.num_blocks - 1 - engine.policy.watermark_blocks
@@ -394,7 +226,7 @@ class _Driver:
     def run(self, use_tqdm: bool) -> list[BeamSearchOutput]:
         engine = self.engine
         pending = deque(self.groups)
-        active: list[_Group] = []
+        active: list[BeamGroup] = []
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -419,7 +251,7 @@ class _Driver:
                     self._apply(moves)
                 for g in [g for g in active if g.done]:
                     active.remove(g)
-                    if g.request_id in engine._requests:
+                    if g.request_id in engine.book.requests:
                         engine.abort_request(g.request_id)  # stopped before max_tokens
                     if bar is not None:
                         bar.update(1)
@@ -432,33 +264,32 @@ class _Driver:
         decode = engine.tokenizer.decode
         return [g.results(decode) for g in self.groups]
 
-    def _fits(self, g: _Group, active: list[_Group]) -> bool:
+    def _fits(self, g: BeamGroup, active: list[BeamGroup]) -> bool:
         if len(active) >= self.limit:
             return False
         engine = self.engine
-        reserved = sum(a.k - len(a.slots) for a in active) + len(engine._queue)
-        if len(engine._free_slots) - reserved < g.k:
+        reserved = sum(a.k - len(a.slots) for a in active) + len(engine.book.queue)
+        if len(engine.book.free_slots) - reserved < g.k:
             return False
         return sum(a.block_bound for a in active) + g.block_bound <= self.usable
 
-    def _admit(self, g: _Group) -> None:
+    def _admit(self, g: BeamGroup) -> None:
         """Add the group's first beam as a request and give it a slot now, so its
         sampling row carries the logprob temperature before its first step."""
         engine = self.engine
         engine.add_request(g.request_id, {"prompt_token_ids": g.prompt_ids},
                            _slot_params(g.num_candidates, g.max_new))  # fmt: skip
-        engine._assign_slots()
-        g.req = engine._requests[g.request_id]
+        engine.assign_slots()
+        g.req = engine.book.requests[g.request_id]
         g.req.host_driven = True  # keeps the multi-step decode loop out (multi_step.py)
         seq = g.req.seqs[0]
         if seq.slot is None:  # _fits checked free slots; the engine must agree
             raise RuntimeError(f"beam search group {g.request_id} got no slot")
-        seq.detok = _ids_detok(engine.tokenizer, [])
+        seq.detok = IncrementalDetokenizer.holding(engine.tokenizer, [])
         g.slots = [seq.slot]
-        engine._slot_sampling["logprob_temperature"][seq.slot] = g.temperature
-        engine._slot_sampling_dev = None
+        engine.device.set_sampling_value("logprob_temperature", seq.slot, g.temperature)
 
-    def _advance(self, g: _Group) -> list[tuple[int, int, int, int, int]]:
+    def _advance(self, g: BeamGroup) -> list[tuple[int, int, int, int, int]]:
         """Check the group's beams sampled this step; pick the next beams. Returns
         device moves (slot, parent slot, token, arrival or -1, group id)."""
         engine = self.engine
@@ -500,33 +331,28 @@ class _Driver:
         hashes = [list(s.hashes) for s in seqs]
         for i, (b, tok) in enumerate(choice):
             slot = g.slots[i]
-            _, seq = engine._slot_owner[slot]
-            seq.detok = _ids_detok(engine.tokenizer, g.running[i].tokens)
+            _, seq = engine.book.owner(slot)
+            seq.detok = IncrementalDetokenizer.holding(engine.tokenizer, g.running[i].tokens)
             seq.cumulative_logprob = float(g.running[i].score)
             seq.hashes = list(hashes[b])
             arrival = seq.arrival if slot in new_slots else -1
             moves.append((slot, g.slots[b], tok, arrival, group_id))
         return moves
 
-    def _claim_slot(self, g: _Group) -> int:
+    def _claim_slot(self, g: BeamGroup) -> int:
         engine = self.engine
         parent = g.slots[0]
-        slot = engine._free_slots.pop()
         seq = SequenceState(
             index=len(g.req.seqs),
             params=g.req.seqs[0].params,
-            detok=_ids_detok(engine.tokenizer, []),
+            detok=IncrementalDetokenizer.holding(engine.tokenizer, []),
             target=g.req.seqs[0].target,
-            arrival=engine._arrival,
-            slot=slot,
+            arrival=engine.book.next_arrival(),
             logprobs=[],
         )
-        engine._arrival += 1
         g.req.seqs.append(seq)
-        engine._slot_owner[slot] = (g.req, seq)
-        for v in engine._slot_sampling.values():
-            v[slot] = v[parent]
-        engine._slot_sampling_dev = None
+        slot = engine.book.bind_slot(g.req, seq)
+        engine.device.copy_sampling_row(slot, parent)
         return slot
 
     def _apply(self, moves: list[tuple[int, int, int, int, int]]) -> None:
@@ -537,6 +363,17 @@ class _Driver:
         for i, mv in enumerate(moves):
             a[:, i] = mv
             mask[i] = True
-        engine.state, engine.tokens = _jitted_reassign()(
-            engine.state, engine.tokens, a[0], a[1], a[2], a[3], a[4], mask
+        dev = engine.device
+        dev.state, dev.tokens = _jitted_reassign()(
+            dev.state, dev.tokens, a[0], a[1], a[2], a[3], a[4], mask
         )
+
+
+__all__ = [
+    "BeamSearchOutOfStep",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
+    "beam_search",
+    "group_block_bound",
+    "reassign_beams",
+]

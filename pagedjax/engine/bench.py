@@ -12,7 +12,8 @@ import time
 
 import numpy as np
 
-from pagedjax import LLM, SamplingParams
+from pagedjax.engine.llm import LLM
+from pagedjax.sampling import SamplingParams
 
 
 def main() -> None:

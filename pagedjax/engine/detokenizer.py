@@ -28,6 +28,16 @@ class IncrementalDetokenizer:
         self._prefix = 0  # start of the decode window
         self._read = 0  # ids[:_read] are already in self.text
 
+    @classmethod
+    def holding(cls, tokenizer: Tokenizer, ids: Sequence[int]) -> IncrementalDetokenizer:
+        """A detokenizer whose ids are ``ids`` and whose text starts empty at their end
+        (beam search: a slot taking another beam's history never reads its per-step text;
+        each hypothesis is decoded once at the end)."""
+        d = cls(tokenizer)
+        d.ids = list(ids)
+        d._prefix = d._read = len(d.ids)
+        return d
+
     def append(self, token_id: int) -> str | None:
         """Add one id; returns the stop string found in the new text, if any.
 

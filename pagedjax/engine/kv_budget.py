@@ -75,3 +75,25 @@ def num_kv_blocks(
         )
     log.info("KV cache: %d blocks of %d tokens (%s)", n, block_size, why)
     return n
+
+
+def profile_forward(
+    arch: Any, params: Any, kv_dtype: Any, block_size: int, budget: int, seqs: int,
+    max_blocks: int,
+) -> None:  # fmt: skip
+    """One forward at the largest bucket (``budget`` tokens, ``seqs`` rows) over a 2-block
+    cache, plus the sampler's scratch: the peak a step adds to the pool (GPU sizing only)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pagedjax.model import allocate_kv_cache
+    from pagedjax.model.forward import dummy_input, make_forward
+
+    kv = allocate_kv_cache(arch, 2, block_size, kv_dtype)
+    batch = dummy_input(budget, seqs, max_blocks)._replace(
+        logits_indices=jnp.zeros((seqs,), jnp.int32)
+    )
+    _, logits = make_forward(arch, donate=False)(params, kv, batch)
+    # The sampler holds a few [S, V] float32 arrays on top of the forward's peak.
+    scratch = jnp.zeros((4, seqs, arch.vocab_size), jnp.float32)
+    jax.block_until_ready((logits, scratch))

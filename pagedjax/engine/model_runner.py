@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pagedjax.attention import copy_blocks
 from pagedjax.memory.block_table import slot_mapping
 from pagedjax.model import ModelArch, ModelInput
 from pagedjax.model.forward import forward
@@ -40,7 +41,6 @@ from pagedjax.sampling import (
     sample,
 )
 from pagedjax.scheduler import ScheduledBatch
-from pallas_kernels.kv_cache import copy_blocks
 
 
 def build_model_input(

@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,11 +46,10 @@ from jax import lax
 from pagedjax.engine import sharing
 from pagedjax.engine.block_hashes import extend_hashes
 from pagedjax.engine.buckets import pick
+from pagedjax.engine.core import EngineCore
+from pagedjax.engine.outputs import RequestOutput
+from pagedjax.sampling.sampler import SamplerOutput
 from pagedjax.scheduler import FINISHED, RUNNING, recycle, schedule, update
-
-if TYPE_CHECKING:
-    from pagedjax.engine.llm_engine import LLMEngine
-    from pagedjax.engine.outputs import RequestOutput
 
 # Stop token ids (EOS + stop_token_ids) checked on device, per slot; a request with more
 # runs one step at a time.
@@ -158,7 +157,7 @@ def decode_loop(
             & ~jnp.any(batch.preempted)
             & ~jnp.any(batch.rejected)
             & jnp.all(decode_only)
-            # Swap copies are host work between steps (LLMEngine._apply_swaps): a swap-in
+            # Swap copies are host work between steps (DeviceState.swap_out / swap_in): a swap-in
             # (or swap-out) step is rolled back and redone by the one-step path.
             & (batch.swap.num_out == 0)
             & (batch.swap.num_in == 0)
@@ -235,8 +234,6 @@ def decode_loop(
 
 def runner_out_shapes(s: int, top_k: int) -> tuple:
     """Zeros shaped like the sampler's output for S rows (the rollback branch's value)."""
-    from pagedjax.sampling.sampler import SamplerOutput
-
     f32, i32 = jnp.float32, jnp.int32
     return SamplerOutput(
         jnp.zeros((s,), i32),
@@ -303,12 +300,12 @@ class MultiStepDecoder:
 
     # ------------------------------------------------------------------ host side
 
-    def ineligible(self, engine: LLMEngine) -> str | None:
+    def ineligible(self, core: EngineCore) -> str | None:
         """Why the loop cannot run now (None: it can). Host events that need the host
         between iterations keep the one-step path."""
         if not self.enabled or self.steps_per_call <= 1:
             return "disabled"
-        for req, seq in engine._slot_owner.values():
+        for req, seq in core.book.slot_owner.values():
             # No token yet: a prompt (or an n > 1 child's last prompt token) to compute,
             # unless the last one-step schedule saw it and still ran a pure decode (it
             # waits for memory or a running-sequence place: the loop can run meanwhile,
@@ -322,39 +319,32 @@ class MultiStepDecoder:
                 return "fork"  # n > 1 samples still to fork from sample 0
             if req.host_driven:
                 return "beam_search"  # the host picks each step's tokens
-            if len(self._stop_set(engine, seq)) > MAX_STOP_IDS:
+            if len(core.book.stop_ids(seq)) > MAX_STOP_IDS:
                 return "many_stop_ids"
         return None
 
-    def note_step(self, engine: LLMEngine, host: dict[str, Any]) -> None:
+    def note_step(self, core: EngineCore, host: dict[str, Any]) -> None:
         """After a one-step schedule (its batch sizes read on the host): remember whether
         it was a pure decode, and which sequences held slots then."""
         n = int(host["num_seqs"])
         self._last_pure_decode = (
             n > 0 and int(host["num_tokens"]) == n and not host["preempted"].any()
         )
-        self._noted = {id(seq): seq for _, seq in engine._slot_owner.values()}
+        self._noted = {id(seq): seq for _, seq in core.book.slot_owner.values()}
 
-    @staticmethod
-    def _stop_set(engine: LLMEngine, seq: Any) -> set[int]:
-        ids = set(seq.params.stop_token_ids)
-        if not seq.params.ignore_eos:
-            ids |= engine._eos
-        return ids
-
-    def _stop_ids(self, engine: LLMEngine) -> jax.Array:
+    def stop_ids(self, core: EngineCore) -> jax.Array:
         """int32[max_seqs, MAX_STOP_IDS] for the current slot owners (uploaded again only
         when some slot's stop ids change)."""
-        owners = engine._slot_owner.items()
-        key = tuple(sorted((s, tuple(sorted(self._stop_set(engine, q)))) for s, (_, q) in owners))
+        owners = core.book.slot_owner.items()
+        key = tuple(sorted((s, tuple(sorted(core.book.stop_ids(q)))) for s, (_, q) in owners))
         if self._stop_cache is None or self._stop_cache[0] != key:
-            arr = np.full((engine.max_seqs, MAX_STOP_IDS), -1, np.int32)
+            arr = np.full((core.max_seqs, MAX_STOP_IDS), -1, np.int32)
             for slot, ids in key:
                 arr[slot, : min(len(ids), MAX_STOP_IDS)] = ids[:MAX_STOP_IDS]  # more: ineligible
             self._stop_cache = (key, jnp.asarray(arr))
         return self._stop_cache[1]
 
-    def step(self, engine: LLMEngine) -> list[RequestOutput] | None:
+    def step(self, core: EngineCore) -> list[RequestOutput] | None:
         """Run (or finish) one loop; None means "take the one-step path" (not eligible,
         or the loop's first iteration was not a pure decode and was rolled back).
 
@@ -366,21 +356,22 @@ class MultiStepDecoder:
         """
         if self._inflight is not None:
             pending, self._inflight = self._inflight, None
-            return self._finish(engine, pending)
-        why = self.ineligible(engine)
+            return self._finish(core, pending)
+        why = self.ineligible(core)
         if why is not None:
             self.stats.skipped[why] = self.stats.skipped.get(why, 0) + 1
             return None
-        return self._finish(engine, self._dispatch(engine))
+        return self._finish(core, self._dispatch(core))
 
-    def _dispatch(self, engine: LLMEngine) -> _Pending:
-        owners = dict(engine._slot_owner)
-        s_b = pick(loop_buckets(engine.seq_buckets), min(len(owners), engine.max_num_seqs))
-        engine._upload_sampling()
+    def _dispatch(self, core: EngineCore) -> _Pending:
+        dev = core.device
+        owners = dict(core.book.slot_owner)
+        s_b = pick(loop_buckets(core.seq_buckets), min(len(owners), core.max_num_seqs))
+        sampling = dev.sampling()
         t0 = time.perf_counter()
-        engine.state, engine.kv, engine.tokens, out = self.loop(
-            engine.params, engine.state, engine.kv, engine.tokens, engine._slot_sampling_dev,
-            self._stop_ids(engine), np.int32(self.steps_per_call), np.bool_(bool(engine._queue)),
+        dev.state, dev.kv, dev.tokens, out = self.loop(
+            core.params, dev.state, dev.kv, dev.tokens, sampling,
+            self.stop_ids(core), np.int32(self.steps_per_call), np.bool_(bool(core.book.queue)),
             num_seqs=s_b,
         )  # fmt: skip
         want_top = any(seq.logprobs is not None for _, seq in owners.values())
@@ -388,7 +379,7 @@ class MultiStepDecoder:
             out = out._replace(top_ids=None, top_logprobs=None)
         return _Pending(owners, out, want_top, t0)
 
-    def _finish(self, engine: LLMEngine, pending: _Pending) -> list[RequestOutput] | None:
+    def _finish(self, core: EngineCore, pending: _Pending) -> list[RequestOutput] | None:
         """Wait for a dispatched loop, maybe dispatch the next (pipelining), then read
         its results (one transfer) and replay them on the host."""
         head = jax.device_get((pending.out.num_iters, pending.out.exit_reason))  # waits
@@ -396,10 +387,10 @@ class MultiStepDecoder:
         if (
             code == EXIT_DONE
             and self.pipeline
-            and not engine._queue
-            and self.ineligible(engine) is None
+            and not core.book.queue
+            and self.ineligible(core) is None
         ):
-            self._inflight = self._dispatch(engine)
+            self._inflight = self._dispatch(core)
             self.stats.pipelined += 1
         got = jax.device_get(pending.out)  # one transfer of all K x S results
         self.last_loop_seconds = time.perf_counter() - pending.t0
@@ -410,10 +401,10 @@ class MultiStepDecoder:
         self.stats.iterations += n_it
         reason = EXIT_NAMES[code]
         self.stats.exits[reason] = self.stats.exits.get(reason, 0) + 1
-        return self._emit(engine, pending.owners, got, n_it, pending.want_top)
+        return self._emit(core, pending.owners, got, n_it, pending.want_top)
 
     def _emit(
-        self, engine: LLMEngine, owners: dict, got: LoopOutput, n_it: int, want_top: bool
+        self, core: EngineCore, owners: dict, got: LoopOutput, n_it: int, want_top: bool
     ) -> list[RequestOutput]:
         """Replay the loop's iterations on the host, in order, as ``_run`` does for one.
 
@@ -421,18 +412,12 @@ class MultiStepDecoder:
         (possible with pipelining) is skipped; its slot may already serve another one."""
         touched: dict[str, Any] = {}
         finished: list[tuple[int, Any]] = []
-        b = engine.block_size
-
-        def live(req: Any) -> bool:
-            return engine._requests.get(req.request_id) is req
+        b = core.block_size
+        book = core.book
+        live = book.is_live
 
         for j in range(n_it):
-            used, unshared = int(got.used[j]), int(got.unshared[j])
-            if unshared > 0:
-                engine._sharing_steps += 1
-                engine._saved_frac_sum += 1.0 - used / unshared
-                engine._used_sum += used
-                engine._unshared_sum += unshared
+            core.sharing.record_usage(int(got.used[j]), int(got.unshared[j]))
             for r in np.flatnonzero(got.seq_ids[j] >= 0):
                 slot = int(got.seq_ids[j, r])
                 req, seq = owners[slot]
@@ -450,32 +435,32 @@ class MultiStepDecoder:
                 if blk >= 0:  # the block ending at position start_pos is now cached
                     hi = int(got.start_pos[j, r]) // b + 1
                     extend_hashes(seq.hashes, req.prompt_token_ids + seq.detok.ids, b, hi)
-                    engine.prefix_index.record(seq.hashes[hi - 1 : hi], [blk])
+                    core.prefix_index.record(seq.hashes[hi - 1 : hi], [blk])
                 if seq.record(
-                    int(got.token_ids[j, r]), float(got.logprobs[j, r]), top, engine._eos
+                    int(got.token_ids[j, r]), float(got.logprobs[j, r]), top, book.eos
                 ):
                     finished.append((slot, seq))
                 touched[req.request_id] = req
-        engine.num_steps += n_it
-        recycle_mask = np.zeros(engine.max_seqs, bool)
+        core.num_steps += n_it
+        recycle_mask = np.zeros(core.max_seqs, bool)
         for slot, _ in finished:
             recycle_mask[slot] = True
         for slot, (req, seq) in owners.items():
             # Cross-check: the device finished exactly the sequences the host did.
-            current = engine._slot_owner.get(slot)
+            current = book.slot_owner.get(slot)
             if live(req) and current is not None and current[1] is seq:
                 if recycle_mask[slot] != (got.status[slot] == FINISHED):
                     raise RuntimeError(
                         f"multi-step: host and device disagree on whether slot {slot} finished"
                     )
         if recycle_mask.any():
-            engine.state = self.recycle(engine.state, recycle_mask)
+            core.device.state = self.recycle(core.device.state, recycle_mask)
             for _, seq in finished:
-                engine._release_slot(seq)
+                book.release_slot(seq)
         outputs = [req.output() for req in touched.values()]
         for o in outputs:
             if o.finished:
-                del engine._requests[o.request_id]
+                book.retire(o.request_id)
         return outputs
 
     def reset_stats(self) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -94,6 +96,35 @@ class RequestState:
     # Beam search (engine/beams.py): the host picks every step's tokens, so the K-step
     # decode loop must not run while such a request holds slots.
     host_driven: bool = False
+
+    @classmethod
+    def new(
+        cls,
+        request_id: str,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        target: int,
+        tokenizer: Any,
+        next_arrival: Callable[[], int],
+    ) -> RequestState:
+        """A request of ``params.n`` samples, each with its detokenizer and FCFS key
+        (``next_arrival()``), finishing by length at ``target`` output tokens."""
+        req = cls(request_id, text, ids)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
+            req.num_prompt_logprobs = params.prompt_logprobs
+        for i in range(params.n):
+            seq = SequenceState(
+                index=i,
+                params=params,
+                detok=IncrementalDetokenizer(tokenizer, params.stop),
+                target=target,
+                arrival=next_arrival(),
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            req.seqs.append(seq)
+        return req
 
     @property
     def finished(self) -> bool:

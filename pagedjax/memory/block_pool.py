@@ -119,6 +119,16 @@ def _push_back(pool: BlockPool, block: jax.Array, do: jax.Array | bool = True) -
     )
 
 
+def acquire_ref(pool: BlockPool, block: jax.Array) -> BlockPool:
+    """One more reference to ``block`` (a traced int32 scalar): a freed block (refcount 0,
+    still on the free list with its contents, e.g. a cached prefix block) is taken off
+    the free list in O(1); a live one is shared. The caller has checked that the block
+    holds what it wants (``prefix_cache.match``)."""
+    rc = jax.lax.optimization_barrier(_get(pool.refcount, block))
+    pool = _unlink(pool, block, rc == 0)
+    return pool._replace(refcount=_set(pool.refcount, block, rc + 1))
+
+
 def free_list(pool: BlockPool) -> list[int]:
     """The free list head to tail, as Python ints (host-side; for tests and debugging)."""
     nxt = jax.device_get(pool.next_free).tolist()

@@ -101,10 +101,7 @@ def acquire(pool: BlockPool, blocks: jax.Array, count: jax.Array) -> BlockPool:
     freed one from the free list (O(1)), or share a live one."""
 
     def body(i, pool):
-        b = bp._get(blocks, i)
-        rc = jax.lax.optimization_barrier(bp._get(pool.refcount, b))
-        pool = bp._unlink(pool, b, rc == 0)
-        return pool._replace(refcount=bp._set(pool.refcount, b, rc + 1))
+        return bp.acquire_ref(pool, jax.lax.dynamic_index_in_dim(blocks, i, keepdims=False))
 
     return jax.lax.fori_loop(0, count, body, pool)
 

@@ -1,7 +1,7 @@
 """Workloads: synthetic ShareGPT/Alpaca lengths, arrival processes, dataset and trace loaders."""
 
 from pagedjax.workloads.arrivals import arrival_times, arrivals_until, interarrival_gaps
-from pagedjax.workloads.azure import DEFAULT_AZURE_CONV_PATH, load_azure_conv
+from pagedjax.workloads.azure import DEFAULT_AZURE_CONV_PATH, load_azure_conv, load_trace
 from pagedjax.workloads.builder import make_workload
 from pagedjax.workloads.lengths import LENGTH_SPECS, calibrate_mu, sample_lengths, valid_pairs
 from pagedjax.workloads.record import Workload
@@ -18,6 +18,7 @@ __all__ = [
     "interarrival_gaps",
     "load_azure_conv",
     "load_sharegpt",
+    "load_trace",
     "make_workload",
     "sample_lengths",
     "valid_pairs",

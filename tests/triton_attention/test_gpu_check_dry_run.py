@@ -1,4 +1,4 @@
-"""python -m pallas_kernels.gpu_check --dry-run: every part at a tiny size on the CPU
+"""python -m pagedjax.gpu_check --dry-run: every part at a tiny size on the CPU
 (Triton and Mosaic GPU kernels in their interpreters, the engine parts on tiny-llama), so
 the script that will run on a GPU cannot rot unseen.
 
@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 def _dry_run(tmp_path, env, *only: str) -> str:
     out = tmp_path / "report.md"
-    argv = [sys.executable, "-m", "pallas_kernels.gpu_check", "--dry-run", "--out", str(out)]
+    argv = [sys.executable, "-m", "pagedjax.gpu_check", "--dry-run", "--out", str(out)]
     if only:
         argv += ["--only", *only]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import types
 
-from pallas_kernels import gpu_check
+from pagedjax import gpu_check
 
 
 def test_gpu_plan_fits_eight_minutes_and_has_every_part(monkeypatch):

@@ -1,7 +1,7 @@
 """Each kernel compiled for sm_80 and sm_90 with Triton's own compiler on the CPU (through
 PTX to cubin with the ptxas in the triton wheel), in a subprocess with TRITON_INTERPRET
 unset. Catches kernels that do not compile or overflow shared memory at compile time; run
-time behaviour on a GPU is the GPU check's job (python -m pallas_kernels.gpu_check)."""
+time behaviour on a GPU is the GPU check's job (python -m pagedjax.gpu_check)."""
 
 from __future__ import annotations
 

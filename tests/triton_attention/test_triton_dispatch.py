@@ -10,9 +10,9 @@ import types
 
 import pytest
 
+from pagedjax.attention import select_attention_backend
 from pagedjax.config import ConfigError, EngineConfig, load_dataclass
 from pallas_kernels import parity
-from pallas_kernels.dispatch import select_attention_backend
 
 A100 = types.SimpleNamespace(
     platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100-SXM4-80GB"
@@ -43,14 +43,14 @@ def test_triton_needs_jax_triton(monkeypatch):
 def test_explicit_triton_warns_without_a_parity_run(fake_jax_triton, caplog, monkeypatch):
     from pallas_kernels.triton import jax_binding
 
-    with caplog.at_level(logging.WARNING, logger="pallas_kernels.dispatch"):
+    with caplog.at_level(logging.WARNING, logger="pagedjax.attention.backends"):
         b = select_attention_backend("triton", device=A100)
     assert b.name == "triton" and b.ragged_paged_attention is jax_binding.ragged_paged_attention
     assert "no parity run" in b.reason and "A100" in b.reason
     assert any("no committed parity run" in r.getMessage() for r in caplog.records)
     monkeypatch.setitem(parity.TRITON_PARITY_REPORTS, A100.device_kind, "docs/gpu_check_x.md")
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="pallas_kernels.dispatch"):
+    with caplog.at_level(logging.WARNING, logger="pagedjax.attention.backends"):
         b = select_attention_backend("triton", device=A100)
     assert "docs/gpu_check_x.md" in b.reason and not caplog.records
 

@@ -1,18 +1,24 @@
-"""Backend switch: the Pallas Mosaic GPU kernels, the native CPU kernel or the XLA reference.
+"""Backend switch: the XLA reference, the native CPU kernel or the Pallas Mosaic GPU kernels.
+
+Why here and not in ``pallas_kernels/``: choosing among pagedjax's implementations is
+pagedjax's decision, and ``pallas_kernels`` is the leaf package that imports nothing from
+``pagedjax`` (it only states its own facts, e.g. ``pallas_kernels.parity``). Imports run
+one way: ``pagedjax.attention`` may call the kernels, never the reverse.
 
 ``select_attention_backend("auto")`` picks the Pallas kernels only on a Hopper GPU *and*
 once an H200 parity run is committed (``pallas_kernels.parity``): untested kernels must
 never be chosen silently. On the CPU it picks the native kernel
 (``pagedjax.attention.native_cpu``, tested against the reference) when it builds. The
-reference comes from ``pagedjax.attention`` when importable (imported
-lazily, so this package never pulls in flax), else from ``pallas_kernels.reference``; a
-caller may pass its own.
+reference is ``pagedjax.attention.reference``; a caller may pass its own.
+
+Adding a backend is one more name in ``BACKEND_NAMES`` and one more branch below that
+returns an ``AttentionBackend`` with the same calling convention (the stacked pool plus a
+layer index, see docs/layer_loop.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import importlib.util
 import logging
 from collections.abc import Callable
@@ -23,6 +29,7 @@ import jax
 from pallas_kernels import parity
 
 BackendName = Literal["reference", "pallas", "native_cpu", "triton", "auto"]
+BACKEND_NAMES: tuple[str, ...] = ("reference", "pallas", "native_cpu", "triton", "auto")
 log = logging.getLogger(__name__)
 
 
@@ -44,30 +51,6 @@ def is_hopper(device: Any | None = None) -> bool:
     return str(getattr(device, "compute_capability", "")).startswith("9")
 
 
-def _reference_attention() -> tuple[Callable[..., jax.Array], Callable[..., jax.Array] | None]:
-    try:
-        mod = importlib.import_module("pagedjax.attention")
-        ragged = getattr(mod, "ragged_paged_attention", None)
-        if ragged is not None:
-            return ragged, getattr(mod, "paged_decode_attention", None)
-    except ImportError:
-        pass
-    from pallas_kernels import reference
-
-    return (
-        reference.ragged_paged_attention_reference,
-        reference.paged_decode_attention_reference,
-    )
-
-
-def _native_cpu_available() -> tuple[bool, str]:
-    try:
-        from pagedjax.attention import native_cpu
-    except ImportError as e:  # e.g. the torch/flax-free kernel-test venv
-        return False, f"native kernel not importable: {e}"
-    return native_cpu.available()
-
-
 def select_attention_backend(
     name: BackendName = "auto",
     *,
@@ -77,16 +60,17 @@ def select_attention_backend(
     """Returns the attention backend for ``name`` ("reference", "pallas", "native_cpu",
     "triton" or "auto").
 
-    ``reference``: the ragged reference callable to use instead of the lazily imported
-    one. "pallas" is returned even off-GPU (for interpret-mode runs); "auto" returns it
-    only on Hopper with ``parity.H200_PARITY_VERIFIED``, and "native_cpu" on a CPU where
-    that kernel builds. "native_cpu" itself runs the XLA reference for inputs it does not
-    take (not fp32, not on the CPU, no compiler). "triton" (the Triton-language kernels
-    through jax-triton, any CUDA GPU from sm_80) is only ever chosen explicitly: it needs
-    a CUDA GPU and jax-triton, and logs a warning unless a parity run on that GPU model is
-    committed (``parity.TRITON_PARITY_REPORTS``).
+    ``reference``: the ragged reference callable to use instead of
+    ``pagedjax.attention.reference``. "pallas" is returned even off-GPU (for interpret-mode
+    runs); "auto" returns it only on Hopper with ``parity.H200_PARITY_VERIFIED``, and
+    "native_cpu" on a CPU where that kernel builds. "native_cpu" itself runs the XLA
+    reference for inputs it does not take (not fp32, not on the CPU, no compiler).
+    "triton" (the Triton-language kernels through jax-triton, any CUDA GPU from sm_80) is
+    only ever chosen explicitly: it needs a CUDA GPU and jax-triton, and logs a warning
+    unless a parity run on that GPU model is committed (``parity.TRITON_PARITY_REPORTS``).
+    Raises ValueError for any other name.
     """
-    if name not in ("reference", "pallas", "native_cpu", "triton", "auto"):
+    if name not in BACKEND_NAMES:
         raise ValueError(
             "backend must be 'reference', 'pallas', 'native_cpu', 'triton' or 'auto',"
             f" got {name!r}"
@@ -96,7 +80,10 @@ def select_attention_backend(
         return _triton_backend(device)
     if name == "auto":
         if device.platform == "cpu" and reference is None:
-            ok, why = _native_cpu_available()
+            # Imported here: building the native kernel's wrapper is only needed on a CPU.
+            from pagedjax.attention import native_cpu
+
+            ok, why = native_cpu.available()
             name = "native_cpu" if ok else "reference"
             reason = f"auto: CPU, native kernel {why}" if ok else f"auto: CPU, {why}"
         elif not parity.H200_PARITY_VERIFIED:
@@ -120,9 +107,11 @@ def select_attention_backend(
             paged_attention.paged_decode_attention,
             reason,
         )
-    ragged, decode = _reference_attention()
+    from pagedjax.attention import reference as xla_reference
+
+    ragged, decode = xla_reference.ragged_paged_attention, None
     if reference is not None:
-        ragged, decode = reference, None
+        ragged = reference
     return AttentionBackend("reference", ragged, decode, reason)
 
 
@@ -144,11 +133,17 @@ def _triton_backend(device: Any) -> AttentionBackend:
         reason = f"requested; no parity run of the Triton kernels on {kind} is committed"
         log.warning(
             "attention backend 'triton' on %s: no committed parity run for this GPU"
-            " (python -m pallas_kernels.gpu_check; docs/kernels.md)", kind,
+            " (python -m pagedjax.gpu_check; docs/kernels.md)", kind,
         )  # fmt: skip
     else:
         reason = f"requested; parity on {kind} in {report}"
     return AttentionBackend("triton", jax_binding.ragged_paged_attention, None, reason)
 
 
-__all__ = ["AttentionBackend", "is_hopper", "select_attention_backend"]
+__all__ = [
+    "BACKEND_NAMES",
+    "AttentionBackend",
+    "BackendName",
+    "is_hopper",
+    "select_attention_backend",
+]

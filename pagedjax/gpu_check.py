@@ -1,7 +1,7 @@
 """One GPU check of the paged attention kernels and the engine, writing one dated report.
 
-    python -m pallas_kernels.gpu_check                          # one CUDA GPU, < 8 minutes
-    python -m pallas_kernels.gpu_check --dry-run --out r.md     # CPU, every part tiny
+    python -m pagedjax.gpu_check                          # one CUDA GPU, < 8 minutes
+    python -m pagedjax.gpu_check --dry-run --out r.md     # CPU, every part tiny
 
 Parts, each in its own process under its own timeout (a hung compile or kernel loses that
 part only; the output printed before a timeout is kept):
@@ -70,7 +70,7 @@ def _is_hopper() -> bool:
 
 def plan_parts(dry_run: bool, on_gpu: bool, hopper: bool) -> list[Part]:
     py = sys.executable
-    me = [py, "-m", "pallas_kernels.gpu_check"]
+    me = [py, "-m", "pagedjax.gpu_check"]
     dry = ["--dry-run"] if dry_run else []
     triton_jax = on_gpu and _triton_jax_available()
     if dry_run:
@@ -174,7 +174,7 @@ def write_report(
     lines = [
         f"# GPU check, {now:%Y-%m-%d %H:%M} UTC" + (" (DRY RUN on CPU)" if dry_run else ""),
         "",
-        f"Command: `python -m pallas_kernels.gpu_check {' '.join(argv)}`".rstrip()
+        f"Command: `python -m pagedjax.gpu_check {' '.join(argv)}`".rstrip()
         + f" at commit {_git_commit()}.",
         "",
         "This report sets nothing verified. After reading it, a person may commit"
@@ -313,7 +313,7 @@ def _jax_backends(dry_run: bool) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.dispatch import select_attention_backend
+    from pagedjax.attention import select_attention_backend
 
     on_gpu = jax.devices()[0].platform == "gpu"
     backends: dict[str, Any] = {}
@@ -501,8 +501,8 @@ def _bench_row(
     import jax
     import jax.numpy as jnp
 
+    from pagedjax.attention import select_attention_backend
     from pallas_kernels import bench
-    from pallas_kernels.dispatch import select_attention_backend
 
     on_gpu = jax.devices()[0].platform == "gpu"
     row: dict[str, str] = {"shape": shape.name}

@@ -1,0 +1,137 @@
+"""Admission: queued sequences into slots, prefix-cache lookups, forks of n > 1 samples.
+
+Host-driven changes of the engine core between model steps (``core.EngineCore``): each
+function reads the host bookkeeping (``RequestBook``), makes one jitted call on the
+device state (``DeviceState``) for all the slots it changes, and updates the prefix
+cache's host hint. docs/engine.md ("Block sharing") gives the reasons.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from pagedjax.engine.block_hashes import extend_hashes
+from pagedjax.engine.core import EngineCore
+from pagedjax.engine.sequence import RequestState, SequenceState
+from pagedjax.memory.block_pool import NULL_BLOCK
+
+
+def assign_slots(core: EngineCore) -> None:
+    """Give queued sequences free slots (FCFS), register them with the scheduler, then
+    (prefix caching) attach cached prefixes to them and to re-waiting preempted slots."""
+    book = core.book
+    new: list[int] = []
+    if book.queue and book.free_slots:
+        n = core.max_seqs
+        slot_ids = np.zeros(n, np.int32)
+        prompt_lens = np.ones(n, np.int32)
+        max_tokens = np.ones(n, np.int32)
+        arrivals = np.zeros(n, np.int32)
+        groups = np.zeros(n, np.int32)
+        mask = np.zeros(n, bool)
+        k = 0
+        while book.queue and book.free_slots:
+            req, seq = book.queue.popleft()
+            slot = core.take_slot(req, seq)
+            slot_ids[k], prompt_lens[k], max_tokens[k] = (
+                slot,
+                len(req.prompt_token_ids),
+                seq.target,
+            )
+            arrivals[k], mask[k] = seq.arrival, True
+            groups[k] = req.seqs[0].arrival  # unique among live groups
+            new.append(slot)
+            k += 1
+        core.device.mark_sampling_stale()
+        final = prompt_lens + max_tokens
+        core.device.add_requests(
+            slot_ids, prompt_lens, max_tokens, final, arrivals, mask, groups
+        )
+    if core.enable_prefix_caching:
+        if book.swapped_slots:
+            # No admission while a group is swapped out: a lookup now would hold
+            # cached blocks for a sequence that cannot run. Look up later.
+            book.relookup.update(new)
+            return
+        lookup = new + sorted(s for s in book.relookup if s in book.slot_owner)
+        book.relookup.clear()
+        if lookup:
+            lookup_prefixes(core, lookup)
+
+
+def lookup_prefixes(core: EngineCore, slots: list[int]) -> None:
+    """Prefix-cache lookup for WAITING slots with empty tables (docs/engine.md):
+    the host proposes hinted blocks, the device verifies, acquires and attaches them,
+    and sets num_computed to the hit, before ``schedule`` sees the slots."""
+    n, m, b = core.max_seqs, core.max_blocks_per_seq, core.block_size
+    slot_arr = np.zeros(n, np.int32)
+    cand = np.full((n, m), NULL_BLOCK, np.int32)
+    mask = np.zeros(n, bool)
+    props = []
+    for k, slot in enumerate(slots):
+        req, seq = core.book.owner(slot)
+        ids = req.prompt_token_ids + seq.detok.ids
+        extend_hashes(seq.hashes, ids, b, len(ids) // b)
+        hashes = seq.hashes[: len(ids) // b]
+        prop = core.prefix_index.propose(hashes)
+        slot_arr[k], mask[k] = slot, True
+        cand[k, : len(prop)] = prop
+        props.append((hashes, len(prop), len(ids)))
+    verified, used = core.device.attach_hits(slot_arr, cand, mask)
+    verified, used = jax.device_get((verified, used))
+    counters = core.sharing
+    for k, (hashes, proposed, total) in enumerate(props):
+        hit = int(verified[k])
+        if hit < proposed:
+            core.prefix_index.forget(hashes[hit:proposed])
+        core.prefix_index.count(proposed, hit)
+        counters.lookup_tokens += total
+        counters.hit_tokens += int(used[k]) * b
+
+
+def fork_samples(core: EngineCore, req: RequestState, parent: SequenceState) -> int:
+    """Sample 0's prompt is computed (it just sampled its first token): give samples
+    1..n-1 slots sharing its prompt blocks. Samples that find no free slot now wait in
+    the host queue (front) as independent sequences (prefix caching may still share).
+    Returns the number of samples forked."""
+    n = core.max_seqs
+    children = np.zeros(n, np.int32)
+    mask = np.zeros(n, bool)
+    max_tokens = np.ones(n, np.int32)
+    arrivals = np.zeros(n, np.int32)
+    k = 0
+    leftover = []
+    for seq in req.pending:
+        if not core.book.free_slots:
+            leftover.append(seq)
+            continue
+        slot = core.take_slot(req, seq)
+        children[k], mask[k], max_tokens[k], arrivals[k] = slot, True, seq.target, seq.arrival
+        seq.hashes = list(parent.hashes)  # the shared prompt blocks' hashes
+        k += 1
+    req.pending = []
+    core.book.requeue_front(req, leftover)
+    if k:
+        core.device.fork(np.int32(parent.slot), children, mask, max_tokens, arrivals)
+    return k
+
+
+def register_blocks(core: EngineCore, batch: Any, host: dict, owners: list) -> None:
+    """The step wrote the KV of its rows' tokens: mark the blocks it filled cached on
+    device, and record their hashes -> block ids in the host hint."""
+    core.device.register_step(batch.seq_ids, batch.start_pos, batch.q_lens)
+    b = core.block_size
+    for r, (req, seq) in enumerate(owners):
+        start, q = int(host["start_pos"][r]), int(host["q_lens"][r])
+        lo, hi = start // b, (start + q) // b
+        if hi <= lo:
+            continue
+        extend_hashes(seq.hashes, req.prompt_token_ids + seq.detok.ids, b, hi)
+        blocks = host["tables"][int(host["seq_ids"][r])]
+        core.prefix_index.record(seq.hashes[lo:hi], [int(x) for x in blocks[lo:hi]])
+
+
+__all__ = ["assign_slots", "fork_samples", "lookup_prefixes", "register_blocks"]

@@ -1,0 +1,114 @@
+"""The engine core: what one iteration reads and writes, shared by every way to run one.
+
+Four modules drive iterations of the same engine: the one-step path (``llm_engine``),
+the K-step decode loop (``multi_step``), warm-up (``warmup``) and beam search
+(``beams``). They share this object, not each other's private members: the device state
+(``DeviceState``: scheduler state, KV pool, token buffer, sampling rows), the host
+bookkeeping (``RequestBook``: requests, queue, slot owners), the model runner and the
+prefix-cache hint, plus the engine's fixed sizes and the counters a step adds to.
+``LLMEngine`` builds one and is the public API over it; the layering inside
+``pagedjax/engine/`` runs llm_engine / beams -> multi_step, warmup -> core ->
+device_state, request_book (tests/test_import_layers.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pagedjax.engine.device_state import DeviceState
+from pagedjax.engine.request_book import RequestBook
+from pagedjax.engine.sequence import RequestState, SequenceState
+from pagedjax.memory.prefix_cache import PrefixIndex
+
+
+@dataclass
+class SharingCounters:
+    """Block-sharing and prefix-cache counters since the last reset (``LLMEngine.stats``).
+
+    steps: iterations in which some sequence held blocks; saved_frac_sum: sum over them
+    of 1 - used / unshared; used_sum, unshared_sum: the sums of both; lookup_tokens,
+    hit_tokens: tokens looked up in / reused from the prefix cache.
+    """
+
+    steps: int = 0
+    saved_frac_sum: float = 0.0
+    used_sum: int = 0
+    unshared_sum: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+
+    def record_usage(self, used: int, unshared: int) -> None:
+        """One iteration's blocks referenced (used) and blocks without sharing."""
+        if unshared > 0:
+            self.steps += 1
+            self.saved_frac_sum += 1.0 - used / unshared
+            self.used_sum += used
+            self.unshared_sum += unshared
+
+
+@dataclass
+class EngineCore:
+    """See the module docstring. Sizes are fixed at construction; ``params`` may be
+    replaced (same tree structure and shapes) between steps."""
+
+    params: Any
+    runner: Any  # model_runner.ModelRunner
+    device: DeviceState
+    book: RequestBook
+    prefix_index: PrefixIndex
+    block_size: int
+    max_seqs: int  # scheduler slots
+    max_num_seqs: int  # most sequences in one step
+    max_model_len: int
+    max_blocks_per_seq: int
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    enable_prefix_caching: bool
+    sharing: SharingCounters = field(default_factory=SharingCounters)
+    num_steps: int = 0  # engine iterations run (one-step path and decode loop)
+
+    def take_slot(self, req: RequestState, seq: SequenceState) -> int:
+        """Bind a free slot to seq: owner, token-buffer row (prompt + any output kept for
+        a recompute) and sampling row. Returns the slot."""
+        slot = self.book.bind_slot(req, seq)
+        ids = req.prompt_token_ids + seq.detok.ids
+        row = np.zeros(self.max_model_len, np.int32)
+        row[: len(ids)] = ids
+        self.device.set_token_row(np.int32(slot), row)
+        self.device.set_sampling_row(slot, seq.params, seq.index, len(seq.detok.ids))
+        return slot
+
+    def release_finished(self, recycle_mask: np.ndarray) -> None:
+        """Free the host side of the slots the device recycled."""
+        for slot in np.flatnonzero(recycle_mask):
+            self.book.release_slot(self.book.owner(int(slot))[1])
+
+
+class CoreView:
+    """A read-write attribute of the engine that is its core's ``core.<path>`` (e.g.
+    ``LLMEngine.kv`` is ``engine.core.device.kv``): one copy of each piece of state, and
+    the engine's public attribute names stay as they were."""
+
+    def __init__(self, path: str, doc: str = ""):
+        self.path = path.split(".")
+        self.__doc__ = doc or f"The engine core's ``{path}``."
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        x = obj.core
+        for name in self.path:
+            x = getattr(x, name)
+        return x
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        x = obj.core
+        for name in self.path[:-1]:
+            x = getattr(x, name)
+        setattr(x, self.path[-1], value)
+
+
+__all__ = ["CoreView", "EngineCore", "SharingCounters"]

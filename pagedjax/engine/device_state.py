@@ -1,0 +1,221 @@
+"""The engine's device state: scheduler state, KV pool, token buffer, sampling rows.
+
+Everything a step's device programs read and write, and the small jitted functions
+that change it between model steps (admission, abort, update + recycle, prefix-cache
+attach and register, fork of n > 1 samples, token-row writes). Each method runs one
+jitted dispatch and keeps the result, so callers never hold a stale copy of a donated
+buffer: read ``state``, ``kv`` and ``tokens`` after the call, never before it.
+
+Arrays (shapes are the contract, docs/engine.md):
+
+- ``state``: the scheduler's ``SchedulerState`` (block pool, block tables, lengths).
+- ``kv``: (k, v), each [num_layers, num_blocks, num_kv_heads, block_size, head_dim].
+- ``tokens``: int32[max_seqs, max_model_len], prompt + output ids per slot; the model
+  reads its inputs here, so the host never uploads a batch.
+- ``host_kv``: numpy (k, v) of [num_layers, num_host_blocks + 1, ...], the swap pool
+  (block 0 is its null block).
+- sampling rows: a host mirror (numpy, one row per slot) uploaded as one
+  ``SamplingTensors`` only when a row changed since the last upload.
+
+Argument types are passed through unchanged (numpy stays numpy): jit caches by them, and
+warm-up (``warmup.py``) compiles exactly the signatures the engine later uses.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pagedjax.engine import sharing
+from pagedjax.engine.model_runner import gather_blocks, jitted_update, scatter_blocks
+from pagedjax.sampling import SamplingParams, SamplingTensors
+from pagedjax.scheduler import (
+    ScheduledBatch,
+    SwapPlan,
+    abort,
+    add_requests,
+    init_state,
+    recycle,
+    schedule,
+)
+
+
+class DeviceState:
+    """Device arrays of one engine and the jitted functions over them.
+
+    policy, sched_config: the memory policy and scheduler config the state follows.
+    kv: the allocated pool. max_model_len: the token buffer's width. num_host_blocks:
+    swap pool size (0: none).
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        sched_config: Any,
+        kv: Any,
+        *,
+        max_model_len: int,
+        num_host_blocks: int,
+    ):
+        n = sched_config.max_seqs
+        self.max_seqs = n
+        self.block_size = bs = policy.block_size
+        self.state = init_state(policy, n)
+        self.kv = kv
+        self.tokens = jnp.zeros((n, max_model_len), jnp.int32)
+        self.host_kv = tuple(
+            np.zeros((p.shape[0], num_host_blocks + 1, *p.shape[2:]), p.dtype) for p in kv
+        )
+        # Public: experiments wrap it to record each step's batch (real_serving.py).
+        self.schedule_fn = jax.jit(functools.partial(schedule, policy, sched_config))
+        # A partial of its own: jit shares one cache between wrappers of the same function,
+        # and stats()["compilations"] counts this engine's entries only.
+        self._add = jax.jit(functools.partial(add_requests))
+        self._post = jitted_update(policy, sched_config)
+        self._abort = jax.jit(
+            lambda s, ids, m: recycle(abort(policy, s, ids, m), ids, m), donate_argnums=(0,)
+        )
+        self._set_row = jax.jit(lambda buf, slot, row: buf.at[slot].set(row), donate_argnums=(0,))
+        self._attach = jax.jit(functools.partial(sharing.attach_hits, bs), donate_argnums=(0,))
+        self._register = jax.jit(functools.partial(sharing.register_step, bs), donate_argnums=(0,))
+        self._fork = jax.jit(functools.partial(sharing.fork_children, bs), donate_argnums=(0,))
+        self._usage = jax.jit(functools.partial(sharing.sharing_usage, bs))
+        self._rows = {
+            k: np.array(v) for k, v in SamplingTensors.from_params([], n)._asdict().items()
+        }
+        self._rows_dev: SamplingTensors | None = None
+
+    def jits(self) -> dict[str, Any]:
+        """The jitted functions by name (each has ``_cache_size()``: compile counting)."""
+        return dict(
+            schedule=self.schedule_fn,
+            update=self._post,
+            add_requests=self._add,
+            abort=self._abort,
+            set_row=self._set_row,
+            attach_hits=self._attach,
+            register_step=self._register,
+            fork=self._fork,
+            sharing_usage=self._usage,
+        )
+
+    # ------------------------------------------------------------------ scheduler state
+
+    def schedule(self) -> ScheduledBatch:
+        """One ``schedule``: the state advances, the step's batch is returned."""
+        self.state, batch = self.schedule_fn(self.state)
+        return batch
+
+    def preview_schedule(self) -> tuple[Any, ScheduledBatch]:
+        """What ``schedule`` would return, the state left as it is (not donated)."""
+        return self.schedule_fn(self.state)
+
+    def usage(self) -> tuple[jax.Array, jax.Array]:
+        """(blocks referenced, blocks without sharing) of the current state, on device."""
+        return self._usage(self.state)
+
+    def add_requests(self, *arrays: Any) -> None:
+        """``scheduler.add_requests`` on the state: (slot_ids, prompt_lens, max_tokens,
+        final_lens, arrivals, mask, groups), each [max_seqs]."""
+        self.state = self._add(self.state, *arrays)
+
+    def abort(self, ids: Any, mask: Any) -> None:
+        """Abort and recycle the masked slots: their blocks return to the pool now."""
+        self.state = self._abort(self.state, ids, mask)
+
+    def update(self, batch: ScheduledBatch, finished: Any, recycle_mask: Any) -> None:
+        """``update`` (stop mask over the batch rows) then ``recycle`` of the masked slots."""
+        self.state = self._post(self.state, batch, finished, recycle_mask)
+
+    def set_token_row(self, slot: Any, row: Any) -> None:
+        """tokens[slot] = row (int32[max_model_len]); slot a numpy int32 scalar."""
+        self.tokens = self._set_row(self.tokens, slot, row)
+
+    def attach_hits(self, slots: Any, candidates: Any, mask: Any) -> tuple[Any, Any]:
+        """Prefix-cache attach (``sharing.attach_hits``); returns (verified, used) blocks
+        per row, on device."""
+        self.state, verified, used = self._attach(self.state, self.tokens, slots, candidates,
+                                                  mask)  # fmt: skip
+        return verified, used
+
+    def register_step(self, seq_ids: Any, start_pos: Any, q_lens: Any) -> None:
+        """Mark the blocks a step filled as cached (``sharing.register_step``)."""
+        self.state = self._register(self.state, self.tokens, seq_ids, start_pos, q_lens)
+
+    def fork(self, parent: Any, children: Any, mask: Any, max_tokens: Any, arrivals: Any) -> None:
+        """Masked children share the parent slot's blocks (``sharing.fork_children``)."""
+        self.state = self._fork(self.state, parent, children, mask, max_tokens, arrivals)
+
+    # ------------------------------------------------------------------ swap
+
+    def swap_out(self, plan: SwapPlan, count: int, bucket: int) -> None:
+        """Copy ``count`` blocks device -> host (``plan.out_src`` -> ``plan.out_dst``); one
+        gather of ``bucket`` >= count blocks (a padding bucket) and one transfer."""
+        pages, dst = jax.device_get((gather_blocks(self.kv, plan.out_src, k=bucket),
+                                     plan.out_dst))  # fmt: skip
+        dst = dst[:count]
+        for h, g in zip(self.host_kv, pages, strict=True):
+            h[:, dst] = g[:, :count]
+
+    def swap_in(self, plan: SwapPlan, count: int, bucket: int) -> None:
+        """Copy ``count`` blocks host -> device (``plan.in_src`` -> ``plan.in_dst``): one
+        upload of ``bucket`` pages (padding rows read the host null block), one scatter."""
+        src = np.zeros(bucket, np.int32)
+        src[:count] = jax.device_get(plan.in_src)[:count]
+        pages = tuple(h[:, src] for h in self.host_kv)
+        self.kv = scatter_blocks(self.kv, plan.in_dst, plan.num_in, jax.device_put(pages))
+
+    # ------------------------------------------------------------------ sampling rows
+
+    def sampling(self) -> SamplingTensors:
+        """The per-slot sampling tensors on device (uploaded if a row changed)."""
+        if self._rows_dev is None:
+            self._rows_dev = SamplingTensors(**{k: jnp.asarray(v) for k, v in self._rows.items()})
+        return self._rows_dev
+
+    def set_sampling_row(
+        self, slot: int, params: SamplingParams, index: int, num_output: int
+    ) -> None:
+        """The slot's row for sample ``index`` of a request, ``num_output`` tokens in."""
+        t = SamplingTensors.from_params([(params, index, num_output)], 1)
+        for name, v in t._asdict().items():
+            self._rows[name][slot] = v[0]
+        self._rows_dev = None
+
+    def copy_sampling_row(self, dst: int, src: int) -> None:
+        """Slot dst samples as slot src does (a new beam of the same group)."""
+        for v in self._rows.values():
+            v[dst] = v[src]
+        self._rows_dev = None
+
+    def set_sampling_value(self, name: str, slot: int, value: Any) -> None:
+        """One field of one row (a ``SamplingTensors`` field name)."""
+        self._rows[name][slot] = value
+        self._rows_dev = None
+
+    def mark_sampling_stale(self) -> None:
+        """Upload the rows again before the next use (slots were re-bound)."""
+        self._rows_dev = None
+
+
+def padding_bucket(n: int, limit: int) -> int:
+    """The power of two >= n, at most limit (the swap copies' padding bucket)."""
+    return min(1 << max(n - 1, 0).bit_length(), limit)
+
+
+def num_host_blocks(
+    swap_space_gib: float, bytes_per_block: int, max_useful: int, preemption_mode: str | None
+) -> int:
+    """Blocks of the host swap pool: ``swap_space`` GiB / bytes per block (all layers),
+    capped at ``max_useful`` (every slot's whole block table: more can never be used),
+    and 0 when preemption is by recompute only."""
+    if preemption_mode == "recompute":
+        return 0
+    return min(int(swap_space_gib * (1 << 30)) // bytes_per_block, max_useful)
+
+
+__all__ = ["DeviceState", "num_host_blocks", "padding_bucket"]

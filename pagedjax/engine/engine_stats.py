@@ -1,0 +1,80 @@
+"""What ``LLMEngine.stats()`` reports: sharing, prefix-cache, preemption, compile counts.
+
+Counting compilations: ``engine_compilations`` sums the jit caches of one engine's own
+functions (``engine_jits``: one entry per compiled signature); ``backend_compilations``
+counts XLA backend compilations in the whole process (a ``jax.monitoring`` listener,
+registered when this module is imported), which also catches eager ``jnp`` operations
+on the serving path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from pagedjax.engine.core import EngineCore
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_counter = {"count": 0, "seconds": 0.0}
+
+
+def _on_event_duration(event: str, duration: float, **_: Any) -> None:
+    if event == _BACKEND_COMPILE_EVENT:
+        _counter["count"] += 1
+        _counter["seconds"] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event_duration)
+
+
+def backend_compilations() -> tuple[int, float]:
+    """(XLA backend compilations in this process since pagedjax.engine was imported,
+    their total seconds)."""
+    return _counter["count"], _counter["seconds"]
+
+
+def engine_jits(core: EngineCore, decoder: Any) -> dict[str, Any]:
+    """The engine's jitted functions by name (each has ``_cache_size()``): the runner
+    step, the decode loop (``decoder``: the engine's MultiStepDecoder) and the device
+    state's small functions."""
+    return dict(
+        runner_step=core.runner.step,
+        multi_step_loop=decoder.loop,
+        multi_step_recycle=decoder.recycle,
+        **core.device.jits(),
+    )
+
+
+def engine_compilations(core: EngineCore, decoder: Any) -> int:
+    """Executables compiled for this engine's jitted functions so far."""
+    return sum(f._cache_size() for f in engine_jits(core, decoder).values())
+
+
+def engine_stats(core: EngineCore, decoder: Any, **counts: int) -> dict[str, float | int]:
+    """The ``stats()`` dict (field meanings in ``LLMEngine.stats``); ``counts``: the
+    engine's own counters (forked samples, preemptions, swapped blocks), in order."""
+    c, index = core.sharing, core.prefix_index
+    q = c.lookup_tokens
+    ms = decoder.stats
+    return dict(
+        prefix_cache_queries=index.queries,
+        prefix_cache_query_tokens=q,
+        prefix_cache_hit_tokens=c.hit_tokens,
+        prefill_tokens_saved=c.hit_tokens,
+        prefix_cache_hit_rate=c.hit_tokens / q if q else 0.0,
+        blocks_saved_by_sharing=c.saved_frac_sum / c.steps if c.steps else 0.0,
+        blocks_saved_by_sharing_total=(1.0 - c.used_sum / c.unshared_sum if c.unshared_sum
+                                       else 0.0),  # fmt: skip
+        sharing_steps=c.steps,
+        **counts,
+        compilations=engine_compilations(core, decoder),
+        xla_compilations=backend_compilations()[0],
+        multi_step_loops=ms.loops,
+        multi_step_iterations=ms.iterations,
+        multi_step_rolled_back=ms.rolled_back,
+        multi_step_pipelined=ms.pipelined,
+    )
+
+
+__all__ = ["backend_compilations", "engine_compilations", "engine_jits", "engine_stats"]

@@ -1,0 +1,234 @@
+"""The paper's named systems, cost models by name, and one call to simulate a workload.
+
+A *system* is a memory policy plus scheduler settings, run by the simulated executor
+(``simulate.simulate``) with a step-time cost model:
+
+| system | memory policy | scheduler |
+|---|---|---|
+| paged | PagedPolicy (block_size) | paper mode: FCFS, 2560 tokens, 256 seqs, 1% watermark |
+| orca_max / orca_pow2 / orca_oracle | ReservationPolicy (buddy) | the same paper mode |
+| ft_static | Orca Max reservations | static mode: batches of B = pool // max_len |
+
+The defaults describe the paper's OPT-13B on one A100-40GB (15,728 KV slots). An
+ablation outside the repository builds a system in one call and swaps one piece (a block
+size, a policy of its own, a scheduler priority) without copying this code::
+
+    import pagedjax as pj
+    w = pj.load_trace("azure.csv", end_s=300)          # any CSV with the Azure columns
+    cm = pj.make_cost_model("A100-40GB", "opt-13b")
+    for name in ("paged", "orca_max", "orca_oracle"):
+        print(name, pj.simulate_system(name, w, cost_model=cm).metrics())
+
+Every number produced here is simulated (``SIM_LABEL``); label it so where it appears.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pagedjax.memory.paged_policy import PagedPolicy
+from pagedjax.memory.reservation import ReservationPolicy
+from pagedjax.memory.static_batching import static_batch_size
+from pagedjax.scheduler import SchedulerConfig
+from pagedjax.simulator.cost_model import calibrated, model_geometry, roofline
+from pagedjax.simulator.simulate import SimResult, make_trace, simulate
+from pagedjax.workloads import Workload
+
+SIM_LABEL = "simulated"
+SYSTEMS = ("paged", "orca_max", "orca_pow2", "orca_oracle", "ft_static")
+SYSTEM_LABELS = {
+    "orca_max": "Orca (Max)",
+    "orca_pow2": "Orca (Pow2)",
+    "orca_oracle": "Orca (Oracle)",
+    "paged": "paged (vLLM)",
+    "ft_static": "FasterTransformer-like (static)",
+}
+
+
+def build_system(
+    system: str,
+    *,
+    kv_slots: int = 15728,
+    block_size: int = 16,
+    max_model_len: int = 2048,
+    slots: int = 256,
+    max_num_batched_tokens: int = 2560,
+    max_num_seqs: int = 256,
+    watermark: float = 0.01,
+    swap_space_gib: float | None = None,
+    model: str = "opt-13b",
+    tp: int = 1,
+) -> tuple[Any, SchedulerConfig]:
+    """The (memory policy, scheduler config) of a named system (``SYSTEMS``).
+
+    kv_slots: KV-cache capacity in tokens. slots: scheduler rows (waiting + running);
+    at most min(max_num_seqs, slots) run at once. block_size: the paged pool's (the
+    others ignore it). swap_space_gib (paged only): preempt by swap into a host pool of
+    that size (capped at every slot's whole block table; its bytes per block from
+    ``model`` and ``tp``) instead of by recompute. Raises ValueError for an unknown name.
+    """
+    bs, n, mlen, cap = block_size, slots, max_model_len, kv_slots
+    cfg: dict[str, Any] = dict(
+        max_seqs=n,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=min(max_num_seqs, n),
+        max_model_len=mlen,
+        mode="paper",
+    )
+    if swap_space_gib is not None and system != "paged":
+        raise ValueError(f"swap preemption is simulated for the paged system, not {system!r}")
+    if system == "paged" and swap_space_gib is not None:
+        geom = model_geometry(model, tp)
+        per_block = bs * geom.kv_bytes_per_token // geom.tp  # one GPU's share
+        host = min(int(swap_space_gib * (1 << 30)) // per_block, n * -(-mlen // bs))
+        policy: Any = PagedPolicy(
+            cap // bs + 1, bs, n, -(-mlen // bs), watermark, num_host_blocks=host
+        )
+        cfg.update(preemption_mode="swap")
+    elif system == "paged":
+        policy = PagedPolicy(cap // bs + 1, bs, n, -(-mlen // bs), watermark)
+    elif system in ("orca_max", "orca_pow2", "orca_oracle"):
+        policy = ReservationPolicy(system.split("_")[1], n, cap, mlen, watermark)
+    elif system == "ft_static":
+        b = min(static_batch_size(cap, mlen), n)
+        policy = ReservationPolicy("max", n, cap, mlen, watermark)
+        # The budget must take B whole prompts: a static batch is prefilled at once.
+        cfg.update(mode="static", static_batch_size=b, max_num_batched_tokens=b * mlen)
+    else:
+        raise ValueError(f"unknown system {system!r}; one of {SYSTEMS}")
+    return policy, SchedulerConfig(**cfg)
+
+
+def make_cost_model(
+    gpu: str = "A100-40GB",
+    model: str = "opt-13b",
+    tp: int = 1,
+    *,
+    calibration: str = "roofline",
+    step_overhead_s: float = 2e-3,
+) -> Any:
+    """The step-time model of a GPU (``cost_model.GPUS``) serving a model preset
+    (``cost_model.MODEL_PRESETS``): the plain roofline plus ``step_overhead_s`` per step,
+    or a named calibration (``cost_model.CALIBRATIONS``, e.g. "vllm2023", whose fitted
+    overhead replaces step_overhead_s). Hashable, so it is a static jit argument."""
+    if calibration != "roofline":
+        return calibrated(calibration, gpu, model, tp)
+    return roofline(gpu, model, tp, step_overhead_s=step_overhead_s)
+
+
+@dataclass
+class SystemRun:
+    """One simulated run: the workload, its SimResult (numpy) and the system's name."""
+
+    system: str
+    workload: Workload
+    result: SimResult
+
+    def metrics(self) -> dict[str, float]:
+        """Latency, throughput and completion (``latency_metrics``)."""
+        return latency_metrics(self.workload, self.result)
+
+
+def simulate_system(
+    system: str | tuple[Any, SchedulerConfig],
+    workload: Workload,
+    *,
+    cost_model: Any = None,
+    horizon_s: float | None = None,
+    window_start_s: float = 0.0,
+    pad_to: int | None = None,
+    **system_args: Any,
+) -> SystemRun:
+    """Simulate ``workload`` (arrival times, prompt and output lengths) under a system:
+    a name (built by ``build_system(system, **system_args)``) or a (memory policy,
+    SchedulerConfig) pair of one's own.
+
+    cost_model: default ``make_cost_model()`` (roofline of OPT-13B on an A100-40GB).
+    horizon_s: stop at this simulated time (default: unbounded, i.e. until every request
+    finished). window_start_s: start of the steady window the usage shares average over
+    (it ends at the last arrival). pad_to: trace length for jit (default: the next power
+    of two >= 64; runs of the same padded length and system share one compilation).
+    Requests longer than the system's max_model_len are rejected, and counted so.
+    """
+    if isinstance(system, str):
+        name = system
+        policy, config = build_system(system, **system_args)
+    else:
+        if system_args:
+            raise ValueError("system_args only apply to a named system")
+        name = type(system[0]).__name__
+        policy, config = system
+    cm = make_cost_model() if cost_model is None else cost_model
+    n = len(workload)
+    if pad_to is None:
+        pad_to = max(64, 1 << max(n - 1, 0).bit_length())
+    horizon = math.inf if horizon_s is None else horizon_s
+    trace = make_trace(workload.arrival_time, workload.prompt_len, workload.output_len,
+                       pad_to, horizon, window_start_s)  # fmt: skip
+    result = SimResult(*(np.asarray(x) for x in simulate(policy, config, cm, trace)))
+    return SystemRun(name, workload, result)
+
+
+def latency_metrics(workload: Workload, result: SimResult) -> dict[str, float]:
+    """Mean normalized latency (s/token), throughput and completion of one run.
+
+    Unfinished requests at the horizon count with their latency so far, a lower bound;
+    ``unfinished`` says how many, so an exploded point is recognisable.
+    """
+    w, r = workload, result
+    n = len(w)
+    fin = r.finish_time[:n].astype(np.float64)
+    ok = np.isfinite(fin) & ~r.rejected[:n]
+    end = np.where(np.isfinite(fin), fin, float(r.clock))
+    lat = end - w.arrival_time
+    norm = lat / w.output_len
+    first = r.first_token_time[:n].astype(np.float64)
+    ttft = (first - w.arrival_time)[np.isfinite(first)]
+    t_end = float(np.max(fin[ok])) if ok.any() else float(r.clock)
+    return {
+        "requests": n,
+        "finished": int(ok.sum()),
+        "unfinished": int(n - ok.sum() - r.rejected[:n].sum()),
+        "rejected": int(r.rejected[:n].sum()),
+        "norm_latency_s_per_token": float(np.mean(norm)) if n else math.nan,
+        "mean_latency_s": float(np.mean(lat)) if n else math.nan,
+        "mean_ttft_s": float(np.mean(ttft)) if len(ttft) else math.nan,
+        "throughput_req_s": float(ok.sum() / t_end) if t_end > 0 else math.nan,
+        "throughput_tok_s": float(w.output_len[ok].sum() / t_end) if t_end > 0 else math.nan,
+        "preemptions": int(r.num_preemptions[:n].sum()),
+        "steps": int(r.steps),
+        "sim_time_s": float(r.clock),
+    }
+
+
+def usage_pcts(result: SimResult, capacity: int) -> dict[str, float]:
+    """Fig. 2 shares (% of the pool) over the steady window, and the token share of the
+    allocated memory (pool minus external fragmentation and free)."""
+    u = result.win_usage.astype(np.float64)
+    pct = 100.0 * u / capacity
+    alloc = u[0] + u[1] + u[2]
+    return {
+        "token_states_pct": float(pct[0]),
+        "reserved_pct": float(pct[1]),
+        "internal_frag_pct": float(pct[2]),
+        "external_frag_pct": float(pct[3]),
+        "token_of_allocated_pct": float(100.0 * u[0] / alloc) if alloc > 0 else math.nan,
+        "window_s": float(result.win_time),
+    }
+
+
+__all__ = [
+    "SIM_LABEL",
+    "SYSTEMS",
+    "SYSTEM_LABELS",
+    "SystemRun",
+    "build_system",
+    "latency_metrics",
+    "make_cost_model",
+    "simulate_system",
+    "usage_pcts",
+]
