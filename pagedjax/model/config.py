@@ -337,8 +337,9 @@ def arch_from_hf_config(cfg: dict) -> ModelArch:
         query_pre_attn_scalar=(
             float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None
         ),
-        attn_soft_cap=cfg.get("attn_logit_softcapping") if gemma else None,
-        final_soft_cap=cfg.get("final_logit_softcapping") if gemma else None,
+        # HF Gemma2Config's defaults (50, 30) when absent; an explicit null turns a cap off.
+        attn_soft_cap=cfg.get("attn_logit_softcapping", 50.0) if gemma else None,
+        final_soft_cap=cfg.get("final_logit_softcapping", 30.0) if gemma else None,
         num_experts=int(cfg.get("num_local_experts", 0)) if model_type == "mixtral" else 0,
         experts_per_token=int(cfg.get("num_experts_per_tok", 2)),
     )
