@@ -9,7 +9,6 @@ import json
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from model_helpers import save_tiny_hf_model
@@ -166,9 +165,9 @@ def test_whole_engine_greedy_equals_transformers(family, hf_dirs):
         assert out.outputs[0].token_ids[:n] == ref[:n]
     assert compared >= n_new * 2, "near-ties cut the comparison short"
     assert llm.llm_engine.num_preemptions > 0, "the pool was meant to be too small"
-    sampled = llm.generate(prompts[:2], SamplingParams(n=2, temperature=1.0, max_tokens=6,
-                                                       seed=1, ignore_eos=True), use_tqdm=False)  # fmt: skip
+    sample = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=1, ignore_eos=True)
+    sampled = llm.generate(prompts[:2], sample, use_tqdm=False)
     assert [len(o.outputs) for o in sampled] == [2, 2]
-    beams = llm.beam_search([{"prompt_token_ids": prompts[0]}],
-                            BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))  # fmt: skip
+    beam = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    beams = llm.beam_search([{"prompt_token_ids": prompts[0]}], beam)
     assert len(beams[0].sequences) == 2
