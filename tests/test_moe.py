@@ -32,9 +32,9 @@ def test_route_is_a_softmax_over_the_chosen_experts():
     np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-6)
 
 
-@pytest.mark.parametrize(("tokens", "num_experts", "k"), [(13, 4, 2), (2, 8, 2), (5, 3, 1)])
+@pytest.mark.parametrize(("tokens", "num_experts", "k"), [(13, 4, 2), (3, 8, 1)])
 def test_dense_and_grouped_dispatch_agree(tokens, num_experts, k):
-    """Incl. experts no token chose (8 experts, 2 tokens) and top-1."""
+    """Incl. experts no token chose (8 experts, 3 tokens, top-1)."""
     rng = np.random.default_rng(tokens)
     x = jnp.asarray(rng.normal(0, 1, (tokens, 16)), jnp.float32)
     w1, w3, w2 = _experts(rng, num_experts, 16, 24)
