@@ -46,8 +46,34 @@ TINY_HF_CONFIGS: dict[str, tuple[str, dict]] = {
                                       max_position_embeddings=256, word_embed_proj_dim=32,
                                       do_layer_norm_before=False, tie_word_embeddings=False,
                                       bos_token_id=2, eos_token_id=2, pad_token_id=1)),
+    # GPT-NeoX: 3 heads (odd), partial rotary (4 of 16 dims), parallel residual, fused QKV.
+    "gpt_neox": ("GPTNeoXConfig", dict(vocab_size=384, hidden_size=48, intermediate_size=96,
+                                       num_hidden_layers=2, num_attention_heads=3,
+                                       rotary_pct=0.25, max_position_embeddings=256,
+                                       use_parallel_residual=True, layer_norm_eps=1e-5,
+                                       bos_token_id=0, eos_token_id=2)),
+    # Gemma 2: MQA with 3 query heads, query_pre_attn_scalar != head_dim, layer 0 sliding over 6,
+    # soft caps small enough that tanh bends (HF's 50 / 30 barely would at this scale).
+    "gemma2": ("Gemma2Config", dict(_LLAMA, hidden_size=48, num_attention_heads=3,
+                                    num_key_value_heads=1,
+                                    head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                    hidden_activation="gelu_pytorch_tanh",
+                                    tie_word_embeddings=True, pad_token_id=0)),
+    # Qwen3: GQA 6 query / 3 KV heads, q/k norms.
+    "qwen3": ("Qwen3Config", dict(_LLAMA, num_attention_heads=6, num_key_value_heads=3,
+                                  head_dim=16, rope_theta=1000000.0)),
+    # Phi-3 (4k): fused qkv_proj / gate_up_proj, GQA 6 / 2, sliding window 9 on all layers.
+    "phi3": ("Phi3Config", dict(_LLAMA, hidden_size=48, num_attention_heads=6,
+                                num_key_value_heads=2, sliding_window=9,
+                                original_max_position_embeddings=256, pad_token_id=0)),
+    # Mixtral: 4 experts, top-2, GQA 4 / 2.
+    "mixtral": ("MixtralConfig", dict(_LLAMA, num_key_value_heads=2, intermediate_size=96,
+                                      num_local_experts=4, num_experts_per_tok=2,
+                                      rope_theta=1000000.0)),
 }
 # fmt: on
+NEW_FAMILIES = ("gpt_neox", "gemma2", "qwen3", "phi3", "mixtral")
 
 
 def make_tiny_hf_model(family: str, seed: int = 0, **overrides):
@@ -70,6 +96,17 @@ def make_tiny_hf_model(family: str, seed: int = 0, **overrides):
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0.0, 0.15)
+    elif family in NEW_FAMILIES:
+        # Norm gains and biases init to constants (Gemma's (1 + w) gains to w = 0): make
+        # them random, so a swapped or ignored gain/bias shows in the logits.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.ndim > 1:
+                    continue
+                if name.endswith("bias") or family == "gemma2":
+                    p.normal_(0.0, 0.15)
+                else:
+                    p.uniform_(0.5, 1.5)
     return model.eval()
 
 

@@ -23,6 +23,13 @@ from pagedjax.simulator.cost_model import (
         ("opt-175b", 174.6, 4_718_592),
         ("llama-2-7b", 6.74, 524_288),
         ("llama-3-8b", 8.03, 131_072),
+        # Issue 23 (model cards; biases and norms excluded, < 0.1 %).
+        ("pythia-6.9b", 6.857, 524_288),
+        ("pythia-12b", 11.846, 737_280),
+        ("gemma-2-9b", 9.24, 344_064),
+        ("qwen3-8b", 8.19, 147_456),
+        ("phi-3-mini", 3.82, 393_216),
+        ("mixtral-8x7b", 46.7, 131_072),
     ],
 )
 def test_presets_match_known_sizes(name, params_b, kv_bytes):
@@ -137,3 +144,31 @@ def test_swap_time_is_copies_plus_bytes_over_pcie():
     # The same tokens in 16x smaller blocks: equal bytes, 16x the fixed copy costs.
     small, big = float(cm.swap_time(16, 1)), float(cm.swap_time(1, 16))
     assert small - big == pytest.approx(15 * 80 * cm.copy_latency_s, rel=1e-4)
+
+
+def test_moe_step_reads_only_the_experts_its_tokens_use():
+    """Mixtral-8x7B: one decode token reads 2 of 8 experts per layer (~12.9B of 46.7B
+    parameters: attention, router, LM head and 2 experts), a large batch nearly all; the
+    expected count is E * (1 - (1 - k/E)^n) under uniform routing."""
+    geom = MODEL_PRESETS["mixtral-8x7b"]
+    np.testing.assert_allclose(float(geom.expected_experts_read(1)), 2.0, rtol=1e-6)
+    np.testing.assert_allclose(float(geom.expected_experts_read(2)), 8 * (1 - 0.75**2), rtol=1e-6)
+    assert 7.99 < float(geom.expected_experts_read(64)) <= 8.0
+    one = float(geom.step_weight_bytes_read(1)) / geom.bytes_per_param / 1e9
+    assert 12.5 < one < 13.0
+    many = float(geom.step_weight_bytes_read(512))
+    assert abs(many / geom.step_weight_bytes - 1) < 1e-6
+    # FLOPs count the chosen experts only: per token 2 * (active params), not all 8 experts.
+    model = roofline("H100-80GB", "mixtral-8x7b", step_overhead_s=0.0)
+    dense_like = 2.0 * geom.num_layers * geom.layer_matmul_params
+    per_token = float(model.step_flops(1, 0, 0))  # one prompt token, no logit row
+    assert per_token < 0.35 * dense_like
+    # A decode step of one sequence is much cheaper than one reading all experts.
+    assert float(model.step_bytes(0, 1, 0)) < 0.3 * geom.step_weight_bytes
+
+
+def test_dense_model_step_bytes_unchanged_by_the_moe_accounting():
+    geom = MODEL_PRESETS["llama-2-7b"]
+    for n in (1, 7, 300):
+        assert float(geom.step_weight_bytes_read(n)) == pytest.approx(geom.step_weight_bytes)
+    assert geom.active_layer_params == geom.layer_matmul_params

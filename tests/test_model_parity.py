@@ -10,18 +10,24 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from model_helpers import PagedRunner, hf_logits, save_tiny_hf_model
+from model_helpers import NEW_FAMILIES, PagedRunner, hf_logits, save_tiny_hf_model
 
 from pagedjax.model import load_hf_checkpoint
 
 torch = pytest.importorskip("torch")
+# The models are tiny: torch's intra-op threads only add synchronization, and on a loaded
+# 2-core box they thrash (3 HF generates of 32 tokens: 20 s with the default, 1 s with 1).
+torch.set_num_threads(1)
 
 FP32_ATOL = 1e-4
+# The families of issue 23 are held to the issue's bound (measured 2e-6 .. 6e-6).
+FP32_ATOL_BY_FAMILY = {f: 1e-5 for f in NEW_FAMILIES}
 # bf16 weights, activations and cache against the fp32 HF model: bf16 keeps 8 mantissa bits,
 # so each matmul/residual rounds at ~4e-3 relative; through 2 layers logits of magnitude ~5
 # drift by about 0.1. Measured 0.159 (llama3) and 0.094 (qwen2); the bound leaves ~2x.
 BF16_ATOL = 0.3
-BLOCK_SIZES = {"llama": 1, "llama3": 16, "mistral": 32, "qwen2": 16, "opt": 1, "opt_post_ln": 32}
+BLOCK_SIZES = {"llama": 1, "llama3": 16, "mistral": 32, "qwen2": 16, "opt": 1, "opt_post_ln": 32,
+               "gpt_neox": 16, "gemma2": 4, "qwen3": 1, "phi3": 8, "mixtral": 16}  # fmt: skip
 MAX_TOKENS, MAX_SEQS, MAX_LEN = 32, 4, 64
 NUM_DECODE = 20
 
@@ -112,19 +118,24 @@ def logits_max_diff(family, checkpoints, dtype=None, attention_fn=None):
 def test_logits_match_transformers_fp32(family, checkpoints):
     diff = logits_max_diff(family, checkpoints)
     print(f"{family} block_size={BLOCK_SIZES[family]} fp32 max|dlogit| = {diff:.2e}")
-    assert diff <= FP32_ATOL
+    assert diff <= FP32_ATOL_BY_FAMILY.get(family, FP32_ATOL)
 
 
-@pytest.mark.parametrize("family", ["llama3", "mistral", "opt"])
+@pytest.mark.parametrize(
+    "family",
+    ["llama3", "mistral", "opt", "gemma2", "gpt_neox"]
+    + [pytest.param(f, marks=pytest.mark.slow) for f in ("qwen3", "phi3", "mixtral")],
+)
 def test_logits_match_transformers_on_the_native_cpu_kernel(family, checkpoints):
-    """The engine's default CPU attention (GQA, sliding window, 1-token pages)."""
+    """The engine's default CPU attention (GQA, sliding window, 1-token pages; Gemma 2's
+    soft cap and traced per-layer windows)."""
     from pagedjax.attention import native_cpu
 
     if not native_cpu.available()[0]:
         pytest.skip(native_cpu.available()[1])
     diff = logits_max_diff(family, checkpoints, attention_fn=native_cpu.ragged_paged_attention)
     print(f"{family} native_cpu fp32 max|dlogit| = {diff:.2e}")
-    assert diff <= FP32_ATOL
+    assert diff <= FP32_ATOL_BY_FAMILY.get(family, FP32_ATOL)
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2"])
@@ -184,4 +195,4 @@ def test_greedy_matches_transformers_generate(family, checkpoints):
 def test_logits_match_transformers_all_block_sizes(family, block_size, checkpoints, monkeypatch):
     """The full family x block-size cross product (the fast suite spreads block sizes)."""
     monkeypatch.setitem(BLOCK_SIZES, family, block_size)
-    assert logits_max_diff(family, checkpoints) <= FP32_ATOL
+    assert logits_max_diff(family, checkpoints) <= FP32_ATOL_BY_FAMILY.get(family, FP32_ATOL)

@@ -9,9 +9,34 @@ from typing import Any
 
 import numpy as np
 
-# HF model_type -> our family. Llama, Mistral and Qwen2 share one implementation.
-FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "opt": "opt"}
+# HF model_type -> our implementation. The rotary pre-norm decoders (Llama, Mistral, Qwen2/3,
+# Phi-3, Gemma 2, Mixtral) share llama.py, switched by the feature fields of ModelArch; OPT and
+# GPT-NeoX have their own modules (docs/model_families.md).
+FAMILIES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+    "phi3": "llama",
+    "gemma2": "llama",
+    "mixtral": "llama",
+    "opt": "opt",
+    "gpt_neox": "gpt_neox",
+}
+# HF config.json `architectures[0]` -> model_type it must come with.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "MixtralForCausalLM": "mixtral",
+    "OPTForCausalLM": "opt",
+    "GPTNeoXForCausalLM": "gpt_neox",
+}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+MOE_DISPATCHES = ("dense", "grouped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +46,10 @@ class ModelArch:
     ``layer_windows[i]`` is the sliding window of layer i (None: full attention).
     ``rope_scaling`` is a sorted tuple of (key, value) pairs of HF's rope parameters, or None.
     OPT-only fields (word_embed_proj_dim, do_layer_norm_before, ...) are ignored by Llama.
+    The feature fields after them default to plain Llama; each names the family that needs
+    it. ``moe_dispatch`` is not architecture but the way the MoE layer runs ("dense": every
+    expert on every token, weighted by a mostly-zero combine matrix; "grouped": tokens sorted
+    by expert and one grouped matmul), kept here so jit's cache key includes it.
     """
 
     model_type: str
@@ -48,6 +77,19 @@ class ModelArch:
     do_layer_norm_before: bool = True
     final_layer_norm: bool = True
     layer_norm_affine: bool = True
+    # Rotary families' features (defaults: Llama)
+    rotary_pct: float = 1.0  # GPT-NeoX rotary_pct, Phi-3 partial_rotary_factor
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    norm_unit_offset: bool = False  # Gemma: RMSNorm gain is (1 + weight)
+    sandwich_norms: bool = False  # Gemma 2: norms after attention and MLP too
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden) in the compute dtype
+    query_pre_attn_scalar: float | None = None  # Gemma 2: sm_scale = scalar ** -0.5
+    attn_soft_cap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_soft_cap: float | None = None  # Gemma 2: same on the logits
+    parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
+    num_experts: int = 0  # Mixtral: experts per MoE layer (0: dense MLP)
+    experts_per_token: int = 2  # Mixtral: top-k
+    moe_dispatch: str = "dense"
 
     def __post_init__(self) -> None:
         if self.model_type not in FAMILIES:
@@ -64,6 +106,26 @@ class ModelArch:
             )
         if len(self.layer_windows) != self.num_layers:
             object.__setattr__(self, "layer_windows", (None,) * self.num_layers)
+        if self.rope_type == "longrope":
+            raise ValueError(
+                "Phi-3 long-rope scaling (rope_scaling type 'longrope', the 128k-context "
+                "checkpoints) is not implemented; the 4k-context Phi-3 checkpoints (no "
+                "rope_scaling) are supported"
+            )
+        if not 0 < self.rotary_pct <= 1 or self.rotary_dim % 2:
+            raise ValueError(
+                f"rotary_pct={self.rotary_pct} must be in (0, 1] and give an even rotary "
+                f"dimension (head_dim={self.head_dim})"
+            )
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"experts_per_token={self.experts_per_token} must be in [1, num_experts="
+                f"{self.num_experts}]"
+            )
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise ValueError(
+                f"moe_dispatch must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}"
+            )
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"unsupported rope scaling type {self.rope_type!r}; "
@@ -77,6 +139,11 @@ class ModelArch:
     @property
     def rope_type(self) -> str:
         return dict(self.rope_scaling or ()).get("rope_type", "default")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dimensions of each head that RoPE rotates (HF: int(head_dim * pct))."""
+        return int(self.head_dim * self.rotary_pct)
 
     @property
     def sliding_window(self) -> int | None:
@@ -138,17 +205,61 @@ def _require(cfg: dict, key: str) -> Any:
     return cfg[key]
 
 
-def arch_from_hf_config(cfg: dict) -> ModelArch:
-    """Builds a ModelArch from the dict of a Hugging Face config.json."""
+def _check_architecture(cfg: dict) -> str:
+    """The config's model_type, after checking it and `architectures` name a supported
+    family; the error lists the supported architectures."""
     model_type = cfg.get("model_type")
+    names = cfg.get("architectures") or []
+    supported = f"supported architectures: {sorted(ARCHITECTURES)}"
     if model_type not in FAMILIES:
         raise ValueError(
-            f"unknown architecture model_type={model_type!r} "
-            f"(architectures={cfg.get('architectures')}); supported: {sorted(FAMILIES)}"
+            f"unknown architecture model_type={model_type!r} (architectures={names}); "
+            f"{supported}"
         )
+    for name in names[:1]:
+        if name not in ARCHITECTURES:
+            raise ValueError(
+                f"unknown architecture {name!r} (model_type={model_type!r}); {supported}"
+            )
+        if ARCHITECTURES[name] != model_type:
+            raise ValueError(
+                f"config names architecture {name!r} but model_type={model_type!r} (expected "
+                f"{ARCHITECTURES[name]!r})"
+            )
+    return model_type
+
+
+def _partial_rotary(cfg: dict, default: float = 1.0) -> float:
+    params = cfg.get("rope_parameters") or {}
+    for value in (params.get("partial_rotary_factor"), cfg.get("partial_rotary_factor"),
+                  cfg.get("rotary_pct")):  # fmt: skip
+        if value is not None:
+            return float(value)
+    return default
+
+
+def _layer_windows(cfg: dict, model_type: str, layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding windows: HF's `layer_types` when present, else the family's rule."""
+    window = cfg.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if model_type in ("mistral", "phi3", "mixtral"):
+        return (window,) * layers
+    if model_type == "gemma2":  # HF's default: layers 0, 2, 4, ... slide
+        return tuple(window if (i + 1) % 2 else None for i in range(layers))
+    return (None,) * layers
+
+
+def arch_from_hf_config(cfg: dict) -> ModelArch:
+    """Builds a ModelArch from the dict of a Hugging Face config.json."""
+    model_type = _check_architecture(cfg)
     layers = int(_require(cfg, "num_hidden_layers"))
     heads = int(_require(cfg, "num_attention_heads"))
     hidden = int(_require(cfg, "hidden_size"))
+    tied_default = model_type in ("opt", "gemma2")  # the HF config classes' defaults
     common = dict(
         model_type=model_type,
         vocab_size=int(_require(cfg, "vocab_size")),
@@ -156,7 +267,7 @@ def arch_from_hf_config(cfg: dict) -> ModelArch:
         num_layers=layers,
         num_heads=heads,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "opt")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", tied_default)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
     )
@@ -180,18 +291,31 @@ def arch_from_hf_config(cfg: dict) -> ModelArch:
             layer_norm_affine=bool(cfg.get("layer_norm_elementwise_affine", True)),
         )
     theta, scaling = _rope(cfg)
+    if model_type == "gpt_neox":
+        theta = float((cfg.get("rope_parameters") or {}).get("rope_theta")
+                      or cfg.get("rotary_emb_base") or theta)  # fmt: skip
+        bias = bool(cfg.get("attention_bias", True))
+        return ModelArch(
+            **common,
+            num_kv_heads=heads,
+            head_dim=hidden // heads,
+            intermediate_size=int(_require(cfg, "intermediate_size")),
+            norm_eps=float(cfg.get("layer_norm_eps", 1e-5)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            hidden_act=cfg.get("hidden_act", "gelu"),
+            qkv_bias=bias,
+            o_bias=bias,
+            mlp_bias=True,
+            rotary_pct=_partial_rotary(cfg, default=0.25),
+            parallel_residual=bool(cfg.get("use_parallel_residual", True)),
+        )
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    window = cfg.get("sliding_window")
-    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
-        window = None
-    layer_types = cfg.get("layer_types")
-    if layer_types is not None:
-        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
-    elif model_type == "mistral":
-        windows = (window,) * layers
-    else:
-        windows = (None,) * layers
     attention_bias = bool(cfg.get("attention_bias", False))
+    act = cfg.get("hidden_act", "silu")
+    gemma = model_type == "gemma2"
+    if gemma:
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     return ModelArch(
         **common,
         num_kv_heads=kv_heads,
@@ -200,11 +324,24 @@ def arch_from_hf_config(cfg: dict) -> ModelArch:
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        hidden_act=cfg.get("hidden_act", "silu"),
+        hidden_act=act,
         qkv_bias=attention_bias or model_type == "qwen2",
         o_bias=attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        layer_windows=windows,
+        layer_windows=_layer_windows(cfg, model_type, layers),
+        rotary_pct=_partial_rotary(cfg),
+        qk_norm=model_type == "qwen3",
+        norm_unit_offset=gemma,
+        sandwich_norms=gemma,
+        embed_scale=gemma,
+        query_pre_attn_scalar=(
+            float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None
+        ),
+        # HF Gemma2Config's defaults (50, 30) when absent; an explicit null turns a cap off.
+        attn_soft_cap=cfg.get("attn_logit_softcapping", 50.0) if gemma else None,
+        final_soft_cap=cfg.get("final_logit_softcapping", 30.0) if gemma else None,
+        num_experts=int(cfg.get("num_local_experts", 0)) if model_type == "mixtral" else 0,
+        experts_per_token=int(cfg.get("num_experts_per_tok", 2)),
     )
 
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from pagedjax.attention import PAD_SLOT, ragged_paged_attention
 from pagedjax.model.config import ModelArch
+from pagedjax.model.gpt_neox import GPTNeoXForCausalLM
 from pagedjax.model.input import ModelInput
 from pagedjax.model.kv_cache import KVCache
 from pagedjax.model.layers import AttentionFn
@@ -27,7 +28,11 @@ def build_module(
     attention_fn: AttentionFn = ragged_paged_attention,
 ) -> nn.Module:
     """The Flax module of arch's family (param_dtype only matters for init)."""
-    cls = {"llama": LlamaForCausalLM, "opt": OPTForCausalLM}[arch.family]
+    cls = {
+        "llama": LlamaForCausalLM,
+        "opt": OPTForCausalLM,
+        "gpt_neox": GPTNeoXForCausalLM,
+    }[arch.family]
     return cls(arch, param_dtype=param_dtype, attention_fn=attention_fn)
 
 
@@ -107,7 +112,8 @@ def random_params(
     arch: ModelArch, seed: int = 0, dtype: Any = jnp.bfloat16, std: float = 0.02
 ) -> Params:
     """Random weights from the architecture alone (vLLM's load_format="dummy"): normal(std)
-    matrices and embeddings, unit norm gains, zero biases. Built on device, jitted."""
+    matrices and embeddings, unit norm gains (Gemma's (1 + weight) norms: weight 0), zero
+    biases. Built on device, jitted."""
     shapes = abstract_params(arch, dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
 
@@ -118,7 +124,8 @@ def random_params(
         for k, (path, s) in zip(keys, leaves, strict=True):
             name = path[-1].key
             if name in _ONES:
-                out.append(jnp.ones(s.shape, dtype))
+                gain = 0.0 if arch.norm_unit_offset else 1.0
+                out.append(jnp.full(s.shape, gain, dtype))
             elif name == "bias":
                 out.append(jnp.zeros(s.shape, dtype))
             else:

@@ -79,18 +79,35 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
     return ACTIVATIONS[name]
 
 
+def linear(features: int, name: str, *, bias: bool, param_dtype: Any) -> nn.Module:
+    """The one place the families build a dense layer ([..., in] -> [..., features], params
+    "kernel" [in, features] and "bias"), so a quantized linear can replace it in one edit."""
+    return nn.Dense(features, use_bias=bias, name=name, param_dtype=param_dtype)
+
+
 class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * weight; statistics in fp32, rounding as in transformers."""
+    """x * rsqrt(mean(x^2) + eps) * gain over the last axis; statistics in fp32, rounding as
+    in transformers. Llama: gain = weight, applied after casting back to x's dtype. Gemma
+    (unit_offset): gain = 1 + weight, applied in fp32 before the cast (HF Gemma2RMSNorm)."""
 
     eps: float
     param_dtype: Any = jnp.float32
+    unit_offset: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
+        weight = self.param("weight", init, (x.shape[-1],), self.param_dtype)
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
         return weight * xf.astype(x.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's logit soft cap); x unchanged when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def paged_self_attention(
@@ -104,13 +121,16 @@ def paged_self_attention(
     sm_scale: float,
     sliding_window: Window,
     attention_fn: AttentionFn,
+    logit_soft_cap: float | None = None,
 ) -> tuple[jax.Array, KVPool]:
     """Writes this step's k/v [T, Hkv, D] into layer ``layer`` of the stacked pool, then
-    attends q [T, Hq, D] over it. The whole pool and the layer index go to the backend.
+    attends q [T, Hq, D] over it. The whole pool and the layer index go to the backend;
+    ``logit_soft_cap`` goes as the backends' ``soft_cap`` keyword, only when set.
 
     Returns (out [T, Hq, D], (k_pool, v_pool)).
     """
     k_pool, v_pool = write_kv(kv[0], kv[1], k, v, batch.slot_mapping, layer)
+    extra = {} if logit_soft_cap is None else {"soft_cap": logit_soft_cap}
     out = attention_fn(
         q,
         k_pool,
@@ -121,5 +141,6 @@ def paged_self_attention(
         layer=layer,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
+        **extra,
     )
     return out, (k_pool, v_pool)

@@ -1,7 +1,12 @@
-"""Llama family over the paged KV cache: Llama 2/3 (llama3 RoPE), Mistral (sliding window),
-Qwen2 (qkv bias). Parameter names follow the HF module names, so conversion is mechanical;
-the decoder layers are stacked under ``layers`` (leading axis = layer) and run under one
-``lax.scan`` (layers.py says why)."""
+"""The rotary pre-norm decoder over the paged KV cache, and the families built on it:
+Llama 2/3 (llama3 RoPE), Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k RMSNorm per
+head), Phi-3 (its fused qkv_proj / gate_up_proj are split at load), Gemma 2 (soft caps,
+(1 + weight) norms around both blocks, scaled embeddings, alternating windows) and Mixtral
+(a sparse MoE in place of the MLP). Which features a model uses is read off its ModelArch.
+
+Parameter names follow the HF module names, so conversion is mechanical; the decoder layers
+are stacked under ``layers`` (leading axis = layer) and run under one ``lax.scan``
+(layers.py says why)."""
 
 from __future__ import annotations
 
@@ -23,13 +28,19 @@ from pagedjax.model.layers import (
     activation,
     layer_inputs,
     layer_window,
+    linear,
     paged_self_attention,
     scan_layers,
+    soft_cap,
 )
+from pagedjax.model.moe import SparseMoE
 from pagedjax.model.rope import apply_rope, inv_frequencies
 
 
-class LlamaAttention(nn.Module):
+class RotaryAttention(nn.Module):
+    """Self-attention with RoPE over the paged pool (the Llama family and GPT-NeoX):
+    q/k/v_proj, optional per-head q/k RMSNorm (Qwen3), (partial) RoPE, o_proj."""
+
     arch: ModelArch
     param_dtype: Any
     attention_fn: AttentionFn
@@ -38,37 +49,40 @@ class LlamaAttention(nn.Module):
     def __call__(
         self, x: jax.Array, kv: KVPool, layer: jax.Array, window: Window, batch: ModelInput
     ) -> tuple[jax.Array, KVPool]:
-        a, t = self.arch, x.shape[0]
+        a, t, pd = self.arch, x.shape[0], self.param_dtype
         h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
-
-        def proj(name: str, features: int, bias: bool) -> nn.Dense:
-            return nn.Dense(features, use_bias=bias, name=name, param_dtype=self.param_dtype)
-
-        q = proj("q_proj", h * d, a.qkv_bias)(x).reshape(t, h, d)
-        k = proj("k_proj", hkv * d, a.qkv_bias)(x).reshape(t, hkv, d)
-        v = proj("v_proj", hkv * d, a.qkv_bias)(x).reshape(t, hkv, d)
+        q = linear(h * d, "q_proj", bias=a.qkv_bias, param_dtype=pd)(x).reshape(t, h, d)
+        k = linear(hkv * d, "k_proj", bias=a.qkv_bias, param_dtype=pd)(x).reshape(t, hkv, d)
+        v = linear(hkv * d, "v_proj", bias=a.qkv_bias, param_dtype=pd)(x).reshape(t, hkv, d)
+        if a.qk_norm:
+            q = RMSNorm(a.norm_eps, pd, name="q_norm")(q)
+            k = RMSNorm(a.norm_eps, pd, name="k_norm")(k)
         inv_freq = inv_frequencies(a)
         q = apply_rope(q, batch.positions, inv_freq)
         k = apply_rope(k, batch.positions, inv_freq)
+        scale = a.query_pre_attn_scalar if a.query_pre_attn_scalar is not None else d
         o, kv = paged_self_attention(
             q, k, v, kv, layer, batch,
-            sm_scale=d**-0.5,
+            sm_scale=scale**-0.5,
             sliding_window=window,
             attention_fn=self.attention_fn,
+            logit_soft_cap=a.attn_soft_cap,
         )  # fmt: skip
-        return proj("o_proj", a.hidden_size, a.o_bias)(o.reshape(t, h * d)), kv
+        return linear(a.hidden_size, "o_proj", bias=a.o_bias, param_dtype=pd)(
+            o.reshape(t, h * d)
+        ), kv
 
 
-class LlamaMLP(nn.Module):
+class GatedMLP(nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)): SwiGLU (Llama), GeGLU-tanh (Gemma 2)."""
+
     arch: ModelArch
     param_dtype: Any
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        a = self.arch
-        dense = lambda name, f: nn.Dense(
-            f, use_bias=a.mlp_bias, name=name, param_dtype=self.param_dtype
-        )
+        a, pd = self.arch, self.param_dtype
+        dense = lambda name, f: linear(f, name, bias=a.mlp_bias, param_dtype=pd)
         act = activation(a.hidden_act)
         up = act(dense("gate_proj", a.intermediate_size)(x)) * dense(
             "up_proj", a.intermediate_size
@@ -78,7 +92,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """One layer as a scan body: ((x [T, H], k_pool, v_pool), LayerInputs, batch) ->
-    (carry, None)."""
+    (carry, None). Pre-norm residual blocks; Gemma 2 also norms each block's output."""
 
     arch: ModelArch
     param_dtype: Any
@@ -88,17 +102,25 @@ class LlamaDecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, inputs: LayerInputs, batch: ModelInput):
         x, k_pool, v_pool = carry
-        eps, pd = self.arch.norm_eps, self.param_dtype
-        window = layer_window(self.arch.layer_windows, self.uniform_window, inputs.window)
-        h, (k_pool, v_pool) = LlamaAttention(self.arch, pd, self.attention_fn, name="self_attn")(
-            RMSNorm(eps, pd, name="input_layernorm")(x), (k_pool, v_pool), inputs.index,
-            window, batch,
+        a, pd = self.arch, self.param_dtype
+        norm = lambda name: RMSNorm(a.norm_eps, pd, a.norm_unit_offset, name=name)
+        window = layer_window(a.layer_windows, self.uniform_window, inputs.window)
+        h, (k_pool, v_pool) = RotaryAttention(a, pd, self.attention_fn, name="self_attn")(
+            norm("input_layernorm")(x), (k_pool, v_pool), inputs.index, window, batch,
         )  # fmt: skip
-        x = x + h
-        x = x + LlamaMLP(self.arch, pd, name="mlp")(
-            RMSNorm(eps, pd, name="post_attention_layernorm")(x)
-        )
-        return (x, k_pool, v_pool), None
+        if a.sandwich_norms:  # Gemma 2: post_attention_layernorm normalizes the block's output
+            x = x + norm("post_attention_layernorm")(h)
+            h = norm("pre_feedforward_layernorm")(x)
+        else:
+            x = x + h
+            h = norm("post_attention_layernorm")(x)
+        if a.num_experts:
+            h = SparseMoE(a, pd, name="block_sparse_moe")(h)
+        else:
+            h = GatedMLP(a, pd, name="mlp")(h)
+        if a.sandwich_norms:
+            h = norm("post_feedforward_layernorm")(h)
+        return (x + h, k_pool, v_pool), None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -113,6 +135,8 @@ class LlamaForCausalLM(nn.Module):
         a, pd = self.arch, self.param_dtype
         embed = nn.Embed(a.vocab_size, a.hidden_size, name="embed_tokens", param_dtype=pd)
         x = embed(batch.tokens)
+        if a.embed_scale:  # Gemma: sqrt(hidden) rounded to the compute dtype first, as HF
+            x = x * jnp.asarray(a.hidden_size**0.5, x.dtype)
         inputs, uniform = layer_inputs(a.layer_windows)
         layers = scan_layers(LlamaDecoderLayer, a.num_layers)(
             a, pd, self.attention_fn, uniform, name="layers"
@@ -120,9 +144,9 @@ class LlamaForCausalLM(nn.Module):
         (x, k_pool, v_pool), _ = layers((x, *kv_cache), inputs, batch)
         # Norm and head are per token: gather first, so only the requested rows pay for them.
         x = jnp.take(x, batch.logits_indices, axis=0, mode="clip")
-        x = RMSNorm(a.norm_eps, pd, name="norm")(x)
+        x = RMSNorm(a.norm_eps, pd, a.norm_unit_offset, name="norm")(x)
         if a.tie_word_embeddings:
             logits = embed.attend(x)
         else:
-            logits = nn.Dense(a.vocab_size, use_bias=False, name="lm_head", param_dtype=pd)(x)
-        return (k_pool, v_pool), logits.astype(jnp.float32)
+            logits = linear(a.vocab_size, "lm_head", bias=False, param_dtype=pd)(x)
+        return (k_pool, v_pool), soft_cap(logits.astype(jnp.float32), a.final_soft_cap)

@@ -4,7 +4,6 @@ converted params."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +13,10 @@ import numpy as np
 
 from pagedjax.model.config import ModelArch, load_arch
 from pagedjax.model.forward import Params, abstract_params
+from pagedjax.model.hf_keys import canonical_tensors, ignored
 from pagedjax.model.safetensors_io import load_tensors
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# Tensors a checkpoint may carry that the model recomputes or shares.
-_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|(^|\.)embed_positions\._float_tensor$")
 
 
 def resolve_dtype(dtype: Any) -> Any:
@@ -49,14 +47,6 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return files
 
 
-def _normalize(name: str, family: str) -> str:
-    """HF key -> key relative to the decoder stack ('model.layers.0...' -> 'layers.0...')."""
-    for prefix in ("model.", "decoder.") if family == "opt" else ("model.",):
-        if name.startswith(prefix):
-            name = name[len(prefix) :]
-    return name
-
-
 def _hf_key(path: tuple[str, ...]) -> tuple[str, bool, bool]:
     """Flax param path -> (normalized HF key, transpose?, stacked?). Dense kernels are
     [in, out]; a stacked key (under the scanned "layers") has a "{i}" for the layer index."""
@@ -72,25 +62,29 @@ def convert_hf_tensors(
     arch: ModelArch, tensors: dict[str, np.ndarray], dtype: Any = jnp.float32
 ) -> Params:
     """HF tensor dict -> Flax params of dtype. Raises ValueError naming any missing tensor,
-    shape mismatch, or unexpected tensor (a sign that config and weights disagree)."""
+    shape mismatch, or unexpected tensor (a sign that config and weights disagree).
+
+    Keys are first made canonical per family (``hf_keys.canonical_tensors``: prefixes
+    stripped, Phi-3 / GPT-NeoX fused projections split, Mixtral experts stacked); each Flax
+    parameter path then names its canonical key (``_hf_key``)."""
     dtype = resolve_dtype(dtype)
-    by_key = {_normalize(k, arch.family): k for k in tensors}
+    named = canonical_tensors(arch, tensors)  # per-family prefixes, fused/split tensors
     shapes = abstract_params(arch, dtype)
     used = set()
     missing = []
 
     def one(key: str, transpose: bool, shape: tuple[int, ...]) -> np.ndarray | None:
-        if key not in by_key:
+        if key not in named:
             missing.append(key)
             return None
         used.add(key)
-        x = tensors[by_key[key]]
+        source, x = named[key]
         if transpose:
             x = x.T
         if x.shape != shape:
             raise ValueError(
-                f"shape mismatch for tensor {by_key[key]!r}: checkpoint has "
-                f"{tuple(tensors[by_key[key]].shape)}, config implies "
+                f"shape mismatch for tensor {source!r}: checkpoint has "
+                f"{tuple(named[key][1].shape)}, config implies "
                 f"{shape[::-1] if transpose else shape}"
             )
         return np.asarray(x).astype(dtype)
@@ -110,10 +104,10 @@ def convert_hf_tensors(
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {sorted(missing)}")
     extra = {
-        by_key[k]
-        for k in by_key
+        source
+        for k, (source, _) in named.items()
         if k not in used
-        and not _IGNORED.search(k)
+        and not ignored(arch, k)
         and not (k == "lm_head.weight" and arch.tie_word_embeddings)
     }
     if extra:

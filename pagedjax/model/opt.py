@@ -19,6 +19,7 @@ from pagedjax.model.layers import (
     LayerInputs,
     activation,
     layer_inputs,
+    linear,
     paged_self_attention,
     scan_layers,
 )
@@ -48,8 +49,8 @@ class OPTAttention(nn.Module):
     ) -> tuple[jax.Array, KVPool]:
         a, t = self.arch, x.shape[0]
         h, d = a.num_heads, a.head_dim
-        dense = lambda name: nn.Dense(
-            a.hidden_size, use_bias=a.qkv_bias, name=name, param_dtype=self.param_dtype
+        dense = lambda name: linear(
+            a.hidden_size, name, bias=a.qkv_bias, param_dtype=self.param_dtype
         )
         q = dense("q_proj")(x).reshape(t, h, d)
         k = dense("k_proj")(x).reshape(t, h, d)
@@ -83,8 +84,8 @@ class OPTDecoderLayer(nn.Module):
         if not pre:
             x = attn_norm(x)
         h = ffn_norm(x) if pre else x
-        h = nn.Dense(a.intermediate_size, use_bias=a.mlp_bias, name="fc1", param_dtype=pd)(h)
-        h = nn.Dense(a.hidden_size, use_bias=a.mlp_bias, name="fc2", param_dtype=pd)(
+        h = linear(a.intermediate_size, "fc1", bias=a.mlp_bias, param_dtype=pd)(h)
+        h = linear(a.hidden_size, "fc2", bias=a.mlp_bias, param_dtype=pd)(
             activation(a.hidden_act)(h)
         )
         x = x + h
@@ -107,7 +108,7 @@ class OPTForCausalLM(nn.Module):
         embed = nn.Embed(a.vocab_size, proj_dim, name="embed_tokens", param_dtype=pd)
         x = embed(batch.tokens)
         if proj_dim != a.hidden_size:
-            x = nn.Dense(a.hidden_size, use_bias=False, name="project_in", param_dtype=pd)(x)
+            x = linear(a.hidden_size, "project_in", bias=False, param_dtype=pd)(x)
         positions = nn.Embed(
             a.max_position_embeddings + POSITION_OFFSET, a.hidden_size,
             name="embed_positions", param_dtype=pd,
@@ -122,9 +123,9 @@ class OPTForCausalLM(nn.Module):
         if a.final_layer_norm:
             x = _layer_norm(a, "final_layer_norm", pd)(x)
         if proj_dim != a.hidden_size:
-            x = nn.Dense(proj_dim, use_bias=False, name="project_out", param_dtype=pd)(x)
+            x = linear(proj_dim, "project_out", bias=False, param_dtype=pd)(x)
         if a.tie_word_embeddings:
             logits = embed.attend(x)
         else:
-            logits = nn.Dense(a.vocab_size, use_bias=False, name="lm_head", param_dtype=pd)(x)
+            logits = linear(a.vocab_size, "lm_head", bias=False, param_dtype=pd)(x)
         return (k_pool, v_pool), logits.astype(jnp.float32)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (HF's rotate-half layout), incl. linear and llama3 scaling."""
+"""Rotary position embeddings (HF's rotate-half layout), incl. linear and llama3 scaling and
+partial rotary (GPT-NeoX's rotary_pct: only the leading ``arch.rotary_dim`` of each head turn)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from pagedjax.model.config import ModelArch
 
 
 def inv_frequencies(arch: ModelArch) -> np.ndarray:
-    """float32[head_dim // 2] inverse frequencies, computed in fp32 as transformers does."""
-    dim = arch.head_dim
+    """float32[rotary_dim // 2] inverse frequencies, computed in fp32 as transformers does."""
+    dim = arch.rotary_dim
     exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     inv_freq = (np.float32(1.0) / np.float32(arch.rope_theta) ** exponent).astype(np.float32)
     params = dict(arch.rope_scaling or ())
@@ -35,7 +36,11 @@ def inv_frequencies(arch: ModelArch) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates x [T, heads, head_dim] by positions int32[T]; math in fp32, result in x.dtype."""
+    """Rotates x [T, heads, head_dim] by positions int32[T]; math in fp32, result in x.dtype.
+    Only the leading 2 * len(inv_freq) dimensions turn; the rest pass through (partial rotary)."""
+    rot = 2 * len(inv_freq)
+    if rot < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rot], positions, inv_freq), x[..., rot:]], -1)
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]

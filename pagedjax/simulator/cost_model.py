@@ -48,6 +48,11 @@ class ModelGeometry:
     gated_mlp: Llama-style SwiGLU (3 matrices) rather than OPT's 2. tied_embeddings: the
     LM head shares the embedding (it is still read once per step for the logits).
     tp: tensor-parallel degree; per-GPU weights, KV and FLOPs are divided by it.
+    num_experts / experts_per_token: a Mixtral-style MoE MLP (num_experts copies of the
+    MLP, each token through experts_per_token of them, plus a hidden x E router); 0 = dense.
+    A step reads only the experts its tokens chose: ``expected_experts_read`` assumes
+    uniform, independent routing (a stated simplification; real routers are skewed, which
+    reads fewer distinct experts).
     """
 
     name: str
@@ -63,6 +68,8 @@ class ModelGeometry:
     tied_embeddings: bool = True
     max_position: int = 0  # learned position embeddings (OPT); 0 for rotary
     tp: int = 1
+    num_experts: int = 0
+    experts_per_token: int = 0
 
     def __post_init__(self) -> None:
         for field in (
@@ -76,18 +83,59 @@ class ModelGeometry:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"experts_per_token ({self.experts_per_token}) must be in [1, num_experts="
+                f"{self.num_experts}]"
+            )
         if self.num_kv_heads % self.tp and self.tp % self.num_kv_heads:
             raise ValueError(
                 f"tp={self.tp} does not divide or replicate {self.num_kv_heads} KV heads"
             )
 
     @property
-    def layer_matmul_params(self) -> int:
-        """Weights of one layer's matrices (q, k, v, o projections and the MLP)."""
+    def attention_params(self) -> int:
+        """One layer's q, k, v, o projections (and the MoE router, read by every token)."""
         q_o = 2 * self.hidden * self.num_heads * self.head_dim
         k_v = 2 * self.hidden * self.num_kv_heads * self.head_dim
-        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
-        return q_o + k_v + mlp
+        return q_o + k_v + self.hidden * self.num_experts
+
+    @property
+    def mlp_params(self) -> int:
+        """One MLP (one expert's, for an MoE)."""
+        return (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's matrices (q, k, v, o projections and the MLP, every
+        expert of an MoE)."""
+        return self.attention_params + self.mlp_params * max(1, self.num_experts)
+
+    @property
+    def active_layer_params(self) -> int:
+        """Weights one token multiplies by in one layer (its chosen experts only)."""
+        return self.attention_params + self.mlp_params * max(1, self.experts_per_token)
+
+    def expected_experts_read(self, new_tokens) -> jnp.ndarray:
+        """Expected distinct experts per layer that n new tokens choose, routing uniform and
+        independent: E * (1 - (1 - k / E) ** n) (each expert is missed by a token with
+        probability 1 - k / E). 1 for a dense MLP. float32, n may be traced."""
+        n = _f32(new_tokens)
+        if not self.num_experts:
+            return jnp.ones_like(n)
+        miss = 1.0 - self.experts_per_token / self.num_experts
+        return self.num_experts * (1.0 - jnp.power(jnp.float32(miss), n))
+
+    def step_weight_bytes_read(self, new_tokens) -> jnp.ndarray:
+        """Bytes of weights one step reads, all GPUs: every dense matrix and the LM head
+        once, and for an MoE the experts its new tokens use (``expected_experts_read``).
+        Equals ``step_weight_bytes`` for a dense model."""
+        if not self.num_experts:
+            return _f32(self.step_weight_bytes) + 0.0 * _f32(new_tokens)
+        per_layer = self.attention_params + self.mlp_params * self.expected_experts_read(
+            new_tokens
+        )
+        return (self.num_layers * per_layer + self.lm_head_params) * self.bytes_per_param
 
     @property
     def lm_head_params(self) -> int:
@@ -107,7 +155,8 @@ class ModelGeometry:
 
     @property
     def step_weight_bytes(self) -> int:
-        """Bytes read per step, all GPUs: every layer matrix and the LM head once."""
+        """Bytes of every layer matrix and the LM head, all GPUs: what a dense step reads
+        (an MoE step reads less: ``step_weight_bytes_read``)."""
         return (
             self.num_layers * self.layer_matmul_params + self.lm_head_params
         ) * self.bytes_per_param
@@ -136,6 +185,24 @@ MODEL_PRESETS: dict[str, ModelGeometry] = {
     "llama-3-8b": ModelGeometry(
         "llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, gated_mlp=True, tied_embeddings=False
     ),
+    # Issue 23's families (pagedjax/model/presets.py has their full HF configs).
+    "pythia-6.9b": ModelGeometry(
+        "pythia-6.9b", 32, 4096, 32, 32, 128, 16384, 50432, tied_embeddings=False
+    ),
+    "pythia-12b": ModelGeometry(
+        "pythia-12b", 36, 5120, 40, 40, 128, 20480, 50688, tied_embeddings=False
+    ),
+    "gemma-2-9b": ModelGeometry("gemma-2-9b", 42, 3584, 16, 8, 256, 14336, 256000, gated_mlp=True),
+    "qwen3-8b": ModelGeometry(
+        "qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936, gated_mlp=True, tied_embeddings=False
+    ),
+    "phi-3-mini": ModelGeometry(
+        "phi-3-mini", 32, 3072, 32, 32, 96, 8192, 32064, gated_mlp=True, tied_embeddings=False
+    ),
+    "mixtral-8x7b": ModelGeometry(
+        "mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000, gated_mlp=True,
+        tied_embeddings=False, num_experts=8, experts_per_token=2,
+    ),  # fmt: skip
 }
 
 
@@ -155,8 +222,9 @@ def _f32(x) -> jnp.ndarray:
 class RooflineCostModel:
     """t = max(bytes / (mem_eff * HBM BW), flops / (flop_eff * peak)) + comm + overhead.
 
-    Per GPU: weights are read once per step; KV of the context is read and the new
-    tokens' KV written; FLOPs are 2 per matmul parameter per new token, 2 per LM-head
+    Per GPU: weights are read once per step (an MoE's: the experts its tokens use); KV of
+    the context is read and the new tokens' KV written; FLOPs are 2 per active matmul
+    parameter (an MoE token's: its chosen experts) per new token, 2 per LM-head
     parameter per logit row, 4 * heads * head_dim per layer per attention pair. With
     tp > 1, two ring all-reduces of the new tokens' activations per layer go over NVLink.
     """
@@ -193,7 +261,7 @@ class RooflineCostModel:
         m = self.model
         new_tokens = _f32(prefill_tokens) + _f32(decode_seqs)
         kv = (_f32(kv_tokens) + new_tokens) * (m.kv_bytes_per_token / m.tp)
-        return m.step_weight_bytes / m.tp + kv
+        return m.step_weight_bytes_read(new_tokens) / m.tp + kv
 
     def step_flops(
         self, prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs=0, prefill_seqs=0
@@ -204,7 +272,7 @@ class RooflineCostModel:
         logit_rows = _f32(decode_seqs) + _f32(prefill_seqs)
         pairs = _f32(kv_tokens) + _f32(prefill_attn_pairs)
         flops = (
-            2.0 * m.num_layers * m.layer_matmul_params * new_tokens
+            2.0 * m.num_layers * m.active_layer_params * new_tokens
             + 2.0 * m.lm_head_params * logit_rows
             + 4.0 * m.num_layers * m.num_heads * m.head_dim * pairs
         )
