@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -300,6 +301,25 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
+
+    def request_counts(self) -> dict[str, int]:
+        """Unfinished requests by where they are (serving metrics; host state, no device
+        sync): "swapped" has a sample swapped out to the host pool, "running" holds a
+        scheduler slot otherwise (it may still wait on the device for blocks), "waiting"
+        holds no slot yet; "slots_in_use" counts occupied scheduler slots."""
+        running = swapped = 0
+        for req in self._requests.values():
+            slots = [s.slot for s in req.seqs if s.slot is not None]
+            if any(s in self._swapped_slots for s in slots):
+                swapped += 1
+            elif slots:
+                running += 1
+        return dict(
+            running=running,
+            waiting=len(self._requests) - running - swapped,
+            swapped=swapped,
+            slots_in_use=len(self._slot_owner),
+        )
 
     # ------------------------------------------------------------------ the step
 
@@ -625,6 +645,8 @@ class LLMEngine:
         for a recompute) and sampling row."""
         slot = self._free_slots.pop()
         seq.slot = slot
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.monotonic()
         self._slot_owner[slot] = (req, seq)
         ids = req.prompt_token_ids + seq.detok.ids
         row = np.zeros(self.max_model_len, np.int32)
