@@ -93,6 +93,7 @@ class _Tracked:
     stream: _Stream
     arrival: float
     generated: int = 0  # output tokens over all samples, so far
+    prompt_tokens: int = 0  # known from the first output on
     first_token: float | None = None
     last_token: float | None = None
 
@@ -308,9 +309,10 @@ class AsyncLLMEngine:
             self.engine.abort_request(rid)
             if self.stats is not None:
                 now = time.monotonic()
+                ttft = _since(tracked.first_token, tracked)
                 self.stats.on_finished(
                     FinishedRequestStats(
-                        rid, 0, tracked.generated, None, _since(tracked.first_token, tracked),
+                        rid, tracked.prompt_tokens, tracked.generated, None, ttft,
                         now - tracked.arrival, None, "abort",
                     )
                 )  # fmt: skip
@@ -346,6 +348,7 @@ class AsyncLLMEngine:
         stats = self.stats
         assert stats is not None
         total = sum(len(c.token_ids) for c in out.outputs)
+        tracked.prompt_tokens = len(out.prompt_token_ids)
         new = total - tracked.generated
         if new > 0:
             if tracked.first_token is None:
