@@ -39,9 +39,10 @@ def serve(llm: Any, name: str, chat_template: str | None = None):
     import uvicorn
 
     from pagedjax.engine.async_engine import AsyncLLMEngine
-    from pagedjax.entrypoints.openai.api_server import build_app
+    from pagedjax.entrypoints.openai.api_server import SERVER_SWITCH_INTERVAL_S, build_app
     from pagedjax.entrypoints.openai.metrics import ServerMetrics
 
+    sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)  # as run_server does
     metrics = ServerMetrics(name)
     engine = AsyncLLMEngine.from_llm(llm, stats=metrics)
     app = build_app(engine, [name], chat_template=chat_template, metrics=metrics)

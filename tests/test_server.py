@@ -424,6 +424,53 @@ def test_metrics_parse_and_add_up(served, client):
     assert _sample(after, "pagedjax:kv_cache_usage_perc") == 0
 
 
+def test_waiting_queue_limit_503(served):
+    """--max-waiting-requests: over the limit a request gets 503 and nothing is added;
+    the limit lifted, the same request succeeds."""
+    body = {"model": NAME, "prompt": "q", "max_tokens": 2}
+    served.engine.max_waiting_requests = 0
+    try:
+        r = httpx.post(served.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+        assert "--max-waiting-requests" in r.json()["error"]["message"]
+    finally:
+        served.engine.max_waiting_requests = None
+    assert httpx.post(served.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    _assert_idle_and_free(served)
+
+
+def test_bench_serve_against_the_server(served, tmp_path):
+    """pagedjax bench serve: random (shared prefix, goodput) and trace datasets, with
+    vLLM's report fields and --save-result."""
+    import argparse
+
+    from pagedjax.entrypoints import bench_serve, cli
+
+    parser = argparse.ArgumentParser()
+    bench_serve.add_args(parser)
+    model_dir = served.engine.engine.config.model.model
+    common = ["--base-url", served.url, "--model", NAME, "--tokenizer", model_dir,
+              "--num-prompts", "6", "--ignore-eos", "--disable-tqdm"]  # fmt: skip
+    m = bench_serve.main(parser.parse_args([
+        *common, "--dataset-name", "random", "--random-input-len", "12",
+        "--random-output-len", "4", "--random-prefix-len", "8", "--request-rate", "50",
+        "--goodput", "ttft:100000", "--save-result", "--result-dir", str(tmp_path),
+        "--result-filename", "r.json",
+    ]))  # fmt: skip
+    assert m["completed"] == 6 and m["failed"] == 0 and m["total_output_tokens"] == 24
+    assert m["request_goodput"] == pytest.approx(m["request_throughput"])
+    for k in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "output_throughput"):
+        assert m[k] > 0, k
+    assert json.loads((tmp_path / "r.json").read_text())["completed"] == 6
+    m = bench_serve.main(parser.parse_args([
+        *common, "--dataset-name", "trace", "--trace-max-len", "64", "--backend", "openai-chat",
+    ]))  # fmt: skip
+    assert m["failed"] == 0 or "chat template" not in str(m["errors"])
+    assert m["completed"] == 6
+    _ = cli  # the console script's module imports
+    _assert_idle_and_free(served)
+
+
 # ------------------------------------------------------------------ api key, engine death
 
 
