@@ -68,7 +68,8 @@ def stop(server, thread, engine) -> None:
 def run_client(url: str, requests: list[dict], concurrency: int | None = None) -> dict:
     """Send ``requests`` (request bodies, "stream" forced on) to url from a subprocess;
     all at once, or at most ``concurrency`` in flight. Returns {"wall": s, "results":
-    [{"ttft", "latency", "tokens", "error"}]} (tokens: the server's usage)."""
+    [{"ttft", "latency", "tokens", "error"}]} (tokens: the server's usage; ttft: the
+    first chunk with choices, None if every token decoded to no text)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(dict(url=url, requests=requests, concurrency=concurrency), f)
     out = subprocess.run(
@@ -101,12 +102,10 @@ def _client_main(path: str) -> None:
                     chunk = json.loads(line[6:])
                     if chunk.get("usage"):
                         res["tokens"] = chunk["usage"]["completion_tokens"]
-                    for ch in chunk.get("choices", []):
-                        got = ch.get("text") or (ch.get("delta") or {}).get("content") or (
-                            ch.get("logprobs") and (ch["logprobs"].get("tokens")
-                                                    or ch["logprobs"].get("content")))
-                        if got and res["ttft"] is None:
-                            res["ttft"] = time.perf_counter() - t0
+                    # A chunk with choices carries a token: chat sends the role chunk
+                    # with the first token, completions a chunk per non-empty text.
+                    if chunk.get("choices") and res["ttft"] is None:
+                        res["ttft"] = time.perf_counter() - t0
             res["latency"] = time.perf_counter() - t0
         return res
 
