@@ -463,7 +463,7 @@ def test_bench_serve_against_the_server(served, tmp_path):
         assert m[k] > 0, k
     assert json.loads((tmp_path / "r.json").read_text())["completed"] == 6
     m = bench_serve.main(parser.parse_args([
-        *common, "--dataset-name", "trace", "--trace-max-len", "64", "--backend", "openai-chat",
+        *common, "--dataset-name", "trace", "--trace-max-len", "40", "--backend", "openai-chat",
     ]))  # fmt: skip
     assert m["completed"] == 6 and m["failed"] == 0, m["errors"]
     _assert_idle_and_free(served)
