@@ -1,19 +1,25 @@
 """Server overhead: output tokens/s through the OpenAI server at saturation against
 ``LLM.generate`` on the same requests and model (issue 16's target: ratio >= 0.85).
 
-    python benchmarks/server_overhead.py [--num-prompts 256] [--input-len 64]
-        [--output-len 64] [--hidden 512 --layers 8 --heads 8]
+    python benchmarks/server_overhead.py [--num-prompts 64] [--input-len 32]
+        [--output-len 32] [--hidden 256 --layers 4 --heads 4]
 
-One random llama (load_format="dummy", byte-level tokenizer), one LLM. The same N
-requests (random printable prompts of --input-len tokens, greedy, ignore_eos, max_tokens
---output-len) run three ways, each once to compile and once timed:
+One random llama (load_format="dummy", byte-level tokenizer), one LLM whose every
+(tokens, sequences) bucket is compiled first (``warmup(mode="all")``): requests that
+arrive over HTTP one by one form batches that ``LLM.generate`` never forms, and a
+compile inside a timed run would be charged to the server. The same N requests (random
+printable prompts of --input-len tokens, greedy, ignore_eos, max_tokens --output-len)
+then run, each path once untimed and once timed, in this order:
 
 1. ``LLM.generate`` (offline, no server);
 2. ``AsyncLLMEngine.generate`` from asyncio in this process (the async layer alone);
-3. the HTTP server (uvicorn thread in this process), all N requests sent at once as
-   streams by a client in another process (benchmarks/serving_common.py).
+3. the HTTP server (uvicorn in a thread of this process) with all N requests sent at
+   once as streams by a client in another process (benchmarks/serving_common.py), for
+   each variant: uvicorn's HTTP parser (httptools / pure-Python h11) x the GIL switch
+   interval (the server's 0.5 ms / CPython's default 5 ms).
 
-Printed: tokens/s of each and the ratios to LLM.generate, plus the load (uptime).
+Printed: tokens/s and the ratio to LLM.generate of each, the compilations during the
+timed runs (must be 0), and the load (uptime).
 """
 
 from __future__ import annotations
@@ -21,37 +27,42 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import time
 
 import numpy as np
-from serving_common import dummy_model_dir, run_client, serve, stop  # benchmarks/ is on sys.path
+from serving_common import dummy_model_dir, run_client, serve_engine  # benchmarks/ on path
 
 from pagedjax import LLM, SamplingParams
+from pagedjax.engine.async_engine import AsyncLLMEngine
+from pagedjax.entrypoints.openai.api_server import SERVER_SWITCH_INTERVAL_S
 from pagedjax.machine import cpu_model
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--num-prompts", type=int, default=256)
-    ap.add_argument("--input-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    ap.add_argument("--num-scheduler-steps", type=int, default=1)
-    ap.add_argument("--switch-interval", type=float, default=None,
-                    help="GIL switch interval (s) for the server (default: the server's,"
-                         " api_server.SERVER_SWITCH_INTERVAL_S)")  # fmt: skip
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument("--variants", default="httptools:0.0005,httptools:0.005,h11:0.0005",
+                    help="HTTP:SWITCH_INTERVAL_S list for the server runs")  # fmt: skip
     args = ap.parse_args()
 
     model = dummy_model_dir(args.hidden, args.layers, args.heads)
     llm = LLM(
         model=model, load_format="dummy", dtype="float32", max_model_len=1024,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=1 << 30, num_scheduler_steps=args.num_scheduler_steps,
+        kv_cache_memory_bytes=1 << 30,
     )  # fmt: skip
+    t0 = time.perf_counter()
+    llm.llm_engine.warmup(mode="all")
+    warm_s = time.perf_counter() - t0
+    compiles = lambda: llm.llm_engine.stats()["compilations"]  # noqa: E731
     rng = np.random.default_rng(0)
     # Printable ASCII: one byte-level token each, so prompts are exactly input_len tokens
     # (plus BOS) as text, the same ids on every path.
@@ -67,14 +78,10 @@ def main() -> None:
         assert sum(len(o.outputs[0].token_ids) for o in outs) == want
         return want / dt
 
-    offline()  # compile
-    offline_tps = offline()
-
-    server, thread, url, engine, _ = serve(llm, "bench")
-    if args.switch_interval is not None:
-        import sys
-
-        sys.setswitchinterval(args.switch_interval)
+    offline()
+    c0 = compiles()
+    rows = [("LLM.generate", offline())]
+    engine = AsyncLLMEngine.from_llm(llm)
 
     async def async_layer() -> float:
         async def one(i: int, p: str) -> int:
@@ -89,32 +96,44 @@ def main() -> None:
         assert n == want
         return want / dt
 
-    async_tps = asyncio.run(async_layer())
+    sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
+    asyncio.run(async_layer())
+    rows.append(("AsyncLLMEngine (in-process asyncio), 0.5 ms switch", asyncio.run(async_layer())))
     bodies = [dict(model="bench", prompt=p, max_tokens=args.output_len, temperature=0.0,
                    ignore_eos=True) for p in prompts]  # fmt: skip
-    run_client(url + "/v1/completions", bodies)  # warm (nothing new should compile)
-    got = run_client(url + "/v1/completions", bodies)
-    stop(server, thread, engine)
-    tokens = sum(r["tokens"] for r in got["results"])
-    assert tokens == want and not any(r["error"] for r in got["results"]), got["results"][:3]
-    server_tps = want / got["wall"]
-    ttft = np.array([r["ttft"] for r in got["results"] if r["ttft"] is not None])
+    ttfts = {}
+    for variant in args.variants.split(","):
+        http, interval = variant.split(":")
+        sys.setswitchinterval(float(interval))
+        server, thread, url = serve_engine(engine, "bench", http=http)
+        run_client(url + "/v1/completions", bodies)  # untimed
+        got = run_client(url + "/v1/completions", bodies)
+        server.should_exit = True
+        thread.join(30)
+        tokens = sum(r["tokens"] for r in got["results"])
+        assert tokens == want and not any(r["error"] for r in got["results"])
+        name = f"HTTP server: {http}, {float(interval) * 1e3:g} ms switch"
+        rows.append((name, want / got["wall"]))
+        ttfts[name] = [r["ttft"] for r in got["results"] if r["ttft"] is not None]
+    stop_compiles = compiles() - c0
+    engine.shutdown()
 
     print(f"# server overhead on {cpu_model()} ({os.cpu_count()} cores); load: "
           f"{os.getloadavg()[0]:.2f} (1-min average at the end)")  # fmt: skip
     print(f"# model: random llama hidden={args.hidden} layers={args.layers} heads={args.heads};"
           f" {args.num_prompts} requests x ({args.input_len} in, {args.output_len} out),"
-          f" greedy, all at once; max_num_seqs={args.max_num_seqs}")  # fmt: skip
-    print("| path | output tok/s | ratio to LLM.generate |")
-    print("|---|---|---|")
-    print(f"| LLM.generate | {offline_tps:.1f} | 1.00 |")
-    print(f"| AsyncLLMEngine (in-process asyncio) | {async_tps:.1f} | "
-          f"{async_tps / offline_tps:.2f} |")  # fmt: skip
-    print(f"| HTTP server, streaming client in another process | {server_tps:.1f} | "
-          f"{server_tps / offline_tps:.2f} |")  # fmt: skip
-    if len(ttft):
-        print(f"# server: mean TTFT {ttft.mean() * 1e3:.0f} ms, wall {got['wall']:.2f} s")
-    print(f"server_over_offline: {server_tps / offline_tps:.3f}")
+          f" greedy, all at once; max_num_seqs={args.max_num_seqs},"
+          f" max_num_batched_tokens={args.max_num_batched_tokens}; warm-up (all buckets)"
+          f" {warm_s:.0f} s; compilations during the timed runs: {stop_compiles}")  # fmt: skip
+    print("| path | output tok/s | ratio to LLM.generate | mean TTFT ms |")
+    print("|---|---|---|---|")
+    base = rows[0][1]
+    for name, tps in rows:
+        t = ttfts.get(name)
+        ttft = f"{np.mean(t) * 1e3:.0f}" if t else "-"
+        print(f"| {name} | {tps:.1f} | {tps / base:.2f} | {ttft} |")
+    best = max(tps for name, tps in rows if name.startswith("HTTP server: httptools, 0.5"))
+    print(f"server_over_offline: {best / base:.3f}")
 
 
 if __name__ == "__main__":

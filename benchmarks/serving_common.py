@@ -36,27 +36,36 @@ def dummy_model_dir(hidden: int, layers: int, heads: int, vocab: int = 512,
 
 def serve(llm: Any, name: str, chat_template: str | None = None):
     """(server, thread, url, engine, metrics): the OpenAI server over llm's engine."""
-    import uvicorn
-
     from pagedjax.engine.async_engine import AsyncLLMEngine
-    from pagedjax.entrypoints.openai.api_server import SERVER_SWITCH_INTERVAL_S, build_app
+    from pagedjax.entrypoints.openai.api_server import SERVER_SWITCH_INTERVAL_S
     from pagedjax.entrypoints.openai.metrics import ServerMetrics
 
     sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)  # as run_server does
     metrics = ServerMetrics(name)
     engine = AsyncLLMEngine.from_llm(llm, stats=metrics)
+    server, thread, url = serve_engine(engine, name, chat_template, metrics)
+    return server, thread, url, engine, metrics
+
+
+def serve_engine(engine: Any, name: str, chat_template: str | None = None, metrics=None,
+                 http: str = "auto"):  # fmt: skip
+    """(server, thread, url): uvicorn (``http``: auto / h11 / httptools) over an app on an
+    existing AsyncLLMEngine."""
+    import uvicorn
+
+    from pagedjax.entrypoints.openai.api_server import build_app
+
     app = build_app(engine, [name], chat_template=chat_template, metrics=metrics)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", backlog=4096)
-    )
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=http,
+                                           log_level="warning", backlog=4096))  # fmt: skip
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{port}", engine, metrics
+    return server, thread, f"http://127.0.0.1:{port}"
 
 
 def stop(server, thread, engine) -> None:

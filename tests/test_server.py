@@ -547,3 +547,41 @@ def test_cli_flags():
         cli.main(["serve"])  # the model is required
     with pytest.raises(SystemExit):
         cli.main(["serve", "m", "--nope"])
+
+
+@pytest.mark.slow
+def test_python_m_api_server_subprocess(tmp_path):
+    """The issue's recipe as written: `python -m pagedjax.entrypoints.openai.api_server`
+    with vLLM's flags in a subprocess, then a completion; a bad flag exits non-zero."""
+    import subprocess
+    import sys
+
+    bad = subprocess.run([sys.executable, "-m", "pagedjax.entrypoints.openai.api_server",
+                          "--model", "tiny-llama", "--quantization", "awq"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode != 0 and "quantized weights" in bad.stderr
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedjax.entrypoints.openai.api_server", "--model",
+         "tiny-llama", "--port", str(port), "--tensor-parallel-size", "1",
+         "--max-model-len", "2048", "--max-num-batched-tokens", "2048",
+         "--num-gpu-blocks-override", "256"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
+            time.sleep(1)
+        r = httpx.post(url + "/v1/completions", timeout=300, json={
+            "model": "tiny-llama", "prompt": "Hello, world", "max_tokens": 50})  # fmt: skip
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.terminate()
+        proc.wait(60)
