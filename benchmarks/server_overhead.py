@@ -9,7 +9,9 @@ One random llama (load_format="dummy", byte-level tokenizer), one LLM whose ever
 arrive over HTTP one by one form batches that ``LLM.generate`` never forms, and a
 compile inside a timed run would be charged to the server. The same N requests (random
 printable prompts of --input-len tokens, greedy, ignore_eos, max_tokens --output-len)
-then run, each path once untimed and once timed, in this order:
+then run, each path once untimed, then ``--repeats`` rounds of timed runs that
+alternate the paths (so a change in the machine's load hits every path alike; the
+table gives each path's median and the median of the per-round ratios):
 
 1. ``LLM.generate`` (offline, no server);
 2. ``AsyncLLMEngine.generate`` from asyncio in this process (the async layer alone);
@@ -51,6 +53,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--variants", default="httptools:0.0005,httptools:0.005,h11:0.0005",
                     help="HTTP:SWITCH_INTERVAL_S list for the server runs")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
     model = dummy_model_dir(args.hidden, args.layers, args.heads)
@@ -78,9 +81,6 @@ def main() -> None:
         assert sum(len(o.outputs[0].token_ids) for o in outs) == want
         return want / dt
 
-    offline()
-    c0 = compiles()
-    rows = [("LLM.generate", offline())]
     engine = AsyncLLMEngine.from_llm(llm)
 
     async def async_layer() -> float:
@@ -96,27 +96,52 @@ def main() -> None:
         assert n == want
         return want / dt
 
-    sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
-    asyncio.run(async_layer())
-    rows.append(("AsyncLLMEngine (in-process asyncio), 0.5 ms switch", asyncio.run(async_layer())))
     bodies = [dict(model="bench", prompt=p, max_tokens=args.output_len, temperature=0.0,
                    ignore_eos=True) for p in prompts]  # fmt: skip
-    ttfts = {}
-    for variant in args.variants.split(","):
-        http, interval = variant.split(":")
-        sys.setswitchinterval(float(interval))
-        server, thread, url = serve_engine(engine, "bench", http=http)
-        run_client(url + "/v1/completions", bodies)  # untimed
-        got = run_client(url + "/v1/completions", bodies)
-        server.should_exit = True
-        thread.join(30)
+    variants = [(v.split(":")[0], float(v.split(":")[1])) for v in args.variants.split(",")]
+    servers = {v: serve_engine(engine, "bench", http=v[0]) for v in variants}
+
+    def offline_run() -> float:
+        # The engine thread is idle between runs; LLM.generate drives the engine from
+        # here while nothing else is queued (the async engine only steps on requests).
+        sys.setswitchinterval(0.005)
+        return offline()
+
+    def async_run() -> float:
+        sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
+        return asyncio.run(async_layer())
+
+    def server_run(v) -> tuple[float, list]:
+        sys.setswitchinterval(v[1])
+        got = run_client(servers[v][2] + "/v1/completions", bodies)
         tokens = sum(r["tokens"] for r in got["results"])
         assert tokens == want and not any(r["error"] for r in got["results"])
-        name = f"HTTP server: {http}, {float(interval) * 1e3:g} ms switch"
-        rows.append((name, want / got["wall"]))
-        ttfts[name] = [r["ttft"] for r in got["results"] if r["ttft"] is not None]
+        return want / got["wall"], [r["ttft"] for r in got["results"] if r["ttft"]]
+
+    offline_run(), async_run()  # untimed
+    for v in variants:
+        server_run(v)
+    c0 = compiles()
+    names = ["LLM.generate", "AsyncLLMEngine (in-process asyncio), 0.5 ms switch"] + [
+        f"HTTP server: {h}, {i * 1e3:g} ms switch" for h, i in variants
+    ]
+    tps: dict[str, list[float]] = {n: [] for n in names}
+    ttfts: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        tps[names[0]].append(offline_run())
+        tps[names[1]].append(async_run())
+        for name, v in zip(names[2:], variants, strict=True):
+            t, tt = server_run(v)
+            tps[name].append(t)
+            ttfts.setdefault(name, []).extend(tt)
     stop_compiles = compiles() - c0
+    for server, thread, _ in servers.values():
+        server.should_exit = True
+        thread.join(30)
     engine.shutdown()
+    base = tps[names[0]]
+    rows = [(n, float(np.median(v)), float(np.median(np.array(v) / np.array(base))))
+            for n, v in tps.items()]  # fmt: skip
 
     print(f"# server overhead on {cpu_model()} ({os.cpu_count()} cores); load: "
           f"{os.getloadavg()[0]:.2f} (1-min average at the end)")  # fmt: skip
@@ -125,15 +150,16 @@ def main() -> None:
           f" greedy, all at once; max_num_seqs={args.max_num_seqs},"
           f" max_num_batched_tokens={args.max_num_batched_tokens}; warm-up (all buckets)"
           f" {warm_s:.0f} s; compilations during the timed runs: {stop_compiles}")  # fmt: skip
-    print("| path | output tok/s | ratio to LLM.generate | mean TTFT ms |")
-    print("|---|---|---|---|")
-    base = rows[0][1]
-    for name, tps in rows:
+    print(f"# {args.repeats} rounds; per path: median tok/s, median of the per-round ratios"
+          " to LLM.generate, and each round's tok/s")  # fmt: skip
+    print("| path | median output tok/s | median ratio to LLM.generate | rounds | mean TTFT ms |")
+    print("|---|---|---|---|---|")
+    for name, med, ratio in rows:
         t = ttfts.get(name)
         ttft = f"{np.mean(t) * 1e3:.0f}" if t else "-"
-        print(f"| {name} | {tps:.1f} | {tps / base:.2f} | {ttft} |")
-    best = max(tps for name, tps in rows if name.startswith("HTTP server: httptools, 0.5"))
-    print(f"server_over_offline: {best / base:.3f}")
+        each = ", ".join(f"{x:.0f}" for x in tps[name])
+        print(f"| {name} | {med:.1f} | {ratio:.2f} | {each} | {ttft} |")
+    print(f"server_over_offline: {rows[2][2]:.3f}")
 
 
 if __name__ == "__main__":
