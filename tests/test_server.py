@@ -528,7 +528,12 @@ def test_cli_flags():
     args = p.parse_args(["--model", "m", "--max-model-len", "2048", "--tensor-parallel-size",
                          "1", "--max-num-batched-tokens", "2048", "--port", "8001"])  # fmt: skip
     kw = cli_args.llm_kwargs(args)
-    assert kw["max_model_len"] == 2048 and kw["enable_prefix_caching"] is True
+    assert kw == dict(model="m", max_model_len=2048, tensor_parallel_size=1,
+                      max_num_batched_tokens=2048)  # only what was given: LLM's defaults
+    import inspect
+
+    llm_params = inspect.signature(LLM.__init__).parameters
+    assert set(cli_args.LLM_ARGS) - {"compilation_cache"} <= set(llm_params)
     cli_args.reject_unbuilt(args)
     off = p.parse_args(["--model", "m", "--no-enable-prefix-caching"])
     assert off.enable_prefix_caching is False

@@ -1,5 +1,7 @@
 """Command-line flags of the OpenAI-compatible server: vLLM's names (kebab-case of the
 ``LLM`` arguments), pagedjax's own flags marked as such, and refusals by feature name.
+An engine flag left out is left out of ``LLM(...)`` too, so the server's defaults are
+``LLM``'s (prefix caching on, K auto, ...), never a second copy of them.
 
 ``make_parser()`` builds the argparse parser (abbreviations off, so an unknown or
 misspelt flag is an error rather than a guess). ``llm_kwargs(args)`` turns the parsed
@@ -23,11 +25,21 @@ PAGEDJAX_ONLY = (
     "--scheduling-mode",
     "--watermark",
     "--warmup",
+    "--compilation-cache",
 )
 
 
 def _own(text: str) -> str:
     return f"[pagedjax only] {text}"
+
+
+def _int_or_auto(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
@@ -41,14 +53,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
             help="checkpoint directory (Hugging Face format) or preset name",
         )
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy", "safetensors"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--load-format", default=None, choices=["auto", "dummy", "safetensors"])
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument(
         "--kv-cache-memory-bytes",
@@ -59,41 +71,46 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="automatic prefix caching (on by default, as vLLM)",
+        default=None,
+        help="automatic prefix caching (LLM's default: on, as vLLM)",
     )
     p.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
-    p.add_argument("--max-logprobs", type=int, default=20)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--max-logprobs", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     p.add_argument(
-        "--swap-space", type=float, default=4.0, help=_own("host swap pool per engine, GiB")
+        "--swap-space", type=float, default=None, help=_own("host swap pool per engine, GiB")
     )
     p.add_argument(
         "--num-scheduler-steps",
-        type=int,
-        default=1,
-        help=_own("decode iterations run in one on-device loop (K)"),
+        type=_int_or_auto,
+        default=None,
+        help=_own("decode iterations run in one on-device loop (K), or 'auto'"),
     )
     p.add_argument(
         "--attention-backend",
-        default="auto",
+        default=None,
         choices=["auto", "reference", "native_cpu", "pallas"],
         help=_own("attention implementation"),
     )
     p.add_argument(
         "--scheduling-mode",
-        default="default",
+        default=None,
         choices=["default", "paper", "static"],
         help=_own("default (chunked prefill), paper (2023 vLLM rules) or static batching"),
     )
     p.add_argument(
-        "--watermark", type=float, default=0.01, help=_own("fraction of blocks kept free")
+        "--watermark", type=float, default=None, help=_own("fraction of blocks kept free")
     )
     p.add_argument(
         "--warmup",
-        default="auto",
+        default=None,
         choices=["auto", "all", "decode", "none"],
         help=_own("compile at start-up: auto = decode programs on an accelerator, none on CPU"),
+    )
+    p.add_argument(
+        "--compilation-cache",
+        default=None,
+        help=_own("persistent compilation cache directory (LLM's compilation_cache)"),
     )
     # Accepted so the refusal can name the feature (reject_unbuilt).
     p.add_argument("--quantization", "-q", default=None, help="not built yet: refused")
@@ -147,7 +164,7 @@ def reject_unbuilt(args: argparse.Namespace) -> None:
     why = None
     if args.quantization is not None:
         why = f"--quantization {args.quantization}: quantized weights are not built yet"
-    elif args.tensor_parallel_size != 1:
+    elif args.tensor_parallel_size is not None and args.tensor_parallel_size != 1:
         why = (
             f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not"
             " built yet (only 1)"
@@ -162,32 +179,20 @@ def reject_unbuilt(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: {why}")
 
 
+# Flags that map one to one onto LLM(...) keyword arguments (dest == keyword).
+LLM_ARGS = (
+    "model", "tokenizer", "dtype", "load_format", "seed", "block_size", "max_model_len",
+    "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
+    "num_gpu_blocks_override", "kv_cache_memory_bytes", "swap_space", "enable_prefix_caching",
+    "preemption_mode", "tensor_parallel_size", "scheduling_mode", "watermark",
+    "attention_backend", "max_logprobs", "num_scheduler_steps", "warmup", "compilation_cache",
+)  # fmt: skip
+
+
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """LLM(...) keyword arguments from the parsed flags."""
-    return dict(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        seed=args.seed,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        swap_space=args.swap_space,
-        enable_prefix_caching=args.enable_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        tensor_parallel_size=args.tensor_parallel_size,
-        scheduling_mode=args.scheduling_mode,
-        watermark=args.watermark,
-        attention_backend=args.attention_backend,
-        max_logprobs=args.max_logprobs,
-        num_scheduler_steps=args.num_scheduler_steps,
-        warmup=args.warmup,
-    )
+    """LLM(...) keyword arguments from the parsed flags: only the flags given, so every
+    default is LLM's own (one place to change a default; the server cannot drift)."""
+    return {k: getattr(args, k) for k in LLM_ARGS if getattr(args, k) is not None}
 
 
 def describe(args: argparse.Namespace) -> str:
