@@ -493,7 +493,7 @@ def test_no_chat_template_then_engine_death():
     Then the engine's step fails: the request in flight fails with the cause, /health
     answers 503 and later requests 503, nothing hangs."""
     llm = LLM("tiny-llama", max_model_len=64, num_gpu_blocks_override=16, block_size=8,
-              max_num_seqs=2, max_num_batched_tokens=16)  # fmt: skip
+              max_num_seqs=2, max_num_batched_tokens=16, warmup="none")  # never steps
     engine = AsyncLLMEngine.from_llm(llm)
     app = build_app(engine, ["tiny-llama"])
 
