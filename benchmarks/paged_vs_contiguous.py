@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> float:
         max_num_seqs=8 if args.tiny else 256,
         max_num_batched_tokens=budget,
         seed=args.seed,
+        enable_prefix_caching=False,  # the contiguous baseline has none: compare like with like
     )
     engine = llm.llm_engine
     rng = np.random.default_rng(args.seed)

@@ -173,6 +173,7 @@ def main() -> None:
         num_gpu_blocks_override=1 + seqs * -(-max_len // block),
         watermark=0.0,
         seed=args.seed,
+        enable_prefix_caching=False,  # Fig. 15 measures sample / beam sharing alone
     )
     reqs = workload(n_req, max_len, max_out, args.seed)
     p_mean = np.mean([len(p) for p, _ in reqs])

@@ -30,6 +30,7 @@ def make_llm(s: EngineSettings) -> Any:
         max_num_seqs=s.max_num_seqs,
         max_num_batched_tokens=s.max_num_batched_tokens or max(512, s.max_model_len),
         seed=s.seed,
+        enable_prefix_caching=False,  # the simulator it validates models no prefix cache
     )
 
 

@@ -41,6 +41,7 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
             num_gpu_blocks_override=1 + s.max_num_seqs * -(-s.max_model_len // block),
             watermark=0.0,
             seed=s.seed,
+            enable_prefix_caching=False,  # Fig. 15 measures sample / beam sharing alone
         )
     except Exception as e:  # noqa: BLE001 - report, do not fake numbers
         return {"executor": LABEL, "status": f"not available: {type(e).__name__}: {e}"}

@@ -38,6 +38,25 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's own Jinja chat template (tokenizer_config.json), if any."""
+        return getattr(self._tok, "chat_template", None)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> str:
+        """The conversation as prompt text (transformers' renderer; template given or own)."""
+        return self._tok.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+        )
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255; optional bos/eos ids (e.g. the model config's).

@@ -202,3 +202,35 @@ class PagedRunner:
         for row, sid in zip(logits, owners, strict=True):
             out.setdefault(sid, []).append(row)
         return {sid: np.stack(rows) for sid, rows in out.items()}
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def save_tiny_tokenizer(directory: str | Path, chat_template: str | None = TINY_CHAT_TEMPLATE):
+    """A byte-level Hugging Face tokenizer (no merges: one token per UTF-8 byte, ids 3..258;
+    <unk> 0, <s> 1 (prepended), </s> 2: the tiny llama config's bos/eos) with a chat
+    template, saved with save_pretrained beside a tiny model. No network needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        chat_template=chat_template,
+    )
+    fast.save_pretrained(str(directory))
+    return fast

@@ -13,6 +13,7 @@ device_state, request_book (tests/test_import_layers.py).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,8 @@ class EngineCore:
         """Bind a free slot to seq: owner, token-buffer row (prompt + any output kept for
         a recompute) and sampling row. Returns the slot."""
         slot = self.book.bind_slot(req, seq)
+        if req.metrics.first_scheduled_time is None:  # serving metrics (queue time)
+            req.metrics.first_scheduled_time = time.monotonic()
         ids = req.prompt_token_ids + seq.detok.ids
         row = np.zeros(self.max_model_len, np.int32)
         row[: len(ids)] = ids

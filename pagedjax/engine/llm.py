@@ -27,6 +27,7 @@ class LLM:
     several samples, recompute single sequences; docs/engine.md). Unknown keyword arguments raise
     TypeError. On CPU the KV pool size comes from num_gpu_blocks_override or
     kv_cache_memory_bytes (else 256 MiB); see docs/engine.md.
+    enable_prefix_caching: automatic prefix caching, on by default as in vLLM today.
     num_scheduler_steps (vLLM's name; ``SchedulerConfig.num_multi_steps``): K, the most
     decode iterations run in one on-device loop; "auto" picks K per device kind.
     warmup: "auto" (every step program at start-up, or ``$PAGEDJAX_WARMUP``), "decode",
@@ -50,7 +51,7 @@ class LLM:
         num_gpu_blocks_override: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         swap_space: float = 4.0,
-        enable_prefix_caching: bool = False,
+        enable_prefix_caching: bool = True,
         preemption_mode: str | None = None,
         tensor_parallel_size: int = 1,
         scheduling_mode: str = "default",

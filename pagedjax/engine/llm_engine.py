@@ -272,16 +272,15 @@ class LLMEngine:
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         """ValueError if a request of these ids and params can never run here."""
         check_request(
-            ids,
-            params,
-            sched_config=self.sched_config,
-            max_model_len=self.max_model_len,
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            watermark_blocks=self.policy.watermark_blocks,
-            max_logprobs=self.max_logprobs,
+            ids, params, sched_config=self.sched_config, max_model_len=self.max_model_len,
+            num_blocks=self.num_blocks, block_size=self.block_size,
+            watermark_blocks=self.policy.watermark_blocks, max_logprobs=self.max_logprobs,
             vocab_size=self.arch.vocab_size,
-        )
+        )  # fmt: skip
+
+    def request_counts(self) -> dict[str, int]:
+        """Unfinished requests by where they are (``RequestBook.request_counts``)."""
+        return self.core.book.request_counts()
 
     # ------------------------------------------------------------------ the step
 

@@ -45,13 +45,28 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """A request's timeline on ``time.monotonic()``'s clock (vLLM's RequestMetrics subset).
+
+    arrival_time: add_request. first_scheduled_time: its first sample got a scheduler
+    slot (None while queued on the host). first_token_time: the step that produced its
+    first output token was read back (None before).
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     """A request's state after a step (cumulative, as vLLM's default output kind).
 
     prompt: the prompt text (None when given as token ids). prompt_logprobs: when
     SamplingParams.prompt_logprobs is set, one entry per prompt token: None for the first,
     then {token_id: Logprob} with the actual token and the top-k (raw model logprobs).
-    finished: every sample has finished.
+    finished: every sample has finished. metrics: the request's timeline (serving
+    metrics: queue time, time to first token).
     """
 
     request_id: str
@@ -60,3 +75,4 @@ class RequestOutput:
     prompt_logprobs: list | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    metrics: RequestMetrics | None = None

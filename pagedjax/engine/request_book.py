@@ -44,6 +44,25 @@ class RequestBook:
 
     # ------------------------------------------------------------------ requests
 
+    def request_counts(self) -> dict[str, int]:
+        """Unfinished requests by where they are (serving metrics; host state, no device
+        sync): "swapped" has a sample swapped out to the host pool, "running" holds a
+        scheduler slot otherwise (it may still wait on the device for blocks), "waiting"
+        holds no slot yet; "slots_in_use" counts occupied scheduler slots."""
+        running = swapped = 0
+        for req in self.requests.values():
+            slots = [s.slot for s in req.seqs if s.slot is not None]
+            if any(s in self.swapped_slots for s in slots):
+                swapped += 1
+            elif slots:
+                running += 1
+        return dict(
+            running=running,
+            waiting=len(self.requests) - running - swapped,
+            swapped=swapped,
+            slots_in_use=len(self.slot_owner),
+        )
+
     def next_arrival(self) -> int:
         """A new FCFS key (one per sequence, increasing)."""
         arrival = self.num_arrivals

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
-from pagedjax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedjax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedjax.sampling import SamplingParams
 
 
@@ -96,6 +97,8 @@ class RequestState:
     # Beam search (engine/beams.py): the host picks every step's tokens, so the K-step
     # decode loop must not run while such a request holds slots.
     host_driven: bool = False
+    # Timeline for serving metrics (time.monotonic()); see outputs.RequestMetrics.
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @classmethod
     def new(
@@ -132,6 +135,9 @@ class RequestState:
 
     def output(self) -> RequestOutput:
         """Cumulative output so far (vLLM's default output kind)."""
+        m = self.metrics
+        if m.first_token_time is None and any(s.detok.ids for s in self.seqs):
+            m.first_token_time = time.monotonic()  # called right after the step's read-back
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -139,4 +145,5 @@ class RequestState:
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs else None,
             outputs=[s.completion() for s in self.seqs],
             finished=self.finished,
+            metrics=RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time),
         )

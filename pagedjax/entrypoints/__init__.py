@@ -1,0 +1,1 @@
+"""Command-line and network front ends: the OpenAI-compatible server, ``pagedjax`` CLI."""

@@ -1,0 +1,1 @@
+"""vLLM's OpenAI-compatible server over AsyncLLMEngine (docs/serving.md)."""

@@ -1,0 +1,229 @@
+"""vLLM's OpenAI-compatible server for pagedjax, on FastAPI + uvicorn.
+
+    python -m pagedjax.entrypoints.openai.api_server --model DIR_OR_PRESET --port 8000
+    pagedjax serve DIR_OR_PRESET --port 8000            # the same flags
+
+Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET
+/v1/models, /health, /version, /metrics. ``build_app(engine, ...)`` makes the app over
+an AsyncLLMEngine (tests run it in-process); ``run_server(args)`` loads the model and
+serves until interrupted. docs/serving.md gives the design and the measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from importlib import metadata
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagedjax.engine.async_engine import AsyncLLMEngine
+from pagedjax.entrypoints.openai import cli_args
+from pagedjax.entrypoints.openai.metrics import ServerMetrics
+from pagedjax.entrypoints.openai.protocol import JsonFields, OpenAIError, bad, parse_messages
+from pagedjax.entrypoints.openai.serving import OpenAIServing, load_chat_template
+
+log = logging.getLogger("pagedjax.server")
+
+# The engine thread and the event loop share one interpreter. With CPython's default
+# 5 ms GIL switch interval, each time the engine thread comes back from a device call
+# while the loop is busy encoding chunks it can wait up to 5 ms for the GIL, many times
+# per step; 0.5 ms cut that convoy (server / offline throughput 0.46 -> 0.83 in one
+# measurement, docs/serving.md). Set by run_server for the whole process.
+SERVER_SWITCH_INTERVAL_S = 0.0005
+
+
+def version() -> str:
+    try:
+        return metadata.version("pagedjax")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+local"
+
+
+def _error(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"malformed JSON body: {e}") from e
+
+
+def build_app(
+    engine: AsyncLLMEngine,
+    served_model_names: list[str],
+    *,
+    model_path: str | None = None,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    response_role: str = "assistant",
+    metrics: ServerMetrics | None = None,
+) -> FastAPI:
+    """The FastAPI app over ``engine``. Give ``metrics`` the ServerMetrics that is the
+    engine's stats sink (else a fresh one without timings is made)."""
+    app = FastAPI(title="pagedjax OpenAI-compatible server", version=version())
+    metrics = metrics or ServerMetrics(served_model_names[0])
+    serving = OpenAIServing(
+        engine, served_model_names, chat_template=chat_template, response_role=response_role
+    )
+    app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
+    created = int(time.time())
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+        return _error(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error(OpenAIError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return _error(OpenAIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            got = request.headers.get("authorization", "")
+            if not secrets.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                return _error(OpenAIError(401, "invalid or missing API key"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_healthy:
+            err = engine.dead_error
+            return _error(OpenAIError(503, str(err) if err else "engine is not running"))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def get_version() -> dict:
+        return {"version": version()}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pagedjax",
+                "root": model_path or served_model_names[0],
+                "parent": None,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in served_model_names
+        ]
+        return {"object": "list", "data": data}
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(
+            await metrics.render(engine), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.completions(await _json_body(request), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await serving.chat(await _json_body(request), request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        fields = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
+        b = JsonFields(await _json_body(request), fields)
+        serving.check_model(b.str("model"))
+        if "messages" in b.body:
+            text = serving.render_chat(
+                parse_messages(b.body["messages"]), b.bool("add_generation_prompt", True), None
+            )
+            ids = serving.tokenize(text, b.bool("add_special_tokens", False))
+        else:
+            prompt = b.str("prompt")
+            if prompt is None:
+                raise bad("'prompt' (a string) or 'messages' is required", "prompt")
+            ids = serving.tokenize(prompt, b.bool("add_special_tokens", True))
+        b.warn_unknown("tokenize")
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        b = JsonFields(await _json_body(request), {"model", "tokens"})
+        serving.check_model(b.str("model"))
+        tokens = b.get("tokens")
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < engine.vocab_size
+            for t in tokens
+        ):
+            raise bad(f"'tokens' must be an array of token ids in [0, {engine.vocab_size})",
+                      "tokens")  # fmt: skip
+        return {"prompt": serving.tokenizer.decode(tokens)}
+
+    return app
+
+
+def build_from_args(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine]:
+    """Load the model named by the flags and build the app (and its engine)."""
+    from pagedjax.engine.llm import LLM
+
+    cli_args.reject_unbuilt(args)
+    chat_template = load_chat_template(args.chat_template)
+    names = args.served_model_name or [args.model]
+    metrics = ServerMetrics(names[0])
+    llm = LLM(**cli_args.llm_kwargs(args))
+    engine = AsyncLLMEngine.from_llm(
+        llm, max_waiting_requests=args.max_waiting_requests, stats=metrics
+    )
+    app = build_app(
+        engine,
+        names,
+        model_path=args.model,
+        api_key=args.api_key or os.environ.get("PAGEDJAX_API_KEY"),
+        chat_template=chat_template,
+        response_role=args.response_role,
+        metrics=metrics,
+    )
+    return app, engine
+
+
+def run_server(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
+    log.info("args: %s", cli_args.describe(args))
+    app, engine = build_from_args(args)
+    try:
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_log_requests,
+        )
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = cli_args.make_parser().parse_args(argv)
+    run_server(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

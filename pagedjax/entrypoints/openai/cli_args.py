@@ -1,0 +1,199 @@
+"""Command-line flags of the OpenAI-compatible server: vLLM's names (kebab-case of the
+``LLM`` arguments), pagedjax's own flags marked as such, and refusals by feature name.
+An engine flag left out is left out of ``LLM(...)`` too, so the server's defaults are
+``LLM``'s (prefix caching on, K auto, ...), never a second copy of them.
+
+``make_parser()`` builds the argparse parser (abbreviations off, so an unknown or
+misspelt flag is an error rather than a guess). ``llm_kwargs(args)`` turns the parsed
+flags into ``LLM(...)`` keyword arguments; ``reject_unbuilt(args)`` raises SystemExit
+naming a feature that is not built yet (quantization, tensor parallelism > 1,
+speculative decoding, a quantized KV cache) instead of ignoring the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+# Flags vLLM does not have; the help text says so (docs/serving.md lists them).
+PAGEDJAX_ONLY = (
+    "--swap-space",  # vLLM removed it in V1; here the paper's host swap pool (GiB)
+    "--num-scheduler-steps",  # vLLM V0's multi-step; here the on-device K-step decode loop
+    "--max-waiting-requests",
+    "--attention-backend",
+    "--scheduling-mode",
+    "--watermark",
+    "--warmup",
+    "--compilation-cache",
+)
+
+
+def _own(text: str) -> str:
+    return f"[pagedjax only] {text}"
+
+
+def _int_or_auto(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
+    """The LLM arguments, vLLM's flag names."""
+    if model_positional:
+        p.add_argument("model", help="checkpoint directory (Hugging Face format) or preset name")
+    else:
+        p.add_argument(
+            "--model",
+            required=True,
+            help="checkpoint directory (Hugging Face format) or preset name",
+        )
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--load-format", default=None, choices=["auto", "dummy", "safetensors"])
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV pool size in bytes (on CPU: else 256 MiB)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="automatic prefix caching (LLM's default: on, as vLLM)",
+    )
+    p.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
+    p.add_argument("--max-logprobs", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    p.add_argument(
+        "--swap-space", type=float, default=None, help=_own("host swap pool per engine, GiB")
+    )
+    p.add_argument(
+        "--num-scheduler-steps",
+        type=_int_or_auto,
+        default=None,
+        help=_own("decode iterations run in one on-device loop (K), or 'auto'"),
+    )
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=["auto", "reference", "native_cpu", "pallas"],
+        help=_own("attention implementation"),
+    )
+    p.add_argument(
+        "--scheduling-mode",
+        default=None,
+        choices=["default", "paper", "static"],
+        help=_own("default (chunked prefill), paper (2023 vLLM rules) or static batching"),
+    )
+    p.add_argument(
+        "--watermark", type=float, default=None, help=_own("fraction of blocks kept free")
+    )
+    p.add_argument(
+        "--warmup",
+        default=None,
+        choices=["auto", "all", "decode", "none"],
+        help=_own("compile at start-up: auto = decode programs on an accelerator, none on CPU"),
+    )
+    p.add_argument(
+        "--compilation-cache",
+        default=None,
+        help=_own("persistent compilation cache directory (LLM's compilation_cache)"),
+    )
+    # Accepted so the refusal can name the feature (reject_unbuilt).
+    p.add_argument("--quantization", "-q", default=None, help="not built yet: refused")
+    p.add_argument("--speculative-config", default=None, help="not built yet: refused")
+    p.add_argument("--kv-cache-dtype", default="auto", help="only 'auto' is built")
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=None, help="bind address (default: all interfaces)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names clients use as 'model' (default: --model); the first is reported",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes (else $PAGEDJAX_API_KEY)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template, a file path or the template text (default: the tokenizer's)",
+    )
+    p.add_argument("--response-role", default="assistant")
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help=_own("answer 503 while this many requests wait for a slot (default: unlimited)"),
+    )
+    p.add_argument("--uvicorn-log-level", default="info")
+    p.add_argument("--disable-log-requests", action="store_true")
+
+
+def make_parser(prog: str = "pagedjax.entrypoints.openai.api_server") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="pagedjax's OpenAI-compatible server (vLLM's flags)",
+        allow_abbrev=False,
+    )
+    add_engine_args(p)
+    add_server_args(p)
+    return p
+
+
+def reject_unbuilt(args: argparse.Namespace) -> None:
+    """SystemExit naming a requested feature that pagedjax does not have yet."""
+    why = None
+    if args.quantization is not None:
+        why = f"--quantization {args.quantization}: quantized weights are not built yet"
+    elif args.tensor_parallel_size is not None and args.tensor_parallel_size != 1:
+        why = (
+            f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not"
+            " built yet (only 1)"
+        )
+    elif args.speculative_config is not None:
+        why = "--speculative-config: speculative decoding is not built yet"
+    elif args.kv_cache_dtype != "auto":
+        why = f"--kv-cache-dtype {args.kv_cache_dtype}: a quantized KV cache is not built yet"
+    elif args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        why = f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}"
+    if why is not None:
+        raise SystemExit(f"error: {why}")
+
+
+# Flags that map one to one onto LLM(...) keyword arguments (dest == keyword).
+LLM_ARGS = (
+    "model", "tokenizer", "dtype", "load_format", "seed", "block_size", "max_model_len",
+    "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
+    "num_gpu_blocks_override", "kv_cache_memory_bytes", "swap_space", "enable_prefix_caching",
+    "preemption_mode", "tensor_parallel_size", "scheduling_mode", "watermark",
+    "attention_backend", "max_logprobs", "num_scheduler_steps", "warmup", "compilation_cache",
+)  # fmt: skip
+
+
+def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """LLM(...) keyword arguments from the parsed flags: only the flags given, so every
+    default is LLM's own (one place to change a default; the server cannot drift)."""
+    return {k: getattr(args, k) for k in LLM_ARGS if getattr(args, k) is not None}
+
+
+def describe(args: argparse.Namespace) -> str:
+    return json.dumps({k: v for k, v in vars(args).items() if k != "api_key"}, default=str)

@@ -1,0 +1,157 @@
+"""Prometheus metrics of the server: vLLM's names under the ``pagedjax:`` prefix.
+
+Counters and histograms are fed by the engine thread through ``StatsSink`` (timings of
+each step's outputs, see engine/async_engine.py). Gauges and the engine's own counters
+(preemptions, prefix-cache tokens) are read from the engine when /metrics is scraped,
+on the engine thread between steps, so a scrape costs nothing while nobody scrapes.
+
+Each server has its own ``CollectorRegistry`` (several servers in one process, as in
+the tests, do not collide).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from pagedjax.engine.async_engine import AsyncLLMEngine, FinishedRequestStats
+
+PREFIX = "pagedjax:"
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+_TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+         7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
+_ITL = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+        10.0, 20.0, 40.0, 80.0]  # fmt: skip
+_LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+
+
+class ServerMetrics:
+    """The metric families and the StatsSink that feeds them."""
+
+    def __init__(self, model_name: str):
+        disable_created_metrics()  # no *_created series (vLLM turns them off too)
+        self.registry = r = CollectorRegistry()
+        lab = ["model_name"]
+        self.model_name = model_name
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, lab + list(extra), registry=r)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(PREFIX + name, doc, lab, registry=r).labels(model_name)
+
+        def hist(name: str, doc: str, buckets: list[float]) -> Any:
+            return Histogram(PREFIX + name, doc, lab, buckets=buckets, registry=r).labels(
+                model_name
+            )
+
+        self.running = gauge("num_requests_running", "Requests holding a scheduler slot.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting for a scheduler slot.")
+        self.swapped = gauge(
+            "num_requests_swapped", "Requests swapped out to the host KV pool (pagedjax's own)."
+        )
+        self.kv_usage = gauge(
+            "kv_cache_usage_perc", "KV-cache usage: 1 = every block in use (cached free = free)."
+        )
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in tokens."
+        ).labels(model_name)
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens.").labels(
+            model_name
+        )
+        self.preemptions = counter("num_preemptions", "Preempted sequences.").labels(model_name)
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens of requests.").labels(
+            model_name
+        )
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(
+            model_name
+        )
+        self.request_success = counter(
+            "request_success", "Finished requests by finish reason.", ("finished_reason",)
+        )
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _TTFT)
+        self.itl = hist("inter_token_latency_seconds", "Time between output tokens.", _ITL)
+        self.tpot = hist(
+            "request_time_per_output_token_seconds", "Per-request mean time per output token.",
+            _ITL,
+        )  # fmt: skip
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY)
+        self.queue_time = hist(
+            "request_queue_time_seconds", "Time from arrival to a scheduler slot.", _LATENCY
+        )
+        # Last engine counter values seen (engine counters -> Prometheus deltas).
+        self._seen = dict(preemptions=0, queries=0, hits=0)
+
+    # ------------------------------------------------------------- StatsSink
+
+    def on_first_token(self, ttft: float) -> None:
+        self.ttft.observe(ttft)
+
+    def on_inter_token(self, seconds: float, count: int) -> None:
+        for _ in range(count):
+            self.itl.observe(seconds)
+
+    def on_finished(self, s: FinishedRequestStats) -> None:
+        self.prompt_tokens.inc(s.prompt_tokens)
+        self.generation_tokens.inc(s.generation_tokens)
+        self.request_success.labels(self.model_name, s.finish_reason).inc()
+        self.e2e.observe(s.e2e)
+        if s.tpot is not None:
+            self.tpot.observe(s.tpot)
+        if s.queue_time is not None:
+            self.queue_time.observe(s.queue_time)
+
+    # ------------------------------------------------------------- scrape
+
+    async def render(self, engine: AsyncLLMEngine) -> bytes:
+        """Read the engine's gauges and counters (on its thread), then the text format."""
+        if engine.is_healthy:
+            try:
+                snap = await engine.call(_snapshot)
+            except Exception:  # noqa: BLE001 - the engine died meanwhile: last values stay
+                snap = None
+            if snap is not None:
+                self._apply(snap)
+        return generate_latest(self.registry)
+
+    def _apply(self, snap: dict[str, Any]) -> None:
+        self.running.set(snap["running"])
+        self.waiting.set(snap["waiting"])
+        self.swapped.set(snap["swapped"])
+        self.kv_usage.set(snap["kv_usage"])
+        for key, metric in (
+            ("preemptions", self.preemptions),
+            ("queries", self.prefix_queries),
+            ("hits", self.prefix_hits),
+        ):
+            delta = snap[key] - self._seen[key]
+            if delta < 0:  # the engine's stats were reset: count from there
+                delta = snap[key]
+            metric.inc(delta)
+            self._seen[key] = snap[key]
+
+
+def _snapshot(engine: Any) -> dict[str, Any]:
+    """Runs on the engine thread."""
+    counts = engine.request_counts()
+    stats = engine.stats()
+    usable = engine.num_usable_blocks()
+    return dict(
+        running=counts["running"],
+        waiting=counts["waiting"],
+        swapped=counts["swapped"],
+        kv_usage=1.0 - engine.num_free_blocks() / usable if usable else 0.0,
+        preemptions=int(engine.num_preemptions),
+        queries=int(stats["prefix_cache_query_tokens"]),
+        hits=int(stats["prefix_cache_hit_tokens"]),
+    )

@@ -1,0 +1,552 @@
+"""The OpenAI endpoints' logic: prompts in, RequestOutputs out as OpenAI JSON or SSE.
+
+Handlers tokenize and check a request on the event loop (so a bad request is answered
+before it reaches the engine), then read the engine's cumulative RequestOutputs and
+turn them into OpenAI's response or into ``data: {...}`` chunks ending with
+``data: [DONE]``. Streaming text is held back by (longest stop string - 1) characters
+until the request finishes, because a stop string that spans tokens truncates text that
+would otherwise already have been sent.
+
+A client that goes away cancels the handler (Starlette's disconnect listener for
+streams, ``run_until_disconnect`` otherwise); the generator's ``finally`` then aborts the
+request, which frees its blocks before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagedjax.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from pagedjax.engine.outputs import CompletionOutput, RequestOutput
+from pagedjax.entrypoints.openai.protocol import (
+    OpenAIError,
+    ParsedRequest,
+    bad,
+    parse_chat,
+    parse_completion,
+)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(obj: Any) -> str:
+    return f"data: {_dumps(obj)}\n\n"
+
+
+class OpenAIServing:
+    """Completions and chat completions over one AsyncLLMEngine."""
+
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        served_model_names: list[str],
+        *,
+        chat_template: str | None = None,
+        response_role: str = "assistant",
+    ):
+        self.engine = engine
+        self.names = served_model_names
+        self.chat_template = chat_template
+        self.response_role = response_role
+        self.tokenizer = engine.tokenizer
+
+    # ------------------------------------------------------------- shared
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.names:
+            raise OpenAIError(404, f"The model `{name}` does not exist.", "model")
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, template: str | None):
+        """The conversation as prompt text: the request's or the server's template, else
+        the tokenizer's; a 400 when there is none."""
+        template = template or self.chat_template
+        tok = self.tokenizer
+        own = getattr(tok, "chat_template", None)
+        if template is None and own is None:
+            raise bad(
+                "this model's tokenizer has no chat template and the server was started"
+                " without --chat-template; use /v1/completions or give a template",
+                "messages",
+            )
+        try:
+            if hasattr(tok, "apply_chat_template"):
+                return tok.apply_chat_template(messages, add_generation_prompt, template)
+            return render_template(template, messages, add_generation_prompt, tok)
+        except OpenAIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template error is the request's
+            raise bad(f"chat template failed: {type(e).__name__}: {e}", "messages") from e
+
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return prompt
+
+    def _max_tokens(self, parsed: ParsedRequest, plen: int, where: str) -> int:
+        limit = self.engine.max_model_len
+        if plen >= limit:
+            raise bad(
+                f"This model's maximum context length is {limit} tokens. However, your"
+                f" {where} has {plen} tokens, leaving no room for a completion. Please reduce"
+                f" the length of the {where}.",
+                "messages" if where == "messages" else "prompt",
+            )
+        mt = parsed.max_tokens
+        if mt is None:
+            return limit - plen
+        if plen + mt > limit:
+            raise bad(
+                f"This model's maximum context length is {limit} tokens. However, you"
+                f" requested {plen + mt} tokens ({plen} in the {where}, {mt} in the"
+                f" completion). Please reduce the length of the {where} or completion.",
+                "max_tokens",
+            )
+        return mt
+
+    # ------------------------------------------------------------- completions
+
+    async def completions(self, body: Any, request: Request) -> Response:
+        e = self.engine
+        parsed = parse_completion(body, vocab_size=e.vocab_size, max_logprobs=e.max_logprobs)
+        self.check_model(parsed.model)
+        jobs = []
+        for p in parsed.prompts:
+            ids = self.tokenize(p, parsed.add_special_tokens)
+            mt = self._max_tokens(parsed, len(ids), "prompt")
+            text = p if isinstance(p, str) else None
+            jobs.append(({"prompt_token_ids": ids, "prompt": text}, parsed.sampling_params(mt)))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        view = _CompletionView(self, parsed, rid)
+        return await self._respond(parsed, jobs, rid, view, request)
+
+    # ------------------------------------------------------------- chat
+
+    async def chat(self, body: Any, request: Request) -> Response:
+        e = self.engine
+        parsed = parse_chat(body, vocab_size=e.vocab_size, max_logprobs=e.max_logprobs)
+        self.check_model(parsed.model)
+        assert parsed.messages is not None
+        text = self.render_chat(
+            parsed.messages, parsed.add_generation_prompt, parsed.chat_template
+        )
+        ids = self.tokenize(text, parsed.add_special_tokens)
+        mt = self._max_tokens(parsed, len(ids), "messages")
+        jobs = [({"prompt_token_ids": ids, "prompt": text}, parsed.sampling_params(mt))]
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        view = _ChatView(self, parsed, rid)
+        return await self._respond(parsed, jobs, rid, view, request)
+
+    # ------------------------------------------------------------- engine I/O
+
+    async def _respond(self, parsed, jobs, rid, view, request: Request) -> Response:
+        n_prompts = len(jobs)
+        gens = [
+            self.engine.generate(prompt, params, f"{rid}-{i}")
+            for i, (prompt, params) in enumerate(jobs)
+        ]
+        stream = _merged(gens) if n_prompts > 1 else _single(gens[0])
+        if parsed.stream:
+            try:
+                first = await _first(stream)  # add errors become HTTP errors, not SSE
+            except BaseException:
+                await stream.aclose()
+                raise
+            return StreamingResponse(
+                view.sse(first, stream, n_prompts), media_type="text/event-stream"
+            )
+
+        async def collect() -> list[RequestOutput]:
+            last: dict[int, RequestOutput] = {}
+            try:
+                async for i, out in stream:
+                    last[i] = out
+            finally:
+                await stream.aclose()
+            return [last[i] for i in range(n_prompts)]
+
+        outs = await run_until_disconnect(request, collect())
+        return JSONResponse(view.full(outs))
+
+
+async def _first(stream: AsyncIterator) -> Any:
+    try:
+        return await stream.__anext__()
+    except (ValueError, TypeError) as e:
+        raise bad(str(e)) from e
+    except QueueFullError as e:
+        raise OpenAIError(503, str(e)) from e
+    except EngineDeadError as e:
+        raise OpenAIError(503, str(e)) from e
+
+
+async def _single(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    try:
+        async for out in gen:
+            yield 0, out
+    finally:
+        await gen.aclose()  # aborts the request if it did not finish
+
+
+async def _merged(gens: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the prompt index; an error
+    in any cancels (and so aborts) the others."""
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen) -> None:
+        try:
+            async for out in gen:
+                q.put_nowait((i, out))
+            q.put_nowait(done)
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            q.put_nowait(e)
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    left = len(tasks)
+    try:
+        while left:
+            item = await q.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_until_disconnect(request: Request, coro) -> Any:
+    """Await coro; if the client disconnects first, cancel it (which aborts its requests)
+    and answer 499 (nobody reads it)."""
+    task = asyncio.ensure_future(coro)
+
+    async def watch() -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the handler itself is cancelled (shutdown)
+        task.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if task not in done:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise OpenAIError(499, "client disconnected")
+    try:
+        return task.result()
+    except (ValueError, TypeError) as e:
+        raise bad(str(e)) from e
+    except (QueueFullError, EngineDeadError) as e:
+        raise OpenAIError(503, str(e)) from e
+
+
+# ----------------------------------------------------------------- response views
+
+
+class _ChoiceState:
+    """What a stream already sent for one choice."""
+
+    __slots__ = ("text", "tokens", "finished", "started")
+
+    def __init__(self) -> None:
+        self.text = 0  # characters sent
+        self.tokens = 0  # tokens whose logprobs were sent
+        self.finished = False
+        self.started = False
+
+
+class _View:
+    object_full = ""
+    object_chunk = ""
+
+    def __init__(self, serving: OpenAIServing, parsed: ParsedRequest, rid: str):
+        self.s, self.p, self.rid = serving, parsed, rid
+        self.created = int(time.time())
+        self.model = parsed.model or serving.names[0]
+        stops = parsed.params_kwargs.get("stop") or []
+        self.hold = max((len(x) for x in stops), default=1) - 1
+        self.n = parsed.params_kwargs["n"]
+
+    def usage(self, outs: list[RequestOutput | None]) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for o in outs if o is not None)
+        completion = sum(len(c.token_ids) for o in outs if o is not None for c in o.outputs)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        out = {
+            "id": self.rid,
+            "object": self.object_chunk,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    async def sse(self, first, stream, n_prompts: int) -> AsyncIterator[str]:
+        states = [[_ChoiceState() for _ in range(self.n)] for _ in range(n_prompts)]
+        latest: list[RequestOutput | None] = [None] * n_prompts
+        try:
+            item = first
+            while True:
+                i, out = item
+                latest[i] = out
+                for c in out.outputs:
+                    st = states[i][c.index]
+                    if st.finished:
+                        continue
+                    choice = self.delta(i, out, c, st)
+                    if choice is not None:
+                        usage = self.usage(latest) if self.p.continuous_usage else None
+                        yield sse(self.chunk([choice], usage))
+                try:
+                    item = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+            if self.p.include_usage:
+                yield sse(self.chunk([], self.usage(latest)))
+        except (ValueError, TypeError, QueueFullError, EngineDeadError) as e:
+            # Headers are sent: the error goes in the stream, as vLLM does.
+            status = 400 if isinstance(e, ValueError | TypeError) else 503
+            yield sse(OpenAIError(status, str(e)).body())
+        finally:
+            await stream.aclose()
+        yield "data: [DONE]\n\n"
+
+    def new_text(self, c: CompletionOutput, st: _ChoiceState) -> str:
+        end = len(c.text) if c.finish_reason is not None else max(len(c.text) - self.hold, 0)
+        if end <= st.text:
+            return ""
+        delta = c.text[st.text : end]
+        st.text = end
+        return delta
+
+    def delta(self, i: int, out: RequestOutput, c: CompletionOutput, st: _ChoiceState):
+        raise NotImplementedError
+
+    def full(self, outs: list[RequestOutput]) -> dict:
+        raise NotImplementedError
+
+
+class _CompletionView(_View):
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def delta(self, i, out, c, st):
+        text = ""
+        offset = st.text
+        if not st.started:
+            st.started = True
+            if self.p.echo:
+                text = self._prompt_text(out)
+        text += self.new_text(c, st)
+        lp = None
+        if self.p.logprobs is not None and c.logprobs is not None:
+            lp = completion_logprobs(c, st.tokens, len(c.logprobs), offset)
+            st.tokens = len(c.logprobs)
+        if c.finish_reason is not None:
+            st.finished = True
+        if not text and c.finish_reason is None and not (lp and lp["tokens"]):
+            return None
+        return {
+            "index": i * self.n + c.index,
+            "text": text,
+            "logprobs": lp,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.s.tokenizer.decode(out.prompt_token_ids)
+
+    def full(self, outs):
+        choices = []
+        for i, out in enumerate(outs):
+            prefix = self._prompt_text(out) if self.p.echo else ""
+            for c in out.outputs:
+                lp = None
+                if self.p.logprobs is not None and c.logprobs is not None:
+                    lp = completion_logprobs(c, 0, len(c.logprobs), 0)
+                choices.append({
+                    "index": i * self.n + c.index,
+                    "text": prefix + c.text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                })  # fmt: skip
+        return {
+            "id": self.rid,
+            "object": self.object_full,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(outs),
+        }
+
+
+class _ChatView(_View):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def delta(self, i, out, c, st):
+        d: dict[str, Any] = {}
+        if not st.started:
+            st.started = True
+            d["role"] = self.s.response_role
+            d["content"] = ""
+        text = self.new_text(c, st)
+        if text:
+            d["content"] = d.get("content", "") + text
+        lp = None
+        if self.p.logprobs is not None and c.logprobs is not None:
+            lp = {"content": chat_logprobs(c, st.tokens, len(c.logprobs), self.p.logprobs)}
+            st.tokens = len(c.logprobs)
+        if c.finish_reason is not None:
+            st.finished = True
+        if not d and c.finish_reason is None and not (lp and lp["content"]):
+            return None
+        return {
+            "index": c.index,
+            "delta": d,
+            "logprobs": lp,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+
+    def full(self, outs):
+        (out,) = outs
+        choices = []
+        for c in out.outputs:
+            lp = None
+            if self.p.logprobs is not None and c.logprobs is not None:
+                lp = {"content": chat_logprobs(c, 0, len(c.logprobs), self.p.logprobs)}
+            choices.append({
+                "index": c.index,
+                "message": {"role": self.s.response_role, "content": c.text},
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            })  # fmt: skip
+        return {
+            "id": self.rid,
+            "object": self.object_full,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(outs),
+        }
+
+
+# ----------------------------------------------------------------- logprobs
+
+
+def completion_logprobs(c: CompletionOutput, lo: int, hi: int, offset: int) -> dict:
+    """OpenAI completions logprobs for output positions [lo, hi): tokens, token_logprobs,
+    top_logprobs (the top-k and the sampled token, by decoded text), text_offset."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    assert c.logprobs is not None
+    for j in range(lo, hi):
+        entry = c.logprobs[j]
+        tid = c.token_ids[j]
+        chosen = entry[tid]
+        s = chosen.decoded_token or ""
+        tokens.append(s)
+        token_lps.append(chosen.logprob)
+        tops.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(c: CompletionOutput, lo: int, hi: int, k: int) -> list[dict]:
+    """OpenAI chat logprobs entries for output positions [lo, hi)."""
+    assert c.logprobs is not None
+    out = []
+    for j in range(lo, hi):
+        entry = c.logprobs[j]
+        chosen = entry[c.token_ids[j]]
+        tops = sorted(
+            (lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
+            key=lambda lp: lp.rank,
+        )
+        out.append({
+            "token": chosen.decoded_token or "",
+            "logprob": chosen.logprob,
+            "bytes": list((chosen.decoded_token or "").encode("utf-8")),
+            "top_logprobs": [
+                {"token": t.decoded_token or "", "logprob": t.logprob,
+                 "bytes": list((t.decoded_token or "").encode("utf-8"))}
+                for t in tops
+            ],
+        })  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------- chat templates
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file path or the template text itself."""
+    if value is None:
+        return None
+    from pathlib import Path
+
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:
+        pass
+    if "{" not in value:
+        raise SystemExit(f"error: --chat-template {value!r} is neither a file nor a template")
+    return value
+
+
+def render_template(template: str, messages: list[dict], add_generation_prompt: bool, tok) -> str:
+    """Render a Jinja chat template as transformers does (sandboxed, trim_blocks), for
+    tokenizers without their own renderer (the byte-level fallback)."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(
+        messages=messages,
+        add_generation_prompt=add_generation_prompt,
+        bos_token="",
+        eos_token="",
+    )
