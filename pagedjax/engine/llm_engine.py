@@ -617,6 +617,10 @@ class LLMEngine:
                 return
             lookup = new + sorted(s for s in self._relookup if s in self._slot_owner)
             self._relookup.clear()
+            # A request that wants prompt logprobs must compute every prompt position:
+            # a cache hit would skip them and leave its entries empty (vLLM skips the
+            # lookup for such requests too). Its blocks are still registered for others.
+            lookup = [s for s in lookup if self._slot_owner[s][0].prompt_logprobs is None]
             if lookup:
                 self._lookup(lookup)
 
