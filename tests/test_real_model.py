@@ -116,7 +116,7 @@ def test_perplexity_equals_transformers_on_512_tokens(llm, hf):
 
 def test_concurrent_chat_with_prefix_caching_equals_one_by_one(llm):
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS[:16]]
-    params = SamplingParams(temperature=0.0, max_tokens=12)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
     alone = [llm.chat([c], params, use_tqdm=False)[0].outputs[0].token_ids for c in convs]
     hits_before = llm.llm_engine.stats()["prefix_cache_hit_tokens"]
     together = [o.outputs[0].token_ids for o in llm.chat(convs, params, use_tqdm=False)]
