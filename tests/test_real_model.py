@@ -25,7 +25,6 @@ from pagedjax.eval import (  # noqa: E402
     load_hf_gguf,
     load_text,
 )
-from pagedjax.tokenizer import gguf_tokenizer  # noqa: E402
 
 # Small limits keep the number of compiled step shapes (and CI time) down: one window
 # of 512 tokens + 1 output fits max_model_len; 16 slots hold the concurrent test.
@@ -73,9 +72,9 @@ CONVERSATIONS = [
 ]
 
 
-def test_chat_template_equals_transformers(smollm2_gguf, hf):
+def test_chat_template_equals_transformers(llm, hf):
     _, hf_tok = hf
-    tok = gguf_tokenizer(smollm2_gguf)
+    tok = llm.get_tokenizer()  # built from the GGUF's metadata by the engine's loader
     for conv in CONVERSATIONS:
         for gen in (True, False):
             ours = tok.apply_chat_template(conv, add_generation_prompt=gen)
