@@ -149,3 +149,24 @@ def test_perplexity_equals_transformers_on_the_whole_text(llm, hf):
     assert report["num_tokens"] > 5000
     assert abs(report["ppl_rel_diff"]) < 1e-3, report
     assert report["top1_agreement"] >= 0.99, report
+
+
+def test_real_serving_stops_on_eos_and_records_what_ran(llm):
+    """experiments/real_serving.py with a real model (configs/smollm2.yaml's path, without
+    its compile-everything warm-up): chat prompts, outputs ending at EOS within the cap."""
+    import numpy as np
+
+    from experiments.real_serving import chat_prompts, is_real_model, serve
+    from pagedjax.workloads import Workload
+
+    assert is_real_model("smollm2-135m-instruct") and not is_real_model("tiny-llama")
+    prompts = chat_prompts(llm, 3, 640)
+    assert prompts[0] == llm.get_tokenizer().encode(
+        llm.get_tokenizer().apply_chat_template([{"role": "user", "content": QUESTIONS[0]}]),
+        add_special_tokens=False,
+    )
+    w = Workload(np.zeros(3), np.array([len(p) for p in prompts]), np.array([32, 32, 4]))
+    r = serve(llm, w, prompts=prompts, stop_on_eos=True)
+    assert np.all(np.isfinite(r["finish"]))
+    assert r["output_len"][0] < 32  # "The capital of France is Paris." then EOS
+    assert r["output_len"][2] == 4  # the cap still applies
