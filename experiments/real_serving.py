@@ -4,6 +4,12 @@ Requests are added when their arrival time has passed (a Poisson trace scaled to
 model's context), the engine steps until all finish, and every step's wall time is
 recorded beside its batch composition (read from the scheduler's batch by wrapping the
 engine's jitted ``_schedule``), so a cost profile can be fitted to it.
+
+A catalog model (``engine.model: smollm2-135m-instruct``) runs its real weights on real
+chat prompts (the eval questions, cycled), and its outputs stop on EOS on their own (the
+workload's output length is only a cap); the workloads returned by ``real_runs`` then
+carry the lengths that actually ran, so metrics and the simulator replay what was served.
+Random-weight models keep random prompts and ``ignore_eos`` (fixed output lengths).
 """
 
 from __future__ import annotations
@@ -18,12 +24,32 @@ from experiments.config import EngineSettings
 from pagedjax.workloads import Workload
 
 
+def is_real_model(name: str) -> bool:
+    """A catalog model with real weights (pagedjax/model/catalog.py), not a preset."""
+    from pagedjax.model.catalog import CATALOG
+
+    return name in CATALOG
+
+
+def chat_prompts(llm: Any, n: int, max_model_len: int) -> list[list[int]]:
+    """n chat prompts (the eval questions, cycled) rendered by the model's chat template."""
+    from pagedjax.eval import QUESTIONS
+
+    tok = llm.get_tokenizer()
+    out = []
+    for i in range(n):
+        conv = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+        ids = tok.encode(tok.apply_chat_template(conv), add_special_tokens=False)
+        out.append(ids[: max_model_len - 1])
+    return out
+
+
 def make_llm(s: EngineSettings) -> Any:
     from pagedjax import LLM
 
     return LLM(
         model=s.model,
-        load_format="dummy",
+        load_format="auto" if is_real_model(s.model) else "dummy",
         max_model_len=s.max_model_len,
         num_gpu_blocks_override=s.num_gpu_blocks,
         block_size=s.block_size,
@@ -55,6 +81,7 @@ def serve(
     vocab: int = 256,
     seed: int = 0,
     prompts: list[list[int]] | None = None,
+    stop_on_eos: bool = False,
 ) -> dict[str, Any]:
     """Returns per-request times (s from start) and per-step (features, seconds).
 
@@ -62,7 +89,9 @@ def serve(
     arrived, ``step()``, reading its outputs), not only ``step()``.
 
     prompts: the requests' token ids (len(w) lists, of w.prompt_len tokens each);
-    default: random ids in [1, vocab) drawn with ``seed``.
+    default: random ids in [1, vocab) drawn with ``seed``. stop_on_eos: a request ends at
+    EOS (a real model), w.output_len (capped to the context) being only its limit; else
+    ignore_eos. Returns also output_len: the tokens each request generated.
     """
     from pagedjax import SamplingParams
 
@@ -92,6 +121,7 @@ def serve(
     n = len(w)
     first = np.full(n, np.nan)
     done = np.full(n, np.nan)
+    out_len = np.zeros(n, np.int32)
     nxt = 0
     # Read as attributes: stats() would ask the wrapped schedule_fn for its jit cache size.
     kinds = ("num_preemptions_recompute", "num_preemptions_swap")
@@ -106,9 +136,8 @@ def serve(
                     ids = rng.integers(1, vocab, int(w.prompt_len[nxt])).tolist()
                 else:
                     ids = prompts[nxt]
-                p = SamplingParams(
-                    max_tokens=int(w.output_len[nxt]), ignore_eos=True, temperature=0
-                )
+                cap = min(int(w.output_len[nxt]), eng.max_model_len - len(ids))
+                p = SamplingParams(max_tokens=cap, ignore_eos=not stop_on_eos, temperature=0)
                 eng.add_request(str(nxt), ids, p)
                 nxt += 1
             if not eng.has_unfinished_requests():
@@ -123,6 +152,7 @@ def serve(
                     first[i] = te - t0
                 if o.finished:
                     done[i] = te - t0
+                    out_len[i] = len(o.outputs[0].token_ids)
             # The iteration from admitting arrivals to handling outputs: the host work a
             # serving loop does around each step is part of what the simulator must charge.
             if pending:
@@ -135,6 +165,7 @@ def serve(
         "steps": np.array(steps, np.float64),
         "wall_s": time.perf_counter() - t0,
         "preemptions": sum(getattr(eng, k) for k in kinds) - pre0,
+        "output_len": out_len,
     }
 
 
@@ -161,8 +192,14 @@ def real_runs(s: EngineSettings, progress: Any = None) -> dict[str, Any]:
     rates = s.rates if progress is None else progress(s.rates, desc="real serving", leave=False)
     for rate in rates:
         w = workload("sharegpt", rate, 1e6, s.seed, 1.0, s.max_model_len).head(s.num_requests)
+        if is_real_model(s.model):  # real prompts, outputs ending at EOS: record what ran
+            prompts = chat_prompts(llm, len(w), s.max_model_len)
+            r = serve(llm, w, prompts=prompts, stop_on_eos=True)
+            w = Workload(w.arrival_time, np.array([len(p) for p in prompts]), r["output_len"])
+        else:
+            r = serve(llm, w)
         loads.append(w)
-        reals.append(serve(llm, w))
+        reals.append(r)
     _REAL[key] = {"llm": llm, "warmup": info, "loads": loads, "reals": reals}
     return _REAL[key]
 

@@ -34,7 +34,8 @@ def _is_pow2(x: int) -> bool:
 class ModelConfig:
     """Which model to run.
 
-    model: a local Hugging Face directory or a preset name (e.g. ``llama-2-7b``).
+    model: a local Hugging Face directory, a ``.gguf`` file, a catalog name (a real model
+        fetched once, e.g. ``smollm2-135m-instruct``) or a preset name (``llama-2-7b``).
     load_format: ``auto`` (weights from the directory), ``dummy`` (random weights from
         the config alone, as vLLM's), ``safetensors``.
     max_model_len: the longest prompt + output; None takes the model's own limit.

@@ -1,11 +1,12 @@
-"""Tokenizers: the checkpoint's own (local files only, never the network), or a byte-level
-fallback when the directory has none (random/dummy models, presets)."""
+"""Tokenizers: the checkpoint's own (local files only, never the network; or built from a
+GGUF file's metadata), or a byte-level fallback when the directory has none (random/dummy
+models, presets). Chat templates are rendered by the tokenizer that carries them."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 # Any of these in a checkpoint directory means it ships a Hugging Face tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -22,12 +23,16 @@ class Tokenizer(Protocol):
 
 
 class HFTokenizer:
-    """A transformers tokenizer loaded from local files."""
+    """A transformers tokenizer loaded from local files: a checkpoint directory, or a GGUF
+    file (``gguf_file``: its name inside ``directory``), whose metadata carries the
+    vocabulary, merges, special tokens and chat template (transformers converts them;
+    needs the ``gguf`` package)."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, gguf_file: str | None = None):
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        kwargs = {} if gguf_file is None else {"gguf_file": gguf_file}
+        self._tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **kwargs)
         self.eos_token_id: int | None = self._tok.eos_token_id
         self.bos_token_id: int | None = self._tok.bos_token_id
         self.vocab_size: int = len(self._tok)
@@ -40,22 +45,41 @@ class HFTokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        """The tokenizer's own Jinja chat template (tokenizer_config.json), if any."""
+        """The tokenizer's own Jinja chat template (tokenizer_config.json or GGUF), if any."""
         return getattr(self._tok, "chat_template", None)
 
     def apply_chat_template(
         self,
-        messages: list[dict],
-        add_generation_prompt: bool = True,
+        conversation: list[dict[str, Any]],
+        *,
         chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **template_kwargs: Any,
     ) -> str:
-        """The conversation as prompt text (transformers' renderer; template given or own)."""
+        """The conversation rendered as prompt text by the chat template (``chat_template``
+        overrides the tokenizer's own), as transformers' ``apply_chat_template(...,
+        tokenize=False)``. ValueError when there is no template."""
+        if chat_template is None and self.chat_template is None:
+            raise ValueError(
+                "this tokenizer has no chat template; pass chat_template= (a Jinja string)"
+            )
         return self._tok.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
+            conversation,
             chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **template_kwargs,
         )
+
+
+def gguf_tokenizer(path: str | Path) -> HFTokenizer:
+    """The tokenizer and chat template stored in a GGUF file's metadata."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    return HFTokenizer(path.parent, gguf_file=path.name)
 
 
 class ByteTokenizer:

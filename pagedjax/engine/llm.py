@@ -15,12 +15,16 @@ from pagedjax.engine.outputs import RequestOutput
 from pagedjax.sampling import BeamSearchParams, SamplingParams
 
 PromptType = str | Sequence[int] | dict
+# One chat message ({"role": "user", "content": "..."}); a conversation is a list of them.
+ChatMessage = dict[str, Any]
 
 
 class LLM:
     """An LLM for offline batched generation, with vLLM's argument names.
 
-    model: a local Hugging Face checkpoint directory or a preset name (random weights).
+    model: a local Hugging Face checkpoint directory, a ``.gguf`` file, a catalog name
+    (``smollm2-135m-instruct``: a real model fetched once into the user's cache) or a
+    preset name (random weights).
     Options whose features later issues build are accepted by name and raise
     NotImplementedError when turned on: tensor_parallel_size > 1. swap_space (GiB) sizes
     the host pool for preemption by swap (preemption_mode "swap", or None: swap groups of
@@ -143,6 +147,48 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def chat(
+        self,
+        messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations (vLLM's ``LLM.chat``); outputs in input order.
+
+        messages: one conversation (a list of {"role", "content"} dicts) or a list of
+        them. Each is rendered to text by the tokenizer's chat template (``chat_template``
+        overrides it; ``add_generation_prompt`` opens the assistant's turn,
+        ``continue_final_message`` leaves the last message open instead, as in
+        transformers) and tokenized without adding special tokens, since the template
+        writes them itself (vLLM does the same). Everything else is ``generate``.
+        """
+        conversations = _as_conversation_list(messages)
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message exclude each other")
+        tokenizer = self.get_tokenizer()
+        if not hasattr(tokenizer, "apply_chat_template"):
+            raise ValueError(
+                f"the model's tokenizer ({type(tokenizer).__name__}) has no chat template;"
+                " chat needs a Hugging Face tokenizer (a checkpoint directory or a GGUF file)"
+            )
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def beam_search(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -207,6 +253,25 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, Sequence):
         return list(prompts)
     raise TypeError(f"prompts must be a str, token ids or a list of them, got {prompts!r}")
+
+
+def _as_conversation_list(messages: Any) -> list[list[ChatMessage]]:
+    """One conversation or a list of them -> a list of conversations, each checked."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise TypeError(f"messages must be a non-empty list of chat messages, got {messages!r}")
+    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    for conv in conversations:
+        if (
+            isinstance(conv, str)
+            or not isinstance(conv, Sequence)
+            or not conv
+            or not all(isinstance(m, dict) and "role" in m for m in conv)
+        ):
+            raise TypeError(
+                'each conversation must be a non-empty list of {"role": ..., "content": ...}'
+                f" dicts, got {conv!r}"
+            )
+    return [list(c) for c in conversations]
 
 
 def _check_literals(config: EngineConfig) -> None:

@@ -1,4 +1,5 @@
-"""Model, weights and tokenizer from a ModelConfig: a local HF directory or a preset name."""
+"""Model, weights and tokenizer from a ModelConfig: a local HF directory, a GGUF file, a
+catalog name (a real model fetched once into the user's cache) or a preset name."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import jax.numpy as jnp
 from pagedjax.config import ModelConfig
 from pagedjax.model import PRESETS, ModelArch, load_arch, load_hf_checkpoint, preset_arch
 from pagedjax.model import random_params as make_random_params
-from pagedjax.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from pagedjax.model.catalog import CATALOG, fetch_model
+from pagedjax.model.gguf_loader import load_gguf_arch, load_gguf_checkpoint
+from pagedjax.tokenizer import ByteTokenizer, Tokenizer, gguf_tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +44,26 @@ def load_model(mc: ModelConfig) -> tuple[ModelArch, Any, Tokenizer, Any]:
 
     A directory with config.json loads its safetensors (load_format "auto" /
     "safetensors") or random weights ("dummy"); a preset name has no weights, so
-    "auto" means "dummy" there (logged). The tokenizer comes from mc.tokenizer, else the
-    directory, else a byte-level fallback with the model's bos/eos ids.
+    "auto" means "dummy" there (logged). A catalog name (``smollm2-135m-instruct``) is
+    fetched once into the cache (pagedjax/model/catalog.py) and loads as its GGUF file; a
+    ``.gguf`` file loads dequantized, with the tokenizer and chat template of its
+    metadata. The tokenizer comes from mc.tokenizer, else the directory or GGUF file,
+    else a byte-level fallback with the model's bos/eos ids.
     """
     platform = jax.devices()[0].platform
     path = Path(mc.model)
+    if mc.model in CATALOG or (path.suffix == ".gguf" and path.is_file()):
+        if mc.load_format == "safetensors":
+            raise ValueError(f"{mc.model!r} is a GGUF model; use load_format='auto' or 'dummy'")
+        gguf_path = fetch_model(mc.model) if mc.model in CATALOG else path
+        dtype = resolve_dtype(mc.dtype, None, platform)
+        if mc.load_format == "dummy":  # the file's shapes and tokenizer, random weights
+            arch = load_gguf_arch(gguf_path)
+            params = make_random_params(arch, mc.seed, dtype)
+        else:
+            arch, params = load_gguf_checkpoint(gguf_path, dtype)
+        tokenizer = load_tokenizer(mc.tokenizer) if mc.tokenizer else gguf_tokenizer(gguf_path)
+        return arch, params, tokenizer, dtype
     if path.is_dir():
         dtype = resolve_dtype(mc.dtype, path, platform)
         if mc.load_format == "dummy":
@@ -65,8 +83,8 @@ def load_model(mc: ModelConfig) -> tuple[ModelArch, Any, Tokenizer, Any]:
         tok_dir = None
     else:
         raise FileNotFoundError(
-            f"model {mc.model!r} is neither a local checkpoint directory nor a preset"
-            f" ({sorted(PRESETS)})"
+            f"model {mc.model!r} is neither a local checkpoint directory, a .gguf file, a"
+            f" catalog model ({sorted(CATALOG)}) nor a preset ({sorted(PRESETS)})"
         )
     if mc.tokenizer is not None:
         tokenizer = load_tokenizer(mc.tokenizer)

@@ -80,7 +80,9 @@ class OpenAIServing:
             )
         try:
             if hasattr(tok, "apply_chat_template"):
-                return tok.apply_chat_template(messages, add_generation_prompt, template)
+                return tok.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt, chat_template=template
+                )
             return render_template(template, messages, add_generation_prompt, tok)
         except OpenAIError:
             raise
