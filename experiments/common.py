@@ -123,6 +123,7 @@ class Run:
     workload: Workload
     result: SimResult
     duration_s: float
+    stop_latency: float = math.inf  # the early-stop bound the run was given
 
 
 _CACHE: dict[tuple, list[Run]] = {}
@@ -136,14 +137,17 @@ def run_sim(
     block_size: int | None = None,
     drain: bool = True,
     swap_space_gib: float | None = None,
+    stop_latency: float = math.inf,
 ) -> list[Run]:
     """Simulate traces (dataset, rate, duration_s, seed, spread) of one system.
 
     drain=False stops each at its last arrival
     (enough for window averages); otherwise at horizon_factor x duration.
+    stop_latency: stop a run once its mean normalized latency provably exceeds this
+    (s/token; a knee search only needs to know it exploded).
     Results are cached per arguments, so experiments sharing runs pay once.
     """
-    key = (system, server, tuple(specs), block_size, drain, swap_space_gib)
+    key = (system, server, tuple(specs), block_size, drain, swap_space_gib, stop_latency)
     if key in _CACHE:
         return _CACHE[key]
     policy, cfg = build_system(system, server, block_size, swap_space_gib)
@@ -156,7 +160,11 @@ def run_sim(
         horizon = dur * server.horizon_factor if drain else float(w.arrival_time[-1])
         # Steady window: from max(warm-up, first completion) to the last arrival.
         start = server.warmup_frac * dur
-        traces.append(make_trace(w.arrival_time, w.prompt_len, w.output_len, pad, horizon, start))
+        traces.append(
+            make_trace(
+                w.arrival_time, w.prompt_len, w.output_len, pad, horizon, start, stop_latency
+            )
+        )
     cm = cost_model(server)
     # One trace at a time through one compiled loop (same padded shape). simulate_many
     # (vmap) is slower on CPU: under vmap every lax.cond of the scheduler becomes a select
@@ -164,7 +172,7 @@ def run_sim(
     runs = []
     for w, tr, spec in zip(loads, traces, specs, strict=True):
         res = SimResult(*(np.asarray(x) for x in simulate(policy, cfg, cm, tr)))
-        runs.append(Run(w, res, spec[2]))
+        runs.append(Run(w, res, spec[2], stop_latency))
     _CACHE[key] = runs
     return runs
 
@@ -179,7 +187,9 @@ def latency_metrics(run: Run) -> dict[str, float]:
     n = len(w)
     fin = r.finish_time[:n].astype(np.float64)
     ok = np.isfinite(fin) & ~r.rejected[:n]
-    end = np.where(np.isfinite(fin), fin, float(r.clock))
+    # Unfinished: the wait so far; not yet arrived (a run stopped early): 0. Both lower
+    # bounds, so the mean is one too.
+    end = np.maximum(np.where(np.isfinite(fin), fin, float(r.clock)), w.arrival_time)
     lat = end - w.arrival_time
     norm = lat / w.output_len
     first = r.first_token_time[:n].astype(np.float64)
@@ -198,20 +208,28 @@ def latency_metrics(run: Run) -> dict[str, float]:
         "preemptions": int(r.num_preemptions[:n].sum()),
         "steps": int(r.steps),
         "sim_time_s": float(r.clock),
+        "stopped_early": bool(float(r.latency_bound) > run.stop_latency),
     }
 
 
 def usage_pcts(run: Run, capacity: int) -> dict[str, float]:
     """Fig. 2 shares (% of the pool) over the steady window, and the token share of the
-    allocated memory (pool minus external fragmentation and free)."""
+    allocated memory (pool minus external fragmentation and free).
+
+    ``external_frag_pct`` is the paper's last category, "external fragmentation &
+    others" (free memory included, as Orca (Max)'s 8.9 % is); ``free_pct`` is its free
+    part (held by nothing) and ``external_only_pct`` the rest (buddy rounding slack)."""
     u = run.result.win_usage.astype(np.float64)
     pct = 100.0 * u / capacity
     alloc = u[0] + u[1] + u[2]
+    free = 100.0 * float(run.result.win_free) / capacity
     return {
         "token_states_pct": float(pct[0]),
         "reserved_pct": float(pct[1]),
         "internal_frag_pct": float(pct[2]),
         "external_frag_pct": float(pct[3]),
+        "free_pct": free,
+        "external_only_pct": max(float(pct[3]) - free, 0.0),
         "token_of_allocated_pct": float(100.0 * u[0] / alloc) if alloc > 0 else math.nan,
         "window_s": float(run.result.win_time),
     }
