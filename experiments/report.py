@@ -102,7 +102,9 @@ def write_report(
         + "`",
         "",
         f"Finished {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; wall time"
-        f" {info['seconds'].get('total')} s, user CPU {info.get('user_cpu_s')} s;"
+        f" {info['seconds'].get('total')} s, user CPU {info.get('user_cpu_s')} s, load average"
+        f" {info.get('load_average_at_start')} at start (1 / 5 / 15 min; other jobs inflate"
+        " wall times);"
         f" executor: {info['executor']} ({info['executor_reason']}).",
         "",
         "## Claims",

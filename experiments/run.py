@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         "executor_reason": why,
         "cost_model": cfg.server.cost_model,  # of simulated rows, unless a row names another
         "seconds": {},
+        # Other jobs on the machine inflate wall times: the load is part of each timing.
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
     }
     tables = []
     t_all = time.perf_counter()
@@ -168,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(tables)
     print(
         f"\nwrote {out}/summary.json; times (s): {info['seconds']}; user CPU"
-        f" {info['user_cpu_s']} s; load average {info['machine']['load_average_1_5_15']}"
+        f" {info['user_cpu_s']} s; load average at start {info['load_average_at_start']},"
+        f" at end {info['machine']['load_average_1_5_15']}"
     )
     print_claims(summary["claims"])
     report = write_report(out, cfg, summary, info, tables, summary["claims"])

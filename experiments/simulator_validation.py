@@ -32,7 +32,7 @@ from experiments.config import ExperimentConfig
 from experiments.real_serving import metrics, real_runs, serve
 from pagedjax.simulator.cost_model import FittedCostModel
 from pagedjax.simulator.simulate import SimResult, make_trace, simulate
-from pagedjax.workloads import Workload, load_azure_conv
+from pagedjax.workloads import Workload, load_azure_conv, make_workload
 
 # The paper's length filter (vLLM's benchmark sampler): requests of at most 2048 tokens,
 # which are then scaled to the engine's context like the synthetic ShareGPT ones.
@@ -41,10 +41,10 @@ SOURCE_LEN = 2048
 
 def make_validation_workload(name: str, rate: float, n: int, max_len: int, seed: int) -> Workload:
     """n requests of a named workload at ``rate`` req/s, fitted to a max_len context."""
-    if name == "sharegpt":
+    if name == "sharegpt":  # as real_serving.real_runs draws it
         return workload("sharegpt", rate, 1e6, seed, 1.0, max_len).head(n)
     if name == "alpaca":  # short already (mean 19 + 58 tokens): as drawn, clipped
-        w = workload("alpaca", rate, 1e6, seed, 1.0, SOURCE_LEN).head(n)
+        w = make_workload("alpaca", rate, num_requests=n, seed=seed)
         return w.scale_to_context(max_len, source_len=max_len)
     if name == "azure_conv":
         t = load_azure_conv()
@@ -106,7 +106,10 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
     loads = {
         n: [make_validation_workload(n, r, s.num_requests, s.max_model_len, s.seed) for r in rs]
         for n, rs in rates.items()
+        if n != "sharegpt" or rs != list(s.rates)
     }
+    if "sharegpt" not in loads:  # the very requests engine_throughput served
+        loads["sharegpt"] = shared["loads"]
     rows: list[dict[str, Any]] = []
     per_repeat: dict[str, list[float]] = {n: [] for n in names}
     details: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
