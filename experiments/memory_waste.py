@@ -86,7 +86,7 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     names = [SYSTEM_LABELS[s] for s in SYSTEMS]
     bottom = [0.0] * len(SYSTEMS)
     # The paper's last category ("external frag. & others") is drawn in two parts, so
@@ -116,7 +116,7 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
         f" ({SIM_LABEL})",
         fontsize=9,
     )
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.tick_params(axis="x", labelsize=8)
     save_fig(fig, path)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter
 
 from experiments import paper_values
 from experiments.common import (
@@ -282,6 +283,10 @@ def _plot(plots, path: Path, dataset: str, server: Any) -> None:
         ax.set_ylim(0, 1.2)
         if searches:
             ax.set_xscale("log")
+            plain = FuncFormatter(lambda x, _: f"{x:g}")
+            ax.xaxis.set_major_formatter(plain)
+            ax.xaxis.set_minor_formatter(plain)
+            ax.tick_params(axis="x", which="both", labelsize=6)
         ax.set_xlabel("request rate (req/s)" + (", log scale; dots = probes" if searches else ""))
         ax.set_ylabel("normalized latency (s/token)")
         title = f"Fig. 12 {server.model} {server.gpu} {dataset}, {cm} ({SIM_LABEL})"
