@@ -141,3 +141,25 @@ def test_claims_are_computed_from_the_summary():
         assert set(r) == {"claim", "paper", "ours", "rule", "holds", "executor"}
     assert markdown_table(rows).count("\n") == len(rows) + 2
     assert k.bracketed
+
+
+def test_knee_rate_needs_the_search_configured():
+    from experiments.config import ExperimentConfig
+    from pagedjax.config import ConfigError, load_dataclass
+
+    ok = load_dataclass(
+        ExperimentConfig,
+        {"memory_waste": {"rate": "knee"}, "throughput_vs_rate": {"search": {"start": 1.0}}},
+    )
+    assert ok.memory_waste.rate == "knee" and ok.throughput_vs_rate.search.resolution == 0.03
+    with pytest.raises(ConfigError, match="throughput_vs_rate.search"):
+        load_dataclass(ExperimentConfig, {"memory_waste": {"rate": "knee"}})
+    with pytest.raises(ConfigError, match="memory_waste.rate"):
+        load_dataclass(ExperimentConfig, {"memory_waste": {"rate": "fast"}})
+    with pytest.raises(ConfigError, match="stop_latency"):
+        load_dataclass(
+            ExperimentConfig,
+            {"throughput_vs_rate": {"search": {"start": 1.0, "stop_latency": 0.9}}},
+        )
+    with pytest.raises(ConfigError, match="held_out"):
+        load_dataclass(ExperimentConfig, {"simulator_validation": {"held_out": ["sharegpt"]}})
