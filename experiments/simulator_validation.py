@@ -5,8 +5,8 @@ in sample and out of sample.
    ``ValidationSettings``) at each rate with the real engine, recording every step's wall
    time and batch composition. Every padding bucket of the model step is compiled first
    (``real_serving.warm_up``), so the timed steps are warm (``steps_over_1s`` checks it).
-2. Fit ``FittedCostModel`` (t = a + b prefill + c decode + d kv + e pairs) to the steps
-   of the fit workload only.
+2. Fit ``FittedCostModel`` (t = a + b prefill + c decode + d kv + e pairs, every
+   coefficient >= 0) to the steps of the fit workload only.
 3. Simulate every workload's traces with the engine's own policy and scheduler config,
    step time from that profile, and compare per rate. The error of a rate is the worse of
    |sim - real| / real for mean normalized latency and for output throughput; a
@@ -123,7 +123,11 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
             reals[k, n] = [serve(llm, w) for w in loads[n]]
     for k in range(v.repeats):
         steps = np.concatenate([r["steps"] for r in reals[k, v.fit_workload]])
-        fit = FittedCostModel.fit(steps[:, 0], steps[:, 1], steps[:, 2], steps[:, 4], steps[:, 3])
+        # Non-negative: a profile extrapolated to other workloads must not price any
+        # work below zero (the unconstrained fit did, docs/experiments.md).
+        fit = FittedCostModel.fit(
+            steps[:, 0], steps[:, 1], steps[:, 2], steps[:, 4], steps[:, 3], nonnegative=True
+        )
         fits.append({"coef": list(fit.coef), "rms_s": fit.rms_residual_s})
         for n in names:
             slow += int(sum(np.sum(r["steps"][:, 4] > 1.0) for r in reals[k, n]))
@@ -170,6 +174,13 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
         "rates": workloads[v.fit_workload]["median_repeat_rates"],
     }
     write_csv(out / "simulator_validation.csv", rows)
+    # Every real step (prefill tokens, decode seqs, KV tokens, pairs, seconds) per
+    # repeat, workload and rate, so other profiles can be fitted offline.
+    np.savez_compressed(
+        out / "simulator_validation_steps.npz",
+        **{f"r{k}_{n}_{rate}": reals[k, n][i]["steps"] for (k, n) in reals
+           for i, rate in enumerate(rates[n])},
+    )  # fmt: skip
     return summary
 
 
