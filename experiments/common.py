@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,7 @@ class Run:
     workload: Workload
     result: SimResult
     duration_s: float
+    stop_latency: float = math.inf  # the early-stop bound the run was given
 
 
 _CACHE: dict[tuple, list[Run]] = {}
@@ -102,14 +104,17 @@ def run_sim(
     block_size: int | None = None,
     drain: bool = True,
     swap_space_gib: float | None = None,
+    stop_latency: float = math.inf,
 ) -> list[Run]:
     """Simulate traces (dataset, rate, duration_s, seed, spread) of one system.
 
     drain=False stops each at its last arrival
     (enough for window averages); otherwise at horizon_factor x duration.
+    stop_latency: stop a run once its mean normalized latency provably exceeds this
+    (s/token; a knee search only needs to know it exploded).
     Results are cached per arguments, so experiments sharing runs pay once.
     """
-    key = (system, server, tuple(specs), block_size, drain, swap_space_gib)
+    key = (system, server, tuple(specs), block_size, drain, swap_space_gib, stop_latency)
     if key in _CACHE:
         return _CACHE[key]
     policy, cfg = build_system(system, server, block_size, swap_space_gib)
@@ -122,7 +127,11 @@ def run_sim(
         horizon = dur * server.horizon_factor if drain else float(w.arrival_time[-1])
         # Steady window: from max(warm-up, first completion) to the last arrival.
         start = server.warmup_frac * dur
-        traces.append(make_trace(w.arrival_time, w.prompt_len, w.output_len, pad, horizon, start))
+        traces.append(
+            make_trace(
+                w.arrival_time, w.prompt_len, w.output_len, pad, horizon, start, stop_latency
+            )
+        )
     cm = cost_model(server)
     # One trace at a time through one compiled loop (same padded shape). simulate_many
     # (vmap) is slower on CPU: under vmap every lax.cond of the scheduler becomes a select
@@ -130,14 +139,14 @@ def run_sim(
     runs = []
     for w, tr, spec in zip(loads, traces, specs, strict=True):
         res = SimResult(*(np.asarray(x) for x in simulate(policy, cfg, cm, tr)))
-        runs.append(Run(w, res, spec[2]))
+        runs.append(Run(w, res, spec[2], stop_latency))
     _CACHE[key] = runs
     return runs
 
 
 def latency_metrics(run: Run) -> dict[str, float]:
     """``pagedjax.simulator.systems.latency_metrics`` of one run."""
-    return systems.latency_metrics(run.workload, run.result)
+    return systems.latency_metrics(run.workload, run.result, run.stop_latency)
 
 
 def usage_pcts(run: Run, capacity: int) -> dict[str, float]:

@@ -94,13 +94,15 @@ class MemoryWasteSettings:
     """Fig. 2: KV memory by category, averaged over the steady window."""
 
     dataset: Literal["sharegpt", "alpaca"] = "sharegpt"
-    rate: float = 2.0
+    # req/s, or "knee": the paged system's knee at 0.5 s/token found by
+    # throughput_vs_rate's search (the operating point rule, docs/experiments.md).
+    rate: float | Literal["knee"] = 2.0
     duration_s: float = 1200.0
     seed: int = 0
     spread_scales: list[float] = field(default_factory=lambda: [0.75, 1.25])
 
     def __post_init__(self) -> None:
-        _check(self.rate > 0, "memory_waste.rate", "must be > 0")
+        _check(self.rate == "knee" or self.rate > 0, "memory_waste.rate", "must be > 0 or knee")
         _check(self.duration_s > 0, "memory_waste.duration_s", "must be > 0")
 
 
@@ -109,7 +111,7 @@ class Workload:
     """A dataset at a request rate; duration_s (optional) overrides the section's."""
 
     dataset: Literal["sharegpt", "alpaca"] = "sharegpt"
-    rate: float = 2.0
+    rate: float | Literal["knee"] = 2.0  # "knee": as memory_waste.rate
     duration_s: float | None = None
     slots: int | None = None  # scheduler rows for this workload (None: server.slots)
 
@@ -131,7 +133,40 @@ class BatchedRequestsSettings:
         for c in self.also_cost_models:
             _check(c in COST_MODELS, "batched_requests.also_cost_models", f"unknown {c!r}")
         for i, w in enumerate(self.workloads):
-            _check(w.rate > 0, f"batched_requests.workloads[{i}].rate", "must be > 0")
+            _check(
+                w.rate == "knee" or w.rate > 0,
+                f"batched_requests.workloads[{i}].rate",
+                "must be > 0 or knee",
+            )
+
+
+@dataclass(frozen=True)
+class KneeSearchSettings:
+    """Bracketing + bisection of each system's knee on the request rate
+    (experiments/knee_search.py).
+
+    start: first rate probed (req/s); rate_min / rate_max: the search stays inside;
+    growth: bracketing step factor; resolution: stop when hi / lo <= 1 + resolution, so
+    a knee is known to within that fraction (a ratio of two knees to about twice it).
+    """
+
+    start: float = 2.0
+    rate_min: float = 0.0625
+    rate_max: float = 64.0
+    resolution: float = 0.03
+    growth: float = 2.0
+    # A probe stops once its mean normalized latency provably exceeds this (s/token):
+    # it has exploded, which is all the search needs. Must exceed every threshold.
+    stop_latency: float = 1.5
+
+    def __post_init__(self) -> None:
+        _check(
+            0 < self.rate_min <= self.start <= self.rate_max,
+            "throughput_vs_rate.search",
+            "needs 0 < rate_min <= start <= rate_max",
+        )
+        _check(0 < self.resolution < 1, "throughput_vs_rate.search.resolution", "in (0, 1)")
+        _check(self.growth > 1, "throughput_vs_rate.search.growth", "must be > 1")
 
 
 @dataclass(frozen=True)
@@ -150,8 +185,16 @@ class ThroughputSettings:
     # Stop a system's sweep after its first rate above the largest threshold: higher rates
     # only explode further, and exploded runs are the most expensive (they reach the horizon).
     stop_after_exceed: bool = True
+    # Knees by search (bracketing + bisection) instead of the grid; null: grid `rates`.
+    search: KneeSearchSettings | None = None
 
     def __post_init__(self) -> None:
+        if self.search is not None:
+            _check(
+                self.search.stop_latency > max(self.thresholds, default=0),
+                "throughput_vs_rate.search.stop_latency",
+                "must exceed every threshold",
+            )
         for c in self.also_cost_models:
             _check(c in COST_MODELS, "throughput_vs_rate.also_cost_models", f"unknown {c!r}")
         _check(len(self.rates) >= 2, "throughput_vs_rate.rates", "needs >= 2 rates")
@@ -223,6 +266,43 @@ class EngineSettings:
             b is None or b >= self.max_model_len,
             "engine.max_num_batched_tokens",
             f"must be >= max_model_len ({self.max_model_len}) or null, got {b}",
+        )
+
+
+@dataclass(frozen=True)
+class ValidationSettings:
+    """Simulator validation (experiments/simulator_validation.py): the step-time profile
+    is fitted on the real engine's steps of ``fit_workload`` only and checked on it (in
+    sample) and on each ``held_out`` workload (out of sample), at the ``engine`` section's
+    rates (``held_out_rates`` for the held-out ones, if set). ``repeats`` independent sets
+    of real runs; each workload's error is the median over them (this CPU is noisy).
+
+    Workloads: "sharegpt" (synthetic ShareGPT lengths scaled to engine.max_model_len),
+    "alpaca" (synthetic Alpaca lengths as drawn, clipped to the context: they are short),
+    "azure_conv" (the Azure 2023 conversation trace, data/traces/: requests of <= 2048
+    tokens, lengths scaled like ShareGPT's, the trace's own arrival pattern rescaled to
+    the rate).
+    """
+
+    fit_workload: Literal["sharegpt", "alpaca", "azure_conv"] = "sharegpt"
+    held_out: list[Literal["sharegpt", "alpaca", "azure_conv"]] = field(
+        default_factory=lambda: ["alpaca", "azure_conv"]
+    )
+    held_out_rates: list[float] | None = None
+    repeats: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.repeats >= 1, "simulator_validation.repeats", "must be >= 1")
+        _check(
+            self.fit_workload not in self.held_out,
+            "simulator_validation.held_out",
+            f"must not contain the fit workload {self.fit_workload!r}",
+        )
+        rates = self.held_out_rates
+        _check(
+            rates is None or (len(rates) > 0 and all(r > 0 for r in rates)),
+            "simulator_validation.held_out_rates",
+            "must be positive (or null: the engine rates)",
         )
 
 
@@ -314,9 +394,16 @@ class ExperimentConfig:
     block_size: BlockSizeSettings = field(default_factory=BlockSizeSettings)
     preemption: PreemptionSettings = field(default_factory=PreemptionSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    simulator_validation: ValidationSettings = field(default_factory=ValidationSettings)
     shared_prefix: SharedPrefixSettings = field(default_factory=SharedPrefixSettings)
     sharing: SharingSettings = field(default_factory=SharingSettings)
 
     def __post_init__(self) -> None:
         for i, e in enumerate(self.experiments):
             _check(e in EXPERIMENTS, f"experiments[{i}]", f"unknown experiment {e!r}")
+        knee_rates = [self.memory_waste.rate] + [w.rate for w in self.batched_requests.workloads]
+        _check(
+            "knee" not in knee_rates or self.throughput_vs_rate.search is not None,
+            "throughput_vs_rate.search",
+            "rate: knee (the operating point rule) needs the knee search configured",
+        )

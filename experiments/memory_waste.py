@@ -27,21 +27,26 @@ from experiments.common import (
     write_csv,
 )
 from experiments.config import ExperimentConfig
+from experiments.throughput_vs_rate import resolve_rate
 
 SYSTEMS = ("orca_max", "orca_pow2", "orca_oracle", "paged")
 CATS = ("token_states_pct", "reserved_pct", "internal_frag_pct", "external_frag_pct")
 
 
 def specs(cfg: ExperimentConfig) -> list[tuple[str, float, float, int, float]]:
-    """Trace specs: spread 1.0 first, then the sensitivity spreads."""
+    """Trace specs: spread 1.0 first, then the sensitivity spreads (rate resolved)."""
     s = cfg.memory_waste
+    rate, _ = resolve_rate(cfg, s.rate)
     spreads = [1.0] + [x for x in s.spread_scales if x != 1.0]
-    return [(s.dataset, s.rate, s.duration_s, s.seed, sp) for sp in spreads]
+    return [(s.dataset, rate, s.duration_s, s.seed, sp) for sp in spreads]
 
 
 def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
     sp = specs(cfg)
     summary: dict[str, Any] = {"executor": SIM_LABEL}
+    _, op = resolve_rate(cfg, cfg.memory_waste.rate)
+    if op is not None:
+        summary["operating_point"] = op
     rows = []
     for system in progress(SYSTEMS, desc="memory_waste", leave=False):
         runs = run_sim(system, cfg.server, sp, drain=False)
@@ -81,12 +86,15 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     names = [SYSTEM_LABELS[s] for s in SYSTEMS]
     bottom = [0.0] * len(SYSTEMS)
-    colors = ("tab:green", "tab:olive", "tab:red", "tab:gray")
-    labels = ("token states", "reserved", "internal frag.", "external frag. & free")
-    for cat, color, label in zip(CATS, colors, labels, strict=True):
+    # The paper's last category ("external frag. & others") is drawn in two parts, so
+    # an idle (free) pool never reads as waste.
+    cats = (*CATS[:3], "external_only_pct", "free_pct")
+    colors = ("tab:green", "tab:olive", "tab:red", "tab:purple", "lightgray")
+    labels = ("token states", "reserved", "internal frag.", "external frag.", "free")
+    for cat, color, label in zip(cats, colors, labels, strict=True):
         vals = [summary[s][cat] for s in SYSTEMS]
         ax.bar(names, vals, bottom=bottom, color=color, label=label)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
@@ -102,8 +110,13 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
         ax.text(i, 101, f"paper {paper}", ha="center", fontsize=7)
     ax.set_ylabel("% of KV memory (steady window)")
     ax.set_ylim(0, 110)
-    ax.set_title(f"Fig. 2 memory waste ({SIM_LABEL})")
-    ax.legend(fontsize=7, loc="upper right")
+    setup = summary["setup"]
+    ax.set_title(
+        f"Fig. 2 memory waste, {setup['model']} {setup['dataset']} @ {setup['rate']:.3g} req/s"
+        f" ({SIM_LABEL})",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.tick_params(axis="x", labelsize=8)
     save_fig(fig, path)
 
@@ -116,4 +129,5 @@ def table(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows.append(
         ("paged token % of allocated", f"{summary['paged']['token_of_allocated_pct']:.1f}", "96.3")
     )
+    rows.append(("paged free % of pool", f"{summary['paged']['free_pct']:.1f}", ""))
     return rows

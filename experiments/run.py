@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         "executor_reason": why,
         "cost_model": cfg.server.cost_model,  # of simulated rows, unless a row names another
         "seconds": {},
+        # Other jobs on the machine inflate wall times: the load is part of each timing.
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
     }
     tables = []
     t_all = time.perf_counter()
@@ -150,10 +153,29 @@ def main(argv: list[str] | None = None) -> int:
         tables.append((name, modules[name].table(summary[name])))
         dump_json(out / "summary.json", summary)  # written as we go: partial runs keep data
     info["seconds"]["total"] = round(time.perf_counter() - t_all, 1)
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    info["user_cpu_s"] = round(ru.ru_utime, 1)
+    info["system_cpu_s"] = round(ru.ru_stime, 1)
+    from experiments.claims import claims, markdown_table, print_claims
+    from experiments.report import machine_info, write_report
+
+    info["machine"] = machine_info()
+    summary["claims"] = claims(summary, cfg)
+    (out / "claims.md").write_text(
+        f"# Claims: {path.name}\n\nRules: experiments/claims.py.\n\n"
+        + markdown_table(summary["claims"])
+    )
     dump_json(out / "summary.json", summary)
     dump_json(out / "run_info.json", info)
     print_table(tables)
-    print(f"\nwrote {out}/summary.json; times (s): {info['seconds']}")
+    print(
+        f"\nwrote {out}/summary.json; times (s): {info['seconds']}; user CPU"
+        f" {info['user_cpu_s']} s; load average at start {info['load_average_at_start']},"
+        f" at end {info['machine']['load_average_1_5_15']}"
+    )
+    print_claims(summary["claims"])
+    report = write_report(out, cfg, summary, info, tables, summary["claims"])
+    print(f"\nreport: {report}")  # last line: the report's path
     return 0
 
 

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from experiments import paper_values as pv  # noqa: E402
+from experiments.claims import markdown_table  # noqa: E402
 
 
 def rows(s: dict, cmd: str) -> list[tuple[str, str, str, str, str]]:
@@ -86,19 +87,29 @@ def rows(s: dict, cmd: str) -> list[tuple[str, str, str, str, str]]:
                 e = t.get(f"knee@{th}")
                 if not e:
                     continue
-                knees = ", ".join(f"{k} {v}" for k, v in e["rates"].items())
+                # Searched knees carry text ("2.83", ">= 64"); grid knees are numbers.
+                texts = e.get("text") or e["rates"]
+                how = "searched" if "text" in e else "grid"
+                knees = ", ".join(f"{k} {v}" for k, v in texts.items())
                 out.append(
-                    (f"Fig. 12a knees (req/s) @ {th} s/token [{cm}]", cmd, knees, "-", "simulated")
+                    (
+                        f"Fig. 12a knees (req/s, {how}) @ {th} s/token [{cm}]",
+                        cmd,
+                        knees,
+                        "-",
+                        "simulated",
+                    )
                 )
                 for name, (lo, hi) in pv.FIG12_RATIO_RANGES.items():
-                    if name in e["ratios"]:
+                    ratio = e.get("ratio_text", {}).get(name, e["ratios"].get(name))
+                    if ratio is not None:
                         w = pv.FIG12_WIDEN
                         acc = f"; accept {lo * (2 - w):.4g}-{hi * w:.4g}x" if lo else ""
                         out.append(
                             (
                                 f"Fig. 12a knee ratio {name} @ {th} s/token [{cm}]",
                                 cmd,
-                                f"{e['ratios'][name]}",
+                                f"{ratio}",
                                 f"{pv.format_ratio_range(lo, hi)}{acc}",
                                 "simulated",
                             )
@@ -177,6 +188,19 @@ def rows(s: dict, cmd: str) -> list[tuple[str, str, str, str, str]]:
                     f"real ({sp['model']}, this CPU)",
                 )
             )
+    if "simulator_validation" in s and "workloads" in s["simulator_validation"]:
+        for name, w in s["simulator_validation"]["workloads"].items():
+            kind = "in sample" if w["in_sample"] else "held out"
+            out.append(
+                (
+                    f"simulator vs real, {name} ({kind}): worst error over rates, median of"
+                    f" {w['repeats']} (by repeat)",
+                    cmd,
+                    f"{w['median_error_pct']} % ({', '.join(map(str, w['error_pct_by_repeat']))})",
+                    "<= 10 in sample, <= 20 held out (target)",
+                    "real + simulated",
+                )
+            )
     if "simulator_validation" in s:
         v = s["simulator_validation"]
         out.append(
@@ -226,6 +250,7 @@ def main() -> None:
     a = ap.parse_args()
     table = []
     stamps = []
+    claim_sections: list[str] = []
     seen: dict[str, int] = {}
     for d in a.results:
         d = Path(d)
@@ -238,6 +263,14 @@ def main() -> None:
         again = f" (repeat {seen[cfg]}: {Path(d).name})" if seen[cfg] > 1 else ""
         sets = "".join(f" --set '{o}'" for o in info.get("overrides", []))
         cm = _cost_model(info, s)
+        if s.get("claims"):
+            claim_sections += [
+                f"## Claims: `{cfg}`{again}",
+                "",
+                "Rules fixed in experiments/claims.py (issue 17); computed by the run.",
+                "",
+                markdown_table(s["claims"]),
+            ]
         table += [
             (f"{fig} [{cm}]" if kind == "simulated" and "[" not in fig else fig, *rest, kind)
             for fig, *rest, kind in rows(
@@ -270,6 +303,8 @@ def main() -> None:
         "|---|---|---|---|---|",
     ]
     lines += [f"| {a_} | {b} | {c} | {d_} | {e} |" for a_, b, c, d_, e in table]
+    if claim_sections:
+        lines += ["", *claim_sections]
     Path(a.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {a.out} ({len(table)} rows)")
 

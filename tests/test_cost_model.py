@@ -108,6 +108,28 @@ def test_fitted_model_recovers_coefficients():
     np.testing.assert_allclose(jax.jit(fitted)(prefill, decode, kv, pairs), t, rtol=1e-3, atol=1e-4)
 
 
+def test_nonnegative_fit_recovers_and_never_prices_work_below_zero():
+    rng = np.random.default_rng(5)
+    n = 400
+    prefill = rng.integers(0, 2048, n) * (rng.random(n) < 0.3)
+    decode = rng.integers(0, 256, n)
+    kv = decode * rng.integers(16, 2048, n)
+    pairs = prefill**2 // 2
+    true = (4e-3, 9e-5, 3e-5, 6e-8, 2e-10)
+    t = true[0] + true[1] * prefill + true[2] * decode + true[3] * kv + true[4] * pairs
+    fitted = FittedCostModel.fit(prefill, decode, kv, t, pairs, nonnegative=True)
+    np.testing.assert_allclose(fitted.coef, true, rtol=0.05)
+    # Nearly collinear columns and noise: the free fit trades a negative KV cost
+    # against decode; the constrained one keeps every coefficient >= 0.
+    decode = rng.integers(1, 64, n)
+    kv = decode * 100 + rng.integers(0, 3, n)
+    t = 0.01 + 1e-3 * decode + rng.normal(0, 2e-3, n)
+    free = FittedCostModel.fit(np.zeros(n), decode, kv, t)
+    nonneg = FittedCostModel.fit(np.zeros(n), decode, kv, t, nonnegative=True)
+    assert min(free.coef) < 0
+    assert min(nonneg.coef) >= 0 and nonneg.rms_residual_s < 2.5e-3
+
+
 def test_fit_to_roofline_samples_is_close_in_memory_bound_regime():
     # A fitted profile of decode-only steps of the roofline itself is linear there.
     model = roofline("A100-40GB", "opt-13b")

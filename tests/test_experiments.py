@@ -50,6 +50,37 @@ def test_tiny_writes_summary_csv_and_figures(tiny_run):
     assert "simulated" in stdout
 
 
+def test_tiny_searches_knees_and_reports_claims(tiny_run):
+    out, stdout = tiny_run
+    s = json.loads((out / "summary.json").read_text())
+    tv = s["throughput_vs_rate"]
+    assert tv["mode"] == "search" and tv["spread_1.0"]["probes"]["paged"] >= 2
+    e = tv["spread_1.0"]["knee@0.5"]
+    for system, (lo, hi) in e["brackets"].items():
+        bracketed = lo is not None and hi is not None
+        # A number only when bracketed; otherwise text such as ">= 64".
+        assert (e["rates"][system] is not None) == bracketed
+        if bracketed:
+            assert hi / lo <= 1.25 + 1e-9 and e["text"][system] == f"{lo:.3g}"
+    # The operating point rule: Fig. 2 ran at the paged knee at 0.5 s/token.
+    op = s["memory_waste"]["operating_point"]
+    lo, hi = e["brackets"]["paged"]  # the knee, or its bound when not bracketed
+    assert s["memory_waste"]["setup"]["rate"] == op["rate"] == (lo if lo is not None else hi)
+    assert op["bracketed"] == (e["rates"]["paged"] is not None)
+    paged = s["memory_waste"]["paged"]
+    assert paged["external_only_pct"] == pytest.approx(0, abs=0.01)  # paged: no buddy slack
+    assert paged["free_pct"] == pytest.approx(paged["external_frag_pct"], abs=0.01)
+    claims = s["claims"]
+    assert claims and all(
+        set(c) == {"claim", "paper", "ours", "rule", "holds", "executor"} for c in claims
+    )
+    assert (out / "claims.md").read_text().count("| Fig.") == len(claims)
+    html = (out / "report.html").read_text()
+    assert "<table>" in html and '<img src="memory_waste.png"' in html
+    assert "Machine and versions" in (out / "report.md").read_text()
+    assert stdout.strip().splitlines()[-1] == f"report: {out / 'report.html'}"
+
+
 def test_paper_repro_table_regenerates_from_the_run(tiny_run, tmp_path):
     out, _ = tiny_run
     dest = tmp_path / "README.md"

@@ -91,3 +91,32 @@ def test_calibration_fit_reproduces_anchors_of_a_known_roofline():
     assert cal.rms_rel_error < 0.01
     for cap in records:
         assert cal.predicted_tok_s[cap] == pytest.approx(anchor[cap], rel=0.01)
+
+
+def _mean_norm_latency(r, arr, out):
+    """Mean normalized latency, unfinished requests at their wait so far (>= 0)."""
+    n = len(arr)
+    fin = np.asarray(r.finish_time)[:n].astype(np.float64)
+    end = np.maximum(np.where(np.isfinite(fin), fin, float(r.clock)), arr)
+    return float(np.mean((end - arr) / out))
+
+
+def test_early_stop_bound_is_a_lower_bound_and_stops_the_run():
+    # Overloaded: 30 requests in 0.3 s, each needing ~10-40 steps of >= 10 ms.
+    rng = np.random.default_rng(4)
+    arr = np.sort(rng.uniform(0, 0.3, 30))
+    p, o = rng.integers(2, 20, 30), rng.integers(10, 40, 30)
+    full = simulate(POLICY, _cfg(), COST, make_trace(arr, p, o, pad_to=32))
+    lat = _mean_norm_latency(full, arr, o)
+    assert np.isfinite(np.asarray(full.finish_time)[:30]).all()
+    assert float(full.latency_bound) == pytest.approx(lat, rel=1e-4)  # exact when done
+    stop = lat / 2
+    early = simulate(POLICY, _cfg(), COST, make_trace(arr, p, o, 32, stop_latency=stop))
+    assert float(early.latency_bound) > stop
+    assert int(early.steps) < int(full.steps) and float(early.clock) < float(full.clock)
+    # The bound is what the metric reads off the stopped run, and below the true mean.
+    got = _mean_norm_latency(early, arr, o)
+    assert got == pytest.approx(float(early.latency_bound), rel=1e-3)
+    assert stop < got <= lat
+    same = simulate(POLICY, _cfg(), COST, make_trace(arr, p, o, 32, stop_latency=2 * lat))
+    np.testing.assert_array_equal(np.asarray(same.finish_time), np.asarray(full.finish_time))

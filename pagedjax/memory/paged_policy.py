@@ -202,6 +202,11 @@ class PagedPolicy:
         on_host = state.on_host.at[gone].set(False, mode="drop")
         return state._replace(pool=pool, tables=tables, host_pool=hpool, on_host=on_host)
 
+    def free_slots(self, state: PagedState) -> jax.Array:
+        """float32[]: slots in free blocks (held by no sequence), the "free" part of
+        Fig. 2's last category; a paged pool has no external fragmentation besides it."""
+        return (state.pool.num_free * self.block_size).astype(jnp.float32)
+
     def usage(self, state, lens, final_lens, live) -> MemoryUsage:
         return paged_usage(
             state.tables.lengths, lens, final_lens, live, self.block_size, self.capacity_tokens

@@ -196,6 +196,11 @@ class ReservationPolicy:
 
         return jax.lax.fori_loop(0, seq_ids.shape[0], one, state)
 
+    def free_slots(self, state: ReservationState) -> jax.Array:
+        """float32[]: slots in free buddy blocks (held by no chunk). The rest of Fig. 2's
+        last category is external fragmentation: each chunk's pow2 rounding slack."""
+        return state.buddy.free_slots.astype(jnp.float32)
+
     def usage(
         self, state: ReservationState, lens: jax.Array, final_lens: jax.Array, live: jax.Array
     ) -> MemoryUsage:

@@ -408,11 +408,18 @@ class FittedCostModel:
         kv_tokens,
         step_time_s,
         prefill_attn_pairs=None,
+        nonnegative: bool = False,
     ) -> FittedCostModel:
         """Least squares (numpy lstsq) over N measured steps; all inputs [N].
 
         Columns are scaled to unit max before solving so that pairs (~1e6) and the
         constant (1) are equally conditioned; an all-zero column gets coefficient 0.
+        nonnegative: solve with every coefficient >= 0 (scipy's NNLS). Work never takes
+        negative time; an unconstrained fit on one workload's steps, whose columns are
+        nearly collinear (decode sequences and KV tokens rise together), can trade a
+        negative KV or pair cost against a larger decode cost: fine on that workload,
+        nonsense on another (measured: a negative pair cost gave the prefill-heavy
+        Azure trace near-zero steps; docs/experiments.md).
         """
         pairs = 0 if prefill_attn_pairs is None else prefill_attn_pairs
         x = step_features(prefill_tokens, decode_seqs, kv_tokens, pairs)
@@ -423,7 +430,12 @@ class FittedCostModel:
             raise ValueError(f"step_time_s needs >= 2 samples, got {x.shape[0]}")
         scale = np.abs(x).max(axis=0)
         used = scale > 0  # a feature never seen in the samples gets exactly 0
-        sol, *_ = np.linalg.lstsq(x[:, used] / scale[used], y, rcond=None)
+        if nonnegative:
+            from scipy.optimize import nnls  # scipy is a dependency of jax
+
+            sol, _ = nnls(x[:, used] / scale[used], y)
+        else:
+            sol, *_ = np.linalg.lstsq(x[:, used] / scale[used], y, rcond=None)
         coef = np.zeros(x.shape[1])
         coef[used] = sol / scale[used]
         rms = float(np.sqrt(np.mean((x @ coef - y) ** 2)))

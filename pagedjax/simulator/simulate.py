@@ -58,6 +58,10 @@ class Trace(NamedTuple):
         window opens at max(window_start, first completion).
     window_end: float32[] end of the steady window (the last real arrival).
     horizon: float32[] simulated time at which the run stops even if requests remain.
+    stop_latency: float32[] stop as soon as the trace's mean normalized latency (s/token,
+        over all ``num_real`` requests, unfinished ones counted with their wait so far)
+        provably exceeds this: the bound only grows, so the run has "exploded" past it.
+        A knee search needs no more than that; +inf (default) never stops early.
     """
 
     arrival: jax.Array
@@ -67,6 +71,7 @@ class Trace(NamedTuple):
     window_start: jax.Array
     window_end: jax.Array
     horizon: jax.Array
+    stop_latency: jax.Array
 
 
 class SimResult(NamedTuple):
@@ -84,6 +89,11 @@ class SimResult(NamedTuple):
     win_usage: float32[4] time-weighted mean slots: token, reserved, internal frag,
         external frag + free (sums to the pool's capacity).
     busy_time: float32[] simulated seconds spent in steps.
+    win_free: float32[] time-weighted mean free slots (held by nothing) in the window:
+        the free part of win_usage[3], the rest being external fragmentation (buddy
+        rounding slack); NaN for a policy without ``free_slots``.
+    latency_bound: float32[] the lower bound of the mean normalized latency at the end
+        (above ``trace.stop_latency`` when the run stopped early).
     """
 
     finish_time: jax.Array
@@ -96,6 +106,8 @@ class SimResult(NamedTuple):
     win_batched: jax.Array
     win_usage: jax.Array
     busy_time: jax.Array
+    win_free: jax.Array
+    latency_bound: jax.Array
 
 
 def make_trace(
@@ -105,6 +117,7 @@ def make_trace(
     pad_to: int | None = None,
     horizon: float = np.inf,
     window_start: float = 0.0,
+    stop_latency: float = np.inf,
 ) -> Trace:
     """A padded Trace from numpy arrays ``[n]`` (arrival in seconds, sorted)."""
     n = len(arrival)
@@ -126,6 +139,7 @@ def make_trace(
         jnp.float32(window_start),
         jnp.float32(end),
         jnp.float32(horizon),
+        jnp.float32(stop_latency),
     )
 
 
@@ -174,7 +188,14 @@ class _Carry(NamedTuple):
     win_time: jax.Array
     win_batched: jax.Array
     win_usage: jax.Array
+    win_free: jax.Array
     busy: jax.Array
+    # Lower bound of the mean normalized latency (early stop): sums over finished
+    # requests of (finish - arrival) / out, 1 / out and arrival / out.
+    fin_lat: jax.Array
+    fin_inv: jax.Array
+    fin_arr: jax.Array
+    lat_bound: jax.Array
     rec: jax.Array  # float32[record, 5]: the first `record` steps' cost-model inputs
 
 
@@ -185,6 +206,14 @@ def _simulate(
     n_req = trace.arrival.shape[0]
     slots = jnp.arange(n_slots, dtype=jnp.int32)
     inf = jnp.float32(jnp.inf)
+    # Prefix sums over requests in arrival order of 1 / out and arrival / out: the
+    # requests arrived by t and not finished add t * sum(1/o) - sum(a/o) to the bound.
+    real = jnp.arange(n_req) < trace.num_real
+    inv_out = jnp.where(real, 1.0 / trace.output_len.astype(jnp.float32), 0.0)
+    arr_out = jnp.where(real, trace.arrival * inv_out, 0.0)
+    cum_inv = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(inv_out)])
+    cum_arr = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(arr_out)])
+    n_real = jnp.maximum(trace.num_real, 1).astype(jnp.float32)
 
     def admit(c: _Carry) -> _Carry:
         st = recycle(c.state, slots, c.state.status == FINISHED)
@@ -239,6 +268,10 @@ def _simulate(
         use_vec = jnp.stack(
             [use.token_slots, use.reserved_slots, use.internal_frag_slots, use.external_free_slots]
         )
+        # Free memory apart from external fragmentation (Fig. 2 draws them apart, so an
+        # idle pool never reads as waste); static: a policy without it records NaN.
+        free_fn = getattr(policy, "free_slots", None)
+        free = free_fn(st1.mem) if free_fn is not None else jnp.float32(jnp.nan)
 
         st2 = update(policy, config, st1, batch, jnp.zeros((n_slots,), bool))
         newly = (st2.status == FINISHED) & (st0.status != FINISHED)
@@ -250,6 +283,17 @@ def _simulate(
         first_tok = c.first_tok.at[jnp.where(got_first, c.slot_req, n_req)].set(t1, mode="drop")
         pre = c.preempt.at[jnp.where(batch.preempted, c.slot_req, n_req)].add(1, mode="drop")
         n_fin = jnp.sum(newly & ~rej, dtype=jnp.int32)
+
+        # Early-stop bound: finished requests at their latency, arrived ones at their wait.
+        req_c = jnp.clip(c.slot_req, 0, n_req - 1)
+        w_inv = jnp.where(newly, inv_out[req_c], 0.0)
+        fin_inv = c.fin_inv + jnp.sum(w_inv)
+        fin_arr = c.fin_arr + jnp.sum(jnp.where(newly, arr_out[req_c], 0.0))
+        fin_lat = c.fin_lat + jnp.sum(w_inv * jnp.where(newly, t1 - trace.arrival[req_c], 0.0))
+        k_arr = jnp.minimum(jnp.searchsorted(trace.arrival, t1, side="right"), trace.num_real)
+        waiting_inv = cum_inv[k_arr] - fin_inv
+        waiting_arr = cum_arr[k_arr] - fin_arr
+        lat_bound = (fin_lat + jnp.maximum(t1 * waiting_inv - waiting_arr, 0.0)) / n_real
 
         # Steady window: from the first completion to the last arrival (time-weighted).
         lo = jnp.maximum(jnp.maximum(t0, c.first_done), trace.window_start)
@@ -269,12 +313,22 @@ def _simulate(
             win_time=c.win_time + w,
             win_batched=c.win_batched + w * batch.num_seqs.astype(jnp.float32),
             win_usage=c.win_usage + w * use_vec,
+            win_free=c.win_free + w * free,
             busy=c.busy + dt,
+            fin_lat=fin_lat,
+            fin_inv=fin_inv,
+            fin_arr=fin_arr,
+            lat_bound=lat_bound,
             rec=rec,
         )
 
     def cond(c: _Carry) -> jax.Array:
-        return (c.n_done < trace.num_real) & (c.clock < trace.horizon) & (c.steps < max_steps)
+        return (
+            (c.n_done < trace.num_real)
+            & (c.clock < trace.horizon)
+            & (c.steps < max_steps)
+            & (c.lat_bound <= trace.stop_latency)
+        )
 
     z = jnp.float32(0.0)
     c0 = _Carry(
@@ -293,7 +347,12 @@ def _simulate(
         win_time=z,
         win_batched=z,
         win_usage=jnp.zeros((4,), jnp.float32),
+        win_free=z,
         busy=z,
+        fin_lat=z,
+        fin_inv=z,
+        fin_arr=z,
+        lat_bound=z,
         rec=jnp.zeros((max(record, 1), 5), jnp.float32),
     )
     c = lax.while_loop(cond, step, c0)
@@ -309,6 +368,8 @@ def _simulate(
         win_batched=c.win_batched / safe,
         win_usage=c.win_usage / safe,
         busy_time=c.busy,
+        win_free=c.win_free / safe,
+        latency_bound=c.lat_bound,
     )
     return (res, c.rec) if record else res
 

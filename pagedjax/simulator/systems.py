@@ -173,17 +173,22 @@ def simulate_system(
     return SystemRun(name, workload, result)
 
 
-def latency_metrics(workload: Workload, result: SimResult) -> dict[str, float]:
+def latency_metrics(
+    workload: Workload, result: SimResult, stop_latency: float = math.inf
+) -> dict[str, float]:
     """Mean normalized latency (s/token), throughput and completion of one run.
 
     Unfinished requests at the horizon count with their latency so far, a lower bound;
-    ``unfinished`` says how many, so an exploded point is recognisable.
+    ``unfinished`` says how many, so an exploded point is recognisable. ``stop_latency``:
+    the bound at which the simulation was allowed to stop early (``stopped_early``).
     """
     w, r = workload, result
     n = len(w)
     fin = r.finish_time[:n].astype(np.float64)
     ok = np.isfinite(fin) & ~r.rejected[:n]
-    end = np.where(np.isfinite(fin), fin, float(r.clock))
+    # Unfinished: the wait so far; not yet arrived (a run stopped early): 0. Both lower
+    # bounds, so the mean is one too.
+    end = np.maximum(np.where(np.isfinite(fin), fin, float(r.clock)), w.arrival_time)
     lat = end - w.arrival_time
     norm = lat / w.output_len
     first = r.first_token_time[:n].astype(np.float64)
@@ -202,23 +207,32 @@ def latency_metrics(workload: Workload, result: SimResult) -> dict[str, float]:
         "preemptions": int(r.num_preemptions[:n].sum()),
         "steps": int(r.steps),
         "sim_time_s": float(r.clock),
+        "stopped_early": bool(float(r.latency_bound) > stop_latency),
     }
 
 
 def usage_pcts(result: SimResult, capacity: int) -> dict[str, float]:
     """Fig. 2 shares (% of the pool) over the steady window, and the token share of the
-    allocated memory (pool minus external fragmentation and free)."""
+    allocated memory (pool minus external fragmentation and free).
+
+    ``external_frag_pct`` is the paper's last category, "external fragmentation &
+    others" (free memory included, as Orca (Max)'s 8.9 % is); ``free_pct`` is its free
+    part (held by nothing) and ``external_only_pct`` the rest (buddy rounding slack)."""
     u = result.win_usage.astype(np.float64)
     pct = 100.0 * u / capacity
     alloc = u[0] + u[1] + u[2]
+    free = 100.0 * float(result.win_free) / capacity
     return {
         "token_states_pct": float(pct[0]),
         "reserved_pct": float(pct[1]),
         "internal_frag_pct": float(pct[2]),
         "external_frag_pct": float(pct[3]),
+        "free_pct": free,
+        "external_only_pct": max(float(pct[3]) - free, 0.0),
         "token_of_allocated_pct": float(100.0 * u[0] / alloc) if alloc > 0 else math.nan,
         "window_s": float(result.win_time),
     }
+
 
 
 __all__ = [
