@@ -43,26 +43,69 @@ SPEC_FILE = "pagedjax_bench_model.json"  # in a model directory: the spec it was
 # 8 layers, head_dim 64 (a size vLLM's CPU attention supports). llama-34m-32l is the same
 # at 32 layers (the compile-time-vs-depth check). smollm2-135m-shape is SmolLM2-135M's
 # architecture with random weights (no download). tiny-llama is for smoke runs.
-_LLAMA = dict(rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
-              pad_token_id=0, hidden_act="silu", tie_word_embeddings=False)  # fmt: skip
+_LLAMA = dict(
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+)
 MODELS: dict[str, dict[str, Any]] = {
-    "llama-34m-8l": dict(_LLAMA, vocab_size=8192, hidden_size=512, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=8, intermediate_size=1376,
-                         max_position_embeddings=512),
-    "llama-34m-32l": dict(_LLAMA, vocab_size=8192, hidden_size=512, num_hidden_layers=32,
-                          num_attention_heads=8, num_key_value_heads=8,
-                          intermediate_size=1376, max_position_embeddings=512),
-    "smollm2-135m-shape": dict(_LLAMA, vocab_size=49152, hidden_size=576, num_hidden_layers=30,
-                               num_attention_heads=9, num_key_value_heads=3,
-                               intermediate_size=1536, max_position_embeddings=8192,
-                               rope_theta=100000.0, tie_word_embeddings=True),
-    "tiny-llama-2l": dict(_LLAMA, vocab_size=512, hidden_size=128, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=2, intermediate_size=256,
-                          max_position_embeddings=128),
-    "tiny-llama-8l": dict(_LLAMA, vocab_size=512, hidden_size=128, num_hidden_layers=8,
-                          num_attention_heads=2, num_key_value_heads=2, intermediate_size=256,
-                          max_position_embeddings=128),
-}  # fmt: skip
+    "llama-34m-8l": dict(
+        _LLAMA,
+        vocab_size=8192,
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        intermediate_size=1376,
+        max_position_embeddings=512,
+    ),
+    "llama-34m-32l": dict(
+        _LLAMA,
+        vocab_size=8192,
+        hidden_size=512,
+        num_hidden_layers=32,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        intermediate_size=1376,
+        max_position_embeddings=512,
+    ),
+    "smollm2-135m-shape": dict(
+        _LLAMA,
+        vocab_size=49152,
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
+    "tiny-llama-2l": dict(
+        _LLAMA,
+        vocab_size=512,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=128,
+    ),
+    "tiny-llama-8l": dict(
+        _LLAMA,
+        vocab_size=512,
+        hidden_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=128,
+    ),
+}
 
 
 def model_root() -> Path:
@@ -79,8 +122,9 @@ def num_parameters(spec: dict[str, Any]) -> int:
     return v * h * (1 if spec["tie_word_embeddings"] else 2) + spec["num_hidden_layers"] * layer + h
 
 
-def ensure_model(name: str, *, weights: bool = True, root: Path | None = None,
-                 seed: int = 0) -> Path:  # fmt: skip
+def ensure_model(
+    name: str, *, weights: bool = True, root: Path | None = None, seed: int = 0
+) -> Path:
     """The directory of model ``name`` (built on first use; needs torch + transformers).
 
     weights=False writes config.json and the tokenizer only (for ``load_format="dummy"``,
@@ -134,9 +178,17 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     tok.save(str(directory / "tokenizer.json"))
-    config = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>",
-                  unk_token="<unk>", pad_token="<unk>", model_max_length=1 << 30,
-                  add_bos_token=False, add_eos_token=False, clean_up_tokenization_spaces=False)  # fmt: skip
+    config = dict(
+        tokenizer_class="PreTrainedTokenizerFast",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<unk>",
+        model_max_length=1 << 30,
+        add_bos_token=False,
+        add_eos_token=False,
+        clean_up_tokenization_spaces=False,
+    )
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     (directory / "special_tokens_map.json").write_text(
         json.dumps(dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<unk>"))
@@ -147,8 +199,9 @@ def model_vocab(model_dir: Path) -> int:
     return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
 
 
-def make_requests(num_requests: int, max_model_len: int, vocab_size: int, seed: int = 0,
-                  num_warmup: int = 4) -> dict[str, list]:  # fmt: skip
+def make_requests(
+    num_requests: int, max_model_len: int, vocab_size: int, seed: int = 0, num_warmup: int = 4
+) -> dict[str, list]:
     """The timed requests and the warm-up requests, as token ids (needs pagedjax, numpy).
 
     Timed: exactly ``throughput_vs_hf.py``'s set (its 200 requests at context 512 have
@@ -173,15 +226,22 @@ def make_requests(num_requests: int, max_model_len: int, vocab_size: int, seed: 
 
     prompts, outs = draw(num_requests, seed)
     w_prompts, w_outs = draw(num_warmup, seed + 1)
-    return dict(prompts=prompts, output_lens=outs, warmup_prompts=w_prompts,
-                warmup_output_lens=w_outs)  # fmt: skip
+    return dict(
+        prompts=prompts, output_lens=outs, warmup_prompts=w_prompts, warmup_output_lens=w_outs
+    )
 
 
 # ----------------------------------------------------------------------------- parent side
 
 
-def run_child(python: str | Path, spec: dict[str, Any], env: dict[str, str], workdir: Path,
-              timeout_s: float, label: str) -> dict[str, Any]:  # fmt: skip
+def run_child(
+    python: str | Path,
+    spec: dict[str, Any],
+    env: dict[str, str],
+    workdir: Path,
+    timeout_s: float,
+    label: str,
+) -> dict[str, Any]:
     """Runs one engine (``spec["side"]``) in a fresh process of ``python``; returns its
     result dict plus ``wall_s`` (spawn to exit). The child's stdout/stderr go to
     ``workdir/<label>.log`` (vLLM logs a lot).
@@ -200,9 +260,14 @@ def run_child(python: str | Path, spec: dict[str, Any], env: dict[str, str], wor
     spec_path.write_text(json.dumps(spec))
     t0 = time.monotonic()
     with log_path.open("w") as log:
-        proc = subprocess.Popen([str(python), str(Path(__file__).resolve()), str(spec_path)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [str(python), str(Path(__file__).resolve()), str(spec_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(ROOT),
+            start_new_session=True,
+        )
         rc, done_at = None, None
         while rc is None:
             rc = proc.poll()
@@ -216,8 +281,9 @@ def run_child(python: str | Path, spec: dict[str, Any], env: dict[str, str], wor
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 if not late:
-                    raise RuntimeError(f"{label}: timed out after {timeout_s:.0f} s\n"
-                                       + _tail(log_path))  # fmt: skip
+                    raise RuntimeError(
+                        f"{label}: timed out after {timeout_s:.0f} s\n" + _tail(log_path)
+                    )
                 break
             time.sleep(0.2)
     wall = time.monotonic() - t0
@@ -238,8 +304,13 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The parent's environment, offline, plus ``extra``; PYTHONPATH keeps this checkout's
     pagedjax first (a worktree measures its own code)."""
     env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env.update(extra or {})
     return env
@@ -323,8 +394,7 @@ def _child_vllm(spec: dict[str, Any], res: dict[str, Any]) -> None:
     res["t_constructed"] = time.time()
 
     def run(prompts: list, outs: list, phase: str) -> None:
-        params = [vllm.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
-                  for n in outs]  # fmt: skip
+        params = [vllm.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in outs]
         t = time.perf_counter()
         got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         res[f"{phase}_s"] = time.perf_counter() - t
@@ -352,8 +422,9 @@ def _run_phases(spec: dict[str, Any], res: dict[str, Any], run: Any) -> None:
 
 def child_main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    res: dict[str, Any] = dict(side=spec["side"], t_spawn=spec["t_spawn"],
-                               python=sys.version.split()[0])  # fmt: skip
+    res: dict[str, Any] = dict(
+        side=spec["side"], t_spawn=spec["t_spawn"], python=sys.version.split()[0]
+    )
     {"pagedjax": _child_pagedjax, "vllm": _child_vllm}[spec["side"]](spec, res)
     res["t_done"] = time.time()
     tmp = Path(spec["result"] + ".tmp")

@@ -55,13 +55,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import out_of_box  # noqa: E402  (the sibling module, also when run from elsewhere)
 
 PARTS = ("cold", "warm", "depth", "throughput")
-QUICK_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32)  # few buckets: seconds
+QUICK_ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=16)  # few buckets: seconds
 
 
 def cache_env(cache_dir: Path, extra_vars: list[str]) -> dict[str, str]:
     env = {v: str(cache_dir) for v in ("JAX_COMPILATION_CACHE_DIR", *extra_vars)}
-    env.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")  # fmt: skip
+    env.update(
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
     return out_of_box.child_env(env)
 
 
@@ -102,15 +104,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=None)
     ap.add_argument("--models", nargs="+", choices=sorted(out_of_box.MODELS), default=None)
     ap.add_argument("--depth-models", nargs=2, choices=sorted(out_of_box.MODELS), default=None)
-    ap.add_argument("--ready-kwargs", type=json.loads, default=None,
-                    help='LLM keywords of the cold/warm runs (JSON; default {"warmup": "all"})')  # fmt: skip
-    ap.add_argument("--throughput-also", type=json.loads, action="append", default=[],
-                    help="LLM keywords (JSON) of another throughput column")  # fmt: skip
+    ap.add_argument(
+        "--ready-kwargs",
+        type=json.loads,
+        default=None,
+        help='LLM keywords of the cold/warm runs (JSON; default {"warmup": "all"})',
+    )
+    ap.add_argument(
+        "--throughput-also",
+        type=json.loads,
+        action="append",
+        default=[],
+        help="LLM keywords (JSON) of another throughput column",
+    )
     ap.add_argument("--num-requests", type=int, default=None, help="default 200 (quick: 8)")
     ap.add_argument("--max-model-len", type=int, default=None, help="default 512 (quick: 128)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cache-env-var", action="append", default=[],
-                    help="more variables to point at the fresh compilation cache")  # fmt: skip
+    ap.add_argument(
+        "--cache-env-var",
+        action="append",
+        default=[],
+        help="more variables to point at the fresh compilation cache",
+    )
     ap.add_argument("--workdir", type=Path, default=None, help="keep specs, logs, caches here")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per process")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
@@ -129,14 +144,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="startup-"))
     work.mkdir(parents=True, exist_ok=True)
     load = lambda: " ".join(f"{x:.1f}" for x in os.getloadavg())  # noqa: E731
-    print(f"{os.cpu_count()} cpus, load average {load()}; parts {' '.join(parts)}; work dir"
-          f" {work}", flush=True)  # fmt: skip
+    print(
+        f"{os.cpu_count()} cpus, load average {load()}; parts {' '.join(parts)}; work dir {work}",
+        flush=True,
+    )
     report: dict[str, Any] = dict(parts=parts, ready_kwargs=ready_kwargs, load_start=load())
 
     def child(label: str, spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
         print(f"  {label} ... ", end="", flush=True)
-        res = out_of_box.run_child(sys.executable, dict(spec, side="pagedjax"), env, work,
-                                   args.timeout, label)  # fmt: skip
+        res = out_of_box.run_child(
+            sys.executable, dict(spec, side="pagedjax"), env, work, args.timeout, label
+        )
         print(f"{res['wall_s']:.1f} s (load {load()})", flush=True)
         return res
 
@@ -145,21 +163,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in models if {"cold", "warm"} & set(parts) else []:
         mdir = out_of_box.ensure_model(name, seed=args.seed)
         env = cache_env(work / f"jax_cache-{name}", args.cache_env_var)
-        spec = dict(model=str(mdir), dtype="float32", max_model_len=max_len,
-                    llm_kwargs=ready_kwargs, phases=[])  # fmt: skip
+        spec = dict(
+            model=str(mdir),
+            dtype="float32",
+            max_model_len=max_len,
+            llm_kwargs=ready_kwargs,
+            phases=[],
+        )
         for kind in ("cold", "warm"):
             if kind in parts:
                 res = child(f"{kind}-{name}", spec, env)
                 starts[f"{kind} {name}"] = start_summary(res)
     if starts:
-        print(f"\nstart-up to ready, LLM(..., {', '.join(f'{k}={v!r}' for k, v in ready_kwargs.items())}):")
-        print("| run | ready (s) | imports (s) | XLA compilations | compile s | cache hits |"
-              " step programs | mean s per step program | engine compilations |")
+        shown = ", ".join(f"{k}={v!r}" for k, v in ready_kwargs.items())
+        print(f"\nstart-up to ready, LLM(..., {shown}):")
+        print(
+            "| run | ready (s) | imports (s) | XLA compilations | compile s | cache hits |"
+            " step programs | mean s per step program | engine compilations |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
         for key, s in starts.items():
-            print(f"| {key} | {_f(s['ready_s'])} | {_f(s['import_s'])} | {s['compilations']} |"
-                  f" {_f(s['compile_s'])} | {s['cache_hits']} | {s['step_programs']} |"
-                  f" {_f(s['step_compile_mean_s'], '.2f')} | {_f(s['engine_compilations'])} |")
+            print(
+                f"| {key} | {_f(s['ready_s'])} | {_f(s['import_s'])} | {s['compilations']} |"
+                f" {_f(s['compile_s'])} | {s['cache_hits']} | {s['step_programs']} |"
+                f" {_f(s['step_compile_mean_s'], '.2f')} | {_f(s['engine_compilations'])} |"
+            )
         for key, s in starts.items():
             top = ", ".join(f"{n} x{c} {t:.1f} s (max {m:.1f})" for n, c, t, m in s["by_name"][:6])
             print(f"  {key}: {top}")
@@ -170,27 +198,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         depth: dict[str, Any] = {}
         for name in depth_models:
             mdir = out_of_box.ensure_model(name, weights=False, seed=args.seed)
-            spec = dict(model=str(mdir), dtype="float32", max_model_len=max_len,
-                        llm_kwargs=dict(load_format="dummy", warmup="none"), phases=["probe"])  # fmt: skip
-            res = child(f"depth-{name}", spec, cache_env(work / f"jax_cache-depth-{name}",
-                                                         args.cache_env_var))  # fmt: skip
+            spec = dict(
+                model=str(mdir),
+                dtype="float32",
+                max_model_len=max_len,
+                llm_kwargs=dict(load_format="dummy", warmup="none"),
+                phases=["probe"],
+            )
+            res = child(
+                f"depth-{name}",
+                spec,
+                cache_env(work / f"jax_cache-depth-{name}", args.cache_env_var),
+            )
             comp = res["compiles"].get("probe", [])
             steps = [(s, n) for n, s in comp if "step" in n] or [(s, n) for n, s in comp]
             sec, fun = max(steps) if steps else (None, None)
             layers = out_of_box.MODELS[name]["num_hidden_layers"]
-            depth[name] = dict(layers=layers, step_compile_s=sec, function=fun,
-                               probe_compilations=len(comp),
-                               probe_compile_s=sum(s for _, s in comp))  # fmt: skip
+            depth[name] = dict(
+                layers=layers,
+                step_compile_s=sec,
+                function=fun,
+                probe_compilations=len(comp),
+                probe_compile_s=sum(s for _, s in comp),
+            )
         a, b = (depth[n] for n in depth_models)
-        ratio = (b["step_compile_s"] / a["step_compile_s"]
-                 if a["step_compile_s"] and b["step_compile_s"] else None)  # fmt: skip
+        ratio = (
+            b["step_compile_s"] / a["step_compile_s"]
+            if a["step_compile_s"] and b["step_compile_s"]
+            else None
+        )
         print("\ncompile time of one step program vs depth (first request's prefill step):")
-        print("| model | layers | step program compile (s) | function | compilations in the"
-              " request | their total (s) |")
+        print(
+            "| model | layers | step program compile (s) | function | compilations in the"
+            " request | their total (s) |"
+        )
         print("|---|---|---|---|---|---|")
         for name, d in depth.items():
-            print(f"| {name} | {d['layers']} | {_f(d['step_compile_s'], '.2f')} | {d['function']} |"
-                  f" {d['probe_compilations']} | {_f(d['probe_compile_s'])} |")
+            print(
+                f"| {name} | {d['layers']} | {_f(d['step_compile_s'], '.2f')} | {d['function']} |"
+                f" {d['probe_compilations']} | {_f(d['probe_compile_s'])} |"
+            )
         print(f"ratio {b['layers']} / {a['layers']} layers: {_f(ratio, '.2f')} (target <= 1.3)")
         report["depth"] = dict(models=depth, ratio=ratio)
 
@@ -203,14 +250,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         columns = [("defaults", {})] + [(json.dumps(k), k) for k in args.throughput_also]
         tp: dict[str, Any] = {}
         for col, kwargs in columns:
-            spec = dict(model=str(mdir), dtype="float32", max_model_len=max_len,
-                        llm_kwargs=kwargs, requests=str(work / "requests.json"),
-                        phases=["warmup", "timed"])  # fmt: skip
+            spec = dict(
+                model=str(mdir),
+                dtype="float32",
+                max_model_len=max_len,
+                llm_kwargs=kwargs,
+                requests=str(work / "requests.json"),
+                phases=["warmup", "timed"],
+            )
             label = "throughput-" + "".join(c if c.isalnum() else "_" for c in col)
             res = child(label, spec, cache_env(work / f"jax_cache-{label}", args.cache_env_var))
             if res["timed_out_tokens"] != res["timed_expected_tokens"]:
-                raise RuntimeError(f"{col}: {res['timed_out_tokens']} output tokens, expected"
-                                   f" {res['timed_expected_tokens']}")  # fmt: skip
+                raise RuntimeError(
+                    f"{col}: {res['timed_out_tokens']} output tokens, expected"
+                    f" {res['timed_expected_tokens']}"
+                )
             before = res.get("stats_warmup", {}).get("compilations")
             after = res.get("stats_timed", {}).get("compilations")
             tp[col] = dict(
@@ -222,16 +276,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 xla_compilations_timed=len(res["compiles"].get("timed", [])),
                 engine_compilations_timed=(after - before) if None not in (before, after) else None,
                 load_after=load(),
-            )  # fmt: skip
-        print(f"\ndefaults-only run ({name}, {n_req} requests, {sum(reqs['output_lens'])} output"
-              f" tokens, after a {len(reqs['warmup_prompts'])}-request warm-up call):")
-        print("| LLM keywords | start-up (s) | warm-up call (s) | timed (s) | output tok/s |"
-              " XLA compilations in timed generate | engine compilations in it |")
+            )
+        print(
+            f"\ndefaults-only run ({name}, {n_req} requests, {sum(reqs['output_lens'])} output"
+            f" tokens, after a {len(reqs['warmup_prompts'])}-request warm-up call):"
+        )
+        print(
+            "| LLM keywords | start-up (s) | warm-up call (s) | timed (s) | output tok/s |"
+            " XLA compilations in timed generate | engine compilations in it |"
+        )
         print("|---|---|---|---|---|---|---|")
         for col, t in tp.items():
-            print(f"| {col} | {_f(t['startup_s'])} | {_f(t['warmup_call_s'])} |"
-                  f" {_f(t['timed_s'])} | {_f(t['out_tok_s'])} | {t['xla_compilations_timed']} |"
-                  f" {_f(t['engine_compilations_timed'])} |")
+            print(
+                f"| {col} | {_f(t['startup_s'])} | {_f(t['warmup_call_s'])} |"
+                f" {_f(t['timed_s'])} | {_f(t['out_tok_s'])} | {t['xla_compilations_timed']} |"
+                f" {_f(t['engine_compilations_timed'])} |"
+            )
         report["throughput"] = tp
 
     report["load_end"] = load()

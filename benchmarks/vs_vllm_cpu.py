@@ -86,9 +86,12 @@ def build_venv(venv: Path, python: str, log_path: Path) -> None:
         [python, "-m", "venv", str(venv)],
         [str(venv_python(venv)), "-m", "pip", "install", VLLM_PIN, TORCH_PIN],
         [str(venv_python(venv)), "-m", "pip", "uninstall", "-y", *BROKEN_WITH_THAT_TORCH],
-        [str(venv_python(venv)), "-c", "import vllm, torch; print('vllm', vllm.__version__,"
-         " 'torch', torch.__version__)"],
-    ]  # fmt: skip
+        [
+            str(venv_python(venv)),
+            "-c",
+            "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)",
+        ],
+    ]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"building vLLM's venv at {venv} (log: {log_path}); this takes minutes", flush=True)
     with log_path.open("a") as log:
@@ -99,7 +102,9 @@ def build_venv(venv: Path, python: str, log_path: Path) -> None:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
             log.write(f"# exit {rc} after {time.monotonic() - t:.0f} s\n")
             if rc != 0:
-                raise RuntimeError(f"venv build step failed ({' '.join(cmd[:4])} ...): see {log_path}")
+                raise RuntimeError(
+                    f"venv build step failed ({' '.join(cmd[:4])} ...): see {log_path}"
+                )
     print(f"vLLM's venv is ready: {venv}", flush=True)
 
 
@@ -169,10 +174,18 @@ def main(argv: list[str] | None = None) -> float | None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, 8 requests")
     ap.add_argument("--num-requests", type=int, default=None, help="default 200 (quick: 8)")
-    ap.add_argument("--model", choices=sorted(out_of_box.MODELS), default=None,
-                    help="default llama-34m-8l (quick: tiny-llama-2l)")  # fmt: skip
-    ap.add_argument("--model-dir", type=Path, default=None,
-                    help="an existing HF checkpoint directory to use instead of --model")  # fmt: skip
+    ap.add_argument(
+        "--model",
+        choices=sorted(out_of_box.MODELS),
+        default=None,
+        help="default llama-34m-8l (quick: tiny-llama-2l)",
+    )
+    ap.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="an existing HF checkpoint directory to use instead of --model",
+    )
     ap.add_argument("--max-model-len", type=int, default=None, help="default 512 (quick: 128)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--venv", type=Path, default=None, help=f"vLLM's venv (${VENV_ENV})")
@@ -181,8 +194,20 @@ def main(argv: list[str] | None = None) -> float | None:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-pagedjax", action="store_true")
     ap.add_argument("--warm", action="store_true", help="also a warm start of each engine")
-    ap.add_argument("--cache-env-var", action="append", default=[],
-                    help="more variables to point at pagedjax's fresh compilation cache")  # fmt: skip
+    ap.add_argument(
+        "--vllm-kv-gib",
+        type=int,
+        default=4,
+        help="vLLM's KV cache, GiB (VLLM_CPU_KVCACHE_SPACE); 0: vLLM's own default",
+    )
+    ap.add_argument("--pagedjax-kwargs", type=json.loads, default={}, help="extra LLM keywords")
+    ap.add_argument("--vllm-kwargs", type=json.loads, default={}, help="extra vllm.LLM keywords")
+    ap.add_argument(
+        "--cache-env-var",
+        action="append",
+        default=[],
+        help="more variables to point at pagedjax's fresh compilation cache",
+    )
     ap.add_argument("--workdir", type=Path, default=None, help="keep specs, logs, caches here")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine process")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
@@ -193,8 +218,10 @@ def main(argv: list[str] | None = None) -> float | None:
         build_venv(venv, args.python or default_python311(), venv.parent / f"{venv.name}.build.log")
     skip_vllm = args.skip_vllm
     if not skip_vllm and not venv_has_vllm(venv):
-        msg = (f"vLLM side skipped: no vLLM venv at {venv} (build it with --build-venv, or"
-               f" point --venv / ${VENV_ENV} at one)")  # fmt: skip
+        msg = (
+            f"vLLM side skipped: no vLLM venv at {venv} (build it with --build-venv, or"
+            f" point --venv / ${VENV_ENV} at one)"
+        )
         if not args.quick:
             print(msg.replace("vLLM side skipped: ", "error: "), file=sys.stderr)
             sys.exit(2)
@@ -212,21 +239,39 @@ def main(argv: list[str] | None = None) -> float | None:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="vs_vllm_cpu-"))
     work.mkdir(parents=True, exist_ok=True)
     (work / "requests.json").write_text(json.dumps(reqs))
-    spec = dict(model=str(model_dir), dtype="float32", max_model_len=max_len,
-                requests=str(work / "requests.json"), phases=["warmup", "timed"])  # fmt: skip
+    spec = dict(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=max_len,
+        requests=str(work / "requests.json"),
+        phases=["warmup", "timed"],
+    )
     n_prompt = sum(map(len, reqs["prompts"]))
-    print(f"{platform.node()}: {os.cpu_count()} cpus, load average"
-          f" {' '.join(f'{x:.1f}' for x in os.getloadavg())}; python {sys.version.split()[0]}")
-    print(f"model {model_dir} ({json.loads((model_dir / 'config.json').read_text()).get('num_hidden_layers')}"
-          f" layers), fp32, max_model_len {max_len}; {n_req} requests: {n_prompt} prompt +"
-          f" {sum(reqs['output_lens'])} output tokens; warm-up call: {len(reqs['warmup_prompts'])}"
-          f" requests; work dir {work}", flush=True)  # fmt: skip
+    layers = json.loads((model_dir / "config.json").read_text()).get("num_hidden_layers")
+    print(
+        f"{platform.node()}: {os.cpu_count()} cpus, load average"
+        f" {' '.join(f'{x:.1f}' for x in os.getloadavg())}; python {sys.version.split()[0]}"
+    )
+    print(
+        f"model {model_dir} ({layers}"
+        f" layers), fp32, max_model_len {max_len}; {n_req} requests: {n_prompt} prompt +"
+        f" {sum(reqs['output_lens'])} output tokens; warm-up call: {len(reqs['warmup_prompts'])}"
+        f" requests; work dir {work}",
+        flush=True,
+    )
 
     jax_cache = work / "jax_cache"
-    pj_env = out_of_box.child_env({v: str(jax_cache) for v in
-                                   ("JAX_COMPILATION_CACHE_DIR", *args.cache_env_var)})  # fmt: skip
-    vl_env = out_of_box.child_env(dict(VLLM_CACHE_ROOT=str(work / "vllm_cache"),
-                                       TORCHINDUCTOR_CACHE_DIR=str(work / "inductor_cache")))  # fmt: skip
+    pj_env = out_of_box.child_env(
+        {v: str(jax_cache) for v in ("JAX_COMPILATION_CACHE_DIR", *args.cache_env_var)}
+    )
+    vl_extra = dict(
+        VLLM_CACHE_ROOT=str(work / "vllm_cache"),
+        TORCHINDUCTOR_CACHE_DIR=str(work / "inductor_cache"),
+    )
+    if args.vllm_kv_gib > 0:
+        vl_extra["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_kv_gib)
+    vl_env = out_of_box.child_env(vl_extra)
+    kwargs = {"pagedjax": args.pagedjax_kwargs, "vllm": args.vllm_kwargs}
     runs: list[tuple[str, str, str, dict[str, str]]] = []  # (column, side, python, env)
     if not args.skip_pagedjax:
         runs.append(("pagedjax defaults", "pagedjax", sys.executable, pj_env))
@@ -239,21 +284,27 @@ def main(argv: list[str] | None = None) -> float | None:
     for col, side, python, env in runs:
         label = col.replace(" ", "_").replace(",", "")
         print(f"running {col} ... (log {work / label}.log)", flush=True)
-        res = out_of_box.run_child(python, dict(spec, side=side), env, work, args.timeout, label)
+        side_spec = dict(spec, side=side, llm_kwargs=kwargs[side])
+        res = out_of_box.run_child(python, side_spec, env, work, args.timeout, label)
         s = summarize(res)
         if s["out_tokens"] != s["expected_tokens"]:
-            raise RuntimeError(f"{col}: {s['out_tokens']} output tokens, expected"
-                               f" {s['expected_tokens']}")  # fmt: skip
+            raise RuntimeError(
+                f"{col}: {s['out_tokens']} output tokens, expected {s['expected_tokens']}"
+            )
         cache_dir = s.get("jax_compilation_cache_dir")
         if side == "pagedjax" and cache_dir and Path(cache_dir) != jax_cache:
-            print(f"note: pagedjax compiled with cache dir {cache_dir}, not the fresh"
-                  f" {jax_cache}: its start-up may not be cold (pass --cache-env-var)")  # fmt: skip
+            print(
+                f"note: pagedjax compiled with cache dir {cache_dir}, not the fresh"
+                f" {jax_cache}: its start-up may not be cold (pass --cache-env-var)"
+            )
         columns.append((col, s))
         raw[col] = res
     print()
     if "vLLM CPU" in dict(columns):
-        print(f"vLLM {dict(columns)['vLLM CPU'].get('vllm_version')}, python"
-              f" {raw['vLLM CPU']['python']}; pagedjax python {sys.version.split()[0]}")  # fmt: skip
+        print(
+            f"vLLM {dict(columns)['vLLM CPU'].get('vllm_version')}, python"
+            f" {raw['vLLM CPU']['python']}; pagedjax python {sys.version.split()[0]}"
+        )
     print_table(columns)
     print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     by = dict(columns)
@@ -263,9 +314,19 @@ def main(argv: list[str] | None = None) -> float | None:
         cold = by["pagedjax defaults"]["startup_s"] / by["vLLM CPU"]["startup_s"]
         print(f"start-up, pagedjax / vLLM: {cold:.2f} (target <= 1)")
     if args.out:
-        args.out.write_text(json.dumps(dict(columns=dict(columns), raw=raw, ratio=ratio,
-                                            model_dir=str(model_dir), requests=n_req),
-                                       indent=1, default=str))  # fmt: skip
+        args.out.write_text(
+            json.dumps(
+                dict(
+                    columns=dict(columns),
+                    raw=raw,
+                    ratio=ratio,
+                    model_dir=str(model_dir),
+                    requests=n_req,
+                ),
+                indent=1,
+                default=str,
+            )
+        )
     print(f"ratio_vs_vllm_cpu: {'n/a (vLLM side skipped)' if ratio is None else f'{ratio:.2f}'}")
     return ratio
 
