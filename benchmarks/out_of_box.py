@@ -143,6 +143,7 @@ def ensure_model(
     import torch
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()  # keep the scripts' output to tables
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=root))
     try:

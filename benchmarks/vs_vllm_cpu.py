@@ -311,8 +311,15 @@ def main(argv: list[str] | None = None) -> float | None:
     ratio = None
     if "pagedjax defaults" in by and "vLLM CPU" in by:
         ratio = by["pagedjax defaults"]["out_tok_s"] / by["vLLM CPU"]["out_tok_s"]
-        cold = by["pagedjax defaults"]["startup_s"] / by["vLLM CPU"]["startup_s"]
-        print(f"start-up, pagedjax / vLLM: {cold:.2f} (target <= 1)")
+        pj, vl = by["pagedjax defaults"], by["vLLM CPU"]
+        # Both figures: an engine that compiles on first use looks fast to construct and
+        # pays in its first generate calls; the second figure includes the warm-up call.
+        print(
+            f"cold start, pagedjax / vLLM: spawn -> LLM ready"
+            f" {pj['startup_s'] / vl['startup_s']:.2f}, spawn -> warm-up call done"
+            f" {pj['ready_after_warmup_s'] / vl['ready_after_warmup_s']:.2f} (target <= 1;"
+            f" compilations during pagedjax's timed run: {pj.get('compiles_timed')})"
+        )
     if args.out:
         args.out.write_text(
             json.dumps(
