@@ -59,7 +59,8 @@ QUICK_ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=16)  # few buckets: s
 
 
 def cache_env(cache_dir: Path, extra_vars: list[str]) -> dict[str, str]:
-    env = {v: str(cache_dir) for v in ("JAX_COMPILATION_CACHE_DIR", *extra_vars)}
+    names = ("JAX_COMPILATION_CACHE_DIR", "PAGEDJAX_COMPILATION_CACHE", *extra_vars)
+    env = {v: str(cache_dir) for v in names}
     env.update(
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",

@@ -262,7 +262,10 @@ def main(argv: list[str] | None = None) -> float | None:
 
     jax_cache = work / "jax_cache"
     pj_env = out_of_box.child_env(
-        {v: str(jax_cache) for v in ("JAX_COMPILATION_CACHE_DIR", *args.cache_env_var)}
+        dict.fromkeys(
+            ("JAX_COMPILATION_CACHE_DIR", "PAGEDJAX_COMPILATION_CACHE", *args.cache_env_var),
+            str(jax_cache),
+        )
     )
     vl_extra = dict(
         VLLM_CACHE_ROOT=str(work / "vllm_cache"),

@@ -119,6 +119,9 @@ def test_per_layer_sliding_windows_run_under_the_loop():
             assert jnp.allclose(a[sid], b[sid], atol=2e-4), sid
     # A window of 3 changes the logits of long prompts (else the test could not fail).
     full = dataclasses.replace(arch, layer_windows=(None, None))
-    runner = PagedRunner(full, params, block_size=4, max_tokens=16, max_seqs=2, max_len=32)
+    # attention_fn spelled out: make_forward's cache would otherwise share this runner's
+    # jit with other tests' runners of the tiny-llama preset (same arch, other shapes).
+    runner = PagedRunner(full, params, block_size=4, max_tokens=16, max_seqs=2, max_len=32,
+                         attention_fn=ragged_paged_attention)  # fmt: skip
     plain = runner.step([(0, list(range(5, 14))), (1, [7, 8])], all_logits=True)
     assert not jnp.allclose(plain[0][-1], outs["reference"][0][0][-1], atol=1e-3)

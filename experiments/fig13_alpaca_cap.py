@@ -3,7 +3,7 @@ that could bind (scheduler rows, max_num_seqs, token budget) raised one at a tim
 Little's law beside it (arrival rate x mean time in system). Simulated, opt13b.yaml's
 server (OPT-13B, A100-40GB, vllm2023 cost model), Alpaca-like 30 req/s for 120 s.
 
-    python benchmarks/fig13_alpaca_cap.py [--duration 120]
+    python experiments/fig13_alpaca_cap.py [--duration 120]
 
 If a limit capped the batch, raising it would raise the batch; if none does, the batch is
 set by the step time (time in system = output tokens x step time). docs/experiments.md
