@@ -30,7 +30,7 @@ class LLM:
     the host pool for preemption by swap (preemption_mode "swap", or None: swap groups of
     several samples, recompute single sequences; docs/engine.md). Unknown keyword arguments raise
     TypeError. On CPU the KV pool size comes from num_gpu_blocks_override or
-    kv_cache_memory_bytes (else 256 MiB); see docs/engine.md.
+    kv_cache_memory_bytes (else 4 GiB, at most a quarter of free memory); see docs/engine.md.
     enable_prefix_caching: automatic prefix caching, on by default as in vLLM today.
     num_scheduler_steps (vLLM's name; ``SchedulerConfig.num_multi_steps``): K, the most
     decode iterations run in one on-device loop; "auto" picks K per device kind.
