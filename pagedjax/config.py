@@ -72,7 +72,12 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     swap_space: float = 4.0
     enable_prefix_caching: bool = True
-    cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # The KV pool's storage (vLLM's cache_dtype / --kv-cache-dtype): "auto" = the model's
+    # dtype; the 8-bit formats are pagedjax.attention.kv_quant's (docs/kv_quantization.md).
+    cache_dtype: Literal[
+        "auto", "float32", "bfloat16", "float16",
+        "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head",
+    ] = "auto"  # fmt: skip
 
     def __post_init__(self) -> None:
         _check(
