@@ -57,6 +57,14 @@ class ModelConfig:
         )
 
 
+# The KV pool's storage names (pagedjax.attention.kv_quant.KV_CACHE_DTYPES says the same;
+# tests/test_kv_quant_engine.py checks the two agree).
+CACHE_DTYPES = (
+    "auto", "float32", "bfloat16", "float16",
+    "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache.
@@ -101,6 +109,11 @@ class CacheConfig:
             f"must be > 0, got {self.kv_cache_memory_bytes}",
         )
         _check(self.swap_space >= 0, "cache.swap_space", f"must be >= 0 GiB, got {self.swap_space}")
+        _check(
+            self.cache_dtype in CACHE_DTYPES,
+            "cache.cache_dtype",
+            f"must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}",
+        )
 
 
 @dataclass(frozen=True)
