@@ -56,7 +56,7 @@ def test_round_trip_error_bound_and_saturation(name):
     layer_scale = jnp.asarray([1.0, 0.5, 2.0, 0.01], jnp.float32)[:, None]  # [Hkv, 1]
     values, token_scale = kv_quant.quantize(x, fmt, None if fmt.per_token else layer_scale)
     scale = token_scale if fmt.per_token else layer_scale
-    back = np.asarray(kv_quant.dequantize(values, scale))
+    back = np.asarray(kv_quant.dequantize(values, scale, fmt))
     xs, sc = np.asarray(x), np.broadcast_to(np.asarray(scale), x.shape)
     in_range = np.abs(xs) <= fmt.max_value * sc
     err = np.abs(back - xs)
@@ -70,7 +70,7 @@ def test_round_trip_error_bound_and_saturation(name):
     # Saturation: values far past the range land on +-max (a bare cast gives NaN / inf).
     huge = jnp.asarray([[[1e30, -1e30, 1e6, -1e6]]], jnp.float32)
     v, s = kv_quant.quantize(huge, fmt, None if fmt.per_token else jnp.ones((1, 1)))
-    got = np.asarray(kv_quant.dequantize(v, s))
+    got = np.asarray(kv_quant.dequantize(v, s, fmt))
     assert np.isfinite(got).all() and got[0, 0, 0] > 0 > got[0, 0, 1]
     if not fmt.per_token:
         assert np.all(np.abs(got) == fmt.max_value)
@@ -146,7 +146,7 @@ def _build(case, fmt_name, seed=0):
 
 def _dequantized_pool(pages: QuantizedPages) -> jax.Array:
     """float32 values x scale, computed with numpy (NaN where poisoned)."""
-    vals = np.asarray(pages.values.astype(jnp.float32))
+    vals = np.asarray(kv_quant.to_float(pages.values, pages.fmt))
     if pages.token_scale is not None:
         return jnp.asarray(vals * np.asarray(pages.token_scale))
     ls = np.asarray(pages.layer_scale, np.float32)[:, None, :, None, None]
@@ -232,16 +232,16 @@ def test_native_fp8_byte_table_matches_jax_for_every_byte(fmt_name):
     inf included (NaN-equal comparison)."""
     fmt = FORMATS[fmt_name]
     d = 256
-    vals = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), fmt.storage)
+    byte_values = jnp.arange(256, dtype=jnp.uint8)  # fp8 pages are stored as their bytes
     shape = (1, 2, 1, 8, d)
-    k = QuantizedPages(jnp.zeros(shape, fmt.storage), None, fmt, ((1.0,),))
-    v = QuantizedPages(jnp.zeros(shape, fmt.storage).at[0, 1, 0, 0].set(vals), None, fmt,
+    k = QuantizedPages(jnp.zeros(shape, jnp.uint8), None, fmt, ((1.0,),))
+    v = QuantizedPages(jnp.zeros(shape, jnp.uint8).at[0, 1, 0, 0].set(byte_values), None, fmt,
                        ((2.0,),))  # fmt: skip
     q = jnp.ones((1, 1, d), jnp.float32)
     args = (q, k, v, jnp.asarray([[1]], jnp.int32), jnp.asarray([1], jnp.int32),
             jnp.asarray([0, 1], jnp.int32))  # fmt: skip
     got = np.asarray(native_cpu.ragged_paged_attention(*args, layer=jnp.int32(0), sm_scale=1.0))
-    want = np.asarray(vals.astype(jnp.float32)) * 2.0
+    want = np.asarray(jax.lax.bitcast_convert_type(byte_values, fmt.element), np.float32) * 2
     np.testing.assert_array_equal(got[0, 0], want)
 
 
@@ -253,10 +253,11 @@ def test_write_saturates_and_padding_writes_nowhere():
     from pagedjax.attention import PAD_SLOT
 
     k, v = write_kv(*pools, x, -x, jnp.asarray([5, PAD_SLOT], jnp.int32), jnp.int32(0))
-    kv_vals = np.asarray(k.values.astype(jnp.float32))
+    assert k.values.dtype == jnp.uint8  # fp8 stored as bytes
+    kv_vals = np.asarray(kv_quant.to_float(k.values, fmt))
     assert (kv_vals[0, 1, 0, 1] == 448.0).all()  # slot 5 = block 1, offset 1: saturated
     assert np.count_nonzero(kv_vals) == 8 and np.isfinite(kv_vals).all()
-    assert (np.asarray(v.values.astype(jnp.float32))[0, 1, 0, 1] == -448.0).all()
+    assert (np.asarray(kv_quant.to_float(v.values, fmt))[0, 1, 0, 1] == -448.0).all()
     with pytest.raises(ValueError, match="quantized or both plain"):
         write_kv(pools[0], jnp.zeros(shape), x, x, jnp.asarray([1, 2], jnp.int32), 0)
 
@@ -275,3 +276,41 @@ def test_block_copy_moves_scales_with_values():
     for a in jax.tree.leaves(out):
         np.testing.assert_array_equal(np.asarray(a)[:, 3], np.asarray(a)[:, 1])
     assert float(np.asarray(out[0].token_scale)[1, 3].max()) > 0.02  # the written scales
+
+
+# ------------------------------------------------------------------ the layer loop
+
+
+@pytest.mark.parametrize(
+    ("fmt_name", "backend"),
+    [("int8_per_token_head", "native_cpu"), ("fp8_e4m3", "reference")],
+)
+def test_layer_loop_never_copies_an_8bit_pool_or_a_layer_of_it(fmt_name, backend):
+    """As tests/test_layer_loop.py for the float pool: the 8-bit values and the int8 scales
+    are carried through the layer scan and updated in place, no pool-sized copy and no
+    array of one layer's page shape (of any dtype) in the optimized HLO."""
+    import dataclasses
+    import re
+
+    from pagedjax.model import allocate_kv_cache, dummy_input, preset_arch, random_params
+    from pagedjax.model.forward import forward
+
+    arch = dataclasses.replace(preset_arch("tiny-llama"), num_layers=3, layer_windows=())
+    nb, bs = 1024, 16
+    fn = {"native_cpu": native_cpu.ragged_paged_attention,
+          "reference": ragged_paged_attention}[backend]  # fmt: skip
+    params = jax.eval_shape(lambda: random_params(arch, dtype=jnp.float32))
+    kv = jax.eval_shape(lambda: allocate_kv_cache(arch, nb, bs, kv_cache_dtype=fmt_name))
+    step = jax.jit(functools.partial(forward, arch=arch, attention_fn=fn), donate_argnums=1)
+    compiled = step.lower(params, kv, dummy_input(32, 4, 8)).compile()
+    hlo = compiled.as_text()
+    page = f"{nb},{arch.num_kv_heads},{bs}"
+    pool = rf"\w+\[{arch.num_layers},{page},(\d+)\]"
+    layer = rf"= \w+\[(1,)?{page},(\d+)\]\{{"
+    bad = [ln.strip()[:160] for ln in hlo.splitlines()
+           if re.search(rf"= {pool}\{{[^}}]*\}} copy\(", ln) or re.search(layer, ln)]  # fmt: skip
+    assert "while" in hlo and bad == []
+    mem = compiled.memory_analysis()
+    pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(kv))
+    assert mem.alias_size_in_bytes >= pool_bytes  # values (and scales) updated in place
+    assert mem.temp_size_in_bytes < nb * arch.num_kv_heads * bs * arch.head_dim

@@ -12,7 +12,11 @@ Formats (``kv_cache_dtype``, vLLM's names):
 
 The pool keeps its public shape ``(k, v)``: each member is a ``QuantizedPages`` pytree whose
 ``values`` are ``[L, NB, Hkv, bs, D]`` (``shape``/``ndim``/``dtype`` report them, so shape
-checks written for plain pages keep working). Every *leaf* of a ``QuantizedPages`` is
+checks written for plain pages keep working). fp8 values are *stored as their bytes*
+(uint8; ``KVFormat.element`` is the fp8 type they are bit-cast to after a gather): XLA's CPU
+backend has no fp8 scatter and lowered each layer's write of an fp8 pool to converting the
+whole pool to f16 and back (seen in the optimized HLO), where a uint8 scatter updates the
+written rows in place. int8 values are int8. Every *leaf* of a ``QuantizedPages`` is
 indexed ``[layer, block, ...]``: the int8 scales are ``float32[L, NB, Hkv, bs, 1]`` (a
 trailing unit axis, so each leaf is a 5-D page array and ``copy_blocks``, the swap gathers
 and scatters and ``jax.tree.map`` over the pool apply to scales with no special case). The
@@ -46,7 +50,9 @@ SCALE_DTYPE = jnp.float32
 class KVFormat:
     """One 8-bit storage format.
 
-    name: canonical name. storage: the pages' dtype. max_value: largest finite magnitude
+    name: canonical name. storage: the pages' dtype (uint8 bytes for fp8). element: the
+    dtype the stored bytes mean (float8_e4m3fn / float8_e5m2 / int8). max_value: largest
+    finite magnitude
     (writes saturate there). per_token: int8 (scale per token-head) vs fp8 (per layer-head).
     rel_error / abs_error: the round-trip bound of one element, in units of its scale:
     |dequant(quant(x)) - x| <= rel_error * |x| + abs_error * scale (tests rely on it).
@@ -54,6 +60,7 @@ class KVFormat:
 
     name: str
     storage: Any
+    element: Any
     max_value: float
     per_token: bool
     rel_error: float
@@ -69,9 +76,15 @@ class KVFormat:
 # smallest subnormal 2^-9 -> absolute 2^-10. e5m2: 2 bits -> 2^-3, subnormal 2^-16 -> 2^-17.
 # int8: |x / scale| <= 127 rounds to an integer -> absolute 0.5 (x scale).
 FORMATS: dict[str, KVFormat] = {
-    "fp8_e4m3": KVFormat("fp8_e4m3", jnp.float8_e4m3fn, 448.0, False, 2.0**-4, 2.0**-10),
-    "fp8_e5m2": KVFormat("fp8_e5m2", jnp.float8_e5m2, 57344.0, False, 2.0**-3, 2.0**-17),
-    "int8_per_token_head": KVFormat("int8_per_token_head", jnp.int8, 127.0, True, 0.0, 0.5),
+    "fp8_e4m3": KVFormat(
+        "fp8_e4m3", jnp.uint8, jnp.float8_e4m3fn, 448.0, False, 2.0**-4, 2.0**-10
+    ),
+    "fp8_e5m2": KVFormat(
+        "fp8_e5m2", jnp.uint8, jnp.float8_e5m2, 57344.0, False, 2.0**-3, 2.0**-17
+    ),
+    "int8_per_token_head": KVFormat(
+        "int8_per_token_head", jnp.int8, jnp.int8, 127.0, True, 0.0, 0.5
+    ),
 }
 
 
@@ -87,8 +100,9 @@ def resolve_kv_format(kv_cache_dtype: str) -> KVFormat | None:
 class QuantizedPages:
     """The K (or V) half of an 8-bit pool.
 
-    values: [L, NB, Hkv, bs, D] in ``fmt.storage``. token_scale: float32[L, NB, Hkv, bs, 1]
-    (int8) or None (fp8). layer_scale: static ((float,) * Hkv,) * L (fp8) or None (int8).
+    values: [L, NB, Hkv, bs, D] in ``fmt.storage`` (int8, or uint8 bytes of fp8).
+    token_scale: float32[L, NB, Hkv, bs, 1] (int8) or None (fp8). layer_scale: static
+    ((float,) * Hkv,) * L (fp8) or None (int8).
     Leaves: values, and token_scale when present; fmt and layer_scale are static.
     Only the stacked 5-D form exists (writes and backends take it with a layer index).
     """
@@ -166,7 +180,8 @@ def allocate_quantized_pages(
     if layer_scale is None:
         layer_scale = default_layer_scale(shape[0], shape[2])
     check_layer_scale(layer_scale, shape[0], shape[2])
-    return QuantizedPages(jnp.full(shape, fill_value, fmt.storage), None, fmt, layer_scale)
+    fill = to_storage(jnp.full((), fill_value, fmt.element), fmt)
+    return QuantizedPages(jnp.full(shape, fill, fmt.storage), None, fmt, layer_scale)
 
 
 def check_layer_scale(layer_scale: Any, num_layers: int, num_kv_heads: int) -> None:
@@ -185,9 +200,9 @@ def quantize(
 
     int8: token_scale float32[..., 1] = max |x| / 127 over D (1 where that is 0);
     values = round(x / scale) in [-127, 127]. fp8: ``layer_scale`` broadcasts against
-    x[..., :1] (e.g. [Hkv, 1] for x [T, Hkv, D]); values = saturate(x / scale) cast to the
-    format (round to nearest even); token_scale None. NaN stays NaN in fp8; never
-    produced from a finite overflow.
+    x[..., :1] (e.g. [Hkv, 1] for x [T, Hkv, D]); values = the bytes of saturate(x / scale)
+    cast to the format (round to nearest even), as uint8; token_scale None. NaN stays NaN
+    in fp8; never produced from a finite overflow.
     """
     xf = x.astype(jnp.float32)
     if fmt.per_token:
@@ -198,29 +213,49 @@ def quantize(
     if layer_scale is None:
         raise ValueError(f"{fmt.name} needs a layer_scale")
     y = jnp.clip(xf / layer_scale.astype(jnp.float32), -fmt.max_value, fmt.max_value)
-    return y.astype(fmt.storage), None
+    return to_storage(y.astype(fmt.element), fmt), None
 
 
-def dequantize(values: jax.Array, scale: jax.Array | None) -> jax.Array:
-    """float32 values * scale (scale broadcast; None = 1)."""
-    out = values.astype(jnp.float32)
+def to_storage(x: jax.Array, fmt: KVFormat) -> jax.Array:
+    """Values of ``fmt.element`` as stored: fp8 bit-cast to its bytes, int8 unchanged."""
+    if fmt.storage == fmt.element:
+        return x
+    return jax.lax.bitcast_convert_type(x, fmt.storage)
+
+
+def to_float(values: jax.Array, fmt: KVFormat | None) -> jax.Array:
+    """Stored values (any gathered subset) as float32: fp8 bytes bit-cast back first."""
+    if fmt is not None and fmt.storage != fmt.element:
+        values = jax.lax.bitcast_convert_type(values, fmt.element)
+    return values.astype(jnp.float32)
+
+
+def dequantize(values: jax.Array, scale: jax.Array | None, fmt: KVFormat | None) -> jax.Array:
+    """float32 stored values * scale (scale broadcast; None = 1)."""
+    out = to_float(values, fmt)
     return out if scale is None else out * scale.astype(jnp.float32)
 
 
-def split_pages(pages: Any) -> tuple[jax.Array, jax.Array | None]:
-    """(values, scale) of plain or quantized pages: scale None for a plain float pool,
-    float32[L, NB, Hkv, bs, 1] (int8, per token-head) or float32[L, Hkv] (fp8, per layer-head)."""
+def split_pages(pages: Any) -> tuple[jax.Array, jax.Array | None, KVFormat | None]:
+    """(values, scale, fmt) of plain or quantized pages: scale and fmt None for a plain
+    float pool; scale float32[L, NB, Hkv, bs, 1] (int8, per token-head) or float32[L, Hkv]
+    (fp8, per layer-head)."""
     if isinstance(pages, QuantizedPages):
-        return pages.values, pages.scale_array()
-    return pages, None
+        return pages.values, pages.scale_array(), pages.fmt
+    return pages, None, None
 
 
 def gather_dequantized(
-    values: jax.Array, scale: jax.Array | None, layer: jax.Array, pages: jax.Array
+    values: jax.Array,
+    scale: jax.Array | None,
+    layer: jax.Array,
+    pages: jax.Array,
+    fmt: KVFormat | None = None,
 ) -> jax.Array:
     """float32 values[layer, pages] * its scale: [*pages.shape, Hkv, bs, D] from a stacked
-    pool [L, NB, Hkv, bs, D] (``scale`` as ``split_pages`` returns it)."""
-    x = values[layer, pages].astype(jnp.float32)
+    pool [L, NB, Hkv, bs, D] (``scale``, ``fmt`` as ``split_pages`` returns them). Only the
+    gathered pages are converted, never the pool."""
+    x = to_float(values[layer, pages], fmt)
     if scale is None:
         return x
     if scale.ndim == 2:  # per (layer, KV head): broadcast over pages, slots and D
@@ -259,4 +294,6 @@ __all__ = [
     "quantize",
     "resolve_kv_format",
     "split_pages",
+    "to_float",
+    "to_storage",
 ]

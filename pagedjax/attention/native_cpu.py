@@ -156,7 +156,7 @@ def ragged_paged_attention(
             chunk_keys=chunk_keys, chunk_bytes=chunk_bytes,
         )  # fmt: skip
     fmt = k_pages.fmt if quantized else None
-    k_pages, v_pages, k_scale, v_scale = reference.split_quantized(k_pages, v_pages, layer)
+    k_pages, v_pages, k_scale, v_scale, _ = reference.split_quantized(k_pages, v_pages, layer)
     reference.check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, layer)
     reference.check_options(sliding_window, soft_cap)
     k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)

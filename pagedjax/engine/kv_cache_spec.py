@@ -27,9 +27,10 @@ from pagedjax.model.kv_cache import KVCache, cache_bytes_per_token
 class KVCacheSpec:
     """The pool's storage for one engine.
 
-    cache_dtype: the requested name ("auto", a float name or an 8-bit format); dtype: the
-    values' storage dtype; model_dtype: the parameters' dtype (the reference for the
-    capacity ratio); bytes_per_token: K + V (+ int8 scales) of one token, all layers.
+    cache_dtype: the requested name ("auto", a float name or an 8-bit format). dtype: what
+    the values are (float8_e4m3fn / float8_e5m2 stored as bytes, int8, or a float dtype).
+    model_dtype: the parameters' dtype (the reference for the capacity ratio).
+    bytes_per_token: K + V (+ int8 scales) of one token, all layers.
     """
 
     arch: ModelArch
@@ -46,7 +47,7 @@ class KVCacheSpec:
         ``model_dtype``. Raises ValueError for an unknown name."""
         fmt = resolve_kv_format(cache_dtype)
         if fmt is not None:
-            dtype, name = fmt.storage, fmt.name
+            dtype, name = fmt.element, fmt.name
         else:
             base = kv_dtype if (cache_dtype == "auto" and kv_dtype is not None) else model_dtype
             dtype, name = plain_dtype(cache_dtype, base), cache_dtype

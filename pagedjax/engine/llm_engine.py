@@ -105,7 +105,7 @@ class LLMEngine:
         self.arch, self.tokenizer, self.config = arch, tokenizer, config
         dtype = jax.tree.leaves(params)[0].dtype
         self.kv_spec = KVCacheSpec.resolve(arch, dtype, cc.cache_dtype, kv_dtype)
-        self.kv_dtype = self.kv_spec.dtype  # the values' dtype (int8 / fp8: kv_cache_spec.py)
+        self.kv_dtype = self.kv_spec.dtype  # what the values are (int8 / fp8: kv_cache_spec.py)
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
             raise ValueError(
