@@ -105,8 +105,8 @@ def select_attention_backend(
 
         return AttentionBackend(
             "pallas",
-            plain_pages_only("pallas", paged_attention.ragged_paged_attention),
-            paged_attention.paged_decode_attention,
+            with_8bit_pages(paged_attention.ragged_paged_attention),
+            with_8bit_pages(paged_attention.paged_decode_attention),
             reason,
         )
     from pagedjax.attention import reference as xla_reference
@@ -141,6 +141,28 @@ def _triton_backend(device: Any) -> AttentionBackend:
         reason = f"requested; parity on {kind} in {report}"
     ragged = plain_pages_only("triton", jax_binding.ragged_paged_attention)
     return AttentionBackend("triton", ragged, None, reason)
+
+
+# kv_quant format name -> the Pallas kernels' kv_format (pallas_kernels.paged_attention)
+PALLAS_KV_FORMATS = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "int8_per_token_head": "int8"}
+
+
+def with_8bit_pages(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """A Pallas kernel taking the pool as ``QuantizedPages`` too: the values, the scales and
+    the format go to the kernel's ``kv_format`` / ``k_scale`` / ``v_scale`` (the leaf
+    package knows nothing of pagedjax's pytree)."""
+
+    @functools.wraps(fn)
+    def wrapped(q: jax.Array, k_pages: Any, v_pages: Any, *args: Any, **kwargs: Any) -> jax.Array:
+        if not isinstance(k_pages, QuantizedPages):
+            return fn(q, k_pages, v_pages, *args, **kwargs)
+        return fn(
+            q, k_pages.values, v_pages.values, *args,
+            kv_format=PALLAS_KV_FORMATS[k_pages.fmt.name],
+            k_scale=k_pages.scale_array(), v_scale=v_pages.scale_array(), **kwargs,
+        )  # fmt: skip
+
+    return wrapped
 
 
 def plain_pages_only(name: str, fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
