@@ -112,7 +112,7 @@ class CacheConfig:
         _check(
             self.cache_dtype in CACHE_DTYPES,
             "cache.cache_dtype",
-            f"must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}",
+            f"(kv_cache_dtype) must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}",
         )
 
 

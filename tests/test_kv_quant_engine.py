@@ -66,10 +66,13 @@ def test_kv_budget_counts_the_smaller_blocks(caplog):
     assert k.dtype == jnp.uint8 and k.shape[1] == 40  # fp8 stored as its bytes
     with pytest.raises(ValueError, match="cache.cache_dtype"):
         CacheConfig(cache_dtype="int4")  # type: ignore[arg-type]
+    from pagedjax import LLM
     from pagedjax.attention import KV_CACHE_DTYPES
     from pagedjax.config import CACHE_DTYPES
 
     assert CACHE_DTYPES == KV_CACHE_DTYPES
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(model="tiny-llama", kv_cache_dtype="fp4")  # refused before anything loads
 
 
 # int8 fast (values and scales); fp8 (values only, the same tree-mapped copies) under -m slow.
