@@ -143,10 +143,35 @@ REAL_ARGS = dict(
 BOUNDS = {"fp8_e4m3": 0.97, "int8_per_token_head": 0.97, "fp8_e5m2": 0.93}
 
 
+# Greedy answers must equal the 32-bit cache's token for token until the first step where the
+# 32-bit run's top-2 log-prob gap is under TIE_MARGIN nats (a near-tie the cache's rounding
+# may flip; the comparison of that answer stops there and is counted).
+TIE_MARGIN = 0.5
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
+
+
+def _greedy_with_gaps(llm):
+    from pagedjax import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=2, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        gaps = []
+        for i, tok in enumerate(c.token_ids):
+            lps = sorted((lp.logprob for lp in c.logprobs[i].values()), reverse=True)
+            gaps.append(lps[0] - lps[1] if len(lps) > 1 else float("inf"))
+            assert c.logprobs[i][tok].logprob == lps[0]  # greedy picked the top token
+        result.append((c.token_ids, gaps))
+    return result
+
+
 @pytest.mark.slow
 def test_real_model_agreement_with_the_32bit_cache(smollm2_gguf):
     """Teacher-forced over the repository's fixed text (512 tokens, one window): top-1
-    agreement of each 8-bit cache with the fp32 ("auto" on CPU) cache, KL and perplexity."""
+    agreement of each 8-bit cache with the fp32 ("auto" on CPU) cache, KL and perplexity;
+    and greedy answers equal away from near-ties (TIE_MARGIN)."""
     from pagedjax import LLM
     from pagedjax.eval import load_text
     from pagedjax.eval.compare import score_text, tokenize_text
@@ -155,15 +180,27 @@ def test_real_model_agreement_with_the_32bit_cache(smollm2_gguf):
     ref_llm = LLM(model="smollm2-135m-instruct", **REAL_ARGS)
     ids = tokenize_text(ref_llm, load_text())[:512]
     ref = score_text(ref_llm, ids, window=512)
+    ref_greedy = _greedy_with_gaps(ref_llm)
     del ref_llm
     reports = {}
     for name in BOUNDS:
         llm = LLM(model="smollm2-135m-instruct", kv_cache_dtype=name, **REAL_ARGS)
         report = quality_report(ref, score_text(llm, ids, window=512))
+        compared = ties = 0
+        for (want, gaps), (got, _) in zip(ref_greedy, _greedy_with_gaps(llm), strict=True):
+            for a, b, gap in zip(want, got, gaps, strict=True):
+                if gap < TIE_MARGIN:
+                    ties += 1
+                    break
+                assert a == b, (name, want, got)
+                compared += 1
+        report.update(greedy_equal_tokens=compared, greedy_near_ties=ties)
         reports[name] = report
         print(f"{name}: top1 {report['top1_agreement']:.4f} kl {report['kl']:.5f} "
               f"ppl {report['ppl_reference']:.3f} -> {report['ppl_candidate']:.3f} "
-              f"({100 * report['ppl_rel_diff']:+.2f} %)")  # fmt: skip
+              f"({100 * report['ppl_rel_diff']:+.2f} %); greedy: {compared} tokens equal "
+              f"before {ties} near-ties")  # fmt: skip
         del llm
     for name, bound in BOUNDS.items():
         assert reports[name]["top1_agreement"] >= bound, (name, reports[name])
+        assert reports[name]["greedy_equal_tokens"] >= 12, (name, reports[name])
