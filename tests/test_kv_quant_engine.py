@@ -25,7 +25,7 @@ BLOCK, MAX_LEN, MAX_SEQS, BUDGET = 4, 64, 4, 16
 
 
 def _engine(cache_dtype: str, *, num_blocks: int | None = 12, memory: int | None = None,
-            swap_blocks: int = 64) -> LLMEngine:  # fmt: skip
+            swap_blocks: int = 64, prefix_caching: bool = False) -> LLMEngine:  # fmt: skip
     per_block = KVCacheSpec.resolve(ARCH, jnp.float32, cache_dtype).bytes_per_token * BLOCK
     config = EngineConfig(
         model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN, seed=0),
@@ -34,7 +34,7 @@ def _engine(cache_dtype: str, *, num_blocks: int | None = 12, memory: int | None
             num_gpu_blocks_override=num_blocks,
             kv_cache_memory_bytes=memory,
             swap_space=swap_blocks * per_block / (1 << 30),
-            enable_prefix_caching=False,
+            enable_prefix_caching=prefix_caching,
             cache_dtype=cache_dtype,  # type: ignore[arg-type]
         ),
         scheduler=SchedulerConfig(
@@ -132,6 +132,21 @@ def test_swap_carries_8bit_blocks_and_scales(cache_dtype):
     assert stats["preemptions_swap"] >= 2
     assert done["a"] == want_a and done["b"] == want_b
     _assert_idle(engine)
+
+
+def test_prefix_cache_hits_reuse_8bit_blocks_and_their_scales():
+    """A prompt run again after another request reuses its cached int8 blocks (values and
+    per-token scales): the hit is counted and the greedy output is the same as the first
+    time, when every token was written and read fresh. NaN-filled pool: a reused block
+    without its scales would poison the logits."""
+    engine = _engine("int8_per_token_head", num_blocks=40, prefix_caching=True)
+    shared = PROMPT_A + PROMPT_B  # 14 tokens: 3 full blocks of 4 are cacheable
+    first = _alone(engine, shared + [5], GREEDY)
+    _alone(engine, PROMPT_B + PROMPT_A, GREEDY)
+    engine.reset_stats()
+    again = _alone(engine, shared + [5], GREEDY)
+    assert engine.stats()["prefix_cache_hit_tokens"] >= 12
+    assert again == first
 
 
 # ---------------------------------------------------------------- the real small model
