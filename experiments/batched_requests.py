@@ -14,7 +14,14 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from experiments import paper_values
-from experiments.common import SIM_LABEL, SYSTEM_LABELS, run_sim, save_fig, write_csv
+from experiments.common import (
+    SIM_LABEL,
+    SYSTEM_LABELS,
+    run_sim,
+    run_threads,
+    save_fig,
+    write_csv,
+)
 from experiments.config import ExperimentConfig
 from experiments.throughput_vs_rate import resolve_rate
 
@@ -44,8 +51,8 @@ def _run_one(
     s = cfg.batched_requests
     summary: dict[str, Any] = {"executor": SIM_LABEL}
     rows = []
-    jobs = [(w, sys) for w in s.workloads for sys in SYSTEMS]
-    for w, system in progress(jobs, desc=f"batched_requests ({base.cost_model})", leave=False):
+    jobs = []
+    for w in s.workloads:
         dur = w.duration_s or s.duration_s
         rate, op = resolve_rate(cfg, w.rate)  # the operating point is searched under
         if op is not None:  # the primary cost model, so both models share one rate
@@ -54,7 +61,13 @@ def _run_one(
         server = base
         if w.slots is not None:  # Alpaca needs more rows than ShareGPT (132 run at once)
             server = dataclasses.replace(server, slots=w.slots)
+        jobs += [(w, system, server, sp) for system in SYSTEMS]
+    run_threads(lambda j: run_sim(j[1], j[2], j[3], drain=False), jobs)  # cached for below
+    for w, system, server, sp in progress(
+        jobs, desc=f"batched_requests ({base.cost_model})", leave=False
+    ):
         runs = run_sim(system, server, sp, drain=False)
+        _, rate, dur, _, _ = sp[0]
         for x, r in zip(spreads, runs, strict=True):
             b = float(r.result.win_batched)
             rows.append(

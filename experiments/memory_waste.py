@@ -22,6 +22,7 @@ from experiments.common import (
     SIM_LABEL,
     SYSTEM_LABELS,
     run_sim,
+    run_threads,
     save_fig,
     usage_pcts,
     write_csv,
@@ -48,6 +49,7 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
     if op is not None:
         summary["operating_point"] = op
     rows = []
+    run_threads(lambda system: run_sim(system, cfg.server, sp, drain=False), SYSTEMS)  # cached
     for system in progress(SYSTEMS, desc="memory_waste", leave=False):
         runs = run_sim(system, cfg.server, sp, drain=False)
         for (_, rate, dur, seed, spread), r in zip(sp, runs, strict=True):

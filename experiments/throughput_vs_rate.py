@@ -33,6 +33,7 @@ from experiments.common import (
     SYSTEM_LABELS,
     latency_metrics,
     run_sim,
+    run_threads,
     save_fig,
     write_csv,
 )
@@ -118,6 +119,12 @@ def search(
     return found, metrics
 
 
+def prefetch_searches(server: Any, s: Any, jobs: list[tuple[float, str]]) -> None:
+    """Run the knee searches of ``jobs`` ((spread, system) pairs) on parallel threads
+    (``run_threads``); ``search`` caches each, so the callers' later calls return at once."""
+    run_threads(lambda job: search(job[1], server, s, job[0]), jobs)
+
+
 def operating_point(cfg: ExperimentConfig) -> dict[str, Any]:
     """The rate rule of Fig. 2 / Fig. 13: the paged system's knee at 0.5 s/token on
     throughput_vs_rate's dataset and duration (searched if not yet). If the knee is not
@@ -125,6 +132,10 @@ def operating_point(cfg: ExperimentConfig) -> dict[str, Any]:
     s = cfg.throughput_vs_rate
     if s.search is None:
         raise ValueError("rate: knee needs throughput_vs_rate.search (the knee search)")
+    # Every system's search at once (paged first): the others are needed by Fig. 12 later
+    # in the run and fill the other cores meanwhile.
+    systems = ["paged"] + [x for x in s.systems if x != "paged"]
+    prefetch_searches(server_for(cfg), s, [(1.0, x) for x in systems])
     found, _ = search("paged", server_for(cfg), s, 1.0)
     k = found.knees[OPERATING_THRESHOLD]
     rate = k.lo if k.lo is not None else k.hi
@@ -169,6 +180,8 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
 def _run_one(server: Any, s: Any, spreads: list[float], progress: Any):
     rows, curves, searches = [], {}, {}
     jobs = [(sp, system) for sp in spreads for system in s.systems]
+    if s.search is not None:
+        prefetch_searches(server, s, jobs)
     for sp, system in progress(jobs, desc=f"throughput_vs_rate ({server.cost_model})", leave=False):
         if s.search is None:
             rates, ms = sweep(system, server, s, sp)

@@ -26,7 +26,7 @@ from pagedjax.config import (
 )
 from pagedjax.engine.buckets import pick, pow2_buckets, step_buckets
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
-from pagedjax.engine.kv_budget import CPU_DEFAULT_KV_BYTES, num_kv_blocks
+from pagedjax.engine.kv_budget import cpu_default_kv_bytes, num_kv_blocks
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.model_runner import ModelRunner
 from pagedjax.model import preset_arch, random_params
@@ -479,7 +479,8 @@ def test_kv_budget_cpu_paths():
     assert num_kv_blocks(num_gpu_blocks_override=7, kv_cache_memory_bytes=None, **kw) == 7
     assert num_kv_blocks(num_gpu_blocks_override=None, kv_cache_memory_bytes=1 << 20, **kw) == 64
     n = num_kv_blocks(num_gpu_blocks_override=None, kv_cache_memory_bytes=None, **kw)
-    assert n == CPU_DEFAULT_KV_BYTES // (1024 * 16)
+    assert n == cpu_default_kv_bytes()[0] // (1024 * 16)
+    assert 0 < cpu_default_kv_bytes()[0] <= 4 << 30
     capped = dict(kw, max_blocks_needed=9)
     assert num_kv_blocks(num_gpu_blocks_override=None, kv_cache_memory_bytes=None, **capped) == 10
     with pytest.raises(ValueError, match="too small"):

@@ -19,7 +19,11 @@ import numpy as np
 import pytest
 
 from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from pagedjax.engine.engine_stats import backend_compilations, engine_compilations, engine_jits
+from pagedjax.engine.engine_stats import (
+    backend_compilations,
+    compilations_by_function,
+    engine_compilations,
+)
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.multi_step import loop_buckets
 from pagedjax.engine.warmup import bucket_pairs
@@ -61,8 +65,7 @@ _WARM: dict[bool, dict[str, int]] = {}
 
 
 def _per_function(engine: LLMEngine) -> dict[str, int]:
-    jits = engine_jits(engine.core, engine.multi_step)
-    return {name: f._cache_size() for name, f in jits.items()}
+    return compilations_by_function(engine.core, engine.multi_step)
 
 
 def _drain(engine: LLMEngine, arrivals: dict[int, list], max_steps: int = 2000) -> dict:

@@ -8,8 +8,14 @@ default, and then ``bytes_limit`` is that preallocated arena, not the card: set
 limit means what gpu_memory_utilization assumes.
 
 CPU (no memory stats): ``num_gpu_blocks_override``, else ``kv_cache_memory_bytes``, else
-``CPU_DEFAULT_KV_BYTES``. Every path is capped at the blocks that max_num_seqs sequences
-of max_model_len tokens could ever hold (more would never be used), plus the null block.
+``cpu_default_kv_bytes()``: 4 GiB, the KV space vLLM's CPU build is run with
+(``VLLM_CPU_KVCACHE_SPACE=4``, the value its docs use), but never more than a quarter of
+the memory available when the engine starts, so a small machine or several engines in
+one process do not run out. Why not smaller: with 256 MiB (the old default) issue 13's
+200-request run preempted 33 sequences and ran at 0.76x vLLM; with 4 GiB 0.91x
+(docs/benchmarks.md). Every path is capped at the blocks that max_num_seqs sequences of
+max_model_len tokens could ever hold (more would never be used), plus the null block, so
+a small model with short sequences allocates far less than the budget.
 """
 
 from __future__ import annotations
@@ -20,7 +26,30 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_BYTES = 256 << 20  # 256 MiB: a CPU run is a smoke test, not a server
+CPU_DEFAULT_KV_BYTES = 4 << 30  # 4 GiB, as vLLM's CPU build is run (VLLM_CPU_KVCACHE_SPACE)
+CPU_DEFAULT_MEMORY_FRACTION = 0.25  # of the memory available at start-up, at most
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None (then the fraction is not
+    applied)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def cpu_default_kv_bytes() -> tuple[int, str]:
+    """(bytes, why): the CPU pool when no size is given (module docstring)."""
+    avail = available_memory_bytes()
+    if avail is not None and avail * CPU_DEFAULT_MEMORY_FRACTION < CPU_DEFAULT_KV_BYTES:
+        n = int(avail * CPU_DEFAULT_MEMORY_FRACTION)
+        return n, f"CPU default: a quarter of the {avail / 2**30:.1f} GiB available"
+    return CPU_DEFAULT_KV_BYTES, f"CPU default {CPU_DEFAULT_KV_BYTES / 2**30:g} GiB"
 
 
 def block_bytes(kv_bytes_per_token: int, block_size: int) -> int:
@@ -65,7 +94,8 @@ def num_kv_blocks(
                 f" - profiled peak {peak / 2**30:.2f} GiB"
             )
         else:
-            n, why = CPU_DEFAULT_KV_BYTES // per_block, "CPU default 256 MiB"
+            default, why = cpu_default_kv_bytes()
+            n = default // per_block
         n = min(n, cap)
     if n < 2:
         raise ValueError(

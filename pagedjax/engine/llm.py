@@ -31,7 +31,7 @@ class LLM:
     the host pool for preemption by swap (preemption_mode "swap", or None: swap groups of
     several samples, recompute single sequences; docs/engine.md). Unknown keyword arguments raise
     TypeError. On CPU the KV pool size comes from num_gpu_blocks_override or
-    kv_cache_memory_bytes (else 256 MiB); see docs/engine.md.
+    kv_cache_memory_bytes (else 4 GiB, at most a quarter of free memory); see docs/engine.md.
     enable_prefix_caching: automatic prefix caching, on by default as in vLLM today.
     kv_cache_dtype: the KV pool's storage, vLLM's names: "auto" (the model's dtype),
     "float32" / "bfloat16" / "float16", or 8-bit: "fp8" (= "fp8_e4m3"), "fp8_e5m2",

@@ -5,8 +5,10 @@ set of executables: the runner step per (T, S) bucket pair (plus an ``all_logits
 variant per pair, compiled when a request first asks for prompt logprobs), the
 multi-step decode loop per loop bucket (``multi_step.loop_buckets``), and a dozen small
 state functions (schedule, update, admission, abort, prefix-cache and fork helpers).
-``warm_up`` runs each of them once on inputs that change nothing (all-padding batches,
-all-false masks, a zero-iteration loop), so later steps only hit compiled executables.
+``warm_up`` compiles the step and loop programs ahead of time (``jit(...).lower(args)
+.compile()`` with exactly the engine's argument types, which fills jit's cache without
+running them) and runs each small state function once on inputs that change nothing
+(all-false masks), so later steps only hit compiled executables.
 
 Modes (``EngineConfig.warmup`` / ``LLM(warmup=...)``):
 
@@ -136,31 +138,32 @@ def _padding_batch(core: EngineCore) -> ScheduledBatch:
 
 
 def _runner(core: EngineCore, decoder: MultiStepDecoder, t: int, s: int) -> None:
-    """The step on an all-padding batch: no KV write, no token appended, no copy."""
+    """Compile the step of bucket (t, s) ahead of time on an all-padding batch.
+
+    ``lower(...).compile()`` fills jit's own cache for exactly these argument types and
+    keywords (a later call with them neither traces nor compiles), without running the
+    program: a run at the 2,048-token bucket costs as much as a real prefill, and it
+    bought nothing (measured: warm start, see docs/startup.md)."""
     dev = core.device
     f = np.zeros((core.max_seqs,), bool)
     mem = dev.state.mem
     mem = mem._replace(last_cow=mem.last_cow._replace(valid=jnp.asarray(f)))
-    sampling = dev.sampling()
     st = dev.state
-    dev.kv, dev.tokens, out, _ = core.runner.step(
+    core.runner.step.lower(
         core.params, dev.kv, dev.tokens, mem,
         _padding_batch(core)._replace(swap=None),  # as LLMEngine.step passes it
-        sampling, st.prompt_len, st.output_len, num_tokens=t, num_seqs=s,
+        dev.sampling(), st.prompt_len, st.output_len, num_tokens=t, num_seqs=s,
         all_logits=False,  # spelled out: jit caches by the keywords given
-    )  # fmt: skip
-    jax.block_until_ready(out)
+    ).compile()  # fmt: skip
 
 
 def _loop(core: EngineCore, decoder: MultiStepDecoder, s: int) -> None:
-    """The decode loop with max_iters = 0: compiled, zero iterations run."""
+    """Compile the decode loop of ``s`` rows ahead of time (not run; see ``_runner``)."""
     dev = core.device
-    sampling = dev.sampling()
-    dev.state, dev.kv, dev.tokens, out = decoder.loop(
-        core.params, dev.state, dev.kv, dev.tokens, sampling,
+    decoder.loop.lower(
+        core.params, dev.state, dev.kv, dev.tokens, dev.sampling(),
         decoder.stop_ids(core), np.int32(0), np.bool_(False), num_seqs=s,
-    )  # fmt: skip
-    jax.block_until_ready(out)
+    ).compile()  # fmt: skip
 
 
 def _small(core: EngineCore, decoder: MultiStepDecoder) -> None:
