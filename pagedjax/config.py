@@ -86,6 +86,9 @@ class CacheConfig:
         "auto", "float32", "bfloat16", "float16",
         "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head",
     ] = "auto"  # fmt: skip
+    # fp8 only: "calibrate" sets the per-(layer, KV head) scales from the first prompts
+    # (pagedjax/engine/kv_calibration.py); "default" keeps vLLM's 1.0.
+    kv_scales: Literal["default", "calibrate"] = "default"
 
     def __post_init__(self) -> None:
         _check(
@@ -113,6 +116,11 @@ class CacheConfig:
             self.cache_dtype in CACHE_DTYPES,
             "cache.cache_dtype",
             f"(kv_cache_dtype) must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}",
+        )
+        _check(
+            self.kv_scales in ("default", "calibrate"),
+            "cache.kv_scales",
+            f"must be 'default' or 'calibrate', got {self.kv_scales!r}",
         )
 
 

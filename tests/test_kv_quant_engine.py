@@ -19,13 +19,14 @@ from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.scheduler import RUNNING, SWAPPED
 from pagedjax.tokenizer import ByteTokenizer
 from tests.test_engine import ARCH, _params
-from tests.test_swap import GREEDY, PROMPT_A, PROMPT_B, SAMPLED, _alone, _assert_idle
+from tests.test_swap import GREEDY, PROMPT_A, PROMPT_B, SAMPLED, SHORT, _alone, _assert_idle
 
 BLOCK, MAX_LEN, MAX_SEQS, BUDGET = 4, 64, 4, 16
 
 
 def _engine(cache_dtype: str, *, num_blocks: int | None = 12, memory: int | None = None,
-            swap_blocks: int = 64, prefix_caching: bool = False) -> LLMEngine:  # fmt: skip
+            swap_blocks: int = 64, prefix_caching: bool = False,
+            kv_scales: str = "default") -> LLMEngine:  # fmt: skip
     per_block = KVCacheSpec.resolve(ARCH, jnp.float32, cache_dtype).bytes_per_token * BLOCK
     config = EngineConfig(
         model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN, seed=0),
@@ -36,6 +37,7 @@ def _engine(cache_dtype: str, *, num_blocks: int | None = 12, memory: int | None
             swap_space=swap_blocks * per_block / (1 << 30),
             enable_prefix_caching=prefix_caching,
             cache_dtype=cache_dtype,  # type: ignore[arg-type]
+            kv_scales=kv_scales,  # type: ignore[arg-type]
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS, watermark=0.0
@@ -149,13 +151,39 @@ def test_prefix_cache_hits_reuse_8bit_blocks_and_their_scales():
     assert again == first
 
 
+def test_calibrate_sets_fp8_scales_from_the_first_prompts():
+    """kv_scales="calibrate": before the first admission the pool's fp8 scales are 1.0;
+    after it, K's and V's per-(layer, head) scales are the first prompts' max |x| / 448
+    (``prompt_amax``: the prompts' float32 prefill, run again here), in the device pool and
+    the host swap pool alike; later requests leave them unchanged."""
+    from pagedjax.engine.kv_calibration import prompt_amax
+
+    engine = _engine("fp8_e4m3", kv_scales="calibrate")
+    assert engine.kv[0].layer_scale == ((1.0, 1.0),) * ARCH.num_layers
+    engine.add_request("a", PROMPT_A, SHORT)
+    engine.add_request("b", PROMPT_B, SHORT)
+    while engine.has_unfinished_requests():
+        engine.step()
+    k_amax, v_amax = prompt_amax(ARCH, _params(), [PROMPT_A, PROMPT_B])
+    k, v = engine.kv
+    np.testing.assert_allclose(np.asarray(k.layer_scale), k_amax / 448, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(v.layer_scale), v_amax / 448, rtol=1e-6)
+    assert engine.host_kv[0].layer_scale == k.layer_scale  # the swap pool agrees
+    before = (k.layer_scale, v.layer_scale)
+    out = _alone(engine, PROMPT_A[:5], SHORT)
+    assert (engine.kv[0].layer_scale, engine.kv[1].layer_scale) == before and len(out[0]) == 4
+    with pytest.raises(ValueError, match="calibrate"):
+        KVCacheSpec.resolve(ARCH, jnp.float32, "int8_per_token_head", kv_scales="calibrate")
+
+
 # ---------------------------------------------------------------- the real small model
 
 REAL_ARGS = dict(
     max_model_len=640, max_num_seqs=4, max_num_batched_tokens=512,
     enable_prefix_caching=False, warmup="none",
 )  # fmt: skip
-BOUNDS = {"fp8_e4m3": 0.97, "int8_per_token_head": 0.97, "fp8_e5m2": 0.93}
+BOUNDS = {"fp8_e4m3": 0.97, "int8_per_token_head": 0.97, "fp8_e5m2": 0.93,
+          "fp8_e4m3+calibrate": 0.97}  # fmt: skip
 
 
 # Greedy answers must equal the 32-bit cache's token for token until the first step where the
@@ -199,7 +227,9 @@ def test_real_model_agreement_with_the_32bit_cache(smollm2_gguf):
     del ref_llm
     reports = {}
     for name in BOUNDS:
-        llm = LLM(model="smollm2-135m-instruct", kv_cache_dtype=name, **REAL_ARGS)
+        dtype, _, calibrate = name.partition("+")
+        scales = {"kv_scales": "calibrate"} if calibrate else {}
+        llm = LLM(model="smollm2-135m-instruct", kv_cache_dtype=dtype, **scales, **REAL_ARGS)
         report = quality_report(ref, score_text(llm, ids, window=512))
         compared = ties = 0
         for (want, gaps), (got, _) in zip(ref_greedy, _greedy_with_gaps(llm), strict=True):

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from pagedjax.attention.kv_quant import plain_dtype, resolve_kv_format
+from pagedjax.engine.kv_calibration import calibrate_core
 from pagedjax.model import ModelArch, allocate_kv_cache
 from pagedjax.model.kv_cache import KVCache, cache_bytes_per_token
 
@@ -38,14 +39,25 @@ class KVCacheSpec:
     dtype: Any
     model_dtype: Any
     bytes_per_token: int
+    kv_scales: str = "default"
 
     @classmethod
     def resolve(
-        cls, arch: ModelArch, model_dtype: Any, cache_dtype: str, kv_dtype: Any = None
-    ) -> KVCacheSpec:
+        cls, arch: ModelArch, model_dtype: Any, cache_dtype: str, kv_dtype: Any = None,
+        kv_scales: str = "default",
+    ) -> KVCacheSpec:  # fmt: skip
         """The spec for ``cache_dtype``; "auto" uses ``kv_dtype`` when given, else
-        ``model_dtype``. Raises ValueError for an unknown name."""
+        ``model_dtype``. ``kv_scales="calibrate"`` (fp8 only): scales from the first
+        prompts (kv_calibration.py). Raises ValueError for an unknown name or a
+        calibration the format has no use for."""
         fmt = resolve_kv_format(cache_dtype)
+        if kv_scales not in ("default", "calibrate"):
+            raise ValueError(f"kv_scales must be 'default' or 'calibrate', got {kv_scales!r}")
+        if kv_scales == "calibrate" and (fmt is None or fmt.per_token):
+            raise ValueError(
+                f"kv_scales='calibrate' sets fp8 scales; kv_cache_dtype={cache_dtype!r} has"
+                " none to set (int8 scales are per token, computed at every write)"
+            )
         if fmt is not None:
             dtype, name = fmt.element, fmt.name
         else:
@@ -55,7 +67,12 @@ class KVCacheSpec:
             per_token = cache_bytes_per_token(arch, "auto", dtype)
         else:
             per_token = cache_bytes_per_token(arch, name, model_dtype)
-        return cls(arch, name if fmt is not None else cache_dtype, dtype, model_dtype, per_token)
+        name = name if fmt is not None else cache_dtype
+        return cls(arch, name, dtype, model_dtype, per_token, kv_scales)
+
+    def calibrator(self) -> Any:
+        """What ``EngineCore.kv_calibration`` starts as: the calibration, or None."""
+        return calibrate_core if self.kv_scales == "calibrate" else None
 
     @property
     def quantized(self) -> bool:

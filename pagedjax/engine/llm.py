@@ -36,7 +36,8 @@ class LLM:
     kv_cache_dtype: the KV pool's storage, vLLM's names: "auto" (the model's dtype),
     "float32" / "bfloat16" / "float16", or 8-bit: "fp8" (= "fp8_e4m3"), "fp8_e5m2",
     "int8_per_token_head" (docs/kv_quantization.md): about twice the blocks of a 16-bit
-    pool in the same memory.
+    pool in the same memory. kv_scales (pagedjax's own, fp8 only): "default" (1.0, as
+    vLLM) or "calibrate" (per layer and KV head from the first prompts' max |K|, |V|).
     num_scheduler_steps (vLLM's name; ``SchedulerConfig.num_multi_steps``): K, the most
     decode iterations run in one on-device loop; "auto" picks K per device kind.
     warmup: "auto" (every step program at start-up, or ``$PAGEDJAX_WARMUP``), "decode",
@@ -62,6 +63,7 @@ class LLM:
         swap_space: float = 4.0,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
+        kv_scales: str = "default",
         preemption_mode: str | None = None,
         tensor_parallel_size: int = 1,
         scheduling_mode: str = "default",
@@ -99,6 +101,7 @@ class LLM:
                 swap_space=swap_space,
                 enable_prefix_caching=enable_prefix_caching,
                 cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
+                kv_scales=kv_scales,  # type: ignore[arg-type]
             ),
             scheduler=EngineSchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

@@ -104,7 +104,7 @@ class LLMEngine:
         cc, sc = config.cache, config.scheduler
         self.arch, self.tokenizer, self.config = arch, tokenizer, config
         dtype = jax.tree.leaves(params)[0].dtype
-        self.kv_spec = KVCacheSpec.resolve(arch, dtype, cc.cache_dtype, kv_dtype)
+        self.kv_spec = KVCacheSpec.resolve(arch, dtype, cc.cache_dtype, kv_dtype, cc.kv_scales)
         self.kv_dtype = self.kv_spec.dtype  # what the values are (int8 / fp8: kv_cache_spec.py)
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
@@ -171,8 +171,8 @@ class LLMEngine:
         self.core = EngineCore(
             params=params, runner=self.runner, device=device_state,
             book=RequestBook(self.max_seqs, eos), prefix_index=PrefixIndex(),
-            block_size=self.block_size, max_seqs=self.max_seqs,
-            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+            block_size=self.block_size, max_seqs=self.max_seqs, max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs, kv_calibration=self.kv_spec.calibrator(),
             max_blocks_per_seq=max_blocks_per_seq, token_buckets=self.token_buckets,
             seq_buckets=self.seq_buckets, enable_prefix_caching=self.enable_prefix_caching,
         )  # fmt: skip
