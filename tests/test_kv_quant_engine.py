@@ -136,6 +136,7 @@ def test_swap_carries_8bit_blocks_and_scales(cache_dtype):
     _assert_idle(engine)
 
 
+@pytest.mark.slow
 def test_prefix_cache_hits_reuse_8bit_blocks_and_their_scales():
     """A prompt run again after another request reuses its cached int8 blocks (values and
     per-token scales): the hit is counted and the greedy output is the same as the first
@@ -151,6 +152,7 @@ def test_prefix_cache_hits_reuse_8bit_blocks_and_their_scales():
     assert again == first
 
 
+@pytest.mark.slow
 def test_calibrate_sets_fp8_scales_from_the_first_prompts():
     """kv_scales="calibrate": before the first admission the pool's fp8 scales are 1.0;
     after it, K's and V's per-(layer, head) scales are the first prompts' max |x| / 448
