@@ -320,6 +320,7 @@ def test_layer_loop_never_copies_an_8bit_pool_or_a_layer_of_it(fmt_name, backend
     assert mem.temp_size_in_bytes < nb * arch.num_kv_heads * bs * arch.head_dim
 
 
+@pytest.mark.slow  # the kernel suite (tests/kernels) checks it against the dense reference
 def test_pallas_kernel_equals_the_xla_reference_on_the_same_8bit_pool():
     """The Pallas Mosaic GPU kernel (GPU interpreter, race detection on), reached through
     the backend switch with the engine's QuantizedPages pool, against the XLA reference on

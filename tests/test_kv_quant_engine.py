@@ -54,15 +54,17 @@ def test_kv_budget_counts_the_smaller_blocks(caplog):
     memory = 10 * KVCacheSpec.resolve(ARCH, jnp.float32, "auto").bytes_per_token * BLOCK
     engines = {}
     with caplog.at_level("INFO", logger="pagedjax.engine.llm_engine"):
-        for name in ("fp8_e5m2", "int8_per_token_head"):  # "auto": 10 blocks by construction
-            engines[name] = _engine(name, num_blocks=None, memory=memory)
-    blocks = {name: e.num_blocks for name, e in engines.items()}
-    assert blocks == {"fp8_e5m2": 40, "int8_per_token_head": 32}
+        # One engine built (the slow part); "auto" is 10 blocks by construction and int8's
+        # sizing is the same division (its engine is built in the swap test).
+        engines["fp8_e5m2"] = _engine("fp8_e5m2", num_blocks=None, memory=memory)
+    assert engines["fp8_e5m2"].num_blocks == 40
+    int8 = KVCacheSpec.resolve(ARCH, jnp.float32, "int8_per_token_head")
+    assert memory // (int8.bytes_per_token * BLOCK) == 32
+    assert "3.20x" in int8.describe(32, BLOCK)
     fp8 = KVCacheSpec.resolve(ARCH, jnp.float32, "fp8")
     assert fp8.cache_dtype == "fp8_e4m3" and fp8.bytes_per_token == 128
     lines = [r.getMessage() for r in caplog.records if "KV cache dtype" in r.getMessage()]
     assert any("fp8_e5m2" in m and "40 blocks" in m and "4.00x" in m for m in lines), lines
-    assert any("int8_per_token_head" in m and "3.20x" in m for m in lines), lines
     k, v = engines["fp8_e5m2"].kv
     assert isinstance(k, QuantizedPages) and k.fmt.element == jnp.float8_e5m2
     assert k.dtype == jnp.uint8 and k.shape[1] == 40  # fp8 stored as its bytes
