@@ -10,6 +10,11 @@ tables). Columns: the XLA version (pagedjax.attention, the oracle) and the nativ
 > /tmp/old.py``) and prints its time and largest difference beside ours. The last line is
 ``ms_decode_256: X``: the native kernel (or, where it does not build, the XLA version) on
 the 256-sequence decode with contexts ~U(20, 500).
+
+``--kv-dtypes fp8_e4m3,fp8_e5m2,int8_per_token_head`` adds a table of the same batches over
+an 8-bit pool (pagedjax.attention.kv_quant; the fp32 pool quantized, stacked as one layer):
+time per KV dtype and its ratio to the fp32 pool, for the native kernel (or the XLA version
+where it does not build).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.attention import native_cpu, ragged_paged_attention
+from pagedjax.attention import kv_quant, native_cpu, ragged_paged_attention
 from pagedjax.machine import cpu_model
 
 HEADS, HEAD_DIM, BLOCK, MAX_BLOCKS, NUM_BLOCKS = 8, 64, 16, 32, 4096
@@ -42,8 +47,18 @@ def case(rng, num_seqs: int, num_tokens: int, q_lens: list[int], kv_lens: list[i
     return q, jnp.asarray(bt), jnp.asarray(kv), jnp.asarray(cu)
 
 
-def timed(fn, args, reps: int) -> tuple[float, jax.Array]:
-    f = jax.jit(lambda *a: fn(*a, sm_scale=HEAD_DIM**-0.5))
+def quantized_pool(pages: jax.Array, name: str) -> kv_quant.QuantizedPages:
+    """The fp32 pages [NB, H, B, D] as an 8-bit stacked pool [1, NB, H, B, D] (fp8 scale 1)."""
+    fmt = kv_quant.resolve_kv_format(name)
+    if fmt.per_token:
+        values, scale = kv_quant.quantize(pages[None], fmt)
+        return kv_quant.QuantizedPages(values, scale, fmt)
+    values, _ = kv_quant.quantize(pages[None], fmt, jnp.ones((HEADS, 1, 1)))
+    return kv_quant.QuantizedPages(values, None, fmt, kv_quant.default_layer_scale(1, HEADS))
+
+
+def timed(fn, args, reps: int, **kwargs) -> tuple[float, jax.Array]:
+    f = jax.jit(lambda *a: fn(*a, sm_scale=HEAD_DIM**-0.5, **kwargs))
     out = f(*args).block_until_ready()  # compile
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -56,6 +71,9 @@ def main(argv: list[str] | None = None) -> float:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ref", default=None, help="another reference.py to time beside ours")
     ap.add_argument("--only", type=int, default=None, help="time only the first N batches")
+    ap.add_argument(
+        "--kv-dtypes", default="", help="comma-separated 8-bit KV dtypes to time (ratio to fp32)"
+    )
     a = ap.parse_args(argv)
     other = None
     if a.ref and not os.path.isfile(a.ref):
@@ -102,8 +120,27 @@ def main(argv: list[str] | None = None) -> float:
             ms_o, out_o = timed(other.ragged_paged_attention, args, a.reps)
             line += f" | {ms_o:>8.1f} | {float(jnp.max(jnp.abs(out - out_o))):>10.2e}"
         print(line, flush=True)
+    if a.kv_dtypes:
+        kv_dtype_table(cases, k_pages, v_pages, a.kv_dtypes.split(","), a.reps, a.only, native)
     print(f"ms_decode_256: {first:.1f}")
     return first
+
+
+def kv_dtype_table(cases, k_pages, v_pages, names, reps: int, only, native: bool) -> None:
+    """Per batch: the fp32 pool's time and each 8-bit dtype's time / ratio (one layer)."""
+    fn = native_cpu.ragged_paged_attention if native else ragged_paged_attention
+    pools = {"float32": (k_pages[None], v_pages[None])}
+    for name in names:
+        pools[name] = (quantized_pool(k_pages, name), quantized_pool(v_pages, name))
+    print(f"\nper KV dtype ({'native kernel' if native else 'XLA version'}), ms and x fp32:")
+    print(f"{'batch':>42} | " + " | ".join(f"{n:>26}" for n in pools))
+    for name, (q, bt, kv, cu) in list(cases.items())[:only]:
+        times = {}
+        for dt, (kp, vp) in pools.items():
+            times[dt], _ = timed(fn, (q, kp, vp, bt, kv, cu), reps, layer=jnp.int32(0))
+        base = times["float32"]
+        cells = [f"{t:>17.1f} ({t / base:>5.2f}x)" for t in times.values()]
+        print(f"{name:>42} | " + " | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -111,14 +111,15 @@ def claims(summary: dict[str, Any], cfg: Any) -> list[dict[str, Any]]:
             )
     br = summary.get("batched_requests", {}).get("sharegpt")
     if br:
-        full = cfg.server.kv_slots // cfg.server.max_model_len
+        slots, mlen = cfg.server.pool_slots, cfg.server.max_model_len
+        full = slots // mlen
         where = f"ShareGPT at {br['rate']:.3g} req/s"
         out.append(
             dict(
                 claim=f"Fig. 13: Orca (Max) batched requests, {where}",
                 paper=f"{pv.FIG13['sharegpt']['orca_max']:.2f}",
                 ours=f"{br['orca_max']:.2f}",
-                rule=f"= {full:.2f} (floor of {cfg.server.kv_slots} / {cfg.server.max_model_len})",
+                rule=f"= {full:.2f} (floor of {slots} / {mlen})",
                 holds=bool(round(br["orca_max"], 2) == full),
                 executor=_sim(summary, "batched_requests", cm),
             )

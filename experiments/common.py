@@ -57,7 +57,7 @@ def build_system(
     (``pagedjax.simulator.systems.build_system``, which documents the systems)."""
     return systems.build_system(
         system,
-        kv_slots=server.kv_slots,
+        kv_slots=server.pool_slots,  # kv_slots unless the cache is 8-bit
         block_size=server.block_size if block_size is None else block_size,
         max_model_len=server.max_model_len,
         slots=server.slots,
@@ -67,6 +67,7 @@ def build_system(
         swap_space_gib=swap_space_gib,
         model=server.model,
         tp=server.tp,
+        kv_cache_dtype=server.kv_cache_dtype,
     )
 
 
@@ -74,7 +75,7 @@ def cost_model(server: ServerSettings) -> Any:
     """The step-time model named by server.cost_model (hashable, jit-static)."""
     return systems.make_cost_model(
         server.gpu, server.model, server.tp, calibration=server.cost_model,
-        step_overhead_s=server.step_overhead_s,
+        step_overhead_s=server.step_overhead_s, kv_cache_dtype=server.kv_cache_dtype,
     )  # fmt: skip
 
 

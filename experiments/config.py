@@ -50,6 +50,11 @@ class ServerSettings:
         duration) and ends at the last arrival.
     horizon_factor: a run stops at horizon_factor x duration of simulated time;
         requests unfinished then count with their latency so far (a lower bound).
+    kv_cache_dtype: the KV cache's storage ("auto" = the model's 16-bit dtype, or an
+        8-bit format of pagedjax.attention.kv_quant: "fp8" / "fp8_e4m3", "fp8_e5m2",
+        "int8_per_token_head"). kv_slots stays the 16-bit pool's size, i.e. the memory;
+        an 8-bit cache holds ``pool_slots`` = kv_slots x the capacity ratio tokens in it
+        and a step reads its smaller KV bytes (``--set kv_cache_dtype=fp8``).
     """
 
     model: str = "opt-13b"
@@ -66,9 +71,25 @@ class ServerSettings:
     warmup_frac: float = 0.1
     horizon_factor: float = 1.5
     cost_model: str = "roofline"
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def pool_slots(self) -> int:
+        """Tokens the KV memory of ``kv_slots`` 16-bit slots holds in ``kv_cache_dtype``."""
+        from pagedjax.simulator.cost_model import model_geometry
+
+        ratio = model_geometry(self.model, self.tp, self.kv_cache_dtype).kv_capacity_ratio
+        return int(self.kv_slots * ratio)
 
     def __post_init__(self) -> None:
+        from pagedjax.attention.kv_quant import KV_CACHE_DTYPES
         from pagedjax.simulator.cost_model import GPUS
+
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "server.kv_cache_dtype",
+            f"must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+        )
 
         _check(
             self.cost_model in COST_MODELS,

@@ -44,7 +44,7 @@ def main() -> None:
         for system in systems:
             (r,) = run_sim(system, server, [("alpaca", a.rate, a.duration, 0, 1.0)], drain=False)
             res, w = r.result, r.workload
-            u = usage_pcts(r, server.kv_slots)
+            u = usage_pcts(r, server.pool_slots)
             n = len(w)
             fin = res.finish_time[:n].astype(float)
             first = res.first_token_time[:n].astype(float)

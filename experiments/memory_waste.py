@@ -53,7 +53,7 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
     for system in progress(SYSTEMS, desc="memory_waste", leave=False):
         runs = run_sim(system, cfg.server, sp, drain=False)
         for (_, rate, dur, seed, spread), r in zip(sp, runs, strict=True):
-            u = usage_pcts(r, cfg.server.kv_slots)
+            u = usage_pcts(r, cfg.server.pool_slots)
             rows.append(
                 dict(
                     executor=SIM_LABEL,
@@ -77,7 +77,8 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
         dataset=sp[0][0],
         rate=sp[0][1],
         duration_s=sp[0][2],
-        kv_slots=cfg.server.kv_slots,
+        kv_slots=cfg.server.pool_slots,
+        kv_cache_dtype=cfg.server.kv_cache_dtype,
         model=cfg.server.model,
         window="max(warmup_frac*duration, first completion) .. last arrival",
         warmup_frac=cfg.server.warmup_frac,

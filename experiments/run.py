@@ -111,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--config is required (or --list)")
     try:
         path = resolve_config(a.config)
-        cfg = load_yaml(ExperimentConfig, path, a.set)
+        # The shorthand: --set kv_cache_dtype=fp8 is the server's kv_cache_dtype.
+        sets = [f"server.{o}" if o.startswith("kv_cache_dtype=") else o for o in a.set]
+        cfg = load_yaml(ExperimentConfig, path, sets)
         modules = {e: importlib.import_module(f"experiments.{e}") for e in cfg.experiments}
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

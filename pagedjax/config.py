@@ -57,6 +57,14 @@ class ModelConfig:
         )
 
 
+# The KV pool's storage names (pagedjax.attention.kv_quant.KV_CACHE_DTYPES says the same;
+# tests/test_kv_quant_engine.py checks the two agree).
+CACHE_DTYPES = (
+    "auto", "float32", "bfloat16", "float16",
+    "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache.
@@ -72,7 +80,15 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     swap_space: float = 4.0
     enable_prefix_caching: bool = True
-    cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # The KV pool's storage (vLLM's cache_dtype / --kv-cache-dtype): "auto" = the model's
+    # dtype; the 8-bit formats are pagedjax.attention.kv_quant's (docs/kv_quantization.md).
+    cache_dtype: Literal[
+        "auto", "float32", "bfloat16", "float16",
+        "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head",
+    ] = "auto"  # fmt: skip
+    # fp8 only: "calibrate" sets the per-(layer, KV head) scales from the first prompts
+    # (pagedjax/engine/kv_calibration.py); "default" keeps vLLM's 1.0.
+    kv_scales: Literal["default", "calibrate"] = "default"
 
     def __post_init__(self) -> None:
         _check(
@@ -96,6 +112,16 @@ class CacheConfig:
             f"must be > 0, got {self.kv_cache_memory_bytes}",
         )
         _check(self.swap_space >= 0, "cache.swap_space", f"must be >= 0 GiB, got {self.swap_space}")
+        _check(
+            self.cache_dtype in CACHE_DTYPES,
+            "cache.cache_dtype",
+            f"(kv_cache_dtype) must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}",
+        )
+        _check(
+            self.kv_scales in ("default", "calibrate"),
+            "cache.kv_scales",
+            f"must be 'default' or 'calibrate', got {self.kv_scales!r}",
+        )
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,13 @@ per K and V, and the kernel gets the whole pool plus the layer index (and the sl
 window, 0 = none) as scalar operands it reads itself: the model's layer loop must not hand
 it ``pool[layer]``, which XLA would copy every layer of every step.
 
+8-bit pages (``kv_format``: "fp8_e4m3" / "fp8_e5m2", pages as their uint8 bytes with one
+scale per (layer, KV head); "int8", int8 pages with one scale per (layer, block, head,
+slot)): TMA moves the 8-bit page (half the bytes of a bf16 one) into a staging SMEM
+buffer; the threads convert it to the compute dtype times its scale into the bf16 tile
+wgmma reads (wgmma has no bf16 x fp8 mode), then ``commit_smem``. The per-token int8 scales
+travel by TMA beside their pages. Tested in the GPU interpreter (jax 0.12 and 0.11.2) only.
+
 The dense-gather reference is ``pallas_kernels.reference``.
 """
 
@@ -43,6 +50,20 @@ from pallas_kernels.reference import check_paged_inputs, stacked_pool
 ROWS = 64  # wgmma M: query rows (tokens x grouped heads) per tile
 _MASK = -1e30  # finite mask value: an all-masked row gives exp(0) junk, never NaN
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# kv_format -> (stored page dtype, the dtype its bytes mean, per-token scales)
+KV_FORMATS: dict[str, tuple[Any, Any, bool]] = {
+    "fp8_e4m3": (jnp.uint8, jnp.float8_e4m3fn, False),
+    "fp8_e5m2": (jnp.uint8, jnp.float8_e5m2, False),
+    "int8": (jnp.int8, jnp.int8, True),
+}
+
+
+def _page_to_float(x: jax.Array, kv_format: str) -> jax.Array:
+    """8-bit stored values -> float32 (fp8 bytes bit-cast first)."""
+    storage, element, _ = KV_FORMATS[kv_format]
+    if storage != element:
+        x = lax.bitcast_convert_type(x, element)
+    return x.astype(jnp.float32)
 
 
 def default_interpret() -> Any:
@@ -80,7 +101,10 @@ def _attention_tiles(
     block_tables: jax.Array,  # int32[S, M], M a multiple of pages per chunk
     meta: jax.Array,  # int32[num_tiles, 4]: seq, pos0, ntok, kv_len
     scalars: jax.Array,  # int32[2]: layer index, sliding window (0: none)
+    k_scale: jax.Array | None = None,  # fp8: f32[L, Hkv]; int8: f32[L, N, Hkv, B, 1]
+    v_scale: jax.Array | None = None,
     *,
+    kv_format: str | None = None,
     group: int,
     sm_scale: float,
     soft_cap: float | None,
@@ -97,9 +121,17 @@ def _attention_tiles(
     max_chunks = max_blocks // pages_per_chunk
     chunks_per_split = pl.cdiv(max_chunks, num_splits)
     dtype = q_tiles.dtype
+    quantized = kv_format is not None
+    per_token = quantized and KV_FORMATS[kv_format][2]
 
-    def body(q_ref, k_ref, v_ref, bt_ref, meta_ref, scal_ref, o_ref, lse_ref, scratch):
-        q_smem, k_smem, v_smem, p_smem, lse_smem, q_bar, k_bar, v_bar = scratch
+    def body(q_ref, k_ref, v_ref, bt_ref, meta_ref, scal_ref, *rest):
+        if quantized:
+            ks_ref, vs_ref, o_ref, lse_ref, *scratch = rest
+        else:
+            o_ref, lse_ref, *scratch = rest
+        q_smem, k_smem, v_smem, p_smem, lse_smem, q_bar, k_bar, v_bar = scratch[:8]
+        # 8-bit: TMA lands in staging buffers (and int8 scales beside them), converted below.
+        k_in, v_in = (scratch[8], scratch[9]) if quantized else (k_smem, v_smem)
         layer = scal_ref[0]
         window = scal_ref[1]
         windowed = window > 0
@@ -123,11 +155,31 @@ def _attention_tiles(
                 page = bt_ref[seq_row, chunk * pages_per_chunk + j]
                 dst = pl.ds(j * block_size, block_size)
                 plgpu.copy_gmem_to_smem(
-                    k_ref.at[layer, page, h], k_smem.at[slot, dst], k_bar.at[slot]
+                    k_ref.at[layer, page, h], k_in.at[slot, dst], k_bar.at[slot]
                 )
                 plgpu.copy_gmem_to_smem(
-                    v_ref.at[layer, page, h], v_smem.at[slot, dst], v_bar.at[slot]
+                    v_ref.at[layer, page, h], v_in.at[slot, dst], v_bar.at[slot]
                 )
+                if per_token:
+                    ks_smem, vs_smem = scratch[10], scratch[11]
+                    plgpu.copy_gmem_to_smem(
+                        ks_ref.at[layer, page, h], ks_smem.at[slot, dst], k_bar.at[slot]
+                    )
+                    plgpu.copy_gmem_to_smem(
+                        vs_ref.at[layer, page, h], vs_smem.at[slot, dst], v_bar.at[slot]
+                    )
+
+        def dequantize_into(src, scale_smem, scale_ref, dst, slot, zero_past=None):
+            """dst[slot] = compute-dtype (src[slot] as float x its scale); rows at or past
+            ``zero_past`` (a key position bound) become 0 (V: 0 x NaN is NaN)."""
+            x = _page_to_float(src[slot], kv_format)  # [block_kv, D]
+            if per_token:  # each slot's own scale, [block_kv] along the rows
+                x = x * lax.broadcast_in_dim(scale_smem[slot], x.shape, [0])
+            else:
+                x = x * scale_ref[layer, h]
+            if zero_past is not None:
+                x = jnp.where(zero_past, x, jnp.zeros_like(x))
+            dst[slot] = x.astype(dtype)
 
         plgpu.copy_gmem_to_smem(q_ref.at[h, t], q_smem, q_bar)
 
@@ -153,6 +205,9 @@ def _attention_tiles(
                 fetch(i + 1, 1 - slot)
 
             plgpu.barrier_wait(k_bar.at[slot])
+            if quantized:
+                dequantize_into(k_in, scratch[10] if per_token else None, ks_ref, k_smem, slot)
+                plgpu.commit_smem()  # K written by threads, read by the tensor cores
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -175,11 +230,15 @@ def _attention_tiles(
 
             plgpu.barrier_wait(v_bar.at[slot])
 
-            # The chunk holding kv_len: zero V rows past it (poisoned slots, null block).
-            @pl.when((i + 1) * block_kv > kv_len)
-            def _():
-                v = v_smem[slot]
-                v_smem[slot] = jnp.where(i * block_kv + vrow < kv_len, v, jnp.zeros_like(v))
+            if quantized:  # converting touches every V row anyway: zero those past kv_len
+                vs_smem = scratch[11] if per_token else None
+                dequantize_into(v_in, vs_smem, vs_ref, v_smem, slot, i * block_kv + vrow < kv_len)
+            else:
+                # The chunk holding kv_len: zero V rows past it (poisoned slots, null block).
+                @pl.when((i + 1) * block_kv > kv_len)
+                def _():
+                    v = v_smem[slot]
+                    v_smem[slot] = jnp.where(i * block_kv + vrow < kv_len, v, jnp.zeros_like(v))
 
             plgpu.commit_smem()  # P and V written by threads, read by the tensor cores
 
@@ -215,22 +274,38 @@ def _attention_tiles(
         plgpu.SMEM((rows, block_kv), dtype, transforms=transforms),
         plgpu.SMEM((rows,), jnp.float32),
         plgpu.Barrier(num_arrivals=1),
-        plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=2),
-        plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=2),
+        plgpu.Barrier(num_arrivals=pages_per_chunk * (2 if per_token else 1), num_barriers=2),
+        plgpu.Barrier(num_arrivals=pages_per_chunk * (2 if per_token else 1), num_barriers=2),
     )
+    if quantized:
+        storage = KV_FORMATS[kv_format][0]
+        scratch += (
+            plgpu.SMEM((2, block_kv, head_dim), storage),  # staged 8-bit K pages
+            plgpu.SMEM((2, block_kv, head_dim), storage),
+        )
+        if per_token:
+            scratch += (
+                plgpu.SMEM((2, block_kv), jnp.float32),  # their per-slot scales
+                plgpu.SMEM((2, block_kv), jnp.float32),
+            )
     out_type = (
         jax.ShapeDtypeStruct((num_kv_heads, num_tiles, num_splits, rows, head_dim), dtype),
         jax.ShapeDtypeStruct((num_kv_heads, num_tiles, num_splits, rows), jnp.float32),
     )
+    operands = (q_tiles, k_pages, v_pages, block_tables, meta, scalars)
+    if per_token:  # [L, N, Hkv, B, 1] -> [L, N, Hkv, B] (a free reshape), rows of SMEM
+        k_scale, v_scale = (s.reshape(s.shape[:-1]) for s in (k_scale, v_scale))
+    if quantized:
+        operands += (k_scale, v_scale)
     kernel = plgpu.kernel(
-        lambda *refs: body(*refs[:8], refs[8:]),
+        body,
         out_type=out_type,
         scratch_types=scratch,
         grid=(num_kv_heads, num_tiles, num_splits),
         grid_names=("h", "t", "split"),
         interpret=interpret,
     )
-    return kernel(q_tiles, k_pages, v_pages, block_tables, meta, scalars)
+    return kernel(*operands)
 
 
 def _merge_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
@@ -257,6 +332,7 @@ def _default_num_splits(work_items: int, max_chunks: int, target_programs: int =
         "block_kv",
         "num_splits",
         "interpret",
+        "kv_format",
     ),
 )
 def ragged_paged_attention(
@@ -275,6 +351,9 @@ def ragged_paged_attention(
     block_kv: int | None = None,
     num_splits: int | None = None,
     interpret: Any = None,
+    kv_format: str | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Causal ragged paged attention (prefill, chunked prefill, decode, mixed batches).
 
@@ -297,13 +376,21 @@ def ragged_paged_attention(
         default max(64, block_size).
       num_splits: context splits per tile (flash-decoding); default fills ~2 waves.
       interpret: None on a GPU; ``default_interpret()`` runs the kernel on CPU.
+      kv_format: None (pages in q's dtype) or an 8-bit format (``KV_FORMATS``): "fp8_e4m3"
+        / "fp8_e5m2" pages of uint8 bytes with k_scale / v_scale f32[L, Hkv] (per layer and
+        KV head), or "int8" pages with k_scale / v_scale f32[L, N, Hkv, B, 1] (per slot).
+        Values are value x scale; the stacked pool (a layer index) is required.
 
     Returns:
       [T, num_q_heads, head_dim] in q's dtype; padding tokens are 0.
     """
     check_paged_inputs(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, layer)
+    if kv_format is not None:
+        _check_kv_format(kv_format, k_pages, k_scale, v_scale, layer)
     k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
-    if jnp.dtype(q.dtype) not in _SUPPORTED_DTYPES or k_pages.dtype != q.dtype:
+    if jnp.dtype(q.dtype) not in _SUPPORTED_DTYPES or (
+        kv_format is None and k_pages.dtype != q.dtype
+    ):
         raise ValueError(
             f"q and pages must share a dtype in bf16/fp16, got {q.dtype}, {k_pages.dtype}"
         )
@@ -360,6 +447,9 @@ def ragged_paged_attention(
         bt,
         meta,
         scalars,
+        k_scale,
+        v_scale,
+        kv_format=kv_format,
         group=group,
         sm_scale=sm_scale,
         soft_cap=soft_cap,
@@ -376,6 +466,24 @@ def ragged_paged_attention(
     return out.astype(q.dtype)
 
 
+def _check_kv_format(kv_format: str, k_pages: jax.Array, k_scale: Any, v_scale: Any,
+                     layer: Any) -> None:  # fmt: skip
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format must be one of {sorted(KV_FORMATS)}, got {kv_format!r}")
+    storage, _, per_token = KV_FORMATS[kv_format]
+    if layer is None or k_pages.ndim != 5 or k_pages.dtype != jnp.dtype(storage):
+        raise ValueError(
+            f"{kv_format} pages must be the stacked {jnp.dtype(storage).name} pool with a layer"
+            f" index, got {k_pages.dtype}{list(k_pages.shape)}"
+        )
+    n_layers, n_blocks, n_heads, block_size, _ = k_pages.shape
+    want = (n_layers, n_blocks, n_heads, block_size, 1) if per_token else (n_layers, n_heads)
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None or tuple(s.shape) != want or s.dtype != jnp.float32:
+            got = None if s is None else f"{s.dtype}{list(s.shape)}"
+            raise ValueError(f"{kv_format}: {name} must be float32{list(want)}, got {got}")
+
+
 def paged_decode_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -390,6 +498,9 @@ def paged_decode_attention(
     block_kv: int | None = None,
     num_splits: int | None = None,
     interpret: Any = None,
+    kv_format: str | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention, one query token per sequence: q [S, Hq, D] -> [S, Hq, D].
 
@@ -423,11 +534,15 @@ def paged_decode_attention(
         block_kv=block_kv,
         num_splits=num_splits,
         interpret=interpret,
+        kv_format=kv_format,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     return jnp.zeros_like(out).at[order].set(out)
 
 
 __all__ = [
+    "KV_FORMATS",
     "ROWS",
     "default_interpret",
     "paged_decode_attention",

@@ -542,10 +542,16 @@ def test_cli_flags():
             p.parse_args(bad_argv)  # unknown flags and abbreviations are errors
     for flags, feature in ((["--quantization", "awq"], "quantized weights"),
                            (["--tensor-parallel-size", "2"], "tensor parallelism"),
-                           (["--speculative-config", "{}"], "speculative decoding"),
-                           (["--kv-cache-dtype", "fp8"], "quantized KV cache")):  # fmt: skip
+                           (["--speculative-config", "{}"], "speculative decoding")):  # fmt: skip
         with pytest.raises(SystemExit, match=feature):
             cli_args.reject_unbuilt(p.parse_args(["--model", "m", *flags]))
+    # The 8-bit KV cache is built: the flag reaches LLM(kv_cache_dtype=...); bad names exit.
+    fp8 = p.parse_args(["--model", "m", "--kv-cache-dtype", "fp8"])
+    cli_args.reject_unbuilt(fp8)
+    assert cli_args.llm_kwargs(fp8)["kv_cache_dtype"] == "fp8"
+    assert "kv_cache_dtype" not in cli_args.llm_kwargs(p.parse_args(["--model", "m"]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "m", "--kv-cache-dtype", "int4"])
     from pagedjax.entrypoints import cli
 
     with pytest.raises(SystemExit):

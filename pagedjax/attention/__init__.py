@@ -9,6 +9,12 @@ implement the same signature; that package is a leaf and is reached only from he
 """
 
 from pagedjax.attention.backends import AttentionBackend, is_hopper, select_attention_backend
+from pagedjax.attention.kv_quant import (
+    KV_CACHE_DTYPES,
+    KVFormat,
+    QuantizedPages,
+    resolve_kv_format,
+)
 from pagedjax.attention.kv_write import PAD_SLOT, write_kv
 from pagedjax.attention.reference import ragged_paged_attention
 
@@ -18,11 +24,15 @@ from pagedjax.attention.reference import ragged_paged_attention
 from pallas_kernels.kv_cache import copy_blocks
 
 __all__ = [
+    "KV_CACHE_DTYPES",
     "PAD_SLOT",
+    "KVFormat",
+    "QuantizedPages",
     "AttentionBackend",
     "copy_blocks",
     "is_hopper",
     "ragged_paged_attention",
+    "resolve_kv_format",
     "select_attention_backend",
     "write_kv",
 ]

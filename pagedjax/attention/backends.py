@@ -19,6 +19,7 @@ layer index, see docs/layer_loop.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import logging
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from typing import Any, Literal
 
 import jax
 
+from pagedjax.attention.kv_quant import QuantizedPages
 from pallas_kernels import parity
 
 BackendName = Literal["reference", "pallas", "native_cpu", "triton", "auto"]
@@ -103,8 +105,8 @@ def select_attention_backend(
 
         return AttentionBackend(
             "pallas",
-            paged_attention.ragged_paged_attention,
-            paged_attention.paged_decode_attention,
+            with_8bit_pages(paged_attention.ragged_paged_attention),
+            with_8bit_pages(paged_attention.paged_decode_attention),
             reason,
         )
     from pagedjax.attention import reference as xla_reference
@@ -137,7 +139,47 @@ def _triton_backend(device: Any) -> AttentionBackend:
         )  # fmt: skip
     else:
         reason = f"requested; parity on {kind} in {report}"
-    return AttentionBackend("triton", jax_binding.ragged_paged_attention, None, reason)
+    ragged = plain_pages_only("triton", jax_binding.ragged_paged_attention)
+    return AttentionBackend("triton", ragged, None, reason)
+
+
+# kv_quant format name -> the Pallas kernels' kv_format (pallas_kernels.paged_attention)
+PALLAS_KV_FORMATS = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "int8_per_token_head": "int8"}
+
+
+def with_8bit_pages(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """A Pallas kernel taking the pool as ``QuantizedPages`` too: the values, the scales and
+    the format go to the kernel's ``kv_format`` / ``k_scale`` / ``v_scale`` (the leaf
+    package knows nothing of pagedjax's pytree)."""
+
+    @functools.wraps(fn)
+    def wrapped(q: jax.Array, k_pages: Any, v_pages: Any, *args: Any, **kwargs: Any) -> jax.Array:
+        if not isinstance(k_pages, QuantizedPages):
+            return fn(q, k_pages, v_pages, *args, **kwargs)
+        return fn(
+            q, k_pages.values, v_pages.values, *args,
+            kv_format=PALLAS_KV_FORMATS[k_pages.fmt.name],
+            k_scale=k_pages.scale_array(), v_scale=v_pages.scale_array(), **kwargs,
+        )  # fmt: skip
+
+    return wrapped
+
+
+def plain_pages_only(name: str, fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """``fn`` (a kernel that reads float pages only), refusing an 8-bit pool by name at
+    trace time instead of misreading its bytes (docs/kv_quantization.md: not built yet)."""
+
+    @functools.wraps(fn)
+    def wrapped(q: jax.Array, k_pages: Any, v_pages: Any, *args: Any, **kwargs: Any) -> jax.Array:
+        if isinstance(k_pages, QuantizedPages) or isinstance(v_pages, QuantizedPages):
+            raise NotImplementedError(
+                f"attention_backend={name!r} does not read an 8-bit KV cache yet"
+                f" ({k_pages.fmt.name if isinstance(k_pages, QuantizedPages) else '?'});"
+                " use attention_backend='reference' (or 'native_cpu' on a CPU)"
+            )
+        return fn(q, k_pages, v_pages, *args, **kwargs)
+
+    return wrapped
 
 
 __all__ = [

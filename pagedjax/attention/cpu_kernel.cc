@@ -12,6 +12,13 @@
 // operand: the model's layer loop hands this call the whole carried pool (no per-layer slice,
 // which XLA would materialize as a copy every layer of every step) and the kernel offsets
 // into it. The sliding window is an operand too (per-layer windows under the loop; <= 0: none).
+//
+// 8-bit pages (pagedjax.attention.kv_quant; a second handler, PagedjaxRaggedPagedAttention8):
+// int8 with one float scale per (block, head, slot), or fp8 (E4M3FN / E5M2) bytes with one
+// scale per (layer, head). Each page a unit walks is converted to fp32 once into the unit's
+// scratch (a 256-entry table per fp8 format, so no hardware fp8 is needed) and the fp32 loop
+// above runs on it unchanged; only the rows a query reads are ever used, so poisoned slots
+// (NaN scales, NaN fp8 bytes) never reach the output.
 
 #include <algorithm>
 #include <atomic>
@@ -33,6 +40,39 @@ namespace {
 
 constexpr int64_t kQueryTile = 16;  // queries of one sequence per work unit
 
+// How the pages are stored (the 8-bit handler's `mode` attribute).
+enum PageMode : int32_t { kF32 = 0, kInt8 = 1, kE4M3 = 2, kE5M2 = 3 };
+
+// fp32 value of every fp8 byte. E4M3FN: bias 7, no infinities, S.1111.111 is NaN.
+// E5M2: bias 15, IEEE-like (exponent 31: inf or NaN).
+struct Fp8Tables {
+  float e4m3[256], e5m2[256];
+  Fp8Tables() {
+    for (int b = 0; b < 256; ++b) {
+      const float sign = (b & 0x80) ? -1.0f : 1.0f;
+      int e = (b >> 3) & 0xF, m = b & 7;
+      if (e == 15 && m == 7) {
+        e4m3[b] = std::numeric_limits<float>::quiet_NaN();
+      } else {
+        e4m3[b] = sign * (e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7));
+      }
+      e = (b >> 2) & 0x1F;
+      m = b & 3;
+      if (e == 31) {
+        e5m2[b] = m == 0 ? sign * std::numeric_limits<float>::infinity()
+                         : std::numeric_limits<float>::quiet_NaN();
+      } else {
+        e5m2[b] = sign * (e == 0 ? std::ldexp(float(m), -16) : std::ldexp(1.0f + m / 4.0f, e - 15));
+      }
+    }
+  }
+};
+
+const Fp8Tables& Tables() {
+  static const Fp8Tables tables;
+  return tables;
+}
+
 struct Problem {
   const float* q;            // [T, Hq, D]
   const float* k;            // [NB, Hkv, bs, D]: the selected layer of the stacked pool
@@ -45,22 +85,52 @@ struct Problem {
   float sm_scale;
   int32_t window;            // 0: none
   float soft_cap;            // 0: none
+  // 8-bit pages (mode != kF32; k and v are then null): the selected layer's bytes
+  // [NB, Hkv, bs, D] and scales, [NB, Hkv, bs] (int8) or [Hkv] (fp8).
+  const uint8_t* k8 = nullptr;
+  const uint8_t* v8 = nullptr;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  int32_t mode = kF32;
 };
 
 struct Unit {
   int32_t seq, kv_head, first_query, num_queries;
 };
 
+// fp32 copy of one 8-bit page [bs, d] of (block, head) into out.
+void DequantizePage(const Problem& p, const uint8_t* pages, const float* scales, int64_t block,
+                    int64_t head, float* out) {
+  const int64_t bs = p.bs, d = p.d;
+  const uint8_t* src = pages + (block * p.hkv + head) * bs * d;
+  if (p.mode == kInt8) {
+    const float* sc = scales + (block * p.hkv + head) * bs;
+    for (int64_t j = 0; j < bs; ++j) {
+      const float scale = sc[j];
+      const int8_t* row = reinterpret_cast<const int8_t*>(src + j * d);
+#pragma omp simd
+      for (int64_t x = 0; x < d; ++x) out[j * d + x] = static_cast<float>(row[x]) * scale;
+    }
+    return;
+  }
+  const float* table = p.mode == kE4M3 ? Tables().e4m3 : Tables().e5m2;
+  const float scale = scales[head];
+  for (int64_t i = 0; i < bs * d; ++i) out[i] = table[src[i]] * scale;
+}
+
 // Runs one unit; returns false on an out-of-range page id (the caller reports it).
 bool RunUnit(const Problem& p, const Unit& u, std::vector<float>& scratch) {
   const int64_t d = p.d, g_count = p.group, bs = p.bs;
   const int64_t rows = static_cast<int64_t>(u.num_queries) * g_count;
-  scratch.resize(rows * (2 * d + 2) + bs);
+  const int64_t page_floats = p.mode == kF32 ? 0 : 2 * bs * d;  // dequantized K and V page
+  scratch.resize(rows * (2 * d + 2) + bs + page_floats);
   float* qv = scratch.data();      // [rows, d], pre-scaled queries
   float* acc = qv + rows * d;      // [rows, d]
   float* m = acc + rows * d;       // [rows]
   float* l = m + rows;             // [rows]
   float* s = l + rows;             // [bs] scores of one page
+  float* kdq = s + bs;             // [bs, d] (8-bit pages only)
+  float* vdq = kdq + bs * d;       // [bs, d]
   const int32_t kv_len = p.kv_lens[u.seq];
   const int32_t q_len = p.cu[u.seq + 1] - p.cu[u.seq];
   const int64_t hq = p.hkv * g_count;
@@ -84,8 +154,17 @@ bool RunUnit(const Problem& p, const Unit& u, std::vector<float>& scratch) {
   for (int64_t page = lo_first / bs; page <= pos_last / bs; ++page) {
     const int64_t block = p.tables[u.seq * p.max_blocks + page];
     if (block < 0 || block >= p.num_blocks) return false;
-    const float* kp = p.k + (block * p.hkv + u.kv_head) * bs * d;
-    const float* vp = p.v + (block * p.hkv + u.kv_head) * bs * d;
+    const float* kp;
+    const float* vp;
+    if (p.mode == kF32) {
+      kp = p.k + (block * p.hkv + u.kv_head) * bs * d;
+      vp = p.v + (block * p.hkv + u.kv_head) * bs * d;
+    } else {
+      DequantizePage(p, p.k8, p.k_scale, block, u.kv_head, kdq);
+      DequantizePage(p, p.v8, p.v_scale, block, u.kv_head, vdq);
+      kp = kdq;
+      vp = vdq;
+    }
     const int64_t key0 = page * bs;
     for (int64_t i = 0; i < u.num_queries; ++i) {
       const int64_t pos = pos0 + i;
@@ -155,6 +234,26 @@ void Drain(Shared& sh) {
   }
 }
 
+// Shapes checked, the layer offset applied: the part both handlers share.
+ffi::Error Launch(ffi::ThreadPool& pool, Problem p, int64_t num_tokens, int64_t hq,
+                  int64_t num_seqs);
+
+ffi::Error CheckShapes(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
+                       ffi::Span<const int64_t> td, int32_t layer) {
+  if (qd.size() != 3 || kd.size() != 5 || td.size() != 2) {
+    return ffi::Error::InvalidArgument(
+        "expected q [T,Hq,D], pool [L,NB,Hkv,bs,D], tables [S,M]");
+  }
+  if (kd[4] != qd[2] || kd[2] <= 0 || qd[1] % kd[2] != 0) {
+    return ffi::Error::InvalidArgument("head_dim mismatch or Hq not a multiple of Hkv");
+  }
+  if (layer < 0 || layer >= kd[0]) {
+    return ffi::Error::InvalidArgument("layer index " + std::to_string(layer) +
+                                       " outside [0, " + std::to_string(kd[0]) + ")");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                 ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                                 ffi::Buffer<ffi::S32> block_tables,
@@ -165,27 +264,68 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const auto qd = q.dimensions();
   const auto kd = k_pages.dimensions();
   const auto td = block_tables.dimensions();
-  if (qd.size() != 3 || kd.size() != 5 || td.size() != 2) {
-    return ffi::Error::InvalidArgument(
-        "expected q [T,Hq,D], pool [L,NB,Hkv,bs,D], tables [S,M]");
-  }
-  const int64_t num_tokens = qd[0], hq = qd[1], d = qd[2];
-  const int64_t num_layers = kd[0], num_blocks = kd[1];
-  const int64_t hkv = kd[2], bs = kd[3], num_seqs = td[0], max_blocks = td[1];
-  if (kd[4] != d || hkv <= 0 || hq % hkv != 0) {
-    return ffi::Error::InvalidArgument("head_dim mismatch or Hq not a multiple of Hkv");
-  }
-  const int64_t layer = layer_index.typed_data()[0];
-  if (layer < 0 || layer >= num_layers) {
-    return ffi::Error::InvalidArgument("layer index " + std::to_string(layer) +
-                                       " outside [0, " + std::to_string(num_layers) + ")");
-  }
+  const int32_t layer = layer_index.typed_data()[0];
+  if (auto err = CheckShapes(qd, kd, td, layer); err.failure()) return err;
+  const int64_t num_blocks = kd[1], hkv = kd[2], bs = kd[3], d = kd[4];
   const int64_t layer_stride = num_blocks * hkv * bs * d;
   Problem p{q.typed_data(), k_pages.typed_data() + layer * layer_stride,
             v_pages.typed_data() + layer * layer_stride,
             block_tables.typed_data(), kv_lens.typed_data(), cu_q_lens.typed_data(),
-            out->typed_data(), num_blocks, hkv, hq / hkv, bs, d, max_blocks,
+            out->typed_data(), num_blocks, hkv, qd[1] / hkv, bs, d, td[1],
             sm_scale, std::max<int32_t>(window_size.typed_data()[0], 0), soft_cap};
+  return Launch(pool, p, qd[0], qd[1], td[0]);
+}
+
+// 8-bit pages: k_pages / v_pages are int8 or fp8 bytes [L, NB, Hkv, bs, D]; k_scale /
+// v_scale are float32 [L, NB, Hkv, bs, 1] (mode kInt8) or [L, Hkv] (fp8 modes).
+ffi::Error RaggedPagedAttention8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                 ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                                 ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                                 ffi::Buffer<ffi::S32> block_tables,
+                                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
+                                 ffi::Buffer<ffi::S32> layer_index,
+                                 ffi::Buffer<ffi::S32> window_size,
+                                 ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
+                                 int32_t mode) {
+  const auto qd = q.dimensions();
+  const auto kd = k_pages.dimensions();
+  const auto td = block_tables.dimensions();
+  const int32_t layer = layer_index.typed_data()[0];
+  if (auto err = CheckShapes(qd, kd, td, layer); err.failure()) return err;
+  if (mode != kInt8 && mode != kE4M3 && mode != kE5M2) {
+    return ffi::Error::InvalidArgument("mode must be 1 (int8), 2 (fp8 e4m3) or 3 (fp8 e5m2)");
+  }
+  if (k_pages.size_bytes() != k_pages.element_count() ||
+      v_pages.size_bytes() != k_pages.size_bytes()) {
+    return ffi::Error::InvalidArgument("8-bit pages expected (one byte per element)");
+  }
+  const int64_t num_blocks = kd[1], hkv = kd[2], bs = kd[3], d = kd[4];
+  const auto sd = k_scale.dimensions();
+  const bool per_token = mode == kInt8;
+  const bool scale_ok = per_token ? (sd.size() == 5 && sd[0] == kd[0] && sd[1] == num_blocks &&
+                                     sd[2] == hkv && sd[3] == bs && sd[4] == 1)
+                                  : (sd.size() == 2 && sd[0] == kd[0] && sd[1] == hkv);
+  if (!scale_ok || v_scale.element_count() != k_scale.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "scales must be [L, NB, Hkv, bs, 1] (int8) or [L, Hkv] (fp8)");
+  }
+  const int64_t layer_stride = num_blocks * hkv * bs * d;
+  const int64_t scale_stride = per_token ? num_blocks * hkv * bs : hkv;
+  Problem p{q.typed_data(), nullptr, nullptr,
+            block_tables.typed_data(), kv_lens.typed_data(), cu_q_lens.typed_data(),
+            out->typed_data(), num_blocks, hkv, qd[1] / hkv, bs, d, td[1],
+            sm_scale, std::max<int32_t>(window_size.typed_data()[0], 0), soft_cap};
+  p.k8 = static_cast<const uint8_t*>(k_pages.untyped_data()) + layer * layer_stride;
+  p.v8 = static_cast<const uint8_t*>(v_pages.untyped_data()) + layer * layer_stride;
+  p.k_scale = k_scale.typed_data() + layer * scale_stride;
+  p.v_scale = v_scale.typed_data() + layer * scale_stride;
+  p.mode = mode;
+  return Launch(pool, p, qd[0], qd[1], td[0]);
+}
+
+ffi::Error Launch(ffi::ThreadPool& pool, Problem p, int64_t num_tokens, int64_t hq,
+                  int64_t num_seqs) {
+  const int64_t hkv = p.hkv, bs = p.bs, d = p.d, max_blocks = p.max_blocks;
   std::memset(p.out, 0, sizeof(float) * num_tokens * hq * d);  // padding rows stay 0
 
   auto sh = std::make_shared<Shared>();
@@ -255,3 +395,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttention, RaggedPagedAttention
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttention8, RaggedPagedAttention8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("mode"));

@@ -1,4 +1,4 @@
-"""Ragged paged attention as a native CPU kernel (an XLA FFI custom call), fp32.
+"""Ragged paged attention as a native CPU kernel (an XLA FFI custom call), fp32 or 8-bit pages.
 
 The XLA version (``reference.py``) has to gather each chunk of pages into a temporary and
 then run many tiny batched dots on it; on a 2-core CPU that costs ~4x the time of reading
@@ -12,6 +12,10 @@ into a cache directory (``PAGEDJAX_KERNEL_CACHE``, else ``~/.cache/pagedjax``), 
 the source, flags, compiler and CPU. ``available()`` says whether it built and why not;
 ``ragged_paged_attention`` falls back to the XLA version when it did not or when the
 inputs are not fp32, so callers never depend on a compiler being present.
+
+8-bit pools (``kv_quant.QuantizedPages``: int8 with per token-head scales, fp8 E4M3 / E5M2
+with per layer-head scales) go to a second handler of the same source, which converts each
+page it walks to fp32 in C++ (fp8 through a byte table) and then runs the fp32 loop.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.attention import reference
+from pagedjax.attention.kv_quant import QuantizedPages
 from pagedjax.machine import cpu_model
 from pallas_kernels.reference import stacked_pool
 
@@ -40,6 +45,10 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGET = "pagedjax_ragged_paged_attention"
 SYMBOL = "PagedjaxRaggedPagedAttention"
+TARGET8 = "pagedjax_ragged_paged_attention_8bit"
+SYMBOL8 = "PagedjaxRaggedPagedAttention8"
+# The 8-bit handler's `mode` attribute by format name (cpu_kernel.cc, PageMode).
+MODES = {"int8_per_token_head": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}
 # -fopenmp-simd: the `omp simd` reductions vectorize without linking an OpenMP runtime.
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd")
 
@@ -94,6 +103,8 @@ def _load() -> tuple[bool, str]:
         lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
         capsule = jax.ffi.pycapsule(getattr(lib, SYMBOL))
         jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
+        capsule8 = jax.ffi.pycapsule(getattr(lib, SYMBOL8))
+        jax.ffi.register_ffi_target(TARGET8, capsule8, platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
         log.warning("native CPU attention unavailable, using the XLA version: %s", e)
         return False, f"build or load failed: {e}"
@@ -107,8 +118,8 @@ def available() -> tuple[bool, str]:
 
 def ragged_paged_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: jax.Array | QuantizedPages,
+    v_pages: jax.Array | QuantizedPages,
     block_tables: jax.Array,
     kv_lens: jax.Array,
     cu_q_lens: jax.Array,
@@ -128,13 +139,14 @@ def ragged_paged_attention(
     q_len > kv_len or kv_len beyond its table, a page id outside the pool and a layer
     index outside it. The whole stacked pool [L, N, Hkv, B, D] and ``layer`` go to the
     kernel as operands (no per-layer slice is materialized); ``sliding_window`` may be a
-    traced int32 scalar (<= 0: no window).
+    traced int32 scalar (<= 0: no window). An 8-bit pool (``QuantizedPages`` K and V,
+    stacked, with a layer index) runs the 8-bit handler for fp32 q.
     """
+    quantized = isinstance(k_pages, QuantizedPages)
     use_native = (
         jax.default_backend() == "cpu"
         and q.dtype == jnp.float32
-        and k_pages.dtype == jnp.float32
-        and v_pages.dtype == jnp.float32
+        and (quantized or (k_pages.dtype == jnp.float32 and v_pages.dtype == jnp.float32))
         and available()[0]
     )
     if not use_native:
@@ -143,10 +155,23 @@ def ragged_paged_attention(
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             chunk_keys=chunk_keys, chunk_bytes=chunk_bytes,
         )  # fmt: skip
+    fmt = k_pages.fmt if quantized else None
+    k_pages, v_pages, k_scale, v_scale, _ = reference.split_quantized(k_pages, v_pages, layer)
     reference.check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, layer)
     reference.check_options(sliding_window, soft_cap)
     k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
+    if fmt is not None:
+        call8 = jax.ffi.ffi_call(
+            TARGET8, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential"
+        )
+        return call8(
+            q, k_pages, v_pages, k_scale, v_scale,
+            block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
+            cu_q_lens.astype(jnp.int32), layer, window,
+            sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
+            mode=np.int32(MODES[fmt.name]),
+        )  # fmt: skip
     call = jax.ffi.ffi_call(
         TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential"
     )

@@ -25,6 +25,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pagedjax.attention.kv_quant import (
+    KVFormat,
+    QuantizedPages,
+    gather_dequantized,
+    split_pages,
+)
 from pallas_kernels.reference import check_paged_inputs, stacked_pool, window_visible
 
 # Default tiling on CPU (measured on the 2-core box: a 256-sequence decode was fastest with
@@ -62,10 +68,24 @@ def check_options(sliding_window: jax.Array | int | None, soft_cap: float | None
         raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
 
 
+def split_quantized(
+    k_pages: jax.Array | QuantizedPages, v_pages: jax.Array | QuantizedPages, layer: object
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None, KVFormat | None]:
+    """(k values, v values, k scale, v scale, format) of plain or 8-bit pages (``kv_quant``);
+    scales and format are None for a plain pool. An 8-bit pool must come stacked with a
+    layer index."""
+    if isinstance(k_pages, QuantizedPages) != isinstance(v_pages, QuantizedPages):
+        raise ValueError("k_pages and v_pages must both be quantized or both plain")
+    if isinstance(k_pages, QuantizedPages) and (layer is None or k_pages.ndim != 5):
+        raise ValueError("an 8-bit pool is read stacked ([L, NB, Hkv, bs, D]) with a layer index")
+    (k, ks, fmt), (v, vs, _) = split_pages(k_pages), split_pages(v_pages)
+    return k, v, ks, vs, fmt
+
+
 def ragged_paged_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: jax.Array | QuantizedPages,
+    v_pages: jax.Array | QuantizedPages,
     block_tables: jax.Array,
     kv_lens: jax.Array,
     cu_q_lens: jax.Array,
@@ -83,7 +103,9 @@ def ragged_paged_attention(
       q: [T, num_q_heads, head_dim]; tokens of sequence s are q[cu_q_lens[s]:cu_q_lens[s+1]].
       k_pages, v_pages: the stacked pool [num_layers, num_blocks, num_kv_heads, block_size,
         head_dim] (or one layer's 4-D pages with layer=None); already hold this step's
-        keys/values. num_q_heads must be a multiple of num_kv_heads (GQA/MQA).
+        keys/values. num_q_heads must be a multiple of num_kv_heads (GQA/MQA). Either may
+        be an 8-bit ``QuantizedPages`` pair (stacked only): pages are dequantized to fp32
+        as they are gathered (values x their int8 token-head or fp8 layer-head scale).
       layer: int32 scalar (may be traced), the layer whose pages to read; pages are
         gathered from the stacked pool directly, never sliced out whole.
       block_tables: int32[S, max_blocks_per_seq]; page ids of each sequence, in order.
@@ -104,6 +126,7 @@ def ragged_paged_attention(
       sequence s sits at position kv_lens[s] - q_len_s + i. Scores and the value sum are in
       fp32; keys at or past kv_len (and unused pages, e.g. NaN-filled) never reach the output.
     """
+    k_pages, v_pages, k_scale, v_scale, fmt = split_quantized(k_pages, v_pages, layer)
     check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, layer)
     check_options(sliding_window, soft_cap)
     k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
@@ -174,10 +197,10 @@ def ragged_paged_attention(
             pages = lax.dynamic_slice_in_dim(tables, c * chunk, chunk, axis=1)  # [B, C]
             kpos = c * chunk_keys + offsets  # [C * bs]
             key_valid = kpos[None, :] < kv_len[:, None]  # [B, C * bs]
-            k = k_pages[layer, pages].astype(jnp.float32)  # [B, C, Hkv, bs, D]
+            k = gather_dequantized(k_pages, k_scale, layer, pages, fmt)  # [B, C, Hkv, bs, D] fp32
             # Zero values past kv_len: masked probabilities are 0, but 0 * NaN is NaN.
             v_ok = key_valid.reshape(batch, chunk, 1, block_size, 1)
-            v = jnp.where(v_ok, v_pages[layer, pages].astype(jnp.float32), 0.0)
+            v = jnp.where(v_ok, gather_dequantized(v_pages, v_scale, layer, pages, fmt), 0.0)
             s = jnp.einsum("nqhgd,nmhbd->nhgqmb", qi, k, precision=highest) * sm_scale
             s = s.reshape(batch, num_kv_heads, group, qb, chunk_keys)
             if soft_cap is not None:

@@ -24,6 +24,9 @@ def assign_slots(core: EngineCore) -> None:
     (prefix caching) attach cached prefixes to them and to re-waiting preempted slots."""
     book = core.book
     new: list[int] = []
+    if core.kv_calibration is not None and book.queue:  # before any KV is written
+        core.kv_calibration(core, [req.prompt_token_ids for req, _ in book.queue])
+        core.kv_calibration = None
     if book.queue and book.free_slots:
         n = core.max_seqs
         slot_ids = np.zeros(n, np.int32)

@@ -69,6 +69,9 @@ class EngineCore:
     seq_buckets: tuple[int, ...]
     enable_prefix_caching: bool
     sharing: SharingCounters = field(default_factory=SharingCounters)
+    # kv_scales="calibrate": called once with the first admitted prompts, then None
+    # (kv_calibration.calibrate_core; admission.assign_slots calls it).
+    kv_calibration: Any = None
     num_steps: int = 0  # engine iterations run (one-step path and decode loop)
 
     def take_slot(self, req: RequestState, seq: SequenceState) -> int:

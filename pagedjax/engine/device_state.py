@@ -9,11 +9,13 @@ buffer: read ``state``, ``kv`` and ``tokens`` after the call, never before it.
 Arrays (shapes are the contract, docs/engine.md):
 
 - ``state``: the scheduler's ``SchedulerState`` (block pool, block tables, lengths).
-- ``kv``: (k, v), each [num_layers, num_blocks, num_kv_heads, block_size, head_dim].
+- ``kv``: (k, v), each [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
+  (an 8-bit pool: each a ``QuantizedPages`` pytree of values and scales; every leaf is
+  indexed [layer, block, ...], so the block operations below are ``jax.tree`` maps).
 - ``tokens``: int32[max_seqs, max_model_len], prompt + output ids per slot; the model
   reads its inputs here, so the host never uploads a batch.
-- ``host_kv``: numpy (k, v) of [num_layers, num_host_blocks + 1, ...], the swap pool
-  (block 0 is its null block).
+- ``host_kv``: the swap pool, ``kv``'s pytree with numpy leaves of [num_layers,
+  num_host_blocks + 1, ...] (block 0 is its null block; 8-bit values and scales alike).
 - sampling rows: a host mirror (numpy, one row per slot) uploaded as one
   ``SamplingTensors`` only when a row changed since the last upload.
 
@@ -67,8 +69,8 @@ class DeviceState:
         self.state = init_state(policy, n)
         self.kv = kv
         self.tokens = jnp.zeros((n, max_model_len), jnp.int32)
-        self.host_kv = tuple(
-            np.zeros((p.shape[0], num_host_blocks + 1, *p.shape[2:]), p.dtype) for p in kv
+        self.host_kv = jax.tree.map(
+            lambda p: np.zeros((p.shape[0], num_host_blocks + 1, *p.shape[2:]), p.dtype), kv
         )
         # Public: experiments wrap it to record each step's batch (real_serving.py).
         self.schedule_fn = jax.jit(functools.partial(schedule, policy, sched_config))
@@ -158,7 +160,7 @@ class DeviceState:
         pages, dst = jax.device_get((gather_blocks(self.kv, plan.out_src, k=bucket),
                                      plan.out_dst))  # fmt: skip
         dst = dst[:count]
-        for h, g in zip(self.host_kv, pages, strict=True):
+        for h, g in zip(jax.tree.leaves(self.host_kv), jax.tree.leaves(pages), strict=True):
             h[:, dst] = g[:, :count]
 
     def swap_in(self, plan: SwapPlan, count: int, bucket: int) -> None:
@@ -166,7 +168,7 @@ class DeviceState:
         upload of ``bucket`` pages (padding rows read the host null block), one scatter."""
         src = np.zeros(bucket, np.int32)
         src[:count] = jax.device_get(plan.in_src)[:count]
-        pages = tuple(h[:, src] for h in self.host_kv)
+        pages = jax.tree.map(lambda h: h[:, src], self.host_kv)
         self.kv = scatter_blocks(self.kv, plan.in_dst, plan.num_in, jax.device_put(pages))
 
     # ------------------------------------------------------------------ sampling rows

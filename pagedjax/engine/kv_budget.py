@@ -108,18 +108,19 @@ def num_kv_blocks(
 
 
 def profile_forward(
-    arch: Any, params: Any, kv_dtype: Any, block_size: int, budget: int, seqs: int,
+    arch: Any, params: Any, kv_spec: Any, block_size: int, budget: int, seqs: int,
     max_blocks: int,
 ) -> None:  # fmt: skip
     """One forward at the largest bucket (``budget`` tokens, ``seqs`` rows) over a 2-block
-    cache, plus the sampler's scratch: the peak a step adds to the pool (GPU sizing only)."""
+    cache (``kv_spec``: a ``KVCacheSpec``, so an 8-bit pool profiles its own quantize and
+    dequantize), plus the sampler's scratch: the peak a step adds to the pool (GPU sizing
+    only)."""
     import jax
     import jax.numpy as jnp
 
-    from pagedjax.model import allocate_kv_cache
     from pagedjax.model.forward import dummy_input, make_forward
 
-    kv = allocate_kv_cache(arch, 2, block_size, kv_dtype)
+    kv = kv_spec.allocate(2, block_size)
     batch = dummy_input(budget, seqs, max_blocks)._replace(
         logits_indices=jnp.zeros((seqs,), jnp.int32)
     )

@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pagedjax.attention import KV_CACHE_DTYPES
 from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from pagedjax.config import SchedulerConfig as EngineSchedulerConfig
 from pagedjax.engine.beams import BeamSearchOutput, beam_search
@@ -32,6 +33,11 @@ class LLM:
     TypeError. On CPU the KV pool size comes from num_gpu_blocks_override or
     kv_cache_memory_bytes (else 4 GiB, at most a quarter of free memory); see docs/engine.md.
     enable_prefix_caching: automatic prefix caching, on by default as in vLLM today.
+    kv_cache_dtype: the KV pool's storage, vLLM's names: "auto" (the model's dtype),
+    "float32" / "bfloat16" / "float16", or 8-bit: "fp8" (= "fp8_e4m3"), "fp8_e5m2",
+    "int8_per_token_head" (docs/kv_quantization.md): about twice the blocks of a 16-bit
+    pool in the same memory. kv_scales (pagedjax's own, fp8 only): "default" (1.0, as
+    vLLM) or "calibrate" (per layer and KV head from the first prompts' max |K|, |V|).
     num_scheduler_steps (vLLM's name; ``SchedulerConfig.num_multi_steps``): K, the most
     decode iterations run in one on-device loop; "auto" picks K per device kind.
     warmup: "auto" (every step program at start-up, or ``$PAGEDJAX_WARMUP``), "decode",
@@ -56,6 +62,8 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,
         swap_space: float = 4.0,
         enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
+        kv_scales: str = "default",
         preemption_mode: str | None = None,
         tensor_parallel_size: int = 1,
         scheduling_mode: str = "default",
@@ -92,6 +100,8 @@ class LLM:
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 swap_space=swap_space,
                 enable_prefix_caching=enable_prefix_caching,
+                cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
+                kv_scales=kv_scales,  # type: ignore[arg-type]
             ),
             scheduler=EngineSchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -280,6 +290,7 @@ def _check_literals(config: EngineConfig) -> None:
     choices = {
         "dtype": (config.model.dtype, ("auto", "float32", "bfloat16", "float16")),
         "load_format": (config.model.load_format, ("auto", "dummy", "safetensors")),
+        "kv_cache_dtype": (config.cache.cache_dtype, KV_CACHE_DTYPES),
         "scheduling_mode": (config.scheduler.scheduling_mode, ("default", "paper", "static")),
         "attention_backend": (
             config.attention_backend,

@@ -58,6 +58,7 @@ from pagedjax.engine.core import CoreView, EngineCore
 from pagedjax.engine.device_state import DeviceState, num_host_blocks, padding_bucket
 from pagedjax.engine.engine_stats import engine_stats
 from pagedjax.engine.kv_budget import num_kv_blocks, profile_forward
+from pagedjax.engine.kv_cache_spec import KVCacheSpec
 from pagedjax.engine.loading import load_model
 from pagedjax.engine.model_runner import ModelRunner
 from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
@@ -68,7 +69,7 @@ from pagedjax.engine.sequence import RequestState, SequenceState
 from pagedjax.engine.warmup import warm_up
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.prefix_cache import PrefixIndex
-from pagedjax.model import ModelArch, allocate_kv_cache
+from pagedjax.model import ModelArch
 from pagedjax.sampling import BeamSearchParams, SamplingParams
 from pagedjax.sampling.params import MAX_SEED
 from pagedjax.scheduler import REASON_CAPACITY, REASON_TOO_LONG, ScheduledBatch, SchedulerConfig
@@ -84,7 +85,7 @@ class LLMEngine:
 
     arch, params: the model (params in their compute dtype). tokenizer: for text prompts,
     detokenization and EOS. config: EngineConfig (cache / scheduler / model sections).
-    kv_dtype: the KV pool's dtype (default: the params' dtype).
+    kv_dtype: the pool's dtype under cache.cache_dtype "auto" (default: the params' dtype).
     """
 
     def __init__(
@@ -103,7 +104,8 @@ class LLMEngine:
         cc, sc = config.cache, config.scheduler
         self.arch, self.tokenizer, self.config = arch, tokenizer, config
         dtype = jax.tree.leaves(params)[0].dtype
-        self.kv_dtype = kv_dtype if kv_dtype is not None else dtype
+        self.kv_spec = KVCacheSpec.resolve(arch, dtype, cc.cache_dtype, kv_dtype, cc.kv_scales)
+        self.kv_dtype = self.kv_spec.dtype  # what the values are (int8 / fp8: kv_cache_spec.py)
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
             raise ValueError(
@@ -126,7 +128,7 @@ class LLMEngine:
 
         device = jax.devices()[0]
         self.num_blocks = num_kv_blocks(
-            kv_bytes_per_token=arch.kv_bytes_per_token(self.kv_dtype),
+            kv_bytes_per_token=self.kv_spec.bytes_per_token,
             block_size=self.block_size,
             max_blocks_needed=self.max_seqs * max_blocks_per_seq,
             num_gpu_blocks_override=cc.num_gpu_blocks_override,
@@ -134,13 +136,13 @@ class LLMEngine:
             gpu_memory_utilization=cc.gpu_memory_utilization,
             device=device,
             profile=functools.partial(
-                profile_forward, arch, params, self.kv_dtype, self.block_size, budget,
+                profile_forward, arch, params, self.kv_spec, self.block_size, budget,
                 self.max_num_seqs, max_blocks_per_seq,
             ),
         )
         self.num_host_blocks = num_host_blocks(
             cc.swap_space,
-            arch.kv_bytes_per_token(self.kv_dtype) * self.block_size,
+            self.kv_spec.bytes_per_token * self.block_size,
             self.max_seqs * max_blocks_per_seq,
             sc.preemption_mode,
         )
@@ -156,9 +158,8 @@ class LLMEngine:
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             mode=sc.scheduling_mode, priority=sc.policy, preemption_mode=sc.preemption_mode,
         )  # fmt: skip
-        kv = allocate_kv_cache(
-            arch, self.num_blocks, self.block_size, self.kv_dtype, fill_value=kv_fill_value
-        )
+        log.info("%s", self.kv_spec.describe(self.num_blocks, self.block_size))
+        kv = self.kv_spec.allocate(self.num_blocks, self.block_size, kv_fill_value)
         device_state = DeviceState(
             self.policy, self.sched_config, kv, max_model_len=self.max_model_len,
             num_host_blocks=self.num_host_blocks,
@@ -170,8 +171,8 @@ class LLMEngine:
         self.core = EngineCore(
             params=params, runner=self.runner, device=device_state,
             book=RequestBook(self.max_seqs, eos), prefix_index=PrefixIndex(),
-            block_size=self.block_size, max_seqs=self.max_seqs,
-            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+            block_size=self.block_size, max_seqs=self.max_seqs, max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs, kv_calibration=self.kv_spec.calibrator(),
             max_blocks_per_seq=max_blocks_per_seq, token_buckets=self.token_buckets,
             seq_buckets=self.seq_buckets, enable_prefix_caching=self.enable_prefix_caching,
         )  # fmt: skip

@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax.attention.kv_quant import resolve_kv_format
+
 
 @dataclass(frozen=True)
 class GPUSpec:
@@ -70,8 +72,12 @@ class ModelGeometry:
     tp: int = 1
     num_experts: int = 0
     experts_per_token: int = 0
+    # The KV cache's storage (pagedjax.attention.kv_quant): "auto" stores bytes_per_param
+    # per element; the 8-bit formats 1 byte, int8 plus a 4-byte scale per token-head.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        resolve_kv_format(self.kv_cache_dtype)  # ValueError for an unknown name
         for field in (
             "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
             "intermediate", "vocab", "bytes_per_param", "tp",
@@ -163,8 +169,19 @@ class ModelGeometry:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers, all GPUs (e.g. 800 KiB for OPT-13B fp16)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_param
+        """K and V of one token over all layers, all GPUs (e.g. 800 KiB for OPT-13B fp16;
+        half that, 400 KiB, with an fp8 cache), scales included."""
+        fmt = resolve_kv_format(self.kv_cache_dtype)
+        if fmt is None:
+            per_head = self.head_dim * self.bytes_per_param
+        else:
+            per_head = self.head_dim + fmt.scale_bytes_per_token_head  # 1 byte per element
+        return 2 * self.num_layers * self.num_kv_heads * per_head
+
+    @property
+    def kv_capacity_ratio(self) -> float:
+        """Tokens this cache holds per token of a cache in the model's dtype, same bytes."""
+        return replace(self, kv_cache_dtype="auto").kv_bytes_per_token / self.kv_bytes_per_token
 
     def with_tp(self, tp: int) -> ModelGeometry:
         return replace(self, tp=tp)
@@ -206,11 +223,14 @@ MODEL_PRESETS: dict[str, ModelGeometry] = {
 }
 
 
-def model_geometry(name: str, tp: int | None = None) -> ModelGeometry:
-    """A preset by name (paper TP degrees: opt-66b 4, opt-175b 8, others 1), optionally re-TP'd."""
+def model_geometry(name: str, tp: int | None = None, kv_cache_dtype: str = "auto") -> ModelGeometry:
+    """A preset by name (paper TP degrees: opt-66b 4, opt-175b 8, others 1), optionally re-TP'd,
+    with its KV cache in ``kv_cache_dtype`` (default: the model's dtype)."""
     if name not in MODEL_PRESETS:
         raise ValueError(f"name must be one of {sorted(MODEL_PRESETS)}, got {name!r}")
     geom = MODEL_PRESETS[name]
+    if kv_cache_dtype != "auto":
+        geom = replace(geom, kv_cache_dtype=kv_cache_dtype)
     return geom if tp is None else geom.with_tp(tp)
 
 

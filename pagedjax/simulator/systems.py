@@ -62,6 +62,7 @@ def build_system(
     swap_space_gib: float | None = None,
     model: str = "opt-13b",
     tp: int = 1,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[Any, SchedulerConfig]:
     """The (memory policy, scheduler config) of a named system (``SYSTEMS``).
 
@@ -69,7 +70,9 @@ def build_system(
     at most min(max_num_seqs, slots) run at once. block_size: the paged pool's (the
     others ignore it). swap_space_gib (paged only): preempt by swap into a host pool of
     that size (capped at every slot's whole block table; its bytes per block from
-    ``model`` and ``tp``) instead of by recompute. Raises ValueError for an unknown name.
+    ``model``, ``tp`` and ``kv_cache_dtype``) instead of by recompute. Raises ValueError
+    for an unknown name. kv_slots is the capacity in the cache's own dtype: an 8-bit cache
+    in the same memory holds more (``ModelGeometry.kv_capacity_ratio``).
     """
     bs, n, mlen, cap = block_size, slots, max_model_len, kv_slots
     cfg: dict[str, Any] = dict(
@@ -82,7 +85,7 @@ def build_system(
     if swap_space_gib is not None and system != "paged":
         raise ValueError(f"swap preemption is simulated for the paged system, not {system!r}")
     if system == "paged" and swap_space_gib is not None:
-        geom = model_geometry(model, tp)
+        geom = model_geometry(model, tp, kv_cache_dtype)
         per_block = bs * geom.kv_bytes_per_token // geom.tp  # one GPU's share
         host = min(int(swap_space_gib * (1 << 30)) // per_block, n * -(-mlen // bs))
         policy: Any = PagedPolicy(
@@ -110,14 +113,18 @@ def make_cost_model(
     *,
     calibration: str = "roofline",
     step_overhead_s: float = 2e-3,
+    kv_cache_dtype: str = "auto",
 ) -> Any:
     """The step-time model of a GPU (``cost_model.GPUS``) serving a model preset
     (``cost_model.MODEL_PRESETS``): the plain roofline plus ``step_overhead_s`` per step,
     or a named calibration (``cost_model.CALIBRATIONS``, e.g. "vllm2023", whose fitted
-    overhead replaces step_overhead_s). Hashable, so it is a static jit argument."""
+    overhead replaces step_overhead_s). ``kv_cache_dtype``: the KV cache's storage, which
+    sets the KV bytes a step reads ("fp8": half of a 16-bit cache's). Hashable, so it is a
+    static jit argument."""
+    geom = model_geometry(model, tp, kv_cache_dtype)
     if calibration != "roofline":
-        return calibrated(calibration, gpu, model, tp)
-    return roofline(gpu, model, tp, step_overhead_s=step_overhead_s)
+        return calibrated(calibration, gpu, geom)
+    return roofline(gpu, geom, step_overhead_s=step_overhead_s)
 
 
 @dataclass

@@ -45,7 +45,8 @@ def test_explicit_triton_warns_without_a_parity_run(fake_jax_triton, caplog, mon
 
     with caplog.at_level(logging.WARNING, logger="pagedjax.attention.backends"):
         b = select_attention_backend("triton", device=A100)
-    assert b.name == "triton" and b.ragged_paged_attention is jax_binding.ragged_paged_attention
+    assert b.name == "triton"  # the kernel, wrapped to refuse an 8-bit KV cache by name
+    assert b.ragged_paged_attention.__wrapped__ is jax_binding.ragged_paged_attention
     assert "no parity run" in b.reason and "A100" in b.reason
     assert any("no committed parity run" in r.getMessage() for r in caplog.records)
     monkeypatch.setitem(parity.TRITON_PARITY_REPORTS, A100.device_kind, "docs/gpu_check_x.md")

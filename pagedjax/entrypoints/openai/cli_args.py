@@ -16,6 +16,8 @@ import argparse
 import json
 from typing import Any
 
+from pagedjax.attention import KV_CACHE_DTYPES
+
 # Flags vLLM does not have; the help text says so (docs/serving.md lists them).
 PAGEDJAX_ONLY = (
     "--swap-space",  # vLLM removed it in V1; here the paper's host swap pool (GiB)
@@ -115,7 +117,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     # Accepted so the refusal can name the feature (reject_unbuilt).
     p.add_argument("--quantization", "-q", default=None, help="not built yet: refused")
     p.add_argument("--speculative-config", default=None, help="not built yet: refused")
-    p.add_argument("--kv-cache-dtype", default="auto", help="only 'auto' is built")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=list(KV_CACHE_DTYPES),
+        help="KV pool storage: auto (model dtype), a float dtype, or 8-bit fp8 (= fp8_e4m3),"
+        " fp8_e5m2, int8_per_token_head",
+    )
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -171,8 +179,6 @@ def reject_unbuilt(args: argparse.Namespace) -> None:
         )
     elif args.speculative_config is not None:
         why = "--speculative-config: speculative decoding is not built yet"
-    elif args.kv_cache_dtype != "auto":
-        why = f"--kv-cache-dtype {args.kv_cache_dtype}: a quantized KV cache is not built yet"
     elif args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         why = f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}"
     if why is not None:
@@ -186,6 +192,7 @@ LLM_ARGS = (
     "num_gpu_blocks_override", "kv_cache_memory_bytes", "swap_space", "enable_prefix_caching",
     "preemption_mode", "tensor_parallel_size", "scheduling_mode", "watermark",
     "attention_backend", "max_logprobs", "num_scheduler_steps", "warmup", "compilation_cache",
+    "kv_cache_dtype",
 )  # fmt: skip
 
 
