@@ -14,6 +14,7 @@ import numpy as np
 from pagedjax.model.config import ModelArch, load_arch
 from pagedjax.model.forward import Params, abstract_params
 from pagedjax.model.hf_keys import canonical_tensors, ignored
+from pagedjax.model.quant.weight import QuantizedWeight, stack_layers
 from pagedjax.model.safetensors_io import load_tensors
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -59,10 +60,17 @@ def _hf_key(path: tuple[str, ...]) -> tuple[str, bool, bool]:
 
 
 def convert_hf_tensors(
-    arch: ModelArch, tensors: dict[str, np.ndarray], dtype: Any = jnp.float32
+    arch: ModelArch,
+    tensors: dict[str, np.ndarray],
+    dtype: Any = jnp.float32,
+    kernels: dict[str, QuantizedWeight] | None = None,
 ) -> Params:
     """HF tensor dict -> Flax params of dtype. Raises ValueError naming any missing tensor,
     shape mismatch, or unexpected tensor (a sign that config and weights disagree).
+
+    ``kernels``: linear weights a quantized checkpoint's loader already built, by
+    canonical key (``layers.3.self_attn.q_proj.weight``); they stand for the dense tensor
+    of that key (shape-checked as [in, out]) and are stacked per layer as they are.
 
     Keys are first made canonical per family (``hf_keys.canonical_tensors``: prefixes
     stripped, Phi-3 / GPT-NeoX fused projections split, Mixtral experts stacked); each Flax
@@ -73,7 +81,18 @@ def convert_hf_tensors(
     used = set()
     missing = []
 
-    def one(key: str, transpose: bool, shape: tuple[int, ...]) -> np.ndarray | None:
+    kernels = kernels or {}
+
+    def one(key: str, transpose: bool, shape: tuple[int, ...]) -> Any:
+        if key in kernels:
+            used.add(key)
+            q = kernels[key]
+            if (q.in_features, q.out_features) != tuple(shape):
+                raise ValueError(
+                    f"shape mismatch for quantized weight {key!r}: checkpoint has [in, out] "
+                    f"({q.in_features}, {q.out_features}), config implies {tuple(shape)}"
+                )
+            return q
         if key not in named:
             missing.append(key)
             return None
@@ -98,6 +117,8 @@ def convert_hf_tensors(
         rows = [one(key.format(i=i), transpose, spec.shape[1:]) for i in range(spec.shape[0])]
         if any(r is None for r in rows):
             return None
+        if isinstance(rows[0], QuantizedWeight):
+            return jax.tree.map(jnp.asarray, stack_layers(rows))
         return jnp.asarray(np.stack(rows))
 
     params = jax.tree_util.tree_map_with_path(convert, shapes)
@@ -107,9 +128,11 @@ def convert_hf_tensors(
         source
         for k, (source, _) in named.items()
         if k not in used
+        and k not in kernels
         and not ignored(arch, k)
         and not (k == "lm_head.weight" and arch.tie_word_embeddings)
     }
+    extra |= set(kernels) - used
     if extra:
         raise ValueError(f"checkpoint has tensors the config does not use: {sorted(extra)}")
     return params
