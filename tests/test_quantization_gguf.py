@@ -104,6 +104,7 @@ def test_gguf_model_kept_packed_equals_the_dequantized_load(tmp_path):
     assert attn["v_proj"]["kernel"].fmt == "gguf Q4_1"
     assert attn["k_proj"]["kernel"].fmt == "gguf Q4_0"
     assert not isinstance(mlp["down_proj"]["kernel"], QuantizedWeight)  # mixed: dequantized
+    assert packed["embed_tokens"]["embedding"].fmt == "gguf Q8_0"  # tied: the LM head too
     for role in ("q_proj", "k_proj", "v_proj", "o_proj"):
         for i in range(arch.num_layers):
             q = attn[role]["kernel"]
@@ -138,4 +139,5 @@ def test_real_gguf_linears_kept_packed_bit_for_bit(smollm2_gguf):
             np.asarray(dense["layers"]["mlp"]["gate_proj"]["kernel"][layer]),
         )
     embedding = packed["embed_tokens"]["embedding"]
-    np.testing.assert_array_equal(embedding, dense["embed_tokens"]["embedding"])
+    assert embedding.fmt == "gguf Q8_0"
+    np.testing.assert_array_equal(dequantize(embedding).T, dense["embed_tokens"]["embedding"])

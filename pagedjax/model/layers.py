@@ -21,7 +21,7 @@ from flax.linen.dtypes import promote_dtype
 
 from pagedjax.attention import write_kv
 from pagedjax.model.input import ModelInput
-from pagedjax.model.quant.weight import QuantizedWeight, quantized_matmul
+from pagedjax.model.quant.weight import QuantizedWeight, embedding_rows, quantized_matmul
 
 AttentionFn = Callable[..., jax.Array]
 KVPool = tuple[jax.Array, jax.Array]  # (k, v), each [L, num_blocks, Hkv, block_size, D]
@@ -115,6 +115,42 @@ class Linear(nn.Module):
             y, bias = promote_dtype(y, bias, dtype=None)
             y = y + bias
         return y
+
+
+class Embedding(nn.Module):
+    """nn.Embed's parameter ("embedding" [num_embeddings, features]) and methods (call:
+    ids -> rows; attend: x -> x @ embedding.T, the tied LM head), except that an
+    "embedding" given as a ``QuantizedWeight`` in the LM head's orientation ([features,
+    num_embeddings]: groups along the features, as GGUF's Q8_0 token embedding) serves
+    both: a lookup dequantizes the looked-up columns only, attend is a quantized matmul."""
+
+    num_embeddings: int
+    features: int
+    param_dtype: Any = jnp.float32
+
+    def setup(self) -> None:
+        if not isinstance(self.get_variable("params", "embedding"), QuantizedWeight):
+            init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+            self.embedding = self.param(
+                "embedding", init, (self.num_embeddings, self.features), self.param_dtype
+            )
+
+    def _quantized(self) -> QuantizedWeight | None:
+        stored = self.get_variable("params", "embedding")
+        return stored if isinstance(stored, QuantizedWeight) else None
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        q = self._quantized()
+        if q is not None:
+            return embedding_rows(q, ids, jnp.dtype(self.param_dtype))
+        return jnp.take(self.embedding, ids, axis=0)
+
+    def attend(self, query: jax.Array) -> jax.Array:
+        q = self._quantized()
+        if q is not None:
+            return quantized_matmul(query, q)
+        query, embedding = promote_dtype(query, self.embedding, dtype=None)
+        return jnp.dot(query, embedding.T)
 
 
 class RMSNorm(nn.Module):

@@ -87,10 +87,13 @@ def convert_hf_tensors(
         if key in kernels:
             used.add(key)
             q = kernels[key]
-            if (q.in_features, q.out_features) != tuple(shape):
+            # A kernel is [in, out]; an embedding [vocab, hidden] is held as its LM-head
+            # transpose [hidden, vocab].
+            want = tuple(shape) if transpose else tuple(shape)[::-1]
+            if (q.in_features, q.out_features) != want:
                 raise ValueError(
                     f"shape mismatch for quantized weight {key!r}: checkpoint has [in, out] "
-                    f"({q.in_features}, {q.out_features}), config implies {tuple(shape)}"
+                    f"({q.in_features}, {q.out_features}), config implies {want}"
                 )
             return q
         if key not in named:
@@ -112,7 +115,7 @@ def convert_hf_tensors(
         key, transpose, stacked = _hf_key(tuple(p.key for p in path))
         if not stacked:
             x = one(key, transpose, spec.shape)
-            return None if x is None else jnp.asarray(x)
+            return None if x is None else jax.tree.map(jnp.asarray, x)
         # Decoder layers are stacked on a leading axis (the layer loop's scan).
         rows = [one(key.format(i=i), transpose, spec.shape[1:]) for i in range(spec.shape[0])]
         if any(r is None for r in rows):

@@ -19,9 +19,10 @@ Q6_K     16          (d * sc_j) * (q - 32)                       6-bit (a byte)
 Other types (F32, F16, BF16, the remaining quant types) load dequantized through
 gguf_loader.py. A linear role whose layers mix types (llama.cpp's Q4_K_M gives some layers'
 ffn_down / attn_v Q6_K) cannot share one scan body: that role is dequantized to the
-compute dtype and the log says so. Norms and the untied LM head stay dense; a tied token
-embedding (the real model's is Q8_0) is used dequantized for the lookup and LM head (the
-embedding is not yet a quantized parameter: docs/quantization.md lists it).
+compute dtype and the log says so. A quantized token embedding stays packed too, in the
+LM head's orientation [hidden, vocab] (layers.Embedding): a lookup dequantizes only the
+looked-up rows, and when tied (the real model's Q8_0 embedding) it is the quantized LM
+head; an untied quantized ``output.weight`` is a packed linear like the others.
 """
 
 from __future__ import annotations
@@ -149,25 +150,24 @@ def load_gguf_packed(path: str | Path, dtype: Any = np.float32) -> tuple[ModelAr
     dense: dict[str, np.ndarray] = {}
     packed: dict[str, QuantizedWeight] = {}
     roles: dict[str, set[str]] = defaultdict(set)
+    role = lambda gguf_name: gguf_name.split(".", 2)[-1] if gguf_name.startswith("blk.") \
+        else gguf_name  # fmt: skip
     for t in reader.tensors:
-        roles[t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name].add(
-            t.tensor_type.name
-        )
+        roles[role(t.name)].add(t.tensor_type.name)
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         shape = tuple(int(d) for d in reversed(t.shape))  # torch [out, in]
         heads = arch.num_heads if ".q_proj." in name else arch.num_kv_heads
         rotary = ".q_proj." in name or ".k_proj." in name
-        role_types = roles[t.name.split(".", 2)[-1]] if t.name.startswith("blk.") else set()
-        qtype = t.tensor_type.name
-        if name.startswith("model.layers.") and len(role_types) == 1 and qtype in PACKED_TYPES:
+        role_types, qtype = roles[role(t.name)], t.tensor_type.name
+        if len(shape) == 2 and len(role_types) == 1 and qtype in PACKED_TYPES:
             perm = None
             if rotary:
                 perm = unpermute_rotary_rows(np.arange(shape[0]), heads)
             (key,) = canonical_tensors(arch, {name: np.zeros(0)})
             packed[key] = packed_weight(qtype, t.data, shape[0], shape[1], perm)
             continue
-        if name.startswith("model.layers.") and len(role_types) > 1 and qtype in PACKED_TYPES:
+        if len(role_types) > 1 and qtype in PACKED_TYPES:
             log.info("GGUF %s: layers mix %s; dequantized", t.name, sorted(role_types))
         w = np.asarray(gguf_dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
         if rotary:

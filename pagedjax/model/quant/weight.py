@@ -232,6 +232,22 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     return y.astype(dtype).reshape(*lead, n_out)
 
 
+def embedding_rows(w: QuantizedWeight, ids: jax.Array, dtype: Any) -> jax.Array:
+    """Rows ``ids`` [T] of the [out, in] matrix whose transpose w holds (a quantized
+    token embedding in the LM head's layout [hidden, vocab]): only the T looked-up
+    columns are dequantized. Returns [T, in] in dtype."""
+
+    def cols(a: Any) -> Any:
+        if a is None or a.ndim < 2 or a.shape[-1] != w.out_features:
+            return a  # per-tensor scales, perm: shared by every column
+        return jnp.take(a, ids, axis=-1)
+
+    picked = dataclasses.replace(
+        w, data=cols(w.data), scale=cols(w.scale), zero=cols(w.zero), offset=cols(w.offset)
+    )
+    return dequantize(picked, dtype).T
+
+
 def stack_layers(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Per-layer weights of one role -> one weight with a leading layer axis (the layer
     loop's layout). ValueError if their formats differ (they could not share a scan body)."""
