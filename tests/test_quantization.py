@@ -393,3 +393,20 @@ def test_in_flight_model_runs_every_linear_quantized(mode):
     # A random model has no structure to preserve; only ask that the logits still track
     # the unquantized ones (the real model's agreement: test_quantized_real_model.py).
     assert np.corrcoef(ours.ravel(), ref.ravel())[0, 1] > 0.9
+
+
+def test_orbax_round_trip_keeps_every_format(tmp_path):
+    """save_params / restore_params: quantized weights come back packed and identical
+    (int4 codes, NF4 code book, fp8 data, int8), the formats from quant.json."""
+    from pagedjax.model import restore_params, save_params
+
+    params = random_params(ARCH, 0, jnp.float32)
+    for mode in ("int4", "nf4", "fp8_per_channel", "int8_per_channel_weight_only"):
+        qp = quantize_params(params, mode)
+        save_params(tmp_path / mode, ARCH, qp)
+        arch, back = restore_params(tmp_path / mode)
+        assert arch == ARCH
+        assert jax.tree.structure(back) == jax.tree.structure(qp)  # formats included
+        for a, b in zip(jax.tree.leaves(qp), jax.tree.leaves(back), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

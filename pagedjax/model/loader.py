@@ -14,6 +14,7 @@ import numpy as np
 from pagedjax.model.config import ModelArch, load_arch
 from pagedjax.model.forward import Params, abstract_params
 from pagedjax.model.hf_keys import canonical_tensors, ignored
+from pagedjax.model.quant.serialization import from_plain, to_plain
 from pagedjax.model.quant.weight import QuantizedWeight, stack_layers
 from pagedjax.model.safetensors_io import load_tensors
 
@@ -153,14 +154,17 @@ def load_hf_checkpoint(directory: str | Path, dtype: Any = jnp.float32) -> tuple
 
 
 def save_params(directory: str | Path, arch: ModelArch, params: Params) -> None:
-    """Writes converted params with Orbax to <directory>/params and arch to arch.json."""
+    """Writes converted params with Orbax to <directory>/params and arch to arch.json;
+    quantized weights as their arrays, their formats in quant.json (quant/serialization.py)."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).absolute()
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "arch.json").write_text(arch.to_json())
+    plain, formats = to_plain(params)  # quantized weights: arrays + quant.json
+    (directory / "quant.json").write_text(json.dumps(formats))
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(directory / "params", params, force=True)
+        ckpt.save(directory / "params", plain, force=True)
 
 
 def restore_params(directory: str | Path) -> tuple[ModelArch, Params]:
@@ -173,4 +177,6 @@ def restore_params(directory: str | Path) -> tuple[ModelArch, Params]:
     arch = ModelArch.from_json((directory / "arch.json").read_text())
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(directory / "params")
-    return arch, params
+    quant = directory / "quant.json"
+    formats = json.loads(quant.read_text()) if quant.is_file() else {}
+    return arch, from_plain(params, formats)
