@@ -33,6 +33,7 @@ from pagedjax.model.quant.inflight import (
     QUANTIZERS,
     error_bound,
     quantize_params,
+    quantized_nbytes,
 )
 from pagedjax.model.quant.methods import load_quantized_checkpoint, resolve_method
 from pagedjax.model.quant.weight import (
@@ -74,6 +75,7 @@ def test_in_flight_error_within_the_format_bound(mode):
     # The bound is tight, not vacuous: the worst error uses a good part of it.
     assert (err / bound).max() > 0.3
     assert q.nbytes() < w.nbytes / (1.9 if q.bits == 8 else 3.5)
+    assert q.nbytes() == quantized_nbytes(mode, *w.shape)  # the benchmark's table formula
 
 
 def test_nf4_uses_the_bitsandbytes_levels():

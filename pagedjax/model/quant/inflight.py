@@ -127,6 +127,17 @@ QUANTIZERS: dict[str, Callable[[np.ndarray], QuantizedWeight]] = {
 INFLIGHT_MODES = tuple(QUANTIZERS)
 
 
+def quantized_nbytes(mode: str, n_in: int, n_out: int) -> int:
+    """Bytes an [n_in, n_out] weight takes in ``mode`` (codes, float32 scales), computed
+    from the shapes alone (a 7B model's tables need no quantization pass)."""
+    per_value = {"int4": 0.5, "nf4": 0.5}.get(mode, 1.0)
+    groups = {"int4": n_in // INT4_GROUP, "nf4": n_in // NF4_BLOCK}.get(mode, 1)
+    scales = 1 if mode == "fp8_per_tensor" else groups * n_out
+    if mode not in QUANTIZERS:
+        raise ValueError(f"unknown quantization {mode!r}; in-flight modes: {INFLIGHT_MODES}")
+    return int(n_in * n_out * per_value) + 4 * scales
+
+
 def error_bound(w: np.ndarray, q: QuantizedWeight) -> np.ndarray:
     """Per-element bound [in, out] on |w - dequantize(q)| for q made from w by this
     module (module docstring), with 1e-6 relative slack for float32 rounding."""

@@ -32,10 +32,11 @@ with ml_dtypes' float8: same rounding, no speed-up) or "int8" (W8A8 int8, dynami
 per-token scale absmax / 127, emulated the same way).
 
 Cost. ``quantized_matmul`` picks, from static shapes, the form with the smaller
-intermediate: for few tokens (T <= group_size; decode) a grouped dot (x's groups times
-the integer values, scales applied to the [T, G, out] partial sums, zero points as
-scale * zero * sum(x_g)), so the multiply by the scale is not paid per weight; for many
-tokens (prefill) the weight is dequantized to the compute dtype ([in, out] transient, one
+intermediate: for few tokens (T <= group_size; decode), or a single group (per channel
+or per tensor) at any T, a grouped dot (x's groups times the integer values, scales
+applied to the [T, G, out] partial sums, zero points as scale * zero * sum(x_g)), so the
+multiply by the scale is not paid per weight; for many tokens (prefill) with several
+groups the weight is dequantized to the compute dtype ([in, out] transient, one
 matrix at a time) and one dot runs. Both are plain XLA, jittable on every backend. The
 bytes read per step are the packed ones; the dequantize-then-dot form trades compute
 for that, and a fused kernel (Pallas W4A16, not built yet) would remove the transient.
@@ -214,7 +215,8 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
         w_sorted = dataclasses.replace(w, perm=None)
     else:
         w_sorted = w
-    grouped = w.num_groups > 1 and tokens <= w.group_size
+    # One group (per channel / per tensor): the scale multiplies the output, any T.
+    grouped = w.num_groups == 1 or tokens <= w.group_size
     if not grouped:
         y = jnp.dot(x2, dequantize(w_sorted, dtype), preferred_element_type=jnp.float32)
         return y.astype(dtype).reshape(*lead, n_out)
