@@ -68,7 +68,7 @@ from pagedjax.engine.sequence import RequestState, SequenceState
 from pagedjax.engine.warmup import warm_up
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.prefix_cache import PrefixIndex
-from pagedjax.model import ModelArch, allocate_kv_cache
+from pagedjax.model import ModelArch, allocate_kv_cache, compute_dtype
 from pagedjax.sampling import BeamSearchParams, SamplingParams
 from pagedjax.sampling.params import MAX_SEED
 from pagedjax.scheduler import REASON_CAPACITY, REASON_TOO_LONG, ScheduledBatch, SchedulerConfig
@@ -102,7 +102,7 @@ class LLMEngine:
         compile_cache.enable(config.compilation_cache)  # idempotent
         cc, sc = config.cache, config.scheduler
         self.arch, self.tokenizer, self.config = arch, tokenizer, config
-        dtype = jax.tree.leaves(params)[0].dtype
+        dtype = compute_dtype(params)  # not a quantized weight's int codes
         self.kv_dtype = kv_dtype if kv_dtype is not None else dtype
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:

@@ -250,6 +250,19 @@ def embedding_rows(w: QuantizedWeight, ids: jax.Array, dtype: Any) -> jax.Array:
     return dequantize(picked, dtype).T
 
 
+def compute_dtype(params: Any) -> Any:
+    """The dtype a model computes in: that of its first floating parameter outside the
+    quantized weights (whose codes are ints or fp8 and whose scales are float32)."""
+    plain = jax.tree.map(
+        lambda x: None if isinstance(x, QuantizedWeight) else x, params,
+        is_leaf=lambda x: isinstance(x, QuantizedWeight),
+    )  # fmt: skip
+    for leaf in jax.tree.leaves(plain):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf.dtype
+    raise ValueError("params hold no floating-point array outside quantized weights")
+
+
 def stack_layers(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Per-layer weights of one role -> one weight with a leading layer axis (the layer
     loop's layout). ValueError if their formats differ (they could not share a scan body)."""
