@@ -412,3 +412,22 @@ def test_orbax_round_trip_keeps_every_format(tmp_path):
         for a, b in zip(jax.tree.leaves(qp), jax.tree.leaves(back), strict=True):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("family", ["opt", "gpt_neox"])
+def test_other_families_run_quantized_linears(family):
+    """OPT and GPT-NeoX build their projections with the same layers.linear: in-flight
+    int8 reaches them, and their logits equal the dense twin's."""
+    from model_helpers import TINY_HF_CONFIGS
+
+    from pagedjax.model import arch_from_hf_config
+
+    _, cfg = TINY_HF_CONFIGS[family]
+    arch = arch_from_hf_config(dict(cfg, model_type=family))
+    qp = quantize_params(random_params(arch, 0, jnp.float32, std=0.05),
+                         "int8_per_channel_weight_only")  # fmt: skip
+    kernels = [x for x in jax.tree.leaves(qp["layers"], is_leaf=lambda x: isinstance(
+        x, QuantizedWeight)) if isinstance(x, QuantizedWeight)]  # fmt: skip
+    assert len(kernels) >= 4
+    ours, twin = _logits(arch, qp), _logits(arch, _dense_twin(qp))
+    np.testing.assert_allclose(ours, twin, rtol=1e-4, atol=1e-5 * np.abs(twin).max())
