@@ -8,7 +8,8 @@ Modes (``quantization=`` names; vLLM 0.32's where it has them, pagedjax's own ma
   tensor / per output column, s = absmax / 448; activations quantized per token at run
   time (weight.py). E4M3's rounding error is at most half a unit in the last place:
   2^-4 of |w| for normal values, 2^-10 * s below the smallest normal (2^-6 * s).
-- ``int4`` (pagedjax's own, W4A16): group 128 along the input, symmetric: s = absmax / 7,
+- ``int4`` (pagedjax's own, W4A16): group 128 along the input (64 or 32 where 128 does
+  not divide it, e.g. SmolLM2's hidden size 576), symmetric: s = absmax / 7,
   q = round(w / s) in [-7, 7], stored as codes q + 8 in nibbles. Max error s / 2.
 - ``nf4`` (pagedjax's own, bitsandbytes' NF4): blocks of 64 inputs, absmax scale, each
   value the nearest of the 16 NF4 levels (the normal-quantile code book bitsandbytes
@@ -22,7 +23,7 @@ compute dtype, as vLLM's in-flight modes keep them. Biases stay dense.
 Cost: one pass over the weights on the host (numpy, float32); the result is what the
 forward reads (``QuantizedWeight`` with a leading layer axis).
 Refusals: an unknown mode, or an input dimension the group size does not divide
-(int4: 128, nf4: 64), raise ValueError naming the layer.
+(int4: 32, nf4: 64), raise ValueError naming the layer.
 """
 
 from __future__ import annotations
@@ -90,10 +91,22 @@ def _groups(w: np.ndarray, size: int, mode: str) -> np.ndarray:
     return w.reshape(n_in // size, size, n_out)
 
 
-def quantize_int4(w: np.ndarray, group_size: int = INT4_GROUP) -> QuantizedWeight:
+def int4_group(n_in: int) -> int:
+    """128, or where 128 does not divide the input (SmolLM2's 576) the largest power of
+    two below it that does, down to 32; ValueError below that."""
+    size = INT4_GROUP
+    while n_in % size and size > 32:
+        size //= 2
+    if n_in % size:
+        raise ValueError(f"int4: input dimension {n_in} is not a multiple of 32")
+    return size
+
+
+def quantize_int4(w: np.ndarray, group_size: int | None = None) -> QuantizedWeight:
     """w float [in, out] -> symmetric 4-bit codes (q + 8, q in [-7, 7]) per group of
-    group_size inputs, scale [in / group_size, out]."""
+    group_size inputs (default ``int4_group(in)``), scale [in / group_size, out]."""
     w = np.asarray(w, np.float32)
+    group_size = group_size or int4_group(w.shape[0])
     g = _groups(w, group_size, "int4")
     s = _safe(np.abs(g).max(axis=1) / 7.0)  # [G, out]
     q = np.clip(np.rint(g / s[:, None, :]), -7, 7).astype(np.int32) + 8
@@ -131,7 +144,7 @@ def quantized_nbytes(mode: str, n_in: int, n_out: int) -> int:
     """Bytes an [n_in, n_out] weight takes in ``mode`` (codes, float32 scales), computed
     from the shapes alone (a 7B model's tables need no quantization pass)."""
     per_value = {"int4": 0.5, "nf4": 0.5}.get(mode, 1.0)
-    groups = {"int4": n_in // INT4_GROUP, "nf4": n_in // NF4_BLOCK}.get(mode, 1)
+    groups = {"int4": n_in // int4_group(n_in), "nf4": n_in // NF4_BLOCK}.get(mode, 1)
     scales = 1 if mode == "fp8_per_tensor" else groups * n_out
     if mode not in QUANTIZERS:
         raise ValueError(f"unknown quantization {mode!r}; in-flight modes: {INFLIGHT_MODES}")
