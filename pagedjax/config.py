@@ -39,6 +39,11 @@ class ModelConfig:
     load_format: ``auto`` (weights from the directory), ``dummy`` (random weights from
         the config alone, as vLLM's), ``safetensors``.
     max_model_len: the longest prompt + output; None takes the model's own limit.
+    quantization: the weights' quantization method (vLLM's ``--quantization``): None
+        takes the checkpoint's own (config.json's quantization_config), else "awq",
+        "gptq", "compressed-tensors", "gguf" (a GGUF file kept packed) or an in-flight
+        mode ("int8_per_channel_weight_only", "fp8_per_tensor", "fp8_per_channel",
+        "int4", "nf4"); docs/quantization.md.
     """
 
     model: str = "tiny-llama"
@@ -47,6 +52,7 @@ class ModelConfig:
     max_model_len: int | None = None
     tokenizer: str | None = None
     seed: int = 0
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model.model", "must name a directory or a preset")

@@ -540,8 +540,9 @@ def test_cli_flags():
     for bad_argv in (["--model", "m", "--frobnicate"], ["--model", "m", "--max-model"]):
         with pytest.raises(SystemExit):
             p.parse_args(bad_argv)  # unknown flags and abbreviations are errors
-    for flags, feature in ((["--quantization", "awq"], "quantized weights"),
-                           (["--tensor-parallel-size", "2"], "tensor parallelism"),
+    quant = p.parse_args(["--model", "m", "-q", "int4"])
+    assert cli_args.llm_kwargs(quant)["quantization"] == "int4"  # passed on to LLM
+    for flags, feature in ((["--tensor-parallel-size", "2"], "tensor parallelism"),
                            (["--speculative-config", "{}"], "speculative decoding")):  # fmt: skip
         with pytest.raises(SystemExit, match=feature):
             cli_args.reject_unbuilt(p.parse_args(["--model", "m", *flags]))
@@ -570,7 +571,7 @@ def test_python_m_api_server_subprocess(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "pagedjax.entrypoints.openai.api_server",
                           "--model", "tiny-llama", "--quantization", "awq"],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert bad.returncode != 0 and "quantized weights" in bad.stderr
+    assert bad.returncode != 0 and "needs a checkpoint quantized with it" in bad.stderr
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedjax.entrypoints.openai.api_server", "--model",

@@ -43,6 +43,10 @@ class LLM:
     warmup: "auto" (every step program at start-up, or ``$PAGEDJAX_WARMUP``), "decode",
     "all" or "none". compilation_cache: JAX's persistent compilation cache directory
     (default ``$PAGEDJAX_COMPILATION_CACHE``, else ~/.cache/pagedjax/jax), or "off".
+    quantization: vLLM's name; None takes the checkpoint's own (config.json's
+    quantization_config: awq, gptq, compressed-tensors), "gguf" keeps a GGUF file's
+    weights packed, or an in-flight mode ("int8_per_channel_weight_only",
+    "fp8_per_tensor", "fp8_per_channel", "int4", "nf4"); docs/quantization.md.
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class LLM:
         num_scheduler_steps: int | str = "auto",
         warmup: str = "auto",
         compilation_cache: str | None = None,
+        quantization: str | None = None,
         **unknown: Any,
     ):
         if unknown:
@@ -92,6 +97,7 @@ class LLM:
                 max_model_len=max_model_len,
                 tokenizer=tokenizer,
                 seed=seed,
+                quantization=quantization,
             ),
             cache=CacheConfig(
                 block_size=block_size,

@@ -69,7 +69,7 @@ from pagedjax.engine.sequence import RequestState, SequenceState
 from pagedjax.engine.warmup import warm_up
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.prefix_cache import PrefixIndex
-from pagedjax.model import ModelArch
+from pagedjax.model import ModelArch, compute_dtype
 from pagedjax.sampling import BeamSearchParams, SamplingParams
 from pagedjax.sampling.params import MAX_SEED
 from pagedjax.scheduler import REASON_CAPACITY, REASON_TOO_LONG, ScheduledBatch, SchedulerConfig
@@ -103,7 +103,7 @@ class LLMEngine:
         compile_cache.enable(config.compilation_cache)  # idempotent
         cc, sc = config.cache, config.scheduler
         self.arch, self.tokenizer, self.config = arch, tokenizer, config
-        dtype = jax.tree.leaves(params)[0].dtype
+        dtype = compute_dtype(params)  # not a quantized weight's int codes
         self.kv_spec = KVCacheSpec.resolve(arch, dtype, cc.cache_dtype, kv_dtype, cc.kv_scales)
         self.kv_dtype = self.kv_spec.dtype  # what the values are (int8 / fp8: kv_cache_spec.py)
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings

@@ -16,6 +16,14 @@ from pagedjax.model import PRESETS, ModelArch, load_arch, load_hf_checkpoint, pr
 from pagedjax.model import random_params as make_random_params
 from pagedjax.model.catalog import CATALOG, fetch_model
 from pagedjax.model.gguf_loader import load_gguf_arch, load_gguf_checkpoint
+from pagedjax.model.quant.gguf_packed import load_gguf_packed
+from pagedjax.model.quant.inflight import INFLIGHT_MODES, quantize_params
+from pagedjax.model.quant.methods import (
+    CHECKPOINT_METHODS,
+    check_method,
+    load_quantized_checkpoint,
+    resolve_method,
+)
 from pagedjax.tokenizer import ByteTokenizer, Tokenizer, gguf_tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -46,29 +54,43 @@ def load_model(mc: ModelConfig) -> tuple[ModelArch, Any, Tokenizer, Any]:
     "safetensors") or random weights ("dummy"); a preset name has no weights, so
     "auto" means "dummy" there (logged). A catalog name (``smollm2-135m-instruct``) is
     fetched once into the cache (pagedjax/model/catalog.py) and loads as its GGUF file; a
-    ``.gguf`` file loads dequantized, with the tokenizer and chat template of its
-    metadata. The tokenizer comes from mc.tokenizer, else the directory or GGUF file,
-    else a byte-level fallback with the model's bos/eos ids.
+    ``.gguf`` file loads dequantized (kept packed with quantization="gguf"), with the
+    tokenizer and chat template of its metadata. mc.quantization: the checkpoint's own
+    method when None (config.json's quantization_config), or an in-flight mode applied
+    after loading (pagedjax/model/quant/methods.py). The tokenizer comes from
+    mc.tokenizer, else the directory or GGUF file, else a byte-level fallback with the
+    model's bos/eos ids.
     """
     platform = jax.devices()[0].platform
     path = Path(mc.model)
+    check_method(mc.quantization)
     if mc.model in CATALOG or (path.suffix == ".gguf" and path.is_file()):
         if mc.load_format == "safetensors":
             raise ValueError(f"{mc.model!r} is a GGUF model; use load_format='auto' or 'dummy'")
+        if mc.quantization in CHECKPOINT_METHODS:
+            raise ValueError(f"{mc.model!r} is a GGUF model, not a {mc.quantization} checkpoint")
         gguf_path = fetch_model(mc.model) if mc.model in CATALOG else path
         dtype = resolve_dtype(mc.dtype, None, platform)
         if mc.load_format == "dummy":  # the file's shapes and tokenizer, random weights
             arch = load_gguf_arch(gguf_path)
             params = make_random_params(arch, mc.seed, dtype)
+        elif mc.quantization == "gguf":  # the file's quantized linears kept packed
+            arch, params = load_gguf_packed(gguf_path, dtype)
         else:
             arch, params = load_gguf_checkpoint(gguf_path, dtype)
         tokenizer = load_tokenizer(mc.tokenizer) if mc.tokenizer else gguf_tokenizer(gguf_path)
-        return arch, params, tokenizer, dtype
+        return arch, _in_flight(params, mc.quantization), tokenizer, dtype
+    method = mc.quantization
     if path.is_dir():
         dtype = resolve_dtype(mc.dtype, path, platform)
+        method = resolve_method(mc.quantization, path)
         if mc.load_format == "dummy":
+            if method in CHECKPOINT_METHODS:
+                raise ValueError(f"load_format='dummy' cannot build {method} weights")
             arch = load_arch(path)
             params = make_random_params(arch, mc.seed, dtype)
+        elif method in CHECKPOINT_METHODS:
+            arch, params = load_quantized_checkpoint(path, dtype)
         else:
             arch, params = load_hf_checkpoint(path, dtype)
         tok_dir: Path | None = path
@@ -77,6 +99,7 @@ def load_model(mc: ModelConfig) -> tuple[ModelArch, Any, Tokenizer, Any]:
             raise ValueError(f"preset {mc.model!r} has no weights; use load_format='dummy'")
         if mc.load_format == "auto":
             log.info("preset %s has no checkpoint: random weights (load_format=dummy)", mc.model)
+        method = resolve_method(mc.quantization, None)
         dtype = resolve_dtype(mc.dtype, None, platform)
         arch = preset_arch(mc.model)
         params = make_random_params(arch, mc.seed, dtype)
@@ -92,4 +115,13 @@ def load_model(mc: ModelConfig) -> tuple[ModelArch, Any, Tokenizer, Any]:
         tokenizer = load_tokenizer(tok_dir)
     else:
         tokenizer = ByteTokenizer(arch.eos_token_id, arch.bos_token_id)
-    return arch, params, tokenizer, dtype
+    return arch, _in_flight(params, method), tokenizer, dtype
+
+
+def _in_flight(params: Any, method: str | None) -> Any:
+    """params with an in-flight quantization mode applied (unchanged for None and for
+    the methods a loader already applied)."""
+    if method in INFLIGHT_MODES:
+        log.info("quantizing the linear layers in flight: %s", method)
+        return quantize_params(params, method)
+    return params

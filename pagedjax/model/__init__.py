@@ -18,16 +18,19 @@ from pagedjax.model.loader import (
     save_params,
 )
 from pagedjax.model.presets import PRESETS, preset_arch
+from pagedjax.model.quant.weight import QuantizedWeight, compute_dtype
 
 __all__ = [
     "KVCache",
     "ModelArch",
     "ModelInput",
     "PRESETS",
+    "QuantizedWeight",
     "abstract_params",
     "allocate_kv_cache",
     "arch_from_hf_config",
     "build_module",
+    "compute_dtype",
     "convert_hf_tensors",
     "dummy_input",
     "forward",

@@ -59,7 +59,7 @@ _TOP_NAMES = {
 _LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def _reader(path: str | Path) -> Any:
+def gguf_reader(path: str | Path) -> Any:
     try:
         import gguf
     except ImportError as e:  # the optional extra is missing
@@ -147,7 +147,7 @@ def arch_from_gguf_metadata(meta: dict[str, Any], tensor_names: set[str]) -> Mod
 
 def load_gguf_arch(path: str | Path) -> ModelArch:
     """The architecture alone (metadata only; no tensor is read)."""
-    reader = _reader(path)
+    reader = gguf_reader(path)
     return arch_from_gguf_metadata(gguf_metadata(reader), {t.name for t in reader.tensors})
 
 
@@ -155,7 +155,7 @@ def read_gguf(path: str | Path) -> tuple[ModelArch, dict[str, np.ndarray], dict[
     """(arch, HF-named float32 tensors, metadata) of a GGUF file."""
     from gguf.quants import dequantize
 
-    reader = _reader(path)
+    reader = gguf_reader(path)
     meta = gguf_metadata(reader)
     arch = arch_from_gguf_metadata(meta, {t.name for t in reader.tensors})
     tensors: dict[str, np.ndarray] = {}

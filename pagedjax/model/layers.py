@@ -17,9 +17,11 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype
 
 from pagedjax.attention import write_kv
 from pagedjax.model.input import ModelInput
+from pagedjax.model.quant.weight import QuantizedWeight, embedding_rows, quantized_matmul
 
 AttentionFn = Callable[..., jax.Array]
 KVPool = tuple[jax.Array, jax.Array]  # (k, v), each [L, num_blocks, Hkv, block_size, D]
@@ -81,8 +83,74 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
 
 def linear(features: int, name: str, *, bias: bool, param_dtype: Any) -> nn.Module:
     """The one place the families build a dense layer ([..., in] -> [..., features], params
-    "kernel" [in, features] and "bias"), so a quantized linear can replace it in one edit."""
-    return nn.Dense(features, use_bias=bias, name=name, param_dtype=param_dtype)
+    "kernel" [in, features] and "bias"): a ``Linear``, which also runs a quantized kernel."""
+    return Linear(features, use_bias=bias, name=name, param_dtype=param_dtype)
+
+
+class Linear(nn.Module):
+    """nn.Dense's parameters and numerics ("kernel" [in, features], "bias" [features]),
+    except that a ``kernel`` given as a ``QuantizedWeight`` (pagedjax/model/quant) runs
+    through ``quantized_matmul``. The format lives in the parameters, not in the module,
+    so every family and the layer loop serve quantized checkpoints unchanged; init builds
+    the dense kernel (what the loaders' shape checks and random weights read)."""
+
+    features: int
+    use_bias: bool = True
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        stored = self.get_variable("params", "kernel")
+        if isinstance(stored, QuantizedWeight):
+            y = quantized_matmul(x, stored)
+        else:
+            kernel = self.param(
+                "kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
+                self.param_dtype,
+            )  # fmt: skip
+            x, kernel = promote_dtype(x, kernel, dtype=None)
+            y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        if self.use_bias:
+            bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+            y, bias = promote_dtype(y, bias, dtype=None)
+            y = y + bias
+        return y
+
+
+class Embedding(nn.Module):
+    """nn.Embed's parameter ("embedding" [num_embeddings, features]) and methods (call:
+    ids -> rows; attend: x -> x @ embedding.T, the tied LM head), except that an
+    "embedding" given as a ``QuantizedWeight`` in the LM head's orientation ([features,
+    num_embeddings]: groups along the features, as GGUF's Q8_0 token embedding) serves
+    both: a lookup dequantizes the looked-up columns only, attend is a quantized matmul."""
+
+    num_embeddings: int
+    features: int
+    param_dtype: Any = jnp.float32
+
+    def setup(self) -> None:
+        if not isinstance(self.get_variable("params", "embedding"), QuantizedWeight):
+            init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+            self.embedding = self.param(
+                "embedding", init, (self.num_embeddings, self.features), self.param_dtype
+            )
+
+    def _quantized(self) -> QuantizedWeight | None:
+        stored = self.get_variable("params", "embedding")
+        return stored if isinstance(stored, QuantizedWeight) else None
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        q = self._quantized()
+        if q is not None:
+            return embedding_rows(q, ids, jnp.dtype(self.param_dtype))
+        return jnp.take(self.embedding, ids, axis=0)
+
+    def attend(self, query: jax.Array) -> jax.Array:
+        q = self._quantized()
+        if q is not None:
+            return quantized_matmul(query, q)
+        query, embedding = promote_dtype(query, self.embedding, dtype=None)
+        return jnp.dot(query, embedding.T)
 
 
 class RMSNorm(nn.Module):

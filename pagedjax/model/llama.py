@@ -21,6 +21,7 @@ from pagedjax.model.config import ModelArch
 from pagedjax.model.input import ModelInput
 from pagedjax.model.layers import (
     AttentionFn,
+    Embedding,
     KVPool,
     LayerInputs,
     RMSNorm,
@@ -133,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
     @nn.compact
     def __call__(self, kv_cache: KVPool, batch: ModelInput):
         a, pd = self.arch, self.param_dtype
-        embed = nn.Embed(a.vocab_size, a.hidden_size, name="embed_tokens", param_dtype=pd)
+        embed = Embedding(a.vocab_size, a.hidden_size, name="embed_tokens", param_dtype=pd)
         x = embed(batch.tokens)
         if a.embed_scale:  # Gemma: sqrt(hidden) rounded to the compute dtype first, as HF
             x = x * jnp.asarray(a.hidden_size**0.5, x.dtype)

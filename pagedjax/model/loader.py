@@ -14,6 +14,8 @@ import numpy as np
 from pagedjax.model.config import ModelArch, load_arch
 from pagedjax.model.forward import Params, abstract_params
 from pagedjax.model.hf_keys import canonical_tensors, ignored
+from pagedjax.model.quant.serialization import from_plain, to_plain
+from pagedjax.model.quant.weight import QuantizedWeight, stack_layers
 from pagedjax.model.safetensors_io import load_tensors
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -59,10 +61,17 @@ def _hf_key(path: tuple[str, ...]) -> tuple[str, bool, bool]:
 
 
 def convert_hf_tensors(
-    arch: ModelArch, tensors: dict[str, np.ndarray], dtype: Any = jnp.float32
+    arch: ModelArch,
+    tensors: dict[str, np.ndarray],
+    dtype: Any = jnp.float32,
+    kernels: dict[str, QuantizedWeight] | None = None,
 ) -> Params:
     """HF tensor dict -> Flax params of dtype. Raises ValueError naming any missing tensor,
     shape mismatch, or unexpected tensor (a sign that config and weights disagree).
+
+    ``kernels``: linear weights a quantized checkpoint's loader already built, by
+    canonical key (``layers.3.self_attn.q_proj.weight``); they stand for the dense tensor
+    of that key (shape-checked as [in, out]) and are stacked per layer as they are.
 
     Keys are first made canonical per family (``hf_keys.canonical_tensors``: prefixes
     stripped, Phi-3 / GPT-NeoX fused projections split, Mixtral experts stacked); each Flax
@@ -73,7 +82,21 @@ def convert_hf_tensors(
     used = set()
     missing = []
 
-    def one(key: str, transpose: bool, shape: tuple[int, ...]) -> np.ndarray | None:
+    kernels = kernels or {}
+
+    def one(key: str, transpose: bool, shape: tuple[int, ...]) -> Any:
+        if key in kernels:
+            used.add(key)
+            q = kernels[key]
+            # A kernel is [in, out]; an embedding [vocab, hidden] is held as its LM-head
+            # transpose [hidden, vocab].
+            want = tuple(shape) if transpose else tuple(shape)[::-1]
+            if (q.in_features, q.out_features) != want:
+                raise ValueError(
+                    f"shape mismatch for quantized weight {key!r}: checkpoint has [in, out] "
+                    f"({q.in_features}, {q.out_features}), config implies {want}"
+                )
+            return q
         if key not in named:
             missing.append(key)
             return None
@@ -93,11 +116,13 @@ def convert_hf_tensors(
         key, transpose, stacked = _hf_key(tuple(p.key for p in path))
         if not stacked:
             x = one(key, transpose, spec.shape)
-            return None if x is None else jnp.asarray(x)
+            return None if x is None else jax.tree.map(jnp.asarray, x)
         # Decoder layers are stacked on a leading axis (the layer loop's scan).
         rows = [one(key.format(i=i), transpose, spec.shape[1:]) for i in range(spec.shape[0])]
         if any(r is None for r in rows):
             return None
+        if isinstance(rows[0], QuantizedWeight):
+            return jax.tree.map(jnp.asarray, stack_layers(rows))
         return jnp.asarray(np.stack(rows))
 
     params = jax.tree_util.tree_map_with_path(convert, shapes)
@@ -107,9 +132,11 @@ def convert_hf_tensors(
         source
         for k, (source, _) in named.items()
         if k not in used
+        and k not in kernels
         and not ignored(arch, k)
         and not (k == "lm_head.weight" and arch.tie_word_embeddings)
     }
+    extra |= set(kernels) - used
     if extra:
         raise ValueError(f"checkpoint has tensors the config does not use: {sorted(extra)}")
     return params
@@ -127,14 +154,17 @@ def load_hf_checkpoint(directory: str | Path, dtype: Any = jnp.float32) -> tuple
 
 
 def save_params(directory: str | Path, arch: ModelArch, params: Params) -> None:
-    """Writes converted params with Orbax to <directory>/params and arch to arch.json."""
+    """Writes converted params with Orbax to <directory>/params and arch to arch.json;
+    quantized weights as their arrays, their formats in quant.json (quant/serialization.py)."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).absolute()
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "arch.json").write_text(arch.to_json())
+    plain, formats = to_plain(params)  # quantized weights: arrays + quant.json
+    (directory / "quant.json").write_text(json.dumps(formats))
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(directory / "params", params, force=True)
+        ckpt.save(directory / "params", plain, force=True)
 
 
 def restore_params(directory: str | Path) -> tuple[ModelArch, Params]:
@@ -147,4 +177,6 @@ def restore_params(directory: str | Path) -> tuple[ModelArch, Params]:
     arch = ModelArch.from_json((directory / "arch.json").read_text())
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(directory / "params")
-    return arch, params
+    quant = directory / "quant.json"
+    formats = json.loads(quant.read_text()) if quant.is_file() else {}
+    return arch, from_plain(params, formats)

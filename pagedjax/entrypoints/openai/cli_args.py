@@ -6,7 +6,7 @@ An engine flag left out is left out of ``LLM(...)`` too, so the server's default
 ``make_parser()`` builds the argparse parser (abbreviations off, so an unknown or
 misspelt flag is an error rather than a guess). ``llm_kwargs(args)`` turns the parsed
 flags into ``LLM(...)`` keyword arguments; ``reject_unbuilt(args)`` raises SystemExit
-naming a feature that is not built yet (quantization, tensor parallelism > 1,
+naming a feature that is not built yet (tensor parallelism > 1,
 speculative decoding, a quantized KV cache) instead of ignoring the flag.
 """
 
@@ -115,7 +115,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         help=_own("persistent compilation cache directory (LLM's compilation_cache)"),
     )
     # Accepted so the refusal can name the feature (reject_unbuilt).
-    p.add_argument("--quantization", "-q", default=None, help="not built yet: refused")
+    p.add_argument(
+        "--quantization", "-q", default=None,
+        help="weight quantization: awq, gptq, compressed-tensors, gguf, or in flight"
+        " int8_per_channel_weight_only, fp8_per_tensor, fp8_per_channel, int4, nf4"
+        " (default: the checkpoint's own; docs/quantization.md)",
+    )  # fmt: skip
     p.add_argument("--speculative-config", default=None, help="not built yet: refused")
     p.add_argument(
         "--kv-cache-dtype",
@@ -170,9 +175,7 @@ def make_parser(prog: str = "pagedjax.entrypoints.openai.api_server") -> argpars
 def reject_unbuilt(args: argparse.Namespace) -> None:
     """SystemExit naming a requested feature that pagedjax does not have yet."""
     why = None
-    if args.quantization is not None:
-        why = f"--quantization {args.quantization}: quantized weights are not built yet"
-    elif args.tensor_parallel_size is not None and args.tensor_parallel_size != 1:
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size != 1:
         why = (
             f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not"
             " built yet (only 1)"
@@ -193,6 +196,7 @@ LLM_ARGS = (
     "preemption_mode", "tensor_parallel_size", "scheduling_mode", "watermark",
     "attention_backend", "max_logprobs", "num_scheduler_steps", "warmup", "compilation_cache",
     "kv_cache_dtype",
+    "quantization",
 )  # fmt: skip
 
 
