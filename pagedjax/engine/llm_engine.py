@@ -62,13 +62,14 @@ from pagedjax.engine.loading import load_model
 from pagedjax.engine.model_runner import ModelRunner
 from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
 from pagedjax.engine.outputs import RequestOutput
+from pagedjax.engine.parallel import DevicePlacement
 from pagedjax.engine.prompts import check_request, record_prompt_logprobs, tokenize_prompt
 from pagedjax.engine.request_book import RequestBook
 from pagedjax.engine.sequence import RequestState, SequenceState
 from pagedjax.engine.warmup import warm_up
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.prefix_cache import PrefixIndex
-from pagedjax.model import ModelArch, allocate_kv_cache
+from pagedjax.model import ModelArch
 from pagedjax.sampling import BeamSearchParams, SamplingParams
 from pagedjax.sampling.params import MAX_SEED
 from pagedjax.scheduler import REASON_CAPACITY, REASON_TOO_LONG, ScheduledBatch, SchedulerConfig
@@ -97,12 +98,17 @@ class LLMEngine:
         kv_dtype: Any = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         kv_fill_value: float = 0.0,
+        devices: Sequence[Any] | None = None,
     ):
         _reject_unbuilt_features(config)
         compile_cache.enable(config.compilation_cache)  # idempotent
         cc, sc = config.cache, config.scheduler
         self.arch, self.tokenizer, self.config = arch, tokenizer, config
         dtype = jax.tree.leaves(params)[0].dtype
+        # Tensor parallelism / a replica's own devices (parallel.py); one device: no-op.
+        self.placement = place = DevicePlacement(arch, config.parallel.tensor_parallel_size,
+                                                 devices)  # fmt: skip
+        params = place.params(params)
         self.kv_dtype = kv_dtype if kv_dtype is not None else dtype
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
@@ -117,22 +123,21 @@ class LLMEngine:
         backend = select_attention_backend(config.attention_backend)
         log.info("attention backend: %s (%s)", backend.name, backend.reason)
         self.attention_backend = backend.name  # "native_cpu", "reference", "pallas" or "triton"
-        attention = backend.ragged_paged_attention
+        attention = place.attention(backend.ragged_paged_attention)
         self.runner = ModelRunner(arch, self.block_size, attention, max_logprobs)
         self.max_logprobs = max_logprobs
         budget = sc.max_num_batched_tokens
         self.token_buckets = step_buckets(budget, smallest=min(16, budget))
         self.seq_buckets = seq_buckets_for(self.token_buckets, self.max_num_seqs)  # S from T
 
-        device = jax.devices()[0]
-        self.num_blocks = num_kv_blocks(
-            kv_bytes_per_token=arch.kv_bytes_per_token(self.kv_dtype),
+        self.num_blocks = num_kv_blocks(  # per device: its share of each block
+            kv_bytes_per_token=place.kv_bytes_per_token(self.kv_dtype),
             block_size=self.block_size,
             max_blocks_needed=self.max_seqs * max_blocks_per_seq,
             num_gpu_blocks_override=cc.num_gpu_blocks_override,
             kv_cache_memory_bytes=cc.kv_cache_memory_bytes,
             gpu_memory_utilization=cc.gpu_memory_utilization,
-            device=device,
+            device=place.device,
             profile=functools.partial(
                 profile_forward, arch, params, self.kv_dtype, self.block_size, budget,
                 self.max_num_seqs, max_blocks_per_seq,
@@ -156,13 +161,12 @@ class LLMEngine:
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             mode=sc.scheduling_mode, priority=sc.policy, preemption_mode=sc.preemption_mode,
         )  # fmt: skip
-        kv = allocate_kv_cache(
-            arch, self.num_blocks, self.block_size, self.kv_dtype, fill_value=kv_fill_value
-        )
+        kv = place.allocate_kv(self.num_blocks, self.block_size, self.kv_dtype, kv_fill_value)
         device_state = DeviceState(
             self.policy, self.sched_config, kv, max_model_len=self.max_model_len,
             num_host_blocks=self.num_host_blocks,
         )  # fmt: skip
+        place.place_state(device_state)
         # K-step on-device decode loop (multi_step.py); K = 1 keeps the one-step path.
         num_steps = resolve_num_steps(sc.num_multi_steps, jax.devices()[0].platform)
         self.multi_step = MultiStepDecoder(self.runner, self.policy, self.sched_config, num_steps)
@@ -492,8 +496,5 @@ class LLMEngine:
 
 
 def _reject_unbuilt_features(config: EngineConfig) -> None:
-    if config.parallel.tensor_parallel_size > 1 or config.parallel.data_parallel_size > 1:
-        raise NotImplementedError(
-            "tensor_parallel_size / data_parallel_size > 1: multi-device execution is not"
-            " implemented yet"
-        )
+    if config.parallel.data_parallel_size > 1:  # replicas are data_parallel.py's, above
+        raise ValueError("LLMEngine is one replica; data_parallel_size > 1: DataParallelEngine")

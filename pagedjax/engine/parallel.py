@@ -1,0 +1,106 @@
+"""The engine's devices: one, or a tensor-parallel mesh (``pagedjax/model/sharding.py``).
+
+``DevicePlacement`` is what ``LLMEngine`` asks where things go: the parameters (Megatron
+shardings), the attention backend (wrapped in ``shard_map``), the KV pool (allocated
+sharded by KV head, never whole on one device), the scheduler state and token buffer
+(replicated: every device runs the same schedule), and the bytes of KV per token that
+one device holds (the KV budget is per device, as vLLM's ``gpu_memory_utilization``).
+
+With one device and no explicit device list it changes nothing: the engine runs exactly
+as before (arrays uncommitted on the default device). An explicit list (a data-parallel
+replica on its own devices, ``data_parallel.py``) or N > 1 builds a mesh and commits
+every array to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pagedjax.model import ModelArch, allocate_kv_cache
+from pagedjax.model.kv_cache import kv_cache_shape
+from pagedjax.model.sharding import (
+    TPLayout,
+    make_layout,
+    per_device_bytes,
+    replicate,
+    shard_attention,
+    shard_params,
+)
+
+
+class DevicePlacement:
+    """Where one engine's arrays live. ``size``: tensor_parallel_size; ``devices``: the
+    devices to use (default: the first ``size`` of ``jax.devices()``). Raises ValueError
+    (naming both numbers) when ``size`` does not divide the model's heads, or the devices
+    are too few."""
+
+    def __init__(self, arch: ModelArch, size: int, devices: Sequence[Any] | None = None):
+        self.arch = arch
+        self.size = size
+        self.layout: TPLayout | None = None
+        if size > 1 or devices is not None:
+            self.layout = make_layout(arch, size, devices)
+
+    @property
+    def device(self) -> Any:
+        """The first device (its memory stats size the per-device KV budget)."""
+        return self.layout.devices[0] if self.layout else jax.devices()[0]
+
+    @property
+    def kv_shards(self) -> int:
+        """Ways the KV heads are split: 1 / kv_shards of the pool lives on each device."""
+        return self.layout.kv_shards if self.layout else 1
+
+    def kv_bytes_per_token(self, dtype: Any) -> int:
+        """KV bytes (all layers, K and V) one device holds per token."""
+        return self.arch.kv_bytes_per_token(dtype) // self.kv_shards
+
+    def params(self, params: Any) -> Any:
+        return shard_params(params, self.layout) if self.layout else params
+
+    def attention(self, fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+        # A single device needs no shard_map: keep the backend's own function (and its
+        # identity: forward caches by it).
+        return shard_attention(fn, self.layout) if self.layout and self.size > 1 else fn
+
+    def allocate_kv(self, num_blocks: int, block_size: int, dtype: Any, fill_value: float) -> Any:
+        """(k, v) [L, num_blocks, Hkv, block_size, D], each device holding its KV heads;
+        built in place on the mesh (the whole pool never sits on one device)."""
+        if self.layout is None:
+            return allocate_kv_cache(self.arch, num_blocks, block_size, dtype, fill_value)
+        allocate_kv_cache(self.arch, 2, block_size, dtype)  # its argument checks, tiny
+        shape = kv_cache_shape(self.arch, num_blocks, block_size)
+        make = jax.jit(
+            lambda: tuple(jnp.full(shape, fill_value, dtype) for _ in range(2)),
+            out_shardings=(self.layout.kv_sharding,) * 2,
+        )
+        return make()
+
+    def place_state(self, device_state: Any) -> None:
+        """Commit the scheduler state and token buffer to the mesh, replicated, so every
+        jitted function sees one device set (and compiles once)."""
+        if self.layout is not None:
+            device_state.state = replicate(device_state.state, self.layout)
+            device_state.tokens = replicate(device_state.tokens, self.layout)
+
+    def describe(self) -> str:
+        if self.layout is None:
+            return "one device"
+        lay = self.layout
+        return (
+            f"tensor_parallel_size={lay.size} on {[str(d) for d in lay.devices]}: KV heads"
+            f" {self.arch.num_kv_heads} split {lay.kv_shards} ways, each replicated"
+            f" {lay.kv_replicas}x"
+        )
+
+
+def memory_report(params: Any, kv: Any) -> dict[str, dict[Any, int]]:
+    """Bytes per device of the parameters and of the KV pool, from their shardings."""
+    return {"params": per_device_bytes(params), "kv": per_device_bytes(kv)}
+
+
+__all__ = ["DevicePlacement", "memory_report"]
