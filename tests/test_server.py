@@ -541,7 +541,6 @@ def test_cli_flags():
         with pytest.raises(SystemExit):
             p.parse_args(bad_argv)  # unknown flags and abbreviations are errors
     for flags, feature in ((["--quantization", "awq"], "quantized weights"),
-                           (["--tensor-parallel-size", "2"], "tensor parallelism"),
                            (["--speculative-config", "{}"], "speculative decoding"),
                            (["--kv-cache-dtype", "fp8"], "quantized KV cache")):  # fmt: skip
         with pytest.raises(SystemExit, match=feature):

@@ -136,9 +136,44 @@ class DataParallelEngine:
         """The replica with the fewest outstanding tokens (beam search runs there)."""
         return self.replicas[self.router.least_loaded()]
 
-    def stats(self) -> list[dict[str, float | int]]:
+    # What the server's front and metrics read (async_engine.py, openai/metrics.py): sums
+    # over replicas, or the replicas' common value.
+
+    @property
+    def max_logprobs(self) -> int:
+        return self.replicas[0].max_logprobs
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(e.num_preemptions for e in self.replicas)
+
+    def request_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for e in self.replicas:
+            for k, v in e.request_counts().items():
+                counts[k] = counts.get(k, 0) + v
+        return counts
+
+    def num_usable_blocks(self) -> int:
+        return sum(e.num_usable_blocks() for e in self.replicas)
+
+    def num_free_blocks(self) -> int:
+        return sum(e.num_free_blocks() for e in self.replicas)
+
+    def replica_stats(self) -> list[dict[str, float | int]]:
         """Each replica's ``LLMEngine.stats()``."""
         return [e.stats() for e in self.replicas]
+
+    def stats(self) -> dict[str, float | int]:
+        """``LLMEngine.stats()`` summed over replicas; rates and averages (keys ending in
+        ``_rate`` or holding ``saved``) are the replicas' mean, unweighted."""
+        per = self.replica_stats()
+        out: dict[str, float | int] = {}
+        for key in per[0]:
+            vals = [s[key] for s in per]
+            mean = key.endswith("_rate") or "saved" in key
+            out[key] = sum(vals) / len(vals) if mean else sum(vals)
+        return out
 
 
 __all__ = ["DataParallelEngine"]
