@@ -150,6 +150,10 @@ def case_tp(tp: int, model: str, backend: str = "auto") -> dict:
         assert p.sharding.is_equivalent_to(layout.kv_sharding, p.ndim), p.sharding
     traces = {f"{t}x{s}": c for (t, s), c in eng.runner.trace_count.items()}
     assert all(c == 1 for c in traces.values()), f"recompiled: {traces}"
+    # Warm-up compiles the executable real steps use (same shardings): a cache hit.
+    compiled = eng.runner.step._cache_size()
+    eng.warmup([next(iter(eng.runner.trace_count))])
+    assert eng.runner.step._cache_size() == compiled, "warm-up compiled a different program"
     return dict(facts, attention_backend=eng.attention_backend, buckets=len(traces),
                 kv_shards=layout.kv_shards, kv_replicas=layout.kv_replicas,
                 **memory(eng, tp))  # fmt: skip
@@ -201,7 +205,36 @@ def case_dp() -> dict:
     assert devs == [[0, 1], [2, 3]], devs
     assert set(where.values()) == {0, 1}, where
     eng.router = Router(2, "prefix_affinity", block_size=BLOCK)
-    return dict(replica_of=where, devices=devs, **affinity(eng))
+    facts = dict(replica_of=where, devices=devs, **affinity(eng))
+    return dict(facts, **served(eng, ref_outs["A"][0], workload(eng.arch.vocab_size)[0][0][1]))
+
+
+def served(eng, want: list[int], prompt: list[int]) -> dict:
+    """The server's front (AsyncLLMEngine, /metrics) over the DP engine: A's output."""
+    import asyncio
+
+    from pagedjax.engine.async_engine import AsyncLLMEngine
+    from pagedjax.entrypoints.openai.metrics import ServerMetrics
+
+    front = AsyncLLMEngine(eng)
+
+    async def one() -> tuple[list[int], bytes]:
+        last = None
+        async for out in front.generate(prompt, greedy(len(want)), "srv"):
+            last = out
+        # What /metrics reads, on the engine thread (render() swallows its errors).
+        await front.call(lambda e: (e.request_counts()["running"], e.stats()["compilations"],
+                                    e.num_free_blocks() / e.num_usable_blocks(),
+                                    e.num_preemptions))  # fmt: skip
+        return list(last.outputs[0].token_ids), await ServerMetrics("tp").render(front)
+
+    try:
+        got, metrics = asyncio.run(one())
+    finally:
+        front.shutdown()
+    assert got == want, (got, want)
+    assert b"pagedjax:" in metrics
+    return dict(served_tokens=len(got))
 
 
 def affinity(eng) -> dict:

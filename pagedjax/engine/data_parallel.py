@@ -165,15 +165,23 @@ class DataParallelEngine:
         return [e.stats() for e in self.replicas]
 
     def stats(self) -> dict[str, float | int]:
-        """``LLMEngine.stats()`` summed over replicas; rates and averages (keys ending in
-        ``_rate`` or holding ``saved``) are the replicas' mean, unweighted."""
+        """``LLMEngine.stats()`` summed over replicas, except the ratios (the replicas'
+        unweighted mean) and the process-wide XLA compilation count (once)."""
         per = self.replica_stats()
         out: dict[str, float | int] = {}
         for key in per[0]:
             vals = [s[key] for s in per]
-            mean = key.endswith("_rate") or "saved" in key
-            out[key] = sum(vals) / len(vals) if mean else sum(vals)
+            if key in _MEAN_KEYS:
+                out[key] = sum(vals) / len(vals)
+            elif key in _PROCESS_KEYS:
+                out[key] = vals[0]
+            else:
+                out[key] = sum(vals)
         return out
+
+
+_MEAN_KEYS = ("prefix_cache_hit_rate", "blocks_saved_by_sharing", "blocks_saved_by_sharing_total")
+_PROCESS_KEYS = ("xla_compilations",)
 
 
 __all__ = ["DataParallelEngine"]
