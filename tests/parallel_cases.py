@@ -53,11 +53,12 @@ def params_of(model: str):
     return random_params(preset_arch(model), seed=0, dtype=jnp.float32, std=0.15)
 
 
-def config(model: str, tp: int, backend: str, dp: int = 1, routing: str = "least_tokens"):
+def config(model: str, tp: int, backend: str, dp: int = 1, routing: str = "least_tokens",
+           swap_space: float = 0.01):  # fmt: skip
     return EngineConfig(
         model=ModelConfig(model=model, max_model_len=MAX_LEN, seed=0),
         cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=NUM_BLOCKS,
-                          enable_prefix_caching=True, swap_space=0.01),
+                          enable_prefix_caching=True, swap_space=swap_space),
         scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS,
                                   watermark=0.0),
         parallel=ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp,
@@ -163,13 +164,13 @@ def _ways(path: tuple[str, ...], tp: int, kv_shards: int) -> int:
     """How many ways the test expects a parameter split (stated here independently of
     the module's rule table)."""
     names = set(path)
-    if names & {"k_proj", "v_proj"}:
+    if names & {"k_proj", "v_proj"}:  # kernel and bias
         return kv_shards
-    if names & {"q_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head"}:
+    if names & {"q_proj", "gate_proj", "up_proj", "fc1", "embed_tokens", "lm_head"}:
         return tp
-    if names & {"o_proj", "down_proj"} and path[-1] == "kernel":
+    if names & {"o_proj", "down_proj", "out_proj", "fc2"} and path[-1] == "kernel":
         return tp
-    return 1
+    return 1  # norms, row-parallel biases, OPT's position embeddings
 
 
 def memory(eng, tp: int) -> dict:
@@ -271,5 +272,10 @@ def run(name: str) -> dict:
 
 
 if __name__ == "__main__":
+    import time
+
     for case in sys.argv[1:]:
-        print(json.dumps({"case": case, **run(case)}, default=str), flush=True)
+        t = time.perf_counter()
+        facts = run(case)
+        facts["seconds"] = round(time.perf_counter() - t, 1)
+        print(json.dumps({"case": case, **facts}, default=str), flush=True)

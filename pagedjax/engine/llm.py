@@ -7,11 +7,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
 from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from pagedjax.config import SchedulerConfig as EngineSchedulerConfig
 from pagedjax.engine.beams import BeamSearchOutput, beam_search
 from pagedjax.engine.data_parallel import DataParallelEngine
 from pagedjax.engine.llm_engine import DEFAULT_MAX_LOGPROBS, LLMEngine
+from pagedjax.engine.multihost import MultiHostEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.sampling import BeamSearchParams, SamplingParams
 
@@ -81,6 +84,14 @@ class LLM:
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}"
             )
+        multi_process = jax.process_count() > 1  # after multihost.initialize
+        if multi_process:
+            if preemption_mode == "swap":
+                raise ValueError("preemption_mode='swap' is not available over several"
+                                 " processes (multihost.py): use 'recompute'")  # fmt: skip
+            swap_space = 0.0  # KV blocks of other processes cannot be read to this host
+            if data_parallel_size > 1:
+                raise ValueError("data_parallel_size > 1 over several processes is not built")
         config = EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -118,6 +129,8 @@ class LLM:
         _check_literals(config)
         engine_cls = DataParallelEngine if data_parallel_size > 1 else LLMEngine
         self.llm_engine = engine_cls.from_config(config, max_logprobs=max_logprobs)
+        if multi_process:  # process 0 takes requests, the others follow (multihost.py)
+            self.llm_engine = MultiHostEngine(self.llm_engine)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -216,11 +229,25 @@ class LLM:
         most prompts searched at once (default: as many as the KV pool and slots hold).
         """
         engine = self.llm_engine
+        if isinstance(engine, MultiHostEngine):
+            raise NotImplementedError("beam search over several processes is not built")
         if isinstance(engine, DataParallelEngine):
             engine = engine.least_loaded_replica()
         return beam_search(
             engine, _as_prompt_list(prompts), params, use_tqdm, concurrency_limit
         )
+
+    def follow(self) -> int:
+        """On a process other than 0 of a multi-process run: serve process 0's steps until
+        it calls ``shutdown()`` (pagedjax/engine/multihost.py). Returns the steps run."""
+        if not isinstance(self.llm_engine, MultiHostEngine):
+            raise RuntimeError("follow() is for multi-process runs (multihost.initialize)")
+        return self.llm_engine.follow()
+
+    def shutdown(self) -> None:
+        """On process 0 of a multi-process run: release the followers. A no-op otherwise."""
+        if isinstance(self.llm_engine, MultiHostEngine):
+            self.llm_engine.shutdown()
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -138,9 +138,10 @@ def _padding_batch(core: EngineCore) -> ScheduledBatch:
 def _runner(core: EngineCore, decoder: MultiStepDecoder, t: int, s: int) -> None:
     """The step on an all-padding batch: no KV write, no token appended, no copy."""
     dev = core.device
-    f = np.zeros((core.max_seqs,), bool)
     mem = dev.state.mem
-    mem = mem._replace(last_cow=mem.last_cow._replace(valid=jnp.asarray(f)))
+    # No copy-on-write; zeros_like keeps the state's placement (a tensor-parallel mesh
+    # commits it there), so this compiles the signature real steps use.
+    mem = mem._replace(last_cow=mem.last_cow._replace(valid=jnp.zeros_like(mem.last_cow.valid)))
     sampling = dev.sampling()
     st = dev.state
     dev.kv, dev.tokens, out, _ = core.runner.step(
