@@ -22,6 +22,7 @@ CASES = [
     ("paged_vs_contiguous.py", ["--tiny"], "concurrency_ratio"),
     ("scheduler_overhead.py", ["--seqs", "256", "--steps", "3"], "us_per_step_at_256"),
     ("attention_cpu.py", ["--only", "1", "--reps", "1"], "ms_decode_256"),
+    ("tp_capacity.py", [], "kv_tokens_70b_tp8"),
 ]
 
 

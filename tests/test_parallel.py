@@ -140,3 +140,26 @@ def test_router_least_tokens_and_prefix_affinity():
 def test_parallel_config_checks_routing():
     with pytest.raises(ValueError, match="data_parallel_routing"):
         ParallelConfig(data_parallel_routing="random")  # type: ignore[arg-type]
+
+
+def test_simulator_tp_replicates_kv_past_the_kv_heads_and_prices_the_link():
+    from pagedjax.simulator.cost_model import GPUS, model_geometry, roofline
+
+    g8 = model_geometry("llama-3-70b", 8)  # 8 KV heads: split 8 ways
+    g16 = g8.with_tp(16)  # 16 > 8 KV heads: each replicated twice
+    assert g8.kv_shards == 8 and g16.kv_shards == 8
+    assert g16.kv_bytes_per_token_per_gpu == g8.kv_bytes_per_token_per_gpu
+    assert g16.weight_bytes_per_gpu < g8.weight_bytes_per_gpu  # k/v stay, the rest halves
+    assert model_geometry("llama-2-7b", 1).weight_bytes_per_gpu == pytest.approx(
+        model_geometry("llama-2-7b", 1).weight_bytes
+    )
+    nv = roofline("H100-80GB", "llama-3-70b", tp=4)
+    pcie = roofline("H100-80GB", "llama-3-70b", tp=4, link="pcie")
+    tokens, g = 64, model_geometry("llama-3-70b", 4)
+    sent = 2 * 3 / 4 * tokens * g.hidden * g.bytes_per_param  # ring all-reduce, per GPU
+    want = sent / (0.7 * GPUS["H100-80GB"].nvlink_bytes_per_s / 2) + 10e-6
+    assert float(nv.allreduce_time(tokens)) == pytest.approx(want, rel=1e-5)
+    assert float(pcie.comm_time(0, tokens)) > float(nv.comm_time(0, tokens)) > 0
+    assert float(roofline("H100-80GB", "llama-3-70b", tp=1).comm_time(0, tokens)) == 0
+    with pytest.raises(ValueError, match="link"):
+        roofline("H100-80GB", "llama-3-70b", tp=4, link="ethernet")
