@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 import time
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,3 +72,24 @@ def test_a_dead_process_stops_the_other_within_the_heartbeat_bound():
     assert leader.returncode != 0
     assert "heartbeat timeout" in err or "another task died" in err, err[-3000:]
     assert stopped - died < BOUND_S, f"leader stopped {stopped - died:.1f} s after the death"
+
+
+@pytest.mark.slow
+def test_the_example_runs_on_two_processes():
+    """examples/multihost_generate.py through the LLM API (LLM.follow / LLM.shutdown)."""
+    port = _port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")  # fmt: skip
+    cmd = [sys.executable, str(ROOT / "examples" / "multihost_generate.py"),
+           "--coordinator-address", f"localhost:{port}", "--num-processes", "2"]  # fmt: skip
+    procs = [subprocess.Popen([*cmd, "--process-id", str(i)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i in (0, 1)]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-2000:] + err[-3000:]
+    assert "process 0 of 2, tensor_parallel_size=4 over 4 devices" in outs[0][0]
