@@ -11,9 +11,9 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT_S = 5  # multihost_case.py's heartbeat_timeout_s
