@@ -72,7 +72,9 @@ class DevicePlacement:
         built in place on the mesh (the whole pool never sits on one device)."""
         if self.layout is None:
             return allocate_kv_cache(self.arch, num_blocks, block_size, dtype, fill_value)
-        allocate_kv_cache(self.arch, 2, block_size, dtype)  # its argument checks, tiny
+        if num_blocks < 2 or block_size < 1:  # allocate_kv_cache's checks, same words
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block) and"
+                             f" block_size >= 1, got {num_blocks} and {block_size}")  # fmt: skip
         shape = kv_cache_shape(self.arch, num_blocks, block_size)
         make = jax.jit(
             lambda: tuple(jnp.full(shape, fill_value, dtype) for _ in range(2)),
