@@ -49,16 +49,22 @@ class Router:
         self.max_entries = max_entries
         self.outstanding = [0] * num_replicas  # tokens per replica
         self.requests: dict[str, tuple[int, int]] = {}  # id -> (replica, tokens)
-        self.prefix_owner: OrderedDict[tuple[int, ...], int] = OrderedDict()
+        self.prefix_owner: OrderedDict[int, int] = OrderedDict()
 
     def least_loaded(self) -> int:
         return min(range(self.num_replicas), key=lambda r: (self.outstanding[r], r))
 
-    def _prefix_keys(self, prompt_ids: Sequence[int]) -> list[tuple[int, ...]]:
-        """Keys of the whole-block prefixes of the prompt, longest first."""
+    def _prefix_keys(self, prompt_ids: Sequence[int]) -> list[int]:
+        """Chained hashes of the whole-block prefixes of the prompt, longest first (as the
+        prefix cache keys blocks: one int per prefix, not the tokens; a collision only
+        costs balance)."""
         bs = self.block_size
         n = min(len(prompt_ids) // bs, self.max_prefix_blocks)
-        return [tuple(prompt_ids[: k * bs]) for k in range(n, 0, -1)]
+        keys, h = [], 0
+        for k in range(n):
+            h = hash((h, tuple(prompt_ids[k * bs:(k + 1) * bs])))
+            keys.append(h)
+        return keys[::-1]
 
     def route(self, request_id: str, prompt_ids: Sequence[int], tokens: int) -> int:
         """The replica for a new request of ``tokens`` outstanding tokens; recorded."""
