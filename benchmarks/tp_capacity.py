@@ -18,7 +18,8 @@ Simulated columns (labelled so): the roofline's decode step (64 sequences, 1,024
 contexts) on H100-80GB with the TP all-reduces over NVLink or over PCIe 5.0.
 
 ``--step-time`` (CPU): decode steps of the ``tiny-llama-tp`` preset (random weights,
-hidden 64 widened by ``--hidden``) at TP 1 and TP 2 on simulated host devices. They
+widened to ``--hidden``) at TP 1 and TP 2 on simulated host devices, timed in alternating
+windows (median per engine). They
 share the same cores, so the ratio measures the overhead of the sharded program
 (collectives, shard_map), not a speed-up. The last line is ``kv_tokens_70b_tp8: <n>``.
 """
@@ -100,8 +101,8 @@ def print_capacity(rows: list[dict]) -> None:
               f" {r['allreduce_nvlink_us']:>10.1f}/{r['allreduce_pcie_us']:<10.1f}")  # fmt: skip
 
 
-def step_time(tp: int, hidden: int, steps: int) -> float:
-    """Mean seconds per decode iteration of 4 sequences at TP ``tp`` (after warm-up)."""
+def decode_engine(tp: int, hidden: int, steps: int):
+    """An engine at TP ``tp`` decoding 4 sequences (prefill and compilation done)."""
     import dataclasses
 
     from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
@@ -115,21 +116,32 @@ def step_time(tp: int, hidden: int, steps: int) -> float:
     arch = dataclasses.replace(arch, hidden_size=hidden, head_dim=hidden // arch.num_heads,
                                intermediate_size=4 * hidden)  # fmt: skip
     cfg = EngineConfig(
-        model=ModelConfig(model="tiny-llama-tp", max_model_len=256),
-        cache=CacheConfig(block_size=16, num_gpu_blocks_override=128),
+        model=ModelConfig(model="tiny-llama-tp", max_model_len=1024),
+        cache=CacheConfig(block_size=16, num_gpu_blocks_override=300),
         scheduler=SC(max_num_batched_tokens=64, max_num_seqs=4, num_multi_steps=1),
         parallel=ParallelConfig(tensor_parallel_size=tp), warmup="none",
     )  # fmt: skip
     eng = LLMEngine(arch, random_params(arch, 0, jnp.float32), ByteTokenizer(2, 1), cfg)
-    p = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
     for i in range(4):
         eng.add_request(str(i), list(range(3, 35)), p)
     for _ in range(6):  # prefill + first decode steps (compilation)
         eng.step()
-    t = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    return (time.perf_counter() - t) / steps
+    return eng
+
+
+def step_times(hidden: int, rounds: int, steps: int) -> tuple[float, float]:
+    """Median seconds per decode step at TP 1 and TP 2: the two engines are timed in
+    alternating windows of ``steps`` steps, so load changes on a shared box hit both."""
+    engines = {tp: decode_engine(tp, hidden, rounds * steps) for tp in (1, 2)}
+    times: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(rounds):
+        for tp, eng in engines.items():
+            t = time.perf_counter()
+            for _ in range(steps):
+                eng.step()
+            times[tp].append((time.perf_counter() - t) / steps)
+    return float(np.median(times[1])), float(np.median(times[2]))
 
 
 def main() -> None:
@@ -137,7 +149,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["llama-2-7b", "llama-3-70b"])
     ap.add_argument("--step-time", action="store_true")
     ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=10, help="decode steps per timing window")
+    ap.add_argument("--rounds", type=int, default=7, help="alternating windows per engine")
     args = ap.parse_args()
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {cpu_model()},"
           f" load {os.getloadavg()[0]:.2f}, jax {jax.__version__}, bf16 weights and KV,"
@@ -145,9 +158,9 @@ def main() -> None:
     rows = [r for m in args.models for r in capacity_rows(m)]
     print_capacity(rows)
     if args.step_time:
-        t1 = step_time(1, args.hidden, args.steps)
-        t2 = step_time(2, args.hidden, args.steps)
-        print(f"CPU decode step (tiny-llama-tp widened to hidden {args.hidden}, 4 seqs):"
+        t1, t2 = step_times(args.hidden, args.rounds, args.steps)
+        print(f"CPU decode step (tiny-llama-tp widened to hidden {args.hidden}, 4 seqs, median"
+              f" of {args.rounds} alternating windows):"
               f" TP1 {t1 * 1e3:.2f} ms, TP2 {t2 * 1e3:.2f} ms, ratio {t2 / t1:.2f}"
               f" (shared cores: overhead, not speed-up);"
               f" load {os.getloadavg()[0]:.2f}")  # fmt: skip
