@@ -259,6 +259,19 @@ def affinity(eng) -> dict:
     return dict(affinity_replica_of=where, affinity_hit_tokens=hits)
 
 
+def case_errors() -> dict:
+    """A start-up error that needs the devices to exist: heads N does not divide."""
+    from pagedjax import LLM
+
+    want = "tensor_parallel_size=3 does not divide the model's 8 query heads"
+    try:
+        LLM("tiny-llama-tp", tensor_parallel_size=3, warmup="none")
+    except ValueError as e:
+        assert want in str(e), str(e)
+        return dict(message=str(e))
+    raise AssertionError("TP 3 was accepted")
+
+
 def run(name: str) -> dict:
     parts = name.split("-")
     if parts[0].startswith("tp"):
@@ -268,6 +281,8 @@ def run(name: str) -> dict:
         return case_tp(tp, model, backend)
     if name == "dp":
         return case_dp()
+    if name == "errors":
+        return case_errors()
     raise ValueError(f"unknown case {name!r}")
 
 

@@ -29,6 +29,7 @@ from pagedjax.config import EngineConfig
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.loading import load_model
 from pagedjax.engine.outputs import RequestOutput
+from pagedjax.engine.parallel import check_device_count
 from pagedjax.engine.router import Router
 from pagedjax.sampling import SamplingParams
 
@@ -76,6 +77,8 @@ class DataParallelEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> DataParallelEngine:
         """Load config.model once, build the replicas."""
+        par = config.parallel
+        check_device_count(par.tensor_parallel_size, par.data_parallel_size)  # before loading
         arch, params, tokenizer, _ = load_model(config.model)
         return cls(arch, params, tokenizer, config, **kwargs)
 

@@ -62,7 +62,7 @@ from pagedjax.engine.loading import load_model
 from pagedjax.engine.model_runner import ModelRunner
 from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
 from pagedjax.engine.outputs import RequestOutput
-from pagedjax.engine.parallel import DevicePlacement
+from pagedjax.engine.parallel import DevicePlacement, check_device_count
 from pagedjax.engine.prompts import check_request, record_prompt_logprobs, tokenize_prompt
 from pagedjax.engine.request_book import RequestBook
 from pagedjax.engine.sequence import RequestState, SequenceState
@@ -102,12 +102,10 @@ class LLMEngine:
     ):
         _reject_unbuilt_features(config)
         compile_cache.enable(config.compilation_cache)  # idempotent
-        cc, sc = config.cache, config.scheduler
+        cc, sc, par = config.cache, config.scheduler, config.parallel  # par: TP (parallel.py)
         self.arch, self.tokenizer, self.config = arch, tokenizer, config
         dtype = jax.tree.leaves(params)[0].dtype
-        # Tensor parallelism / a replica's own devices (parallel.py); one device: no-op.
-        self.placement = place = DevicePlacement(arch, config.parallel.tensor_parallel_size,
-                                                 devices)  # fmt: skip
+        self.placement = place = DevicePlacement(arch, par.tensor_parallel_size, devices)
         params = place.params(params)
         self.kv_dtype = kv_dtype if kv_dtype is not None else dtype
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
@@ -496,5 +494,6 @@ class LLMEngine:
 
 
 def _reject_unbuilt_features(config: EngineConfig) -> None:
+    check_device_count(config.parallel.tensor_parallel_size)
     if config.parallel.data_parallel_size > 1:  # replicas are data_parallel.py's, above
         raise ValueError("LLMEngine is one replica; data_parallel_size > 1: DataParallelEngine")

@@ -100,9 +100,23 @@ class DevicePlacement:
         )
 
 
+def check_device_count(tensor_parallel_size: int, data_parallel_size: int = 1) -> None:
+    """ValueError, before any weights are loaded, when JAX sees fewer devices than
+    tensor_parallel_size x data_parallel_size (the heads are checked once the model's
+    shape is known, ``sharding.check_tp``)."""
+    need, have = tensor_parallel_size * data_parallel_size, len(jax.devices())
+    if need > have:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size="
+            f"{data_parallel_size} needs {need} devices; jax sees {have}"
+            f" ({jax.devices()[0].platform}; on a CPU, XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={need} simulates them)"
+        )
+
+
 def memory_report(params: Any, kv: Any) -> dict[str, dict[Any, int]]:
     """Bytes per device of the parameters and of the KV pool, from their shardings."""
     return {"params": per_device_bytes(params), "kv": per_device_bytes(kv)}
 
 
-__all__ = ["DevicePlacement", "memory_report"]
+__all__ = ["DevicePlacement", "check_device_count", "memory_report"]
