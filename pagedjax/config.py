@@ -179,13 +179,24 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """tensor_parallel_size: devices one model is split over (docs/parallelism.md);
+    data_parallel_size: engine replicas; data_parallel_routing: how requests pick a replica
+    ("least_tokens" or "prefix_affinity", pagedjax/engine/router.py)."""
+
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    data_parallel_routing: Literal["least_tokens", "prefix_affinity"] = "least_tokens"
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
             v = getattr(self, name)
             _check(v >= 1, f"parallel.{name}", f"must be >= 1, got {v}")
+        routes = ("least_tokens", "prefix_affinity")
+        _check(
+            self.data_parallel_routing in routes,
+            "parallel.data_parallel_routing",
+            f"must be one of {routes}, got {self.data_parallel_routing!r}",
+        )
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ CASES = [
     ("scheduler_overhead.py", ["--seqs", "256", "--steps", "3"], "us_per_step_at_256"),
     ("attention_cpu.py", ["--only", "1", "--reps", "1"], "ms_decode_256"),
     ("kv_capacity.py", [], "fp8_capacity_gain"),
+    ("tp_capacity.py", [], "kv_tokens_70b_tp8"),
 ]
 
 

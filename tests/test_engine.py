@@ -439,12 +439,17 @@ def test_max_model_len_over_the_model_limit_is_rejected():
         LLMEngine(ARCH, _params(), ByteTokenizer(), config)
 
 
-def test_unbuilt_features_raise_not_implemented():
-    config = EngineConfig(
-        cache=CacheConfig(enable_prefix_caching=False),
-        parallel=ParallelConfig(tensor_parallel_size=2),
-    )
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
+def test_parallel_sizes_the_engine_cannot_serve_raise():
+    """TP over more devices than JAX sees, or DP (replicas are DataParallelEngine's), is a
+    clear error at start-up (tests/test_parallel.py runs TP and DP on 8 host devices)."""
+    cache = CacheConfig(enable_prefix_caching=False)
+    if len(jax.devices()) >= 4:  # ARCH has 4 query heads: TP 4 is the largest valid size
+        pytest.skip("this process sees enough devices for TP 4")
+    config = EngineConfig(cache=cache, parallel=ParallelConfig(tensor_parallel_size=4))
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 .* needs 4 devices"):
+        LLMEngine(ARCH, _params(), ByteTokenizer(), config)
+    config = EngineConfig(cache=cache, parallel=ParallelConfig(data_parallel_size=2))
+    with pytest.raises(ValueError, match="DataParallelEngine"):
         LLMEngine(ARCH, _params(), ByteTokenizer(), config)
 
 

@@ -191,7 +191,9 @@ def test_prompt_the_pool_can_never_hold(hf_dir):
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        (dict(tensor_parallel_size=2), NotImplementedError, "tensor_parallel_size"),
+        (dict(tensor_parallel_size=64), ValueError, "needs 64 devices"),
+        (dict(data_parallel_size=64), ValueError, "needs 64 devices"),
+        (dict(data_parallel_routing="random"), ValueError, "data_parallel_routing"),
         (dict(not_an_option=1), TypeError, "not_an_option"),
         (dict(preemption_mode="nope"), ValueError, "preemption_mode"),
         (dict(block_size=12), ValueError, "block_size"),

@@ -542,8 +542,7 @@ def test_cli_flags():
             p.parse_args(bad_argv)  # unknown flags and abbreviations are errors
     quant = p.parse_args(["--model", "m", "-q", "int4"])
     assert cli_args.llm_kwargs(quant)["quantization"] == "int4"  # passed on to LLM
-    for flags, feature in ((["--tensor-parallel-size", "2"], "tensor parallelism"),
-                           (["--speculative-config", "{}"], "speculative decoding")):  # fmt: skip
+    for flags, feature in ((["--speculative-config", "{}"], "speculative decoding"),):
         with pytest.raises(SystemExit, match=feature):
             cli_args.reject_unbuilt(p.parse_args(["--model", "m", *flags]))
     # The 8-bit KV cache is built: the flag reaches LLM(kv_cache_dtype=...); bad names exit.

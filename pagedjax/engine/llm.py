@@ -7,11 +7,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
 from pagedjax.attention import KV_CACHE_DTYPES
 from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from pagedjax.config import SchedulerConfig as EngineSchedulerConfig
 from pagedjax.engine.beams import BeamSearchOutput, beam_search
+from pagedjax.engine.data_parallel import DataParallelEngine
 from pagedjax.engine.llm_engine import DEFAULT_MAX_LOGPROBS, LLMEngine
+from pagedjax.engine.multihost import MultiHostEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.sampling import BeamSearchParams, SamplingParams
 
@@ -26,8 +30,10 @@ class LLM:
     model: a local Hugging Face checkpoint directory, a ``.gguf`` file, a catalog name
     (``smollm2-135m-instruct``: a real model fetched once into the user's cache) or a
     preset name (random weights).
-    Options whose features later issues build are accepted by name and raise
-    NotImplementedError when turned on: tensor_parallel_size > 1. swap_space (GiB) sizes
+    tensor_parallel_size: devices one model is split over (Megatron layout, KV pool by KV
+    head; docs/parallelism.md); data_parallel_size: engine replicas over M x N devices,
+    requests routed by ``data_parallel_routing`` ("least_tokens" or "prefix_affinity";
+    beam search runs on the least-loaded replica). swap_space (GiB) sizes
     the host pool for preemption by swap (preemption_mode "swap", or None: swap groups of
     several samples, recompute single sequences; docs/engine.md). Unknown keyword arguments raise
     TypeError. On CPU the KV pool size comes from num_gpu_blocks_override or
@@ -70,6 +76,8 @@ class LLM:
         kv_scales: str = "default",
         preemption_mode: str | None = None,
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        data_parallel_routing: str = "least_tokens",
         scheduling_mode: str = "default",
         watermark: float = 0.01,
         attention_backend: str = "auto",
@@ -89,6 +97,14 @@ class LLM:
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}"
             )
+        multi_process = jax.process_count() > 1  # after multihost.initialize
+        if multi_process:
+            if preemption_mode == "swap":
+                raise ValueError("preemption_mode='swap' is not available over several"
+                                 " processes (multihost.py): use 'recompute'")  # fmt: skip
+            swap_space = 0.0  # KV blocks of other processes cannot be read to this host
+            if data_parallel_size > 1:
+                raise ValueError("data_parallel_size > 1 over several processes is not built")
         config = EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -117,13 +133,20 @@ class LLM:
                 preemption_mode=preemption_mode,  # type: ignore[arg-type]
                 num_multi_steps=num_scheduler_steps,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size,
+                data_parallel_size=data_parallel_size,
+                data_parallel_routing=data_parallel_routing,  # type: ignore[arg-type]
+            ),
             attention_backend=attention_backend,  # type: ignore[arg-type]
             warmup=warmup,  # type: ignore[arg-type]
             compilation_cache=compilation_cache,
         )
         _check_literals(config)
-        self.llm_engine = LLMEngine.from_config(config, max_logprobs=max_logprobs)
+        engine_cls = DataParallelEngine if data_parallel_size > 1 else LLMEngine
+        self.llm_engine = engine_cls.from_config(config, max_logprobs=max_logprobs)
+        if multi_process:  # process 0 takes requests, the others follow (multihost.py)
+            self.llm_engine = MultiHostEngine(self.llm_engine)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -221,9 +244,26 @@ class LLM:
         reference count (pagedjax/engine/beams.py, docs/engine.md). concurrency_limit:
         most prompts searched at once (default: as many as the KV pool and slots hold).
         """
+        engine = self.llm_engine
+        if isinstance(engine, MultiHostEngine):
+            raise NotImplementedError("beam search over several processes is not built")
+        if isinstance(engine, DataParallelEngine):
+            engine = engine.least_loaded_replica()
         return beam_search(
-            self.llm_engine, _as_prompt_list(prompts), params, use_tqdm, concurrency_limit
+            engine, _as_prompt_list(prompts), params, use_tqdm, concurrency_limit
         )
+
+    def follow(self) -> int:
+        """On a process other than 0 of a multi-process run: serve process 0's steps until
+        it calls ``shutdown()`` (pagedjax/engine/multihost.py). Returns the steps run."""
+        if not isinstance(self.llm_engine, MultiHostEngine):
+            raise RuntimeError("follow() is for multi-process runs (multihost.initialize)")
+        return self.llm_engine.follow()
+
+    def shutdown(self) -> None:
+        """On process 0 of a multi-process run: release the followers. A no-op otherwise."""
+        if isinstance(self.llm_engine, MultiHostEngine):
+            self.llm_engine.shutdown()
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -63,6 +63,7 @@ from pagedjax.engine.loading import load_model
 from pagedjax.engine.model_runner import ModelRunner
 from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
 from pagedjax.engine.outputs import RequestOutput
+from pagedjax.engine.parallel import DevicePlacement, check_device_count
 from pagedjax.engine.prompts import check_request, record_prompt_logprobs, tokenize_prompt
 from pagedjax.engine.request_book import RequestBook
 from pagedjax.engine.sequence import RequestState, SequenceState
@@ -98,43 +99,42 @@ class LLMEngine:
         kv_dtype: Any = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         kv_fill_value: float = 0.0,
+        devices: Sequence[Any] | None = None,
     ):
         _reject_unbuilt_features(config)
         compile_cache.enable(config.compilation_cache)  # idempotent
-        cc, sc = config.cache, config.scheduler
+        cc, sc, par = config.cache, config.scheduler, config.parallel  # par: TP (parallel.py)
         self.arch, self.tokenizer, self.config = arch, tokenizer, config
         dtype = compute_dtype(params)  # not a quantized weight's int codes
         self.kv_spec = KVCacheSpec.resolve(arch, dtype, cc.cache_dtype, kv_dtype, cc.kv_scales)
         self.kv_dtype = self.kv_spec.dtype  # what the values are (int8 / fp8: kv_cache_spec.py)
+        self.placement = place = DevicePlacement(arch, par.tensor_parallel_size, devices)
+        params = place.params(params, self.kv_spec)  # refuses what is not sharded yet
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's"
-                f" max_position_embeddings={arch.max_position_embeddings}"
-            )
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's"
+                             f" max_position_embeddings={arch.max_position_embeddings}")
         self.block_size = cc.block_size
-        self.max_num_seqs = sc.max_num_seqs
-        self.max_seqs = sc.max_num_seqs  # slots; queued requests wait on the host
+        self.max_num_seqs = self.max_seqs = sc.max_num_seqs  # slots; the queue waits on the host
         max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         backend = select_attention_backend(config.attention_backend)
         log.info("attention backend: %s (%s)", backend.name, backend.reason)
         self.attention_backend = backend.name  # "native_cpu", "reference", "pallas" or "triton"
-        attention = backend.ragged_paged_attention
+        attention = place.attention(backend.ragged_paged_attention)
         self.runner = ModelRunner(arch, self.block_size, attention, max_logprobs)
         self.max_logprobs = max_logprobs
         budget = sc.max_num_batched_tokens
         self.token_buckets = step_buckets(budget, smallest=min(16, budget))
         self.seq_buckets = seq_buckets_for(self.token_buckets, self.max_num_seqs)  # S from T
 
-        device = jax.devices()[0]
-        self.num_blocks = num_kv_blocks(
-            kv_bytes_per_token=self.kv_spec.bytes_per_token,
+        self.num_blocks = num_kv_blocks(  # per device: its share of each block
+            kv_bytes_per_token=self.kv_spec.bytes_per_token // place.kv_shards,
             block_size=self.block_size,
             max_blocks_needed=self.max_seqs * max_blocks_per_seq,
             num_gpu_blocks_override=cc.num_gpu_blocks_override,
             kv_cache_memory_bytes=cc.kv_cache_memory_bytes,
             gpu_memory_utilization=cc.gpu_memory_utilization,
-            device=device,
+            device=place.device,
             profile=functools.partial(
                 profile_forward, arch, params, self.kv_spec, self.block_size, budget,
                 self.max_num_seqs, max_blocks_per_seq,
@@ -159,11 +159,12 @@ class LLMEngine:
             mode=sc.scheduling_mode, priority=sc.policy, preemption_mode=sc.preemption_mode,
         )  # fmt: skip
         log.info("%s", self.kv_spec.describe(self.num_blocks, self.block_size))
-        kv = self.kv_spec.allocate(self.num_blocks, self.block_size, kv_fill_value)
+        kv = place.allocate_kv(self.kv_spec, self.num_blocks, self.block_size, kv_fill_value)
         device_state = DeviceState(
             self.policy, self.sched_config, kv, max_model_len=self.max_model_len,
             num_host_blocks=self.num_host_blocks,
         )  # fmt: skip
+        place.place_state(device_state)
         # K-step on-device decode loop (multi_step.py); K = 1 keeps the one-step path.
         num_steps = resolve_num_steps(sc.num_multi_steps, jax.devices()[0].platform)
         self.multi_step = MultiStepDecoder(self.runner, self.policy, self.sched_config, num_steps)
@@ -493,8 +494,6 @@ class LLMEngine:
 
 
 def _reject_unbuilt_features(config: EngineConfig) -> None:
-    if config.parallel.tensor_parallel_size > 1 or config.parallel.data_parallel_size > 1:
-        raise NotImplementedError(
-            "tensor_parallel_size / data_parallel_size > 1: multi-device execution is not"
-            " implemented yet"
-        )
+    check_device_count(config.parallel.tensor_parallel_size)
+    if config.parallel.data_parallel_size > 1:  # replicas are data_parallel.py's, above
+        raise ValueError("LLMEngine is one replica; data_parallel_size > 1: DataParallelEngine")

@@ -145,9 +145,10 @@ def _runner(core: EngineCore, decoder: MultiStepDecoder, t: int, s: int) -> None
     program: a run at the 2,048-token bucket costs as much as a real prefill, and it
     bought nothing (measured: warm start, see docs/startup.md)."""
     dev = core.device
-    f = np.zeros((core.max_seqs,), bool)
     mem = dev.state.mem
-    mem = mem._replace(last_cow=mem.last_cow._replace(valid=jnp.asarray(f)))
+    # No copy-on-write; zeros_like keeps the state's placement (a tensor-parallel mesh
+    # commits it there), so this compiles the signature real steps use.
+    mem = mem._replace(last_cow=mem.last_cow._replace(valid=jnp.zeros_like(mem.last_cow.valid)))
     st = dev.state
     core.runner.step.lower(
         core.params, dev.kv, dev.tokens, mem,

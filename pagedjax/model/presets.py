@@ -44,6 +44,12 @@ PRESETS: dict[str, dict] = {
                      intermediate_size=18944, rms_norm_eps=1e-6, rope_theta=1000000.0,
                      max_position_embeddings=32768, use_sliding_window=False,
                      tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643),
+    # Llama-3-70B: the capacity table's large model (docs/parallelism.md).
+    "llama-3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192,
+                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        intermediate_size=28672, rms_norm_eps=1e-5, rope_theta=500000.0,
+                        max_position_embeddings=8192, bos_token_id=128000,
+                        eos_token_id=128001),
     "opt-125m": _opt(768, 12, 12),
     "opt-13b": _opt(5120, 40, 40),
     "opt-66b": _opt(9216, 64, 72),
@@ -93,6 +99,15 @@ PRESETS: dict[str, dict] = {
                        num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
                        rms_norm_eps=1e-6, max_position_embeddings=2048, bos_token_id=1,
                        eos_token_id=2),
+    # Tensor-parallel tests: 8 query / 2 KV heads (TP 4 and 8 replicate KV heads), vocab
+    # and MLP divisible by 8; and an OPT with 8 heads.
+    "tiny-llama-tp": dict(model_type="llama", vocab_size=512, hidden_size=64,
+                          num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                          intermediate_size=128, rms_norm_eps=1e-6, max_position_embeddings=2048,
+                          bos_token_id=1, eos_token_id=2),
+    "tiny-opt-tp": dict(_OPT, vocab_size=512, hidden_size=64, word_embed_proj_dim=64,
+                        num_hidden_layers=2, num_attention_heads=8, ffn_dim=128,
+                        max_position_embeddings=512),
     "tiny-mixtral": dict(model_type="mixtral", vocab_size=512, hidden_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=96, num_local_experts=8, num_experts_per_tok=2,

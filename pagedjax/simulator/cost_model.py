@@ -49,7 +49,9 @@ class ModelGeometry:
 
     gated_mlp: Llama-style SwiGLU (3 matrices) rather than OPT's 2. tied_embeddings: the
     LM head shares the embedding (it is still read once per step for the logits).
-    tp: tensor-parallel degree; per-GPU weights, KV and FLOPs are divided by it.
+    tp: tensor-parallel degree; per-GPU weights, KV and FLOPs are divided by it, except
+    that KV heads split only min(tp, num_kv_heads) ways (``kv_shards``): past that they are
+    replicated (as vLLM and pagedjax/model/sharding.py do), and so are the k/v projections.
     num_experts / experts_per_token: a Mixtral-style MoE MLP (num_experts copies of the
     MLP, each token through experts_per_token of them, plus a hidden x E router); 0 = dense.
     A step reads only the experts its tokens chose: ``expected_experts_read`` assumes
@@ -183,6 +185,24 @@ class ModelGeometry:
         """Tokens this cache holds per token of a cache in the model's dtype, same bytes."""
         return replace(self, kv_cache_dtype="auto").kv_bytes_per_token / self.kv_bytes_per_token
 
+    @property
+    def kv_shards(self) -> int:
+        """Ways the KV heads (and the KV cache) split: min(tp, num_kv_heads)."""
+        return min(self.tp, self.num_kv_heads)
+
+    @property
+    def kv_bytes_per_token_per_gpu(self) -> float:
+        """One GPU's share of a token's KV (all layers): replicated past num_kv_heads."""
+        return self.kv_bytes_per_token / self.kv_shards
+
+    @property
+    def weight_bytes_per_gpu(self) -> float:
+        """One GPU's parameter bytes under the Megatron split: q/o, MLP, embedding and
+        head by tp; k/v projections by kv_shards (replicated past the KV heads)."""
+        k_v = 2 * self.hidden * self.num_kv_heads * self.head_dim * self.num_layers
+        rest = self.total_params - k_v
+        return (rest / self.tp + k_v / self.kv_shards) * self.bytes_per_param
+
     def with_tp(self, tp: int) -> ModelGeometry:
         return replace(self, tp=tp)
 
@@ -202,6 +222,10 @@ MODEL_PRESETS: dict[str, ModelGeometry] = {
     "llama-3-8b": ModelGeometry(
         "llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, gated_mlp=True, tied_embeddings=False
     ),
+    "llama-3-70b": ModelGeometry(
+        "llama-3-70b", 80, 8192, 64, 8, 128, 28672, 128256, gated_mlp=True,
+        tied_embeddings=False,
+    ),  # fmt: skip
     # Issue 23's families (pagedjax/model/presets.py has their full HF configs).
     "pythia-6.9b": ModelGeometry(
         "pythia-6.9b", 32, 4096, 32, 32, 128, 16384, 50432, tied_embeddings=False
@@ -234,6 +258,9 @@ def model_geometry(name: str, tp: int | None = None, kv_cache_dtype: str = "auto
     return geom if tp is None else geom.with_tp(tp)
 
 
+LINKS = ("nvlink", "pcie")
+
+
 def _f32(x) -> jnp.ndarray:
     return jnp.asarray(x, dtype=jnp.float32)
 
@@ -246,7 +273,12 @@ class RooflineCostModel:
     the context is read and the new tokens' KV written; FLOPs are 2 per active matmul
     parameter (an MoE token's: its chosen experts) per new token, 2 per LM-head
     parameter per logit row, 4 * heads * head_dim per layer per attention pair. With
-    tp > 1, two ring all-reduces of the new tokens' activations per layer go over NVLink.
+    tp > 1, two ring all-reduces of the new tokens' activations per layer go over the
+    interconnect (``link``): "nvlink" (the GPU's NVLink, half of its both-directions
+    figure each way) or "pcie" (the GPU's host link, one direction: GPUs without NVLink
+    exchange through PCIe switches); each costs bytes / (comm_efficiency x bandwidth) +
+    ``allreduce_latency_s`` (10 us on NVLink; PCIe-class rings are slower to start, use
+    ``allreduce_latency_s`` to say so).
     """
 
     gpu: GPUSpec
@@ -255,6 +287,7 @@ class RooflineCostModel:
     flop_efficiency: float = 0.70
     comm_efficiency: float = 0.70
     allreduce_latency_s: float = 10e-6
+    link: str = "nvlink"  # the TP interconnect: "nvlink" or "pcie" (see the docstring)
     step_overhead_s: float = 2e-3
     # Swap copies (swap_time): PCIe efficiency, and the fixed cost of one copy call. vLLM
     # 0.1 swapped with one cudaMemcpyAsync per block, per layer, for K and for V, so small
@@ -272,6 +305,8 @@ class RooflineCostModel:
             v = getattr(self, field)
             if not 0 < v <= 1:
                 raise ValueError(f"{field} must be in (0, 1], got {v}")
+        if self.link not in LINKS:
+            raise ValueError(f"link must be one of {LINKS}, got {self.link!r}")
         for field in ("allreduce_latency_s", "step_overhead_s", "copy_latency_s"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
@@ -280,7 +315,7 @@ class RooflineCostModel:
         """HBM bytes moved per GPU in one step (float32)."""
         m = self.model
         new_tokens = _f32(prefill_tokens) + _f32(decode_seqs)
-        kv = (_f32(kv_tokens) + new_tokens) * (m.kv_bytes_per_token / m.tp)
+        kv = (_f32(kv_tokens) + new_tokens) * m.kv_bytes_per_token_per_gpu
         return m.step_weight_bytes_read(new_tokens) / m.tp + kv
 
     def step_flops(
@@ -298,16 +333,26 @@ class RooflineCostModel:
         )
         return flops / m.tp
 
-    def comm_time(self, prefill_tokens, decode_seqs) -> jnp.ndarray:
-        """Tensor-parallel all-reduce time (0 when tp = 1)."""
+    def link_bytes_per_s(self) -> float:
+        """One direction of the TP interconnect, before comm_efficiency."""
+        if self.link == "pcie":
+            return self.gpu.host_link_bytes_per_s
+        return self.gpu.nvlink_bytes_per_s / 2
+
+    def allreduce_time(self, new_tokens) -> jnp.ndarray:
+        """One ring all-reduce of [new_tokens, hidden] activations: each GPU sends and
+        receives 2 (tp - 1) / tp of them; float32 seconds (0 when tp = 1)."""
         m = self.model
         if m.tp == 1:
-            return jnp.zeros((), jnp.float32) * _f32(prefill_tokens)
+            return jnp.zeros((), jnp.float32) * _f32(new_tokens)
+        sent = 2.0 * (m.tp - 1) / m.tp * _f32(new_tokens) * m.hidden * m.bytes_per_param
+        return sent / (self.comm_efficiency * self.link_bytes_per_s()) + self.allreduce_latency_s
+
+    def comm_time(self, prefill_tokens, decode_seqs) -> jnp.ndarray:
+        """Tensor-parallel all-reduce time of a step: two per layer (after attention and
+        after the MLP); 0 when tp = 1."""
         new_tokens = _f32(prefill_tokens) + _f32(decode_seqs)
-        num_allreduce = 2 * m.num_layers
-        sent = 2.0 * (m.tp - 1) / m.tp * new_tokens * m.hidden * m.bytes_per_param
-        one_way_bw = self.comm_efficiency * self.gpu.nvlink_bytes_per_s / 2
-        return num_allreduce * (sent / one_way_bw + self.allreduce_latency_s)
+        return 2 * self.model.num_layers * self.allreduce_time(new_tokens)
 
     def memory_time(self, prefill_tokens, decode_seqs, kv_tokens) -> jnp.ndarray:
         bw = self.mem_efficiency * self.gpu.hbm_bytes_per_s
@@ -335,7 +380,7 @@ class RooflineCostModel:
         link's bandwidth x host_link_efficiency. float32."""
         m = self.model
         blocks = _f32(blocks_moved)
-        bytes_ = blocks * (block_size * m.kv_bytes_per_token / m.tp)
+        bytes_ = blocks * (block_size * m.kv_bytes_per_token_per_gpu)
         bw = self.gpu.host_link_bytes_per_s * self.host_link_efficiency
         return blocks * (2 * m.num_layers * self.copy_latency_s) + bytes_ / bw
 

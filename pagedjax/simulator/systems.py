@@ -86,7 +86,7 @@ def build_system(
         raise ValueError(f"swap preemption is simulated for the paged system, not {system!r}")
     if system == "paged" and swap_space_gib is not None:
         geom = model_geometry(model, tp, kv_cache_dtype)
-        per_block = bs * geom.kv_bytes_per_token // geom.tp  # one GPU's share
+        per_block = int(bs * geom.kv_bytes_per_token_per_gpu)  # one GPU's share
         host = min(int(swap_space_gib * (1 << 30)) // per_block, n * -(-mlen // bs))
         policy: Any = PagedPolicy(
             cap // bs + 1, bs, n, -(-mlen // bs), watermark, num_host_blocks=host

@@ -6,8 +6,8 @@ An engine flag left out is left out of ``LLM(...)`` too, so the server's default
 ``make_parser()`` builds the argparse parser (abbreviations off, so an unknown or
 misspelt flag is an error rather than a guess). ``llm_kwargs(args)`` turns the parsed
 flags into ``LLM(...)`` keyword arguments; ``reject_unbuilt(args)`` raises SystemExit
-naming a feature that is not built yet (tensor parallelism > 1,
-speculative decoding, a quantized KV cache) instead of ignoring the flag.
+naming a feature that is not built yet (speculative decoding) instead of ignoring the
+flag.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ PAGEDJAX_ONLY = (
     "--watermark",
     "--warmup",
     "--compilation-cache",
+    "--data-parallel-routing",  # vLLM balances DP replicas by load only
 )
 
 
@@ -79,6 +80,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     p.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
     p.add_argument("--max-logprobs", type=int, default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=None)
+    p.add_argument(
+        "--data-parallel-routing",
+        default=None,
+        choices=["least_tokens", "prefix_affinity"],
+        help=_own("how requests pick a data-parallel replica"),
+    )
     p.add_argument(
         "--swap-space", type=float, default=None, help=_own("host swap pool per engine, GiB")
     )
@@ -175,12 +183,7 @@ def make_parser(prog: str = "pagedjax.entrypoints.openai.api_server") -> argpars
 def reject_unbuilt(args: argparse.Namespace) -> None:
     """SystemExit naming a requested feature that pagedjax does not have yet."""
     why = None
-    if args.tensor_parallel_size is not None and args.tensor_parallel_size != 1:
-        why = (
-            f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not"
-            " built yet (only 1)"
-        )
-    elif args.speculative_config is not None:
+    if args.speculative_config is not None:
         why = "--speculative-config: speculative decoding is not built yet"
     elif args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         why = f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}"
@@ -193,7 +196,8 @@ LLM_ARGS = (
     "model", "tokenizer", "dtype", "load_format", "seed", "block_size", "max_model_len",
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
     "num_gpu_blocks_override", "kv_cache_memory_bytes", "swap_space", "enable_prefix_caching",
-    "preemption_mode", "tensor_parallel_size", "scheduling_mode", "watermark",
+    "preemption_mode", "tensor_parallel_size", "data_parallel_size", "data_parallel_routing",
+    "scheduling_mode", "watermark",
     "attention_backend", "max_logprobs", "num_scheduler_steps", "warmup", "compilation_cache",
     "kv_cache_dtype",
     "quantization",

@@ -1,0 +1,138 @@
+"""The engine's devices: one, or a tensor-parallel mesh (``pagedjax/model/sharding.py``).
+
+``DevicePlacement`` is what ``LLMEngine`` asks where things go: the parameters (Megatron
+shardings), the attention backend (wrapped in ``shard_map``), the KV pool (allocated
+sharded by KV head, never whole on one device), the scheduler state and token buffer
+(replicated: every device runs the same schedule), and the bytes of KV per token that
+one device holds (the KV budget is per device, as vLLM's ``gpu_memory_utilization``).
+
+With one device and no explicit device list it changes nothing: the engine runs exactly
+as before (arrays uncommitted on the default device). An explicit list (a data-parallel
+replica on its own devices, ``data_parallel.py``) or N > 1 builds a mesh and commits
+every array to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pagedjax.model import ModelArch, QuantizedWeight
+from pagedjax.model.kv_cache import kv_cache_shape
+from pagedjax.model.sharding import (
+    TPLayout,
+    make_layout,
+    per_device_bytes,
+    replicate,
+    shard_attention,
+    shard_params,
+)
+
+
+class DevicePlacement:
+    """Where one engine's arrays live. ``size``: tensor_parallel_size; ``devices``: the
+    devices to use (default: the first ``size`` of ``jax.devices()``). Raises ValueError
+    (naming both numbers) when ``size`` does not divide the model's heads, or the devices
+    are too few."""
+
+    def __init__(self, arch: ModelArch, size: int, devices: Sequence[Any] | None = None):
+        self.arch = arch
+        self.size = size
+        self.layout: TPLayout | None = None
+        if size > 1 or devices is not None:
+            self.layout = make_layout(arch, size, devices)
+
+    @property
+    def device(self) -> Any:
+        """The first device (its memory stats size the per-device KV budget)."""
+        return self.layout.devices[0] if self.layout else jax.devices()[0]
+
+    @property
+    def kv_shards(self) -> int:
+        """Ways the KV heads are split: 1 / kv_shards of the pool lives on each device."""
+        return self.layout.kv_shards if self.layout else 1
+
+    def kv_bytes_per_token(self, dtype: Any) -> int:
+        """KV bytes (all layers, K and V) one device holds per token."""
+        return self.arch.kv_bytes_per_token(dtype) // self.kv_shards
+
+    def params(self, params: Any, kv_spec: Any = None) -> Any:
+        """``params`` placed on the mesh. Raises ValueError for what is not sharded yet:
+        quantized weights (their packed words split at group boundaries, issue 19 item 5)
+        and an 8-bit KV cache (``kv_spec``, a KVCacheSpec: its scales)."""
+        if self.layout is None:
+            return params
+        if any(isinstance(x, QuantizedWeight) for x in jax.tree.leaves(
+                params, is_leaf=lambda x: isinstance(x, QuantizedWeight))):  # fmt: skip
+            raise ValueError(f"quantized weights with tensor_parallel_size={self.size}: not"
+                             " sharded yet (use tensor_parallel_size=1)")  # fmt: skip
+        if kv_spec is not None and kv_spec.quantized:
+            raise ValueError(f"kv_cache_dtype={kv_spec.cache_dtype!r} with tensor_parallel_size="
+                             f"{self.size}: an 8-bit KV cache is not sharded yet")  # fmt: skip
+        return shard_params(params, self.layout)
+
+    def attention(self, fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+        # A single device needs no shard_map: keep the backend's own function (and its
+        # identity: forward caches by it).
+        return shard_attention(fn, self.layout) if self.layout and self.size > 1 else fn
+
+    def allocate_kv(
+        self, kv_spec: Any, num_blocks: int, block_size: int, fill_value: float
+    ) -> Any:
+        """(k, v) [L, num_blocks, Hkv, block_size, D] as ``kv_spec`` (a KVCacheSpec) stores
+        them; under TP each device holds its KV heads, built in place on the mesh (the
+        whole pool never sits on one device)."""
+        if self.layout is None:
+            return kv_spec.allocate(num_blocks, block_size, fill_value)
+        dtype = kv_spec.dtype
+        if num_blocks < 2 or block_size < 1:  # allocate_kv_cache's checks, same words
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block) and"
+                             f" block_size >= 1, got {num_blocks} and {block_size}")  # fmt: skip
+        shape = kv_cache_shape(self.arch, num_blocks, block_size)
+        make = jax.jit(
+            lambda: tuple(jnp.full(shape, fill_value, dtype) for _ in range(2)),
+            out_shardings=(self.layout.kv_sharding,) * 2,
+        )
+        return make()
+
+    def place_state(self, device_state: Any) -> None:
+        """Commit the scheduler state and token buffer to the mesh, replicated, so every
+        jitted function sees one device set (and compiles once)."""
+        if self.layout is not None:
+            device_state.state = replicate(device_state.state, self.layout)
+            device_state.tokens = replicate(device_state.tokens, self.layout)
+
+    def describe(self) -> str:
+        if self.layout is None:
+            return "one device"
+        lay = self.layout
+        return (
+            f"tensor_parallel_size={lay.size} on {[str(d) for d in lay.devices]}: KV heads"
+            f" {self.arch.num_kv_heads} split {lay.kv_shards} ways, each replicated"
+            f" {lay.kv_replicas}x"
+        )
+
+
+def check_device_count(tensor_parallel_size: int, data_parallel_size: int = 1) -> None:
+    """ValueError, before any weights are loaded, when JAX sees fewer devices than
+    tensor_parallel_size x data_parallel_size (the heads are checked once the model's
+    shape is known, ``sharding.check_tp``)."""
+    need, have = tensor_parallel_size * data_parallel_size, len(jax.devices())
+    if need > have:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size="
+            f"{data_parallel_size} needs {need} devices; jax sees {have}"
+            f" ({jax.devices()[0].platform}; on a CPU, XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={need} simulates them)"
+        )
+
+
+def memory_report(params: Any, kv: Any) -> dict[str, dict[Any, int]]:
+    """Bytes per device of the parameters and of the KV pool, from their shardings."""
+    return {"params": per_device_bytes(params), "kv": per_device_bytes(kv)}
+
+
+__all__ = ["DevicePlacement", "check_device_count", "memory_report"]
