@@ -9,8 +9,8 @@ import pytest
 from pagedjax import LLM, SamplingParams
 from pagedjax.engine.engine_stats import (
     backend_compilations,
+    compilations_by_function,
     engine_compilations,
-    engine_jits,
 )
 from pagedjax.model.quant.weight import QuantizedWeight
 from pagedjax.sampling import BeamSearchParams
@@ -26,7 +26,7 @@ ARGS = dict(
 
 
 def _per_function(engine) -> dict[str, int]:
-    return {k: f._cache_size() for k, f in engine_jits(engine.core, engine.multi_step).items()}
+    return compilations_by_function(engine.core, engine.multi_step)
 
 
 def _greedy(n: int) -> SamplingParams:
