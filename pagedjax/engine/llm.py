@@ -7,7 +7,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pagedjax.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SpeculativeConfig,
+)
 from pagedjax.config import SchedulerConfig as EngineSchedulerConfig
 from pagedjax.engine.beams import BeamSearchOutput, beam_search
 from pagedjax.engine.llm_engine import DEFAULT_MAX_LOGPROBS, LLMEngine
@@ -37,6 +43,8 @@ class LLM:
     warmup: "auto" (every step program at start-up, or ``$PAGEDJAX_WARMUP``), "decode",
     "all" or "none". compilation_cache: JAX's persistent compilation cache directory
     (default ``$PAGEDJAX_COMPILATION_CACHE``, else ~/.cache/pagedjax/jax), or "off".
+    speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens":
+    4, "prompt_lookup_max": 4} (``config.SpeculativeConfig``; docs/speculative_decoding.md).
     """
 
     def __init__(
@@ -65,6 +73,7 @@ class LLM:
         num_scheduler_steps: int | str = "auto",
         warmup: str = "auto",
         compilation_cache: str | None = None,
+        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         **unknown: Any,
     ):
         if unknown:
@@ -105,6 +114,7 @@ class LLM:
             attention_backend=attention_backend,  # type: ignore[arg-type]
             warmup=warmup,  # type: ignore[arg-type]
             compilation_cache=compilation_cache,
+            speculative=_speculative(speculative_config),
         )
         _check_literals(config)
         self.llm_engine = LLMEngine.from_config(config, max_logprobs=max_logprobs)
@@ -290,3 +300,13 @@ def _check_literals(config: EngineConfig) -> None:
     for name, (value, allowed) in choices.items():
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _speculative(value: Any) -> SpeculativeConfig | None:
+    """vLLM's ``speculative_config`` (a dict, e.g. {"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4}) as a checked dataclass."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(f"speculative_config must be a dict, got {type(value).__name__}")
+    return SpeculativeConfig.from_dict(value)
