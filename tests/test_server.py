@@ -542,10 +542,13 @@ def test_cli_flags():
             p.parse_args(bad_argv)  # unknown flags and abbreviations are errors
     for flags, feature in ((["--quantization", "awq"], "quantized weights"),
                            (["--tensor-parallel-size", "2"], "tensor parallelism"),
-                           (["--speculative-config", "{}"], "speculative decoding"),
                            (["--kv-cache-dtype", "fp8"], "quantized KV cache")):  # fmt: skip
         with pytest.raises(SystemExit, match=feature):
             cli_args.reject_unbuilt(p.parse_args(["--model", "m", *flags]))
+    spec = p.parse_args(["--model", "m", "--speculative-config", '{"method": "ngram"}'])
+    assert cli_args.llm_kwargs(spec)["speculative_config"] == {"method": "ngram"}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "m", "--speculative-config", "[1]"])  # not an object
     from pagedjax.entrypoints import cli
 
     with pytest.raises(SystemExit):

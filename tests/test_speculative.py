@@ -41,10 +41,12 @@ from pagedjax.tokenizer import ByteTokenizer
 
 ARCH = preset_arch("tiny-llama")  # vocab 512, 2 layers
 BLOCK = 4
+NUM_BLOCKS = 24  # 23 usable: four sequences of up to 16 blocks must preempt
 MAX_LEN = 64
 MAX_SEQS = 4
 BUDGET = 16  # prompts over 16 tokens are chunked
 K = 4
+NUM_BLOCKS = 24  # 23 usable: four sequences of up to 16 blocks must preempt
 TIE_GAP = 1e-4
 
 
@@ -54,11 +56,14 @@ def _params():
 
 
 @functools.cache
-def _engine(spec: bool, num_blocks: int = 40, prefix: bool = False) -> LLMEngine:
+def _engine(spec: bool) -> LLMEngine:
+    """One geometry for every test (prefix caching on; a pool small enough to preempt),
+    so the plain and the speculative engine share compiled programs through the
+    session's persistent compilation cache."""
     config = EngineConfig(
         model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN, seed=0),
         cache=CacheConfig(
-            block_size=BLOCK, num_gpu_blocks_override=num_blocks, enable_prefix_caching=prefix
+            block_size=BLOCK, num_gpu_blocks_override=NUM_BLOCKS, enable_prefix_caching=True
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS, watermark=0.0
@@ -106,8 +111,8 @@ def _prompts(seed: int, count: int, lo: int = 5, hi: int = 30) -> list[list[int]
     return out
 
 
-def _reference(requests, **engine_kw) -> dict:
-    return _drain(_engine(False, **engine_kw), requests)
+def _reference(requests) -> dict:
+    return _drain(_engine(False), requests)
 
 
 def _assert_same(ref: dict, got: dict) -> None:
@@ -246,8 +251,8 @@ def test_oracle_greedy_equals_plain_with_preemption(bad):
     """A small pool forces preemption; the oracle makes runs of every length."""
     prompts = dict(enumerate(_prompts(1, 4, lo=6, hi=24)))
     reqs = [(str(i), p, _greedy(28)) for i, p in prompts.items()]
-    ref = _reference(reqs, num_blocks=24)
-    engine = _engine(True, num_blocks=24)
+    ref = _reference(reqs)
+    engine = _engine(True)
     engine.speculator.proposer = OracleProposer(_refs(ref, prompts), bad=bad)
     engine.reset_stats()
     before = engine.num_preemptions
@@ -291,8 +296,8 @@ def test_n_gt_1_and_prefix_hits_no_rejected_token_cached():
     shared = _prompts(4, 1, lo=12, hi=13)[0]
     reqs = [(str(i), p, _greedy(16, n=2)) for i, p in prompts.items()]
     reqs += [(f"s{j}", shared, _greedy(16)) for j in range(2)]  # the second hits the cache
-    ref = _reference(reqs, prefix=True)
-    engine = _engine(True, prefix=True)
+    ref = _reference(reqs)
+    engine = _engine(True)
     all_prompts = {**{str(i): p for i, p in prompts.items()}, "s0": shared, "s1": shared}
     engine.speculator.proposer = OracleProposer(_refs(ref, all_prompts), bad=2)
     engine.reset_stats()

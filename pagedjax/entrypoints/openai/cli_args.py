@@ -6,8 +6,8 @@ An engine flag left out is left out of ``LLM(...)`` too, so the server's default
 ``make_parser()`` builds the argparse parser (abbreviations off, so an unknown or
 misspelt flag is an error rather than a guess). ``llm_kwargs(args)`` turns the parsed
 flags into ``LLM(...)`` keyword arguments; ``reject_unbuilt(args)`` raises SystemExit
-naming a feature that is not built yet (quantization, tensor parallelism > 1,
-speculative decoding, a quantized KV cache) instead of ignoring the flag.
+naming a feature that is not built yet (quantization, tensor parallelism > 1, a
+quantized KV cache) instead of ignoring the flag.
 """
 
 from __future__ import annotations
@@ -114,7 +114,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     )
     # Accepted so the refusal can name the feature (reject_unbuilt).
     p.add_argument("--quantization", "-q", default=None, help="not built yet: refused")
-    p.add_argument("--speculative-config", default=None, help="not built yet: refused")
+    p.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='speculative decoding, JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
     p.add_argument("--kv-cache-dtype", default="auto", help="only 'auto' is built")
 
 
@@ -169,8 +174,6 @@ def reject_unbuilt(args: argparse.Namespace) -> None:
             f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not"
             " built yet (only 1)"
         )
-    elif args.speculative_config is not None:
-        why = "--speculative-config: speculative decoding is not built yet"
     elif args.kv_cache_dtype != "auto":
         why = f"--kv-cache-dtype {args.kv_cache_dtype}: a quantized KV cache is not built yet"
     elif args.max_waiting_requests is not None and args.max_waiting_requests < 0:
@@ -186,6 +189,7 @@ LLM_ARGS = (
     "num_gpu_blocks_override", "kv_cache_memory_bytes", "swap_space", "enable_prefix_caching",
     "preemption_mode", "tensor_parallel_size", "scheduling_mode", "watermark",
     "attention_backend", "max_logprobs", "num_scheduler_steps", "warmup", "compilation_cache",
+    "speculative_config",
 )  # fmt: skip
 
 
@@ -197,3 +201,14 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def describe(args: argparse.Namespace) -> str:
     return json.dumps({k: v for k, v in vars(args).items() if k != "api_key"}, default=str)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """--speculative-config's value: a JSON object (its keys are checked by LLM)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
