@@ -161,11 +161,13 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's ``speculative_config`` keys; docs/speculative_decoding.md).
 
     method: "ngram" (prompt lookup: the continuation of the latest earlier occurrence of
-    the last n tokens, n from prompt_lookup_max down to prompt_lookup_min). "draft_model"
-    and "eagle" are vLLM's names for the other methods; they are refused by the engine
-    until built. num_speculative_tokens: k, proposals verified per sequence per step.
-    model: the draft model (draft_model / eagle only). disable_by_batch_size: no
-    proposals in a step with at least this many scheduled sequences (None: always).
+    the last n tokens, n from prompt_lookup_max down to prompt_lookup_min);
+    "draft_model" with model "self" (or the target's own model name) and
+    draft_num_layers N: a layer-skip draft, the target's first N layers with its final
+    norm and LM head (pagedjax's own key; separate draft checkpoints are not built);
+    "eagle" is refused by the engine until built. num_speculative_tokens: k, proposals
+    verified per sequence per step. disable_by_batch_size: no proposals in a step with
+    at least this many scheduled sequences (None: always).
     """
 
     method: Literal["ngram", "draft_model", "eagle"] = "ngram"
@@ -173,6 +175,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     model: str | None = None
+    draft_num_layers: int | None = None
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
@@ -189,6 +192,10 @@ class SpeculativeConfig:
         if self.method != "ngram":
             _check(self.model is not None, "speculative_config.model",
                    f"method {self.method!r} needs a draft model")  # fmt: skip
+        n = self.draft_num_layers
+        if self.method == "draft_model":
+            _check(n is not None and n >= 1, "speculative_config.draft_num_layers",
+                   f"method 'draft_model' needs draft_num_layers >= 1, got {n!r}")  # fmt: skip
         b = self.disable_by_batch_size
         _check(b is None or b >= 1, "speculative_config.disable_by_batch_size",
                f"must be >= 1, got {b}")  # fmt: skip

@@ -56,7 +56,7 @@ def _params():
 
 
 @functools.cache
-def _engine(spec: bool) -> LLMEngine:
+def _engine(spec: bool, method: str = "ngram") -> LLMEngine:
     """One geometry for every test (prefix caching on; a pool small enough to preempt),
     so the plain and the speculative engine share compiled programs through the
     session's persistent compilation cache."""
@@ -69,7 +69,9 @@ def _engine(spec: bool) -> LLMEngine:
             max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS, watermark=0.0
         ),
         speculative=SpeculativeConfig(
-            num_speculative_tokens=K, prompt_lookup_max=3, prompt_lookup_min=1
+            method=method, num_speculative_tokens=K, prompt_lookup_max=3, prompt_lookup_min=1,
+            model="self" if method == "draft_model" else None,
+            draft_num_layers=1 if method == "draft_model" else None,
         )
         if spec
         else None,
@@ -205,6 +207,15 @@ def test_unbuilt_methods_refused_by_name():
         speculative=SpeculativeConfig(method="eagle", model="/nowhere"),
     )
     with pytest.raises(NotImplementedError, match="'eagle' is not built"):
+        LLMEngine.from_config(config)
+
+
+def test_separate_draft_checkpoint_refused():
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN),
+        speculative=SpeculativeConfig(method="draft_model", model="other", draft_num_layers=1),
+    )
+    with pytest.raises(NotImplementedError, match="separate draft checkpoint"):
         LLMEngine.from_config(config)
 
 
@@ -349,3 +360,18 @@ def test_compiles_once_per_bucket():
 def test_beam_search_with_speculation_refused():
     with pytest.raises(ValueError, match="beam search with speculative decoding"):
         beam_search(_engine(True), [[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=4))
+
+
+def test_layer_skip_draft_greedy_equals_plain():
+    """The target's first layer drafts (draft_model, model "self") on one shared pool."""
+    prompts = dict(enumerate(_prompts(7, 4, lo=6, hi=24)))
+    reqs = [(str(i), p, _greedy(24)) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    engine = _engine(True, "draft_model")
+    engine.reset_stats()
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    s = engine.stats()
+    assert s["spec_proposed_tokens"] > 0 and s["spec_steps"] > 0
+    assert set(engine.speculator.draft.trace_count.values()) == {1}
+    assert engine.num_free_blocks() == engine.num_usable_blocks()

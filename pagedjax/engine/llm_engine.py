@@ -491,7 +491,7 @@ class LLMEngine:
 
 
 def _reject_unbuilt_features(config: EngineConfig) -> None:
-    check_buildable(config.speculative)
+    check_buildable(config.speculative, config.model.model)
     if config.parallel.tensor_parallel_size > 1 or config.parallel.data_parallel_size > 1:
         raise NotImplementedError(
             "tensor_parallel_size / data_parallel_size > 1: multi-device execution is not"

@@ -40,19 +40,28 @@ import numpy as np
 from pagedjax.config import SpeculativeConfig
 from pagedjax.engine import admission
 from pagedjax.engine.buckets import pick, seqs_for_tokens
+from pagedjax.engine.spec_draft import LayerSkipDraft
 from pagedjax.engine.spec_ngram import NgramProposer
 from pagedjax.engine.spec_verify import SpecVerifier
 from pagedjax.memory.rollback import truncate_batched
 
-BUILT_METHODS = ("ngram",)
+BUILT_METHODS = ("ngram", "draft_model")
 
 
-def check_buildable(config: SpeculativeConfig | None) -> None:
-    """NotImplementedError naming the method if it is not built (before any loading)."""
-    if config is not None and config.method not in BUILT_METHODS:
+def check_buildable(config: SpeculativeConfig | None, target_model: str | None = None) -> None:
+    """NotImplementedError naming what is not built (before any loading): the method,
+    or a draft_model that is not the target itself (``spec_draft.py``)."""
+    if config is None:
+        return
+    if config.method not in BUILT_METHODS:
         raise NotImplementedError(
             f"speculative_config method {config.method!r} is not built yet; built:"
             f" {list(BUILT_METHODS)}"
+        )
+    if config.method == "draft_model" and config.model not in ("self", target_model):
+        raise NotImplementedError(
+            f"speculative_config model {config.model!r}: a separate draft checkpoint is not"
+            " built; use the target's own first layers (model 'self', draft_num_layers N)"
         )
 
 
@@ -123,10 +132,14 @@ class SpeculativeDecoder:
 
     def __init__(self, config: SpeculativeConfig, arch: Any, block_size: int,
                  attention_fn: Any, max_logprobs: int, policy: Any):  # fmt: skip
-        check_buildable(config)
+        check_buildable(config, config.model)
         self.config = config
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.draft = None
+        if config.method == "draft_model":
+            n = config.draft_num_layers
+            self.draft = LayerSkipDraft(arch, n, attention_fn, block_size, self.k)
         self.verifier = SpecVerifier(arch, block_size, attention_fn, max_logprobs, self.k)
         self.block_size = block_size
         self.counters = SpecCounters()
@@ -135,8 +148,9 @@ class SpeculativeDecoder:
 
     def jits(self) -> dict[str, Any]:
         """The jitted functions by name (compile counting)."""
+        draft = {} if self.draft is None else {"spec_draft": self.draft.propose}
         return dict(spec_extend=self._extend, spec_commit=self._commit,
-                    spec_verify=self.verifier.step)  # fmt: skip
+                    spec_verify=self.verifier.step, **draft)  # fmt: skip
 
     def reset_stats(self) -> None:
         self.counters = SpecCounters()
@@ -175,8 +189,11 @@ class SpeculativeDecoder:
             k = min(self.k, seq.target - out - 1, budget)
             if k <= 0:
                 continue
-            prop = self.proposer.propose(req.prompt_token_ids + seq.detok.ids, k)
-            k = len(prop)
+            if self.draft is not None:  # the draft program fills them in on device
+                prop = [-1] * k
+            else:
+                prop = self.proposer.propose(req.prompt_token_ids + seq.detok.ids, k)
+                k = len(prop)
             start = int(host["start_pos"][r])
             held = int(lengths[int(host["seq_ids"][r])])
             while k > 0:
@@ -219,6 +236,11 @@ class SpeculativeDecoder:
         num_tokens = int(host["num_tokens"]) + int(counts.sum())
         padded_tokens = pick(engine.token_buckets, num_tokens)
         padded_seqs = seqs_for_tokens(engine.seq_buckets, padded_tokens)
+        if self.draft is not None:
+            dev.kv, dev.tokens = self.draft.propose(
+                self.draft.params_for(core.params), dev.kv, dev.tokens,
+                dev.state.mem, sid, start + 1, counts, num_seqs=padded_seqs,
+            )  # fmt: skip
         q_ext = (host["q_lens"] + counts).astype(np.int32)
         ext = batch._replace(q_lens=jnp.asarray(q_ext), num_tokens=jnp.int32(num_tokens), swap=None)
         dev.kv, dev.tokens, out, accepted = self.verifier.step(
