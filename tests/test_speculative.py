@@ -56,7 +56,7 @@ def _params():
 
 
 @functools.cache
-def _engine(spec: bool, method: str = "ngram") -> LLMEngine:
+def _engine(spec: bool, method: str = "ngram", warmup: str = "none") -> LLMEngine:
     """One geometry for every test (prefix caching on; a pool small enough to preempt),
     so the plain and the speculative engine share compiled programs through the
     session's persistent compilation cache."""
@@ -75,7 +75,7 @@ def _engine(spec: bool, method: str = "ngram") -> LLMEngine:
         )
         if spec
         else None,
-        warmup="none",
+        warmup=warmup,
     )
     tok = ByteTokenizer(eos_token_id=ARCH.eos_token_id, bos_token_id=ARCH.bos_token_id)
     return LLMEngine(ARCH, _params(), tok, config, kv_fill_value=float("nan"))
@@ -342,11 +342,17 @@ def test_seeded_sampling_equals_plain():
     assert engine.stats()["spec_accepted_tokens"] > 0
 
 
-def test_compiles_once_per_bucket():
+def test_compiles_once_per_bucket_and_warm_up_covers_them():
+    """A warmed-up speculative engine compiles nothing while generating; a second run
+    compiles nothing either, and every verification program was traced once."""
     prompts = dict(enumerate(_prompts(6, 4, lo=5, hi=30)))
     reqs = [(str(i), p, _greedy(12)) for i, p in prompts.items()]
-    engine = _engine(True)
+    engine = _engine(True, warmup="all")
+    warm = engine.stats()
     _drain(engine, reqs)
+    assert engine.stats()["spec_proposed_tokens"] > 0
+    assert engine.stats()["spec_compilations"] == warm["spec_compilations"]
+    assert engine.stats()["compilations"] == warm["compilations"]
     counts = dict(engine.speculator.verifier.trace_count)
     before = engine.stats()
     _drain(engine, [(f"again{i}", p, sp) for i, p, sp in reqs])

@@ -295,12 +295,8 @@ class LLMEngine:
         batch = dev.schedule()
         host = jax.device_get(
             dict(
-                num_tokens=batch.num_tokens,
-                num_seqs=batch.num_seqs,
-                seq_ids=batch.seq_ids,
-                q_lens=batch.q_lens,
-                start_pos=batch.start_pos,
-                emits=batch.emits,
+                num_tokens=batch.num_tokens, num_seqs=batch.num_seqs, seq_ids=batch.seq_ids,
+                q_lens=batch.q_lens, start_pos=batch.start_pos, emits=batch.emits,
                 rejected=batch.rejected,
                 preempted=batch.preempted,
                 reason=dev.state.finish_reason,
@@ -311,7 +307,7 @@ class LLMEngine:
                 swapped_out=batch.swap.swapped_out,
                 swapped_in=batch.swap.swapped_in,
             )
-        )
+        )  # fmt: skip
         host["used"], host["unshared"] = host.pop("usage")
         self.multi_step.note_step(core, host)
         self.num_preemptions += int(host["preempted"].sum())
@@ -437,7 +433,10 @@ class LLMEngine:
         (decode pairs, the largest prefill pair, decode loops, state functions), "all"
         (every reachable (T, S) pair too) or "none"; ``pairs`` runs just those runner
         pairs. Returns the runner pairs run. Costs one compilation per new program."""
-        return warm_up(self.core, self.multi_step, mode, pairs, progress)
+        done = warm_up(self.core, self.multi_step, mode, pairs, progress)
+        if self.speculator is not None:  # its verification (and draft) programs too
+            self.speculator.warm_up(self.core, done)
+        return done
 
     # ------------------------------------------------------------------ introspection
 

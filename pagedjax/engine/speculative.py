@@ -160,6 +160,36 @@ class SpeculativeDecoder:
         compiled = sum(f._cache_size() for f in self.jits().values())
         return self.counters.stats() | {"spec_compilations": compiled}
 
+    def warm_up(self, core: Any, pairs: list[tuple[int, int]]) -> None:
+        """Compile the speculative programs for the runner's warm-up pairs (T, S), on
+        inputs that change nothing (no row masked, an all-padding batch), with exactly
+        the argument types ``run`` passes (jit caches by them)."""
+        if not pairs:
+            return
+        dev, n = core.device, core.max_seqs
+        i32, f = np.zeros(n, np.int32), np.zeros(n, bool)
+        drafts = np.full((n, self.k), -1, np.int32)
+        dev.state, dev.tokens, ok = self._extend(dev.state, dev.tokens, i32, i32, f, i32, drafts)
+        _, batch = dev.preview_schedule()  # the pytree schedule returns, zeroed: padding
+        batch = jax.tree.map(jnp.zeros_like, batch)
+        batch = batch._replace(seq_ids=jnp.full_like(batch.seq_ids, -1))
+        ext = batch._replace(q_lens=jnp.asarray(i32), num_tokens=jnp.int32(0), swap=None)
+        for t, s in pairs:
+            mem = dev.state.mem
+            mem = mem._replace(last_cow=mem.last_cow._replace(valid=jnp.asarray(f)))
+            if self.draft is not None:
+                dev.kv, dev.tokens = self.draft.propose(
+                    self.draft.params_for(core.params), dev.kv, dev.tokens, mem, i32, i32,
+                    i32, num_seqs=s,
+                )  # fmt: skip
+            st = dev.state
+            dev.kv, dev.tokens, out, acc = self.verifier.step(
+                core.params, dev.kv, dev.tokens, mem, ext, jnp.asarray(i32), dev.sampling(),
+                st.prompt_len, st.output_len, num_tokens=t, num_seqs=s,
+            )  # fmt: skip
+            dev.state = self._commit(dev.state, i32, i32, acc, jnp.asarray(f))
+        jax.block_until_ready((dev.state, ok))
+
     # ------------------------------------------------------------------ planning
 
     def _plan(self, engine: Any, host: dict, owners: list) -> np.ndarray:
