@@ -42,7 +42,7 @@ from pagedjax.engine import admission
 from pagedjax.engine.buckets import pick, seqs_for_tokens
 from pagedjax.engine.spec_draft import LayerSkipDraft
 from pagedjax.engine.spec_ngram import NgramProposer
-from pagedjax.engine.spec_verify import SpecVerifier
+from pagedjax.engine.spec_verify import SpecVerifier, sampled_offsets
 from pagedjax.memory.rollback import truncate_batched
 
 BUILT_METHODS = ("ngram", "draft_model")
@@ -290,7 +290,7 @@ class SpeculativeDecoder:
         if not bool(np.all(got[3])):  # _plan counted the free blocks: a bug if it fails
             raise RuntimeError("speculative grow failed after planning; blocks miscounted")
         acc = got[2]
-        k1 = self.k + 1
+        offsets = sampled_offsets(counts, num_seqs)
         eos = core.book.eos
         q_acc = host["q_lens"].copy()
         c = self.counters
@@ -301,7 +301,7 @@ class SpeculativeDecoder:
             a = int(acc[r]) if counts[r] else 0
             recorded = 0
             for j in range(a + 1):
-                i = r * k1 + j
+                i = int(offsets[r]) + j
                 top = (got[5][i], got[6][i], got[7][i]) if want_top else None
                 recorded += 1
                 if seq.record(int(got[0][i]), float(got[1][i]), top, eos):
