@@ -15,6 +15,7 @@ stops inside accepted runs) is exercised whatever the random model does.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -378,3 +379,17 @@ def test_layer_skip_draft_greedy_equals_plain():
     assert s["spec_proposed_tokens"] > 0 and s["spec_steps"] > 0
     assert set(engine.speculator.draft.trace_count.values()) == {1}
     assert engine.num_free_blocks() == engine.num_usable_blocks()
+
+
+def test_disable_by_batch_size():
+    """No proposals in steps with at least disable_by_batch_size sequences."""
+    engine = _engine(True)
+    old = engine.speculator.config
+    engine.speculator.config = dataclasses.replace(old, disable_by_batch_size=1)
+    try:
+        engine.reset_stats()
+        prompts = _prompts(9, 2, lo=8, hi=16)
+        _drain(engine, [(f"d{i}", p, _greedy(8)) for i, p in enumerate(prompts)])
+        assert engine.stats()["spec_proposed_tokens"] == 0
+    finally:
+        engine.speculator.config = old
