@@ -13,9 +13,11 @@ Methods: none (the default engine: K-step decode loop), ngram ({"method": "ngram
 "num_speculative_tokens": k, "prompt_lookup_max": 4}), draft ({"method": "draft_model",
 "model": "self", "draft_num_layers": N}: the model's own first N layers).
 
-For each (method, workload, batch size B): the first B prompts (cycled) are added at
-once and stepped to completion twice, the first run compiling what the second uses;
-the second is timed. Reported: output tokens/s, mean request latency (add -> finished),
+For each (workload, batch size B), every method in turn (engines built first, so the
+ratios compare runs made under the same machine load; the first method listed is the
+baseline): the first B prompts (cycled) are added at once and stepped to completion
+twice, the first run compiling what the second uses; the second is timed.
+Reported: output tokens/s, mean request latency (add -> finished),
 the ratio to "none", the acceptance rate, the mean accepted length (tokens per
 speculating row-step, bonus included) and whether the outputs equal "none"'s. Prints
 the load (``os.getloadavg``) before and after; the box is shared, so compare ratios
@@ -96,42 +98,44 @@ def main() -> None:
                   "draft_num_layers": a.draft_layers},
     }  # fmt: skip
     texts = {"copy": copy_prompts(), "chat": list(QUESTIONS)}
-    rows, base = [], {}
-    for method in a.methods:
-        llm = LLM(model=MODEL, max_model_len=1024, max_num_seqs=max(a.batch_sizes),
-                  max_num_batched_tokens=1024, kv_cache_memory_bytes=1 << 30,
-                  warmup="none", speculative_config=configs[method])  # fmt: skip
-        for wl in a.workloads:
-            ids = prompt_ids(llm, texts[wl])
-            for b in a.batch_sizes:
-                prompts = [ids[i % len(ids)] for i in range(b)]
+    # All engines first; then each (workload, batch) runs every method back to back, so
+    # the ratios compare runs made under the same (shared, varying) machine load.
+    llms = {
+        m: LLM(model=MODEL, max_model_len=1024, max_num_seqs=max(a.batch_sizes),
+               max_num_batched_tokens=1024, kv_cache_memory_bytes=1 << 30,
+               warmup="none", speculative_config=configs[m])
+        for m in a.methods
+    }  # fmt: skip
+    rows = []
+    for wl in a.workloads:
+        ids = prompt_ids(next(iter(llms.values())), texts[wl])
+        for b in a.batch_sizes:
+            prompts = [ids[i % len(ids)] for i in range(b)]
+            ref = None
+            for method, llm in llms.items():
                 run_once(llm, prompts, a.max_tokens, "warm")
                 r = run_once(llm, prompts, a.max_tokens, "timed")
-                key = (wl, b)
-                if method == "none":
-                    base[key] = r
-                ref = base.get(key)
+                ref = r if ref is None else ref  # the first method listed is the baseline
                 s = r["stats"]
                 row = dict(
                     method=method, workload=wl, batch=b, tok_s=round(r["tok_s"], 1),
                     latency_s=round(r["latency"], 3),
-                    ratio=round(r["tok_s"] / ref["tok_s"], 2) if ref else None,
+                    ratio=round(r["tok_s"] / ref["tok_s"], 2),
                     acceptance=round(s.get("spec_acceptance_rate", 0.0), 3),
                     mean_accepted_len=round(s.get("spec_mean_accepted_length", 0.0), 2),
-                    same_as_none=(r["outputs"] == ref["outputs"]) if ref else None,
-                    tokens=r["tokens"],
+                    same_as_none=r["outputs"] == ref["outputs"], tokens=r["tokens"],
+                    load=round(os.getloadavg()[0], 1),
                 )  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-        del llm
     print(f"load after: {os.getloadavg()}")
-    print("| method | workload | batch | tok/s | mean latency s | vs none | acceptance |"
-          " mean accepted len | same outputs |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| workload | batch | method | tok/s | mean latency s | vs none | acceptance |"
+          " mean accepted len | same outputs | load |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['workload']} | {r['batch']} | {r['tok_s']} |"
+        print(f"| {r['workload']} | {r['batch']} | {r['method']} | {r['tok_s']} |"
               f" {r['latency_s']} | {r['ratio']} | {r['acceptance']} |"
-              f" {r['mean_accepted_len']} | {r['same_as_none']} |")  # fmt: skip
+              f" {r['mean_accepted_len']} | {r['same_as_none']} | {r['load']} |")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
