@@ -200,6 +200,56 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` keys; docs/speculative_decoding.md).
+
+    method: "ngram" (prompt lookup: the continuation of the latest earlier occurrence of
+    the last n tokens, n from prompt_lookup_max down to prompt_lookup_min);
+    "draft_model" with model "self" (or the target's own model name) and
+    draft_num_layers N: a layer-skip draft, the target's first N layers with its final
+    norm and LM head (pagedjax's own key; separate draft checkpoints are not built);
+    "eagle" is refused by the engine until built. num_speculative_tokens: k, proposals
+    verified per sequence per step. disable_by_batch_size: no proposals in a step with
+    at least this many scheduled sequences (None: always).
+    """
+
+    method: Literal["ngram", "draft_model", "eagle"] = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None
+    draft_num_layers: int | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        _check(
+            isinstance(k, int) and 1 <= k <= 32,
+            "speculative_config.num_speculative_tokens", f"must be in [1, 32], got {k!r}",
+        )  # fmt: skip
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        _check(
+            1 <= lo <= hi, "speculative_config.prompt_lookup_min",
+            f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo}, {hi}",
+        )  # fmt: skip
+        if self.method != "ngram":
+            _check(self.model is not None, "speculative_config.model",
+                   f"method {self.method!r} needs a draft model")  # fmt: skip
+        n = self.draft_num_layers
+        if self.method == "draft_model":
+            _check(n is not None and n >= 1, "speculative_config.draft_num_layers",
+                   f"method 'draft_model' needs draft_num_layers >= 1, got {n!r}")  # fmt: skip
+        b = self.disable_by_batch_size
+        _check(b is None or b >= 1, "speculative_config.disable_by_batch_size",
+               f"must be >= 1, got {b}")  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:
+        """From vLLM's dict (or JSON object) form; unknown keys are rejected by name."""
+        return load_dataclass(cls, data, prefix="speculative_config.")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; the top level of an engine YAML file."""
 
@@ -207,6 +257,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # Speculative decoding (None: off); LLM(speculative_config={...}) builds it.
+    speculative: SpeculativeConfig | None = None
     attention_backend: Literal["reference", "pallas", "native_cpu", "triton", "auto"] = "auto"
     # Compile at start-up (pagedjax/engine/warmup.py): "auto" = "all" (every step
     # program; cheap with the layer loop and the persistent cache), unless the

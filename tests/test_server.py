@@ -542,9 +542,6 @@ def test_cli_flags():
             p.parse_args(bad_argv)  # unknown flags and abbreviations are errors
     quant = p.parse_args(["--model", "m", "-q", "int4"])
     assert cli_args.llm_kwargs(quant)["quantization"] == "int4"  # passed on to LLM
-    for flags, feature in ((["--speculative-config", "{}"], "speculative decoding"),):
-        with pytest.raises(SystemExit, match=feature):
-            cli_args.reject_unbuilt(p.parse_args(["--model", "m", *flags]))
     # The 8-bit KV cache is built: the flag reaches LLM(kv_cache_dtype=...); bad names exit.
     fp8 = p.parse_args(["--model", "m", "--kv-cache-dtype", "fp8"])
     cli_args.reject_unbuilt(fp8)
@@ -552,6 +549,12 @@ def test_cli_flags():
     assert "kv_cache_dtype" not in cli_args.llm_kwargs(p.parse_args(["--model", "m"]))
     with pytest.raises(SystemExit):
         p.parse_args(["--model", "m", "--kv-cache-dtype", "int4"])
+    spec = p.parse_args(["--model", "m", "--speculative-config", '{"method": "ngram"}'])
+    assert cli_args.llm_kwargs(spec)["speculative_config"] == {"method": "ngram"}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "m", "--speculative-config", "[1]"])  # not an object
+    with pytest.raises(SystemExit, match="max-waiting-requests"):
+        cli_args.reject_unbuilt(p.parse_args(["--model", "m", "--max-waiting-requests", "-1"]))
     from pagedjax.entrypoints import cli
 
     with pytest.raises(SystemExit):

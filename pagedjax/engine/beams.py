@@ -162,6 +162,11 @@ def beam_search(
     ValueError (before anything runs) on bad params or a prompt that cannot run, and
     BeamSearchOutOfStep (after aborting this call's requests) if a beam misses a step.
     """
+    if engine.speculator is not None:  # vLLM refuses the pair too
+        raise ValueError(
+            "beam search with speculative decoding (speculative_config) is not supported:"
+            " build the engine without speculative_config for beam search"
+        )
     if isinstance(params, BeamSearchParams):
         params = [params] * len(prompts)
     if not isinstance(params, Sequence):

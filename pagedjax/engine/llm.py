@@ -10,7 +10,13 @@ from typing import Any
 import jax
 
 from pagedjax.attention import KV_CACHE_DTYPES
-from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pagedjax.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SpeculativeConfig,
+)
 from pagedjax.config import SchedulerConfig as EngineSchedulerConfig
 from pagedjax.engine.beams import BeamSearchOutput, beam_search
 from pagedjax.engine.data_parallel import DataParallelEngine
@@ -53,6 +59,8 @@ class LLM:
     quantization_config: awq, gptq, compressed-tensors), "gguf" keeps a GGUF file's
     weights packed, or an in-flight mode ("int8_per_channel_weight_only",
     "fp8_per_tensor", "fp8_per_channel", "int4", "nf4"); docs/quantization.md.
+    speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens":
+    4, "prompt_lookup_max": 4} (``config.SpeculativeConfig``; docs/speculative_decoding.md).
     """
 
     def __init__(
@@ -86,6 +94,7 @@ class LLM:
         warmup: str = "auto",
         compilation_cache: str | None = None,
         quantization: str | None = None,
+        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         **unknown: Any,
     ):
         if unknown:
@@ -141,6 +150,7 @@ class LLM:
             attention_backend=attention_backend,  # type: ignore[arg-type]
             warmup=warmup,  # type: ignore[arg-type]
             compilation_cache=compilation_cache,
+            speculative=_speculative(speculative_config),
         )
         _check_literals(config)
         engine_cls = DataParallelEngine if data_parallel_size > 1 else LLMEngine
@@ -347,3 +357,13 @@ def _check_literals(config: EngineConfig) -> None:
     for name, (value, allowed) in choices.items():
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _speculative(value: Any) -> SpeculativeConfig | None:
+    """vLLM's ``speculative_config`` (a dict, e.g. {"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4}) as a checked dataclass."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(f"speculative_config must be a dict, got {type(value).__name__}")
+    return SpeculativeConfig.from_dict(value)

@@ -4,13 +4,12 @@ One step (docs/engine.md gives the reasons):
 
 1. host: give queued sequences free slots; one jitted ``add_requests`` for all of them.
 2. device: ``schedule`` (jitted) picks rows and grows their blocks.
-3. host: read back the batch's sizes and rows (a few [max_seqs] int arrays, one sync) to
-   pick the padding bucket (T, S).
-3b. swap copies the schedule decided (``_apply_swaps``, ``DeviceState.swap_out/in``):
-   device -> host blocks of groups swapped out, then host -> device blocks of groups
-   swapped in.
-4. device: the ModelRunner step for (T, S): build the ragged input from the device token
-   buffer, copy-on-write copies, forward (KV donated), sample, append the ids.
+3. host: read back the batch's sizes and rows (one sync) to pick the bucket (T, S).
+3b. swap copies the schedule decided (``_apply_swaps``): device -> host blocks of groups
+   swapped out, then host -> device blocks of groups swapped in.
+4. device: the ModelRunner step for (T, S): ragged input from the device token buffer,
+   copy-on-write copies, forward (KV donated), sample, append the ids. With speculative
+   decoding, a step with proposals verifies them instead (``speculative.py``).
 5. host: read the sampled ids (second sync), detokenize, check EOS / stop ids / stop
    strings / length, build the RequestOutputs.
 6. device: ``update`` with the stop mask, then ``recycle`` of finished slots (async).
@@ -24,17 +23,15 @@ cached prefix (``sharing.attach_hits``), and the blocks each step fills are regi
 after it (``sharing.register_step``). A request with n > 1 prefills its prompt once as
 sample 0; when that prompt is done, samples 1..n-1 fork its blocks into their own slots.
 
-Sequence groups and swap (docs/engine.md): the samples of one request form a sequence
-group (group id: sample 0's arrival number), which the scheduler preempts all or
-nothing. A group preempted by swap has its blocks copied to a host KV pool (numpy,
+Sequence groups and swap (docs/engine.md): a request's samples form a group, preempted
+all or nothing; a group preempted by swap has its blocks copied to a host KV pool (numpy,
 ``swap_space`` GiB) in step 3b, before the step's forward overwrites the freed device
-blocks, and copied back into fresh device blocks when it is swapped in.
+blocks, and back into fresh device blocks when it is swapped in.
 
-State (docs/architecture.md): the device arrays live in ``DeviceState``
-(``device_state.py``), the host bookkeeping in ``RequestBook`` (``request_book.py``),
-both in one ``EngineCore`` (``core.py``) that the decode loop, warm-up and beam search
-share through public methods. ``state``, ``kv``, ``tokens`` and ``params`` here are
-views of the core's.
+State (docs/architecture.md): device arrays in ``DeviceState`` (``device_state.py``),
+host bookkeeping in ``RequestBook`` (``request_book.py``), both in one ``EngineCore``
+(``core.py``) that the decode loop, warm-up and beam search share through public
+methods; ``state``, ``kv``, ``tokens`` and ``params`` here are views of the core's.
 """
 
 
@@ -67,6 +64,7 @@ from pagedjax.engine.parallel import DevicePlacement, check_device_count
 from pagedjax.engine.prompts import check_request, record_prompt_logprobs, tokenize_prompt
 from pagedjax.engine.request_book import RequestBook
 from pagedjax.engine.sequence import RequestState, SequenceState
+from pagedjax.engine.speculative import build_speculator, check_buildable
 from pagedjax.engine.warmup import warm_up
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.prefix_cache import PrefixIndex
@@ -160,13 +158,14 @@ class LLMEngine:
         )  # fmt: skip
         log.info("%s", self.kv_spec.describe(self.num_blocks, self.block_size))
         kv = place.allocate_kv(self.kv_spec, self.num_blocks, self.block_size, kv_fill_value)
-        device_state = DeviceState(
-            self.policy, self.sched_config, kv, max_model_len=self.max_model_len,
-            num_host_blocks=self.num_host_blocks,
-        )  # fmt: skip
+        device_state = DeviceState(self.policy, self.sched_config, kv,
+                                   max_model_len=self.max_model_len,
+                                   num_host_blocks=self.num_host_blocks)  # fmt: skip
         place.place_state(device_state)
-        # K-step on-device decode loop (multi_step.py); K = 1 keeps the one-step path.
-        num_steps = resolve_num_steps(sc.num_multi_steps, jax.devices()[0].platform)
+        self.speculator = build_speculator(config.speculative, arch, self.block_size, attention,
+                                           max_logprobs, self.policy)  # speculative.py
+        k = resolve_num_steps(sc.num_multi_steps, place.device.platform)  # multi_step.py
+        num_steps = 1 if self.speculator else k  # K = 1: the one-step path (speculation)
         self.multi_step = MultiStepDecoder(self.runner, self.policy, self.sched_config, num_steps)
         eos = {i for i in (*arch.eos_token_ids, tokenizer.eos_token_id) if i is not None}
         self.core = EngineCore(
@@ -298,12 +297,8 @@ class LLMEngine:
         batch = dev.schedule()
         host = jax.device_get(
             dict(
-                num_tokens=batch.num_tokens,
-                num_seqs=batch.num_seqs,
-                seq_ids=batch.seq_ids,
-                q_lens=batch.q_lens,
-                start_pos=batch.start_pos,
-                emits=batch.emits,
+                num_tokens=batch.num_tokens, num_seqs=batch.num_seqs, seq_ids=batch.seq_ids,
+                q_lens=batch.q_lens, start_pos=batch.start_pos, emits=batch.emits,
                 rejected=batch.rejected,
                 preempted=batch.preempted,
                 reason=dev.state.finish_reason,
@@ -314,7 +309,7 @@ class LLMEngine:
                 swapped_out=batch.swap.swapped_out,
                 swapped_in=batch.swap.swapped_in,
             )
-        )
+        )  # fmt: skip
         host["used"], host["unshared"] = host.pop("usage")
         self.multi_step.note_step(core, host)
         self.num_preemptions += int(host["preempted"].sum())
@@ -360,6 +355,9 @@ class LLMEngine:
         """The device step for the batch's bucket, then the sampled tokens on the host:
         fills touched, finished_mask (batch rows) and recycle_mask (slots) in place."""
         core, dev = self.core, self.core.device
+        spec = self.speculator
+        if spec is not None and spec.run(self, batch, host, touched, finished_mask, recycle_mask):
+            return
         num_seqs = int(host["num_seqs"])
         seq_ids, emits = host["seq_ids"], host["emits"]
         owners = [core.book.owner(int(seq_ids[r])) for r in range(num_seqs)]
@@ -431,18 +429,16 @@ class LLMEngine:
         (``admission.assign_slots``); ``step`` starts with it."""
         admission.assign_slots(self.core)
 
-    def warmup(
-        self,
-        pairs: Iterable[tuple[int, int]] | None = None,
-        *,
-        mode: str = "decode",
-        progress: bool = False,
-    ) -> list[tuple[int, int]]:
+    def warmup(self, pairs: Iterable[tuple[int, int]] | None = None, *, mode: str = "decode",
+               progress: bool = False) -> list[tuple[int, int]]:  # fmt: skip
         """Compile now, by running on no-op inputs (``warmup.py``): ``mode`` "decode"
         (decode pairs, the largest prefill pair, decode loops, state functions), "all"
         (every reachable (T, S) pair too) or "none"; ``pairs`` runs just those runner
         pairs. Returns the runner pairs run. Costs one compilation per new program."""
-        return warm_up(self.core, self.multi_step, mode, pairs, progress)
+        done = warm_up(self.core, self.multi_step, mode, pairs, progress)
+        if self.speculator is not None:  # its verification (and draft) programs too
+            self.speculator.warm_up(self.core, done)
+        return done
 
     # ------------------------------------------------------------------ introspection
 
@@ -462,6 +458,8 @@ class LLMEngine:
         self.core.sharing = type(self.core.sharing)()
         self.num_forked = 0
         self.multi_step.reset_stats()
+        if self.speculator is not None:
+            self.speculator.reset_stats()
         self.num_preemptions_recompute = 0
         self.num_preemptions_swap = 0
         self.num_swapped_out_blocks = 0
@@ -476,15 +474,15 @@ class LLMEngine:
         prefix_cache_query_tokens: tokens looked up (prompt, or prompt + output to redo).
         prefix_cache_hit_tokens: tokens whose KV was reused = prefill tokens saved.
         prefix_cache_hit_rate: hit tokens / query tokens.
-        blocks_saved_by_sharing: 1 - blocks in use / blocks without sharing, averaged
-            over steps (a step counts when some sequence holds blocks); the ratio of the
-            sums is ``blocks_saved_by_sharing_total``.
+        blocks_saved_by_sharing: 1 - blocks in use / blocks without sharing, averaged over
+            steps holding blocks; the ratio of the sums: ``blocks_saved_by_sharing_total``.
         preemptions_recompute / preemptions_swap: sequences preempted by each kind.
-        swapped_out_blocks / swapped_in_blocks: KV blocks copied device -> host and
-            host -> device (a block shared within a group counts once).
+        swapped_out_blocks / swapped_in_blocks: KV blocks copied device -> host and back
+            (a block shared within a group counts once). spec_*: ``speculative.py``.
         compilations, xla_compilations, multi_step_*: see ``engine_stats.py``.
         """
-        return engine_stats(
+        spec = self.speculator.stats() if self.speculator is not None else {}
+        return spec | engine_stats(
             self.core, self.multi_step, forked_samples=self.num_forked,
             preemptions_recompute=self.num_preemptions_recompute,
             preemptions_swap=self.num_preemptions_swap,
@@ -495,5 +493,8 @@ class LLMEngine:
 
 def _reject_unbuilt_features(config: EngineConfig) -> None:
     check_device_count(config.parallel.tensor_parallel_size)
+    check_buildable(config.speculative, config.model.model)
+    if config.speculative is not None and config.parallel.tensor_parallel_size > 1:
+        raise ValueError("speculative_config with tensor_parallel_size > 1: not built yet")
     if config.parallel.data_parallel_size > 1:  # replicas are data_parallel.py's, above
         raise ValueError("LLMEngine is one replica; data_parallel_size > 1: DataParallelEngine")

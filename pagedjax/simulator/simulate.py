@@ -200,8 +200,9 @@ class _Carry(NamedTuple):
 
 
 def _simulate(
-    policy, config: SchedulerConfig, cost_model, max_steps: int, trace: Trace, record: int = 0
-):
+    policy, config: SchedulerConfig, cost_model, max_steps: int, trace: Trace, record: int = 0,
+    spec: Any = None,
+):  # spec: a speculative.SpecModel (static) or None
     n_slots = config.max_seqs
     n_req = trace.arrival.shape[0]
     slots = jnp.arange(n_slots, dtype=jnp.int32)
@@ -245,6 +246,8 @@ def _simulate(
         st0 = c.state
         st1, batch = schedule(policy, config, st0)
         work = batch_work(st1, batch)
+        if spec is not None:  # decode rows verify k drafts (speculative.py)
+            work = spec.verify_work(batch, work)
         dt = cost_model(*work)
         swap_time = getattr(cost_model, "swap_time", None)
         if swap_time is not None:  # swap copies of the step (0 without a swap pool)
@@ -273,6 +276,8 @@ def _simulate(
         free_fn = getattr(policy, "free_slots", None)
         free = free_fn(st1.mem) if free_fn is not None else jnp.float32(jnp.nan)
 
+        if spec is not None:  # the kept drafts, before update adds the step's token
+            st1 = spec.accept(st1, batch, c.steps, config.max_model_len)
         st2 = update(policy, config, st1, batch, jnp.zeros((n_slots,), bool))
         newly = (st2.status == FINISHED) & (st0.status != FINISHED)
         req_ids = jnp.where(newly, c.slot_req, n_req)
@@ -374,9 +379,9 @@ def _simulate(
     return (res, c.rec) if record else res
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _simulate_jit(policy, config, cost_model, max_steps, trace):
-    return _simulate(policy, config, cost_model, max_steps, trace)
+@partial(jax.jit, static_argnums=(0, 1, 2, 3, 5))
+def _simulate_jit(policy, config, cost_model, max_steps, trace, spec=None):
+    return _simulate(policy, config, cost_model, max_steps, trace, spec=spec)
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
@@ -384,9 +389,11 @@ def _simulate_rec(policy, config, cost_model, max_steps, record, trace):
     return _simulate(policy, config, cost_model, max_steps, trace, record)
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _simulate_vmap(policy, config, cost_model, max_steps, traces):
-    return jax.vmap(lambda t: _simulate(policy, config, cost_model, max_steps, t))(traces)
+@partial(jax.jit, static_argnums=(0, 1, 2, 3, 5))
+def _simulate_vmap(policy, config, cost_model, max_steps, traces, spec=None):
+    return jax.vmap(lambda t: _simulate(policy, config, cost_model, max_steps, t, spec=spec))(
+        traces
+    )
 
 
 def simulate(
@@ -395,9 +402,11 @@ def simulate(
     cost_model: Any,
     trace: Trace,
     max_steps: int = 2_000_000,
+    speculative: Any = None,
 ) -> SimResult:
-    """Run one trace (jitted; policy, config, cost_model must be hashable)."""
-    return _simulate_jit(policy, config, cost_model, max_steps, trace)
+    """Run one trace (jitted; policy, config, cost_model must be hashable).
+    speculative: a ``speculative.SpecModel`` (simulated speculative decoding) or None."""
+    return _simulate_jit(policy, config, cost_model, max_steps, trace, speculative)
 
 
 def simulate_many(
@@ -406,12 +415,14 @@ def simulate_many(
     cost_model: Any,
     traces: Trace,
     max_steps: int = 2_000_000,
+    speculative: Any = None,
 ) -> SimResult:
     """Run stacked traces (leading axis R) at once under ``vmap``; results gain axis R.
 
     The loop runs until every trace is done, so pair traces of similar length.
+    speculative: as ``simulate``.
     """
-    return _simulate_vmap(policy, config, cost_model, max_steps, traces)
+    return _simulate_vmap(policy, config, cost_model, max_steps, traces, speculative)
 
 
 def simulate_recorded(

@@ -6,8 +6,8 @@ An engine flag left out is left out of ``LLM(...)`` too, so the server's default
 ``make_parser()`` builds the argparse parser (abbreviations off, so an unknown or
 misspelt flag is an error rather than a guess). ``llm_kwargs(args)`` turns the parsed
 flags into ``LLM(...)`` keyword arguments; ``reject_unbuilt(args)`` raises SystemExit
-naming a feature that is not built yet (speculative decoding) instead of ignoring the
-flag.
+naming a flag value that cannot be served (a negative --max-waiting-requests) instead
+of ignoring it.
 """
 
 from __future__ import annotations
@@ -129,7 +129,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         " int8_per_channel_weight_only, fp8_per_tensor, fp8_per_channel, int4, nf4"
         " (default: the checkpoint's own; docs/quantization.md)",
     )  # fmt: skip
-    p.add_argument("--speculative-config", default=None, help="not built yet: refused")
+    p.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='speculative decoding, JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
     p.add_argument(
         "--kv-cache-dtype",
         default=None,
@@ -181,14 +186,12 @@ def make_parser(prog: str = "pagedjax.entrypoints.openai.api_server") -> argpars
 
 
 def reject_unbuilt(args: argparse.Namespace) -> None:
-    """SystemExit naming a requested feature that pagedjax does not have yet."""
-    why = None
-    if args.speculative_config is not None:
-        why = "--speculative-config: speculative decoding is not built yet"
-    elif args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-        why = f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}"
-    if why is not None:
-        raise SystemExit(f"error: {why}")
+    """SystemExit naming a flag value that cannot be served. Every engine flag vLLM's
+    recipe uses is built now (quantization, TP / DP, the 8-bit KV cache, speculation);
+    combinations the engine does not support are refused by LLM with their names."""
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        n = args.max_waiting_requests
+        raise SystemExit(f"error: --max-waiting-requests must be >= 0, got {n}")
 
 
 # Flags that map one to one onto LLM(...) keyword arguments (dest == keyword).
@@ -201,6 +204,7 @@ LLM_ARGS = (
     "attention_backend", "max_logprobs", "num_scheduler_steps", "warmup", "compilation_cache",
     "kv_cache_dtype",
     "quantization",
+    "speculative_config",
 )  # fmt: skip
 
 
@@ -212,3 +216,14 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def describe(args: argparse.Namespace) -> str:
     return json.dumps({k: v for k, v in vars(args).items() if k != "api_key"}, default=str)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """--speculative-config's value: a JSON object (its keys are checked by LLM)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value

@@ -89,8 +89,20 @@ class ServerMetrics:
         self.queue_time = hist(
             "request_queue_time_seconds", "Time from arrival to a scheduler slot.", _LATENCY
         )
+        # Speculative decoding (vLLM V1's names; zero without speculative_config).
+        self.spec_drafts = counter(
+            "spec_decode_num_drafts", "Sequence-steps that verified drafts."
+        ).labels(model_name)
+        self.spec_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Draft tokens verified."
+        ).labels(model_name)
+        self.spec_accepted = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        ).labels(model_name)
         # Last engine counter values seen (engine counters -> Prometheus deltas).
-        self._seen = dict(preemptions=0, queries=0, hits=0)
+        self._seen = dict(
+            preemptions=0, queries=0, hits=0, spec_drafts=0, spec_draft_tokens=0, spec_accepted=0
+        )
 
     # ------------------------------------------------------------- StatsSink
 
@@ -133,6 +145,9 @@ class ServerMetrics:
             ("preemptions", self.preemptions),
             ("queries", self.prefix_queries),
             ("hits", self.prefix_hits),
+            ("spec_drafts", self.spec_drafts),
+            ("spec_draft_tokens", self.spec_draft_tokens),
+            ("spec_accepted", self.spec_accepted),
         ):
             delta = snap[key] - self._seen[key]
             if delta < 0:  # the engine's stats were reset: count from there
@@ -154,4 +169,7 @@ def _snapshot(engine: Any) -> dict[str, Any]:
         preemptions=int(engine.num_preemptions),
         queries=int(stats["prefix_cache_query_tokens"]),
         hits=int(stats["prefix_cache_hit_tokens"]),
+        spec_drafts=int(stats.get("spec_rows", 0)),
+        spec_draft_tokens=int(stats.get("spec_proposed_tokens", 0)),
+        spec_accepted=int(stats.get("spec_accepted_tokens", 0)),
     )

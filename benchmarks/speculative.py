@@ -1,0 +1,145 @@
+"""Speculative decoding on the real small model (CPU): n-gram and layer-skip draft vs none.
+
+    python benchmarks/speculative.py [--batch-sizes 1 8 64] [--max-tokens 64]
+        [--methods none ngram draft] [--workloads copy chat] [--k 4] [--draft-layers 8]
+
+Model: SmolLM2-135M-Instruct (``LLM(model="smollm2-135m-instruct")``), greedy.
+Workloads, each rendered by the chat template:
+- copy: "Repeat the following text exactly" over a ~60-word passage of the bundled
+  Alice text (the output copies the prompt: n-gram lookup's favourable case, like
+  summarisation / extraction / code edits);
+- chat: the 20 eval questions (pagedjax/eval/chat.py).
+Methods: none (the default engine: K-step decode loop), ngram ({"method": "ngram",
+"num_speculative_tokens": k, "prompt_lookup_max": 4}), draft ({"method": "draft_model",
+"model": "self", "draft_num_layers": N}: the model's own first N layers).
+
+For each (workload, batch size B), every method in turn (engines built first, so the
+ratios compare runs made under the same machine load; the first method listed is the
+baseline): the first B prompts (cycled) are added at once and stepped to completion
+twice, the first run compiling what the second uses; the second is timed.
+Reported: output tokens/s, mean request latency (add -> finished),
+the ratio to "none", the acceptance rate, the mean accepted length (tokens per
+speculating row-step, bonus included) and whether the outputs equal "none"'s. Prints
+the load (``os.getloadavg``) before and after; the box is shared, so compare ratios
+from one run, not absolute numbers across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from pagedjax import LLM
+from pagedjax.eval.chat import QUESTIONS, conversation
+from pagedjax.eval.texts import load_text
+from pagedjax.sampling import SamplingParams
+
+MODEL = "smollm2-135m-instruct"
+
+
+def copy_prompts(count: int = 20, words: int = 60) -> list[str]:
+    text = " ".join(load_text("alice").split())
+    toks = text.split(" ")
+    out = []
+    for i in range(count):
+        passage = " ".join(toks[2000 + i * words : 2000 + (i + 1) * words])
+        out.append(f"Repeat the following text exactly, word for word:\n\n{passage}")
+    return out
+
+
+def prompt_ids(llm: LLM, questions: list[str]) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    ids = []
+    for q in questions:
+        text = tok.apply_chat_template(conversation(q), add_generation_prompt=True)
+        ids.append(tok.encode(text, add_special_tokens=False))
+    return ids
+
+
+def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
+    """Add all prompts, step to completion; times, tokens and outputs."""
+    eng = llm.llm_engine
+    eng.reset_stats()
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, sp)
+    finish, outs = {}, {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                finish[o.request_id] = time.perf_counter() - t0
+                outs[o.request_id] = o.outputs[0].token_ids
+    wall = time.perf_counter() - t0
+    tokens = sum(len(v) for v in outs.values())
+    order = [outs[f"{tag}-{i}"] for i in range(len(prompts))]
+    return dict(seconds=wall, tokens=tokens, tok_s=tokens / wall,
+                latency=sum(finish.values()) / len(finish), outputs=order,
+                stats=eng.stats())  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--methods", nargs="+", default=["none", "ngram", "draft"])
+    ap.add_argument("--workloads", nargs="+", default=["copy", "chat"])
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--draft-layers", type=int, default=8)
+    ap.add_argument("--json", default=None, help="write the rows here too")
+    a = ap.parse_args()
+    print(f"load before: {os.getloadavg()}", flush=True)
+    configs = {
+        "none": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4},
+        "draft": {"method": "draft_model", "model": "self", "num_speculative_tokens": a.k,
+                  "draft_num_layers": a.draft_layers},
+    }  # fmt: skip
+    texts = {"copy": copy_prompts(), "chat": list(QUESTIONS)}
+    # All engines first; then each (workload, batch) runs every method back to back, so
+    # the ratios compare runs made under the same (shared, varying) machine load.
+    llms = {
+        m: LLM(model=MODEL, max_model_len=1024, max_num_seqs=max(a.batch_sizes),
+               max_num_batched_tokens=1024, kv_cache_memory_bytes=1 << 30,
+               warmup="none", speculative_config=configs[m])
+        for m in a.methods
+    }  # fmt: skip
+    rows = []
+    for wl in a.workloads:
+        ids = prompt_ids(next(iter(llms.values())), texts[wl])
+        for b in a.batch_sizes:
+            prompts = [ids[i % len(ids)] for i in range(b)]
+            ref = None
+            for method, llm in llms.items():
+                run_once(llm, prompts, a.max_tokens, "warm")
+                r = run_once(llm, prompts, a.max_tokens, "timed")
+                ref = r if ref is None else ref  # the first method listed is the baseline
+                s = r["stats"]
+                row = dict(
+                    method=method, workload=wl, batch=b, tok_s=round(r["tok_s"], 1),
+                    latency_s=round(r["latency"], 3),
+                    ratio=round(r["tok_s"] / ref["tok_s"], 2),
+                    acceptance=round(s.get("spec_acceptance_rate", 0.0), 3),
+                    mean_accepted_len=round(s.get("spec_mean_accepted_length", 0.0), 2),
+                    same_as_none=r["outputs"] == ref["outputs"], tokens=r["tokens"],
+                    load=round(os.getloadavg()[0], 1),
+                )  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"load after: {os.getloadavg()}")
+    print("| workload | batch | method | tok/s | mean latency s | vs none | acceptance |"
+          " mean accepted len | same outputs | load |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['workload']} | {r['batch']} | {r['method']} | {r['tok_s']} |"
+              f" {r['latency_s']} | {r['ratio']} | {r['acceptance']} |"
+              f" {r['mean_accepted_len']} | {r['same_as_none']} | {r['load']} |")  # fmt: skip
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

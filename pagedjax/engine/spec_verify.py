@@ -1,0 +1,151 @@
+"""The device half of a speculative step: verify k proposals per row in one ragged forward.
+
+A speculating row is a decode row whose query grew from 1 to 1 + k tokens: its last
+real token, then its k draft ids, which the host already wrote into the token buffer at
+positions ``total .. total + k - 1`` (``total`` = prompt + output length). It is just a
+longer row of the existing ragged batch, so the attention backends, the KV writes and
+the bucketing are unchanged. The forward returns logits at each row's last 1 + k_r
+tokens only (every other row: its last token), packed into min(T, S * (K + 1)) rows
+(K = the static ``num_speculative_tokens``), so a batch where few rows speculate pays
+the LM head and the sampler for few extra rows. Each sampled position j of a row uses
+the row's own ``SamplingTensors`` with ``output_position = output_len + j``: a key is
+still a function of (seed, sample index, output position), so the target token at each
+position is exactly the one a run without speculation would have drawn there, given the
+same prefix. Penalties see the drafts before each position (they sit in the token
+buffer), which equal the target's tokens wherever they are accepted.
+
+Acceptance: the draft at position j is kept iff it equals the
+target's token there, the longest such prefix a; the row emits the a drafts plus the
+target's token at position a (the correction, or a bonus token when all k matched).
+For a draft that is a point mass (n-gram lookup, a greedy draft model) this is the
+rejection rule of Leviathan et al. (2023) with q = one-hot: the draft token is accepted
+with probability p(draft) = min(1, p / q), and after a rejection the emitted token is a
+sample of p restricted to the other tokens, the normalised residual (p - q)+. The general
+rule for a draft distribution q is ``pagedjax/sampling/rejection.py``.
+
+Shapes (N slots, Lb = max_model_len, T / S the token / sequence bucket, K static):
+  num_drafts int32[N] in batch-row order (0 for rows that do not speculate).
+Returns (kv', tokens' with each emitting row's correction/bonus token written at
+``total + a``, SamplerOutput of the packed positions (row r's position j at
+``sampled_offsets(...)[r] + j``), accepted int32[S]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pagedjax.engine.model_runner import apply_cow, build_model_input, token_history
+from pagedjax.model import ModelArch
+from pagedjax.model.forward import forward
+from pagedjax.sampling import SamplingTensors, sample
+from pagedjax.scheduler import ScheduledBatch
+
+
+class SpecVerifier:
+    """The jitted verification step for one (arch, attention, block size, K).
+
+    ``trace_count[(T, S)]`` counts traces per bucket, like ``ModelRunner.trace_count``:
+    one compilation per bucket, whatever the number of drafts in it.
+    """
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        block_size: int,
+        attention_fn: Callable[..., jax.Array],
+        max_logprobs: int,
+        num_speculative_tokens: int,
+    ):
+        self.arch, self.block_size = arch, block_size
+        self.max_logprobs = max_logprobs
+        self.k = num_speculative_tokens
+        self.trace_count: dict[tuple[int, int], int] = {}
+        self._attention_fn = attention_fn
+        self.step = jax.jit(
+            self._step,
+            static_argnames=("num_tokens", "num_seqs"),
+            donate_argnames=("kv", "tokens"),
+        )
+
+    def _step(
+        self,
+        params: Any,
+        kv: Any,
+        tokens: jax.Array,
+        mem: Any,
+        batch: ScheduledBatch,
+        num_drafts: jax.Array,
+        slot_sampling: SamplingTensors,
+        prompt_len: jax.Array,
+        output_len: jax.Array,
+        *,
+        num_tokens: int,
+        num_seqs: int,
+    ) -> tuple[Any, jax.Array, Any, jax.Array]:
+        key = (num_tokens, num_seqs)
+        self.trace_count[key] = self.trace_count.get(key, 0) + 1  # at trace time only
+        inp = build_model_input(
+            tokens, mem.tables.tables, batch, num_tokens, num_seqs, self.block_size
+        )
+        kv = apply_cow(kv, mem.last_cow.src, mem.last_cow.dst, mem.last_cow.valid)
+        seq_ids = batch.seq_ids[:num_seqs]
+        row_ok = seq_ids >= 0
+        safe = jnp.maximum(seq_ids, 0)
+        nd = jnp.where(row_ok, num_drafts[:num_seqs], 0)
+        # Sampled positions, packed: row r owns 1 + nd[r] of them from offset[r] (fewer
+        # than its q_len tokens, so they fit in min(T, S * (K + 1)) rows).
+        m = jnp.where(row_ok, 1 + nd, 0)
+        ends = jnp.cumsum(m, dtype=jnp.int32)
+        offset = ends - m
+        size = sampled_rows(num_tokens, num_seqs, self.k)
+        f = jnp.arange(size, dtype=jnp.int32)
+        frow = jnp.minimum(jnp.searchsorted(ends, f, side="right"), num_seqs - 1)
+        fvalid = f < ends[-1]
+        j = jnp.where(fvalid, f - offset[frow], 0)  # position within the row's run
+        last = inp.cu_q_lens[1:] - 1  # each row's last token
+        first = jnp.maximum(last - nd, 0)  # the row's last real token
+        idx = jnp.where(fvalid, jnp.minimum(first[frow] + j, last[frow]), 0)
+        inp = inp._replace(logits_indices=idx)
+        kv, logits = forward(params, kv, inp, arch=self.arch, attention_fn=self._attention_fn)
+
+        slot = safe[frow]  # [size] the slot of each sampled position
+        t = jax.tree.map(lambda a: a[slot], slot_sampling)
+        t = t._replace(output_position=output_len[slot] + j)
+        total = prompt_len[safe] + output_len[safe]  # [S] index of the first draft
+        history = token_history(tokens, slot, prompt_len[slot], total[frow] + j)
+        out = sample(logits, t, history, max_logprobs=self.max_logprobs)
+
+        # The draft at position j of a row sits in the token buffer at total + j.
+        draft = tokens[slot, jnp.minimum(total[frow] + j, tokens.shape[1] - 1)]
+        is_draft = fvalid & (j < nd[frow])
+        miss = is_draft & (draft != out.token_ids)
+        first_miss = jax.ops.segment_min(
+            jnp.where(miss, j, self.k + 1), jnp.where(fvalid, frow, num_seqs),
+            num_segments=num_seqs,
+        )  # fmt: skip
+        accepted = jnp.minimum(first_miss, nd).astype(jnp.int32)
+        emit = batch.emits[:num_seqs] & row_ok
+        nxt = out.token_ids[jnp.minimum(offset + accepted, size - 1)]
+        n = tokens.shape[0]
+        tokens = tokens.at[jnp.where(emit, seq_ids, n), total + accepted].set(nxt, mode="drop")
+        return kv, tokens, out, accepted
+
+
+def sampled_rows(num_tokens: int, num_seqs: int, k: int) -> int:
+    """Static size of the packed sampled positions for bucket (T, S)."""
+    return min(num_tokens, num_seqs * (k + 1))
+
+
+def sampled_offsets(counts: np.ndarray, num_seqs: int) -> np.ndarray:
+    """Host mirror of the packing: int[num_seqs] offset of each batch row's positions
+    (row r's position j is sampled row offset[r] + j). counts: drafts per batch row."""
+    m = 1 + np.asarray(counts[:num_seqs], np.int64)
+    return np.cumsum(m) - m
+
+
+__all__ = ["SpecVerifier", "sampled_offsets", "sampled_rows"]

@@ -1,0 +1,56 @@
+"""The simulator's speculative mode (pagedjax/simulator/speculative.py)."""
+
+import numpy as np
+import pytest
+
+from pagedjax.scheduler import SchedulerConfig
+from pagedjax.scheduler.counting_policy import CountingPolicy
+from pagedjax.simulator.cost_model import FittedCostModel
+from pagedjax.simulator.simulate import make_trace, simulate
+from pagedjax.simulator.speculative import SpecModel
+
+# 10 ms per step + 1 ms per prefill-like token: easy to reason about by hand.
+COST = FittedCostModel((0.01, 0.001, 0.0, 0.0, 0.0))
+N = 16
+POLICY = CountingPolicy(N, 160)
+CFG = SchedulerConfig(
+    max_seqs=N, max_num_batched_tokens=256, max_num_seqs=N, max_model_len=64, mode="paper"
+)
+
+
+def test_all_accepted_by_hand():
+    """k = 4, every draft kept: prefill (token 1), then 1 + 4 tokens a step, the last
+    step capped at the output length (never more tokens than asked)."""
+    tr = make_trace(np.array([1.0]), np.array([10]), np.array([9]), pad_to=32)
+    spec = SpecModel(4, (0.0, 0.0, 0.0, 0.0, 1.0))
+    r = simulate(POLICY, CFG, COST, tr, speculative=spec)
+    assert int(r.steps) == 3  # outputs 1 -> 6 -> 9
+    # prefill 0.01 + 10 * 0.001, then two steps of 0.01 + 4 draft tokens * 0.001.
+    assert float(r.finish_time[0]) == pytest.approx(1.0 + 0.02 + 2 * 0.014, abs=1e-5)
+
+
+@pytest.mark.slow  # three more compilations of the simulation loop (~20 s)
+def test_nothing_accepted_costs_more_and_speculation_pays_when_accepted():
+    rng = np.random.default_rng(0)
+    arr = np.zeros(30)  # all at t = 0: the schedule does not depend on step times
+    p, o = rng.integers(2, 20, 30), rng.integers(2, 30, 30)
+    tr = make_trace(arr, p, o, pad_to=32)
+    plain = simulate(POLICY, CFG, COST, tr)
+    none_kept = simulate(POLICY, CFG, COST, tr, speculative=SpecModel.from_acceptance_rate(3, 0.0))
+    good = simulate(POLICY, CFG, COST, tr, speculative=SpecModel.from_acceptance_rate(3, 0.8))
+    fin = [np.asarray(x.finish_time)[:30] for x in (plain, none_kept, good)]
+    assert all(np.isfinite(f).all() for f in fin)
+    assert int(none_kept.steps) == int(plain.steps)
+    assert fin[1].mean() > fin[0].mean()  # verification work for nothing
+    assert int(good.steps) < int(plain.steps)
+    assert fin[2].mean() < fin[0].mean()
+
+
+def test_spec_model_checks():
+    m = SpecModel.from_acceptance_rate(2, 0.5)
+    assert m.accepted_pmf == pytest.approx((0.5, 0.25, 0.25))
+    assert m.mean_accepted == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="k \\+ 1"):
+        SpecModel(2, (1.0,))
+    with pytest.raises(ValueError, match="distribution"):
+        SpecModel(1, (0.5, 0.6))

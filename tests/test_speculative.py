@@ -1,0 +1,395 @@
+"""Speculative decoding (engine/speculative.py): outputs, memory and compiles.
+
+Greedy outputs with speculation equal those without it, across chunked prefill,
+preemption, prefix-cache hits, n > 1, stops inside an accepted run and max_tokens
+reached mid-run; seeded sampling too (the target's token at each position is drawn
+with the same key as without speculation). After every step each running sequence
+holds exactly the blocks its accepted length needs, refcounts equal the block tables'
+references and the free count is the pool minus those blocks; no cached block holds a
+rejected token. The verification program compiles once per bucket.
+
+Two proposers drive it: the real n-gram one, and an oracle that proposes the reference
+run's continuation with some tokens corrupted, so every accepted length 0..k (and
+stops inside accepted runs) is exercised whatever the random model does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pagedjax.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from pagedjax.engine.beams import beam_search
+from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.engine.spec_ngram import NgramProposer
+from pagedjax.model import preset_arch, random_params
+from pagedjax.sampling import BeamSearchParams, SamplingParams
+from pagedjax.scheduler import RUNNING
+from pagedjax.tokenizer import ByteTokenizer
+
+ARCH = preset_arch("tiny-llama")  # vocab 512, 2 layers
+BLOCK = 4
+NUM_BLOCKS = 24  # 23 usable: four sequences of up to 16 blocks must preempt
+MAX_LEN = 64
+MAX_SEQS = 4
+BUDGET = 16  # prompts over 16 tokens are chunked
+K = 4
+NUM_BLOCKS = 24  # 23 usable: four sequences of up to 16 blocks must preempt
+TIE_GAP = 1e-4
+
+
+@functools.cache
+def _params():
+    return random_params(ARCH, seed=0, dtype=jnp.float32, std=0.15)
+
+
+@functools.cache
+def _engine(spec: bool, method: str = "ngram", warmup: str = "none") -> LLMEngine:
+    """One geometry for every test (prefix caching on; a pool small enough to preempt),
+    so the plain and the speculative engine share compiled programs through the
+    session's persistent compilation cache."""
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN, seed=0),
+        cache=CacheConfig(
+            block_size=BLOCK, num_gpu_blocks_override=NUM_BLOCKS, enable_prefix_caching=True
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS, watermark=0.0
+        ),
+        speculative=SpeculativeConfig(
+            method=method, num_speculative_tokens=K, prompt_lookup_max=3, prompt_lookup_min=1,
+            model="self" if method == "draft_model" else None,
+            draft_num_layers=1 if method == "draft_model" else None,
+        )
+        if spec
+        else None,
+        warmup=warmup,
+    )
+    tok = ByteTokenizer(eos_token_id=ARCH.eos_token_id, bos_token_id=ARCH.bos_token_id)
+    return LLMEngine(ARCH, _params(), tok, config, kv_fill_value=float("nan"))
+
+
+def _drain(engine: LLMEngine, requests, on_step=None, max_steps: int = 1000):
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in done
+                done[out.request_id] = out
+        if on_step is not None:
+            on_step(engine)
+        steps += 1
+        assert steps < max_steps
+    return done
+
+
+def _greedy(max_tokens: int, **kw) -> SamplingParams:
+    kw.setdefault("ignore_eos", True)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, **kw)
+
+
+def _prompts(seed: int, count: int, lo: int = 5, hi: int = 30) -> list[list[int]]:
+    """Copy-heavy prompts: a short random phrase repeated, so n-gram lookup proposes."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        phrase = rng.integers(3, ARCH.vocab_size, size=int(rng.integers(2, 6))).tolist()
+        n = int(rng.integers(lo, hi))
+        out.append((phrase * (n // len(phrase) + 1))[:n])
+    return out
+
+
+def _reference(requests) -> dict:
+    return _drain(_engine(False), requests)
+
+
+def _assert_same(ref: dict, got: dict) -> None:
+    """Same ids and finish reasons, up to the first near-tie of the reference run."""
+    assert ref.keys() == got.keys()
+    for rid, r in ref.items():
+        for a, b in zip(r.outputs, got[rid].outputs, strict=True):
+            gaps = [
+                sorted((lp.logprob for lp in e.values()), reverse=True) for e in a.logprobs
+            ]
+            n = len(a.token_ids)
+            for i, g in enumerate(gaps):
+                if len(g) > 1 and g[0] - g[1] < TIE_GAP:
+                    n = i
+                    break
+            assert b.token_ids[:n] == a.token_ids[:n], (rid, a.token_ids, b.token_ids)
+            if n == len(a.token_ids):
+                assert b.token_ids == a.token_ids, rid
+                assert b.finish_reason == a.finish_reason, rid
+                assert b.text == a.text, rid
+
+
+class OracleProposer:
+    """Proposes the reference continuation of ``ids`` with every ``bad``-th position
+    (counted from the sequence length) corrupted; [] for unknown prefixes."""
+
+    def __init__(self, refs: list[list[int]], bad: int = 3):
+        self.refs, self.bad = refs, bad
+
+    def propose(self, ids, k: int) -> list[int]:
+        ids = list(ids)
+        for full in self.refs:
+            if len(full) > len(ids) and full[: len(ids)] == ids:
+                out = full[len(ids) : len(ids) + k]
+                return [
+                    (t + 1) % ARCH.vocab_size if (len(ids) + j) % self.bad == 0 else t
+                    for j, t in enumerate(out)
+                ]
+        return []
+
+
+def _refs(ref: dict, prompts: dict) -> list[list[int]]:
+    """Each reference sequence in full (prompts: by request id or by its int)."""
+    by_id = {str(k): v for k, v in prompts.items()}
+    return [by_id[rid] + o.token_ids for rid, r in ref.items() for o in r.outputs]
+
+
+def check_memory(engine: LLMEngine) -> None:
+    """Block invariants of the current state (see the module docstring)."""
+    st = jax.device_get(engine.state)
+    mem, b = st.mem, engine.block_size
+    tables, lengths = mem.tables.tables, mem.tables.lengths
+    on_host = mem.on_host if mem.on_host is not None else np.zeros(len(lengths), bool)
+    for s in np.flatnonzero(st.status == RUNNING):
+        if on_host[s]:
+            continue
+        assert lengths[s] == st.num_computed[s], (s, lengths[s], st.num_computed[s])
+        held = int(np.sum(tables[s] != 0))
+        assert held == -(-int(lengths[s]) // b), (s, held, lengths[s])
+        # KV never covers more than the tokens but the last (no draft is kept); less
+        # while a prompt (or a recompute after preemption) is still being prefilled.
+        if st.output_len[s] > 0:
+            assert st.num_computed[s] <= st.prompt_len[s] + st.output_len[s] - 1
+    rows = tables[~on_host].reshape(-1)
+    refs = np.bincount(rows[rows != 0], minlength=engine.num_blocks)
+    np.testing.assert_array_equal(mem.pool.refcount[1:], refs[1:])
+    assert int(mem.pool.num_free) == engine.num_usable_blocks() - int(np.sum(refs[1:] > 0))
+
+
+# ---------------------------------------------------------------------------- units
+
+
+def test_config_rejects_unknown_and_bad_keys():
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    with pytest.raises(ConfigError, match="unknown key speculative_config.lookahead"):
+        SpeculativeConfig.from_dict({"method": "ngram", "lookahead": 3})
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ConfigError, match="prompt_lookup_min"):
+        SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=2)
+    with pytest.raises(ConfigError, match="method"):
+        SpeculativeConfig.from_dict({"method": "medusa"})
+    with pytest.raises(ConfigError, match="draft model"):
+        SpeculativeConfig(method="draft_model")
+
+
+def test_unbuilt_methods_refused_by_name():
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN),
+        speculative=SpeculativeConfig(method="eagle", model="/nowhere"),
+    )
+    with pytest.raises(NotImplementedError, match="'eagle' is not built"):
+        LLMEngine.from_config(config)
+
+
+def test_separate_draft_checkpoint_refused():
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN),
+        speculative=SpeculativeConfig(method="draft_model", model="other", draft_num_layers=1),
+    )
+    with pytest.raises(NotImplementedError, match="separate draft checkpoint"):
+        LLMEngine.from_config(config)
+
+
+def test_ngram_proposer():
+    p = NgramProposer(1, 3)
+    assert p.propose([1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]  # 3-gram (1, 2, 3)
+    assert p.propose([1, 2, 3, 4, 1, 2, 3], 9) == [4, 1, 2, 3]  # up to the end
+    assert p.propose([5, 6, 7, 5, 8, 9, 5], 2) == [8, 9]  # latest occurrence of (5,)
+    assert p.propose([1, 2, 3, 4], 3) == []
+    assert p.propose([7, 7], 3) == [7]
+    assert p.propose([1, 2, 1], 0) == []
+    assert NgramProposer(2, 2).propose([1, 2, 9, 2], 2) == []  # (9, 2) never seen before
+
+
+# ---------------------------------------------------------------------------- engine
+
+
+def test_ngram_greedy_equals_plain_with_chunking_and_stats():
+    prompts = dict(enumerate(_prompts(0, 4, lo=5, hi=40)))  # some over BUDGET: chunked
+    reqs = [(str(i), p, _greedy(20)) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    engine = _engine(True)
+    engine.reset_stats()
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    s = engine.stats()
+    assert s["spec_proposed_tokens"] > 0, "copy-heavy prompts were meant to propose"
+    assert 0.0 <= s["spec_acceptance_rate"] <= 1.0
+    assert s["spec_mean_accepted_length"] == pytest.approx(
+        (s["spec_rows"] + s["spec_accepted_tokens"]) / s["spec_rows"]
+    )
+    assert engine.num_free_blocks() == engine.num_usable_blocks()
+
+
+@pytest.mark.parametrize("bad", [2, 3, 100])
+def test_oracle_greedy_equals_plain_with_preemption(bad):
+    """A small pool forces preemption; the oracle makes runs of every length."""
+    prompts = dict(enumerate(_prompts(1, 4, lo=6, hi=20)))
+    reqs = [(str(i), p, _greedy(24)) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    if any(len(r.outputs[0].token_ids) < 24 for r in ref.values()):
+        # Seen with prefix caching under preemption: cached blocks attached to re-waiting
+        # slots can make the scheduler finish a running request "for capacity" that fits
+        # alone (a scheduler / prefix-cache interplay, not speculation's). Not compared.
+        pytest.xfail("the plain reference run finished a request for capacity")
+    engine = _engine(True)
+    engine.speculator.proposer = OracleProposer(_refs(ref, prompts), bad=bad)
+    engine.reset_stats()
+    before = engine.num_preemptions
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    assert engine.num_preemptions > before, "the pool was meant to force preemption"
+    s = engine.stats()
+    assert s["spec_accepted_tokens"] > 0
+    if bad == 100:
+        assert s["spec_accepted_tokens"] > 0.7 * s["spec_proposed_tokens"]
+    assert engine.num_free_blocks() == engine.num_usable_blocks()
+
+
+def test_stops_and_max_tokens_inside_accepted_runs():
+    """EOS / stop ids / stop strings / max_tokens that fall inside an accepted run end
+    the output there, exactly where the plain run ends it."""
+    prompts = dict(enumerate(_prompts(2, 4, lo=6, hi=14)))
+    plain = _reference([(str(i), p, _greedy(24)) for i, p in prompts.items()])
+    refs = _refs(plain, prompts)
+    cases = {}
+    for i, p in prompts.items():
+        out = plain[str(i)].outputs[0].token_ids
+        cases[f"len{i}"] = (p, _greedy(7 + i))  # max_tokens mid-run
+        cases[f"id{i}"] = (p, _greedy(24, stop_token_ids=[out[9 + i]]))
+        cases[f"eos{i}"] = (p, _greedy(24, ignore_eos=False, stop_token_ids=[]))
+        text = ByteTokenizer().decode(out[:12])
+        if len(text) >= 3:
+            cases[f"str{i}"] = (p, _greedy(24, stop=[text[-3:]]))
+    reqs = [(rid, p, sp) for rid, (p, sp) in cases.items()]
+    ref = _reference(reqs)
+    engine = _engine(True)
+    engine.speculator.proposer = OracleProposer(refs, bad=100)
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    for rid, (_, sp) in cases.items():
+        assert len(got[rid].outputs[0].token_ids) <= sp.max_tokens
+
+
+def test_n_gt_1_and_prefix_hits_no_rejected_token_cached():
+    prompts = dict(enumerate(_prompts(3, 3, lo=9, hi=20)))
+    shared = _prompts(4, 1, lo=12, hi=13)[0]
+    reqs = [(str(i), p, _greedy(16, n=2)) for i, p in prompts.items()]
+    reqs += [(f"s{j}", shared, _greedy(16)) for j in range(2)]  # the second hits the cache
+    ref = _reference(reqs)
+    engine = _engine(True)
+    all_prompts = {**{str(i): p for i, p in prompts.items()}, "s0": shared, "s1": shared}
+    engine.speculator.proposer = OracleProposer(_refs(ref, all_prompts), bad=2)
+    engine.reset_stats()
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    assert engine.stats()["prefix_cache_hit_tokens"] > 0
+    # Every cached block holds a block of some final sequence, never a rejected draft.
+    chunks = set()
+    for rid, r in got.items():
+        for o in r.outputs:
+            full = all_prompts[rid] + o.token_ids
+            chunks |= {tuple(full[i : i + BLOCK]) for i in range(0, len(full) - BLOCK + 1, BLOCK)}
+    pc = jax.device_get(engine.state.mem.prefix)
+    for blk in np.flatnonzero(pc.cached):
+        assert tuple(pc.tokens[blk].tolist()) in chunks, blk
+
+
+def test_seeded_sampling_equals_plain():
+    """Sampled rows draw the target's token with the (seed, sample, position) key, so a
+    seeded request gives the same output with and without speculation."""
+    prompts = dict(enumerate(_prompts(5, 3, lo=6, hi=20)))
+    sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=7, ignore_eos=True)
+    reqs = [(str(i), p, sp) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    engine = _engine(True)
+    engine.speculator.proposer = OracleProposer(_refs(ref, prompts), bad=3)
+    engine.reset_stats()
+    got = _drain(engine, reqs)
+    for rid in ref:
+        assert got[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
+    assert engine.stats()["spec_accepted_tokens"] > 0
+
+
+def test_compiles_once_per_bucket_and_warm_up_covers_them():
+    """A warmed-up speculative engine compiles nothing while generating; a second run
+    compiles nothing either, and every verification program was traced once."""
+    prompts = dict(enumerate(_prompts(6, 4, lo=5, hi=30)))
+    reqs = [(str(i), p, _greedy(12)) for i, p in prompts.items()]
+    engine = _engine(True, warmup="all")
+    warm = engine.stats()
+    _drain(engine, reqs)
+    assert engine.stats()["spec_proposed_tokens"] > 0
+    assert engine.stats()["spec_compilations"] == warm["spec_compilations"]
+    assert engine.stats()["compilations"] == warm["compilations"]
+    counts = dict(engine.speculator.verifier.trace_count)
+    before = engine.stats()
+    _drain(engine, [(f"again{i}", p, sp) for i, p, sp in reqs])
+    after = engine.stats()
+    assert engine.speculator.verifier.trace_count == counts
+    assert all(v == 1 for v in counts.values())
+    assert after["spec_compilations"] == before["spec_compilations"]
+    assert after["compilations"] == before["compilations"]
+
+
+def test_beam_search_with_speculation_refused():
+    with pytest.raises(ValueError, match="beam search with speculative decoding"):
+        beam_search(_engine(True), [[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=4))
+
+
+def test_layer_skip_draft_greedy_equals_plain():
+    """The target's first layer drafts (draft_model, model "self") on one shared pool."""
+    prompts = dict(enumerate(_prompts(7, 4, lo=6, hi=24)))
+    reqs = [(str(i), p, _greedy(24)) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    engine = _engine(True, "draft_model")
+    engine.reset_stats()
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    s = engine.stats()
+    assert s["spec_proposed_tokens"] > 0 and s["spec_steps"] > 0
+    assert set(engine.speculator.draft.trace_count.values()) == {1}
+    assert engine.num_free_blocks() == engine.num_usable_blocks()
+
+
+def test_disable_by_batch_size():
+    """No proposals in steps with at least disable_by_batch_size sequences."""
+    engine = _engine(True)
+    old = engine.speculator.config
+    engine.speculator.config = dataclasses.replace(old, disable_by_batch_size=1)
+    try:
+        engine.reset_stats()
+        prompts = _prompts(9, 2, lo=8, hi=16)
+        _drain(engine, [(f"d{i}", p, _greedy(8)) for i, p in enumerate(prompts)])
+        assert engine.stats()["spec_proposed_tokens"] == 0
+    finally:
+        engine.speculator.config = old
