@@ -39,7 +39,7 @@ DEVICE_BYTES = 80e9
 UTILIZATION = 0.9
 
 
-def memory_table(quick: bool) -> list[dict]:
+def memory_table(quick: bool, sim: bool = True) -> list[dict]:
     arch = preset_arch("llama-2-7b")
     h, inter, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
     shapes = [(h, arch.num_heads * d), (h, arch.num_kv_heads * d), (h, arch.num_kv_heads * d),
@@ -61,7 +61,8 @@ def memory_table(quick: bool) -> list[dict]:
                          bytes_per_param=weights / (linear_params + other_params),
                          weights_gib=weights / GIB, kv_gib=kv / GIB,
                          kv_tokens=int(kv // kv_per_token)))  # fmt: skip
-    batched = simulated_batch([r["kv_tokens"] for r in rows], quick)
+    kv = [r["kv_tokens"] for r in rows]
+    batched = simulated_batch(kv, quick) if sim else [float("nan")] * len(kv)
     for r, b in zip(rows, batched, strict=True):
         r["sharegpt_batch"] = b
     return rows
@@ -136,9 +137,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--no-sim", action="store_true", help="skip the simulated batch column")
+    ap.add_argument("--no-quality", action="store_true", help="skip the perplexity table")
     args = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs, jax {jax.__version__}")
-    rows = memory_table(args.quick)
+    rows = memory_table(args.quick, not args.no_sim)
     print("\nLlama-2-7B shape on an 80 GB device (gpu_memory_utilization 0.9, bf16 KV):")
     print(f"{'mode':>30} {'B/param':>8} {'weights GiB':>11} {'KV GiB':>7} {'KV tokens':>10}"
           f" {'ShareGPT batch':>14}")  # fmt: skip
@@ -157,13 +160,13 @@ def main() -> None:
               f"compute (median of {args.reps}; load {os.getloadavg()[0]:.1f}):")  # fmt: skip
         for mode, t in ms.items():
             print(f"{mode:>30} {t:8.2f} ms  {t / ms['float32']:5.2f}x float32")
-        q = quality(llm, {m: p for m, p in by_mode.items() if m != "float32"}, args.tokens)
-        ref_ppl = next(iter(q.values()))["ppl_reference"]
-        print(f"\nSmolLM2-135M on the fixed text ({args.tokens} tokens): float32 perplexity "
-              f"{ref_ppl:.3f}")  # fmt: skip
+        quantized = {m: p for m, p in by_mode.items() if m != "float32"}
+        q = {} if args.no_quality else quality(llm, quantized, args.tokens)
+        if q:
+            print(f"\nSmolLM2-135M on the fixed text ({args.tokens} tokens), vs float32:")
         for mode, r in q.items():
-            print(f"{mode:>30} ppl {r['ppl_candidate']:8.3f}  top-1 {r['top1_agreement']:.4f}"
-                  f"  KL {r['kl']:.5f}")  # fmt: skip
+            print(f"{mode:>30} ppl {r['ppl_candidate']:8.3f} (float32 {r['ppl_reference']:.3f})"
+                  f"  top-1 {r['top1_agreement']:.4f}  KL {r['kl']:.5f}")  # fmt: skip
     int4 = next(r for r in rows if r["mode"] == "int4")
     print(f"int4_bytes_per_param: {int4['bytes_per_param']:.4f}")
 

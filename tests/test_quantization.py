@@ -278,7 +278,9 @@ def test_awq_checkpoint_loads_exactly(tmp_path):
     _check_model(tmp_path / "awq", ARCH, known)
 
 
-@pytest.mark.parametrize("bits,sym,desc_act", [(4, True, True), (8, False, False)])
+@pytest.mark.parametrize("bits,sym,desc_act", [
+    (4, True, True), pytest.param(8, False, False, marks=pytest.mark.slow),
+])  # fmt: skip
 def test_gptq_checkpoint_loads_exactly(tmp_path, bits, sym, desc_act):
     rng = np.random.default_rng(5)
     tensors, known, group = _base_tensors(), {}, 32
@@ -317,8 +319,10 @@ def _ct_config(fmt, bits, strategy, group, act_type=None):
                 ignore=["lm_head"])  # fmt: skip
 
 
-@pytest.mark.parametrize("scheme", ["w4a16_group", "w8a16_channel", "w8a8_int", "fp8_channel",
-                                    "fp8_tensor"])  # fmt: skip
+@pytest.mark.parametrize("scheme", [
+    "w4a16_group", "fp8_channel", *(pytest.param(s, marks=pytest.mark.slow)
+                                    for s in ("w8a16_channel", "w8a8_int", "fp8_tensor")),
+])  # fmt: skip
 def test_compressed_tensors_checkpoint_loads_exactly(tmp_path, scheme):
     rng = np.random.default_rng(6)
     tensors, known = _base_tensors(), {}
@@ -415,7 +419,7 @@ def test_orbax_round_trip_keeps_every_format(tmp_path):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-@pytest.mark.parametrize("family", ["opt", "gpt_neox"])
+@pytest.mark.parametrize("family", ["opt", pytest.param("gpt_neox", marks=pytest.mark.slow)])
 def test_other_families_run_quantized_linears(family):
     """OPT and GPT-NeoX build their projections with the same layers.linear: in-flight
     int8 reaches them, and their logits equal the dense twin's."""
