@@ -87,6 +87,7 @@ def test_bound_rule():
 class _Server:
     cost_model = "roofline"
     kv_slots = 15728
+    pool_slots = 15728  # a 16-bit cache: the pool holds kv_slots tokens
     max_model_len = 2048
 
 
