@@ -288,6 +288,17 @@ class _View:
         self.hold = max((len(x) for x in stops), default=1) - 1
         self.n = parsed.params_kwargs["n"]
 
+    def envelope(self, choices: list[dict], outs: list[RequestOutput | None]) -> dict:
+        """The non-streamed response object around ``choices`` (completion or chat)."""
+        return {
+            "id": self.rid,
+            "object": self.object_full,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(outs),
+        }
+
     def usage(self, outs: list[RequestOutput | None]) -> dict:
         prompt = sum(len(o.prompt_token_ids) for o in outs if o is not None)
         completion = sum(len(c.token_ids) for o in outs if o is not None for c in o.outputs)
@@ -402,14 +413,7 @@ class _CompletionView(_View):
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 })  # fmt: skip
-        return {
-            "id": self.rid,
-            "object": self.object_full,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self.usage(outs),
-        }
+        return self.envelope(choices, outs)
 
 
 class _ChatView(_View):
@@ -455,14 +459,7 @@ class _ChatView(_View):
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             })  # fmt: skip
-        return {
-            "id": self.rid,
-            "object": self.object_full,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self.usage(outs),
-        }
+        return self.envelope(choices, outs)
 
 
 # ----------------------------------------------------------------- logprobs
