@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedjax.model", "pagedjax.sampling"),
     ("pagedjax.attention",),  # backends, KV write / copy
     ("pagedjax.memory",),
+    ("pagedjax.native_build",),  # compiles the native CPU kernels (attention, matmul)
     ("pagedjax.workloads", "pagedjax.config", "pagedjax.tokenizer", "pagedjax.machine",
      "pagedjax.compile_cache"),  # fmt: skip
     ("pallas_kernels",),  # the leaf: imports nothing from pagedjax (pallas_kernels.triton too)

@@ -7,11 +7,10 @@ the KV once. ``cpu_kernel.cc`` reads every page straight from the pool, once per
 XLA's intra-op thread pool. Same signature and contract as ``reference.ragged_paged_attention``
 (its oracle; tests/test_attention_native.py checks parity under Hypothesis).
 
-The kernel is compiled on first use with the system C++ compiler (``CXX``, else ``g++``)
-into a cache directory (``PAGEDJAX_KERNEL_CACHE``, else ``~/.cache/pagedjax``), keyed by
-the source, flags, compiler and CPU. ``available()`` says whether it built and why not;
-``ragged_paged_attention`` falls back to the XLA version when it did not or when the
-inputs are not fp32, so callers never depend on a compiler being present.
+The kernel is compiled on first use (``pagedjax/native_build.py``: the system C++ compiler,
+a cache directory keyed by the source, flags, compiler and CPU). ``available()`` says
+whether it built and why not; ``ragged_paged_attention`` falls back to the XLA version
+when it did not or when the inputs are not fp32, so callers never depend on a compiler.
 
 8-bit pools (``kv_quant.QuantizedPages``: int8 with per token-head scales, fp8 E4M3 / E5M2
 with per layer-head scales) go to a second handler of the same source, which converts each
@@ -22,13 +21,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
@@ -37,7 +31,7 @@ import numpy as np
 
 from pagedjax.attention import reference
 from pagedjax.attention.kv_quant import QuantizedPages
-from pagedjax.machine import cpu_model
+from pagedjax.native_build import build_library, compiler
 from pallas_kernels.reference import stacked_pool
 
 log = logging.getLogger(__name__)
@@ -49,46 +43,6 @@ TARGET8 = "pagedjax_ragged_paged_attention_8bit"
 SYMBOL8 = "PagedjaxRaggedPagedAttention8"
 # The 8-bit handler's `mode` attribute by format name (cpu_kernel.cc, PageMode).
 MODES = {"int8_per_token_head": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}
-# -fopenmp-simd: the `omp simd` reductions vectorize without linking an OpenMP runtime.
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd")
-
-
-def _cache_dir() -> Path:
-    env = os.environ.get("PAGEDJAX_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "pagedjax"
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "g++"))
-
-
-def _build(cxx: str) -> Path:
-    """Compiles the kernel if this exact build is not cached; returns the .so path."""
-    include = jax.ffi.include_dir()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        "\0".join(
-            [SOURCE.read_text(), " ".join(FLAGS), version, include, cpu_model(), platform.machine()]
-        ).encode()
-    ).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_kernel-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target, then rename: concurrent builders (pytest workers) never see
-    # a half-written library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        cmd = [cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
 
 
 @functools.cache
@@ -96,11 +50,11 @@ def _load() -> tuple[bool, str]:
     """Builds and registers the kernel once per process: (ok, reason)."""
     if os.environ.get("PAGEDJAX_NATIVE_CPU", "1") == "0":
         return False, "disabled by PAGEDJAX_NATIVE_CPU=0"
-    cxx = _compiler()
+    cxx = compiler()
     if cxx is None:
         return False, "no C++ compiler (set CXX or install g++)"
     try:
-        lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
+        lib = ctypes.cdll.LoadLibrary(str(build_library(SOURCE, jax.ffi.include_dir(), cxx)))
         capsule = jax.ffi.pycapsule(getattr(lib, SYMBOL))
         jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
         capsule8 = jax.ffi.pycapsule(getattr(lib, SYMBOL8))

@@ -26,14 +26,18 @@ def build_module(
     arch: ModelArch,
     param_dtype: Any = jnp.float32,
     attention_fn: AttentionFn = ragged_paged_attention,
+    native_matmul: bool = False,
 ) -> nn.Module:
-    """The Flax module of arch's family (param_dtype only matters for init)."""
+    """The Flax module of arch's family (param_dtype only matters for init; native_matmul:
+    dense layers may run the CPU kernel for stacked weights, model/native_matmul.py)."""
     cls = {
         "llama": LlamaForCausalLM,
         "opt": OPTForCausalLM,
         "gpt_neox": GPTNeoXForCausalLM,
     }[arch.family]
-    return cls(arch, param_dtype=param_dtype, attention_fn=attention_fn)
+    return cls(
+        arch, param_dtype=param_dtype, attention_fn=attention_fn, native_matmul=native_matmul
+    )
 
 
 def _check_cache(arch: ModelArch, kv_cache: KVCache) -> None:
@@ -55,6 +59,7 @@ def forward(
     *,
     arch: ModelArch,
     attention_fn: AttentionFn = ragged_paged_attention,
+    native_matmul: bool = False,
 ) -> tuple[KVCache, jax.Array]:
     """One step over a ragged batch (prefill, chunked prefill and decode mixed).
 
@@ -62,7 +67,7 @@ def forward(
     batch.logits_indices. Compute runs in the params' dtype; attention accumulates in fp32.
     """
     _check_cache(arch, kv_cache)
-    module = build_module(arch, attention_fn=attention_fn)
+    module = build_module(arch, attention_fn=attention_fn, native_matmul=native_matmul)
     return module.apply({"params": params}, kv_cache, batch)
 
 

@@ -82,6 +82,7 @@ class GPTNeoXForCausalLM(nn.Module):
     arch: ModelArch
     param_dtype: Any = jnp.float32
     attention_fn: AttentionFn = ragged_paged_attention
+    native_matmul: bool = False  # the CPU kernel for stacked weights (native_matmul.py)
 
     @nn.compact
     def __call__(self, kv_cache: KVPool, batch: ModelInput):
@@ -89,7 +90,7 @@ class GPTNeoXForCausalLM(nn.Module):
         embed = nn.Embed(a.vocab_size, a.hidden_size, name="embed_in", param_dtype=pd)
         x = embed(batch.tokens)
         inputs, uniform = layer_inputs(a.layer_windows)
-        layers = scan_layers(GPTNeoXDecoderLayer, a.num_layers)(
+        layers = scan_layers(GPTNeoXDecoderLayer, a.num_layers, self.native_matmul)(
             a, pd, self.attention_fn, uniform, name="layers"
         )
         (x, k_pool, v_pool), _ = layers((x, *kv_cache), inputs, batch)

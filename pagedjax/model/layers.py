@@ -11,7 +11,9 @@ and attention reads it there, so XLA keeps one buffer, updated in place.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -21,6 +23,7 @@ from flax.linen.dtypes import promote_dtype
 
 from pagedjax.attention import write_kv
 from pagedjax.model.input import ModelInput
+from pagedjax.model.native_matmul import stacked_matmul
 from pagedjax.model.quant.weight import QuantizedWeight, embedding_rows, quantized_matmul
 
 AttentionFn = Callable[..., jax.Array]
@@ -53,17 +56,82 @@ def layer_window(layer_windows: tuple[int | None, ...], uniform: bool, traced: j
     return layer_windows[0] if uniform else traced
 
 
-def scan_layers(layer_cls: type[nn.Module], num_layers: int) -> type[nn.Module]:
-    """``layer_cls`` applied num_layers times under one ``lax.scan``: parameters stacked on
-    a leading axis (Flax collection "params", the module named "layers"), call signature
-    ``(carry, LayerInputs, batch) -> (carry, None)`` with batch broadcast to every layer."""
-    return nn.scan(
-        layer_cls,
-        variable_axes={"params": 0},
-        split_rngs={"params": True},
-        in_axes=(0, nn.broadcast),
-        length=num_layers,
-    )
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["stacked", "index"],
+                   meta_fields=["native"])  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class StackedWeight:
+    """Layer ``index`` of a dense kernel stacked over layers, not sliced out: what the layer
+    loop hands a ``Linear`` in place of its [in, out] kernel, so the matmul can read the
+    layer where it lies (native_matmul.py says why). stacked: [L, in, out]; index: int32
+    scalar; native: whether the CPU kernel may run (static)."""
+
+    stacked: jax.Array
+    index: jax.Array
+    native: bool = False
+
+
+def layer_view(tree: Any, index: jax.Array, native: bool) -> Any:
+    """Layer ``index`` of a stacked parameter tree: dense kernels ([L, in, out] arrays named
+    "kernel") as ``StackedWeight`` views, every other leaf (norms, biases, quantized
+    weights' fields, MoE experts) sliced as the scan would slice it."""
+    out = {}
+    for name, value in tree.items():
+        if isinstance(value, Mapping):
+            out[name] = layer_view(value, index, native)
+        elif name == "kernel" and isinstance(value, jax.Array) and value.ndim == 3:
+            out[name] = StackedWeight(value, index, native)
+        else:
+            out[name] = jax.tree.map(
+                lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False), value
+            )
+    return out
+
+
+class LayerLoop(nn.Module):
+    """``layer_cls(*layer_args)`` applied ``num_layers`` times under one loop, its
+    parameters stacked on a leading axis (the tree ``nn.scan`` builds: collection "params",
+    each leaf [L, ...]); call ``(carry, LayerInputs [L] each, batch) -> (carry, None)``.
+
+    Not ``nn.scan``: the loop hands each layer its dense kernels as ``StackedWeight`` views
+    (the stacked array and the layer index) instead of slices, so a matmul may read them in
+    place (``native_matmul``: the CPU kernel when ``native``); everything else is sliced
+    per layer as before. Init builds the stacked parameters with one key per layer (vmap).
+    """
+
+    layer_cls: type[nn.Module]
+    num_layers: int
+    layer_args: tuple[Any, ...]
+    native: bool = False
+
+    def _layer(self) -> nn.Module:
+        return self.layer_cls(*self.layer_args, parent=None)
+
+    @nn.compact
+    def __call__(self, carry: Any, inputs: LayerInputs, batch: ModelInput) -> tuple[Any, None]:
+        if self.is_initializing() and not self.variables.get("params"):
+            keys = jax.random.split(self.make_rng("params"), self.num_layers)
+            init = lambda key, inp: self._layer().init(key, carry, inp, batch)["params"]
+            stacked = jax.vmap(init)(keys, inputs)
+            for name, value in stacked.items():
+                self.param(name, lambda _rng, v=value: v)
+        params = self.variables["params"]
+
+        def body(i: jax.Array, c: Any) -> Any:
+            view = layer_view(params, i, self.native)
+            inp = jax.tree.map(lambda a: a[i], inputs)
+            c, _ = self._layer().apply({"params": view}, c, inp, batch)
+            return c
+
+        return jax.lax.fori_loop(0, self.num_layers, body, carry), None
+
+
+def scan_layers(
+    layer_cls: type[nn.Module], num_layers: int, native: bool = False
+) -> Callable[..., LayerLoop]:
+    """A constructor ``(*layer_args, name=...) -> LayerLoop``: ``layer_cls`` applied
+    num_layers times under one loop (``LayerLoop``; native: the CPU matmul may run)."""
+    return lambda *args, name: LayerLoop(layer_cls, num_layers, tuple(args), native, name=name)
+
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
@@ -103,6 +171,8 @@ class Linear(nn.Module):
         stored = self.get_variable("params", "kernel")
         if isinstance(stored, QuantizedWeight):
             y = quantized_matmul(x, stored)
+        elif isinstance(stored, StackedWeight):  # under the layer loop: read in place
+            y = stacked_matmul(x, stored.stacked, stored.index, native=stored.native)
         else:
             kernel = self.param(
                 "kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),

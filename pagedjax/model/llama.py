@@ -130,6 +130,7 @@ class LlamaForCausalLM(nn.Module):
     arch: ModelArch
     param_dtype: Any = jnp.float32
     attention_fn: AttentionFn = ragged_paged_attention
+    native_matmul: bool = False  # the CPU kernel for stacked weights (native_matmul.py)
 
     @nn.compact
     def __call__(self, kv_cache: KVPool, batch: ModelInput):
@@ -139,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         if a.embed_scale:  # Gemma: sqrt(hidden) rounded to the compute dtype first, as HF
             x = x * jnp.asarray(a.hidden_size**0.5, x.dtype)
         inputs, uniform = layer_inputs(a.layer_windows)
-        layers = scan_layers(LlamaDecoderLayer, a.num_layers)(
+        layers = scan_layers(LlamaDecoderLayer, a.num_layers, self.native_matmul)(
             a, pd, self.attention_fn, uniform, name="layers"
         )
         (x, k_pool, v_pool), _ = layers((x, *kv_cache), inputs, batch)

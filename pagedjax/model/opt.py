@@ -100,6 +100,7 @@ class OPTForCausalLM(nn.Module):
     arch: ModelArch
     param_dtype: Any = jnp.float32
     attention_fn: AttentionFn = ragged_paged_attention
+    native_matmul: bool = False  # the CPU kernel for stacked weights (native_matmul.py)
 
     @nn.compact
     def __call__(self, kv_cache: KVPool, batch: ModelInput):
@@ -115,7 +116,7 @@ class OPTForCausalLM(nn.Module):
         )  # fmt: skip
         x = x + positions(batch.positions + POSITION_OFFSET)
         inputs, _ = layer_inputs(a.layer_windows)
-        layers = scan_layers(OPTDecoderLayer, a.num_layers)(
+        layers = scan_layers(OPTDecoderLayer, a.num_layers, self.native_matmul)(
             a, pd, self.attention_fn, name="layers"
         )
         (x, k_pool, v_pool), _ = layers((x, *kv_cache), inputs, batch)

@@ -1,0 +1,103 @@
+"""x @ w[layer] for a stacked weight, without copying the layer out (a native CPU kernel).
+
+Why: the decoder layers run under one loop over weights stacked on a leading layer axis
+(layers.py). Inside the loop, layer i's weight is a dynamic slice of the stacked array, and
+XLA on the CPU materializes that slice into the dot's operand: every step copies each
+layer's weights once before the matmul reads them. A decode step reads every weight once
+anyway, so the copy doubles the bytes a small step moves (measured on the 8-layer 34M model,
+16 tokens: 8 of 26 per-layer fusions were these copies, ~17 ms of a ~40 ms step).
+``cpu_matmul.cc`` takes the whole stacked weight and the layer index as operands (as the
+native attention kernel takes the stacked KV pool) and reads the layer where it lies.
+
+Contract: ``stacked_matmul(x [..., K], w [L, K, N], layer int32 scalar, native=...)`` equals
+``x @ w[layer]`` ([..., N], x's dtype) within fp32 rounding. The kernel runs when ``native``
+is true, the backend is the CPU, x and w are fp32, the rows (x's leading dims) are at most
+``MAX_ROWS``, N is a multiple of 64, and the library built; otherwise the XLA dot runs on
+the sliced weight (today's program exactly). Why at most ``MAX_ROWS`` rows: the kernel is
+a simple register-blocked loop; past ~64 rows a step is compute-bound and XLA's own dot
+(XNNPACK) is faster even after paying for the copy (``benchmarks/native_matmul.py``).
+
+Refusals: a layer index outside [0, L) is an error from the kernel (never a wild read).
+``PAGEDJAX_NATIVE_CPU=0`` disables it with the attention kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from pagedjax.native_build import build_library, compiler
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+TARGET = "pagedjax_stacked_matmul"
+SYMBOL = "PagedjaxStackedMatmul"
+MAX_ROWS = 64
+COLUMN_TILE = 64  # cpu_matmul.cc's kCols: N must be a multiple
+
+
+@functools.cache
+def _load() -> tuple[bool, str]:
+    """Builds and registers the kernel once per process: (ok, reason)."""
+    if os.environ.get("PAGEDJAX_NATIVE_CPU", "1") == "0":
+        return False, "disabled by PAGEDJAX_NATIVE_CPU=0"
+    cxx = compiler()
+    if cxx is None:
+        return False, "no C++ compiler (set CXX or install g++)"
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build_library(SOURCE, jax.ffi.include_dir(), cxx)))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), "cpu")
+    except (OSError, RuntimeError, AttributeError) as e:
+        log.warning("native CPU matmul unavailable, using XLA's dot: %s", e)
+        return False, f"build or load failed: {e}"
+    return True, f"built with {cxx}"
+
+
+def available() -> tuple[bool, str]:
+    """(True, how) if the kernel is built and registered, else (False, why not)."""
+    return _load()
+
+
+def uses_native(x: jax.Array, w: jax.Array, native: bool) -> bool:
+    """Whether ``stacked_matmul`` runs the kernel for these (static) shapes and dtypes."""
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    return (
+        native
+        and jax.default_backend() == "cpu"
+        and x.dtype == jnp.float32
+        and w.dtype == jnp.float32
+        and w.ndim == 3
+        and 0 < rows <= MAX_ROWS
+        and w.shape[2] % COLUMN_TILE == 0
+        and available()[0]
+    )
+
+
+def stacked_matmul(x: jax.Array, w: jax.Array, layer: jax.Array, *, native: bool) -> jax.Array:
+    """x [..., K] @ w[layer] with w [L, K, N] -> [..., N] (module docstring)."""
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"x [..., {x.shape[-1]}] does not match w {w.shape} ([L, K, N])")
+    layer = jnp.asarray(layer, jnp.int32)
+    dtype = jnp.result_type(x.dtype, w.dtype)  # nn.Dense's promotion
+    x = x.astype(dtype)
+    if not uses_native(x, w, native):
+        kernel = jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False).astype(dtype)
+        return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+    lead, k, n = x.shape[:-1], w.shape[1], w.shape[2]
+    x2 = x.reshape(-1, k)
+    call = jax.ffi.ffi_call(
+        TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), x.dtype), vmap_method="sequential"
+    )
+    return call(x2, w, layer.reshape(())).reshape(*lead, n)
+
+
+__all__ = ["MAX_ROWS", "available", "stacked_matmul", "uses_native"]

@@ -1,0 +1,69 @@
+"""Compile a native CPU kernel (C++ against XLA's FFI headers) once, and cache the library.
+
+Used by the native attention kernel (``attention/native_cpu.py``) and the stacked-weight
+matmul (``model/native_matmul.py``). A library is compiled with the system C++ compiler
+(``CXX``, else ``g++``) into a cache directory (``PAGEDJAX_KERNEL_CACHE``, else
+``~/.cache/pagedjax``), named by a hash of the source, the flags, the compiler's version,
+the FFI headers' path and the CPU, so a changed source, compiler or machine builds anew
+and an unchanged one costs a file lookup. Callers fall back to XLA when ``compiler()`` is
+None or the build fails, so pagedjax never depends on a compiler being present.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from pagedjax.machine import cpu_model
+
+# -fopenmp-simd: `omp simd` loops vectorize without linking an OpenMP runtime.
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd")
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: ``$PAGEDJAX_KERNEL_CACHE`` or ``~/.cache/pagedjax``."""
+    env = os.environ.get("PAGEDJAX_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "pagedjax"
+
+
+def compiler() -> str | None:
+    """The C++ compiler's path (``$CXX``, else ``g++``), or None when there is none."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def build_library(source: Path, include_dir: str, cxx: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compile ``source`` into a shared library unless this exact build is cached; returns
+    its path. Raises RuntimeError with the compiler's output when the build fails."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        "\0".join(
+            [source.read_text(), " ".join(flags), version, include_dir, cpu_model(),
+             platform.machine()]
+        ).encode()
+    ).hexdigest()[:16]  # fmt: skip
+    out = cache_dir() / f"{source.stem}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: concurrent builders (pytest workers) never see
+    # a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [cxx, *flags, f"-I{include_dir}", str(source), "-o", tmp]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+__all__ = ["FLAGS", "build_library", "cache_dir", "compiler"]

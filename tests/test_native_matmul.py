@@ -1,0 +1,111 @@
+"""The CPU matmul over stacked layer weights (pagedjax/model/native_matmul.py).
+
+It must equal ``x @ w[layer]`` (fp32 rounding), give a row the same result whatever the
+batch around it, refuse a layer outside the stack, and, in a compiled step, leave no copy
+of a layer's dense kernel behind (the reason it exists); a control shows the check catches
+the copies the XLA path makes.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedjax.attention import native_cpu
+from pagedjax.model import allocate_kv_cache, dummy_input, preset_arch, random_params
+from pagedjax.model import native_matmul as nm
+from pagedjax.model.forward import forward
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or not nm.available()[0], reason="needs the CPU kernel"
+)
+
+
+def _data(rows: int, k: int, n: int, layers: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k), np.float32)
+    w = rng.standard_normal((layers, k, n), np.float32) / np.sqrt(k)
+    return jnp.asarray(x), jnp.asarray(w)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, nm.MAX_ROWS),
+    k=st.integers(1, 300),
+    n_tiles=st.integers(1, 4),
+    layers=st.integers(1, 4),
+    data=st.data(),
+)
+def test_equals_xla_dot(rows, k, n_tiles, layers, data):
+    layer = data.draw(st.integers(0, layers - 1))
+    x, w = _data(rows, k, 64 * n_tiles, layers)
+    assert nm.uses_native(x, w, native=True)
+    got = jax.jit(functools.partial(nm.stacked_matmul, native=True))(x, w, layer)
+    want = np.asarray(x, np.float64) @ np.asarray(w[layer], np.float64)
+    # fp32 sums of k products of unit-scale terms: a few ulps of sqrt(k) in the worst case.
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * max(k, 1) ** 0.5)
+
+
+def test_row_independent_of_batch():
+    """A row's result is bitwise the same alone and among others (the sum's order over K
+    does not depend on T), so batched and solo runs of the engine agree exactly."""
+    x, w = _data(37, 256, 128, 3)
+    f = jax.jit(functools.partial(nm.stacked_matmul, native=True))
+    full = np.asarray(f(x, w, 2))
+    for r in (0, 5, 36):
+        np.testing.assert_array_equal(np.asarray(f(x[r : r + 1], w, 2))[0], full[r])
+
+
+def test_falls_back_outside_its_shapes():
+    """Too many rows, N not a multiple of 64, bf16: XLA's dot, same values."""
+    for rows, n, dtype in ((nm.MAX_ROWS + 1, 64, jnp.float32), (4, 48, jnp.float32),
+                           (4, 64, jnp.bfloat16)):  # fmt: skip
+        x, w = _data(rows, 32, n, 2)
+        x, w = x.astype(dtype), w.astype(dtype)
+        assert not nm.uses_native(x, w, native=True)
+        got = nm.stacked_matmul(x, w, 1, native=True)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(x @ w[1], np.float32), rtol=2e-2, atol=2e-2
+        )
+
+
+def test_layer_out_of_range_is_an_error():
+    x, w = _data(4, 32, 64, 2)
+    with pytest.raises(Exception, match="layer index 2 outside"):
+        jax.block_until_ready(jax.jit(functools.partial(nm.stacked_matmul, native=True))(x, w, 2))
+
+
+def _step_hlo(native: bool, num_tokens: int) -> str:
+    arch = preset_arch("tiny-llama")
+    params = jax.eval_shape(lambda: random_params(arch, dtype=jnp.float32))
+    kv = jax.eval_shape(lambda: allocate_kv_cache(arch, 64, 16, jnp.float32))
+    fn = functools.partial(forward, arch=arch, attention_fn=native_cpu.ragged_paged_attention,
+                           native_matmul=native)  # fmt: skip
+    batch = dummy_input(num_tokens, 4, 8)
+    return jax.jit(fn, donate_argnums=1).lower(params, kv, batch).compile().as_text()
+
+
+def kernel_copies(hlo: str) -> list[str]:
+    """Lines materializing one layer of a dense kernel the native path handles (tiny-llama:
+    q/o_proj [64, 64], gate/up_proj [64, 128], down_proj [128, 64]; k/v_proj [64, 32] have
+    N % 64 != 0 and stay on XLA's path)."""
+    shapes = r"f32\[(64,64|64,128|128,64)\]"
+    return [ln.strip()[:140] for ln in hlo.splitlines()
+            if re.search(rf"= {shapes}\{{[^}}]*\}} (fusion|dynamic-slice|copy)\(", ln)]  # fmt: skip
+
+
+def test_compiled_step_copies_no_layer_kernel():
+    assert kernel_copies(_step_hlo(native=True, num_tokens=16)) == []
+
+
+def test_control_xla_path_copies_each_layer_kernel():
+    """The check catches the copies: without the kernel (or past MAX_ROWS) they are there."""
+    assert len(kernel_copies(_step_hlo(native=False, num_tokens=16))) >= 5
+    assert len(kernel_copies(_step_hlo(native=True, num_tokens=nm.MAX_ROWS * 2))) >= 5
