@@ -27,10 +27,12 @@ left off; compilation then works as without a cache.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -94,12 +96,34 @@ def enable(cache_dir: str | os.PathLike | bool | None = None) -> Path | None:
     return path
 
 
+@contextlib.contextmanager
+def bypassed() -> Iterator[None]:
+    """Compilations inside neither read nor write the persistent cache (then it is on again
+    as before). For programs the engine serializes itself (engine/program_store.py): an
+    executable loaded from the persistent cache does not serialize whole on the CPU (jaxlib
+    0.12: the copy loaded back fails with "Function ... not found"), so those are compiled
+    afresh, once."""
+    directory = jax.config.jax_compilation_cache_dir
+    if not directory:
+        yield
+        return
+    jax_cache.set_cache_dir(None)
+    jax_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax_cache.set_cache_dir(directory)
+        jax_cache.reset_cache()
+
+
 class CompileCounter:
     """Counts compilations between ``start()`` and ``stop()`` from JAX's monitoring
     events (process-wide: concurrent compilations elsewhere in the process count too).
 
     ``requests``: programs that went to the persistent cache (every compilation while the
-    cache is on); ``hits``: loaded from it; ``written``: compiled and stored.
+    cache is on); ``hits``: loaded from it; ``written``: compiled and stored; ``stored``:
+    programs the engine loaded from its program store without tracing or compiling
+    (``engine/program_store.py``, counted through ``note_stored``).
     """
 
     _lock = threading.Lock()
@@ -107,7 +131,7 @@ class CompileCounter:
     _registered = False
 
     def __init__(self) -> None:
-        self.requests = self.hits = self.written = 0
+        self.requests = self.hits = self.written = self.stored = 0
         self.seconds = 0.0
         self._t0 = 0.0
 
@@ -121,6 +145,13 @@ class CompileCounter:
                     c.written += 1
                 elif event == _REQUESTS:
                     c.requests += 1
+
+    @classmethod
+    def note_stored(cls) -> None:
+        """One program loaded from a program store: counted by every active counter."""
+        with cls._lock:
+            for c in cls._active:
+                c.stored += 1
 
     def start(self) -> CompileCounter:
         with CompileCounter._lock:
@@ -147,6 +178,7 @@ class CompileCounter:
     def summary(self) -> str:
         """One line for start-up logs."""
         return (
-            f"{self.requests} programs compiled: {self.hits} from the cache, "
-            f"{self.requests - self.hits} new, in {self.seconds:.1f} s"
+            f"{self.requests + self.stored} programs: {self.stored} loaded from the program "
+            f"store, {self.requests} compiled ({self.hits} from the cache, "
+            f"{self.requests - self.hits} new), in {self.seconds:.1f} s"
         )

@@ -75,6 +75,7 @@ _CHILD = textwrap.dedent(
                                                     ignore_eos=True), use_tqdm=False)
     c = llm.llm_engine.startup_compiles
     print(json.dumps(dict(requests=c.requests, hits=c.hits, written=c.written,
+                          stored=c.stored, steps=len(llm.llm_engine.runner.programs),
                           tokens=list(out[0].outputs[0].token_ids))))
     """
 )
@@ -90,13 +91,16 @@ def _child(cache_dir: Path) -> dict:
 
 
 def test_a_new_process_loads_its_programs_from_the_persistent_cache(tmp_path):
-    """The second process (same cache directory) compiles nothing: every program of its
-    warm-up, the native CPU kernel's included, comes from the cache; outputs agree."""
+    """The second process (same cache directory) compiles nothing: its step programs (the
+    native CPU kernels' calls included) come from the program store without tracing, the
+    other programs of its warm-up from the cache; outputs agree."""
     first = _child(tmp_path)
     assert first["requests"] > 0 and first["written"] > 0 and first["hits"] == 0
+    assert first["stored"] == 0 and first["steps"] > 0
     assert any(tmp_path.iterdir())
     second = _child(tmp_path)
-    assert second["requests"] == first["requests"]
+    assert second["stored"] == first["steps"] == second["steps"]
+    assert second["requests"] == first["requests"] - second["stored"]
     assert second["hits"] == second["requests"] and second["written"] == 0
     assert second["tokens"] == first["tokens"]
 

@@ -119,7 +119,7 @@ class LLMEngine:
         log.info("attention backend: %s (%s)", backend.name, backend.reason)
         self.attention_backend = backend.name  # "native_cpu", "reference", "pallas" or "triton"
         attention = place.attention(backend.ragged_paged_attention)
-        self.runner = ModelRunner(arch, self.block_size, attention, max_logprobs)
+        self.runner = ModelRunner(arch, self.block_size, attention, max_logprobs, place.size == 1)
         self.max_logprobs = max_logprobs
         budget = sc.max_num_batched_tokens
         self.token_buckets = step_buckets(budget, smallest=min(16, budget))
@@ -369,7 +369,7 @@ class LLMEngine:
         sampling = dev.sampling()
         padded_tokens = pick(self.token_buckets, int(host["num_tokens"]))  # S from T
         padded_seqs = seqs_for_tokens(self.seq_buckets, padded_tokens)
-        dev.kv, dev.tokens, out, plp = self.runner.step(
+        dev.kv, dev.tokens, out, plp = self.runner.run(
             core.params, dev.kv, dev.tokens, dev.state.mem,
             batch._replace(swap=None),  # applied by _apply_swaps; one pytree with warmup
             sampling, dev.state.prompt_len, dev.state.output_len,

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pagedjax.attention import copy_blocks
+from pagedjax.engine.program_store import describe_function
 from pagedjax.memory.block_table import slot_mapping
 from pagedjax.model import ModelArch, ModelInput
 from pagedjax.model.forward import forward
@@ -120,8 +121,10 @@ class ModelRunner:
         block_size: int,
         attention_fn: Callable[..., jax.Array],
         max_logprobs: int,
+        native_matmul: bool = False,
     ):
         self.arch = arch
+        self.native_matmul = native_matmul  # model/native_matmul.py (one device, CPU)
         self.block_size = block_size
         self.max_logprobs = max_logprobs
         self.trace_count: dict[tuple[int, int], int] = {}
@@ -131,6 +134,22 @@ class ModelRunner:
             static_argnames=("num_tokens", "num_seqs", "all_logits"),
             donate_argnames=("kv", "tokens"),
         )
+        # Compiled steps by (num_tokens, num_seqs, all_logits), called by ``run`` instead of
+        # ``step``: the warm-up fills it (from the program store: no tracing).
+        self.programs: dict[tuple[int, int, bool], Any] = {}
+
+    def describe(self) -> str:
+        """What the step's trace depends on beyond its arguments (program_store.py's key)."""
+        return repr((self.arch, self.block_size, describe_function(self._attention_fn),
+                     self.max_logprobs, self.native_matmul))  # fmt: skip
+
+    def run(self, *args: Any, num_tokens: int, num_seqs: int, all_logits: bool = False) -> Any:
+        """``step(*args, ...)``, through a compiled program of ``programs`` when there is one
+        for these static arguments (the same executable ``step`` would run)."""
+        program = self.programs.get((num_tokens, num_seqs, all_logits))
+        if program is not None:
+            return program(*args)
+        return self.step(*args, num_tokens=num_tokens, num_seqs=num_seqs, all_logits=all_logits)
 
     def _step(
         self,
@@ -178,7 +197,8 @@ class ModelRunner:
         last = inp.logits_indices
         if all_logits:  # prompt logprobs: logits at every token, not only each row's last
             inp = inp._replace(logits_indices=jnp.arange(num_tokens, dtype=jnp.int32))
-        kv, logits = forward(params, kv, inp, arch=self.arch, attention_fn=self._attention_fn)
+        kv, logits = forward(params, kv, inp, arch=self.arch, attention_fn=self._attention_fn,
+                             native_matmul=self.native_matmul)  # fmt: skip
         plp = None
         if all_logits:
             plp = prompt_logprobs(

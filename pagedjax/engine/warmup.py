@@ -42,9 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax import compile_cache
+from pagedjax.attention import native_cpu
 from pagedjax.engine.buckets import seqs_for_tokens
 from pagedjax.engine.core import EngineCore
 from pagedjax.engine.multi_step import MultiStepDecoder, loop_buckets
+from pagedjax.engine.program_store import ProgramStore
+from pagedjax.model import native_matmul
 from pagedjax.scheduler import ScheduledBatch
 
 MODES = ("auto", "all", "decode", "none")
@@ -107,7 +111,10 @@ def warm_up(
         if decoder.enabled:
             buckets = loop_buckets(core.seq_buckets)
             jobs += [(f"decode loop S={s}", (_loop, s)) for s in buckets]
-    jobs += [(f"step T={t} S={s}", (_runner, t, s)) for t, s in pairs]
+    store = ProgramStore.for_current_cache(len(jax.tree.leaves(core.params)[0].devices()))
+    if store is not None:  # the native kernels' FFI targets, before a loaded program runs
+        native_cpu.available(), native_matmul.available()
+    jobs += [(f"step T={t} S={s}", (_runner, t, s, store)) for t, s in pairs]
     bar = None
     if progress and jobs:
         from tqdm.auto import tqdm
@@ -137,25 +144,33 @@ def _padding_batch(core: EngineCore) -> ScheduledBatch:
     return batch._replace(seq_ids=jnp.full_like(batch.seq_ids, -1))
 
 
-def _runner(core: EngineCore, decoder: MultiStepDecoder, t: int, s: int) -> None:
-    """Compile the step of bucket (t, s) ahead of time on an all-padding batch.
+def _runner(
+    core: EngineCore, decoder: MultiStepDecoder, t: int, s: int, store: ProgramStore | None = None
+) -> None:
+    """Compile the step of bucket (t, s) ahead of time on an all-padding batch, or load it
+    from the program store (no tracing), and hand it to the runner (``ModelRunner.run``).
 
-    ``lower(...).compile()`` fills jit's own cache for exactly these argument types and
-    keywords (a later call with them neither traces nor compiles), without running the
-    program: a run at the 2,048-token bucket costs as much as a real prefill, and it
-    bought nothing (measured: warm start, see docs/startup.md)."""
+    Compiled, not run: a run at the 2,048-token bucket costs as much as a real prefill, and
+    it bought nothing (measured: warm start, see docs/startup.md)."""
     dev = core.device
     mem = dev.state.mem
     # No copy-on-write; zeros_like keeps the state's placement (a tensor-parallel mesh
     # commits it there), so this compiles the signature real steps use.
     mem = mem._replace(last_cow=mem.last_cow._replace(valid=jnp.zeros_like(mem.last_cow.valid)))
     st = dev.state
-    core.runner.step.lower(
-        core.params, dev.kv, dev.tokens, mem,
-        _padding_batch(core)._replace(swap=None),  # as LLMEngine.step passes it
-        dev.sampling(), st.prompt_len, st.output_len, num_tokens=t, num_seqs=s,
-        all_logits=False,  # spelled out: jit caches by the keywords given
-    ).compile()  # fmt: skip
+    args = (core.params, dev.kv, dev.tokens, mem,
+            _padding_batch(core)._replace(swap=None),  # as LLMEngine.step passes it
+            dev.sampling(), st.prompt_len, st.output_len)  # fmt: skip
+    statics = dict(num_tokens=t, num_seqs=s, all_logits=False)
+    key = store.key("step", core.runner.describe(), args, statics) if store else ""
+    program = store.load(key) if store else None
+    if program is None and store is None:
+        program = core.runner.step.lower(*args, **statics).compile()
+    elif program is None:
+        with compile_cache.bypassed():  # a cache-loaded program would not serialize whole
+            program = core.runner.step.lower(*args, **statics).compile()
+        store.save(key, program)
+    core.runner.programs[(t, s, False)] = program
 
 
 def _loop(core: EngineCore, decoder: MultiStepDecoder, s: int) -> None:
