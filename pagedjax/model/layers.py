@@ -1,9 +1,11 @@
 """Building blocks shared by the model families: norms, activations, paged self-attention,
 and the layer loop.
 
-The decoder layers run under ``lax.scan`` (Flax ``nn.scan``) with their parameters stacked
-on a leading layer axis: the step program holds one layer body whatever the depth, so its
-compile time does not grow with the number of layers (docs/engine.md). The KV pool, stacked
+The decoder layers run under one loop (``LayerLoop``, a ``fori_loop``) with their parameters
+stacked on a leading layer axis: the step program holds one layer body whatever the depth,
+so its compile time does not grow with the number of layers (docs/layer_loop.md). Dense
+kernels reach each layer as ``StackedWeight`` views, so the CPU matmul can read them in
+place instead of XLA copying each layer's slice first (native_matmul.py). The KV pool, stacked
 the same way (``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` per K and V),
 is part of the loop's carry: each layer writes its new rows into it at its own layer index
 and attention reads it there, so XLA keeps one buffer, updated in place.
