@@ -176,12 +176,21 @@ def _is_quantized_role(path: tuple[str, ...]) -> bool:
     )
 
 
-def quantize_params(params: Any, mode: str) -> Any:
+def quantize_params(params: Any, mode: str, group_size: int | None = None) -> Any:
     """params (dense, any float dtype) -> the same tree with every decoder linear's
-    ``kernel`` [L, in, out] replaced by a stacked ``QuantizedWeight`` of ``mode``."""
+    ``kernel`` [L, in, out] replaced by a stacked ``QuantizedWeight`` of ``mode``.
+    ``group_size``: int4's group / nf4's block instead of the mode's default (tests,
+    experiments; the engine's modes use the defaults)."""
     if mode not in QUANTIZERS:
         raise ValueError(f"unknown quantization {mode!r}; in-flight modes: {INFLIGHT_MODES}")
     quantizer = QUANTIZERS[mode]
+    if group_size is not None:
+        if mode not in ("int4", "nf4"):
+            raise ValueError(f"{mode}: no group size to choose (int4 and nf4 have one)")
+        base = quantizer
+
+        def quantizer(w: np.ndarray) -> QuantizedWeight:
+            return base(w, group_size)  # int4's group_size, nf4's block (2nd argument)
 
     def one(path, leaf):
         keys = tuple(getattr(p, "key", str(p)) for p in path)
