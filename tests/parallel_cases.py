@@ -40,6 +40,8 @@ from pagedjax.engine.data_parallel import DataParallelEngine  # noqa: E402
 from pagedjax.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedjax.engine.router import Router  # noqa: E402
 from pagedjax.model import preset_arch, random_params  # noqa: E402
+from pagedjax.model.quant.inflight import quantize_params  # noqa: E402
+from pagedjax.model.quant.weight import QuantizedWeight  # noqa: E402
 from pagedjax.model.sharding import per_device_bytes  # noqa: E402
 from pagedjax.sampling import BeamSearchParams, SamplingParams  # noqa: E402
 from pagedjax.tokenizer import ByteTokenizer  # noqa: E402
@@ -48,9 +50,14 @@ BLOCK, MAX_LEN, MAX_SEQS, BUDGET, NUM_BLOCKS = 4, 64, 6, 16, 20
 
 
 @functools.cache
-def params_of(model: str):
+def params_of(model: str, quant: str | None = None):
     # std 0.15: greedy choices are rarely near-ties (DESIGN.md, testing).
-    return random_params(preset_arch(model), seed=0, dtype=jnp.float32, std=0.15)
+    params = random_params(preset_arch(model), seed=0, dtype=jnp.float32, std=0.15)
+    if quant == "int4":
+        # Groups of 32 (the default would be one group per column at hidden 64): o_proj's
+        # 2 and down_proj's 4 groups are then split between devices at group boundaries.
+        params = quantize_params(params, "int4", group_size=32)
+    return params
 
 
 def config(model: str, tp: int, backend: str, dp: int = 1, routing: str = "least_tokens",
@@ -67,12 +74,12 @@ def config(model: str, tp: int, backend: str, dp: int = 1, routing: str = "least
     )  # fmt: skip
 
 
-def engine(model: str, tp: int, backend: str = "auto", **kw):
+def engine(model: str, tp: int, backend: str = "auto", quant: str | None = None, **kw):
     arch = preset_arch(model)
     tok = ByteTokenizer(eos_token_id=arch.eos_token_id, bos_token_id=arch.bos_token_id)
     cls = DataParallelEngine if kw.get("dp", 1) > 1 else LLMEngine
     # NaN pages: a read of a slot a sequence does not own poisons its logits.
-    return cls(arch, params_of(model), tok, config(model, tp, backend, **kw),
+    return cls(arch, params_of(model, quant), tok, config(model, tp, backend, **kw),
                kv_fill_value=float("nan"))  # fmt: skip
 
 
@@ -121,10 +128,10 @@ def beams(eng, vocab: int) -> list:
 
 
 @functools.cache
-def reference(model: str, backend: str) -> tuple[dict, list, dict]:
+def reference(model: str, backend: str, quant: str | None = None) -> tuple[dict, list, dict]:
     """Single-device outputs of the workload and of beam search, and the counters that
     show which features the workload exercised."""
-    eng = engine(model, 1, backend)
+    eng = engine(model, 1, backend, quant)
     vocab = eng.arch.vocab_size
     outs, _ = drain(eng, workload(vocab))
     stats = eng.stats()
@@ -137,9 +144,9 @@ def reference(model: str, backend: str) -> tuple[dict, list, dict]:
     return outs, beams(eng, vocab), facts
 
 
-def case_tp(tp: int, model: str, backend: str = "auto") -> dict:
-    ref_outs, ref_beams, facts = reference(model, backend)
-    eng = engine(model, tp, backend)
+def case_tp(tp: int, model: str, backend: str = "auto", quant: str | None = None) -> dict:
+    ref_outs, ref_beams, facts = reference(model, backend, quant)
+    eng = engine(model, tp, backend, quant)
     outs, _ = drain(eng, workload(eng.arch.vocab_size))
     for rid in ref_outs:
         assert outs[rid] == ref_outs[rid], f"{rid}: TP {tp} {outs[rid]} vs TP 1 {ref_outs[rid]}"
@@ -168,7 +175,9 @@ def _ways(path: tuple[str, ...], tp: int, kv_shards: int) -> int:
         return kv_shards
     if names & {"q_proj", "gate_proj", "up_proj", "fc1", "embed_tokens", "lm_head"}:
         return tp
-    if names & {"o_proj", "down_proj", "out_proj", "fc2"} and path[-1] == "kernel":
+    # A dense kernel, or any array of a quantized one (path ..., kernel, .data / .scale)
+    # with groups of 32: every one of them splits at group boundaries here.
+    if names & {"o_proj", "down_proj", "out_proj", "fc2"} and "kernel" in path:
         return tp
     return 1  # norms, row-parallel biases, OPT's position embeddings
 
@@ -272,7 +281,55 @@ def case_errors() -> dict:
     raise AssertionError("TP 3 was accepted")
 
 
+def logprobs_of(eng, vocab: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and the top-4 log-probabilities (by rank) of every prompt and output
+    position of one request: the logits, as the engine's sampler reports them."""
+    rng = np.random.default_rng(13)
+    prompt = [int(x) for x in rng.integers(3, vocab, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=4,
+                            prompt_logprobs=4)  # fmt: skip
+    eng.add_request("L", prompt, params)
+    last = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            last = out
+    positions = [p for p in last.prompt_logprobs if p] + list(last.outputs[0].logprobs)
+    table = [[lp.logprob for lp in sorted(p.values(), key=lambda lp: lp.rank)][:4]
+             for p in positions]  # fmt: skip
+    return list(last.outputs[0].token_ids), np.asarray(table, np.float64)
+
+
+def case_tp_int4(tp: int) -> dict:
+    """One engine pair, TP ``tp`` and TP 1, with the same int4 weights (groups of 32):
+    the mixed workload's tokens are equal, one request's prompt and sampled log-probs
+    agree within float32 rounding, each device holds 1/tp of every quantized array with
+    row-parallel codes and scales split at group boundaries, and nothing recompiles."""
+    model = "tiny-llama-tp"
+    one, many = engine(model, 1, quant="int4"), engine(model, tp, quant="int4")
+    vocab = one.arch.vocab_size
+    want_outs, _ = drain(one, workload(vocab))
+    got_outs, _ = drain(many, workload(vocab))
+    assert got_outs == want_outs, (got_outs, want_outs)
+    stats = one.stats()
+    assert stats["preemptions_recompute"] > 0 and stats["preemptions_swap"] > 0, stats
+    want_tokens, want = logprobs_of(one, vocab)
+    got_tokens, got = logprobs_of(many, vocab)
+    assert got_tokens == want_tokens, (got_tokens, want_tokens)
+    diff = float(np.max(np.abs(got - want)))
+    assert diff < 2e-5, diff
+    down = many.params["layers"]["mlp"]["down_proj"]["kernel"]
+    assert isinstance(down, QuantizedWeight) and down.num_groups == 4, down
+    for arr in (down.data, down.scale):  # [L, rows, out]: rows split tp ways
+        shard = arr.sharding.shard_shape(arr.shape)
+        assert shard[-2] * tp == arr.shape[-2] and shard[-1] == arr.shape[-1], shard
+    traces = many.runner.trace_count
+    assert all(c == 1 for c in traces.values()), f"recompiled: {traces}"
+    return dict(max_logprob_diff=diff, logprob_positions=len(want), **memory(many, tp))
+
+
 def run(name: str) -> dict:
+    if name.endswith("-int4"):  # tp2-int4
+        return case_tp_int4(int(name.split("-")[0][2:]))
     parts = name.split("-")
     if parts[0].startswith("tp"):
         tp = int(parts[0][2:])

@@ -57,6 +57,16 @@ def test_tp_and_dp_match_single_device():
     assert len({dp["affinity_replica_of"][f"s{i}"] for i in range(4)}) == 1
 
 
+def test_tp2_int4_equals_tp1_int4():
+    """One engine pair with the same in-flight int4 weights (groups of 32, so row-parallel
+    layers split between groups): TP 2 equals TP 1 token for token over the mixed
+    workload, log-probs within float32 rounding, each device holding half of every
+    quantized array (tests/parallel_cases.py, case_tp_int4)."""
+    out = _cases("tp2-int4")["tp2-int4"]
+    assert out["max_logprob_diff"] < 2e-5
+    assert out["params_per_device"] < out["params_total"]  # exact split: checked in the case
+
+
 @pytest.mark.slow
 def test_tp_opt_and_reference_backend():
     """OPT (8 heads: biases, learned positions) at TP 2/4/8; the XLA reference backend
@@ -114,6 +124,49 @@ def test_megatron_rule_table():
     assert lay["mlp"]["gate_proj"]["kernel"] == jax.sharding.PartitionSpec(None, None, tp)
     assert specs["embed_tokens"]["embedding"] == jax.sharding.PartitionSpec(tp, None)
     assert lay["input_layernorm"]["weight"] == jax.sharding.PartitionSpec()
+
+
+def test_quantized_weights_split_at_group_boundaries():
+    """A QuantizedWeight's arrays take the dense kernel's axis: column-parallel by output
+    column, row-parallel by whole groups (codes and scales together; one group per column
+    keeps its scales replicated); a split inside a group or a packed byte is refused
+    naming the layer, the sizes and the group."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pagedjax.model import random_params
+    from pagedjax.model.quant.inflight import quantize_int4, quantize_params
+    from pagedjax.model.quant.weight import stack_layers
+
+    P, tp = jax.sharding.PartitionSpec, ("tp_kv", "tp_rep")
+    arch = preset_arch("tiny-llama-tp")  # hidden 64, MLP 128, 2 KV heads
+    # The rules read only the sizes: a 1-device mesh stands in for 2 devices.
+    two = dataclasses.replace(make_layout(arch, 1, jax.devices()[:1]), size=2, kv_shards=2)
+    dense = random_params(arch, seed=0, dtype=jnp.float32)
+    lay = param_specs(quantize_params(dense, "int4", group_size=32), two)["layers"]
+    down, q, k = (lay["mlp"]["down_proj"]["kernel"], lay["self_attn"]["q_proj"]["kernel"],
+                  lay["self_attn"]["k_proj"]["kernel"])  # fmt: skip
+    assert (down.data, down.scale, down.perm) == (P(None, tp, None), P(None, tp, None), None)
+    assert (q.data, q.scale) == (P(None, None, tp), P(None, None, tp))
+    assert (k.data, k.scale) == (P(None, None, "tp_kv"), P(None, None, "tp_kv"))
+    one_group = param_specs(quantize_params(dense, "int4"), two)["layers"]  # group 64 = in
+    o = one_group["self_attn"]["o_proj"]["kernel"]
+    assert (o.data, o.scale) == (P(None, tp, None), P())
+
+    rng = np.random.default_rng(0)
+
+    def tree(n_in: int, group: int) -> dict:
+        w = stack_layers([quantize_int4(rng.normal(size=(n_in, 8)), group)] * 2)
+        return {"layers": {"mlp": {"down_proj": {"kernel": w}}}}
+
+    with pytest.raises(ValueError, match=r"layers/mlp/down_proj/kernel: tensor_parallel_size=2"
+                       r" would split a quantization group: 96 inputs in 3 groups of 32"):
+        param_specs(tree(96, 32), two)
+    with pytest.raises(ValueError, match=r"down_proj/kernel: tensor_parallel_size=2 would split"
+                       r" a packed byte: int4 packs 6 inputs into 3 rows"):
+        param_specs(tree(6, 6), two)
 
 
 def test_router_least_tokens_and_prefix_affinity():

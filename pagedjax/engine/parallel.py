@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pagedjax.model import ModelArch, QuantizedWeight
+from pagedjax.model import ModelArch
 from pagedjax.model.kv_cache import kv_cache_shape
 from pagedjax.model.sharding import (
     TPLayout,
@@ -60,15 +60,12 @@ class DevicePlacement:
         return self.arch.kv_bytes_per_token(dtype) // self.kv_shards
 
     def params(self, params: Any, kv_spec: Any = None) -> Any:
-        """``params`` placed on the mesh. Raises ValueError for what is not sharded yet:
-        quantized weights (their packed words split at group boundaries, issue 19 item 5)
-        and an 8-bit KV cache (``kv_spec``, a KVCacheSpec: its scales)."""
+        """``params`` placed on the mesh (quantized weights split at group boundaries,
+        ``sharding.quantized_spec``). Raises ValueError for a quantized layer whose groups
+        the TP size does not divide, and for what is not sharded yet: an 8-bit KV cache
+        (``kv_spec``, a KVCacheSpec: its scales)."""
         if self.layout is None:
             return params
-        if any(isinstance(x, QuantizedWeight) for x in jax.tree.leaves(
-                params, is_leaf=lambda x: isinstance(x, QuantizedWeight))):  # fmt: skip
-            raise ValueError(f"quantized weights with tensor_parallel_size={self.size}: not"
-                             " sharded yet (use tensor_parallel_size=1)")  # fmt: skip
         if kv_spec is not None and kv_spec.quantized:
             raise ValueError(f"kv_cache_dtype={kv_spec.cache_dtype!r} with tensor_parallel_size="
                              f"{self.size}: an 8-bit KV cache is not sharded yet")  # fmt: skip

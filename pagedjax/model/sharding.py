@@ -20,6 +20,16 @@ One model over N devices (docs/parallelism.md gives the reasons):
   embeddings, MoE experts and any name not listed are replicated (correct, not split). A
   dimension that N does not divide is replicated for that tensor (logged), except query
   and KV heads, which are a start-up error.
+- **Quantized weights** (``QuantizedWeight``, docs/quantization.md) split on the dense
+  kernel's axis. Column-parallel: codes, scales, zero points and offsets by output
+  column (the representation packs along the input axis only, so no word is split).
+  Row-parallel: by input rows at group boundaries, so each device dequantizes its own
+  groups with no communication: ``data`` (two codes per byte for 4 bits) and the
+  per-group ``scale`` / ``zero`` / ``offset`` rows split N ways together. One group
+  over the whole input (per channel, per tensor) keeps its scales replicated and splits
+  only the codes. A row split that N would make inside a group (groups not a multiple
+  of N) or inside a packed byte is a start-up error naming the layer, the sizes and the
+  group. A GPTQ act-order ``perm`` is replicated (its gather reads the whole input).
 - **KV pool**: ``[L, num_blocks, num_kv_heads, block_size, head_dim]`` sharded on the head
   axis over ``tp_kv``: one block pool, one block table and one scheduler for all shards
   (the paper's section 4.6); each device holds its heads of every block.
@@ -35,6 +45,7 @@ schedule).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,6 +57,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pagedjax.model.config import ModelArch
+from pagedjax.model.quant.weight import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -158,14 +170,89 @@ def _spec_for(path: tuple[str, ...], shape: tuple[int, ...], layout: TPLayout) -
     return PartitionSpec()
 
 
-def param_specs(params: Any, layout: TPLayout) -> Any:
-    """A tree of PartitionSpec like ``params`` (Megatron layout; see the module docstring)."""
+def _on_axis(arr: Any, from_end: int, mesh_axes: Any) -> PartitionSpec:
+    """arr split on axis ``-from_end`` over ``mesh_axes``, every other axis whole."""
+    spec: list[Any] = [None] * arr.ndim
+    spec[arr.ndim - from_end] = mesh_axes
+    return PartitionSpec(*spec)
 
-    def spec(path: Any, leaf: Any) -> PartitionSpec:
+
+def quantized_spec(path: tuple[str, ...], w: QuantizedWeight, layout: TPLayout) -> Any:
+    """The PartitionSpecs of a quantized weight's arrays, as a ``QuantizedWeight`` of
+    PartitionSpec (same static format, so it maps leaf for leaf onto ``w``): split on the
+    axis the dense kernel [.., in, out] at ``path`` would be (module docstring). Raises
+    ValueError when a row split would cut a group or a packed byte."""
+    lead = tuple(w.data.shape[:-2])
+    shape = (*lead, w.in_features, w.out_features)
+    if path[-1] == "embedding" and set(path) & set(_VOCAB_EMBED):
+        # A quantized token embedding is held as [hidden, vocab]: vocab is its last axis.
+        ok = w.out_features % layout.size == 0
+        dense = PartitionSpec(*[None] * (len(shape) - 1), TP if ok else None)
+    else:
+        dense = _spec_for(path, shape, layout)
+    axes = tuple(dense) + (None,) * (len(lead) + 2 - len(tuple(dense)))
+    replicated = dataclasses.replace(
+        w, **{f: (None if getattr(w, f) is None else PartitionSpec()) for f in _ARRAYS}
+    )
+    if axes[-1] is not None:  # column-parallel: every [.., out]-shaped array by column
+        mesh_axes = axes[-1]
+
+        def col(field: str) -> Any:
+            a = getattr(w, field)
+            if a is None:
+                return None
+            if field != "perm" and a.shape[-1] == w.out_features:
+                return _on_axis(a, 1, mesh_axes)
+            return PartitionSpec()  # a per-tensor scale, perm: replicated
+
+        return dataclasses.replace(w, **{f: col(f) for f in _ARRAYS})
+    if axes[-2] is None:
+        return replicated
+    # Row-parallel: groups are the unit.
+    mesh_axes, ways, name = axes[-2], layout.size, "/".join(path)
+    rows = w.data.shape[-2]  # in, or in / 2 for two codes per byte
+    if rows % ways:
+        raise ValueError(
+            f"{name}: tensor_parallel_size={ways} would split a packed byte: {w.fmt} packs"
+            f" {w.in_features} inputs into {rows} rows of two codes, not a multiple of {ways}"
+        )
+    g = w.num_groups
+    if g > 1 and g % ways:
+        raise ValueError(
+            f"{name}: tensor_parallel_size={ways} would split a quantization group:"
+            f" {w.in_features} inputs in {g} groups of {w.group_size} ({w.fmt}), and"
+            f" {ways} does not divide {g}; use a tensor_parallel_size dividing {g}"
+        )
+
+    def row(field: str) -> Any:
+        a = getattr(w, field)
+        if a is None:
+            return None
+        if field == "data" or (field != "perm" and g > 1 and a.shape[-2] == g):
+            return _on_axis(a, 2, mesh_axes)
+        return PartitionSpec()  # one group's scales (every shard needs them), perm
+
+    return dataclasses.replace(w, **{f: row(f) for f in _ARRAYS})
+
+
+_ARRAYS = ("data", "scale", "zero", "offset", "perm")  # QuantizedWeight's array fields
+
+
+def param_specs(params: Any, layout: TPLayout) -> Any:
+    """A tree of PartitionSpec like ``params`` (Megatron layout; see the module
+    docstring); a ``QuantizedWeight`` maps to a QuantizedWeight of PartitionSpecs
+    (``quantized_spec``). Raises ValueError for a quantized weight N cannot split at
+    group boundaries."""
+
+    def spec(path: Any, leaf: Any) -> Any:
         names = tuple(str(getattr(p, "key", p)) for p in path)
+        if isinstance(leaf, QuantizedWeight):
+            return quantized_spec(names, leaf, layout)
         return _spec_for(names, tuple(leaf.shape), layout)
 
-    return jax.tree_util.tree_map_with_path(spec, params)
+    return jax.tree_util.tree_map_with_path(
+        spec, params, is_leaf=lambda x: isinstance(x, QuantizedWeight)
+    )
 
 
 def shard_params(params: Any, layout: TPLayout) -> Any:
@@ -245,6 +332,7 @@ __all__ = [
     "make_layout",
     "param_specs",
     "per_device_bytes",
+    "quantized_spec",
     "replicate",
     "shard_attention",
     "shard_kv",

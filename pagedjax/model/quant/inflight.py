@@ -9,8 +9,11 @@ Modes (``quantization=`` names; vLLM 0.32's where it has them, pagedjax's own ma
   time (weight.py). E4M3's rounding error is at most half a unit in the last place:
   2^-4 of |w| for normal values, 2^-10 * s below the smallest normal (2^-6 * s).
 - ``int4`` (pagedjax's own, W4A16): group 128 along the input (64 or 32 where 128 does
-  not divide it, e.g. SmolLM2's hidden size 576), symmetric: s = absmax / 7,
-  q = round(w / s) in [-7, 7], stored as codes q + 8 in nibbles. Max error s / 2.
+  not divide it, e.g. SmolLM2's hidden size 576), symmetric (no zero point), all 16
+  codes: s = max(max(w) / 7, -min(w) / 8) per group, q = round(w / s) in [-8, 7],
+  stored as codes q + 8 in nibbles. Max error s / 2 (no value is clipped). pagedjax's
+  choice: a group whose negative extreme dominates gets a step 8/7 finer than absmax /
+  7 would give it (measured on SmolLM2 in docs/quantization.md).
 - ``nf4`` (pagedjax's own, bitsandbytes' NF4): blocks of 64 inputs, absmax scale, each
   value the nearest of the 16 NF4 levels (the normal-quantile code book bitsandbytes
   stores). Max error: half the widest gap between adjacent levels times absmax.
@@ -103,13 +106,14 @@ def int4_group(n_in: int) -> int:
 
 
 def quantize_int4(w: np.ndarray, group_size: int | None = None) -> QuantizedWeight:
-    """w float [in, out] -> symmetric 4-bit codes (q + 8, q in [-7, 7]) per group of
+    """w float [in, out] -> symmetric 4-bit codes (q + 8, q in [-8, 7]) per group of
     group_size inputs (default ``int4_group(in)``), scale [in / group_size, out]."""
     w = np.asarray(w, np.float32)
     group_size = group_size or int4_group(w.shape[0])
     g = _groups(w, group_size, "int4")
-    s = _safe(np.abs(g).max(axis=1) / 7.0)  # [G, out]
-    q = np.clip(np.rint(g / s[:, None, :]), -7, 7).astype(np.int32) + 8
+    # The smallest step that reaches both extremes: max on code 7, min on code -8.
+    s = _safe(np.maximum(g.max(axis=1) / 7.0, -g.min(axis=1) / 8.0))  # [G, out]
+    q = np.clip(np.rint(g / s[:, None, :]), -8, 7).astype(np.int32) + 8
     return QuantizedWeight(pack_nibbles(q.reshape(w.shape)), s, in_features=w.shape[0],
                            bits=4, group_size=group_size, code_offset=8,
                            fmt="int4").check()  # fmt: skip
@@ -176,12 +180,21 @@ def _is_quantized_role(path: tuple[str, ...]) -> bool:
     )
 
 
-def quantize_params(params: Any, mode: str) -> Any:
+def quantize_params(params: Any, mode: str, group_size: int | None = None) -> Any:
     """params (dense, any float dtype) -> the same tree with every decoder linear's
-    ``kernel`` [L, in, out] replaced by a stacked ``QuantizedWeight`` of ``mode``."""
+    ``kernel`` [L, in, out] replaced by a stacked ``QuantizedWeight`` of ``mode``.
+    ``group_size``: int4's group / nf4's block instead of the mode's default (tests,
+    experiments; the engine's modes use the defaults)."""
     if mode not in QUANTIZERS:
         raise ValueError(f"unknown quantization {mode!r}; in-flight modes: {INFLIGHT_MODES}")
     quantizer = QUANTIZERS[mode]
+    if group_size is not None:
+        if mode not in ("int4", "nf4"):
+            raise ValueError(f"{mode}: no group size to choose (int4 and nf4 have one)")
+        base = quantizer
+
+        def quantizer(w: np.ndarray) -> QuantizedWeight:
+            return base(w, group_size)  # int4's group_size, nf4's block (2nd argument)
 
     def one(path, leaf):
         keys = tuple(getattr(p, "key", str(p)) for p in path)
