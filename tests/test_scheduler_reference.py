@@ -205,7 +205,7 @@ def _attach(policy, state, slots: list[int], lens: list[int]):
     mem, ok = _attach_grow(policy, state.mem, ids, new, mask)
     ok = np.asarray(ok)[: len(slots)]
     got = np.asarray(state.num_computed).copy()
-    for s, n_tok, good in zip(slots, lens, ok):
+    for s, n_tok, good in zip(slots, lens, ok, strict=True):
         if good:
             got[s] = n_tok
     return state._replace(mem=mem, num_computed=jnp.asarray(got)), ok
@@ -285,7 +285,7 @@ def run_trace(
                 lookup.clear()
                 if slots:
                     state, ok = _attach(policy, state, slots, lens)
-                    want = [ref.attach(s, n_tok) for s, n_tok in zip(slots, lens)]
+                    want = [ref.attach(s, n_tok) for s, n_tok in zip(slots, lens, strict=True)]
                     assert list(ok) == want, f"step {t}"
                     counts["attached"] += sum(want)
 
