@@ -355,7 +355,6 @@ class ReferenceScheduler:
         admit = not preempted and not self._with(SWAPPED)
         admit = admit and (cfg.mode != "static" or n_running == 0)
         waiting = self._with(WAITING)
-        retried = False
         for k, s in enumerate(waiting if admit else []):
             r = self.reqs[s]
             if n_running >= seq_cap or s in released:  # released: looked up again first
@@ -365,10 +364,11 @@ class ReferenceScheduler:
             if q == 0 or q > budget:
                 break
             grown = self._grow(s, r.num_computed + q, True)
-            if not grown and not retried:  # the holds behind it give way, once
-                retried = True
-                if self._release_holds(waiting[k + 1 :], released):
-                    grown = self._grow(s, r.num_computed + q, True)
+            # Refused: the holds behind it give way, and it alone is retried (admission
+            # ends with it: the released slots wait for their new lookup).
+            retried = not grown and self._release_holds(waiting[k + 1 :], released)
+            if retried:
+                grown = self._grow(s, r.num_computed + q, True)
             if not grown:
                 if n_running == 0:  # refused by an empty pool: it can never fit
                     self._drop_hold(s)
@@ -379,6 +379,8 @@ class ReferenceScheduler:
             rows.append((s, q, r.num_computed, r.num_computed + q == r.total))
             budget -= q
             n_running += 1
+            if retried:
+                break
         self.last = RefBatch(rows, preempted, rejected, swapped_out, swapped_in, released)
         return self.last
 

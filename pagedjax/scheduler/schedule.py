@@ -26,9 +26,9 @@ Rules (docs/scheduler.md gives the reasons; ``reference.py`` states them sequent
    paper/static modes need it whole. A slot whose hold was released this step stops
    admission (the engine looks its prefix up again first). Admission grows with the
    policy's watermark; at the first refusal the holds of the WAITING slots behind the
-   refused one are released and admission retried from it (up to the first released);
-   the refusal that remains stops admission, and if nothing runs the refused request
-   can never fit (REASON_CAPACITY). Rejected slots release their holds.
+   refused one are released and it is retried (alone: admission then ends for the
+   step); the refusal that remains stops admission, and if nothing runs the refused
+   request can never fit (REASON_CAPACITY). Rejected slots release their holds.
 
 The common case (no preemption, no refusal, nothing swapped) costs a few batched policy
 calls; the sequential preemption and swap-in loops only run when needed.
@@ -179,9 +179,9 @@ def _run_running(policy, config, state, mem, order, want, new_lens, finals, caps
     whole groups from the back.
 
     holds: bool[N] by slot, WAITING slots holding memory (attached prefix-cache hits).
-    At the first failed grow they are all released (once) and the grow is retried,
-    before any running group is preempted or finished for capacity: a waiting request
-    never keeps memory from a running one (vLLM holds no blocks for waiting requests).
+    At the first failed grow they are all released and the grow is retried, before any
+    running group is preempted or finished for capacity: a waiting request never keeps
+    memory from a running one (vLLM holds no blocks for waiting requests).
 
     Returns (mem', preempted, swapped, capacity, released), each bool[N] by slot:
     preempted (by recompute or swap), of those the swapped ones, groups finished for
@@ -213,13 +213,15 @@ def _run_running(policy, config, state, mem, order, want, new_lens, finals, caps
             )
             return m2, ok & (ok1[0] | ~w)
 
+        # Group g0 fails (the batched call is exact): the waiting holds go first, then
+        # g0 is retried, sequentially, as below.
+        m = policy.release(m, pos, holds)
+
         def body(c):
-            m, i, j, pre, swp, cap, freed = c
+            m, i, j, pre, swp, cap = c
             e = end[i]
             # The group's members grow one by one; all or nothing for the group.
             m_try, ok = lax.fori_loop(i, e, grow_one, (m, jnp.asarray(True)))
-            # First failure with waiting holds: release them all and retry this group.
-            drop = ~ok & ~freed & jnp.any(holds)
             other = j > e  # a lower-priority group remains
             vs = jnp.where(other, start[jnp.maximum(j - 1, 0)], i)  # the victim's first position
             gm = running & (state.group == state.group[order[vs]])
@@ -228,25 +230,18 @@ def _run_running(policy, config, state, mem, order, want, new_lens, finals, caps
             def victim():
                 return _preempt_group(policy, config, m, gm, alone)
 
-            def release_holds():
-                return policy.release(m, pos, holds), jnp.asarray(False)
-
-            def fail():
-                return lax.cond(drop, release_holds, victim)
-
-            m_pre, swapped = lax.cond(ok, lambda: (m, jnp.asarray(False)), fail)
+            m_pre, swapped = lax.cond(ok, lambda: (m, jnp.asarray(False)), victim)
             m = _tree_where(ok, m_try, m_pre)
-            hit = ~ok & ~drop & gm
+            hit = ~ok & gm
             pre = pre | (hit & ~alone)
             swp = swp | (hit & swapped)
             cap = cap | (hit & alone)
-            nxt = jnp.where(ok, e, i)
-            return m, nxt, jnp.where(ok | drop, j, vs), pre, swp, cap, freed | drop
+            return m, jnp.where(ok, e, i), jnp.where(ok, j, vs), pre, swp, cap
 
-        m, _, _, pre, swp, cap, freed = lax.while_loop(
-            lambda c: c[1] < c[2], body, (m, g0, n_run, z, z, z, jnp.asarray(False))
+        m, _, _, pre, swp, cap = lax.while_loop(
+            lambda c: c[1] < c[2], body, (m, g0, n_run, z, z, z)
         )
-        return m, pre, swp, cap, holds & freed
+        return m, pre, swp, cap, holds
 
     return lax.cond(f >= n, fast, slow)
 
@@ -408,14 +403,15 @@ def schedule(
     )
     mem, adm, f = _admit(policy, mem, grow_w, cand)
     # Refused while later waiting slots hold memory: release those holds (vLLM's waiting
-    # requests hold nothing) and retry from the refused one up to the first released.
+    # requests hold nothing) and retry the refused one; admission then ends for the step
+    # (the released slots are behind it and wait for their new lookup anyway).
     drop_w = holds[order_w] & ~released[order_w] & (pos > f) & (f < n)
 
     def retry() -> tuple:
         m = policy.release(mem, pos, jnp.zeros((n,), bool).at[order_w].set(drop_w))
-        cand2 = cand & (pos >= f) & (pos < _first_false(~drop_w, pos < n))
-        m, adm2, f2 = _admit(policy, m, grow_w, cand2)
-        return m, adm | adm2, f2
+        one = pos == f
+        m, ok = policy.grow(m, *grow_w, one, one)
+        return m, adm | (one & ok), jnp.where(ok[f], n, f)
 
     mem, adm, f = lax.cond(jnp.any(drop_w), retry, lambda: (mem, adm, f))
     released = released | jnp.zeros((n,), bool).at[order_w].set(drop_w)
