@@ -19,8 +19,8 @@ ARGS = dict(
     max_model_len=64, block_size=4, num_gpu_blocks_override=20, max_num_seqs=2,
     max_num_batched_tokens=16, num_scheduler_steps=4, warmup="all", watermark=0.0,
     enable_prefix_caching=True, seed=0,
-    # Swap: with prefix caching on, a recompute-preempted request is rejected as not
-    # fitting the pool in this geometry, quantized or not (reported to the engine's owner).
+    # Swap, so the quantized KV's host copies are covered (recompute works here too
+    # since waiting prefix hits give way to running requests, docs/prefix_caching.md).
     preemption_mode="swap",
 )  # fmt: skip
 

@@ -192,18 +192,52 @@ group_requests = st.lists(
 _EXAMPLES = max(6, settings.default.max_examples // 25)
 
 
-def run_trace(case: str, reqs: list[tuple], oracle: bool = False) -> dict[str, int]:
+def _unit(policy) -> int:
+    return policy.unit if isinstance(policy, CountingPolicy) else policy.block_size
+
+
+def _attach(policy, state, slots: list[int], lens: list[int]):
+    """The engine's prefix-cache attach as the scheduler sees it: each WAITING slot gets
+    memory for ``len`` tokens (no watermark; in slot order, each all or nothing) and as
+    many computed tokens. A refused one gets nothing. Returns (state', ok per slot)."""
+    ids, new, mask = np.zeros(N, np.int32), np.zeros(N, np.int32), np.zeros(N, bool)
+    ids[: len(slots)], new[: len(slots)], mask[: len(slots)] = slots, lens, True
+    mem, ok = _attach_grow(policy, state.mem, ids, new, mask)
+    ok = np.asarray(ok)[: len(slots)]
+    got = np.asarray(state.num_computed).copy()
+    for s, n_tok, good in zip(slots, lens, ok, strict=True):
+        if good:
+            got[s] = n_tok
+    return state._replace(mem=mem, num_computed=jnp.asarray(got)), ok
+
+
+_policy_grow = jax.jit(lambda p, *a: p.grow(*a), static_argnums=(0,))
+
+
+def _attach_grow(policy, mem, ids, new, mask):
+    big = jnp.full((N,), 10**6, jnp.int32)  # final / max lengths: unused by unit pools
+    return _policy_grow(policy, mem, ids, new, big, big, mask, jnp.zeros(N, bool))
+
+
+def run_trace(
+    case: str, reqs: list[tuple], oracle: bool = False, hits: list[int] | None = None
+) -> dict[str, int]:
     """Step both schedulers over ``reqs``; the reference's memory is an independent
     Python model of the pool, or (oracle) the policy itself called per sequence.
 
     Requests with a sixth field True join the previous request's group (group id: the
-    index of the group's first request). Returns counts of preemptions and swaps.
+    index of the group's first request). ``hits`` (units per request) models prefix
+    caching as the engine does it: a WAITING slot with nothing computed (new, preempted
+    by recompute, or whose hold was released) gets its hit attached before the next
+    step (none while a group is swapped out), capped so the last token is computed.
+    Returns counts of preemptions, swaps and released holds.
     """
     policy, cfg = CASES[case]
     group_of = []
     for k, r in enumerate(reqs):
         group_of.append(group_of[k - 1] if k and len(r) > 5 and r[5] else k)
-    counts = dict(preempted=0, swapped_out=0, swapped_in=0)
+    counts = dict(preempted=0, swapped_out=0, swapped_in=0, released=0, attached=0)
+    lookup: set[int] = set()  # slots to look up before the next step (the engine's relookup)
     state = init_state(policy, N)
     memory = PolicyOracle(policy) if oracle else UnitPoolModel.of(policy)
     ref = ReferenceScheduler(cfg, memory)
@@ -235,6 +269,25 @@ def run_trace(case: str, reqs: list[tuple], oracle: bool = False) -> dict[str, i
         state = _add(state, ids, pl, mt, fl, ar, add, gr)
         if not pending and not ref.reqs:
             break
+        if hits is not None:
+            lookup.update(np.flatnonzero(add).tolist())
+            if not any(r.status == SWAPPED for r in ref.reqs.values()):
+                slots, lens = [], []
+                for s in sorted(lookup):
+                    r = ref.reqs.get(s)
+                    if r is None or r.status != WAITING or r.num_computed:
+                        continue
+                    u = _unit(policy)
+                    n_tok = min(hits[slot_req[s]] * u, (r.total - 1) // u * u)
+                    if n_tok > 0:
+                        slots.append(s)
+                        lens.append(n_tok)
+                lookup.clear()
+                if slots:
+                    state, ok = _attach(policy, state, slots, lens)
+                    want = [ref.attach(s, n_tok) for s, n_tok in zip(slots, lens, strict=True)]
+                    assert list(ok) == want, f"step {t}"
+                    counts["attached"] += sum(want)
 
         # Schedule: both must decide the same.
         before = jax.device_get(state.status)
@@ -253,6 +306,11 @@ def run_trace(case: str, reqs: list[tuple], oracle: bool = False) -> dict[str, i
         assert set(np.flatnonzero(b.rejected)) == rb.rejected, f"step {t}"
         assert set(np.flatnonzero(b.swap.swapped_out)) == rb.swapped_out, f"step {t}"
         assert set(np.flatnonzero(b.swap.swapped_in)) == rb.swapped_in, f"step {t}"
+        assert set(np.flatnonzero(b.released)) == rb.released, f"step {t}"
+        counts["released"] += len(rb.released)
+        if hits is not None:
+            lookup.difference_update(s for s, _, _, _ in rb.rows)
+            lookup.update(rb.released | (rb.preempted - rb.swapped_out))
         counts["preempted"] += len(rb.preempted)
         counts["swapped_out"] += len(rb.swapped_out)
         counts["swapped_in"] += len(rb.swapped_in)
@@ -404,3 +462,45 @@ def test_preemption_happens_in_the_traces() -> None:
             state = _update(policy, cfg, state, batch, jnp.zeros(N, bool))
         assert preempted > 0, case
         run_trace(case, reqs)
+
+
+# Prefix-cache hits: WAITING slots that hold memory (the engine attaches a request's
+# cached prefix before it is admitted, and again after a recompute preemption).
+HIT_CASES = ("default_fcfs", "default_srpt", "paper_counting", "paged_default", "counting_swap")
+hit_units = st.lists(st.integers(0, 8), min_size=12, max_size=12)
+
+
+@pytest.mark.parametrize("case", HIT_CASES)
+@settings(max_examples=_EXAMPLES)
+@given(reqs=group_requests, hits=hit_units)
+def test_prefix_hits_match_reference(case: str, reqs: list[tuple], hits: list[int]) -> None:
+    """Holds of WAITING slots give way (released before a preemption, a capacity verdict
+    or the end of admission): the jitted scheduler agrees with the reference, and no
+    request is finished for capacity that would fit alone (checked in run_trace)."""
+    run_trace(case, reqs, hits=hits)
+
+
+@settings(max_examples=max(3, _EXAMPLES // 4))
+@given(reqs=requests, hits=hit_units)
+def test_prefix_hits_match_reference_calling_the_policy(reqs: list[tuple], hits: list[int]):
+    run_trace("paged_default", reqs, oracle=True, hits=hits)
+
+
+def test_waiting_holds_give_way_to_a_running_request() -> None:
+    """The engine's issue of 2026-12-01 at the scheduler level (16 units of 4 tokens):
+    A (prompt 44, 4 new tokens: 12 units at the end) runs while B waits on a 5-unit hit.
+    At A's first decode the pool is full and nobody runs behind A: it used to be
+    finished for capacity although it fits alone (run_trace checks that no request is).
+    Now B's hold is released and A finishes by length (B runs too; checked inside)."""
+    reqs = [(0, 44, 4, 3, None), (0, 24, 4, 3, None)]
+    got = run_trace("default_fcfs", reqs, hits=[0, 5])
+    assert got["released"] > 0
+
+
+def test_admission_refusal_releases_holds_behind_it() -> None:
+    """Nothing runs and the head of the queue (A, first chunk 4 units) is refused while
+    the hits of the requests behind it (9 + 4 of 16 units) hold the pool: their holds are
+    released and A admitted, not finished for capacity."""
+    reqs = [(0, 44, 4, 3, None), (0, 40, 1, 0, None), (0, 20, 4, 3, None)]
+    got = run_trace("default_fcfs", reqs, hits=[0, 9, 4])
+    assert got["released"] > 0

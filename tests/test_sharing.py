@@ -77,14 +77,18 @@ def _assert_idle(engine: LLMEngine) -> None:
 
 
 def _greedy(**kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=OUT, ignore_eos=True, logprobs=2, **kw)
+    kw.setdefault("max_tokens", OUT)
+    return SamplingParams(temperature=0.0, ignore_eos=True, logprobs=2, **kw)
 
 
-def _uncached(engine: LLMEngine, prompt: list[int]) -> tuple[list[int], np.ndarray]:
-    """Greedy ids of prompt alone with no possible hit, and each step's top-2 gap."""
+def _uncached(
+    engine: LLMEngine, prompt: list[int], params: SamplingParams | None = None
+) -> tuple[list[int], np.ndarray]:
+    """Greedy ids of prompt alone with no possible hit, and each step's top-2 gap
+    (``params``: greedy with logprobs=2, default ``_greedy()``)."""
     saved, engine.prefix_index = engine.prefix_index, PrefixIndex()
     try:
-        out = _drain(engine, {0: [("ref", prompt, _greedy())]})["ref"].outputs[0]
+        out = _drain(engine, {0: [("ref", prompt, params or _greedy())]})["ref"].outputs[0]
     finally:
         engine.prefix_index = saved
     gaps = [np.diff(sorted(lp.logprob for lp in e.values()))[-1] for e in out.logprobs]
@@ -146,6 +150,38 @@ def test_evicted_prefix_is_recomputed_correctly():
     _same(ref, again.outputs[0].token_ids)
     assert engine.num_preemptions > 0
     assert hint_before > 0
+    _assert_idle(engine)
+
+
+def test_waiting_hits_give_way_to_running_requests():
+    """Found 2026-12-01: a request preempted by recompute waits holding its re-attached
+    prefix hit, and the running request, short of blocks with nobody behind it to
+    preempt, was finished "for capacity" although it fits the pool alone (r0 here: 63
+    tokens, 16 of 23 blocks; it stopped early). The scheduler now releases the waiting
+    slots' holds first (they are looked up again later): every request runs to
+    max_tokens and equals its run alone without a hit."""
+    engine = _engine()
+    params = _greedy(max_tokens=24)
+    prompts = [list(range(3, 3 + n)) for n in (40, 31, 39)]  # prefixes of each other
+    refs = [_uncached(engine, p, params) for p in prompts]
+    dev, released = engine.core.device, []
+    schedule = dev.schedule
+
+    def counting():  # the one-step path's schedule: count the holds released
+        batch = schedule()
+        released.append(int(np.asarray(batch.released).sum()))
+        return batch
+
+    dev.schedule = counting
+    try:
+        done = _drain(engine, {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
+    finally:
+        del dev.schedule
+    for i, ref in enumerate(refs):
+        got = done[f"r{i}"].outputs[0].token_ids
+        assert len(got) == 24, f"r{i} stopped after {len(got)} tokens"
+        _same(ref, got)
+    assert sum(released) > 0  # the situation really arose
     _assert_idle(engine)
 
 

@@ -299,8 +299,7 @@ class LLMEngine:
             dict(
                 num_tokens=batch.num_tokens, num_seqs=batch.num_seqs, seq_ids=batch.seq_ids,
                 q_lens=batch.q_lens, start_pos=batch.start_pos, emits=batch.emits,
-                rejected=batch.rejected,
-                preempted=batch.preempted,
+                rejected=batch.rejected, preempted=batch.preempted, released=batch.released,
                 reason=dev.state.finish_reason,
                 usage=dev.usage(),
                 tables=dev.state.mem.tables.tables if self.enable_prefix_caching else None,
@@ -318,7 +317,8 @@ class LLMEngine:
         core.sharing.record_usage(int(host["used"]), int(host["unshared"]))
         if self.enable_prefix_caching:
             book.relookup.difference_update(int(x) for x in host["seq_ids"][: host["num_seqs"]])
-            recomputed = host["preempted"] & ~host["swapped_out"]
+            # Preempted by recompute, or a waiting hit released: look the prefix up again.
+            recomputed = (host["preempted"] & ~host["swapped_out"]) | host["released"]
             book.relookup.update(int(x) for x in np.flatnonzero(recomputed))
         touched: dict[str, RequestState] = {}
         recycle_mask = np.zeros(self.max_seqs, bool)

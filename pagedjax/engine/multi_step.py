@@ -156,6 +156,7 @@ def decode_loop(
             & (batch.num_tokens == batch.num_seqs)  # q_len 1 per row
             & ~jnp.any(batch.preempted)
             & ~jnp.any(batch.rejected)
+            & ~jnp.any(batch.released)  # the host looks the released hits up again
             & jnp.all(decode_only)
             # Swap copies are host work between steps (DeviceState.swap_out / swap_in): a swap-in
             # (or swap-out) step is rolled back and redone by the one-step path.

@@ -187,13 +187,15 @@ class Req:
 class RefBatch:
     """rows: (slot, q_len, start_pos, emits) in batch order; the sets hold slots:
     preempted (recompute or swap), rejected, swapped_out (of the preempted, those
-    swapped), swapped_in (back on device, RUNNING from the next step)."""
+    swapped), swapped_in (back on device, RUNNING from the next step), released
+    (WAITING slots whose attached hit was dropped: num_computed back to 0)."""
 
     rows: list[tuple[int, int, int, bool]]
     preempted: set[int]
     rejected: set[int]
     swapped_out: set[int]
     swapped_in: set[int]
+    released: set[int]
 
 
 class ReferenceScheduler:
@@ -231,6 +233,19 @@ class ReferenceScheduler:
         if r.status in (WAITING, RUNNING, SWAPPED):
             self.memory.release(slot)
             r.status, r.finish_reason = FINISHED, REASON_ABORTED
+
+    def attach(self, slot: int, tokens: int) -> bool:
+        """A prefix-cache hit (the engine's ``attach_hits``, before ``schedule``): the
+        WAITING slot ``slot`` (nothing computed) gets memory for ``tokens`` tokens,
+        without the watermark, and that many computed tokens. False (and no change) if
+        the memory refuses."""
+        r = self.reqs[slot]
+        if r.status != WAITING or r.num_computed or not 0 < tokens < r.total:
+            raise ValueError(f"slot {slot} cannot take a hit of {tokens} tokens")
+        if not self._grow(slot, tokens, False):
+            return False
+        r.num_computed = tokens
+        return True
 
     def recycle(self, slot: int) -> None:
         if self.reqs[slot].status == FINISHED:
@@ -271,11 +286,14 @@ class ReferenceScheduler:
         preempted: set[int] = set()
         rejected: set[int] = set()
 
+        released: set[int] = set()
+
         # 1. Never schedulable: too long (without chunking, the whole recompute counts).
         for s in self._with(WAITING):
             r = self.reqs[s]
             length = r.prompt_len if cfg.chunked_prefill else r.total
             if length > cfg.prompt_limit:
+                self._drop_hold(s)
                 self._finish(s, REASON_TOO_LONG)
                 rejected.add(s)
 
@@ -295,6 +313,8 @@ class ReferenceScheduler:
                 if q > 0:  # q == 0: budget spent: stays running, holds its memory
                     plan.append((s, q, r.num_computed))
             grown = self._grow_group(plan)
+            if not grown and self._release_holds(self._with(WAITING), released):
+                grown = self._grow_group(plan)  # waiting requests hold nothing we need
             while not grown and len(queue) - 1 > i:
                 victim = queue.pop()
                 self._preempt(victim, preempted, swapped_out)
@@ -334,16 +354,24 @@ class ReferenceScheduler:
         # 3. Admissions, strictly in priority order; none while a group is swapped out.
         admit = not preempted and not self._with(SWAPPED)
         admit = admit and (cfg.mode != "static" or n_running == 0)
-        for s in self._with(WAITING) if admit else []:
+        waiting = self._with(WAITING)
+        for k, s in enumerate(waiting if admit else []):
             r = self.reqs[s]
-            if n_running >= seq_cap:
+            if n_running >= seq_cap or s in released:  # released: looked up again first
                 break
             need = r.total - r.num_computed
             q = min(need, budget) if cfg.chunked_prefill else need
             if q == 0 or q > budget:
                 break
-            if not self._grow(s, r.num_computed + q, True):
+            grown = self._grow(s, r.num_computed + q, True)
+            # Refused: the holds behind it give way, and it alone is retried (admission
+            # ends with it: the released slots wait for their new lookup).
+            retried = not grown and self._release_holds(waiting[k + 1 :], released)
+            if retried:
+                grown = self._grow(s, r.num_computed + q, True)
+            if not grown:
                 if n_running == 0:  # refused by an empty pool: it can never fit
+                    self._drop_hold(s)
                     self._finish(s, REASON_CAPACITY)
                     rejected.add(s)
                 break
@@ -351,8 +379,26 @@ class ReferenceScheduler:
             rows.append((s, q, r.num_computed, r.num_computed + q == r.total))
             budget -= q
             n_running += 1
-        self.last = RefBatch(rows, preempted, rejected, swapped_out, swapped_in)
+            if retried:
+                break
+        self.last = RefBatch(rows, preempted, rejected, swapped_out, swapped_in, released)
         return self.last
+
+    def _drop_hold(self, slot: int) -> bool:
+        """Release a WAITING slot's attached hit, if it holds one; True if it did."""
+        r = self.reqs[slot]
+        if r.status != WAITING or r.num_computed == 0:
+            return False
+        self.memory.release(slot)
+        r.num_computed = 0
+        return True
+
+    def _release_holds(self, slots: list[int], released: set[int]) -> bool:
+        """Release the holds of ``slots`` (in slot order, as the batched release); True
+        if any was held."""
+        dropped = [s for s in sorted(slots) if self._drop_hold(s)]
+        released.update(dropped)
+        return bool(dropped)
 
     def _grow_group(self, plan: list[tuple[int, int, int]]) -> bool:
         """Grow each (slot, q, start) of one group; all or nothing."""

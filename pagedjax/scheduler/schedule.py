@@ -4,14 +4,18 @@ Rules (docs/scheduler.md gives the reasons; ``reference.py`` states them sequent
 
 1. Reject WAITING requests that can never run: prompt over ``config.prompt_limit``
    (paper/static modes: prompt + generated output, which a recompute must prefill whole).
+   A WAITING slot may hold memory: the engine attaches its prefix-cache hit before the
+   step (``num_computed > 0``). Such holds give way to everything else (2 and 4).
 2. RUNNING sequences, group by group (groups in the order of their best member, members
    in priority order), each take ``min(remaining, budget left)`` tokens (a decode is 1)
-   and grow their memory to ``num_computed + q``, all or nothing per group. When a
-   group's grow fails, the lowest-priority running group not yet visited is preempted
-   whole (by swap or recompute, per ``config.preemption_mode``; recompute when the host
-   pool cannot take it) and the grow retried; if that victim would be the group itself,
-   it is preempted and the pass ends. A group that fails alone (everything else
-   preempted) can never fit: it finishes with REASON_CAPACITY instead.
+   and grow their memory to ``num_computed + q``, all or nothing per group. At the first
+   failed grow, every WAITING slot's hold is released (num_computed back to 0) and the
+   grow retried. When it still fails, the lowest-priority running group not yet
+   visited is preempted whole (by swap or recompute, per ``config.preemption_mode``;
+   recompute when the host pool cannot take it) and the grow retried; if that victim
+   would be the group itself, it is preempted and the pass ends. A group that fails
+   alone (everything else preempted, every hold released) can never fit: it finishes
+   with REASON_CAPACITY instead.
 3. If nobody was preempted, SWAPPED groups in priority order are swapped back in (all
    members, RUNNING from the next step) while the device keeps watermark + one block
    per member free; the first that does not fit stops.
@@ -19,9 +23,12 @@ Rules (docs/scheduler.md gives the reasons; ``reference.py`` states them sequent
    runs), WAITING sequences in priority order are admitted strictly in order while the
    number of running sequences stays within max_num_seqs (static: static_batch_size)
    and the budget allows: default mode chunks the last prompt to the budget left,
-   paper/static modes need it whole. Admission grows with the policy's watermark; the
-   first refusal stops admission, and if nothing runs the refused request can never fit
-   (REASON_CAPACITY).
+   paper/static modes need it whole. A slot whose hold was released this step stops
+   admission (the engine looks its prefix up again first). Admission grows with the
+   policy's watermark; at the first refusal the holds of the WAITING slots behind the
+   refused one are released and it is retried (alone: admission then ends for the
+   step); the refusal that remains stops admission, and if nothing runs the refused
+   request can never fit (REASON_CAPACITY). Rejected slots release their holds.
 
 The common case (no preemption, no refusal, nothing swapped) costs a few batched policy
 calls; the sequential preemption and swap-in loops only run when needed.
@@ -84,6 +91,10 @@ class ScheduledBatch(NamedTuple):
     rejected: bool[max_seqs] by slot: finished this step without running (too long, or
         cannot fit the pool); see state.finish_reason.
     swap: SwapPlan (always set by ``schedule``; None only in hand-built batches).
+    released: bool[max_seqs] by slot: WAITING slots whose attached prefix-cache hit was
+        released this step (num_computed back to 0) so that a running sequence or an
+        admission could have the memory; the engine looks their prefixes up again.
+        None only in hand-built batches.
     """
 
     seq_ids: jax.Array
@@ -95,6 +106,7 @@ class ScheduledBatch(NamedTuple):
     preempted: jax.Array
     rejected: jax.Array
     swap: SwapPlan | None = None
+    released: jax.Array | None = None
 
 
 def _tree_where(c: jax.Array, a: Any, b: Any) -> Any:
@@ -162,12 +174,18 @@ def _preempt_group(policy, config, mem, gm, alone):
     return _tree_where(use, swapped_mem, released), use
 
 
-def _run_running(policy, config, state, mem, order, want, new_lens, finals, caps, n_run):
+def _run_running(policy, config, state, mem, order, want, new_lens, finals, caps, n_run, holds):
     """Grow the running sequences (positions in a group-contiguous ``order``); preempt
     whole groups from the back.
 
-    Returns (mem', preempted, swapped, capacity), each bool[N] by slot: preempted (by
-    recompute or swap), of those the swapped ones, and groups finished for capacity.
+    holds: bool[N] by slot, WAITING slots holding memory (attached prefix-cache hits).
+    At the first failed grow they are all released and the grow is retried, before any
+    running group is preempted or finished for capacity: a waiting request never keeps
+    memory from a running one (vLLM holds no blocks for waiting requests).
+
+    Returns (mem', preempted, swapped, capacity, released), each bool[N] by slot:
+    preempted (by recompute or swap), of those the swapped ones, groups finished for
+    capacity, and the holds released.
     """
     n = order.shape[0]
     pos = jnp.arange(n, dtype=jnp.int32)
@@ -177,7 +195,7 @@ def _run_running(policy, config, state, mem, order, want, new_lens, finals, caps
     z = jnp.zeros((n,), bool)
 
     def fast() -> tuple:
-        return mem_all, z, z, z
+        return mem_all, z, z, z, z
 
     def slow() -> tuple:
         start, end = _group_bounds(order, state.group, n_run)
@@ -194,6 +212,10 @@ def _run_running(policy, config, state, mem, order, want, new_lens, finals, caps
                 m, order[k][None], new_lens[k][None], finals[k][None], caps[k][None], w[None], f1
             )
             return m2, ok & (ok1[0] | ~w)
+
+        # Group g0 fails (the batched call is exact): the waiting holds go first, then
+        # g0 is retried, sequentially, as below.
+        m = policy.release(m, pos, holds)
 
         def body(c):
             m, i, j, pre, swp, cap = c
@@ -219,9 +241,28 @@ def _run_running(policy, config, state, mem, order, want, new_lens, finals, caps
         m, _, _, pre, swp, cap = lax.while_loop(
             lambda c: c[1] < c[2], body, (m, g0, n_run, z, z, z)
         )
-        return m, pre, swp, cap
+        return m, pre, swp, cap, holds
 
     return lax.cond(f >= n, fast, slow)
+
+
+def _admit(policy, mem, grow_w, cand) -> tuple:
+    """Admit the candidates (bool[N] by position) in order up to the first the policy
+    refuses (with the watermark). Returns (mem', admitted bool[N] by position, the
+    refused position or N). One batched grow; a refusal costs a second one over the
+    prefix, so the result equals growing one at a time for any policy."""
+    n = cand.shape[0]
+    pos = jnp.arange(n, dtype=jnp.int32)
+    # Policies' batched calls cost O(B) even when nothing is masked: skip idle ones.
+    mem_a, ok_a = lax.cond(
+        jnp.any(cand),
+        lambda: policy.grow(mem, *grow_w, cand, cand),
+        lambda: (mem, jnp.ones((n,), bool)),
+    )
+    f = _first_false(ok_a, cand)
+    adm = cand & (pos < f)
+    mem = lax.cond(f >= n, lambda: mem_a, lambda: policy.grow(mem, *grow_w, adm, adm)[0])
+    return mem, adm, f
 
 
 def _swap_in(policy, config, state, mem, seq_cap, n_running):
@@ -290,6 +331,14 @@ def schedule(
     length = state.prompt_len if config.chunked_prefill else total
     too_long = waiting & (length > config.prompt_limit)
     waiting = waiting & ~too_long
+    # A WAITING slot with computed tokens holds memory: its attached prefix-cache hit.
+    holding = (state.status == WAITING) & (state.num_computed > 0)
+    mem = lax.cond(
+        jnp.any(too_long & holding),
+        lambda: policy.release(state.mem, pos, too_long & holding),
+        lambda: state.mem,
+    )
+    holds = holding & ~too_long
 
     # 2. Running sequences, group by group.
     running = state.status == RUNNING
@@ -298,17 +347,18 @@ def schedule(
     rem_r = jnp.where(pos < n_run, (total - state.num_computed)[order_r], 0)
     q_r = _budget_prefix(rem_r, budget)
     want_r = q_r > 0
-    mem, preempted, swapped_out, cap_run = _run_running(
+    mem, preempted, swapped_out, cap_run, released = _run_running(
         policy,
         config,
         state,
-        state.mem,
+        mem,
         order_r,
         want_r,
         state.num_computed[order_r] + q_r,
         state.final_len[order_r],
         caps_all[order_r],
         n_run,
+        holds,
     )
     sched_r = want_r & ~(preempted | cap_run)[order_r]
     n_run_after = n_run - jnp.sum(preempted | cap_run, dtype=jnp.int32)
@@ -341,26 +391,39 @@ def schedule(
         q_w = _budget_prefix(need_w, budget_left)
     else:
         q_w = jnp.where(jnp.cumsum(need_w) <= budget_left, need_w, 0)
-    cand = allow & (q_w > 0) & (pos < seq_cap - n_run_after)
+    # A slot whose hold was released this step waits for the engine's new lookup; strict
+    # order keeps everything behind it waiting too.
+    stop = _first_false(~released[order_w], pos < n_wait)
+    cand = allow & (q_w > 0) & (pos < seq_cap - n_run_after) & (pos < stop)
     grow_w = (
         order_w,
         state.num_computed[order_w] + q_w,
         state.final_len[order_w],
         caps_all[order_w],
     )
-    # Policies' batched calls cost O(B) even when nothing is masked: skip idle ones.
-    mem_a, ok_a = lax.cond(
-        jnp.any(cand),
-        lambda: policy.grow(mem, *grow_w, cand, cand),
-        lambda: (mem, jnp.ones((n,), bool)),
-    )
-    f = _first_false(ok_a, cand)
-    adm = cand & (pos < f)
-    mem = lax.cond(f >= n, lambda: mem_a, lambda: policy.grow(mem, *grow_w, adm, adm)[0])
+    mem, adm, f = _admit(policy, mem, grow_w, cand)
+    # Refused while later waiting slots hold memory: release those holds (vLLM's waiting
+    # requests hold nothing) and retry the refused one; admission then ends for the step
+    # (the released slots are behind it and wait for their new lookup anyway).
+    drop_w = holds[order_w] & ~released[order_w] & (pos > f) & (f < n)
+
+    def retry() -> tuple:
+        m = policy.release(mem, pos, jnp.zeros((n,), bool).at[order_w].set(drop_w))
+        one = pos == f
+        m, ok = policy.grow(m, *grow_w, one, one)
+        return m, adm | (one & ok), jnp.where(ok[f], n, f)
+
+    mem, adm, f = lax.cond(jnp.any(drop_w), retry, lambda: (mem, adm, f))
+    released = released | jnp.zeros((n,), bool).at[order_w].set(drop_w)
     # Refused with nothing else holding memory: it can never fit.
-    cap_w_pos = (pos == 0) & cand & ~ok_a & (n_run_after == 0)
+    cap_w_pos = (pos == 0) & (f == 0) & (n_run_after == 0)
     cap_wait = jnp.zeros((n,), bool).at[order_w].set(cap_w_pos)
     admitted = jnp.zeros((n,), bool).at[order_w].set(adm)
+    mem = lax.cond(
+        jnp.any(cap_wait & holds),
+        lambda: policy.release(mem, pos, cap_wait & holds),
+        lambda: mem,
+    )
 
     # Batch: running rows then admitted rows, compacted.
     ids2 = jnp.concatenate([order_r, order_w])
@@ -385,7 +448,7 @@ def schedule(
     new_state = state._replace(
         status=status.astype(jnp.int32),
         finish_reason=reason.astype(jnp.int32),
-        num_computed=jnp.where(recomputed | cap_run, 0, state.num_computed),
+        num_computed=jnp.where(recomputed | rejected | released, 0, state.num_computed),
         num_preemptions=state.num_preemptions + preempted.astype(jnp.int32),
         mem=mem,
     )
@@ -399,5 +462,6 @@ def schedule(
         preempted=preempted,
         rejected=rejected,
         swap=SwapPlan(*_swap_maps(mem), swapped_out, swapped_in),
+        released=released,
     )
     return new_state, batch
