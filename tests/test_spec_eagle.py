@@ -39,10 +39,10 @@ from tests.test_speculative import (
     ARCH,
     BLOCK,
     BUDGET,
-    K,
     MAX_LEN,
     MAX_SEQS,
     NUM_BLOCKS,
+    K,
     _assert_same,
     _drain,
     _greedy,
@@ -121,7 +121,7 @@ def test_eagle_greedy_equals_plain_with_chunking_and_preemption(head_dir):
     reqs = [(str(i), p, _greedy(24)) for i, p in prompts.items()]
     ref = _reference(reqs)
     if any(len(r.outputs[0].token_ids) < 24 for r in ref.values()):
-        pytest.xfail("the plain reference run finished a request for capacity (see test_speculative)")
+        pytest.xfail("the plain run finished a request for capacity (see test_speculative)")
     engine = _engine(head_dir)
     engine.reset_stats()
     got = _drain(engine, reqs, on_step=check_memory)

@@ -79,8 +79,9 @@ def lm_logits(params: Any, arch: ModelArch, g: jax.Array) -> jax.Array:
     return jnp.dot(g.astype(w.dtype), w).astype(jnp.float32)
 
 
-def forward_with_features(params: Any, kv: Any, inp: ModelInput, *, arch: ModelArch,
-                          attention_fn: Callable[..., Any]) -> tuple[Any, jax.Array, jax.Array]:  # fmt: skip
+def forward_with_features(
+    params: Any, kv: Any, inp: ModelInput, *, arch: ModelArch, attention_fn: Callable[..., Any]
+) -> tuple[Any, jax.Array, jax.Array]:
     """The target's forward, plus its post-norm features for every token.
 
     Runs the model with logits_indices = every token and intercepts the final norm:

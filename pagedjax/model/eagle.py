@@ -164,9 +164,11 @@ def init_head(cfg: EagleConfig, target: ModelArch, seed: int = 0, std: float = 0
 
 def _dummy_input() -> ModelInput:
     z = jnp.zeros((1,), jnp.int32)
-    return ModelInput(tokens=z, positions=z, slot_mapping=z, block_tables=jnp.zeros((1, 1), jnp.int32),
-                      kv_lens=jnp.ones((1,), jnp.int32), cu_q_lens=jnp.asarray([0, 1], jnp.int32),
-                      logits_indices=z)  # fmt: skip
+    return ModelInput(
+        tokens=z, positions=z, slot_mapping=z, block_tables=jnp.zeros((1, 1), jnp.int32),
+        kv_lens=jnp.ones((1,), jnp.int32), cu_q_lens=jnp.asarray([0, 1], jnp.int32),
+        logits_indices=z,
+    )  # fmt: skip
 
 
 def _flatten(params: Any) -> dict[str, np.ndarray]:
@@ -201,11 +203,13 @@ def load_head(directory: str | Path, target: ModelArch) -> tuple[EagleConfig, An
     want = _flatten(jax.tree.map(np.asarray, init_head(cfg, target)))
     got = load_tensors(weights)
     if set(got) != set(want):
-        raise ValueError(f"{weights}: tensors {sorted(set(got) ^ set(want))} missing or unexpected")
+        odd = sorted(set(got) ^ set(want))
+        raise ValueError(f"{weights}: tensors {odd} missing or unexpected")
     params: dict[str, Any] = {}
     for name, arr in got.items():
         if arr.shape != want[name].shape:
-            raise ValueError(f"{weights}: {name} has shape {arr.shape}, expected {want[name].shape}")
+            shape = want[name].shape
+            raise ValueError(f"{weights}: {name} has shape {arr.shape}, expected {shape}")
         node = params
         *parents, leaf = name.split(".")
         for part in parents:
