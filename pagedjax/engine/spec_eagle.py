@@ -220,13 +220,13 @@ class EagleVerifier(SpecVerifier):
 
     def _forward(self, params: Any, kv: Any, inp: Any) -> tuple[Any, jax.Array, Any]:
         return forward_with_features(params, kv, inp, arch=self.arch,
-                                     attention_fn=self._attention_fn)  # fmt: skip
+                                     attention_fn=self.attention_fn)  # fmt: skip
 
     def _eagle_step(self, params: Any, kv: Any, tokens: jax.Array, mem: Any, batch: Any,
                     num_drafts: jax.Array, slot_sampling: Any, prompt_len: jax.Array,
                     output_len: jax.Array, head_params: Any, draft_kv: Any,
                     feature: jax.Array, *, num_tokens: int, num_seqs: int) -> tuple:  # fmt: skip
-        kv, tokens, out, accepted, aux = self._verify(
+        kv, tokens, out, accepted, aux = self.verify(
             params, kv, tokens, mem, batch, num_drafts, slot_sampling, prompt_len, output_len,
             num_tokens=num_tokens, num_seqs=num_seqs,
         )  # fmt: skip

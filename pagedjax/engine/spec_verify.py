@@ -65,7 +65,7 @@ class SpecVerifier:
         self.max_logprobs = max_logprobs
         self.k = num_speculative_tokens
         self.trace_count: dict[tuple[int, int], int] = {}
-        self._attention_fn = attention_fn
+        self.attention_fn = attention_fn
         self.step = jax.jit(
             self._step,
             static_argnames=("num_tokens", "num_seqs"),
@@ -87,7 +87,7 @@ class SpecVerifier:
         num_tokens: int,
         num_seqs: int,
     ) -> tuple[Any, jax.Array, Any, jax.Array]:
-        kv, tokens, out, accepted, _ = self._verify(
+        kv, tokens, out, accepted, _ = self.verify(
             params, kv, tokens, mem, batch, num_drafts, slot_sampling, prompt_len, output_len,
             num_tokens=num_tokens, num_seqs=num_seqs,
         )  # fmt: skip
@@ -96,10 +96,10 @@ class SpecVerifier:
     def _forward(self, params: Any, kv: Any, inp: Any) -> tuple[Any, jax.Array, Any]:
         """The target's forward: (kv', logits at inp.logits_indices, extra); extra is
         None here, a subclass may return more (``spec_eagle.py``: the features)."""
-        kv, logits = forward(params, kv, inp, arch=self.arch, attention_fn=self._attention_fn)
+        kv, logits = forward(params, kv, inp, arch=self.arch, attention_fn=self.attention_fn)
         return kv, logits, None
 
-    def _verify(
+    def verify(
         self,
         params: Any,
         kv: Any,

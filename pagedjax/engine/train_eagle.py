@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import optax  # the ``train`` extra
 
-    from pagedjax import LLM
+    from pagedjax.engine.llm import LLM
     from pagedjax.sampling import SamplingParams
 
     t0 = time.time()
