@@ -88,8 +88,8 @@ def teacher_features(arch: Any, params: Any, seqs: list[list[int]], length: int)
     ids, lengths [N]): one target forward per sequence, padded to ``length``."""
     inp0 = ragged_rows(1, length)
 
-    @jax.jit
-    def one(ids, n):
+    @jax.jit  # params as an argument: closed over, they would be folded in as constants
+    def one(params, ids, n):
         inp = inp0._replace(tokens=ids, slot_mapping=jnp.where(inp0.positions < n,
                                                                 inp0.slot_mapping, PAD_SLOT))
         kv = pool(arch.num_layers, length // BLOCK + 1, arch.num_kv_heads, arch.head_dim)
@@ -103,7 +103,7 @@ def teacher_features(arch: Any, params: Any, seqs: list[list[int]], length: int)
         s = s[:length]
         ids = np.zeros(length, np.int32)
         ids[: len(s)] = s
-        f, y = one(jnp.asarray(ids), jnp.int32(len(s)))
+        f, y = one(params, jnp.asarray(ids), jnp.int32(len(s)))
         feats.append(np.asarray(f))
         ys.append(np.asarray(y))
         xs.append(ids)
@@ -111,12 +111,12 @@ def teacher_features(arch: Any, params: Any, seqs: list[list[int]], length: int)
     return np.stack(feats), np.stack(ys), np.stack(xs), np.asarray(ns, np.int32)
 
 
-def make_loss(arch: Any, head_arch: Any, target_params: Any, rows: int, length: int):
+def make_loss(arch: Any, head_arch: Any, rows: int, length: int):
     module = EagleHead(head_arch, attention_fn=ragged_paged_attention)
     inp = ragged_rows(rows, length)
     nb = rows * length // BLOCK + 1
 
-    def loss_fn(hp, f, y, x, n):
+    def loss_fn(hp, target_params, f, y, x, n):
         """f [R, Lm, H], y / x [R, Lm], n [R]: position p reads (f_p, x_{p+1}); targets
         f_{p+1} and y_{p+1}; valid for p + 2 < n (x_{p+1} and y_{p+1} real)."""
         kv = pool(1, nb, head_arch.num_kv_heads, head_arch.head_dim)
@@ -159,14 +159,21 @@ def main(argv: list[str] | None = None) -> int:
     from pagedjax.sampling import SamplingParams
 
     t0 = time.time()
+    out = Path(args.out).expanduser() if args.out else default_out(args.model)
+    data = out / f"data-{args.prompts}x{args.gen_tokens}.json"  # reused by a rerun
+    seqs = json.loads(data.read_text()) if data.is_file() else None
     llm = LLM(model=args.model, warmup="none", max_num_seqs=max(args.prompts, 1),
-              max_num_batched_tokens=2048)
+              max_num_batched_tokens=2048, max_model_len=1024)
     engine = llm.llm_engine
     arch, params, tok = engine.arch, engine.params, llm.get_tokenizer()
     texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
              for q in training_prompts(args.prompts)]  # fmt: skip
-    outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=args.gen_tokens))
-    seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    if seqs is None:
+        sp = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens)
+        outs = llm.generate(texts, sp)
+        seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+        out.mkdir(parents=True, exist_ok=True)
+        data.write_text(json.dumps(seqs))
     length = -(-max(len(s) for s in seqs) // BLOCK) * BLOCK
     t_gen = time.time() - t0
     print(f"generated {len(seqs)} sequences (max {length} tokens) in {t_gen:.0f} s", flush=True)
@@ -181,15 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.seed)
     order = rng.permutation(len(seqs))
     test_idx, train_idx = order[:held], order[held:]
-    loss_fn = make_loss(arch, head_arch, params, args.batch, length)
+    loss_fn = make_loss(arch, head_arch, args.batch, length)
+    tp = {k: params[k] for k in ("embed_tokens", "lm_head") if k in params}
     opt = optax.chain(optax.clip_by_global_norm(1.0),
                       optax.adamw(optax.warmup_cosine_decay_schedule(
                           0.0, args.lr, 20, max(args.steps, 21)), weight_decay=0.0))  # fmt: skip
     state = opt.init(hp)
 
     @jax.jit
-    def train_step(hp, state, f, y, x, n):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(hp, f, y, x, n)
+    def train_step(hp, state, tp, f, y, x, n):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(hp, tp, f, y, x, n)
         upd, state = opt.update(grads, state, hp)
         return optax.apply_updates(hp, upd), state, loss, aux
 
@@ -199,14 +207,14 @@ def main(argv: list[str] | None = None) -> int:
         tops = []
         for i in range(0, held - held % args.batch or held, args.batch):
             idx = test_idx[np.arange(i, i + args.batch) % held]
-            tops.append(float(eval_fn(hp, F[idx], Y[idx], X[idx], N[idx])[1][2]))
+            tops.append(float(eval_fn(hp, tp, F[idx], Y[idx], X[idx], N[idx])[1][2]))
         return float(np.mean(tops))
 
     print(f"held-out top-1 before training: {evaluate(hp):.3f}", flush=True)
     t_train, step, loss = time.time(), 0, float("nan")
     while step < args.steps and time.time() - t_train < args.time_budget:
         idx = train_idx[rng.integers(0, len(train_idx), args.batch)]
-        hp, state, loss, aux = train_step(hp, state, F[idx], Y[idx], X[idx], N[idx])
+        hp, state, loss, aux = train_step(hp, state, tp, F[idx], Y[idx], X[idx], N[idx])
         step += 1
         if step % 25 == 0 or step == 1:
             reg, ce, top1 = (float(a) for a in aux)
@@ -215,7 +223,6 @@ def main(argv: list[str] | None = None) -> int:
     secs = time.time() - t_train
     top1 = evaluate(hp)
     print(f"trained {step} steps in {secs:.0f} s; held-out teacher-forced top-1 {top1:.3f}")
-    out = Path(args.out).expanduser() if args.out else default_out(args.model)
     meta = dict(steps=step, train_seconds=round(secs, 1), total_seconds=round(time.time() - t0, 1),
                 final_loss=round(float(loss), 4), heldout_top1=round(top1, 4),
                 sequences=len(seqs), held_out=held, gen_tokens=args.gen_tokens,
