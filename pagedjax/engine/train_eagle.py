@@ -78,6 +78,26 @@ def ragged_rows(num_rows: int, length: int) -> ModelInput:
     )  # fmt: skip
 
 
+def dense_causal_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                           block_tables: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
+                           *, layer: Any, sm_scale: float, **_: Any) -> jax.Array:  # fmt: skip
+    """The attention backends' signature for ``ragged_rows`` batches only (equal rows,
+    each in its own consecutive blocks from block 1), written densely so it can be
+    differentiated (the reference backend loops with a dynamic trip count)."""
+    t, hq, d = q.shape
+    rows = kv_lens.shape[0]
+    kp, vp = k_pool[layer][1:], v_pool[layer][1:]  # [nb - 1, Hkv, B, D]
+    hkv = kp.shape[1]
+    k = jnp.repeat(kp.transpose(0, 2, 1, 3).reshape(-1, hkv, d)[:t], hq // hkv, axis=1)
+    v = jnp.repeat(vp.transpose(0, 2, 1, 3).reshape(-1, hkv, d)[:t], hq // hkv, axis=1)
+    scores = jnp.einsum("thd,shd->hts", q.astype(jnp.float32), k.astype(jnp.float32))
+    i = jnp.arange(t)
+    row = i // (t // rows)
+    mask = (row[:, None] == row[None, :]) & (i[None, :] <= i[:, None])
+    probs = jax.nn.softmax(jnp.where(mask, scores * sm_scale, -1e30), axis=-1)
+    return jnp.einsum("hts,shd->thd", probs, v.astype(jnp.float32)).astype(q.dtype)
+
+
 def pool(num_layers: int, num_blocks: int, heads: int, head_dim: int) -> tuple:
     shape = (num_layers, num_blocks, heads, BLOCK, head_dim)
     return (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
@@ -112,7 +132,7 @@ def teacher_features(arch: Any, params: Any, seqs: list[list[int]], length: int)
 
 
 def make_loss(arch: Any, head_arch: Any, rows: int, length: int):
-    module = EagleHead(head_arch, attention_fn=ragged_paged_attention)
+    module = EagleHead(head_arch, attention_fn=dense_causal_attention)
     inp = ragged_rows(rows, length)
     nb = rows * length // BLOCK + 1
 
