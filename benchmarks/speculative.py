@@ -1,7 +1,8 @@
-"""Speculative decoding on the real small model (CPU): n-gram and layer-skip draft vs none.
+"""Speculative decoding on the real small model (CPU): n-gram, layer-skip draft, EAGLE vs none.
 
     python benchmarks/speculative.py [--batch-sizes 1 8 64] [--max-tokens 64]
-        [--methods none ngram draft] [--workloads copy chat] [--k 4] [--draft-layers 8]
+        [--methods none ngram draft eagle] [--workloads copy chat] [--k 4]
+        [--draft-layers 8] [--eagle-dir DIR]
 
 Model: SmolLM2-135M-Instruct (``LLM(model="smollm2-135m-instruct")``), greedy.
 Workloads, each rendered by the chat template:
@@ -11,7 +12,9 @@ Workloads, each rendered by the chat template:
 - chat: the 20 eval questions (pagedjax/eval/chat.py).
 Methods: none (the default engine: K-step decode loop), ngram ({"method": "ngram",
 "num_speculative_tokens": k, "prompt_lookup_max": 4}), draft ({"method": "draft_model",
-"model": "self", "draft_num_layers": N}: the model's own first N layers).
+"model": "self", "draft_num_layers": N}: the model's own first N layers), eagle
+({"method": "eagle", "model": DIR}: a head trained by ``python -m
+pagedjax.engine.train_eagle``; DIR defaults to where that writes it).
 
 For each (workload, batch size B), every method in turn (engines built first, so the
 ratios compare runs made under the same machine load; the first method listed is the
@@ -32,6 +35,7 @@ import os
 import time
 
 from pagedjax import LLM
+from pagedjax.engine.train_eagle import default_out
 from pagedjax.eval.chat import QUESTIONS, conversation
 from pagedjax.eval.texts import load_text
 from pagedjax.sampling import SamplingParams
@@ -88,6 +92,7 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["copy", "chat"])
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--draft-layers", type=int, default=8)
+    ap.add_argument("--eagle-dir", default=str(default_out(MODEL)))
     ap.add_argument("--json", default=None, help="write the rows here too")
     a = ap.parse_args()
     print(f"load before: {os.getloadavg()}", flush=True)
@@ -96,6 +101,7 @@ def main() -> None:
         "ngram": {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4},
         "draft": {"method": "draft_model", "model": "self", "num_speculative_tokens": a.k,
                   "draft_num_layers": a.draft_layers},
+        "eagle": {"method": "eagle", "model": a.eagle_dir, "num_speculative_tokens": a.k},
     }  # fmt: skip
     texts = {"copy": copy_prompts(), "chat": list(QUESTIONS)}
     # All engines first; then each (workload, batch) runs every method back to back, so

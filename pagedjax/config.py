@@ -208,7 +208,8 @@ class SpeculativeConfig:
     "draft_model" with model "self" (or the target's own model name) and
     draft_num_layers N: a layer-skip draft, the target's first N layers with its final
     norm and LM head (pagedjax's own key; separate draft checkpoints are not built);
-    "eagle" is refused by the engine until built. num_speculative_tokens: k, proposals
+    "eagle" with model a head directory (engine/spec_eagle.py; trained by
+    ``python -m pagedjax.engine.train_eagle``). num_speculative_tokens: k, proposals
     verified per sequence per step. disable_by_batch_size: no proposals in a step with
     at least this many scheduled sequences (None: always).
     """

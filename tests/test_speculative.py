@@ -201,12 +201,12 @@ def test_config_rejects_unknown_and_bad_keys():
         SpeculativeConfig(method="draft_model")
 
 
-def test_unbuilt_methods_refused_by_name():
+def test_missing_eagle_head_refused_before_loading():
     config = EngineConfig(
         model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN),
         speculative=SpeculativeConfig(method="eagle", model="/nowhere"),
     )
-    with pytest.raises(NotImplementedError, match="'eagle' is not built"):
+    with pytest.raises(FileNotFoundError, match="'/nowhere': no eagle head directory"):
         LLMEngine.from_config(config)
 
 

@@ -65,7 +65,7 @@ class SpecVerifier:
         self.max_logprobs = max_logprobs
         self.k = num_speculative_tokens
         self.trace_count: dict[tuple[int, int], int] = {}
-        self._attention_fn = attention_fn
+        self.attention_fn = attention_fn
         self.step = jax.jit(
             self._step,
             static_argnames=("num_tokens", "num_seqs"),
@@ -87,6 +87,34 @@ class SpecVerifier:
         num_tokens: int,
         num_seqs: int,
     ) -> tuple[Any, jax.Array, Any, jax.Array]:
+        kv, tokens, out, accepted, _ = self.verify(
+            params, kv, tokens, mem, batch, num_drafts, slot_sampling, prompt_len, output_len,
+            num_tokens=num_tokens, num_seqs=num_seqs,
+        )  # fmt: skip
+        return kv, tokens, out, accepted
+
+    def _forward(self, params: Any, kv: Any, inp: Any) -> tuple[Any, jax.Array, Any]:
+        """The target's forward: (kv', logits at inp.logits_indices, extra); extra is
+        None here, a subclass may return more (``spec_eagle.py``: the features)."""
+        kv, logits = forward(params, kv, inp, arch=self.arch, attention_fn=self.attention_fn)
+        return kv, logits, None
+
+    def verify(
+        self,
+        params: Any,
+        kv: Any,
+        tokens: jax.Array,
+        mem: Any,
+        batch: ScheduledBatch,
+        num_drafts: jax.Array,
+        slot_sampling: SamplingTensors,
+        prompt_len: jax.Array,
+        output_len: jax.Array,
+        *,
+        num_tokens: int,
+        num_seqs: int,
+    ) -> tuple[Any, jax.Array, Any, jax.Array, dict]:
+        """``_step``'s body; also returns {"inp": the ModelInput, "extra": _forward's}."""
         key = (num_tokens, num_seqs)
         self.trace_count[key] = self.trace_count.get(key, 0) + 1  # at trace time only
         inp = build_model_input(
@@ -111,7 +139,7 @@ class SpecVerifier:
         first = jnp.maximum(last - nd, 0)  # the row's last real token
         idx = jnp.where(fvalid, jnp.minimum(first[frow] + j, last[frow]), 0)
         inp = inp._replace(logits_indices=idx)
-        kv, logits = forward(params, kv, inp, arch=self.arch, attention_fn=self._attention_fn)
+        kv, logits, extra = self._forward(params, kv, inp)
 
         slot = safe[frow]  # [size] the slot of each sampled position
         t = jax.tree.map(lambda a: a[slot], slot_sampling)
@@ -133,7 +161,7 @@ class SpecVerifier:
         nxt = out.token_ids[jnp.minimum(offset + accepted, size - 1)]
         n = tokens.shape[0]
         tokens = tokens.at[jnp.where(emit, seq_ids, n), total + accepted].set(nxt, mode="drop")
-        return kv, tokens, out, accepted
+        return kv, tokens, out, accepted, {"inp": inp, "extra": extra}
 
 
 def sampled_rows(num_tokens: int, num_seqs: int, k: int) -> int:

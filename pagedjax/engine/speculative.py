@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -41,16 +42,18 @@ from pagedjax.config import SpeculativeConfig
 from pagedjax.engine import admission
 from pagedjax.engine.buckets import pick, seqs_for_tokens
 from pagedjax.engine.spec_draft import LayerSkipDraft
+from pagedjax.engine.spec_eagle import EagleDraft, EagleVerifier
 from pagedjax.engine.spec_ngram import NgramProposer
 from pagedjax.engine.spec_verify import SpecVerifier, sampled_offsets
 from pagedjax.memory.rollback import truncate_batched
 
-BUILT_METHODS = ("ngram", "draft_model")
+BUILT_METHODS = ("ngram", "draft_model", "eagle")
 
 
 def check_buildable(config: SpeculativeConfig | None, target_model: str | None = None) -> None:
     """NotImplementedError naming what is not built (before any loading): the method,
-    or a draft_model that is not the target itself (``spec_draft.py``)."""
+    or a draft_model that is not the target itself (``spec_draft.py``); for eagle,
+    FileNotFoundError when its head directory is missing."""
     if config is None:
         return
     if config.method not in BUILT_METHODS:
@@ -62,6 +65,11 @@ def check_buildable(config: SpeculativeConfig | None, target_model: str | None =
         raise NotImplementedError(
             f"speculative_config model {config.model!r}: a separate draft checkpoint is not"
             " built; use the target's own first layers (model 'self', draft_num_layers N)"
+        )
+    if config.method == "eagle" and not Path(str(config.model)).expanduser().is_dir():
+        raise FileNotFoundError(
+            f"speculative_config model {config.model!r}: no eagle head directory there"
+            " (config.json + model.safetensors; `python -m pagedjax.engine.train_eagle`)"
         )
 
 
@@ -136,11 +144,16 @@ class SpeculativeDecoder:
         self.config = config
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        self.draft = None
+        self.draft = self.eagle = None
         if config.method == "draft_model":
             n = config.draft_num_layers
             self.draft = LayerSkipDraft(arch, n, attention_fn, block_size, self.k)
-        self.verifier = SpecVerifier(arch, block_size, attention_fn, max_logprobs, self.k)
+        verifier_args = (arch, block_size, attention_fn, max_logprobs, self.k)
+        if config.method == "eagle":  # spec_eagle.py: the head runs on every step
+            self.eagle = EagleDraft(arch, config.model, attention_fn, block_size, self.k)
+            self.verifier = EagleVerifier(self.eagle, *verifier_args)
+        else:
+            self.verifier = SpecVerifier(*verifier_args)
         self.block_size = block_size
         self.counters = SpecCounters()
         self._extend = jax.jit(functools.partial(_extend, policy), donate_argnums=(0, 1))
@@ -149,6 +162,8 @@ class SpeculativeDecoder:
     def jits(self) -> dict[str, Any]:
         """The jitted functions by name (compile counting)."""
         draft = {} if self.draft is None else {"spec_draft": self.draft.propose}
+        if self.eagle is not None:
+            draft["spec_eagle_propose"] = self.eagle.propose
         return dict(spec_extend=self._extend, spec_commit=self._commit,
                     spec_verify=self.verifier.step, **draft)  # fmt: skip
 
@@ -174,19 +189,19 @@ class SpeculativeDecoder:
         batch = jax.tree.map(jnp.zeros_like, batch)
         batch = batch._replace(seq_ids=jnp.full_like(batch.seq_ids, -1))
         ext = batch._replace(q_lens=jnp.asarray(i32), num_tokens=jnp.int32(0), swap=None)
+        if self.eagle is not None:
+            self.eagle.ensure(core)
         for t, s in pairs:
             mem = dev.state.mem
             mem = mem._replace(last_cow=mem.last_cow._replace(valid=jnp.asarray(f)))
+            if self.eagle is not None:
+                self._eagle_propose(core, mem, i32, i32, i32, s)
             if self.draft is not None:
                 dev.kv, dev.tokens = self.draft.propose(
                     self.draft.params_for(core.params), dev.kv, dev.tokens, mem, i32, i32,
                     i32, num_seqs=s,
                 )  # fmt: skip
-            st = dev.state
-            dev.kv, dev.tokens, out, acc = self.verifier.step(
-                core.params, dev.kv, dev.tokens, mem, ext, jnp.asarray(i32), dev.sampling(),
-                st.prompt_len, st.output_len, num_tokens=t, num_seqs=s,
-            )  # fmt: skip
+            acc = self._verify(core, mem, ext, jnp.asarray(i32), t, s)
             dev.state = self._commit(dev.state, i32, i32, acc, jnp.asarray(f))
         jax.block_until_ready((dev.state, ok))
 
@@ -219,7 +234,7 @@ class SpeculativeDecoder:
             k = min(self.k, seq.target - out - 1, budget)
             if k <= 0:
                 continue
-            if self.draft is not None:  # the draft program fills them in on device
+            if self.draft is not None or self.eagle is not None:  # filled in on device
                 prop = [-1] * k
             else:
                 prop = self.proposer.propose(req.prompt_token_ids + seq.detok.ids, k)
@@ -241,6 +256,29 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ the step
 
+    def _eagle_propose(self, core: Any, mem: Any, sid: Any, total: Any, counts: Any,
+                       num_seqs: int) -> None:  # fmt: skip
+        e, dev = self.eagle, core.device
+        e.kv, dev.tokens = e.propose(e.params, core.params, e.kv, e.feature, dev.tokens, mem,
+                                     sid, total, counts, num_seqs=num_seqs)  # fmt: skip
+
+    def _verify(self, core: Any, mem: Any, ext: Any, num_drafts: Any, num_tokens: int,
+                num_seqs: int, want_out: bool = False) -> Any:  # fmt: skip
+        """The verification program (plus the eagle catch-up); (out, accepted) when
+        want_out, else accepted."""
+        dev, st = core.device, core.device.state
+        args = (core.params, dev.kv, dev.tokens, mem, ext, num_drafts, dev.sampling(),
+                st.prompt_len, st.output_len)  # fmt: skip
+        kw = dict(num_tokens=num_tokens, num_seqs=num_seqs)
+        if self.eagle is None:
+            dev.kv, dev.tokens, out, acc = self.verifier.step(*args, **kw)
+        else:
+            e = self.eagle
+            dev.kv, dev.tokens, out, acc, e.kv, e.feature = self.verifier.step(
+                *args, e.params, e.kv, e.feature, **kw
+            )
+        return (out, acc) if want_out else acc
+
     def run(self, engine: Any, batch: Any, host: dict, touched: dict,
             finished_mask: np.ndarray, recycle_mask: np.ndarray) -> bool:  # fmt: skip
         """The speculative device step and its host half (module docstring); False
@@ -255,8 +293,8 @@ class SpeculativeDecoder:
         ):
             return False  # prompt logprobs need every token's logits: the plain path
         counts, drafts = self._plan(engine, host, owners)
-        if not counts.any():
-            return False
+        if not counts.any() and self.eagle is None:
+            return False  # (the eagle head must see every step: spec_eagle.py)
         mask = counts > 0
         start = host["start_pos"].astype(np.int32)
         sid = seq_ids.astype(np.int32)
@@ -271,13 +309,14 @@ class SpeculativeDecoder:
                 self.draft.params_for(core.params), dev.kv, dev.tokens,
                 dev.state.mem, sid, start + 1, counts, num_seqs=padded_seqs,
             )  # fmt: skip
+        if self.eagle is not None:
+            self.eagle.ensure(core)
+            if counts.any():
+                self._eagle_propose(core, dev.state.mem, sid, start + 1, counts, padded_seqs)
         q_ext = (host["q_lens"] + counts).astype(np.int32)
         ext = batch._replace(q_lens=jnp.asarray(q_ext), num_tokens=jnp.int32(num_tokens), swap=None)
-        dev.kv, dev.tokens, out, accepted = self.verifier.step(
-            core.params, dev.kv, dev.tokens, dev.state.mem, ext, jnp.asarray(counts),
-            dev.sampling(), dev.state.prompt_len, dev.state.output_len,
-            num_tokens=padded_tokens, num_seqs=padded_seqs,
-        )  # fmt: skip
+        out, accepted = self._verify(core, dev.state.mem, ext, jnp.asarray(counts),
+                                     padded_tokens, padded_seqs, want_out=True)  # fmt: skip
         rows = [r for r in range(num_seqs) if emits[r]]
         want_top = any(owners[r][1].logprobs is not None for r in rows)
         fetch = [out.token_ids, out.logprobs, accepted, ok]
@@ -294,7 +333,7 @@ class SpeculativeDecoder:
         eos = core.book.eos
         q_acc = host["q_lens"].copy()
         c = self.counters
-        c.steps += 1
+        c.steps += int(counts.any())
         for r in rows:
             req, seq = owners[r]
             first = len(seq.detok.ids) == 0
