@@ -133,6 +133,7 @@ def test_eagle_greedy_equals_plain_with_chunking_and_preemption(head_dir):
     assert engine.num_free_blocks() == engine.num_usable_blocks()
 
 
+@pytest.mark.slow  # CI budget: the greedy / preemption test is the fast guard
 def test_eagle_head_state_matches_dense_recomputation(head_dir):
     """After every step of a lone request (chunked prompt, then speculative decode steps
     with rollbacks), the feature its next proposal starts from equals the head run from
@@ -209,6 +210,7 @@ def test_head_round_trips(head_dir):
     assert preset_arch("tiny-llama") == ARCH
 
 
+@pytest.mark.slow  # CI budget: the greedy / preemption test is the fast guard
 def test_training_loss_falls():
     """train_eagle's teacher forcing and loss on the tiny model: a few Adam steps on two
     sequences lower the loss and raise the teacher-forced top-1 agreement."""
@@ -239,6 +241,7 @@ def test_training_loss_falls():
     assert float(top1) > float(top_first)
 
 
+@pytest.mark.slow  # CI budget: the greedy / preemption test is the fast guard
 def test_training_attention_equals_the_paged_one():
     """The head is trained with train_eagle's dense attention and served with the paged
     backends: on the training layout both give the same outputs."""
