@@ -18,7 +18,8 @@ a simple register-blocked loop; past ~64 rows a step is compute-bound and XLA's 
 (XNNPACK) is faster even after paying for the copy (``benchmarks/native_matmul.py``).
 
 Refusals: a layer index outside [0, L) is an error from the kernel (never a wild read).
-``PAGEDJAX_NATIVE_CPU=0`` disables it with the attention kernel.
+``PAGEDJAX_NATIVE_CPU=0`` disables it with the attention kernel, ``PAGEDJAX_NATIVE_MATMUL=0``
+alone (an A/B switch: XLA's dot on the copied slice, the program before this kernel).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ COLUMN_TILE = 64  # cpu_matmul.cc's kCols: N must be a multiple
 @functools.cache
 def _load() -> tuple[bool, str]:
     """Builds and registers the kernel once per process: (ok, reason)."""
-    if os.environ.get("PAGEDJAX_NATIVE_CPU", "1") == "0":
-        return False, "disabled by PAGEDJAX_NATIVE_CPU=0"
+    for var in ("PAGEDJAX_NATIVE_CPU", "PAGEDJAX_NATIVE_MATMUL"):
+        if os.environ.get(var, "1") == "0":
+            return False, f"disabled by {var}=0"
     cxx = compiler()
     if cxx is None:
         return False, "no C++ compiler (set CXX or install g++)"
