@@ -57,7 +57,8 @@ def test_model_logits_with_triton_match_the_reference(subprocess_env):
     r = json.loads(line[len("RESULT ") :])
     assert r["finite"], "NaN from the poisoned pool"
     assert max(r["diffs"]) < 2e-4, r["diffs"]
-    # Traced once per step shape (the layer body is one scan iteration); the kernel always
-    # gets the whole 2-layer pool, never a slice, and the window code (traced windows).
-    assert r["calls"] >= 2 and r["windows"] == [True]
+    # Traced at least once (both steps share one padded shape, so one trace; nn.scan traced
+    # its body twice, the LayerLoop's fori_loop once); the kernel always gets the whole
+    # 2-layer pool, never a slice, and the window code (traced windows).
+    assert r["calls"] >= 1 and r["windows"] == [True]
     assert all(p[0] == 2 for p in r["pools"]), r["pools"]
