@@ -11,7 +11,9 @@ None or the build fails, so pagedjax never depends on a compiler being present.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -19,7 +21,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import jax
+
 from pagedjax.machine import cpu_model
+
+log = logging.getLogger(__name__)
 
 # -fopenmp-simd: `omp simd` loops vectorize without linking an OpenMP runtime.
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd")
@@ -34,6 +40,29 @@ def cache_dir() -> Path:
 def compiler() -> str | None:
     """The C++ compiler's path (``$CXX``, else ``g++``), or None when there is none."""
     return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def register_ffi_library(
+    source: Path, targets: dict[str, str], disable_vars: tuple[str, ...], what: str
+) -> tuple[bool, str]:
+    """Build ``source`` (if needed), load it and register each FFI target (name -> exported
+    handler symbol) for the CPU: (True, how) or (False, why not). Any of ``disable_vars`` set
+    to "0" turns it off; a missing compiler or a failed build is logged (``what`` names the
+    kernel) and reported, never raised, so callers fall back to XLA."""
+    for var in disable_vars:
+        if os.environ.get(var, "1") == "0":
+            return False, f"disabled by {var}=0"
+    cxx = compiler()
+    if cxx is None:
+        return False, "no C++ compiler (set CXX or install g++)"
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build_library(source, jax.ffi.include_dir(), cxx)))
+        for target, symbol in targets.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), "cpu")
+    except (OSError, RuntimeError, AttributeError) as e:
+        log.warning("%s unavailable, using XLA: %s", what, e)
+        return False, f"build or load failed: {e}"
+    return True, f"built with {cxx}"
 
 
 def build_library(source: Path, include_dir: str, cxx: str, flags: tuple[str, ...] = FLAGS) -> Path:
@@ -66,4 +95,4 @@ def build_library(source: Path, include_dir: str, cxx: str, flags: tuple[str, ..
     return out
 
 
-__all__ = ["FLAGS", "build_library", "cache_dir", "compiler"]
+__all__ = ["FLAGS", "build_library", "cache_dir", "compiler", "register_ffi_library"]

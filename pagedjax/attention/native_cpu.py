@@ -19,10 +19,7 @@ page it walks to fp32 in C++ (fp8 through a byte table) and then runs the fp32 l
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import logging
-import os
 from pathlib import Path
 
 import jax
@@ -31,10 +28,8 @@ import numpy as np
 
 from pagedjax.attention import reference
 from pagedjax.attention.kv_quant import QuantizedPages
-from pagedjax.native_build import build_library, compiler
+from pagedjax.native_build import register_ffi_library
 from pallas_kernels.reference import stacked_pool
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGET = "pagedjax_ragged_paged_attention"
@@ -48,21 +43,8 @@ MODES = {"int8_per_token_head": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}
 @functools.cache
 def _load() -> tuple[bool, str]:
     """Builds and registers the kernel once per process: (ok, reason)."""
-    if os.environ.get("PAGEDJAX_NATIVE_CPU", "1") == "0":
-        return False, "disabled by PAGEDJAX_NATIVE_CPU=0"
-    cxx = compiler()
-    if cxx is None:
-        return False, "no C++ compiler (set CXX or install g++)"
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build_library(SOURCE, jax.ffi.include_dir(), cxx)))
-        capsule = jax.ffi.pycapsule(getattr(lib, SYMBOL))
-        jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
-        capsule8 = jax.ffi.pycapsule(getattr(lib, SYMBOL8))
-        jax.ffi.register_ffi_target(TARGET8, capsule8, platform="cpu")
-    except (OSError, RuntimeError, AttributeError) as e:
-        log.warning("native CPU attention unavailable, using the XLA version: %s", e)
-        return False, f"build or load failed: {e}"
-    return True, f"built with {cxx}"
+    targets = {TARGET: SYMBOL, TARGET8: SYMBOL8}
+    return register_ffi_library(SOURCE, targets, ("PAGEDJAX_NATIVE_CPU",), "native CPU attention")
 
 
 def available() -> tuple[bool, str]:

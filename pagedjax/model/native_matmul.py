@@ -24,18 +24,13 @@ alone (an A/B switch: XLA's dot on the copied slice, the program before this ker
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import logging
-import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from pagedjax.native_build import build_library, compiler
-
-log = logging.getLogger(__name__)
+from pagedjax.native_build import register_ffi_library
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "pagedjax_stacked_matmul"
@@ -47,19 +42,10 @@ COLUMN_TILE = 64  # cpu_matmul.cc's kCols: N must be a multiple
 @functools.cache
 def _load() -> tuple[bool, str]:
     """Builds and registers the kernel once per process: (ok, reason)."""
-    for var in ("PAGEDJAX_NATIVE_CPU", "PAGEDJAX_NATIVE_MATMUL"):
-        if os.environ.get(var, "1") == "0":
-            return False, f"disabled by {var}=0"
-    cxx = compiler()
-    if cxx is None:
-        return False, "no C++ compiler (set CXX or install g++)"
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build_library(SOURCE, jax.ffi.include_dir(), cxx)))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), "cpu")
-    except (OSError, RuntimeError, AttributeError) as e:
-        log.warning("native CPU matmul unavailable, using XLA's dot: %s", e)
-        return False, f"build or load failed: {e}"
-    return True, f"built with {cxx}"
+    return register_ffi_library(
+        SOURCE, {TARGET: SYMBOL}, ("PAGEDJAX_NATIVE_CPU", "PAGEDJAX_NATIVE_MATMUL"),
+        "native CPU matmul",
+    )  # fmt: skip
 
 
 def available() -> tuple[bool, str]:
