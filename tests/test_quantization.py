@@ -148,6 +148,20 @@ def test_matmul_equals_dense_product_of_the_dequantized_weight(case):
         assert (np.abs(got - want) <= tol).all(), (tokens, np.abs(got - want).max())
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_matmul_in_16_bit_runs_on_the_cpu(dtype):
+    """The grouped form with 16-bit activations (XLA's CPU dot has no 16-bit x 16-bit ->
+    f32 batched form, so it widens first): equals the float32 product of the same 16-bit
+    inputs, rounded once to the output dtype."""
+    rng = np.random.default_rng(5)
+    w = _random_qweight(rng, 128, 48, zero=True)
+    x = jnp.asarray(rng.normal(0, 1, (5, 128)), dtype)
+    got = jax.jit(quantized_matmul)(x, w)
+    want = np.asarray(x, np.float64) @ np.asarray(dequantize(w, dtype), np.float64)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-2, atol=1e-2)
+
+
 def test_check_refuses_inconsistent_weights():
     rng = np.random.default_rng(3)
     good = _random_qweight(rng, 64, 8)

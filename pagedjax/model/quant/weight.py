@@ -223,6 +223,11 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     g, gs = w.num_groups, w.group_size
     xg = x2.reshape(tokens, g, gs)
     v = code_values(w, dtype).reshape(g, gs, n_out)
+    if jax.default_backend() == "cpu" and dtype != jnp.float32:
+        # XLA's CPU batched dot has no bf16/f16 x bf16/f16 -> f32 form ("Unsupported
+        # element type for DotThunk"); widening first is the same arithmetic (products of
+        # 16-bit floats are exact in f32, summed in f32 as preferred_element_type asks).
+        xg, v = xg.astype(jnp.float32), v.astype(jnp.float32)
     part = jnp.einsum("tgk,gko->tgo", xg, v, preferred_element_type=jnp.float32)
     if w.zero is not None:
         xsum = jnp.sum(xg.astype(jnp.float32), axis=-1)  # [T, G]
