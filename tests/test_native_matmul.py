@@ -39,13 +39,13 @@ def _data(rows: int, k: int, n: int, layers: int, seed: int = 0):
 @given(
     rows=st.integers(1, nm.MAX_ROWS),
     k=st.integers(1, 300),
-    n_tiles=st.integers(1, 4),
+    n_vectors=st.integers(1, 13),  # N = 16 .. 208: whole 64-column tiles and 16/32/48 tails
     layers=st.integers(1, 4),
     data=st.data(),
 )
-def test_equals_xla_dot(rows, k, n_tiles, layers, data):
+def test_equals_xla_dot(rows, k, n_vectors, layers, data):
     layer = data.draw(st.integers(0, layers - 1))
-    x, w = _data(rows, k, 64 * n_tiles, layers)
+    x, w = _data(rows, k, 16 * n_vectors, layers)
     assert nm.uses_native(x, w, native=True)
     got = jax.jit(functools.partial(nm.stacked_matmul, native=True))(x, w, layer)
     want = np.asarray(x, np.float64) @ np.asarray(w[layer], np.float64)
@@ -56,7 +56,7 @@ def test_equals_xla_dot(rows, k, n_tiles, layers, data):
 def test_row_independent_of_batch():
     """A row's result is bitwise the same alone and among others (the sum's order over K
     does not depend on T), so batched and solo runs of the engine agree exactly."""
-    x, w = _data(37, 256, 128, 3)
+    x, w = _data(37, 256, 176, 3)  # two whole tiles and a 48-column tail
     f = jax.jit(functools.partial(nm.stacked_matmul, native=True))
     full = np.asarray(f(x, w, 2))
     for r in (0, 5, 36):
@@ -64,8 +64,8 @@ def test_row_independent_of_batch():
 
 
 def test_falls_back_outside_its_shapes():
-    """Too many rows, N not a multiple of 64, bf16: XLA's dot, same values."""
-    for rows, n, dtype in ((nm.MAX_ROWS + 1, 64, jnp.float32), (4, 48, jnp.float32),
+    """Too many rows, N not a multiple of 16, bf16: XLA's dot, same values."""
+    for rows, n, dtype in ((nm.MAX_ROWS + 1, 64, jnp.float32), (4, 40, jnp.float32),
                            (4, 64, jnp.bfloat16)):  # fmt: skip
         x, w = _data(rows, 32, n, 2)
         x, w = x.astype(dtype), w.astype(dtype)
@@ -94,9 +94,9 @@ def _step_hlo(native: bool, num_tokens: int) -> str:
 
 def kernel_copies(hlo: str) -> list[str]:
     """Lines materializing one layer of a dense kernel the native path handles (tiny-llama:
-    q/o_proj [64, 64], gate/up_proj [64, 128], down_proj [128, 64]; k/v_proj [64, 32] have
-    N % 64 != 0 and stay on XLA's path)."""
-    shapes = r"f32\[(64,64|64,128|128,64)\]"
+    q/o_proj [64, 64], k/v_proj [64, 32] (a 32-column tail tile), gate/up_proj [64, 128],
+    down_proj [128, 64])."""
+    shapes = r"f32\[(64,64|64,32|64,128|128,64)\]"
     return [ln.strip()[:140] for ln in hlo.splitlines()
             if re.search(rf"= {shapes}\{{[^}}]*\}} (fusion|dynamic-slice|copy)\(", ln)]  # fmt: skip
 
@@ -107,5 +107,21 @@ def test_compiled_step_copies_no_layer_kernel():
 
 def test_control_xla_path_copies_each_layer_kernel():
     """The check catches the copies: without the kernel (or past MAX_ROWS) they are there."""
-    assert len(kernel_copies(_step_hlo(native=False, num_tokens=16))) >= 5
+    assert len(kernel_copies(_step_hlo(native=False, num_tokens=16))) >= 7
     assert len(kernel_copies(_step_hlo(native=True, num_tokens=nm.MAX_ROWS * 2))) >= 5
+
+
+def test_unstacked_head_runs_the_kernel():
+    """``Linear(native=True)`` (the LM head) multiplies through the kernel as a one-layer
+    stack, with nn.Dense's values; without ``native`` the program holds no kernel call."""
+    from pagedjax.model.layers import Linear
+
+    x, w = _data(5, 96, 8192 + 48, 1)
+    params = {"params": {"kernel": w[0]}}
+    for native in (True, False):
+        head = Linear(w.shape[2], use_bias=False, native=native)
+        lowered = jax.jit(head.apply).lower(params, x).as_text()
+        assert (nm.TARGET in lowered) == native
+        np.testing.assert_allclose(
+            np.asarray(head.apply(params, x)), np.asarray(x) @ np.asarray(w[0]), atol=1e-4
+        )

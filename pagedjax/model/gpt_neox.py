@@ -99,5 +99,6 @@ class GPTNeoXForCausalLM(nn.Module):
         if a.tie_word_embeddings:
             logits = embed.attend(x)
         else:
-            logits = linear(a.vocab_size, "embed_out", bias=False, param_dtype=pd)(x)
+            logits = linear(a.vocab_size, "embed_out", bias=False, param_dtype=pd,
+                            native=self.native_matmul)(x)
         return (k_pool, v_pool), logits.astype(jnp.float32)

@@ -25,7 +25,7 @@ from flax.linen.dtypes import promote_dtype
 
 from pagedjax.attention import write_kv
 from pagedjax.model.input import ModelInput
-from pagedjax.model.native_matmul import stacked_matmul
+from pagedjax.model.native_matmul import stacked_matmul, uses_native
 from pagedjax.model.quant.weight import QuantizedWeight, embedding_rows, quantized_matmul
 
 AttentionFn = Callable[..., jax.Array]
@@ -151,10 +151,13 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
     return ACTIVATIONS[name]
 
 
-def linear(features: int, name: str, *, bias: bool, param_dtype: Any) -> nn.Module:
+def linear(
+    features: int, name: str, *, bias: bool, param_dtype: Any, native: bool = False
+) -> nn.Module:
     """The one place the families build a dense layer ([..., in] -> [..., features], params
-    "kernel" [in, features] and "bias"): a ``Linear``, which also runs a quantized kernel."""
-    return Linear(features, use_bias=bias, name=name, param_dtype=param_dtype)
+    "kernel" [in, features] and "bias"): a ``Linear``, which also runs a quantized kernel.
+    ``native``: an unstacked fp32 kernel (the LM head) may run the CPU matmul kernel."""
+    return Linear(features, use_bias=bias, name=name, param_dtype=param_dtype, native=native)
 
 
 class Linear(nn.Module):
@@ -167,6 +170,10 @@ class Linear(nn.Module):
     features: int
     use_bias: bool = True
     param_dtype: Any = jnp.float32
+    # A plain (unstacked) kernel through the CPU matmul kernel as a one-layer stack: XLA's
+    # dot streams a large weight slowly at decode's few rows (native_matmul.py's table);
+    # used for the LM head, the largest single matrix of a small model.
+    native: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -181,7 +188,10 @@ class Linear(nn.Module):
                 self.param_dtype,
             )  # fmt: skip
             x, kernel = promote_dtype(x, kernel, dtype=None)
-            y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+            if uses_native(x, kernel[None], self.native):  # [None]: a bitcast, no copy
+                y = stacked_matmul(x, kernel[None], 0, native=True)
+            else:
+                y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
             y, bias = promote_dtype(y, bias, dtype=None)

@@ -150,5 +150,6 @@ class LlamaForCausalLM(nn.Module):
         if a.tie_word_embeddings:
             logits = embed.attend(x)
         else:
-            logits = linear(a.vocab_size, "lm_head", bias=False, param_dtype=pd)(x)
+            logits = linear(a.vocab_size, "lm_head", bias=False, param_dtype=pd,
+                            native=self.native_matmul)(x)
         return (k_pool, v_pool), soft_cap(logits.astype(jnp.float32), a.final_soft_cap)

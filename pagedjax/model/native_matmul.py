@@ -12,10 +12,13 @@ native attention kernel takes the stacked KV pool) and reads the layer where it 
 Contract: ``stacked_matmul(x [..., K], w [L, K, N], layer int32 scalar, native=...)`` equals
 ``x @ w[layer]`` ([..., N], x's dtype) within fp32 rounding. The kernel runs when ``native``
 is true, the backend is the CPU, x and w are fp32, the rows (x's leading dims) are at most
-``MAX_ROWS``, N is a multiple of 64, and the library built; otherwise the XLA dot runs on
+``MAX_ROWS``, N is a multiple of 16, and the library built; otherwise the XLA dot runs on
 the sliced weight (today's program exactly). Why at most ``MAX_ROWS`` rows: the kernel is
-a simple register-blocked loop; past ~64 rows a step is compute-bound and XLA's own dot
-(XNNPACK) is faster even after paying for the copy (``benchmarks/native_matmul.py``).
+a simple register-blocked loop; past ~96 rows a step is compute-bound and XLA's own dot
+(XNNPACK) is as fast or faster even after paying for the copy (``benchmarks/native_matmul.py``,
+idle box: native / XLA 0.21 at 1 row, 0.57 at 16, 0.97 at 64, 0.90 at 96, 1.02 at 128,
+1.10 at 192). Why N % 16: the kernel's column tiles are 64 wide with a 16/32/48-wide last
+tile (the 34M benchmark model's MLP is 1376 = 21 x 64 + 32 wide).
 
 Refusals: a layer index outside [0, L) is an error from the kernel (never a wild read).
 ``PAGEDJAX_NATIVE_CPU=0`` disables it with the attention kernel, ``PAGEDJAX_NATIVE_MATMUL=0``
@@ -35,8 +38,8 @@ from pagedjax.native_build import register_ffi_library
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "pagedjax_stacked_matmul"
 SYMBOL = "PagedjaxStackedMatmul"
-MAX_ROWS = 64
-COLUMN_TILE = 64  # cpu_matmul.cc's kCols: N must be a multiple
+MAX_ROWS = 96
+COLUMN_MULTIPLE = 16  # one AVX-512 vector: cpu_matmul.cc's narrowest column tile
 
 
 @functools.cache
@@ -65,7 +68,7 @@ def uses_native(x: jax.Array, w: jax.Array, native: bool) -> bool:
         and w.dtype == jnp.float32
         and w.ndim == 3
         and 0 < rows <= MAX_ROWS
-        and w.shape[2] % COLUMN_TILE == 0
+        and w.shape[2] % COLUMN_MULTIPLE == 0
         and available()[0]
     )
 
