@@ -58,6 +58,7 @@ class HFTokenizer:
 
         kwargs = {} if gguf_file is None else {"gguf_file": gguf_file}
         self._tok = cls.from_pretrained(str(directory), local_files_only=True, **kwargs)
+        self._raw_decode = _backend_decode(self._tok)
         self.eos_token_id: int | None = self._tok.eos_token_id
         self.bos_token_id: int | None = self._tok.bos_token_id
         self.vocab_size: int = len(self._tok)
@@ -66,6 +67,8 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._raw_decode is not None:
+            return self._raw_decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
@@ -97,6 +100,26 @@ class HFTokenizer:
             tokenize=False,
             **template_kwargs,
         )
+
+
+def _backend_decode(tok: Any) -> Any:
+    """The Rust tokenizer's own ``decode`` where transformers' ``decode`` would return
+    exactly its result (a fast tokenizer whose ``_decode`` is the base one, with no
+    clean-up of tokenization spaces), else None. Why: the engine decodes two short windows
+    per generated token (detokenizer.py), and transformers' wrapper costs ~18 us a call
+    against ~2 us for the Rust decode (a profile of 7,680 tokens: 0.28 s vs 0.04 s)."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    backend = getattr(tok, "backend_tokenizer", None)
+    if (
+        backend is None
+        or getattr(tok, "clean_up_tokenization_spaces", True)
+        or getattr(type(tok), "_decode", None) is not PreTrainedTokenizerFast._decode
+    ):
+        return None
+    return backend.decode
 
 
 def gguf_tokenizer(path: str | Path) -> HFTokenizer:
