@@ -317,7 +317,8 @@ def attention_scalars(
 ) -> tuple[int, ...]:
     """The attention kernel's integer arguments, in its order (after the 9 input arrays).
 
-    Strides are in elements; ``scale_strides`` as ``scale_strides()`` gives them. out_strides / lse_strides are those of [splits, T, Hq, D] and
+    Strides are in elements; ``scale_strides`` as ``scale_strides()`` gives them.
+    out_strides / lse_strides are those of [splits, T, Hq, D] and
     [splits, T, Hq]; with one split the output is [T, Hq, D]: pass (0, *its strides).
     The innermost (head_dim) stride of q, the pools and the output must be 1.
     """

@@ -171,7 +171,8 @@ def triton_paged_attention(
         configs.scale_strides(kv_format, tuple(k_scale.shape)),
     )  # fmt: skip
     partial, lse_out = _triton_call(
-        q, k_pool, v_pool, k_scale, v_scale, run_scalars, block_tables, kv_lens, cu_q_lens, *scalars,
+        q, k_pool, v_pool, k_scale, v_scale, run_scalars, block_tables, kv_lens, cu_q_lens,
+        *scalars,
         kernel=paged_attention_kernel, out_shapes=[target, lse], grid=plan.grid,
         num_warps=plan.num_warps, num_stages=plan.num_stages, zeroed_outputs=zeroed,
         constexprs=plan.attention_constexprs,

@@ -133,7 +133,8 @@ def paged_attention(
         num_seqs, max_blocks, configs.scale_strides(kv_format, tuple(k_scale.shape)),
     )  # fmt: skip
     attend[plan.grid](
-        q, k_pool, v_pool, k_scale, v_scale, scalars_t, block_tables, kv_lens, cu_q_lens, *scalars, target, lse,
+        q, k_pool, v_pool, k_scale, v_scale, scalars_t, block_tables, kv_lens, cu_q_lens,
+        *scalars, target, lse,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.attention_constexprs,
     )  # fmt: skip
     if plan.merge_grid is not None:
