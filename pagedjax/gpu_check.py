@@ -272,6 +272,9 @@ def _parity_specs(dry_run: bool) -> list[Any]:
             CaseSpec((5, 1, 0), (40, 1, 0), 8, block_size=16, max_blocks=3,
                      sliding_window=20, dynamic_window=True, soft_cap=5.0, num_splits=2,
                      **small),
+            # an 8-bit pool (the Triton paths only, see _parity_results)
+            CaseSpec((1, 1, 1), (1, 16, 17), 4, block_size=16, max_blocks=2,
+                     kv_format="fp8_e4m3", **small),
         ]  # fmt: skip
     llama = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
     return [
@@ -288,6 +291,13 @@ def _parity_specs(dry_run: bool) -> list[Any]:
                  num_kv_heads=8, head_dim=128, dtype="float16"),
         CaseSpec((1, 1, 1), (129, 5, 1024), 3, block_size=128, max_blocks=8,
                  num_q_heads=16, num_kv_heads=1, head_dim=64, dtype="bfloat16"),
+        # 8-bit pools (docs/kv_quantization.md), the Triton paths only
+        CaseSpec((1,) * 8, (1, 15, 16, 17, 100, 513, 1000, 2047), 10, block_size=16,
+                 max_blocks=128, kv_format="fp8_e4m3", **llama),
+        CaseSpec((300, 1, 37, 0), (300, 900, 1037, 0), 400, block_size=16, max_blocks=80,
+                 kv_format="fp8_e5m2", **llama),
+        CaseSpec((64, 1), (700, 333), 65, block_size=16, max_blocks=48, sliding_window=100,
+                 dynamic_window=True, soft_cap=30.0, kv_format="int8", **llama),
     ]  # fmt: skip
 
 
@@ -346,9 +356,12 @@ def _jax_backends(dry_run: bool) -> dict[str, Any]:
 
         def triton_jax(spec, a):
             static, dynamic = _split_window(spec)
+            quant = {}
+            if spec.kv_format is not None:
+                quant = dict(kv_format=spec.kv_format, k_scale=a["k_scale"], v_scale=a["v_scale"])
             f = functools.partial(
                 triton_paged_attention, sm_scale=spec.head_dim**-0.5, soft_cap=spec.soft_cap,
-                num_splits=spec.num_splits, **static,
+                num_splits=spec.num_splits, **static, **quant,
             )  # fmt: skip
             if on_gpu:  # the stand-in of the dry run runs eagerly
                 f = jax.jit(f)
@@ -376,10 +389,12 @@ def _parity_results(spec: Any, backends: dict[str, Any], torch_device: str | Non
     inputs = check_cases.make_inputs(spec)
     ref = check_cases.reference_output(spec, inputs)
     arrays = {k: jnp.asarray(v) for k, v in inputs.items()}
-    for k in ("q", "k_pool", "v_pool"):
-        arrays[k] = arrays[k].astype(spec.dtype)
+    for k in ("q", "k_pool", "v_pool") if spec.kv_format is None else ("q",):
+        arrays[k] = arrays[k].astype(spec.dtype)  # an 8-bit pool stays as its bytes
     results: list[tuple[str, Any]] = []
     for name, fn in backends.items():
+        if spec.kv_format is not None and not name.startswith("Triton"):
+            continue  # 8-bit pools: the Triton paths (the others have their own 8-bit tests)
         try:
             out = fn(spec, arrays)
             if out is not None:  # None: the case is outside this backend's contract
@@ -415,7 +430,8 @@ def part_parity(dry_run: bool) -> int:
                  + (f" window {spec.sliding_window}" if spec.sliding_window else "")
                  + (" (run-time)" if spec.dynamic_window else "")
                  + f" layer {spec.layer}/{spec.num_layers}"
-                 + (f" cap {spec.soft_cap}" if spec.soft_cap else ""))  # fmt: skip
+                 + (f" cap {spec.soft_cap}" if spec.soft_cap else "")
+                 + (f" pool {spec.kv_format}" if spec.kv_format else ""))  # fmt: skip
         for name, m in _parity_results(spec, backends, torch_device):
             rows += 1
             if isinstance(m, Exception):

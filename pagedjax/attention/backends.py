@@ -139,18 +139,20 @@ def _triton_backend(device: Any) -> AttentionBackend:
         )  # fmt: skip
     else:
         reason = f"requested; parity on {kind} in {report}"
-    ragged = plain_pages_only("triton", jax_binding.ragged_paged_attention)
+    # 8-bit pools reach the kernel as the Pallas kernels' kv_format / k_scale / v_scale.
+    ragged = with_8bit_pages(jax_binding.ragged_paged_attention)
     return AttentionBackend("triton", ragged, None, reason)
 
 
-# kv_quant format name -> the Pallas kernels' kv_format (pallas_kernels.paged_attention)
+# kv_quant format name -> the kernels' kv_format (pallas_kernels.paged_attention.KV_FORMATS,
+# pallas_kernels.triton.configs.KV_FORMATS: the same names)
 PALLAS_KV_FORMATS = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "int8_per_token_head": "int8"}
 
 
 def with_8bit_pages(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-    """A Pallas kernel taking the pool as ``QuantizedPages`` too: the values, the scales and
-    the format go to the kernel's ``kv_format`` / ``k_scale`` / ``v_scale`` (the leaf
-    package knows nothing of pagedjax's pytree)."""
+    """A kernel (Pallas or Triton) taking the pool as ``QuantizedPages`` too: the values,
+    the scales and the format go to the kernel's ``kv_format`` / ``k_scale`` / ``v_scale``
+    (the leaf package knows nothing of pagedjax's pytree)."""
 
     @functools.wraps(fn)
     def wrapped(q: jax.Array, k_pages: Any, v_pages: Any, *args: Any, **kwargs: Any) -> jax.Array:
@@ -161,23 +163,6 @@ def with_8bit_pages(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
             kv_format=PALLAS_KV_FORMATS[k_pages.fmt.name],
             k_scale=k_pages.scale_array(), v_scale=v_pages.scale_array(), **kwargs,
         )  # fmt: skip
-
-    return wrapped
-
-
-def plain_pages_only(name: str, fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-    """``fn`` (a kernel that reads float pages only), refusing an 8-bit pool by name at
-    trace time instead of misreading its bytes (docs/kv_quantization.md: not built yet)."""
-
-    @functools.wraps(fn)
-    def wrapped(q: jax.Array, k_pages: Any, v_pages: Any, *args: Any, **kwargs: Any) -> jax.Array:
-        if isinstance(k_pages, QuantizedPages) or isinstance(v_pages, QuantizedPages):
-            raise NotImplementedError(
-                f"attention_backend={name!r} does not read an 8-bit KV cache yet"
-                f" ({k_pages.fmt.name if isinstance(k_pages, QuantizedPages) else '?'});"
-                " use attention_backend='reference' (or 'native_cpu' on a CPU)"
-            )
-        return fn(q, k_pages, v_pages, *args, **kwargs)
 
     return wrapped
 

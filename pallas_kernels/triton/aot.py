@@ -23,6 +23,7 @@ from typing import Any
 from pallas_kernels.triton import configs
 
 _TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+_POOL_TYPES = {"fp8_e4m3": "u8", "fp8_e5m2": "u8", "int8": "i8"}  # configs.KV_FORMATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Variant:
     sliding_window: int | None = None
     soft_cap: float | None = None
     num_splits: int | None = None
+    kv_format: str | None = None  # 8-bit pools (configs.KV_FORMATS); None: in dtype
 
 
 VARIANTS = [
@@ -56,6 +58,13 @@ VARIANTS = [
     # num_seqs == max_blocks == 1: jax-triton and Triton's launcher make them constexprs
     Variant("decode batch 1, one page, 2 splits", num_tokens=1, num_seqs=1, max_blocks=1,
             num_splits=2),
+    # 8-bit pools: fp8 bytes decoded with integer ops (float8e4nv does not exist on sm_80)
+    Variant("decode fp8_e4m3 pages, 4 splits", num_tokens=16, num_seqs=16, num_splits=4,
+            kv_format="fp8_e4m3"),
+    Variant("prefill fp16, fp8_e5m2 pages, window", num_tokens=512, num_seqs=2,
+            dtype="float16", sliding_window=256, kv_format="fp8_e5m2"),
+    Variant("prefill int8 pages (per-token scales)", num_tokens=1024, num_seqs=4,
+            kv_format="int8"),
 ]  # fmt: skip
 
 
@@ -84,9 +93,13 @@ def _scalar_values(variant: Variant, num_splits: int) -> dict[str, dict[str, int
         out, lse = (0, *rm(q)), (0, 0)
     else:
         out, lse = rm((num_splits, *q)), rm((num_splits, *q[:2]))
-    attn = configs.attention_scalars(rm(q), rm(pool), rm(bt), out, lse, *bt)
+    scale_shape = (1, 1, variant.num_kv_heads, variant.block_size, 1)
+    if variant.kv_format is not None and not configs.KV_FORMATS[variant.kv_format][1]:
+        scale_shape = (1, variant.num_kv_heads)
+    scales = configs.scale_strides(variant.kv_format, scale_shape)
+    attn = configs.attention_scalars(rm(q), rm(pool), rm(bt), out, lse, *bt, scales)
     merge = configs.merge_scalars(out, lse, rm(q), variant.num_seqs)
-    names_a = paged_attention_kernel.arg_names[7 : 7 + len(attn)]
+    names_a = paged_attention_kernel.arg_names[9 : 9 + len(attn)]
     names_m = merge_splits_kernel.arg_names[3 : 3 + len(merge)]
     return {
         "attention": {n: 1 for n, v in zip(names_a, attn, strict=True) if v == 1},
@@ -110,12 +123,14 @@ def compile_variant(variant: Variant, capability: int) -> dict[str, Any]:
         block_size=variant.block_size, num_seqs=variant.num_seqs,
         max_blocks=variant.max_blocks, dtype=variant.dtype, sm_scale=variant.head_dim**-0.5,
         sliding_window=variant.sliding_window, soft_cap=variant.soft_cap,
-        capability=capability, num_splits=variant.num_splits,
+        capability=capability, num_splits=variant.num_splits, kv_format=variant.kv_format,
     )  # fmt: skip
     data = _TRITON_TYPES[variant.dtype]
+    pool = _POOL_TYPES[variant.kv_format] if variant.kv_format else data
     split_out = "fp32" if plan.num_splits > 1 else data
     pointers = dict(
-        q_ptr=data, k_pool_ptr=data, v_pool_ptr=data, scalars_ptr="i32",
+        q_ptr=data, k_pool_ptr=pool, v_pool_ptr=pool, k_scale_ptr="fp32", v_scale_ptr="fp32",
+        scalars_ptr="i32",
         block_tables_ptr="i32", kv_lens_ptr="i32", cu_q_lens_ptr="i32",
         out_ptr=split_out, lse_ptr="fp32", partial_ptr="fp32",
     )  # fmt: skip

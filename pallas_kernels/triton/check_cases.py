@@ -12,6 +12,12 @@ reads one JSON request per line on stdin ({"op": "case" | "binding", "spec": {..
 writes one JSON result per line on stdout. ``run_case`` is also what the GPU check runs on
 CUDA tensors.
 
+8-bit cases (``kv_format``): the case's pool quantized here with numpy (fp8 with a scale
+per (layer, KV head) chosen so the values use the format's upper range, not 1.0; int8 with
+a scale per token-head; NaN slots stay NaN bytes / get NaN scales), the reference run on the
+dequantized pool. The engine-side check, the kernel against the XLA reference on the
+engine's own ``QuantizedPages``, is tests/triton_attention/test_triton_kv8.py.
+
 A case: ``pallas_kernels.cases.make_case`` (pages in random order, NaN in every slot that
 holds no token, garbage table tails), stacked into a pool of ``num_layers`` layers of
 which only ``layer`` holds the case (the others are all NaN, so reading the wrong layer
@@ -25,6 +31,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from typing import Any
 
 import numpy as np
@@ -52,6 +59,7 @@ class CaseSpec:
     # negative), not just other blocks: a kernel that dereferenced one would fault or read
     # garbage. Off by default: some backends refuse such tables outright.
     wild_tail: bool = False
+    kv_format: str | None = None  # 8-bit pools (configs.KV_FORMATS); None: spec.dtype
     block_m: int | None = None  # tile override (block_m, tile_n); None: the sm_80 table
     tile_n: int | None = None
     seed: int = 0
@@ -85,10 +93,40 @@ def make_inputs(spec: CaseSpec) -> dict[str, np.ndarray]:
     k_pool = np.full(pool_shape, np.nan, np.float32)
     v_pool = np.full(pool_shape, np.nan, np.float32)
     k_pool[spec.layer], v_pool[spec.layer] = case.k_pages, case.v_pages
-    return dict(
+    out = dict(
         q=case.q, k_pool=k_pool, v_pool=v_pool, block_tables=case.block_tables,
         kv_lens=case.kv_lens, cu_q_lens=case.cu_q_lens,
     )  # fmt: skip
+    if spec.kv_format is not None:
+        for name in ("k", "v"):
+            values, scale, dequantized = quantize_pool(out[f"{name}_pool"], spec.kv_format)
+            out[f"{name}_pool"], out[f"{name}_scale"] = values, scale
+            out[f"{name}_dequantized"] = dequantized
+    return out
+
+
+def quantize_pool(pool: np.ndarray, kv_format: str) -> tuple[np.ndarray, ...]:
+    """(stored values, scales, dequantized float32 pool) of a float32 pool [L, N, Hkv, B, D]
+    with NaN slots. fp8: uint8 bytes, scales float32[L, Hkv] = max |x| of that layer-head /
+    (half the format's max) (1 for an all-NaN layer), so scaling is really exercised; NaN
+    stays NaN. int8: round(x / s), s = max |x| / 127 per token-head, float32[L, N, Hkv, B,
+    1]; a NaN slot gets values 0 and a NaN scale."""
+    import ml_dtypes
+
+    if kv_format == "int8":
+        amax = np.max(np.abs(pool), axis=-1, keepdims=True)
+        scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)  # NaN stays NaN
+        values = np.nan_to_num(np.clip(np.round(pool / scale), -127, 127)).astype(np.int8)
+        return values, scale, values.astype(np.float32) * scale
+    element = {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}[kv_format]
+    fmax = float(ml_dtypes.finfo(element).max)
+    with warnings.catch_warnings():  # an all-NaN (poisoned) layer: amax NaN, scale 1
+        warnings.simplefilter("ignore", RuntimeWarning)
+        amax = np.nanmax(np.abs(pool), axis=(1, 3, 4))  # [L, Hkv]
+    scale = np.where(np.isfinite(amax) & (amax > 0), amax / (fmax / 2), 1.0).astype(np.float32)
+    per_elem = scale[:, None, :, None, None]
+    stored = np.clip(pool / per_elem, -fmax, fmax).astype(element)
+    return stored.view(np.uint8), scale, stored.astype(np.float32) * per_elem
 
 
 def reference_output(spec: CaseSpec, inputs: dict[str, np.ndarray]) -> np.ndarray:
@@ -100,9 +138,13 @@ def reference_output(spec: CaseSpec, inputs: dict[str, np.ndarray]) -> np.ndarra
     def rounded(a: np.ndarray) -> jnp.ndarray:
         return jnp.asarray(a).astype(spec.dtype).astype(jnp.float32)
 
+    if spec.kv_format is None:
+        k, v = rounded(inputs["k_pool"][spec.layer]), rounded(inputs["v_pool"][spec.layer])
+    else:  # the dequantized values are what the pages mean, exactly
+        k = jnp.asarray(inputs["k_dequantized"][spec.layer])
+        v = jnp.asarray(inputs["v_dequantized"][spec.layer])
     out = ragged_paged_attention_reference(
-        rounded(inputs["q"]), rounded(inputs["k_pool"][spec.layer]),
-        rounded(inputs["v_pool"][spec.layer]), jnp.asarray(inputs["block_tables"]),
+        rounded(inputs["q"]), k, v, jnp.asarray(inputs["block_tables"]),
         jnp.asarray(inputs["kv_lens"]), jnp.asarray(inputs["cu_q_lens"]),
         sm_scale=spec.head_dim**-0.5, sliding_window=spec.sliding_window,
         soft_cap=spec.soft_cap,
@@ -140,6 +182,11 @@ def run_case(spec: CaseSpec, device: str = "cpu") -> dict[str, Any]:
     inputs = make_inputs(spec)
     dt = _torch_dtype(spec.dtype)
     t = {k: torch.from_numpy(v).to(device) for k, v in inputs.items()}
+    pools = t["k_pool"].to(dt), t["v_pool"].to(dt)
+    quant: dict[str, Any] = {}
+    if spec.kv_format is not None:
+        pools = t["k_pool"], t["v_pool"]
+        quant = dict(kv_format=spec.kv_format, k_scale=t["k_scale"], v_scale=t["v_scale"])
     tile = None
     if spec.block_m is not None:
         tile = configs.TileConfig(spec.block_m, spec.tile_n or 16, 4, 2)
@@ -147,10 +194,10 @@ def run_case(spec: CaseSpec, device: str = "cpu") -> dict[str, Any]:
     if spec.dynamic_window:
         window = torch.tensor(spec.sliding_window or 0, dtype=torch.int32, device=device)
     out = torch_launch.paged_attention(
-        t["q"].to(dt), t["k_pool"].to(dt), t["v_pool"].to(dt), spec.layer,
+        t["q"].to(dt), *pools, spec.layer,
         t["block_tables"], t["kv_lens"], t["cu_q_lens"], sm_scale=spec.head_dim**-0.5,
         sliding_window=window, soft_cap=spec.soft_cap, num_splits=spec.num_splits,
-        tile=tile,
+        tile=tile, **quant,
     )  # fmt: skip
     plan = configs.plan_launch(
         num_tokens=spec.num_tokens, num_q_heads=spec.num_q_heads,
@@ -158,7 +205,7 @@ def run_case(spec: CaseSpec, device: str = "cpu") -> dict[str, Any]:
         num_seqs=len(spec.kv_lens), max_blocks=spec.max_blocks, dtype=spec.dtype,
         sm_scale=1.0, sliding_window=None if spec.dynamic_window else spec.sliding_window,
         soft_cap=spec.soft_cap, dynamic_window=spec.dynamic_window,
-        num_splits=spec.num_splits, tile=tile,
+        num_splits=spec.num_splits, tile=tile, kv_format=spec.kv_format,
     )  # fmt: skip
     ref = reference_output(spec, inputs)
     return compare(spec, out.float().cpu().numpy(), ref, num_splits=plan.num_splits)
@@ -240,11 +287,16 @@ def run_binding_case(spec: CaseSpec) -> dict[str, Any]:
         window: Any = spec.sliding_window
         if spec.dynamic_window:
             window = jnp.int32(spec.sliding_window or 0)
+        pools = j["k_pool"].astype(spec.dtype), j["v_pool"].astype(spec.dtype)
+        quant: dict[str, Any] = {}
+        if spec.kv_format is not None:
+            pools = j["k_pool"], j["v_pool"]
+            quant = dict(kv_format=spec.kv_format, k_scale=j["k_scale"], v_scale=j["v_scale"])
         out = triton_paged_attention(
-            j["q"].astype(spec.dtype), j["k_pool"].astype(spec.dtype),
-            j["v_pool"].astype(spec.dtype), jnp.int32(spec.layer), j["block_tables"],
+            j["q"].astype(spec.dtype), *pools, jnp.int32(spec.layer), j["block_tables"],
             j["kv_lens"], j["cu_q_lens"], sm_scale=spec.head_dim**-0.5,
             sliding_window=window, soft_cap=spec.soft_cap, num_splits=spec.num_splits,
+            **quant,
         )  # fmt: skip
     finally:
         if saved is None:

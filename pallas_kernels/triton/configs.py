@@ -16,6 +16,15 @@ import dataclasses
 from typing import Any
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+# 8-bit pool formats (the names ``pallas_kernels.paged_attention.KV_FORMATS`` uses, so the
+# backend switch hands both kernel families the same arguments) -> (stored page dtype,
+# per-token scales). fp8 pages are their uint8 bytes with scales float32[L, Hkv]; int8
+# pages carry scales float32[L, N, Hkv, B, 1] (one per slot).
+KV_FORMATS: dict[str, tuple[str, bool]] = {
+    "fp8_e4m3": ("uint8", False),
+    "fp8_e5m2": ("uint8", False),
+    "int8": ("int8", True),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +98,17 @@ def check_shapes(
     q_dtype: str,
     pool_dtype: str,
     index_dtypes: tuple[str, str, str],
+    kv_format: str | None = None,
+    scales: tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]] | None = None,
 ) -> None:
     """Raises ValueError on shapes or dtypes the kernels do not take.
 
     q [T, Hq, D]; k_pool, v_pool [L, N, Hkv, B, D]; block_tables int32[S, M];
     kv_lens int32[S]; cu_q_lens int32[S + 1]; q and pool share a dtype in
-    SUPPORTED_DTYPES; index_dtypes are (block_tables, kv_lens, cu_q_lens)'s dtype names.
+    SUPPORTED_DTYPES, or with ``kv_format`` (``KV_FORMATS``) the pool holds that format's
+    bytes and ``scales`` = ((k_scale shape, dtype name), (v_scale shape, dtype name)) are
+    float32 [L, Hkv] (fp8) or [L, N, Hkv, B, 1] (int8); index_dtypes are (block_tables,
+    kv_lens, cu_q_lens)'s dtype names.
     """
     if len(q_shape) != 3:
         raise ValueError(f"q must be [T, num_q_heads, head_dim], got shape {q_shape}")
@@ -103,7 +117,11 @@ def check_shapes(
             "k_pool and v_pool must both be [num_layers, num_blocks, num_kv_heads, block_size,"
             f" head_dim], got {k_pool_shape} and {v_pool_shape}"
         )
-    if q_dtype != pool_dtype or q_dtype not in SUPPORTED_DTYPES:
+    if kv_format is not None:
+        check_kv_format(kv_format, k_pool_shape, pool_dtype, scales)
+        if q_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"q must be one of {SUPPORTED_DTYPES}, got {q_dtype}")
+    elif q_dtype != pool_dtype or q_dtype not in SUPPORTED_DTYPES:
         raise ValueError(
             f"q and the pools must share a dtype in {SUPPORTED_DTYPES}, got {q_dtype} and"
             f" {pool_dtype}"
@@ -129,6 +147,40 @@ def check_shapes(
             raise ValueError(f"{name} must be int32, got {dt}")
 
 
+def check_kv_format(
+    kv_format: str,
+    pool_shape: tuple[int, ...],
+    pool_dtype: str,
+    scales: tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]] | None,
+) -> None:
+    """Raises ValueError unless the pool holds ``kv_format``'s bytes and both scales are
+    float32 of the format's shape (see ``KV_FORMATS``)."""
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format must be one of {sorted(KV_FORMATS)}, got {kv_format!r}")
+    storage, per_token = KV_FORMATS[kv_format]
+    if pool_dtype != storage:
+        raise ValueError(f"{kv_format} pools must be {storage}, got {pool_dtype}")
+    num_layers, num_blocks, num_kv_heads, block_size, _ = pool_shape
+    want = (
+        (num_layers, num_blocks, num_kv_heads, block_size, 1) if per_token
+        else (num_layers, num_kv_heads)
+    )  # fmt: skip
+    for name, scale in zip(("k_scale", "v_scale"), scales or (None, None), strict=True):
+        if scale is None or tuple(scale[0]) != want or scale[1] != "float32":
+            raise ValueError(f"{kv_format}: {name} must be float32{list(want)}, got {scale}")
+
+
+def scale_strides(kv_format: str | None, scale_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The kernel's (layer, block, head, slot) element strides of a row-major scale array:
+    fp8 [L, Hkv] -> (Hkv, 0, 1, 0); int8 [L, N, Hkv, B, 1] -> its first four strides;
+    float pools (no scales read) -> zeros."""
+    if kv_format is None:
+        return (0, 0, 0, 0)
+    if KV_FORMATS[kv_format][1]:
+        return row_major_strides(scale_shape)[:4]
+    return (scale_shape[1], 0, 1, 0)
+
+
 def plan_launch(
     *,
     num_tokens: int,
@@ -146,6 +198,7 @@ def plan_launch(
     capability: int = 80,
     num_splits: int | None = None,
     tile: TileConfig | None = None,
+    kv_format: str | None = None,
 ) -> LaunchPlan:
     """The launch for one call, from static shapes only (so it is fixed under jit).
 
@@ -155,8 +208,11 @@ def plan_launch(
     overrides the table (tests use small tiles to exercise many steps on small shapes).
     ``sliding_window`` is the static window (None: none); ``dynamic_window`` says a window
     arrives at run time (a traced per-layer value, <= 0 meaning none), so the kernel keeps
-    its window code without knowing the value.
+    its window code without knowing the value. ``dtype`` is q's (the compute dtype, which
+    sets the tiles); ``kv_format`` (``KV_FORMATS``, None: pools in q's dtype) the pools'.
     """
+    if kv_format is not None and kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format must be one of {sorted(KV_FORMATS)}, got {kv_format!r}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
@@ -199,6 +255,7 @@ def plan_launch(
         TILE_N=tile_n,
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if dtype == "float32" else "tf32",
+        KV_FORMAT=kv_format or "none",
     )
     merge = None
     if num_splits > 1:
@@ -237,11 +294,14 @@ __all__ = [
     "TileConfig",
     "arch_config",
     "attention_scalars",
+    "KV_FORMATS",
+    "check_kv_format",
     "check_shapes",
     "merge_scalars",
     "next_pow2",
     "plan_launch",
     "row_major_strides",
+    "scale_strides",
 ]
 
 
@@ -253,10 +313,12 @@ def attention_scalars(
     lse_strides: tuple[int, ...],
     num_seqs: int,
     max_blocks: int,
+    scale_strides: tuple[int, int, int, int] = (0, 0, 0, 0),
 ) -> tuple[int, ...]:
-    """The attention kernel's integer arguments, in its order (after the 7 input arrays).
+    """The attention kernel's integer arguments, in its order (after the 9 input arrays).
 
-    Strides are in elements. out_strides / lse_strides are those of [splits, T, Hq, D] and
+    Strides are in elements; ``scale_strides`` as ``scale_strides()`` gives them.
+    out_strides / lse_strides are those of [splits, T, Hq, D] and
     [splits, T, Hq]; with one split the output is [T, Hq, D]: pass (0, *its strides).
     The innermost (head_dim) stride of q, the pools and the output must be 1.
     """
@@ -265,6 +327,7 @@ def attention_scalars(
     return (
         q_strides[0], q_strides[1],
         pool_strides[0], pool_strides[1], pool_strides[2], pool_strides[3],
+        *scale_strides,
         block_table_strides[0],
         out_strides[0], out_strides[1], out_strides[2],
         lse_strides[0], lse_strides[1],

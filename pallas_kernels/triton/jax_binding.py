@@ -89,13 +89,17 @@ def triton_paged_attention(
     soft_cap: float | None = None,
     num_splits: int | None = None,
     capability: int | None = None,
+    kv_format: str | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Causal ragged paged attention (prefill, chunked prefill, decode, mixed batches).
 
     Args:
       q: [T, Hq, D] in float16, bfloat16 or float32. Token i of sequence s is
         q[cu_q_lens[s] + i], at position kv_lens[s] - q_len_s + i.
-      k_pool, v_pool: [L, N, Hkv, B, D], q's dtype; block 0 is the null block.
+      k_pool, v_pool: [L, N, Hkv, B, D], q's dtype (or 8-bit, see kv_format); block 0 is
+        the null block.
       layer: int32 scalar (may be traced, e.g. a ``lax.scan`` index): the layer to read.
       block_tables: int32[S, M]; only entries of pages below kv_len are read.
       kv_lens: int32[S], context including this step's tokens (0: padding sequence).
@@ -106,15 +110,27 @@ def triton_paged_attention(
       num_splits: context splits (flash-decoding); default from ``configs.plan_launch``.
       capability: compute capability as 80 / 86 / 89 / 90 for the tile table; default
         the first device's (80 off-GPU).
+      kv_format: None, or the pools' 8-bit format (``configs.KV_FORMATS``, the Pallas
+        kernels' names): "fp8_e4m3" / "fp8_e5m2" pools of uint8 bytes with k_scale /
+        v_scale float32[L, Hkv] (per layer and KV head), or "int8" pools with k_scale /
+        v_scale float32[L, N, Hkv, B, 1] (per slot). A page value means value x scale.
 
     Returns:
       [T, Hq, D] in q's dtype; padding tokens are 0.
     """
+    scales = None
+    if kv_format is not None:
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"{kv_format} needs k_scale and v_scale")
+        scales = tuple((tuple(s.shape), jnp.dtype(s.dtype).name) for s in (k_scale, v_scale))
     configs.check_shapes(
         q.shape, k_pool.shape, v_pool.shape, block_tables.shape, kv_lens.shape,
         cu_q_lens.shape, jnp.dtype(q.dtype).name, jnp.dtype(k_pool.dtype).name,
         tuple(jnp.dtype(a.dtype).name for a in (block_tables, kv_lens, cu_q_lens)),
+        kv_format=kv_format, scales=scales,
     )  # fmt: skip
+    if kv_format is None:  # never read by the kernel; jax-triton needs an array to point at
+        k_scale = v_scale = jnp.zeros((1,), jnp.float32)
     from pallas_kernels.triton.kernels import merge_splits_kernel, paged_attention_kernel
 
     num_tokens, num_q_heads, head_dim = q.shape
@@ -131,6 +147,7 @@ def triton_paged_attention(
         dtype=jnp.dtype(q.dtype).name, sm_scale=sm_scale,
         sliding_window=None if dynamic else sliding_window, soft_cap=soft_cap,
         dynamic_window=dynamic, capability=_capability(capability), num_splits=num_splits,
+        kv_format=kv_format,
     )  # fmt: skip
     # Layer and window as an int32[2] operand: jax-triton bakes Python scalars into the
     # kernel, and both may be traced.
@@ -151,9 +168,11 @@ def triton_paged_attention(
     scalars = configs.attention_scalars(
         strides(q.shape), strides(k_pool.shape), strides(block_tables.shape),
         out_strides, lse_strides, num_seqs, max_blocks,
+        configs.scale_strides(kv_format, tuple(k_scale.shape)),
     )  # fmt: skip
     partial, lse_out = _triton_call(
-        q, k_pool, v_pool, run_scalars, block_tables, kv_lens, cu_q_lens, *scalars,
+        q, k_pool, v_pool, k_scale, v_scale, run_scalars, block_tables, kv_lens, cu_q_lens,
+        *scalars,
         kernel=paged_attention_kernel, out_shapes=[target, lse], grid=plan.grid,
         num_warps=plan.num_warps, num_stages=plan.num_stages, zeroed_outputs=zeroed,
         constexprs=plan.attention_constexprs,
@@ -183,11 +202,18 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    kv_format: str | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """The engine's attention contract (``pagedjax.attention``): the stacked pool
     [L, N, Hkv, B, D] with ``layer``, or one layer's 4-D pages with ``layer=None`` (a
-    one-layer pool: ``k[None]`` is a reshape, not a copy)."""
+    one-layer pool: ``k[None]`` is a reshape, not a copy). 8-bit pools (``kv_format``,
+    ``k_scale``, ``v_scale`` as ``triton_paged_attention`` takes them, the same keywords
+    as the Pallas kernels) only stacked, with their layer."""
     if k_pool.ndim == 4:
+        if kv_format is not None:
+            raise ValueError(f"{kv_format} pages must be the stacked 5-D pool with a layer")
         if layer is not None:
             raise ValueError("4-D pages take layer=None; pass the stacked 5-D pool with a layer")
         k_pool, v_pool, layer = k_pool[None], v_pool[None], 0
@@ -196,6 +222,7 @@ def ragged_paged_attention(
     return triton_paged_attention(
         q, k_pool, v_pool, layer, block_tables, kv_lens, cu_q_lens,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        kv_format=kv_format, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
 
 

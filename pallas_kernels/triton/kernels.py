@@ -30,6 +30,20 @@ passes them (inputs, then outputs); ``tl.constexpr`` arguments are keyword metap
     writes an fp32 normalised partial and its log-sum-exp (-inf: the split saw nothing),
     which ``merge_splits_kernel`` combines.
 
+8-bit pages (``KV_FORMAT``, docs/kv_quantization.md): the pools hold bytes, "fp8_e4m3" /
+"fp8_e5m2" as uint8 with one float32 scale per (layer, KV head) in ``k_scale`` /
+``v_scale`` [L, Hkv], or "int8" with one float32 scale per (layer, block, KV head, slot)
+[L, N, Hkv, B, 1] loaded beside the page (same masks, so a poisoned scale is never read).
+A step's 8-bit tile is converted *exactly* to q's dtype (every fp8 / int8 value is a
+float16 and a bfloat16), and the scales are applied in fp32 outside the dot: the fp8 K
+scale folds into the score scale, the fp8 V scale into the final normalisation, the int8
+K scales multiply score columns, the int8 V scales the V rows before the dot. fp8 bytes
+are decoded with integer operations (``_fp8_to_float32``), not Triton's float8 types:
+``float8e4nv`` does not compile for sm_80 ("type fp8e4nv not supported in this
+architecture"), and Triton's CPU interpreter converts fp8 NaN / inf bytes to finite
+numbers (e4m3 0x7F -> 480, e5m2 0x7C -> 65536), so the interpreted tests would not test
+what a GPU does. The integer decode is exact for every byte on every target.
+
 The layer index and the sliding window arrive as a small int32 array the kernel reads (not
 as launch constants): inside the model's layer loop both are traced values.
 
@@ -44,10 +58,37 @@ import triton.language as tl
 
 
 @triton.jit
+def _fp8_to_float32(bits, E5M2: tl.constexpr):
+    """uint8 bytes of float8 (e5m2, or e4m3fn) -> float32, exact for every byte (NaN, inf,
+    subnormals, -0). e5m2 is the high byte of a float16. e4m3fn: sign to float16's sign bit
+    and exponent + mantissa into float16's low exponent bits and high mantissa bits; that
+    float16 is the value / 2**8 (exponent bias 15 vs 7; e4m3 subnormals land on float16
+    subnormals, equally exact), and magnitude 0x7F is e4m3fn's only NaN (no inf)."""
+    b = bits.to(tl.uint16)
+    if E5M2:
+        return (b << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    mag = b & 0x7F
+    half = ((b & 0x80) << 8) | (mag << 7)
+    x = half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return tl.where(mag == 0x7F, float("nan"), x)
+
+
+@triton.jit
+def _page_tile(raw, KV_FORMAT: tl.constexpr):
+    """A loaded page tile as float32 values before scaling (8-bit formats only)."""
+    if KV_FORMAT == "int8":
+        return raw.to(tl.float32)
+    else:
+        return _fp8_to_float32(raw, KV_FORMAT == "fp8_e5m2")
+
+
+@triton.jit
 def paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_pool_ptr,  # [L, N, Hkv, B, D]
     v_pool_ptr,  # same shape and strides as k_pool
+    k_scale_ptr,  # fp32: [L, Hkv] (fp8), [L, N, Hkv, B, 1] (int8), unread [1] (float pools)
+    v_scale_ptr,  # same shape and strides as k_scale
     scalars_ptr,  # int32[2]: the layer of the stacked pool to read, the window (<= 0: none)
     block_tables_ptr,  # int32[S, M]
     kv_lens_ptr,  # int32[S]
@@ -58,6 +99,10 @@ def paged_attention_kernel(
     stride_kv_block,
     stride_kv_head,
     stride_kv_tok,
+    stride_s_layer,  # scale strides: fp8 (Hkv, 0, 1, 0); int8 [L, N, Hkv, B, 1]'s first 4
+    stride_s_block,
+    stride_s_head,
+    stride_s_tok,
     stride_bt_seq,
     stride_o_split,  # output strides; out is [T, Hq, D] or [splits, T, Hq, D]
     stride_o_tok,
@@ -81,6 +126,7 @@ def paged_attention_kernel(
     TILE_N: tl.constexpr,  # keys per step
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else "tf32" (ignored for 16-bit)
+    KV_FORMAT: tl.constexpr,  # "none" (pools in q's dtype), "fp8_e4m3", "fp8_e5m2", "int8"
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -140,6 +186,14 @@ def paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     base = layer * stride_kv_layer + kv_head.to(tl.int64) * stride_kv_head
+    qk_scale = SM_SCALE
+    v_layer_scale = 1.0
+    if KV_FORMAT == "fp8_e4m3" or KV_FORMAT == "fp8_e5m2":
+        # One scale per (layer, KV head): K's folds into the score scale, V's into the end.
+        s_off = layer * stride_s_layer + kv_head * stride_s_head
+        qk_scale = SM_SCALE * tl.load(k_scale_ptr + s_off)
+        v_layer_scale = tl.load(v_scale_ptr + s_off)
+    s_base = layer * stride_s_layer + kv_head.to(tl.int64) * stride_s_head
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     cols = tl.arange(0, TILE_N)
     for step in range(my_lo, my_hi):
@@ -152,9 +206,15 @@ def paged_attention_kernel(
         k = tl.load(
             k_pool_ptr + kv_off[None, :] + d[:, None],
             mask=key_ok[None, :] & d_ok[:, None],
-            other=0.0,
+            other=0,
         )  # [HEAD_DIM_PAD, TILE_N]
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * SM_SCALE
+        if KV_FORMAT != "none":
+            k = _page_tile(k, KV_FORMAT).to(q.dtype)  # exact: 8-bit values fit q's dtype
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if KV_FORMAT == "int8":
+            s_off = s_base + page * stride_s_block + (kpos % BLOCK_SIZE) * stride_s_tok
+            k_tok_scale = tl.load(k_scale_ptr + s_off, mask=key_ok, other=0.0)
+            s = s * k_tok_scale[None, :]
         if SOFT_CAP > 0:
             # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, no libdevice call.
             s = SOFT_CAP * (1.0 - 2.0 / (tl.exp(2.0 * s / SOFT_CAP) + 1.0))
@@ -170,13 +230,18 @@ def paged_attention_kernel(
         v = tl.load(
             v_pool_ptr + kv_off[:, None] + d[None, :],
             mask=key_ok[:, None] & d_ok[None, :],
-            other=0.0,
+            other=0,
         )  # [TILE_N, HEAD_DIM_PAD]
+        if KV_FORMAT == "int8":
+            v_tok_scale = tl.load(v_scale_ptr + s_off, mask=key_ok, other=0.0)
+            v = (_page_tile(v, KV_FORMAT) * v_tok_scale[:, None]).to(q.dtype)
+        elif KV_FORMAT != "none":
+            v = _page_tile(v, KV_FORMAT).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw nothing: acc is 0
+    out = acc * v_layer_scale / tl.where(seen, l_i, 1.0)[:, None]  # saw nothing: acc is 0
     o_mask = row_ok[:, None] & d_ok[None, :]
     o_off = tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + d[None, :]
     if NUM_SPLITS == 1:

@@ -17,7 +17,10 @@ import torch
 from pallas_kernels.triton import configs
 from pallas_kernels.triton.kernels import merge_splits_kernel, paged_attention_kernel
 
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_DTYPE_NAMES = {
+    torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+    torch.uint8: "uint8", torch.int8: "int8",
+}  # fmt: skip
 
 
 @functools.cache
@@ -49,6 +52,9 @@ def paged_attention(
     tile: configs.TileConfig | None = None,
     capability: int | None = None,
     interpret: bool | None = None,
+    kv_format: str | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged paged attention on torch tensors; the contract of
     ``jax_binding.triton_paged_attention``.
@@ -60,14 +66,27 @@ def paged_attention(
     (<= 0: no window), as the layer loop passes per-layer windows.
     ``interpret`` defaults to True on CPU tensors; ``capability`` (e.g. 90) picks the tile
     table, default the tensor's GPU or 80 on CPU.
+    ``kv_format`` ("fp8_e4m3" / "fp8_e5m2": uint8 pools, "int8": int8 pools;
+    ``configs.KV_FORMATS``) with contiguous float32 ``k_scale`` / ``v_scale`` [L, Hkv]
+    (fp8) or [L, N, Hkv, B, 1] (int8): the pools hold 8-bit values, each times its scale.
     """
+    scales = None
+    if kv_format is not None:
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"{kv_format} needs k_scale and v_scale")
+        scales = tuple((tuple(s.shape), _dtype_name(s)) for s in (k_scale, v_scale))
     configs.check_shapes(
         tuple(q.shape), tuple(k_pool.shape), tuple(v_pool.shape), tuple(block_tables.shape),
         tuple(kv_lens.shape), tuple(cu_q_lens.shape), _dtype_name(q), _dtype_name(k_pool),
         (_dtype_name(block_tables), _dtype_name(kv_lens), _dtype_name(cu_q_lens)),
+        kv_format=kv_format, scales=scales,
     )  # fmt: skip
     if k_pool.stride() != v_pool.stride():
         raise ValueError(f"k_pool and v_pool strides differ: {k_pool.stride()} {v_pool.stride()}")
+    if kv_format is None:  # never read: any float32 buffer will do as the pointer
+        k_scale = v_scale = torch.zeros((1,), dtype=torch.float32, device=q.device)
+    elif not (k_scale.is_contiguous() and v_scale.is_contiguous()):
+        raise ValueError("k_scale and v_scale must be contiguous")
     device = q.device
     if interpret is None:
         interpret = device.type == "cpu"
@@ -87,7 +106,7 @@ def paged_attention(
         head_dim=head_dim, block_size=block_size, num_seqs=num_seqs, max_blocks=max_blocks,
         dtype=_dtype_name(q), sm_scale=sm_scale, sliding_window=static_window,
         soft_cap=soft_cap, dynamic_window=dynamic, capability=capability,
-        num_splits=num_splits, tile=tile,
+        num_splits=num_splits, tile=tile, kv_format=kv_format,
     )  # fmt: skip
     window = sliding_window if sliding_window is not None else 0
     scalars_t = torch.stack([
@@ -111,10 +130,11 @@ def paged_attention(
         out_strides, lse_strides = target.stride(), lse.stride()
     scalars = configs.attention_scalars(
         q.stride(), k_pool.stride(), block_tables.stride(), out_strides, lse_strides,
-        num_seqs, max_blocks,
+        num_seqs, max_blocks, configs.scale_strides(kv_format, tuple(k_scale.shape)),
     )  # fmt: skip
     attend[plan.grid](
-        q, k_pool, v_pool, scalars_t, block_tables, kv_lens, cu_q_lens, *scalars, target, lse,
+        q, k_pool, v_pool, k_scale, v_scale, scalars_t, block_tables, kv_lens, cu_q_lens,
+        *scalars, target, lse,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.attention_constexprs,
     )  # fmt: skip
     if plan.merge_grid is not None:

@@ -34,10 +34,12 @@ def _dry_run(tmp_path, env, *only: str) -> str:
 
 def _check_kernel_parts(text: str) -> None:
     # parity: the XLA reference, Mosaic GPU (interpreted), Triton through the jax-triton
-    # stand-in and Triton through torch, on 2 cases: 8 rows, all passing
-    assert "| parity | ok |" in text and "8/8 rows pass" in text
+    # stand-in and Triton through torch, on 2 cases, and the two Triton paths on an fp8
+    # pool: 10 rows, all passing
+    assert "| parity | ok |" in text and "10/10 rows pass" in text
     rows = [line for line in text.splitlines() if line.startswith("| Triton via")]
-    assert len(rows) == 4 and all(line.endswith("| pass |") for line in rows)
+    assert len(rows) == 6 and all(line.endswith("| pass |") for line in rows)
+    assert sum("pool fp8_e4m3" in line for line in rows) == 2
     bench_rows = [line for line in text.splitlines() if line.startswith("| tiny ")]
     assert len(bench_rows) == 2
     for line in bench_rows:

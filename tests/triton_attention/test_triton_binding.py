@@ -29,13 +29,16 @@ def test_single_split_call_layout_and_numerics(interp_worker):
     # prefill tiles on sm_80: block_m 64 -> 32 tokens of the GQA group of 2 per tile;
     # 12 // 32 + 4 = 4 query tiles, 2 KV heads, 1 split
     assert call["grid"] == [4, 2, 1]
+    # q, the pools, the (unread) scale buffers of a float pool, [layer, window], tables...
     assert call["array_shapes"] == [
-        [12, 4, 32], [2, 11, 2, 16, 32], [2, 11, 2, 16, 32], [2], [4, 5], [4], [5]
+        [12, 4, 32], [2, 11, 2, 16, 32], [2, 11, 2, 16, 32], [1], [1], [2], [4, 5], [4], [5]
     ]  # fmt: skip
-    assert call["array_dtypes"] == ["float16"] * 3 + ["int32"] * 4
-    # q strides (128, 32); pool (11264, 1024, 512, 32); table row 5; out (0, 128, 32);
-    # lse unused (0, 0); S = 4; M = 5
-    assert call["scalars"] == [128, 32, 11264, 1024, 512, 32, 5, 0, 128, 32, 0, 0, 4, 5]
+    assert call["array_dtypes"] == ["float16"] * 3 + ["float32"] * 2 + ["int32"] * 4
+    # q strides (128, 32); pool (11264, 1024, 512, 32); scales (0, 0, 0, 0): none read;
+    # table row 5; out (0, 128, 32); lse unused (0, 0); S = 4; M = 5
+    assert call["scalars"] == [128, 32, 11264, 1024, 512, 32, 0, 0, 0, 0, 5, 0, 128, 32, 0, 0,
+                               4, 5]  # fmt: skip
+    assert call["constexprs"]["KV_FORMAT"] == "none"
     assert call["out_shapes"] == [[12, 4, 32], [1]]
     assert call["zeroed_outputs"] == [0], "padding tokens are never written: output zeroed"
     c = call["constexprs"]
@@ -52,7 +55,7 @@ def test_split_decode_call_layout_and_numerics(interp_worker):
     assert attend["kernel"] == "paged_attention_kernel"
     assert attend["grid"] == [4 // 4 + 4, 2, 2]  # decode tiles: block_m 16 / group 4
     assert attend["out_shapes"] == [[2, 4, 8, 32], [2, 4, 8]]  # fp32 partials and lse
-    assert attend["scalars"][7:12] == [1024, 256, 32, 32, 8]  # partial and lse strides
+    assert attend["scalars"][11:16] == [1024, 256, 32, 32, 8]  # partial and lse strides
     assert attend["zeroed_outputs"] == []
     assert merge["kernel"] == "merge_splits_kernel"
     assert merge["grid"] == [4, 8]
@@ -116,7 +119,7 @@ def test_both_jax_triton_spellings_and_a_traced_layer(monkeypatch, spelling):
 
     windowed(jnp.int32(1), jnp.int32(4096))
     plain, with_window = calls
-    run_scalars = plain["args"][3]  # [layer, window]
+    run_scalars = plain["args"][5]  # [layer, window]
     assert run_scalars.shape == (2,) and run_scalars.dtype == jnp.int32
     assert plain["kw"]["zeroed_outputs"] == (0,)
     assert plain["kw"]["USE_WINDOW"] is False and with_window["kw"]["USE_WINDOW"] is True
@@ -141,14 +144,25 @@ def test_engine_contract_adapter(monkeypatch):
     q, pool, bt, kv, cu = _inputs(layers=3)
     ragged_paged_attention(q, pool, pool, bt, kv, cu, layer=jnp.int32(2), sm_scale=0.125)
     args = calls[-1]["args"]
-    assert args[1].shape == (3, 6, 2, 16, 64) and np.asarray(args[3]).tolist() == [2, 0]
+    assert args[1].shape == (3, 6, 2, 16, 64) and np.asarray(args[5]).tolist() == [2, 0]
     ragged_paged_attention(q, pool[0], pool[0], bt, kv, cu, sm_scale=0.125)
     args = calls[-1]["args"]
-    assert args[1].shape == (1, 6, 2, 16, 64) and np.asarray(args[3]).tolist() == [0, 0]
+    assert args[1].shape == (1, 6, 2, 16, 64) and np.asarray(args[5]).tolist() == [0, 0]
     with pytest.raises(ValueError, match="layer"):
         ragged_paged_attention(q, pool, pool, bt, kv, cu, sm_scale=0.125)
     with pytest.raises(ValueError, match="layer=None"):
         ragged_paged_attention(q, pool[0], pool[0], bt, kv, cu, layer=0, sm_scale=0.125)
+    # 8-bit pools: the stacked pool only, scales passed through untouched
+    k8 = pool.astype(jnp.int8)
+    scale = jnp.ones((*k8.shape[:4], 1), jnp.float32)
+    ragged_paged_attention(q, k8, k8, bt, kv, cu, layer=jnp.int32(1), sm_scale=0.125,
+                           kv_format="int8", k_scale=scale, v_scale=2 * scale)  # fmt: skip
+    args = calls[-1]["args"]
+    assert args[1].dtype == jnp.int8 and args[3].shape == scale.shape
+    assert float(args[4].max()) == 2.0 and calls[-1]["kw"]["KV_FORMAT"] == "int8"
+    with pytest.raises(ValueError, match="stacked 5-D pool"):
+        ragged_paged_attention(q, k8[0], k8[0], bt, kv, cu, sm_scale=0.125, kv_format="int8",
+                               k_scale=scale[0], v_scale=scale[0])  # fmt: skip
 
 
 def test_rejects_bad_inputs():
@@ -168,3 +182,18 @@ def test_rejects_bad_inputs():
         f(q, pool, pool, 0, bt, kv, cu[:-1])
     with pytest.raises(ValueError, match="sliding_window"):
         f(q, pool, pool, 0, bt, kv, cu, sliding_window=0)
+    # 8-bit pools: bytes of the named format, float32 scales of the format's shape
+    u8 = pool.astype(jnp.uint8)
+    layer_scale = jnp.ones((3, 2), jnp.float32)
+    with pytest.raises(ValueError, match="share a dtype"):
+        f(q, u8, u8, 0, bt, kv, cu)  # bytes without a kv_format
+    with pytest.raises(ValueError, match="kv_format must be one of"):
+        f(q, u8, u8, 0, bt, kv, cu, kv_format="fp8", k_scale=layer_scale, v_scale=layer_scale)
+    with pytest.raises(ValueError, match="pools must be uint8"):
+        f(q, pool, pool, 0, bt, kv, cu, kv_format="fp8_e4m3", k_scale=layer_scale,
+          v_scale=layer_scale)  # fmt: skip
+    with pytest.raises(ValueError, match=r"v_scale must be float32\[3, 2\]"):
+        f(q, u8, u8, 0, bt, kv, cu, kv_format="fp8_e5m2", k_scale=layer_scale,
+          v_scale=layer_scale[:, :1])  # fmt: skip
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        f(q, u8.astype(jnp.int8), u8.astype(jnp.int8), 0, bt, kv, cu, kv_format="int8")

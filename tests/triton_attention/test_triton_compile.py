@@ -14,7 +14,11 @@ import pytest
 # CI: the two kernels and the constexpr branches (splits + merge with the sizes jax-triton
 # makes constant; window + soft cap)
 # on both targets. The other variants run under -m slow.
-FAST = ["decode batch 1, one page, 2 splits", "prefill fp16, window, soft cap"]
+FAST = [
+    "decode batch 1, one page, 2 splits",
+    "prefill fp16, window, soft cap",
+    "decode fp8_e4m3 pages, 4 splits",  # 8-bit pages: the integer fp8 decode, fp32 scales
+]
 
 
 def _compile(env: dict, capabilities: list[int], only: list[str] | None) -> list[dict]:

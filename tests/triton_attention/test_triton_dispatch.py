@@ -45,7 +45,7 @@ def test_explicit_triton_warns_without_a_parity_run(fake_jax_triton, caplog, mon
 
     with caplog.at_level(logging.WARNING, logger="pagedjax.attention.backends"):
         b = select_attention_backend("triton", device=A100)
-    assert b.name == "triton"  # the kernel, wrapped to refuse an 8-bit KV cache by name
+    assert b.name == "triton"  # the kernel, wrapped to take an 8-bit pool (QuantizedPages)
     assert b.ragged_paged_attention.__wrapped__ is jax_binding.ragged_paged_attention
     assert "no parity run" in b.reason and "A100" in b.reason
     assert any("no committed parity run" in r.getMessage() for r in caplog.records)
