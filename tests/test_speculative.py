@@ -210,15 +210,6 @@ def test_missing_eagle_head_refused_before_loading():
         LLMEngine.from_config(config)
 
 
-def test_separate_draft_checkpoint_refused():
-    config = EngineConfig(
-        model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN),
-        speculative=SpeculativeConfig(method="draft_model", model="other", draft_num_layers=1),
-    )
-    with pytest.raises(NotImplementedError, match="separate draft checkpoint"):
-        LLMEngine.from_config(config)
-
-
 def test_ngram_proposer():
     p = NgramProposer(1, 3)
     assert p.propose([1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]  # 3-gram (1, 2, 3)
@@ -391,3 +382,152 @@ def test_disable_by_batch_size():
         assert engine.stats()["spec_proposed_tokens"] == 0
     finally:
         engine.speculator.config = old
+
+
+# ------------------------------------------------- separate draft checkpoint (own pool)
+
+HF_VOCAB = 384  # tests/model_helpers.py's tiny HF models
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tmp_path_factory):
+    """Tiny random HF checkpoints: the 2-layer Llama target; "trunc", the same model cut
+    to its first layer (same embeddings and head, so drafts are accepted sometimes: runs
+    of every length); "qwen3", a 1-layer Qwen3 (another family, 3 KV heads of 16)."""
+    import torch
+
+    from tests.model_helpers import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("draft_model")
+    target = make_tiny_hf_model("llama", seed=1)
+    target.save_pretrained(str(root / "target"))
+    with torch.no_grad():
+        target.model.layers = target.model.layers[:1]
+    target.config.num_hidden_layers = 1
+    target.save_pretrained(str(root / "trunc"))
+    make_tiny_hf_model("qwen3", seed=2, num_hidden_layers=1).save_pretrained(str(root / "qwen3"))
+    return {name: str(root / name) for name in ("target", "trunc", "qwen3")}
+
+
+def _dir_engine(target: str, draft: str | None, *, preemption: str = "recompute",
+                warmup: str = "none", **cache) -> LLMEngine:  # fmt: skip
+    """The test geometry above, on a checkpoint directory; draft: a separate draft."""
+    spec = None
+    if draft is not None:
+        spec = SpeculativeConfig(method="draft_model", model=draft, num_speculative_tokens=K)
+    cache = dict(block_size=BLOCK, enable_prefix_caching=True, **cache)
+    cache.setdefault("num_gpu_blocks_override", NUM_BLOCKS)
+    config = EngineConfig(
+        model=ModelConfig(model=target, dtype="float32", max_model_len=MAX_LEN, seed=0),
+        cache=CacheConfig(**cache),
+        scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS,
+                                  watermark=0.0, preemption_mode=preemption),  # fmt: skip
+        speculative=spec,
+        warmup=warmup,
+    )
+    return LLMEngine.from_config(config, kv_fill_value=float("nan"))
+
+
+def _hf_requests() -> tuple[list, dict]:
+    """Chunked prompts (some over BUDGET), n = 2, a shared prompt (a prefix hit),
+    max_tokens that end inside runs; a pool small enough to preempt."""
+    rng = np.random.default_rng(11)
+    prompts = {str(i): rng.integers(3, HF_VOCAB, size=n).tolist()
+               for i, n in enumerate((6, 19, 11, 27))}  # fmt: skip
+    prompts["s0"] = prompts["s1"] = prompts["2"]
+    reqs = [(rid, p, _greedy(24 - 3 * i)) for i, (rid, p) in enumerate(prompts.items())]
+    reqs[1] = (reqs[1][0], reqs[1][1], _greedy(13, n=2))
+    return reqs, prompts
+
+
+@functools.cache
+def _hf_reference(target: str) -> dict:
+    return _drain(_dir_engine(target, None), _hf_requests()[0])
+
+
+@pytest.mark.parametrize("draft", ["trunc", pytest.param("qwen3", marks=pytest.mark.slow)])
+def test_separate_draft_greedy_equals_plain(draft_dirs, draft):
+    """A separate draft with its own pool: greedy outputs equal the plain run across
+    chunked prefill, recompute preemption, n = 2, a prefix hit and max_tokens mid-run,
+    with the block invariants after every step."""
+    reqs, _ = _hf_requests()
+    ref = _hf_reference(draft_dirs["target"])
+    engine = _dir_engine(draft_dirs["target"], draft_dirs[draft])
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    s = engine.stats()
+    assert s["spec_proposed_tokens"] > 0
+    assert engine.num_preemptions > 0, "the pool was meant to force preemption"
+    assert s["prefix_cache_hit_tokens"] > 0
+    if draft == "trunc":  # partial runs: some drafts kept, some rejected
+        assert 0 < s["spec_accepted_tokens"] < s["spec_proposed_tokens"]
+    assert engine.num_free_blocks() == engine.num_usable_blocks()
+    d = engine.speculator.separate
+    assert d.kv[0].shape[:4] == (d.arch.num_layers, engine.num_blocks, d.arch.num_kv_heads,
+                                 BLOCK)  # fmt: skip
+
+
+@pytest.mark.parametrize("preemption", ["swap", pytest.param("recompute", marks=pytest.mark.slow)])
+def test_draft_equal_to_target_accepts_everything(draft_dirs, preemption):
+    """The target's own directory as its draft: every draft is accepted, through
+    preemption (swap moves the draft pool's blocks too: a stale or missing draft row
+    would show as a rejection), prefix hits and chunked prefill."""
+    reqs, _ = _hf_requests()
+    ref = _hf_reference(draft_dirs["target"])
+    engine = _dir_engine(draft_dirs["target"], draft_dirs["target"], preemption=preemption)
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    s = engine.stats()
+    assert s["spec_proposed_tokens"] > 0
+    assert s["spec_acceptance_rate"] == 1.0
+    assert s["spec_mean_accepted_length"] == pytest.approx(
+        1 + s["spec_proposed_tokens"] / s["spec_rows"]
+    )
+    if preemption == "swap":
+        assert s["swapped_out_blocks"] > 0 and s["swapped_in_blocks"] > 0
+    else:
+        assert engine.num_preemptions > 0
+    assert engine.num_free_blocks() == engine.num_usable_blocks()
+
+
+def test_separate_draft_compiles_once_after_warm_up(draft_dirs):
+    engine = _dir_engine(draft_dirs["target"], draft_dirs["trunc"], warmup="all")
+    warm = engine.stats()
+    reqs, _ = _hf_requests()
+    _drain(engine, reqs)
+    after = engine.stats()
+    assert after["spec_proposed_tokens"] > 0
+    assert after["spec_compilations"] == warm["spec_compilations"]
+    assert after["compilations"] == warm["compilations"]
+    assert set(engine.speculator.separate.trace_count.values()) == {1}
+
+
+def test_draft_pool_counted_in_kv_budget(draft_dirs):
+    """The same KV memory gives fewer blocks with a draft: both pools fit in it."""
+    budget = 64 * 1024
+    plain = _dir_engine(draft_dirs["target"], None, num_gpu_blocks_override=None,
+                        kv_cache_memory_bytes=budget)  # fmt: skip
+    spec = _dir_engine(draft_dirs["target"], draft_dirs["qwen3"], num_gpu_blocks_override=None,
+                       kv_cache_memory_bytes=budget)  # fmt: skip
+    nbytes = lambda kv: sum(p.nbytes for p in jax.tree.leaves(kv))
+    per_block = nbytes(plain.kv) // plain.num_blocks
+    draft_per_block = nbytes(spec.speculator.separate.kv) // spec.num_blocks
+    assert spec.num_blocks == budget // (per_block + draft_per_block) < plain.num_blocks
+    assert nbytes(spec.kv) + nbytes(spec.speculator.separate.kv) <= budget
+
+
+def test_separate_draft_refusals(draft_dirs):
+    """Vocabulary mismatch (both sizes named), missing checkpoint (before loading), a
+    layer-skip key on another model, model "self" without draft_num_layers."""
+    with pytest.raises(ValueError, match=r"'tiny-llama' has vocab_size 512, the target .* has 384"):
+        _dir_engine(draft_dirs["target"], "tiny-llama")
+    with pytest.raises(FileNotFoundError, match="'/nowhere': no draft checkpoint"):
+        _dir_engine(draft_dirs["target"], "/nowhere")
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN),
+        speculative=SpeculativeConfig(method="draft_model", model="other", draft_num_layers=1),
+    )
+    with pytest.raises(ValueError, match="layer-skip draft"):
+        LLMEngine.from_config(config)
+    with pytest.raises(ConfigError, match="draft_num_layers"):
+        SpeculativeConfig(method="draft_model", model="self")

@@ -229,9 +229,9 @@ class SpeculativeDecoder:
                 )  # fmt: skip
             if self.separate is not None:
                 d = self.separate
-                d.kv, dev.tokens = d.propose(d.params, d.kv, dev.tokens, mem, batch,
-                                             jnp.asarray(i32), num_tokens=t,
-                                             num_seqs=s)  # fmt: skip
+                d.kv, dev.tokens = d.propose(d.params, d.kv, dev.tokens, mem,
+                                             batch._replace(swap=None), jnp.asarray(i32),
+                                             num_tokens=t, num_seqs=s)  # fmt: skip
             acc = self._verify(core, mem, ext, jnp.asarray(i32), t, s)
             dev.state = self._commit(dev.state, i32, i32, acc, jnp.asarray(f))
         jax.block_until_ready((dev.state, ok))
