@@ -386,27 +386,54 @@ def test_disable_by_batch_size():
 
 # ------------------------------------------------- separate draft checkpoint (own pool)
 
-HF_VOCAB = 384  # tests/model_helpers.py's tiny HF models
+
+def _write_llama_dir(directory, config: dict, params) -> str:
+    """A Hugging Face Llama directory (config.json + model.safetensors, fp32) holding
+    ``params`` (pagedjax's layout: stacked layers, [in, out] kernels), no torch needed."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    tensors = {}
+
+    def put(path, x):
+        *mods, leaf = [p.key for p in path]
+        hf_leaf = {"kernel": "weight", "embedding": "weight", "scale": "weight"}.get(leaf, leaf)
+        x = np.asarray(x, np.float32)
+        name = lambda ms: ("" if ms[0] == "lm_head" else "model.") + ".".join([*ms, hf_leaf])
+        rows = [(["layers", str(i), *mods[1:]], x[i]) for i in range(x.shape[0])] if (
+            mods[0] == "layers") else [(mods, x)]  # fmt: skip
+        for ms, t in rows:
+            tensors[name(ms)] = np.ascontiguousarray(t.T if leaf == "kernel" else t)
+
+    jax.tree_util.tree_map_with_path(put, params)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    cfg = dict(config, architectures=["LlamaForCausalLM"], torch_dtype="float32")
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return str(directory)
 
 
 @pytest.fixture(scope="module")
 def draft_dirs(tmp_path_factory):
-    """Tiny random HF checkpoints: the 2-layer Llama target; "trunc", the same model cut
-    to its first layer (same embeddings and head, so drafts are accepted sometimes: runs
-    of every length); "qwen3", a 1-layer Qwen3 (another family, 3 KV heads of 16)."""
-    import torch
-
-    from tests.model_helpers import make_tiny_hf_model
+    """"target": the tests' tiny Llama (``_params()``, so the plain reference is
+    ``_engine(False)``'s) as a checkpoint directory; "trunc": the same model cut to its
+    first layer (same embeddings and head: drafts accepted sometimes, runs of every
+    length); "vocab384": a 1-layer Llama with another vocabulary. The "tiny-mixtral"
+    preset (random weights, 2 layers of 4 experts) is a draft of another family."""
+    from pagedjax.model import PRESETS, arch_from_hf_config
 
     root = tmp_path_factory.mktemp("draft_model")
-    target = make_tiny_hf_model("llama", seed=1)
-    target.save_pretrained(str(root / "target"))
-    with torch.no_grad():
-        target.model.layers = target.model.layers[:1]
-    target.config.num_hidden_layers = 1
-    target.save_pretrained(str(root / "trunc"))
-    make_tiny_hf_model("qwen3", seed=2, num_hidden_layers=1).save_pretrained(str(root / "qwen3"))
-    return {name: str(root / name) for name in ("target", "trunc", "qwen3")}
+    base = PRESETS["tiny-llama"]
+    trunc = {**_params(), "layers": jax.tree.map(lambda x: x[:1], _params()["layers"])}
+    other = dict(base, vocab_size=384, num_hidden_layers=1)
+    other_params = random_params(arch_from_hf_config(other), seed=3, dtype=jnp.float32)
+    return dict(
+        target=_write_llama_dir(root / "target", base, _params()),
+        trunc=_write_llama_dir(root / "trunc", dict(base, num_hidden_layers=1), trunc),
+        vocab384=_write_llama_dir(root / "vocab384", other, other_params),
+        mixtral="tiny-mixtral",
+    )
 
 
 def _dir_engine(target: str, draft: str | None, *, preemption: str = "recompute",
@@ -428,30 +455,27 @@ def _dir_engine(target: str, draft: str | None, *, preemption: str = "recompute"
     return LLMEngine.from_config(config, kv_fill_value=float("nan"))
 
 
-def _hf_requests() -> tuple[list, dict]:
+def _dir_requests() -> list:
     """Chunked prompts (some over BUDGET), n = 2, a shared prompt (a prefix hit),
-    max_tokens that end inside runs; a pool small enough to preempt."""
-    rng = np.random.default_rng(11)
-    prompts = {str(i): rng.integers(3, HF_VOCAB, size=n).tolist()
-               for i, n in enumerate((6, 19, 11, 27))}  # fmt: skip
-    prompts["s0"] = prompts["s1"] = prompts["2"]
-    reqs = [(rid, p, _greedy(24 - 3 * i)) for i, (rid, p) in enumerate(prompts.items())]
-    reqs[1] = (reqs[1][0], reqs[1][1], _greedy(13, n=2))
-    return reqs, prompts
+    max_tokens ending inside runs; with the small pool, preemption."""
+    prompts = _prompts(12, 4, lo=6, hi=30)
+    reqs = [(f"p{i}", p, _greedy(16 - 2 * i)) for i, p in enumerate(prompts)]
+    reqs[1] = (reqs[1][0], reqs[1][1], _greedy(12, n=2))
+    reqs += [(f"s{j}", prompts[2], _greedy(9)) for j in range(2)]  # s1 hits the cache
+    return reqs
 
 
 @functools.cache
-def _hf_reference(target: str) -> dict:
-    return _drain(_dir_engine(target, None), _hf_requests()[0])
+def _dir_reference() -> dict:
+    return _reference(_dir_requests())
 
 
-@pytest.mark.parametrize("draft", ["trunc", pytest.param("qwen3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("draft", ["trunc", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_separate_draft_greedy_equals_plain(draft_dirs, draft):
     """A separate draft with its own pool: greedy outputs equal the plain run across
     chunked prefill, recompute preemption, n = 2, a prefix hit and max_tokens mid-run,
     with the block invariants after every step."""
-    reqs, _ = _hf_requests()
-    ref = _hf_reference(draft_dirs["target"])
+    reqs, ref = _dir_requests(), _dir_reference()
     engine = _dir_engine(draft_dirs["target"], draft_dirs[draft])
     got = _drain(engine, reqs, on_step=check_memory)
     _assert_same(ref, got)
@@ -472,8 +496,7 @@ def test_draft_equal_to_target_accepts_everything(draft_dirs, preemption):
     """The target's own directory as its draft: every draft is accepted, through
     preemption (swap moves the draft pool's blocks too: a stale or missing draft row
     would show as a rejection), prefix hits and chunked prefill."""
-    reqs, _ = _hf_requests()
-    ref = _hf_reference(draft_dirs["target"])
+    reqs, ref = _dir_requests(), _dir_reference()
     engine = _dir_engine(draft_dirs["target"], draft_dirs["target"], preemption=preemption)
     got = _drain(engine, reqs, on_step=check_memory)
     _assert_same(ref, got)
@@ -493,8 +516,7 @@ def test_draft_equal_to_target_accepts_everything(draft_dirs, preemption):
 def test_separate_draft_compiles_once_after_warm_up(draft_dirs):
     engine = _dir_engine(draft_dirs["target"], draft_dirs["trunc"], warmup="all")
     warm = engine.stats()
-    reqs, _ = _hf_requests()
-    _drain(engine, reqs)
+    _drain(engine, _dir_requests())
     after = engine.stats()
     assert after["spec_proposed_tokens"] > 0
     assert after["spec_compilations"] == warm["spec_compilations"]
@@ -507,7 +529,7 @@ def test_draft_pool_counted_in_kv_budget(draft_dirs):
     budget = 64 * 1024
     plain = _dir_engine(draft_dirs["target"], None, num_gpu_blocks_override=None,
                         kv_cache_memory_bytes=budget)  # fmt: skip
-    spec = _dir_engine(draft_dirs["target"], draft_dirs["qwen3"], num_gpu_blocks_override=None,
+    spec = _dir_engine(draft_dirs["target"], draft_dirs["trunc"], num_gpu_blocks_override=None,
                        kv_cache_memory_bytes=budget)  # fmt: skip
     nbytes = lambda kv: sum(p.nbytes for p in jax.tree.leaves(kv))
     per_block = nbytes(plain.kv) // plain.num_blocks
@@ -519,8 +541,8 @@ def test_draft_pool_counted_in_kv_budget(draft_dirs):
 def test_separate_draft_refusals(draft_dirs):
     """Vocabulary mismatch (both sizes named), missing checkpoint (before loading), a
     layer-skip key on another model, model "self" without draft_num_layers."""
-    with pytest.raises(ValueError, match=r"'tiny-llama' has vocab_size 512, the target .* has 384"):
-        _dir_engine(draft_dirs["target"], "tiny-llama")
+    with pytest.raises(ValueError, match=r"vocab384' has vocab_size 384, the target .* has 512"):
+        _dir_engine(draft_dirs["target"], draft_dirs["vocab384"])
     with pytest.raises(FileNotFoundError, match="'/nowhere': no draft checkpoint"):
         _dir_engine(draft_dirs["target"], "/nowhere")
     config = EngineConfig(
