@@ -22,6 +22,10 @@ which some decode row has proposals (docs/speculative_decoding.md gives the reas
    usual one), and each row is truncated to ``start + 1 + a`` tokens: blocks wholly
    past it return to the pool (``memory/rollback.py``).
 
+A separate draft checkpoint (``spec_draft_model.py``) runs over every step's batch
+between steps 2 and 3 (its own pool, the target's block ids), also in steps that take
+the plain path; its pool follows swaps through ``apply_swaps``.
+
 A step with no proposal (or one with prompt-logprob rows) takes the plain path. With
 speculation on, the engine runs the one-step path only (no K-step decode loop).
 Stats: ``stats()`` (see ``SpecCounters``).
@@ -265,7 +269,7 @@ class SpeculativeDecoder:
             k = min(self.k, seq.target - out - 1, budget)
             if k <= 0:
                 continue
-            if self.draft or self.eagle or self.separate:  # filled in on device
+            if any(d is not None for d in (self.draft, self.eagle, self.separate)):  # on device
                 prop = [-1] * k
             else:
                 prop = self.proposer.propose(req.prompt_token_ids + seq.detok.ids, k)
