@@ -547,3 +547,24 @@ def test_separate_draft_refusals(draft_dirs):
         LLMEngine.from_config(config)
     with pytest.raises(ConfigError, match="draft_num_layers"):
         SpeculativeConfig(method="draft_model", model="self")
+
+
+def test_tokenizer_mismatch_refused(tmp_path):
+    """Equal vocab sizes, different ids for the same text: refused, naming both."""
+    import json
+    import shutil
+
+    from pagedjax.engine.spec_draft_model import check_same_vocab
+    from pagedjax.tokenizer import HFTokenizer
+    from tests.model_helpers import save_tiny_tokenizer
+
+    save_tiny_tokenizer(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    spec = json.loads((tmp_path / "a" / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["T"], vocab["h"] = vocab["h"], vocab["T"]  # same size, two ids swapped
+    (tmp_path / "b" / "tokenizer.json").write_text(json.dumps(spec))
+    a, b = HFTokenizer(tmp_path / "a"), HFTokenizer(tmp_path / "b")
+    check_same_vocab(("target", ARCH, a), ("draft", ARCH, HFTokenizer(tmp_path / "a")))
+    with pytest.raises(ValueError, match="'draft' and target 'target'.*different tokenizers"):
+        check_same_vocab(("target", ARCH, a), ("draft", ARCH, b))
