@@ -2,7 +2,7 @@
 
     python benchmarks/speculative.py [--batch-sizes 1 8 64] [--max-tokens 64]
         [--methods none ngram draft eagle] [--workloads copy chat] [--k 4]
-        [--draft-layers 8] [--eagle-dir DIR]
+        [--draft-layers 8] [--eagle-dir DIR] [--draft-model NAME_OR_DIR]
 
 Model: SmolLM2-135M-Instruct (``LLM(model="smollm2-135m-instruct")``), greedy.
 Workloads, each rendered by the chat template:
@@ -14,7 +14,10 @@ Methods: none (the default engine: K-step decode loop), ngram ({"method": "ngram
 "num_speculative_tokens": k, "prompt_lookup_max": 4}), draft ({"method": "draft_model",
 "model": "self", "draft_num_layers": N}: the model's own first N layers), eagle
 ({"method": "eagle", "model": DIR}: a head trained by ``python -m
-pagedjax.engine.train_eagle``; DIR defaults to where that writes it).
+pagedjax.engine.train_eagle``; DIR defaults to where that writes it), draftmodel
+({"method": "draft_model", "model": NAME_OR_DIR}: a separate draft checkpoint with its own
+KV pool; default the model itself, the upper bound of acceptance at the cost of a second
+full model; no smaller real model with SmolLM2's vocabulary is available offline).
 
 For each (workload, batch size B), every method in turn (engines built first, so the
 ratios compare runs made under the same machine load; the first method listed is the
@@ -93,6 +96,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--eagle-dir", default=str(default_out(MODEL)))
+    ap.add_argument("--draft-model", default=MODEL)
     ap.add_argument("--json", default=None, help="write the rows here too")
     a = ap.parse_args()
     print(f"load before: {os.getloadavg()}", flush=True)
@@ -102,6 +106,8 @@ def main() -> None:
         "draft": {"method": "draft_model", "model": "self", "num_speculative_tokens": a.k,
                   "draft_num_layers": a.draft_layers},
         "eagle": {"method": "eagle", "model": a.eagle_dir, "num_speculative_tokens": a.k},
+        "draftmodel": {"method": "draft_model", "model": a.draft_model,
+                       "num_speculative_tokens": a.k},
     }  # fmt: skip
     texts = {"copy": copy_prompts(), "chat": list(QUESTIONS)}
     # All engines first; then each (workload, batch) runs every method back to back, so

@@ -207,7 +207,9 @@ class SpeculativeConfig:
     the last n tokens, n from prompt_lookup_max down to prompt_lookup_min);
     "draft_model" with model "self" (or the target's own model name) and
     draft_num_layers N: a layer-skip draft, the target's first N layers with its final
-    norm and LM head (pagedjax's own key; separate draft checkpoints are not built);
+    norm and LM head (pagedjax's own key); "draft_model" with another model (directory,
+    .gguf, catalog or preset name) and no draft_num_layers: a separate draft checkpoint
+    with its own KV pool (engine/spec_draft_model.py);
     "eagle" with model a head directory (engine/spec_eagle.py; trained by
     ``python -m pagedjax.engine.train_eagle``). num_speculative_tokens: k, proposals
     verified per sequence per step. disable_by_batch_size: no proposals in a step with
@@ -237,9 +239,11 @@ class SpeculativeConfig:
             _check(self.model is not None, "speculative_config.model",
                    f"method {self.method!r} needs a draft model")  # fmt: skip
         n = self.draft_num_layers
-        if self.method == "draft_model":
-            _check(n is not None and n >= 1, "speculative_config.draft_num_layers",
-                   f"method 'draft_model' needs draft_num_layers >= 1, got {n!r}")  # fmt: skip
+        _check(n is None or n >= 1, "speculative_config.draft_num_layers",
+               f"must be >= 1, got {n!r}")  # fmt: skip
+        if self.method == "draft_model" and self.model == "self":
+            _check(n is not None, "speculative_config.draft_num_layers",
+                   "model 'self' (a layer-skip draft) needs draft_num_layers N")  # fmt: skip
         b = self.disable_by_batch_size
         _check(b is None or b >= 1, "speculative_config.disable_by_batch_size",
                f"must be >= 1, got {b}")  # fmt: skip

@@ -210,15 +210,6 @@ def test_missing_eagle_head_refused_before_loading():
         LLMEngine.from_config(config)
 
 
-def test_separate_draft_checkpoint_refused():
-    config = EngineConfig(
-        model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN),
-        speculative=SpeculativeConfig(method="draft_model", model="other", draft_num_layers=1),
-    )
-    with pytest.raises(NotImplementedError, match="separate draft checkpoint"):
-        LLMEngine.from_config(config)
-
-
 def test_ngram_proposer():
     p = NgramProposer(1, 3)
     assert p.propose([1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]  # 3-gram (1, 2, 3)
@@ -391,3 +382,189 @@ def test_disable_by_batch_size():
         assert engine.stats()["spec_proposed_tokens"] == 0
     finally:
         engine.speculator.config = old
+
+
+# ------------------------------------------------- separate draft checkpoint (own pool)
+
+
+def _write_llama_dir(directory, config: dict, params) -> str:
+    """A Hugging Face Llama directory (config.json + model.safetensors, fp32) holding
+    ``params`` (pagedjax's layout: stacked layers, [in, out] kernels), no torch needed."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    tensors = {}
+
+    def put(path, x):
+        *mods, leaf = [p.key for p in path]
+        hf_leaf = {"kernel": "weight", "embedding": "weight", "scale": "weight"}.get(leaf, leaf)
+        x = np.asarray(x, np.float32)
+        name = lambda ms: ("" if ms[0] == "lm_head" else "model.") + ".".join([*ms, hf_leaf])
+        rows = [(["layers", str(i), *mods[1:]], x[i]) for i in range(x.shape[0])] if (
+            mods[0] == "layers") else [(mods, x)]  # fmt: skip
+        for ms, t in rows:
+            tensors[name(ms)] = np.ascontiguousarray(t.T if leaf == "kernel" else t)
+
+    jax.tree_util.tree_map_with_path(put, params)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    cfg = dict(config, architectures=["LlamaForCausalLM"], torch_dtype="float32")
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tmp_path_factory):
+    """"target": the tests' tiny Llama (``_params()``, so the plain reference is
+    ``_engine(False)``'s) as a checkpoint directory; "trunc": the same model cut to its
+    first layer (same embeddings and head: drafts accepted sometimes, runs of every
+    length); "vocab384": a 1-layer Llama with another vocabulary. The "tiny-mixtral"
+    preset (random weights, 2 layers of 4 experts) is a draft of another family."""
+    from pagedjax.model import PRESETS, arch_from_hf_config
+
+    root = tmp_path_factory.mktemp("draft_model")
+    base = PRESETS["tiny-llama"]
+    trunc = {**_params(), "layers": jax.tree.map(lambda x: x[:1], _params()["layers"])}
+    other = dict(base, vocab_size=384, num_hidden_layers=1)
+    other_params = random_params(arch_from_hf_config(other), seed=3, dtype=jnp.float32)
+    return dict(
+        target=_write_llama_dir(root / "target", base, _params()),
+        trunc=_write_llama_dir(root / "trunc", dict(base, num_hidden_layers=1), trunc),
+        vocab384=_write_llama_dir(root / "vocab384", other, other_params),
+        mixtral="tiny-mixtral",
+    )
+
+
+def _dir_engine(target: str, draft: str | None, *, preemption: str = "recompute",
+                warmup: str = "none", **cache) -> LLMEngine:  # fmt: skip
+    """The test geometry above, on a checkpoint directory; draft: a separate draft."""
+    spec = None
+    if draft is not None:
+        spec = SpeculativeConfig(method="draft_model", model=draft, num_speculative_tokens=K)
+    cache = dict(block_size=BLOCK, enable_prefix_caching=True, **cache)
+    cache.setdefault("num_gpu_blocks_override", NUM_BLOCKS)
+    config = EngineConfig(
+        model=ModelConfig(model=target, dtype="float32", max_model_len=MAX_LEN, seed=0),
+        cache=CacheConfig(**cache),
+        scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS,
+                                  watermark=0.0, preemption_mode=preemption),  # fmt: skip
+        speculative=spec,
+        warmup=warmup,
+    )
+    return LLMEngine.from_config(config, kv_fill_value=float("nan"))
+
+
+def _dir_requests() -> list:
+    """Chunked prompts (some over BUDGET), n = 2, a shared prompt (a prefix hit),
+    max_tokens ending inside runs; with the small pool, preemption."""
+    prompts = _prompts(12, 4, lo=6, hi=30)
+    reqs = [(f"p{i}", p, _greedy(16 - 2 * i)) for i, p in enumerate(prompts)]
+    reqs[1] = (reqs[1][0], reqs[1][1], _greedy(12, n=2))
+    reqs += [(f"s{j}", prompts[2], _greedy(9)) for j in range(2)]  # s1 hits the cache
+    return reqs
+
+
+@functools.cache
+def _dir_reference() -> dict:
+    return _reference(_dir_requests())
+
+
+@pytest.mark.parametrize("draft", ["trunc", pytest.param("mixtral", marks=pytest.mark.slow)])
+def test_separate_draft_greedy_equals_plain(draft_dirs, draft):
+    """A separate draft with its own pool: greedy outputs equal the plain run across
+    chunked prefill, recompute preemption, n = 2, a prefix hit and max_tokens mid-run,
+    with the block invariants after every step; warmed up, the engine compiles nothing
+    while generating (the draft's program traced once per bucket)."""
+    reqs, ref = _dir_requests(), _dir_reference()
+    engine = _dir_engine(draft_dirs["target"], draft_dirs[draft], warmup="all")
+    warm = engine.stats()
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    s = engine.stats()
+    assert s["spec_compilations"] == warm["spec_compilations"]
+    assert s["compilations"] == warm["compilations"]
+    assert set(engine.speculator.separate.trace_count.values()) == {1}
+    assert s["spec_proposed_tokens"] > 0
+    assert engine.num_preemptions > 0, "the pool was meant to force preemption"
+    assert s["prefix_cache_hit_tokens"] > 0
+    if draft == "trunc":  # partial runs: some drafts kept, some rejected
+        assert 0 < s["spec_accepted_tokens"] < s["spec_proposed_tokens"]
+    assert engine.num_free_blocks() == engine.num_usable_blocks()
+    d = engine.speculator.separate
+    assert d.kv[0].shape[:4] == (d.arch.num_layers, engine.num_blocks, d.arch.num_kv_heads,
+                                 BLOCK)  # fmt: skip
+
+
+@pytest.mark.parametrize("preemption", ["swap", pytest.param("recompute", marks=pytest.mark.slow)])
+def test_draft_equal_to_target_accepts_everything(draft_dirs, preemption):
+    """The target's own directory as its draft: every draft is accepted, through
+    preemption (swap moves the draft pool's blocks too: a stale or missing draft row
+    would show as a rejection), prefix hits and chunked prefill."""
+    reqs, ref = _dir_requests(), _dir_reference()
+    engine = _dir_engine(draft_dirs["target"], draft_dirs["target"], preemption=preemption)
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    s = engine.stats()
+    assert s["spec_proposed_tokens"] > 0
+    assert s["spec_acceptance_rate"] == 1.0
+    assert s["spec_mean_accepted_length"] == pytest.approx(
+        1 + s["spec_proposed_tokens"] / s["spec_rows"]
+    )
+    if preemption == "swap":
+        assert s["swapped_out_blocks"] > 0 and s["swapped_in_blocks"] > 0
+    else:
+        assert engine.num_preemptions > 0
+    assert engine.num_free_blocks() == engine.num_usable_blocks()
+
+
+def test_draft_pool_counted_in_kv_budget(draft_dirs):
+    """The same KV memory gives fewer blocks with a draft: both pools fit in it."""
+    budget = 64 * 1024
+    plain = _dir_engine(draft_dirs["target"], None, num_gpu_blocks_override=None,
+                        kv_cache_memory_bytes=budget)  # fmt: skip
+    spec = _dir_engine(draft_dirs["target"], draft_dirs["trunc"], num_gpu_blocks_override=None,
+                       kv_cache_memory_bytes=budget)  # fmt: skip
+    nbytes = lambda kv: sum(p.nbytes for p in jax.tree.leaves(kv))
+    per_block = nbytes(plain.kv) // plain.num_blocks
+    draft_per_block = nbytes(spec.speculator.separate.kv) // spec.num_blocks
+    assert spec.num_blocks == budget // (per_block + draft_per_block) < plain.num_blocks
+    assert nbytes(spec.kv) + nbytes(spec.speculator.separate.kv) <= budget
+
+
+def test_separate_draft_refusals(draft_dirs):
+    """Vocabulary mismatch (both sizes named), missing checkpoint (before loading), a
+    layer-skip key on another model, model "self" without draft_num_layers."""
+    with pytest.raises(ValueError, match=r"vocab384' has vocab_size 384, the target .* has 512"):
+        _dir_engine(draft_dirs["target"], draft_dirs["vocab384"])
+    with pytest.raises(FileNotFoundError, match="'/nowhere': no draft checkpoint"):
+        _dir_engine(draft_dirs["target"], "/nowhere")
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN),
+        speculative=SpeculativeConfig(method="draft_model", model="other", draft_num_layers=1),
+    )
+    with pytest.raises(ValueError, match="layer-skip draft"):
+        LLMEngine.from_config(config)
+    with pytest.raises(ConfigError, match="draft_num_layers"):
+        SpeculativeConfig(method="draft_model", model="self")
+
+
+def test_tokenizer_mismatch_refused(tmp_path):
+    """Equal vocab sizes, different ids for the same text: refused, naming both."""
+    import json
+    import shutil
+
+    from pagedjax.engine.spec_draft_model import check_same_vocab
+    from pagedjax.tokenizer import HFTokenizer
+    from tests.model_helpers import save_tiny_tokenizer
+
+    save_tiny_tokenizer(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    spec = json.loads((tmp_path / "a" / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["T"], vocab["h"] = vocab["h"], vocab["T"]  # same size, two ids swapped
+    (tmp_path / "b" / "tokenizer.json").write_text(json.dumps(spec))
+    a, b = HFTokenizer(tmp_path / "a"), HFTokenizer(tmp_path / "b")
+    check_same_vocab(("target", ARCH, a), ("draft", ARCH, HFTokenizer(tmp_path / "a")))
+    with pytest.raises(ValueError, match="'draft' and target 'target'.*different tokenizers"):
+        check_same_vocab(("target", ARCH, a), ("draft", ARCH, b))

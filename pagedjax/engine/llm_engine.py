@@ -34,7 +34,6 @@ host bookkeeping in ``RequestBook`` (``request_book.py``), both in one ``EngineC
 methods; ``state``, ``kv``, ``tokens`` and ``params`` here are views of the core's.
 """
 
-
 from __future__ import annotations
 
 import functools
@@ -64,7 +63,7 @@ from pagedjax.engine.parallel import DevicePlacement, check_device_count
 from pagedjax.engine.prompts import check_request, record_prompt_logprobs, tokenize_prompt
 from pagedjax.engine.request_book import RequestBook
 from pagedjax.engine.sequence import RequestState, SequenceState
-from pagedjax.engine.speculative import build_speculator, check_buildable
+from pagedjax.engine.speculative import build_speculator, check_buildable, load_draft
 from pagedjax.engine.warmup import warm_up
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.prefix_cache import PrefixIndex
@@ -120,13 +119,14 @@ class LLMEngine:
         self.attention_backend = backend.name  # "native_cpu", "reference", "pallas" or "triton"
         attention = place.attention(backend.ragged_paged_attention)
         self.runner = ModelRunner(arch, self.block_size, attention, max_logprobs, place.size == 1)
-        self.max_logprobs = max_logprobs
+        self.max_logprobs, self.max_blocks_per_seq = max_logprobs, max_blocks_per_seq
         budget = sc.max_num_batched_tokens
         self.token_buckets = step_buckets(budget, smallest=min(16, budget))
         self.seq_buckets = seq_buckets_for(self.token_buckets, self.max_num_seqs)  # S from T
-
+        draft, kv_per_token = load_draft(config.speculative, config.model.model, arch, tokenizer,
+                                         self.kv_spec, self.max_model_len, config.model.seed)
         self.num_blocks = num_kv_blocks(  # per device: its share of each block
-            kv_bytes_per_token=self.kv_spec.bytes_per_token // place.kv_shards,
+            kv_bytes_per_token=kv_per_token // place.kv_shards,
             block_size=self.block_size,
             max_blocks_needed=self.max_seqs * max_blocks_per_seq,
             num_gpu_blocks_override=cc.num_gpu_blocks_override,
@@ -140,7 +140,7 @@ class LLMEngine:
         )
         self.num_host_blocks = num_host_blocks(
             cc.swap_space,
-            self.kv_spec.bytes_per_token * self.block_size,
+            kv_per_token * self.block_size,
             self.max_seqs * max_blocks_per_seq,
             sc.preemption_mode,
         )
@@ -150,7 +150,6 @@ class LLMEngine:
             num_host_blocks=self.num_host_blocks,
         )  # fmt: skip
         self.enable_prefix_caching = cc.enable_prefix_caching
-        self.max_blocks_per_seq = max_blocks_per_seq
         self.sched_config = SchedulerConfig(
             max_seqs=self.max_seqs, max_num_batched_tokens=budget,
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
@@ -163,7 +162,7 @@ class LLMEngine:
                                    num_host_blocks=self.num_host_blocks)  # fmt: skip
         place.place_state(device_state)
         self.speculator = build_speculator(config.speculative, arch, self.block_size, attention,
-                                           max_logprobs, self.policy)  # speculative.py
+                                           max_logprobs, self.policy, draft)  # speculative.py
         k = resolve_num_steps(sc.num_multi_steps, place.device.platform)  # multi_step.py
         num_steps = 1 if self.speculator else k  # K = 1: the one-step path (speculation)
         self.multi_step = MultiStepDecoder(self.runner, self.policy, self.sched_config, num_steps)
@@ -400,9 +399,9 @@ class LLMEngine:
 
     def _apply_swaps(self, batch: ScheduledBatch, host: dict) -> None:
         """Copy this step's swapped blocks: out (device -> host) first, while the freed
-        device blocks still hold the group's KV (the forward and its copy-on-write copies
-        may overwrite them this step), then in (host -> device) into the fresh blocks,
-        before any forward reads them. One gather + device_get, one upload + scatter."""
+        device blocks still hold the group's KV (this step's forward and copy-on-write may
+        overwrite them), then in (host -> device) into the fresh blocks, before any forward
+        reads them (a separate speculative draft's pool too, spec_draft_model.py)."""
         n_out, n_in = int(host["num_out"]), int(host["num_in"])
         out_slots = np.flatnonzero(host["swapped_out"])
         in_slots = np.flatnonzero(host["swapped_in"])
@@ -418,6 +417,8 @@ class LLMEngine:
         if n_in:
             self.core.device.swap_in(sw, n_in, padding_bucket(n_in, sw.in_src.shape[0]))
             self.num_swapped_in_blocks += n_in
+        if self.speculator is not None:
+            self.speculator.apply_swaps(sw, host)
 
     def fork_samples(self, req: RequestState, parent: SequenceState) -> None:
         """Give samples 1..n-1 of ``req`` slots sharing sample 0's prompt blocks
@@ -431,10 +432,9 @@ class LLMEngine:
 
     def warmup(self, pairs: Iterable[tuple[int, int]] | None = None, *, mode: str = "decode",
                progress: bool = False) -> list[tuple[int, int]]:  # fmt: skip
-        """Compile now, by running on no-op inputs (``warmup.py``): ``mode`` "decode"
-        (decode pairs, the largest prefill pair, decode loops, state functions), "all"
-        (every reachable (T, S) pair too) or "none"; ``pairs`` runs just those runner
-        pairs. Returns the runner pairs run. Costs one compilation per new program."""
+        """Compile now, on no-op inputs (``warmup.py``): ``mode`` "decode" (decode pairs,
+        the largest prefill pair, decode loops, state functions), "all" (every reachable
+        (T, S) pair too) or "none"; ``pairs``: just those runner pairs. Returns them."""
         done = warm_up(self.core, self.multi_step, mode, pairs, progress)
         if self.speculator is not None:  # its verification (and draft) programs too
             self.speculator.warm_up(self.core, done)

@@ -11,7 +11,7 @@ layers 0..N-1 of the shared pool. The draft reads and writes those layers in pla
 (block tables, slots and rollback are the target's) instead of keeping a second pool:
 the draft tokens' rows it writes are the rows the verification step then rewrites for
 the same tokens, and the rows of rejected drafts are rolled back with the target's. A
-separate draft checkpoint would need its own pool; that is not built.
+separate draft checkpoint has its own pool: ``spec_draft_model.py``.
 
 Inputs: the extended state (``speculative._extend`` grew each speculating row to
 ``start + 1 + k``), the token buffer holding the last real token at ``total - 1``.
@@ -84,45 +84,64 @@ class LayerSkipDraft:
         counts int32[N] in batch-row order (first num_seqs used). Returns (kv', tokens'
         with the drafts written)."""
         self.trace_count[num_seqs] = self.trace_count.get(num_seqs, 0) + 1
-        tables = mem.tables.tables
         kv = apply_cow(kv, mem.last_cow.src, mem.last_cow.dst, mem.last_cow.valid)
-        sid = seq_ids[:num_seqs]
-        row_ok = sid >= 0
-        safe = jnp.maximum(sid, 0)
-        tot, cnt = total[:num_seqs], counts[:num_seqs]
-        n = tokens.shape[0]
-        block_tables = jnp.where(row_ok[:, None], tables[safe], 0)
-
-        def body(i, carry):
-            kv, tokens = carry
-            active = row_ok & (i < cnt)
-            pos = jnp.maximum(tot - 1 + i, 0)
-            ids = tokens[safe, jnp.minimum(pos, tokens.shape[1] - 1)]
-            slots = slot_mapping(tables, safe, pos, active, self.block_size)
-            # Ragged layout: one query token per active row, idle rows get q_len 0 (and
-            # kv_len 0); the active rows' tokens are packed first, in row order.
-            q = active.astype(jnp.int32)
-            cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q, dtype=jnp.int32)])
-            dest = jnp.where(active, cu[:-1], num_seqs)  # out of range: dropped
-            pack = lambda fill, v: jnp.full((num_seqs,), fill, jnp.int32).at[dest].set(
-                v, mode="drop"
-            )
-            inp = ModelInput(
-                tokens=pack(0, ids),
-                positions=pack(0, pos),
-                slot_mapping=pack(PAD_SLOT, slots),
-                block_tables=block_tables,
-                kv_lens=jnp.where(active, pos + 1, 0),
-                cu_q_lens=cu,
-                logits_indices=jnp.minimum(cu[:-1], num_seqs - 1),
-            )
-            kv, logits = self.module.apply({"params": params}, kv, inp)
-            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            dst = jnp.where(active, safe, n)  # out of range: dropped
-            tokens = tokens.at[dst, tot + i].set(nxt, mode="drop")
-            return kv, tokens
-
-        return jax.lax.fori_loop(0, self.k, body, (kv, tokens))
+        apply = lambda kv, inp: self.module.apply({"params": params}, kv, inp)
+        return greedy_draft_steps(apply, kv, tokens, mem.tables.tables, seq_ids, total,
+                                  counts, 0, self.k, kv_tail=0, num_seqs=num_seqs,
+                                  block_size=self.block_size)  # fmt: skip
 
 
-__all__ = ["LayerSkipDraft", "draft_arch", "draft_params"]
+def greedy_draft_steps(apply: Callable[[Any, ModelInput], tuple[Any, jax.Array]], kv: Any,
+                       tokens: jax.Array, tables: jax.Array, seq_ids: jax.Array,
+                       total: jax.Array, counts: jax.Array, lower: Any, upper: Any, *,
+                       kv_tail: int, num_seqs: int, block_size: int) -> tuple:  # fmt: skip
+    """Batched one-token draft steps i in [lower, upper) (bounds may be traced).
+
+    Step i feeds each active row the token at position ``total - 1 + i`` (writing its
+    KV there through ``apply(kv, ModelInput) -> (kv', logits [S, V])``, the draft's
+    forward) and writes the argmax at ``total + i`` when i < counts (draft i). A row is
+    active while i < counts + kv_tail: kv_tail = 1 runs one more step whose only use is
+    the KV of the last draft (``spec_draft_model.py``: a separate draft needs its own KV
+    at every position the verification may accept). seq_ids, total, counts: int32[N]
+    in batch-row order, first num_seqs used; rows past their run write nothing
+    (PAD_SLOT). Returns (kv', tokens')."""
+    sid = seq_ids[:num_seqs]
+    row_ok = sid >= 0
+    safe = jnp.maximum(sid, 0)
+    tot, cnt = total[:num_seqs], counts[:num_seqs]
+    n = tokens.shape[0]
+    block_tables = jnp.where(row_ok[:, None], tables[safe], 0)
+
+    def body(i, carry):
+        kv, tokens = carry
+        active = row_ok & (i < cnt + kv_tail)
+        pos = jnp.maximum(tot - 1 + i, 0)
+        ids = tokens[safe, jnp.minimum(pos, tokens.shape[1] - 1)]
+        slots = slot_mapping(tables, safe, pos, active, block_size)
+        # Ragged layout: one query token per active row, idle rows get q_len 0 (and
+        # kv_len 0); the active rows' tokens are packed first, in row order.
+        q = active.astype(jnp.int32)
+        cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q, dtype=jnp.int32)])
+        dest = jnp.where(active, cu[:-1], num_seqs)  # out of range: dropped
+        pack = lambda fill, v: jnp.full((num_seqs,), fill, jnp.int32).at[dest].set(
+            v, mode="drop"
+        )
+        inp = ModelInput(
+            tokens=pack(0, ids),
+            positions=pack(0, pos),
+            slot_mapping=pack(PAD_SLOT, slots),
+            block_tables=block_tables,
+            kv_lens=jnp.where(active, pos + 1, 0),
+            cu_q_lens=cu,
+            logits_indices=jnp.minimum(cu[:-1], num_seqs - 1),
+        )
+        kv, logits = apply(kv, inp)
+        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        dst = jnp.where(active & (i < cnt), safe, n)  # out of range: dropped
+        tokens = tokens.at[dst, tot + i].set(nxt, mode="drop")
+        return kv, tokens
+
+    return jax.lax.fori_loop(lower, upper, body, (kv, tokens))
+
+
+__all__ = ["LayerSkipDraft", "draft_arch", "draft_params", "greedy_draft_steps"]

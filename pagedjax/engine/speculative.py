@@ -22,6 +22,10 @@ which some decode row has proposals (docs/speculative_decoding.md gives the reas
    usual one), and each row is truncated to ``start + 1 + a`` tokens: blocks wholly
    past it return to the pool (``memory/rollback.py``).
 
+A separate draft checkpoint (``spec_draft_model.py``) runs over every step's batch
+between steps 2 and 3 (its own pool, the target's block ids), also in steps that take
+the plain path; its pool follows swaps through ``apply_swaps``.
+
 A step with no proposal (or one with prompt-logprob rows) takes the plain path. With
 speculation on, the engine runs the one-step path only (no K-step decode loop).
 Stats: ``stats()`` (see ``SpecCounters``).
@@ -42,6 +46,13 @@ from pagedjax.config import SpeculativeConfig
 from pagedjax.engine import admission
 from pagedjax.engine.buckets import pick, seqs_for_tokens
 from pagedjax.engine.spec_draft import LayerSkipDraft
+from pagedjax.engine.spec_draft_model import (
+    DraftCheckpoint,
+    SeparateDraft,
+    check_draft_source,
+    is_separate_draft,
+    load_draft,
+)
 from pagedjax.engine.spec_eagle import EagleDraft, EagleVerifier
 from pagedjax.engine.spec_ngram import NgramProposer
 from pagedjax.engine.spec_verify import SpecVerifier, sampled_offsets
@@ -51,9 +62,10 @@ BUILT_METHODS = ("ngram", "draft_model", "eagle")
 
 
 def check_buildable(config: SpeculativeConfig | None, target_model: str | None = None) -> None:
-    """NotImplementedError naming what is not built (before any loading): the method,
-    or a draft_model that is not the target itself (``spec_draft.py``); for eagle,
-    FileNotFoundError when its head directory is missing."""
+    """Errors naming what cannot be built, before any loading: NotImplementedError for
+    a method not built; ValueError for a layer-skip draft (``draft_num_layers``) of
+    another model; FileNotFoundError for a separate draft checkpoint
+    (``spec_draft_model.py``) or an eagle head directory that is not there."""
     if config is None:
         return
     if config.method not in BUILT_METHODS:
@@ -61,10 +73,13 @@ def check_buildable(config: SpeculativeConfig | None, target_model: str | None =
             f"speculative_config method {config.method!r} is not built yet; built:"
             f" {list(BUILT_METHODS)}"
         )
-    if config.method == "draft_model" and config.model not in ("self", target_model):
-        raise NotImplementedError(
-            f"speculative_config model {config.model!r}: a separate draft checkpoint is not"
-            " built; use the target's own first layers (model 'self', draft_num_layers N)"
+    if is_separate_draft(config):
+        check_draft_source(str(config.model))
+    elif config.method == "draft_model" and config.model not in ("self", target_model):
+        raise ValueError(
+            f"speculative_config draft_num_layers selects a layer-skip draft, the target's"
+            f" own first layers (model 'self'); model {config.model!r} is another checkpoint:"
+            " drop draft_num_layers to use it as a separate draft"
         )
     if config.method == "eagle" and not Path(str(config.model)).expanduser().is_dir():
         raise FileNotFoundError(
@@ -139,13 +154,21 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, config: SpeculativeConfig, arch: Any, block_size: int,
-                 attention_fn: Any, max_logprobs: int, policy: Any):  # fmt: skip
-        check_buildable(config, config.model)
+                 attention_fn: Any, max_logprobs: int, policy: Any,
+                 draft_checkpoint: DraftCheckpoint | None = None):  # fmt: skip
+        if not is_separate_draft(config):
+            check_buildable(config, config.model)
+        elif draft_checkpoint is None:
+            raise ValueError("a separate draft_model needs its loaded checkpoint"
+                             " (spec_draft_model.load_draft)")  # fmt: skip
         self.config = config
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        self.draft = self.eagle = None
-        if config.method == "draft_model":
+        self.draft = self.eagle = self.separate = None
+        if draft_checkpoint is not None:  # its own pool, the target's block ids
+            self.separate = SeparateDraft(draft_checkpoint, attention_fn, block_size,
+                                          policy.num_blocks, policy.num_host_blocks)  # fmt: skip
+        elif config.method == "draft_model":
             n = config.draft_num_layers
             self.draft = LayerSkipDraft(arch, n, attention_fn, block_size, self.k)
         verifier_args = (arch, block_size, attention_fn, max_logprobs, self.k)
@@ -164,11 +187,18 @@ class SpeculativeDecoder:
         draft = {} if self.draft is None else {"spec_draft": self.draft.propose}
         if self.eagle is not None:
             draft["spec_eagle_propose"] = self.eagle.propose
+        if self.separate is not None:
+            draft["spec_draft_model"] = self.separate.propose
         return dict(spec_extend=self._extend, spec_commit=self._commit,
                     spec_verify=self.verifier.step, **draft)  # fmt: skip
 
     def reset_stats(self) -> None:
         self.counters = SpecCounters()
+
+    def apply_swaps(self, plan: Any, host: dict) -> None:
+        """The step's swap copies on a separate draft's pool (``LLMEngine._apply_swaps``)."""
+        if self.separate is not None:
+            self.separate.apply_swaps(plan, host)
 
     def stats(self) -> dict[str, float | int]:
         """``SpecCounters.stats`` plus spec_compilations (this decoder's programs)."""
@@ -201,6 +231,11 @@ class SpeculativeDecoder:
                     self.draft.params_for(core.params), dev.kv, dev.tokens, mem, i32, i32,
                     i32, num_seqs=s,
                 )  # fmt: skip
+            if self.separate is not None:
+                d = self.separate
+                d.kv, dev.tokens = d.propose(d.params, d.kv, dev.tokens, mem,
+                                             batch._replace(swap=None), jnp.asarray(i32),
+                                             num_tokens=t, num_seqs=s)  # fmt: skip
             acc = self._verify(core, mem, ext, jnp.asarray(i32), t, s)
             dev.state = self._commit(dev.state, i32, i32, acc, jnp.asarray(f))
         jax.block_until_ready((dev.state, ok))
@@ -234,7 +269,7 @@ class SpeculativeDecoder:
             k = min(self.k, seq.target - out - 1, budget)
             if k <= 0:
                 continue
-            if self.draft is not None or self.eagle is not None:  # filled in on device
+            if any(d is not None for d in (self.draft, self.eagle, self.separate)):  # on device
                 prop = [-1] * k
             else:
                 prop = self.proposer.propose(req.prompt_token_ids + seq.detok.ids, k)
@@ -287,13 +322,21 @@ class SpeculativeDecoder:
         num_seqs = int(host["num_seqs"])
         seq_ids, emits = host["seq_ids"], host["emits"]
         owners = [core.book.owner(int(seq_ids[r])) for r in range(num_seqs)]
+        # The scheduled batch's bucket (the separate draft's forward runs over it).
+        sched_tokens = pick(engine.token_buckets, int(host["num_tokens"]))
+        sched_seqs = seqs_for_tokens(engine.seq_buckets, sched_tokens)
         if any(
             req.prompt_logprobs is not None and host["start_pos"][r] < len(req.prompt_token_ids)
             for r, (req, _) in enumerate(owners)
         ):
+            if self.separate is not None:  # its KV follows every step (spec_draft_model.py)
+                self.separate.run(core, batch, np.zeros(core.max_seqs, np.int32),
+                                  sched_tokens, sched_seqs)  # fmt: skip
             return False  # prompt logprobs need every token's logits: the plain path
         counts, drafts = self._plan(engine, host, owners)
         if not counts.any() and self.eagle is None:
+            if self.separate is not None:  # the draft's forward only (no proposals)
+                self.separate.run(core, batch, counts, sched_tokens, sched_seqs)
             return False  # (the eagle head must see every step: spec_eagle.py)
         mask = counts > 0
         start = host["start_pos"].astype(np.int32)
@@ -309,6 +352,8 @@ class SpeculativeDecoder:
                 self.draft.params_for(core.params), dev.kv, dev.tokens,
                 dev.state.mem, sid, start + 1, counts, num_seqs=padded_seqs,
             )  # fmt: skip
+        if self.separate is not None:  # over the scheduled batch, then the k draft steps
+            self.separate.run(core, batch, counts, sched_tokens, sched_seqs)
         if self.eagle is not None:
             self.eagle.ensure(core)
             if counts.any():
@@ -370,4 +415,5 @@ def build_speculator(config: SpeculativeConfig | None, *args: Any) -> Speculativ
     return None if config is None else SpeculativeDecoder(config, *args)
 
 
-__all__ = ["SpecCounters", "SpeculativeDecoder", "build_speculator", "check_buildable"]
+__all__ = ["SpecCounters", "SpeculativeDecoder", "build_speculator", "check_buildable",
+           "load_draft"]  # fmt: skip
