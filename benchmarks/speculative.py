@@ -62,21 +62,27 @@ def prompt_ids(llm: LLM, questions: list[str]) -> list[list[int]]:
     return ids
 
 
-def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
-    """Add all prompts, step to completion; times, tokens and outputs."""
+def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int, tag: str,
+             waves: int = 1) -> dict:
+    """Add the prompts in ``waves`` groups, each stepped to completion before the next
+    is added (waves = len(prompts): one request at a time); times, tokens, outputs.
+    A request's latency counts from its own wave's start."""
     eng = llm.llm_engine
     eng.reset_stats()
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        eng.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, sp)
     finish, outs = {}, {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                finish[o.request_id] = time.perf_counter() - t0
-                outs[o.request_id] = o.outputs[0].token_ids
-    wall = time.perf_counter() - t0
+    wall = 0.0
+    per = -(-len(prompts) // waves)
+    for w in range(0, len(prompts), per):
+        t0 = time.perf_counter()
+        for i in range(w, min(w + per, len(prompts))):
+            eng.add_request(f"{tag}-{i}", {"prompt_token_ids": prompts[i]}, sp)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    finish[o.request_id] = time.perf_counter() - t0
+                    outs[o.request_id] = o.outputs[0].token_ids
+        wall += time.perf_counter() - t0
     tokens = sum(len(v) for v in outs.values())
     order = [outs[f"{tag}-{i}"] for i in range(len(prompts))]
     return dict(seconds=wall, tokens=tokens, tok_s=tokens / wall,
@@ -93,6 +99,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--eagle-dir", default=str(default_out(MODEL)))
+    ap.add_argument("--batch1-prompts", type=int, default=1,
+                    help="at batch 1, run this many prompts one after another (default 1:"
+                    " the first prompt only)")
     ap.add_argument("--json", default=None, help="write the rows here too")
     a = ap.parse_args()
     print(f"load before: {os.getloadavg()}", flush=True)
@@ -116,11 +125,12 @@ def main() -> None:
     for wl in a.workloads:
         ids = prompt_ids(next(iter(llms.values())), texts[wl])
         for b in a.batch_sizes:
-            prompts = [ids[i % len(ids)] for i in range(b)]
+            n = a.batch1_prompts if b == 1 else b
+            prompts = [ids[i % len(ids)] for i in range(n)]
             ref = None
             for method, llm in llms.items():
-                run_once(llm, prompts, a.max_tokens, "warm")
-                r = run_once(llm, prompts, a.max_tokens, "timed")
+                run_once(llm, prompts, a.max_tokens, "warm", waves=len(prompts) // b)
+                r = run_once(llm, prompts, a.max_tokens, "timed", waves=len(prompts) // b)
                 ref = r if ref is None else ref  # the first method listed is the baseline
                 s = r["stats"]
                 row = dict(
