@@ -2,7 +2,7 @@
 
     python benchmarks/speculative.py [--batch-sizes 1 8 64] [--max-tokens 64]
         [--methods none ngram draft eagle] [--workloads copy chat] [--k 4]
-        [--draft-layers 8] [--eagle-dir DIR]
+        [--draft-layers 8] [--eagle-dir DIR] [--batch1-prompts N]
 
 Model: SmolLM2-135M-Instruct (``LLM(model="smollm2-135m-instruct")``), greedy.
 Workloads, each rendered by the chat template:
@@ -10,7 +10,8 @@ Workloads, each rendered by the chat template:
   Alice text (the output copies the prompt: n-gram lookup's favourable case, like
   summarisation / extraction / code edits);
 - chat: the 20 eval questions (pagedjax/eval/chat.py).
-Methods: none (the default engine: K-step decode loop), ngram ({"method": "ngram",
+Methods (NAME or NAME@K, e.g. eagle@3: that method with k = K): none (the default
+engine: K-step decode loop), ngram ({"method": "ngram",
 "num_speculative_tokens": k, "prompt_lookup_max": 4}), draft ({"method": "draft_model",
 "model": "self", "draft_num_layers": N}: the model's own first N layers), eagle
 ({"method": "eagle", "model": DIR}: a head trained by ``python -m
@@ -19,7 +20,9 @@ pagedjax.engine.train_eagle``; DIR defaults to where that writes it).
 For each (workload, batch size B), every method in turn (engines built first, so the
 ratios compare runs made under the same machine load; the first method listed is the
 baseline): the first B prompts (cycled) are added at once and stepped to completion
-twice, the first run compiling what the second uses; the second is timed.
+twice, the first run compiling what the second uses; the second is timed. At batch 1
+``--batch1-prompts N`` runs the first N prompts one at a time (each alone in the
+engine; tok/s over all of them), since a single short answer is a few steps.
 Reported: output tokens/s, mean request latency (add -> finished),
 the ratio to "none", the acceptance rate, the mean accepted length (tokens per
 speculating row-step, bonus included) and whether the outputs equal "none"'s. Prints
@@ -90,6 +93,15 @@ def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int, tag: str,
                 stats=eng.stats())  # fmt: skip
 
 
+def method_config(configs: dict, method: str) -> dict | None:
+    """configs[method]; "NAME@K" is NAME with num_speculative_tokens K (e.g. eagle@3)."""
+    name, _, k = method.partition("@")
+    if name not in configs:
+        raise SystemExit(f"unknown method {name!r}; known: {sorted(configs)} (NAME or NAME@K)")
+    cfg = configs[name]
+    return cfg if not k or cfg is None else dict(cfg, num_speculative_tokens=int(k))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
@@ -118,7 +130,7 @@ def main() -> None:
     llms = {
         m: LLM(model=MODEL, max_model_len=1024, max_num_seqs=max(a.batch_sizes),
                max_num_batched_tokens=1024, kv_cache_memory_bytes=1 << 30,
-               warmup="none", speculative_config=configs[m])
+               warmup="none", speculative_config=method_config(configs, m))
         for m in a.methods
     }  # fmt: skip
     rows = []

@@ -1,23 +1,37 @@
 """Train an EAGLE-style draft head on a model's own greedy outputs (CPU, minutes).
 
     python -m pagedjax.engine.train_eagle [--model smollm2-135m-instruct] [--out DIR]
-        [--prompts 64] [--gen-tokens 96] [--steps 2000] [--time-budget 240]
-        [--batch 4] [--lr 1e-3] [--seed 0]
+        [--prompts 320] [--gen-tokens 128] [--draft-vocab 8192] [--time-budget 300]
+        [--batch-tokens 1024] [--lr 2e-3] [--ce-weight 0.1] [--steps N] [--seed 0]
 
-1. Data: the target answers ``--prompts`` chat prompts greedily (``LLM.generate``);
-   the prompts are templated from a topic list (disjoint from the eval questions in
-   pagedjax/eval/chat.py, which the benchmark measures on). Self-distillation: the
-   head learns what the *target* says, which is what it must predict when serving.
-2. Teacher forcing: one forward of the target per sequence gives its post-norm feature
-   f_p at every position (``spec_eagle.forward_with_features``) and its greedy token.
-3. Training (optax AdamW, gradient clipping): the head reads (f_p, x_{p+1}) and is
-   trained as EAGLE-1: smooth-L1 of g_p against f_{p+1} plus 0.1 x cross-entropy of
-   lm_head(g_p) against the target's greedy token after x_{p+1}. One eighth of the
-   sequences are held out; the log prints their teacher-forced top-1 agreement (an
-   upper bound on the first draft's acceptance; later drafts read the head's own g).
-4. Saves config.json + model.safetensors into ``--out`` (default: the user's cache,
-   ``~/.cache/pagedjax/eagle/<model>``; never committed), the run's numbers in
-   config.json's ``train``. Use: ``{"method": "eagle", "model": OUT, ...}``.
+1. Data (self-distillation: the head learns what the *target* says, which is what it
+   must predict when serving): the target answers ``--prompts`` distinct chat questions
+   greedily, all submitted at once to ``LLM.generate`` (batched: hundreds of tokens/s
+   on a CPU where one request gets tens). The questions are templated
+   (``PROMPT_KINDS`` x topics / words / numbers: facts, arithmetic, translation, code,
+   advice, poems, ...); none is one of the 20 eval questions the benchmark measures on
+   (pagedjax/eval/chat.py; tests check it), though the kinds overlap. Cached in
+   ``~/.cache/pagedjax/eagle/data/`` (a rerun with the same sizes and seed skips it).
+2. Teacher forcing: one prefill forward of the target over prompt + answer, several
+   sequences per forward, gives its post-norm feature f_p at every position
+   (``spec_eagle.forward_with_features``): thousands of training positions for the
+   cost of a few decode steps each.
+3. Draft vocabulary (FR-Spec / EAGLE-3's d2t; model/eagle.py): the ``--draft-vocab``
+   ids most frequent in the training answers; the head drafts over those rows of the
+   LM head only (0 = the full vocabulary).
+4. Training (optax AdamW, gradient clipping, 20-step warm-up then a cosine decay over
+   ``--time-budget`` seconds): the head reads (f_p, x_{p+1}) and is trained as
+   EAGLE-1 on the answer's positions: smooth-L1 of g_p against f_{p+1} plus
+   ``--ce-weight`` x cross-entropy of g_p's draft-vocabulary logits against x_{p+2}
+   (the target's greedy token). Sequences train in length buckets (``LENGTHS``;
+   ``--batch-tokens`` padded tokens per step). A tenth of the sequences are held out;
+   the log prints their teacher-forced top-1 agreement on answer positions (a token
+   outside the draft vocabulary counts as a miss): an upper bound on the first
+   draft's acceptance (later drafts read the head's own g).
+5. Saves config.json + model.safetensors (with ``draft_vocab``) into ``--out``
+   (default: the user's cache, ``~/.cache/pagedjax/eagle/<model>``; never committed),
+   the run's numbers in config.json's ``train``. Use:
+   ``{"method": "eagle", "model": OUT, "num_speculative_tokens": k}``.
 
 optax is needed (``pip install optax``; the ``train`` extra).
 """
