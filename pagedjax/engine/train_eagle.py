@@ -1,7 +1,8 @@
 """Train an EAGLE-style draft head on a model's own greedy outputs (CPU, minutes).
 
     python -m pagedjax.engine.train_eagle [--model smollm2-135m-instruct] [--out DIR]
-        [--prompts 320] [--gen-tokens 128] [--draft-vocab 8192] [--time-budget 300]
+        [--prompts 320] [--gen-tokens 128] [--gen-budget 900] [--draft-vocab 8192]
+        [--time-budget 300]
         [--batch-tokens 1024] [--lr 2e-3] [--ce-weight 0.1] [--steps N] [--seed 0]
 
 1. Data (self-distillation: the head learns what the *target* says, which is what it
@@ -10,8 +11,9 @@
    on a CPU where one request gets tens). The questions are templated
    (``PROMPT_KINDS`` x topics / words / numbers: facts, arithmetic, translation, code,
    advice, poems, ...); none is one of the 20 eval questions the benchmark measures on
-   (pagedjax/eval/chat.py; tests check it), though the kinds overlap. Cached in
-   ``~/.cache/pagedjax/eagle/data/`` (a rerun with the same sizes and seed skips it).
+   (pagedjax/eval/chat.py; tests check it), though the kinds overlap. Saved after
+   every 64 answers in ``~/.cache/pagedjax/eagle/data/`` (a rerun with the same sizes
+   and seed continues it); ``--gen-budget`` seconds cap this stage.
 2. Teacher forcing: one prefill forward of the target over prompt + answer, several
    sequences per forward, gives its post-norm feature f_p at every position
    (``spec_eagle.forward_with_features``): thousands of training positions for the
@@ -278,26 +280,35 @@ def make_loss(arch: Any, head_arch: Any, rows: int, length: int, ce_weight: floa
     return loss_fn
 
 
-def generate_data(model: str, count: int, gen_tokens: int, seed: int, path: Path) -> dict:
+def generate_data(model: str, count: int, gen_tokens: int, seed: int, path: Path,
+                  budget_s: float, chunk: int = 64) -> dict:  # fmt: skip
     """{"prompt_lens": [...], "seqs": [prompt + greedy answer ids]}: the target answers
-    ``count`` templated questions greedily in large batches; cached in ``path``."""
-    if path.is_file():
-        return json.loads(path.read_text())
+    templated questions greedily, ``chunk`` at a time in one batch, until ``count`` are
+    answered or ``budget_s`` seconds have passed (then fewer: a shared CPU can be
+    slow). Saved to ``path`` after every chunk; a rerun continues from it."""
+    data = json.loads(path.read_text()) if path.is_file() else dict(prompt_lens=[], seqs=[])
+    if len(data["seqs"]) >= count:
+        return data
     from pagedjax.engine.llm import LLM
     from pagedjax.sampling import SamplingParams
 
-    llm = LLM(model=model, warmup="none", max_num_seqs=64, max_num_batched_tokens=2048,
+    t0 = time.time()
+    llm = LLM(model=model, warmup="none", max_num_seqs=chunk, max_num_batched_tokens=2048,
               max_model_len=1024)  # fmt: skip
     tok = llm.get_tokenizer()
-    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-             for q in training_prompts(count, seed)]  # fmt: skip
-    outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=gen_tokens))
-    data = dict(
-        prompt_lens=[len(o.prompt_token_ids) for o in outs],
-        seqs=[list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs],
-    )
+    questions = training_prompts(count, seed)
+    sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data))
+    while len(data["seqs"]) < count and time.time() - t0 < budget_s:
+        done = len(data["seqs"])
+        texts = [tok.apply_chat_template([{"role": "user", "content": q}],
+                                         add_generation_prompt=True)
+                 for q in questions[done : done + chunk]]  # fmt: skip
+        for o in llm.generate(texts, sp, use_tqdm=False):
+            data["prompt_lens"].append(len(o.prompt_token_ids))
+            data["seqs"].append(list(o.prompt_token_ids) + list(o.outputs[0].token_ids))
+        path.write_text(json.dumps(data))
+        print(f"answered {len(data['seqs'])} / {count} ({time.time() - t0:.0f} s)", flush=True)
     return data
 
 
@@ -309,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--draft-vocab", type=int, default=8192,
                     help="draft vocabulary size (most frequent answer ids; 0 = all)")
+    ap.add_argument("--gen-budget", type=float, default=900.0,
+                    help="seconds of answering at most (then train on what was answered)")
     ap.add_argument("--steps", type=int, default=100000, help="at most this many steps")
     ap.add_argument("--time-budget", type=float, default=300.0, help="training seconds")
     ap.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per step")
@@ -325,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).expanduser() if args.out else default_out(args.model)
     cache = default_out(args.model).parent / "data"
     name = f"{args.model}-{args.prompts}x{args.gen_tokens}-s{args.seed}.json"
-    data = generate_data(args.model, args.prompts, args.gen_tokens, args.seed, cache / name)
+    data = generate_data(args.model, args.prompts, args.gen_tokens, args.seed, cache / name,
+                         args.gen_budget)  # fmt: skip
     seqs, plens = data["seqs"], data["prompt_lens"]
     t_gen = time.time() - t0
     ntok = sum(len(s) - p for s, p in zip(seqs, plens, strict=True))
