@@ -148,7 +148,7 @@ def training_prompts(count: int, seed: int = 0) -> list[str]:
 
 
 BLOCK = 16
-LENGTHS = (64, 128, 256)  # training length buckets (rows per step: batch tokens / length)
+LENGTHS = (64, 128, 160, 256)  # training length buckets (rows per step: batch tokens / length)
 
 
 def default_out(model: str) -> Path:
