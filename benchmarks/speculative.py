@@ -20,7 +20,9 @@ pagedjax.engine.train_eagle``; DIR defaults to where that writes it).
 For each (workload, batch size B), every method in turn (engines built first, so the
 ratios compare runs made under the same machine load; the first method listed is the
 baseline): the first B prompts (cycled) are added at once and stepped to completion
-twice, the first run compiling what the second uses; the second is timed. At batch 1
+twice, the first run compiling what the second uses; the second is timed
+(``--rounds R``: R timed runs per method, interleaved across methods, summed; the
+row lists each round's ratio too). At batch 1
 ``--batch1-prompts N`` runs the first N prompts one at a time (each alone in the
 engine; tok/s over all of them), since a single short answer is a few steps.
 Reported: output tokens/s, mean request latency (add -> finished),
@@ -66,12 +68,13 @@ def prompt_ids(llm: LLM, questions: list[str]) -> list[list[int]]:
 
 
 def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int, tag: str,
-             waves: int = 1) -> dict:
+             waves: int = 1, reset: bool = True) -> dict:
     """Add the prompts in ``waves`` groups, each stepped to completion before the next
     is added (waves = len(prompts): one request at a time); times, tokens, outputs.
     A request's latency counts from its own wave's start."""
     eng = llm.llm_engine
-    eng.reset_stats()
+    if reset:  # else the stats accumulate over calls (--rounds)
+        eng.reset_stats()
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     finish, outs = {}, {}
     wall = 0.0
@@ -114,6 +117,9 @@ def main() -> None:
     ap.add_argument("--batch1-prompts", type=int, default=1,
                     help="at batch 1, run this many prompts one after another (default 1:"
                     " the first prompt only)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="timed rounds, the methods interleaved (round r starts at method r mod"
+                    " M), summed: a shared box's load then weighs on every method alike")
     ap.add_argument("--json", default=None, help="write the rows here too")
     a = ap.parse_args()
     print(f"load before: {os.getloadavg()}", flush=True)
@@ -139,16 +145,31 @@ def main() -> None:
         for b in a.batch_sizes:
             n = a.batch1_prompts if b == 1 else b
             prompts = [ids[i % len(ids)] for i in range(n)]
+            waves = len(prompts) // b
+            for llm in llms.values():
+                run_once(llm, prompts, a.max_tokens, "warm", waves=waves)
+            names = list(llms)
+            runs: dict[str, list[dict]] = {m: [] for m in names}
+            for rnd in range(a.rounds):
+                for j in range(len(names)):
+                    m = names[(rnd + j) % len(names)]
+                    runs[m].append(run_once(llms[m], prompts, a.max_tokens, f"timed{rnd}",
+                                            waves=waves, reset=rnd == 0))  # fmt: skip
             ref = None
-            for method, llm in llms.items():
-                run_once(llm, prompts, a.max_tokens, "warm", waves=len(prompts) // b)
-                r = run_once(llm, prompts, a.max_tokens, "timed", waves=len(prompts) // b)
+            for method in names:
+                rs = runs[method]
+                secs = sum(x["seconds"] for x in rs)
+                r = dict(rs[-1], tok_s=sum(x["tokens"] for x in rs) / secs,
+                         latency=sum(x["latency"] for x in rs) / len(rs))  # fmt: skip
                 ref = r if ref is None else ref  # the first method listed is the baseline
+                base = runs[names[0]]
+                per_round = [x["tok_s"] / y["tok_s"] for x, y in zip(rs, base, strict=True)]
                 s = r["stats"]
                 row = dict(
                     method=method, workload=wl, batch=b, tok_s=round(r["tok_s"], 1),
                     latency_s=round(r["latency"], 3),
                     ratio=round(r["tok_s"] / ref["tok_s"], 2),
+                    round_ratios=[round(x, 2) for x in per_round],
                     acceptance=round(s.get("spec_acceptance_rate", 0.0), 3),
                     mean_accepted_len=round(s.get("spec_mean_accepted_length", 0.0), 2),
                     same_as_none=r["outputs"] == ref["outputs"], tokens=r["tokens"],
