@@ -3,6 +3,7 @@
     python benchmarks/speculative.py [--batch-sizes 1 8 64] [--max-tokens 64]
         [--methods none ngram draft eagle] [--workloads copy chat] [--k 4]
         [--draft-layers 8] [--eagle-dir DIR] [--draft-model NAME_OR_DIR]
+        [--batch1-prompts N] [--rounds R]
 
 Model: SmolLM2-135M-Instruct (``LLM(model="smollm2-135m-instruct")``), greedy.
 Workloads, each rendered by the chat template:
@@ -10,7 +11,8 @@ Workloads, each rendered by the chat template:
   Alice text (the output copies the prompt: n-gram lookup's favourable case, like
   summarisation / extraction / code edits);
 - chat: the 20 eval questions (pagedjax/eval/chat.py).
-Methods: none (the default engine: K-step decode loop), ngram ({"method": "ngram",
+Methods (NAME or NAME@K, e.g. eagle@3: that method with k = K): none (the default
+engine: K-step decode loop), ngram ({"method": "ngram",
 "num_speculative_tokens": k, "prompt_lookup_max": 4}), draft ({"method": "draft_model",
 "model": "self", "draft_num_layers": N}: the model's own first N layers), eagle
 ({"method": "eagle", "model": DIR}: a head trained by ``python -m
@@ -22,7 +24,11 @@ full model; no smaller real model with SmolLM2's vocabulary is available offline
 For each (workload, batch size B), every method in turn (engines built first, so the
 ratios compare runs made under the same machine load; the first method listed is the
 baseline): the first B prompts (cycled) are added at once and stepped to completion
-twice, the first run compiling what the second uses; the second is timed.
+twice, the first run compiling what the second uses; the second is timed
+(``--rounds R``: R timed runs per method, interleaved across methods, summed; the
+row lists each round's ratio too). At batch 1
+``--batch1-prompts N`` runs the first N prompts one at a time (each alone in the
+engine; tok/s over all of them), since a single short answer is a few steps.
 Reported: output tokens/s, mean request latency (add -> finished),
 the ratio to "none", the acceptance rate, the mean accepted length (tokens per
 speculating row-step, bonus included) and whether the outputs equal "none"'s. Prints
@@ -65,26 +71,42 @@ def prompt_ids(llm: LLM, questions: list[str]) -> list[list[int]]:
     return ids
 
 
-def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
-    """Add all prompts, step to completion; times, tokens and outputs."""
+def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int, tag: str,
+             waves: int = 1, reset: bool = True) -> dict:
+    """Add the prompts in ``waves`` groups, each stepped to completion before the next
+    is added (waves = len(prompts): one request at a time); times, tokens, outputs.
+    A request's latency counts from its own wave's start."""
     eng = llm.llm_engine
-    eng.reset_stats()
+    if reset:  # else the stats accumulate over calls (--rounds)
+        eng.reset_stats()
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        eng.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, sp)
     finish, outs = {}, {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                finish[o.request_id] = time.perf_counter() - t0
-                outs[o.request_id] = o.outputs[0].token_ids
-    wall = time.perf_counter() - t0
+    wall = 0.0
+    per = -(-len(prompts) // waves)
+    for w in range(0, len(prompts), per):
+        t0 = time.perf_counter()
+        for i in range(w, min(w + per, len(prompts))):
+            eng.add_request(f"{tag}-{i}", {"prompt_token_ids": prompts[i]}, sp)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    finish[o.request_id] = time.perf_counter() - t0
+                    outs[o.request_id] = o.outputs[0].token_ids
+        wall += time.perf_counter() - t0
     tokens = sum(len(v) for v in outs.values())
     order = [outs[f"{tag}-{i}"] for i in range(len(prompts))]
     return dict(seconds=wall, tokens=tokens, tok_s=tokens / wall,
                 latency=sum(finish.values()) / len(finish), outputs=order,
                 stats=eng.stats())  # fmt: skip
+
+
+def method_config(configs: dict, method: str) -> dict | None:
+    """configs[method]; "NAME@K" is NAME with num_speculative_tokens K (e.g. eagle@3)."""
+    name, _, k = method.partition("@")
+    if name not in configs:
+        raise SystemExit(f"unknown method {name!r}; known: {sorted(configs)} (NAME or NAME@K)")
+    cfg = configs[name]
+    return cfg if not k or cfg is None else dict(cfg, num_speculative_tokens=int(k))
 
 
 def main() -> None:
@@ -97,6 +119,12 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--eagle-dir", default=str(default_out(MODEL)))
     ap.add_argument("--draft-model", default=MODEL)
+    ap.add_argument("--batch1-prompts", type=int, default=1,
+                    help="at batch 1, run this many prompts one after another (default 1:"
+                    " the first prompt only)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="timed rounds, the methods interleaved (round r starts at method r mod"
+                    " M), summed: a shared box's load then weighs on every method alike")
     ap.add_argument("--json", default=None, help="write the rows here too")
     a = ap.parse_args()
     print(f"load before: {os.getloadavg()}", flush=True)
@@ -115,24 +143,40 @@ def main() -> None:
     llms = {
         m: LLM(model=MODEL, max_model_len=1024, max_num_seqs=max(a.batch_sizes),
                max_num_batched_tokens=1024, kv_cache_memory_bytes=1 << 30,
-               warmup="none", speculative_config=configs[m])
+               warmup="none", speculative_config=method_config(configs, m))
         for m in a.methods
     }  # fmt: skip
     rows = []
     for wl in a.workloads:
         ids = prompt_ids(next(iter(llms.values())), texts[wl])
         for b in a.batch_sizes:
-            prompts = [ids[i % len(ids)] for i in range(b)]
+            n = a.batch1_prompts if b == 1 else b
+            prompts = [ids[i % len(ids)] for i in range(n)]
+            waves = len(prompts) // b
+            for llm in llms.values():
+                run_once(llm, prompts, a.max_tokens, "warm", waves=waves)
+            names = list(llms)
+            runs: dict[str, list[dict]] = {m: [] for m in names}
+            for rnd in range(a.rounds):
+                for j in range(len(names)):
+                    m = names[(rnd + j) % len(names)]
+                    runs[m].append(run_once(llms[m], prompts, a.max_tokens, f"timed{rnd}",
+                                            waves=waves, reset=rnd == 0))  # fmt: skip
             ref = None
-            for method, llm in llms.items():
-                run_once(llm, prompts, a.max_tokens, "warm")
-                r = run_once(llm, prompts, a.max_tokens, "timed")
+            for method in names:
+                rs = runs[method]
+                secs = sum(x["seconds"] for x in rs)
+                r = dict(rs[-1], tok_s=sum(x["tokens"] for x in rs) / secs,
+                         latency=sum(x["latency"] for x in rs) / len(rs))  # fmt: skip
                 ref = r if ref is None else ref  # the first method listed is the baseline
+                base = runs[names[0]]
+                per_round = [x["tok_s"] / y["tok_s"] for x, y in zip(rs, base, strict=True)]
                 s = r["stats"]
                 row = dict(
                     method=method, workload=wl, batch=b, tok_s=round(r["tok_s"], 1),
                     latency_s=round(r["latency"], 3),
                     ratio=round(r["tok_s"] / ref["tok_s"], 2),
+                    round_ratios=[round(x, 2) for x in per_round],
                     acceptance=round(s.get("spec_acceptance_rate", 0.0), 3),
                     mean_accepted_len=round(s.get("spec_mean_accepted_length", 0.0), 2),
                     same_as_none=r["outputs"] == ref["outputs"], tokens=r["tokens"],

@@ -65,6 +65,20 @@ def head_dir(tmp_path_factory):
     return _head_dir(str(tmp_path_factory.mktemp("eagle_head")))
 
 
+# A quarter of the ids, never the tiny model's own favourite continuations by design.
+SUBSET = np.sort(np.random.default_rng(5).choice(ARCH.vocab_size, ARCH.vocab_size // 4,
+                                                 replace=False)).astype(np.int32)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def subset_head_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("eagle_subset")
+    cfg = EagleConfig.for_target(ARCH, target="tiny-llama")
+    cfg = dataclasses.replace(cfg, draft_vocab_size=len(SUBSET))
+    save_head(tmp, cfg, init_head(cfg, ARCH, seed=1, std=0.1), draft_vocab=SUBSET)
+    return str(tmp)
+
+
 def _config(head: str, warmup: str = "none", **cache) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN, seed=0),
@@ -111,7 +125,8 @@ def _dense_head_feature(engine: LLMEngine, ids: list[int]) -> np.ndarray:
     """g_{L-2} for committed tokens ids (length L), recomputed from scratch."""
     e = engine.speculator.eagle
     tokens = jnp.asarray(ids + [0] * (MAX_LEN - len(ids)), jnp.int32)
-    g = _dense_head(_params(), e.params, tokens, jnp.int32(len(ids) - 1), head_arch=e.head_arch)
+    n = jnp.int32(len(ids) - 1)
+    g = _dense_head(_params(), e.params["head"], tokens, n, head_arch=e.head_arch)
     return np.asarray(g)
 
 
@@ -203,8 +218,8 @@ def test_bad_head_directories_named(head_dir, tmp_path):
 
 
 def test_head_round_trips(head_dir):
-    cfg, params = load_head(head_dir, ARCH)
-    assert cfg == EagleConfig.for_target(ARCH, target="tiny-llama")
+    cfg, params, vocab = load_head(head_dir, ARCH)
+    assert cfg == EagleConfig.for_target(ARCH, target="tiny-llama") and vocab is None
     want = init_head(cfg, ARCH, seed=1, std=0.1)
     jax.tree.map(np.testing.assert_array_equal, params, want)
     assert preset_arch("tiny-llama") == ARCH
@@ -221,18 +236,27 @@ def test_training_loss_falls():
     cfg = EagleConfig.for_target(ARCH)
     hp = init_head(cfg, ARCH)
     seqs = _prompts(3, 2, lo=24, hi=32)
-    F, Y, X, N = teacher_features(ARCH, params, seqs, 32)
-    assert F.shape == (2, 32, ARCH.hidden_size) and list(N) == [len(s) for s in seqs]
-    loss_fn = make_loss(ARCH, cfg.head_arch(ARCH), 2, 32)
-    tp = {"embed_tokens": params["embed_tokens"], "lm_head": params["lm_head"]}
+    F = teacher_features(ARCH, params, seqs, 32, rows=2)
+    assert F.shape == (2, 32, ARCH.hidden_size)
+    X = np.zeros((2, 32), np.int32)
+    for i, s in enumerate(seqs):
+        X[i, : len(s)] = s
+    N = np.asarray([len(s) for s in seqs], np.int32)
+    loss_fn = make_loss(ARCH, cfg.head_arch(ARCH), 2, 32, ce_weight=0.1)
+    vocab = np.arange(0, ARCH.vocab_size, 2, dtype=np.int32)  # a truncated vocabulary
+    t2d = np.full(ARCH.vocab_size, -1, np.int32)
+    t2d[vocab] = np.arange(len(vocab))
+    tp = {"embed_tokens": params["embed_tokens"], "t2d": jnp.asarray(t2d),
+          "lm": params["lm_head"]["kernel"][:, vocab].T}  # fmt: skip
     opt = optax.adam(3e-3)
     state = opt.init(hp)
+    start = jnp.zeros((2,), jnp.int32)
 
     @jax.jit
     def step(hp, state):
-        (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(hp, tp, F, Y, X, N)
+        (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(hp, tp, F, X, N, start)
         upd, state = opt.update(g, state, hp)
-        return optax.apply_updates(hp, upd), state, loss, aux[2]
+        return optax.apply_updates(hp, upd), state, loss, aux[2] / aux[3]
 
     _, _, first, top_first = step(hp, state)
     for _ in range(40):
@@ -259,3 +283,66 @@ def test_training_attention_equals_the_paged_one():
         kv = pool(1, rows * length // TB + 1, arch.num_kv_heads, arch.head_dim)
         outs.append(EagleHead(arch, attention_fn=fn).apply({"params": hp}, kv, x[0], x[1], inp)[1])
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+def test_truncated_vocab_round_trip_and_refusals(subset_head_dir, tmp_path):
+    cfg, params, vocab = load_head(subset_head_dir, ARCH)
+    assert cfg.draft_vocab_size == len(SUBSET)
+    np.testing.assert_array_equal(vocab, SUBSET)
+    assert vocab.dtype == np.int32
+    base = EagleConfig.for_target(ARCH)
+    hp = init_head(base, ARCH)
+    with pytest.raises(ValueError, match="needs the draft_vocab ids"):
+        save_head(tmp_path / "a", dataclasses.replace(base, draft_vocab_size=4), hp)
+    sized = dataclasses.replace(base, draft_vocab_size=3)
+    with pytest.raises(ValueError, match="distinct and ascending"):
+        save_head(tmp_path / "b", sized, hp, draft_vocab=np.asarray([5, 3, 9]))
+    with pytest.raises(ValueError, match="ids outside"):
+        save_head(tmp_path / "c", sized, hp, draft_vocab=np.asarray([1, 2, ARCH.vocab_size]))
+    with pytest.raises(ValueError, match=r"expected int32\[3\]"):
+        save_head(tmp_path / "d", sized, hp, draft_vocab=np.asarray([1, 2]))
+    # config.json and the file disagree: named at load.
+    save_head(tmp_path / "e", sized, hp, draft_vocab=np.asarray([1, 2, 3]))
+    data = json.loads((tmp_path / "e" / "config.json").read_text()) | {"draft_vocab_size": 0}
+    (tmp_path / "e" / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="draft_vocab tensor present"):
+        load_head(tmp_path / "e", ARCH)
+
+
+def test_truncated_vocab_greedy_equals_plain_and_drafts_stay_inside(subset_head_dir):
+    """A head with a quarter of the vocabulary: outputs equal the plain run, and every
+    token the proposal program writes is an id of the subset."""
+    prompts = dict(enumerate(_prompts(21, 3, lo=6, hi=20)))
+    reqs = [(str(i), p, _greedy(16)) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    engine = _engine(subset_head_dir)
+    e = engine.speculator.eagle
+    propose, drafted = e.propose, []
+
+    def spy(*args, **kw):
+        kv, tokens = propose(*args, **kw)
+        sid, total, counts = (np.asarray(a) for a in args[6:9])
+        tok = np.asarray(tokens)
+        for r in range(kw["num_seqs"]):
+            if sid[r] >= 0:
+                drafted.extend(tok[sid[r], total[r] : total[r] + counts[r]].tolist())
+        return kv, tokens
+
+    e.propose = spy
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    assert len(drafted) > 0 and set(drafted) <= set(SUBSET.tolist())
+    assert e.params["lm"].shape == (len(SUBSET), ARCH.hidden_size)
+
+
+def test_training_prompts_and_draft_vocabulary():
+    from pagedjax.engine.train_eagle import draft_vocabulary, training_prompts
+    from pagedjax.eval.chat import QUESTIONS
+
+    qs = training_prompts(300, seed=0)
+    assert len(set(qs)) == 300 and not set(qs) & set(QUESTIONS)
+    assert training_prompts(300, seed=0) == qs
+    v = draft_vocabulary([[5, 5, 7], [7, 5, 9, 2]], 2, 16)
+    np.testing.assert_array_equal(v, [5, 7])
+    np.testing.assert_array_equal(draft_vocabulary([[3, 1]], 8, 16), [1, 3])  # seen ids only
+    assert len(draft_vocabulary([[3]], 0, 16)) == 16

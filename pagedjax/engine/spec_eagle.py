@@ -41,6 +41,12 @@ costing acceptance only: a step on the plain path (a row asking for prompt logpr
 writes no head KV; swap does not copy the head's pool (a swapped-in sequence's head
 rows are stale); n > 1 samples forked after the first token start from a stale g.
 
+**Truncated draft vocabulary** (a head directory with ``draft_vocab``, model/eagle.py):
+``ensure`` gathers the LM head's rows for those ids once (``params["lm"]``, [N, H]) and
+every draft is ``vocab[argmax(g @ lm.T)]``; so a draft is always an id of the subset,
+and the drafting cost of the LM head shrinks by V / N. Drafts are greedy (a point mass
+q = one-hot), so rejection sampling for sampled requests is unchanged.
+
 Refused (by name, ``check_eagle``): a quantized KV cache (the head's pool would need
 the calibration / scales path), quantized target embeddings / LM head, a non-Llama
 target; tensor parallelism is refused for every method (llm_engine.py).
@@ -125,7 +131,10 @@ class EagleDraft:
     def __init__(self, arch: ModelArch, head_dir: str, attention_fn: Callable[..., Any],
                  block_size: int, k: int):  # fmt: skip
         self.arch, self.block_size, self.k = arch, block_size, k
-        self.cfg, self.params = load_head(head_dir, arch)  # clear errors: missing / mismatched
+        # clear errors: missing / mismatched. params: {"head": the head's flax params}, plus
+        # after ``ensure`` with a truncated vocabulary "vocab" int32[N] and "lm" [N, H].
+        self.cfg, head, self.draft_vocab = load_head(head_dir, arch)
+        self.params: dict[str, Any] = {"head": head}
         self.head_arch = self.cfg.head_arch(arch)
         self.module = EagleHead(self.head_arch, attention_fn=attention_fn)
         self.kv: Any = None  # allocated on first use (``ensure``): needs the pool's size
@@ -140,6 +149,12 @@ class EagleDraft:
             return
         kv = core.device.kv
         check_eagle(self.arch, core.params, kv)
+        if self.draft_vocab is not None:
+            ids = jnp.asarray(self.draft_vocab)
+            emb = core.params["embed_tokens"]["embedding"]
+            tied = self.arch.tie_word_embeddings
+            w = emb[ids] if tied else core.params["lm_head"]["kernel"][:, ids].T
+            self.params = dict(self.params, vocab=ids, lm=w)
         _, nb, _, b, _ = kv[0].shape
         a = self.head_arch
         shape = (1, nb, a.num_kv_heads, b, a.head_dim)
@@ -150,7 +165,17 @@ class EagleDraft:
                   inp: ModelInput, target_params: Any) -> tuple[Any, jax.Array]:  # fmt: skip
         """One head forward over a ragged batch: (draft_kv', g [T, H])."""
         x = embed_tokens(target_params, self.arch, next_ids)
-        return self.module.apply({"params": params}, draft_kv, feats.astype(jnp.float32), x, inp)
+        return self.module.apply({"params": params["head"]}, draft_kv,
+                                 feats.astype(jnp.float32), x, inp)  # fmt: skip
+
+    def draft_ids(self, params: Any, target_params: Any, g: jax.Array) -> jax.Array:
+        """Greedy drafts int32[S] from head outputs g [S, H]: over the draft vocabulary
+        when the head has one (``params["lm"]``), else over the target's."""
+        if "lm" in params:
+            w = params["lm"]
+            logits = jnp.dot(g.astype(w.dtype), w.T)
+            return params["vocab"][jnp.argmax(logits, axis=-1)].astype(jnp.int32)
+        return jnp.argmax(lm_logits(target_params, self.arch, g), axis=-1).astype(jnp.int32)
 
     def _propose(self, params: Any, target_params: Any, draft_kv: Any, feature: jax.Array,
                  tokens: jax.Array, mem: Any, seq_ids: jax.Array, total: jax.Array,
@@ -167,7 +192,7 @@ class EagleDraft:
         tot, cnt = total[:num_seqs], counts[:num_seqs]
         n = tokens.shape[0]
         g = feature[safe]  # [S, H]: g_{L-2}
-        d = jnp.argmax(lm_logits(target_params, self.arch, g), axis=-1).astype(jnp.int32)
+        d = self.draft_ids(params, target_params, g)
         tokens = tokens.at[jnp.where(row_ok & (cnt > 0), safe, n), tot].set(d, mode="drop")
         block_tables = jnp.where(row_ok[:, None], tables[safe], 0)
 
@@ -194,7 +219,7 @@ class EagleDraft:
                                            target_params)  # fmt: skip
             g_new = out[jnp.minimum(cu[:-1], num_seqs - 1)]  # unpack: row r's query
             g = jnp.where(active[:, None], g_new, g)
-            nd = jnp.argmax(lm_logits(target_params, self.arch, g_new), axis=-1).astype(jnp.int32)
+            nd = self.draft_ids(params, target_params, g_new)
             tokens = tokens.at[jnp.where(active, safe, n), tot + i].set(nd, mode="drop")
             return draft_kv, tokens, g, jnp.where(active, nd, d)
 
