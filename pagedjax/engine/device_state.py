@@ -73,7 +73,12 @@ class DeviceState:
             lambda p: np.zeros((p.shape[0], num_host_blocks + 1, *p.shape[2:]), p.dtype), kv
         )
         # Public: experiments wrap it to record each step's batch (real_serving.py).
-        self.schedule_fn = jax.jit(functools.partial(schedule, policy, sched_config))
+        self.schedule_partial = functools.partial(schedule, policy, sched_config)
+        self.schedule_fn = self._schedule_jit = jax.jit(self.schedule_partial)
+        # ``schedule_fn`` compiled and loaded from the program store by the warm-up (no
+        # tracing at a warm start: the scheduler is the largest trace after the steps);
+        # used while ``schedule_fn`` is the engine's own jit (an experiment's wrapper wins).
+        self.schedule_program: Any = None
         # A partial of its own: jit shares one cache between wrappers of the same function,
         # and stats()["compilations"] counts this engine's entries only.
         self._add = jax.jit(functools.partial(add_requests))
@@ -107,14 +112,19 @@ class DeviceState:
 
     # ------------------------------------------------------------------ scheduler state
 
+    def _scheduler(self) -> Any:
+        if self.schedule_program is not None and self.schedule_fn is self._schedule_jit:
+            return self.schedule_program
+        return self.schedule_fn
+
     def schedule(self) -> ScheduledBatch:
         """One ``schedule``: the state advances, the step's batch is returned."""
-        self.state, batch = self.schedule_fn(self.state)
+        self.state, batch = self._scheduler()(self.state)
         return batch
 
     def preview_schedule(self) -> tuple[Any, ScheduledBatch]:
         """What ``schedule`` would return, the state left as it is (not donated)."""
-        return self.schedule_fn(self.state)
+        return self._scheduler()(self.state)
 
     def usage(self) -> tuple[jax.Array, jax.Array]:
         """(blocks referenced, blocks without sharing) of the current state, on device."""

@@ -47,7 +47,7 @@ from pagedjax.attention import native_cpu
 from pagedjax.engine.buckets import seqs_for_tokens
 from pagedjax.engine.core import EngineCore
 from pagedjax.engine.multi_step import MultiStepDecoder, loop_buckets
-from pagedjax.engine.program_store import ProgramStore
+from pagedjax.engine.program_store import ProgramStore, describe_function
 from pagedjax.model import native_matmul
 from pagedjax.scheduler import ScheduledBatch
 
@@ -104,14 +104,14 @@ def warm_up(
         if t not in core.token_buckets or s not in core.seq_buckets:
             raise ValueError(f"({t}, {s}) is not a bucket pair of this engine")
     jobs: list[tuple[str, Any]] = []
+    store = ProgramStore.for_current_cache(len(jax.tree.leaves(core.params)[0].devices()))
     if not only_pairs and mode != "none":
         # First: it also replaces a fresh state's shared zero arrays by distinct buffers,
         # which the donating functions below need.
-        jobs.append(("state functions", (_small,)))
+        jobs.append(("state functions", (_small, store)))
         if decoder.enabled:
             buckets = loop_buckets(core.seq_buckets)
             jobs += [(f"decode loop S={s}", (_loop, s)) for s in buckets]
-    store = ProgramStore.for_current_cache(len(jax.tree.leaves(core.params)[0].devices()))
     if store is not None:  # the native kernels' FFI targets, before a loaded program runs
         native_cpu.available(), native_matmul.available()
     jobs += [(f"step T={t} S={s}", (_runner, t, s, store)) for t, s in pairs]
@@ -182,10 +182,26 @@ def _loop(core: EngineCore, decoder: MultiStepDecoder, s: int) -> None:
     ).compile()  # fmt: skip
 
 
-def _small(core: EngineCore, decoder: MultiStepDecoder) -> None:
-    """Each small state function once, with masks that select nothing, each argument a
-    numpy or a device array exactly as the engine passes it (jit caches by that too)."""
+def _schedule_program(core: EngineCore, store: ProgramStore) -> None:
+    """``schedule`` compiled for the engine's state, from the program store when it holds
+    it (no tracing) or compiled and saved, handed to ``DeviceState.schedule_program``."""
     dev = core.device
+    key = store.key("schedule", describe_function(dev.schedule_partial), (dev.state,), {})
+    program = store.load(key)
+    if program is None:
+        with compile_cache.bypassed():  # a cache-loaded program would not serialize whole
+            program = jax.jit(dev.schedule_partial).lower(dev.state).compile()
+        store.save(key, program)
+    dev.schedule_program = program
+
+
+def _small(core: EngineCore, decoder: MultiStepDecoder, store: ProgramStore | None = None) -> None:
+    """Each small state function once, with masks that select nothing, each argument a
+    numpy or a device array exactly as the engine passes it (jit caches by that too);
+    ``schedule`` through the program store when there is one."""
+    dev = core.device
+    if store is not None:
+        _schedule_program(core, store)
     n, m = core.max_seqs, core.max_blocks_per_seq
     i32 = np.zeros((n,), np.int32)
     ones = np.ones((n,), np.int32)
