@@ -187,7 +187,11 @@ KERNEL_CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("spec", KERNEL_CASES, ids=["mixed-wildtail-split2", "gqa3-window-fp32"])
+@pytest.mark.parametrize("spec", [
+    pytest.param(KERNEL_CASES[0], id="mixed-wildtail-split2"),  # poisoned tails: CI
+    # The engine-level comparison above covers GQA / window / soft cap per format in CI.
+    pytest.param(KERNEL_CASES[1], id="gqa3-window-fp32", marks=pytest.mark.slow),
+])  # fmt: skip
 @pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_e5m2", "int8"])
 def test_torch_launcher_on_8bit_pages(interp_worker, kv_format, spec):
     r = interp_worker.run("case", dict(spec, kv_format=kv_format))
