@@ -370,6 +370,30 @@ def test_layer_skip_draft_greedy_equals_plain():
     assert engine.num_free_blocks() == engine.num_usable_blocks()
 
 
+def test_verify_and_draft_programs_take_the_plain_steps_matmul(monkeypatch):
+    """The verification and layer-skip draft programs multiply the stacked layer weights
+    the way the plain step does (on one device: the CPU kernel, model/native_matmul.py).
+    Without it the k + 1-row verification ran XLA's copy-then-dot under the layer loop,
+    1.6-2x a plain step on SmolLM2, which alone cost speculation its speed-up."""
+    import pagedjax.model.layers as layers
+
+    seen: list[bool] = []
+    real = layers.stacked_matmul
+
+    def spy(x, w, layer, *, native):  # runs at trace time
+        seen.append(native)
+        return real(x, w, layer, native=native)
+
+    monkeypatch.setattr(layers, "stacked_matmul", spy)
+    engine = _engine.__wrapped__(True, "draft_model")  # a fresh engine: its programs trace
+    assert engine.runner.native_matmul
+    seen.clear()  # loading traced the module's init (shapes only)
+    prompt = _prompts(7, 1, lo=8, hi=12)[0]
+    _drain(engine, [("0", prompt, _greedy(8))])
+    assert engine.stats()["spec_steps"] > 0
+    assert seen and all(seen)
+
+
 def test_disable_by_batch_size():
     """No proposals in steps with at least disable_by_batch_size sequences."""
     engine = _engine(True)

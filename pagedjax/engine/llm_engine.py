@@ -162,7 +162,7 @@ class LLMEngine:
                                    num_host_blocks=self.num_host_blocks)  # fmt: skip
         place.place_state(device_state)
         self.speculator = build_speculator(config.speculative, arch, self.block_size, attention,
-                                           max_logprobs, self.policy, draft)  # speculative.py
+                                           max_logprobs, self.policy, draft, place.size == 1)
         k = resolve_num_steps(sc.num_multi_steps, place.device.platform)  # multi_step.py
         num_steps = 1 if self.speculator else k  # K = 1: the one-step path (speculation)
         self.multi_step = MultiStepDecoder(self.runner, self.policy, self.sched_config, num_steps)

@@ -58,10 +58,11 @@ class LayerSkipDraft:
     """Greedy proposals from the first N layers (see the module docstring)."""
 
     def __init__(self, arch: ModelArch, num_layers: int, attention_fn: Callable[..., Any],
-                 block_size: int, k: int):  # fmt: skip
+                 block_size: int, k: int, native_matmul: bool = False):  # fmt: skip
         self.arch = draft_arch(arch, num_layers)
         self.num_layers, self.block_size, self.k = num_layers, block_size, k
-        self.module = build_module(self.arch, attention_fn=attention_fn)
+        self.module = build_module(self.arch, attention_fn=attention_fn,
+                                   native_matmul=native_matmul)  # as the target's step
         self.trace_count: dict[int, int] = {}
         self._params_src: Any = None
         self._params: Any = None

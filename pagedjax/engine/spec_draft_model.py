@@ -174,8 +174,10 @@ class SeparateDraft:
     """
 
     def __init__(self, ckpt: DraftCheckpoint, attention_fn: Callable[..., Any],
-                 block_size: int, num_blocks: int, num_host_blocks: int):  # fmt: skip
+                 block_size: int, num_blocks: int, num_host_blocks: int,
+                 native_matmul: bool = False):  # fmt: skip
         self.ckpt, self.arch, self.params = ckpt, ckpt.arch, ckpt.params
+        self.native_matmul = native_matmul  # as the target's step (ModelRunner)
         self.block_size = block_size
         self.attention_fn = attention_fn
         self.kv = allocate_kv_cache(ckpt.arch, num_blocks, block_size, ckpt.kv_dtype)
@@ -192,7 +194,8 @@ class SeparateDraft:
                                donate_argnames=("kv", "tokens"))  # fmt: skip
 
     def _apply(self, params: Any, kv: Any, inp: Any) -> tuple[Any, jax.Array]:
-        return forward(params, kv, inp, arch=self.arch, attention_fn=self.attention_fn)
+        return forward(params, kv, inp, arch=self.arch, attention_fn=self.attention_fn,
+                       native_matmul=self.native_matmul)  # fmt: skip
 
     def _propose(self, params: Any, kv: Any, tokens: jax.Array, mem: Any, batch: Any,
                  counts: jax.Array, *, num_tokens: int, num_seqs: int) -> tuple:  # fmt: skip

@@ -86,14 +86,15 @@ def lm_logits(params: Any, arch: ModelArch, g: jax.Array) -> jax.Array:
 
 
 def forward_with_features(
-    params: Any, kv: Any, inp: ModelInput, *, arch: ModelArch, attention_fn: Callable[..., Any]
+    params: Any, kv: Any, inp: ModelInput, *, arch: ModelArch, attention_fn: Callable[..., Any],
+    native_matmul: bool = False,
 ) -> tuple[Any, jax.Array, jax.Array]:
     """The target's forward, plus its post-norm features for every token.
 
     Runs the model with logits_indices = every token and intercepts the final norm:
     its output [T, H] is kept as the features, and only the rows at the caller's
-    ``inp.logits_indices`` continue into the LM head. Returns (kv', fp32 logits
-    [len(logits_indices), V], features [T, H])."""
+    ``inp.logits_indices`` continue into the LM head (native_matmul: as ``forward``'s).
+    Returns (kv', fp32 logits [len(logits_indices), V], features [T, H])."""
     t = inp.tokens.shape[0]
     kept: dict[str, jax.Array] = {}
 
@@ -106,7 +107,7 @@ def forward_with_features(
             return jnp.take(feats, inp.logits_indices, axis=0, mode="clip")
         return next_fun(*args, **kwargs)
 
-    module = build_module(arch, attention_fn=attention_fn)
+    module = build_module(arch, attention_fn=attention_fn, native_matmul=native_matmul)
     every = inp._replace(logits_indices=jnp.arange(t, dtype=jnp.int32))
     with nn.intercept_methods(grab):
         kv, logits = module.apply({"params": params}, kv, every)
@@ -245,7 +246,8 @@ class EagleVerifier(SpecVerifier):
 
     def _forward(self, params: Any, kv: Any, inp: Any) -> tuple[Any, jax.Array, Any]:
         return forward_with_features(params, kv, inp, arch=self.arch,
-                                     attention_fn=self.attention_fn)  # fmt: skip
+                                     attention_fn=self.attention_fn,
+                                     native_matmul=self.native_matmul)  # fmt: skip
 
     def _eagle_step(self, params: Any, kv: Any, tokens: jax.Array, mem: Any, batch: Any,
                     num_drafts: jax.Array, slot_sampling: Any, prompt_len: jax.Array,

@@ -60,8 +60,12 @@ class SpecVerifier:
         attention_fn: Callable[..., jax.Array],
         max_logprobs: int,
         num_speculative_tokens: int,
+        native_matmul: bool = False,
     ):
         self.arch, self.block_size = arch, block_size
+        # The plain step's choice (ModelRunner.native_matmul): without it the k + 1-row
+        # verification ran XLA's copy-then-dot under the layer loop, 1.6-2x the plain step.
+        self.native_matmul = native_matmul
         self.max_logprobs = max_logprobs
         self.k = num_speculative_tokens
         self.trace_count: dict[tuple[int, int], int] = {}
@@ -96,7 +100,8 @@ class SpecVerifier:
     def _forward(self, params: Any, kv: Any, inp: Any) -> tuple[Any, jax.Array, Any]:
         """The target's forward: (kv', logits at inp.logits_indices, extra); extra is
         None here, a subclass may return more (``spec_eagle.py``: the features)."""
-        kv, logits = forward(params, kv, inp, arch=self.arch, attention_fn=self.attention_fn)
+        kv, logits = forward(params, kv, inp, arch=self.arch, attention_fn=self.attention_fn,
+                             native_matmul=self.native_matmul)  # fmt: skip
         return kv, logits, None
 
     def verify(

@@ -150,12 +150,14 @@ class SpeculativeDecoder:
     """One engine's speculative decoding (see the module docstring).
 
     config: SpeculativeConfig; the rest as ``ModelRunner`` (the verification program
-    shares the engine's attention backend and block size) plus the memory policy.
+    and the drafts share the engine's attention backend, block size and native_matmul
+    choice) plus the memory policy.
     """
 
     def __init__(self, config: SpeculativeConfig, arch: Any, block_size: int,
                  attention_fn: Any, max_logprobs: int, policy: Any,
-                 draft_checkpoint: DraftCheckpoint | None = None):  # fmt: skip
+                 draft_checkpoint: DraftCheckpoint | None = None,
+                 native_matmul: bool = False):  # fmt: skip
         if not is_separate_draft(config):
             check_buildable(config, config.model)
         elif draft_checkpoint is None:
@@ -167,11 +169,12 @@ class SpeculativeDecoder:
         self.draft = self.eagle = self.separate = None
         if draft_checkpoint is not None:  # its own pool, the target's block ids
             self.separate = SeparateDraft(draft_checkpoint, attention_fn, block_size,
-                                          policy.num_blocks, policy.num_host_blocks)  # fmt: skip
+                                          policy.num_blocks, policy.num_host_blocks,
+                                          native_matmul)  # fmt: skip
         elif config.method == "draft_model":
             n = config.draft_num_layers
-            self.draft = LayerSkipDraft(arch, n, attention_fn, block_size, self.k)
-        verifier_args = (arch, block_size, attention_fn, max_logprobs, self.k)
+            self.draft = LayerSkipDraft(arch, n, attention_fn, block_size, self.k, native_matmul)
+        verifier_args = (arch, block_size, attention_fn, max_logprobs, self.k, native_matmul)
         if config.method == "eagle":  # spec_eagle.py: the head runs on every step
             self.eagle = EagleDraft(arch, config.model, attention_fn, block_size, self.k)
             self.verifier = EagleVerifier(self.eagle, *verifier_args)
