@@ -346,3 +346,64 @@ def test_training_prompts_and_draft_vocabulary():
     np.testing.assert_array_equal(v, [5, 7])
     np.testing.assert_array_equal(draft_vocabulary([[3, 1]], 8, 16), [1, 3])  # seen ids only
     assert len(draft_vocabulary([[3]], 0, 16)) == 16
+
+
+def _variant(head: str, **changes) -> EngineConfig:
+    """_config(head) with cache / scheduler fields replaced (``cache__x`` / ``sched__x``)."""
+    cfg = _config(head)
+    cache = {k[7:]: v for k, v in changes.items() if k.startswith("cache__")}
+    sched = {k[7:]: v for k, v in changes.items() if k.startswith("sched__")}
+    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, **cache),
+                               scheduler=dataclasses.replace(cfg.scheduler, **sched))  # fmt: skip
+
+
+def _tok() -> ByteTokenizer:
+    return ByteTokenizer(eos_token_id=ARCH.eos_token_id, bos_token_id=ARCH.bos_token_id)
+
+
+def test_head_pool_counted_in_kv_budget(head_dir):
+    """The same KV memory gives fewer blocks with a head: both pools fit in it."""
+    budget = 64 * 1024
+    cfg = _variant(head_dir, cache__num_gpu_blocks_override=None,
+                   cache__kv_cache_memory_bytes=budget)  # fmt: skip
+    plain = LLMEngine(ARCH, _params(), _tok(), dataclasses.replace(cfg, speculative=None))
+    spec = LLMEngine(ARCH, _params(), _tok(), cfg)
+    spec.speculator.eagle.ensure(spec.core)
+    nbytes = lambda kv: sum(p.nbytes for p in jax.tree.leaves(kv))
+    per_block = nbytes(plain.kv) // plain.num_blocks
+    head_per_block = nbytes(spec.speculator.eagle.kv) // spec.num_blocks
+    assert spec.num_blocks == budget // (per_block + head_per_block) < plain.num_blocks
+    assert nbytes(spec.kv) + nbytes(spec.speculator.eagle.kv) <= budget
+
+
+def test_swap_moves_the_head_pool(head_dir):
+    """Under swap preemption, every decoding sequence's head feature still equals the
+    head run from scratch over its committed tokens, after swap-ins too: the head's
+    blocks were copied out and back with the target's (a stale head row would change
+    the feature; the outputs alone could not tell, verification keeps them right)."""
+    engine = LLMEngine(ARCH, _params(), _tok(), _variant(head_dir, sched__preemption_mode="swap"))
+    swaps_in = []
+    mirror = engine.speculator.apply_swaps
+
+    def spy(plan, host):
+        swaps_in.append(int(host["num_in"]))
+        return mirror(plan, host)
+
+    engine.speculator.apply_swaps = spy
+    prompts = dict(enumerate(_prompts(11, 4, lo=12, hi=26)))
+    for i, p in prompts.items():
+        engine.add_request(str(i), p, _greedy(24))
+    checked_after_swap = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        st = jax.device_get(engine.state)
+        for s in np.flatnonzero(st.status == RUNNING):
+            done = int(st.prompt_len[s] + st.output_len[s])
+            if st.num_computed[s] != done - 1:
+                continue  # prompt still prefilling
+            ids = [int(t) for t in np.asarray(engine.device.tokens[s, :done])]
+            np.testing.assert_allclose(np.asarray(engine.speculator.eagle.feature[s]),
+                                       _dense_head_feature(engine, ids), rtol=1e-4, atol=1e-4)
+            checked_after_swap += sum(swaps_in) > 0
+    assert engine.num_preemptions > 0 and sum(swaps_in) > 0, "the pool was meant to swap"
+    assert checked_after_swap >= 3

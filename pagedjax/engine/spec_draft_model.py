@@ -63,10 +63,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.config import ModelConfig, SpeculativeConfig
-from pagedjax.engine.device_state import padding_bucket
+from pagedjax.engine.draft_pool import host_pool, mirror_swaps
 from pagedjax.engine.loading import load_model
-from pagedjax.engine.model_runner import apply_cow, build_model_input, gather_blocks, scatter_blocks
+from pagedjax.engine.model_runner import apply_cow, build_model_input
 from pagedjax.engine.spec_draft import greedy_draft_steps
+from pagedjax.engine.spec_eagle import head_kv_bytes_per_token
 from pagedjax.model import PRESETS, ModelArch, allocate_kv_cache, forward
 from pagedjax.model.catalog import CATALOG
 from pagedjax.model.kv_cache import cache_bytes_per_token
@@ -136,9 +137,15 @@ def load_draft(config: SpeculativeConfig | None, target_model: str, target_arch:
                target_tokenizer: Tokenizer, kv_spec: Any, max_model_len: int,
                seed: int = 0) -> tuple[DraftCheckpoint | None, int]:  # fmt: skip
     """(the separate draft of ``config`` or None for every other config, the KV bytes per
-    token of the target's and the draft's pools together). The draft is loaded and
-    checked against the target (vocabulary, context length, KV format) before the KV
-    budget is sized, so the budget can count its pool."""
+    token of the target's and the draft's pools together: an eagle head's one-layer pool
+    counts too, spec_eagle.py). The draft is loaded and checked against the target
+    (vocabulary, context length, KV format) before the KV budget is sized, so the budget
+    can count its pool."""
+    if config is not None and config.method == "eagle" and not kv_spec.quantized:
+        head = head_kv_bytes_per_token(str(config.model), target_arch, kv_spec.dtype)
+        log.info("speculative eagle head: its KV pool adds %d bytes per token to the target's"
+                 " %d", head, kv_spec.bytes_per_token)  # fmt: skip
+        return None, kv_spec.bytes_per_token + head
     if not is_separate_draft(config):
         return None, kv_spec.bytes_per_token
     if kv_spec.quantized:
@@ -181,10 +188,8 @@ class SeparateDraft:
         self.block_size = block_size
         self.attention_fn = attention_fn
         self.kv = allocate_kv_cache(ckpt.arch, num_blocks, block_size, ckpt.kv_dtype)
-        self.host_kv = jax.tree.map(
-            lambda p: np.zeros((p.shape[0], num_host_blocks + 1, *p.shape[2:]), p.dtype),
-            self.kv,
-        )  # the target's host block ids; 0 rows when preemption is recompute-only
+        # the target's host block ids; 0 rows when preemption is recompute-only
+        self.host_kv = host_pool(self.kv, num_host_blocks)
         pool = sum(p.nbytes for p in jax.tree.leaves(self.kv))
         log.info("speculative draft %s: KV pool %d blocks x %d tokens, %.1f MiB (counted in"
                  " the KV budget), host swap pool %d blocks", ckpt.model, num_blocks,
@@ -241,18 +246,7 @@ class SeparateDraft:
         swapped in, with the target's plan (same block ids on both sides). Called before
         the draft writes anything in the step, so freed device blocks still hold the
         swapped-out group's rows."""
-        n_out, n_in = int(host["num_out"]), int(host["num_in"])
-        if n_out:
-            bucket = padding_bucket(n_out, plan.out_src.shape[0])
-            pages, dst = jax.device_get((gather_blocks(self.kv, plan.out_src, k=bucket),
-                                         plan.out_dst))  # fmt: skip
-            for h, g in zip(jax.tree.leaves(self.host_kv), jax.tree.leaves(pages), strict=True):
-                h[:, dst[:n_out]] = g[:, :n_out]
-        if n_in:
-            src = np.zeros(padding_bucket(n_in, plan.in_src.shape[0]), np.int32)
-            src[:n_in] = jax.device_get(plan.in_src)[:n_in]
-            pages = jax.tree.map(lambda h: h[:, src], self.host_kv)
-            self.kv = scatter_blocks(self.kv, plan.in_dst, plan.num_in, jax.device_put(pages))
+        self.kv = mirror_swaps(self.kv, self.host_kv, plan, host)  # draft_pool.py
 
 
 __all__ = [

@@ -12,10 +12,13 @@ target's). It lives in ``EagleDraft.kv``: (k, v), each ``[1, num_blocks, Hkv, B,
 indexed by the *target's* block tables and slot mapping. So the grow path, rollback
 (blocks past the accepted length return to the pool: the head's rows in them go with
 them), prefix-cache sharing and the block-table invariant need nothing new, and the
-target's pool, its layer loop and the memory budget's layer count stay untouched
-(simplest correct choice: a second layer slice of the same pool would change every
-backend's pool shape check and the KV budget). Cost: 1 / num_layers more KV memory
-than the budget counted (SmolLM2-135M: 1/30), not reserved by ``gpu_memory_utilization``.
+target's pool and its layer loop stay untouched (simplest correct choice: a second
+layer slice of the same pool would change every backend's pool shape check). Cost: the
+head's bytes per token (``head_kv_bytes_per_token``: SmolLM2-135M's head adds 1/30 to
+the target's), counted in the KV budget like a separate draft's pool, so the same
+memory gives proportionally fewer blocks and the engine allocates no more than it.
+Swap preemption copies the head's blocks with the target's (``apply_swaps``,
+``draft_pool.py``), so a swapped-in sequence's head reads its own rows.
 
 **Every step runs the head** (the speculative path is taken even when no row has
 drafts), because the head's KV must follow every token the target processes:
@@ -38,8 +41,7 @@ drafts), because the head's KV must follow every token the target processes:
 longest prefix equal to the target's argmax), so a wrong, untrained or stale head only
 lowers acceptance. That is what makes the following simplifications safe, each
 costing acceptance only: a step on the plain path (a row asking for prompt logprobs)
-writes no head KV; swap does not copy the head's pool (a swapped-in sequence's head
-rows are stale); n > 1 samples forked after the first token start from a stale g.
+writes no head KV; n > 1 samples forked after the first token start from a stale g.
 
 **Truncated draft vocabulary** (a head directory with ``draft_vocab``, model/eagle.py):
 ``ensure`` gathers the LM head's rows for those ids once (``params["lm"]``, [N, H]) and
@@ -54,18 +56,22 @@ target; tensor parallelism is refused for every method (llm_engine.py).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from pagedjax.engine.draft_pool import host_pool, mirror_swaps
 from pagedjax.engine.model_runner import apply_cow
 from pagedjax.engine.spec_verify import SpecVerifier
 from pagedjax.memory.block_table import PAD_SLOT, slot_mapping
 from pagedjax.model import ModelArch, ModelInput, QuantizedWeight, build_module
-from pagedjax.model.eagle import EagleHead, load_head
+from pagedjax.model.eagle import EagleConfig, EagleHead, load_head
+from pagedjax.model.kv_cache import cache_bytes_per_token
 from pagedjax.model.llama import LlamaForCausalLM
 
 
@@ -114,6 +120,17 @@ def forward_with_features(
     return kv, logits, kept["features"]
 
 
+def head_kv_bytes_per_token(head_dir: str, arch: ModelArch, dtype: Any) -> int:
+    """KV bytes per token of the head's one-layer pool in ``dtype`` (its config.json
+    only; FileNotFoundError / ValueError naming the directory, as ``load_head``)."""
+    path = Path(head_dir).expanduser() / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"eagle head directory {str(path.parent)!r} lacks config.json"
+                                " (train one with `python -m pagedjax.engine.train_eagle`)")
+    head = EagleConfig.from_dict(json.loads(path.read_text()), where=str(path)).head_arch(arch)
+    return cache_bytes_per_token(head, "auto", dtype)
+
+
 def check_eagle(arch: ModelArch, params: Any, kv: Any) -> None:
     """NotImplementedError naming the unsupported combination."""
     emb = params["embed_tokens"]["embedding"]
@@ -139,6 +156,7 @@ class EagleDraft:
         self.head_arch = self.cfg.head_arch(arch)
         self.module = EagleHead(self.head_arch, attention_fn=attention_fn)
         self.kv: Any = None  # allocated on first use (``ensure``): needs the pool's size
+        self.host_kv: Any = None  # its swap pool under the target's host block ids
         self.feature: Any = None  # [max_seqs, H] g at each slot's last committed position
         self.trace_count: dict[int, int] = {}
         self.propose = jax.jit(self._propose, static_argnames=("num_seqs",),
@@ -160,7 +178,14 @@ class EagleDraft:
         a = self.head_arch
         shape = (1, nb, a.num_kv_heads, b, a.head_dim)
         self.kv = (jnp.zeros(shape, kv[0].dtype), jnp.zeros(shape, kv[1].dtype))
+        self.host_kv = host_pool(self.kv, jax.tree.leaves(core.device.host_kv)[0].shape[1] - 1)
         self.feature = jnp.zeros((core.max_seqs, a.hidden_size), jnp.float32)
+
+    def apply_swaps(self, plan: Any, host: dict) -> None:
+        """The step's swap copies on the head's pool (``draft_pool.mirror_swaps``); nothing
+        before the pool exists (no step has written it)."""
+        if self.kv is not None:
+            self.kv = mirror_swaps(self.kv, self.host_kv, plan, host)
 
     def head_step(self, params: Any, draft_kv: Any, feats: jax.Array, next_ids: jax.Array,
                   inp: ModelInput, target_params: Any) -> tuple[Any, jax.Array]:  # fmt: skip
@@ -284,4 +309,4 @@ class EagleVerifier(SpecVerifier):
 
 
 __all__ = ["EagleDraft", "EagleVerifier", "check_eagle", "embed_tokens",
-           "forward_with_features", "lm_logits"]  # fmt: skip
+           "forward_with_features", "head_kv_bytes_per_token", "lm_logits"]  # fmt: skip

@@ -199,9 +199,12 @@ class SpeculativeDecoder:
         self.counters = SpecCounters()
 
     def apply_swaps(self, plan: Any, host: dict) -> None:
-        """The step's swap copies on a separate draft's pool (``LLMEngine._apply_swaps``)."""
+        """The step's swap copies on a separate draft's or the eagle head's pool
+        (``LLMEngine._apply_swaps``; draft_pool.py)."""
         if self.separate is not None:
             self.separate.apply_swaps(plan, host)
+        if self.eagle is not None:
+            self.eagle.apply_swaps(plan, host)
 
     def stats(self) -> dict[str, float | int]:
         """``SpecCounters.stats`` plus spec_compilations (this decoder's programs)."""
