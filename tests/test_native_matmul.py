@@ -125,3 +125,19 @@ def test_unstacked_head_runs_the_kernel():
         np.testing.assert_allclose(
             np.asarray(head.apply(params, x)), np.asarray(x) @ np.asarray(w[0]), atol=1e-4
         )
+
+
+def test_one_row_tied_head_runs_as_two_rows():
+    """The tied LM head (x @ E.T) takes one row as two on a CPU (layers.dot_transposed:
+    XLA's one-row path against a transposed weight is ~3x slower); values as x @ E.T."""
+    from pagedjax.model.layers import dot_transposed
+
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((1000, 64), np.float32))
+    for rows in (1, 2, 5):
+        x = jnp.asarray(rng.standard_normal((rows, 64), np.float32))
+        hlo = jax.jit(dot_transposed).lower(x, w).as_text()
+        dots = re.findall(r"dot_general .*-> tensor<(\d+)x1000xf32>", hlo)
+        assert [int(d) for d in dots] == [max(rows, 2)], (rows, dots)
+        np.testing.assert_allclose(np.asarray(dot_transposed(x, w)),
+                                   np.asarray(x) @ np.asarray(w).T, rtol=1e-5, atol=1e-4)
