@@ -1,0 +1,314 @@
+"""Fig. 12 with speculative decoding: normalized latency (s/token) vs request rate for
+the paged (vLLM-style) system without speculation and with it at the acceptance the
+real engine measured (docs/speculative_decoding.md), simulated.
+
+    python experiments/speculative_curves.py --config llama7b.yaml [--out DIR]
+        [--rates 0.5 1 2 ...] [--duration S]
+
+Inputs, never fitted to an outcome: each setting is k and the *mean accepted length*
+(tokens per speculating row and step, the bonus token included) that
+``benchmarks/speculative.py`` measured on SmolLM2-135M (CPU); the simulator draws the
+accepted drafts from the first-rejection model with that mean
+(``SpecModel.from_mean_accepted``). The draft's cost: 0 for n-gram (a host-side
+lookup), and for the EAGLE head a fraction of the target's decode step equal to the
+head's weight bytes over the target's (one decoder layer, the 2h -> h fc and a full LM
+head, from the server model's geometry). The baseline is ``SpecModel.none()`` (k = 0
+through the same compiled loop: identical to the plain simulation, tested), so every
+curve costs one compilation. Simulator approximations: pagedjax/simulator/speculative.py.
+
+Workload and server: the config's ``server`` and ``throughput_vs_rate`` dataset, trace
+length and seed (the ShareGPT-like trace of Fig. 12, common random numbers across
+rates). Knees are read off the grid (highest swept rate with latency <= threshold), so
+they are known to the grid's step; a setting's sweep stops after its first rate above
+the largest threshold (the rest explode further), and a run stops early once its latency
+provably exceeds ``throughput_vs_rate.search.stop_latency`` (its value is then that
+lower bound, marked ``*``). Writes speculative_curves.csv / .png / .json into
+results/speculative_curves-<config>-<timestamp>/ (ignored by git) unless --out is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `experiments` and `pagedjax` importable
+    sys.path.insert(0, str(ROOT))
+# As run.py: LLVM's expensive passes slow the loop's compile for no run-time gain.
+if "xla_llvm_disable_expensive_passes" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_llvm_disable_expensive_passes=true"
+    ).strip()
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+from experiments.common import (  # noqa: E402
+    SIM_LABEL,
+    dump_json,
+    latency_metrics,
+    run_sim,
+    save_fig,
+    write_csv,
+)
+from experiments.config import ExperimentConfig, ServerSettings  # noqa: E402
+from pagedjax.simulator.cost_model import model_geometry  # noqa: E402
+from pagedjax.simulator.speculative import SpecModel  # noqa: E402
+
+DEFAULT_RATES = (0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0)
+SOURCE = "docs/speculative_decoding.md, Measured (SmolLM2-135M, CPU, benchmarks/speculative.py)"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One curve. mean_len: tokens per speculating row and step (1 + accepted drafts),
+    the measured input; acceptance: the engine's accepted / proposed, for the record.
+    draft: "ngram" (no draft cost) or "eagle" (cost fraction from the geometry)."""
+
+    name: str
+    label: str
+    k: int
+    mean_len: float
+    acceptance: float | None
+    draft: str
+    source: str
+
+    def model(self, server: ServerSettings) -> SpecModel:
+        if self.k == 0:
+            return SpecModel.none()
+        f = eagle_cost_fraction(server.model) if self.draft == "eagle" else 0.0
+        return SpecModel.from_mean_accepted(self.k, self.mean_len - 1, draft_cost_fraction=f)
+
+
+SETTINGS = (
+    Setting("none", "no speculation", 0, 1.0, None, "none", "-"),
+    Setting("ngram_copy", "n-gram, copy (k=4, 3.67 tok/step)", 4, 3.67, 0.667, "ngram",
+            f"{SOURCE}: copy, batch 1, ngram"),
+    Setting("ngram_chat", "n-gram, chat (k=4, 2.00 tok/step)", 4, 2.00, 0.25, "ngram",
+            f"{SOURCE}: chat, batch 1, ngram"),
+    Setting("ngram_chat_b8", "n-gram, chat (k=4, 1.60 tok/step)", 4, 1.60, 0.158, "ngram",
+            f"{SOURCE}: chat, batch 8, ngram"),
+    Setting("eagle", "EAGLE head (k=2, 1.36 tok/step)", 2, 1.36, 0.179, "eagle",
+            f"{SOURCE}: chat, batch 1 and 8, eagle k = 2"),
+)  # fmt: skip
+
+
+def eagle_cost_fraction(model: str) -> float:
+    """An EAGLE-1 head's step cost as a fraction of the target's decode step, taken as
+    its weight bytes over the target's (one decoder layer of the target's shape, the
+    2h -> h fc over [feature, embedding], a full-vocabulary LM head; the engine's head
+    truncates its vocabulary, so this is an upper estimate). Computed, not measured."""
+    g = model_geometry(model)
+    head = g.layer_matmul_params + 2 * g.hidden * g.hidden + g.lm_head_params
+    return head * g.bytes_per_param / g.step_weight_bytes
+
+
+def curves(
+    server: ServerSettings,
+    dataset: str,
+    rates: list[float],
+    duration_s: float,
+    seed: int,
+    settings: list[Setting],
+    thresholds: list[float],
+    stop_latency: float = math.inf,
+    progress: Any = None,
+) -> list[dict[str, Any]]:
+    """One row per (setting, rate run): the setup and ``latency_metrics`` plus the mean
+    batch (time-weighted scheduled rows in the steady window). A setting stops after its
+    first rate above max(thresholds)."""
+    rows = []
+    for s in settings:
+        model = s.model(server)
+        for rate in sorted(rates):
+            if progress:
+                progress(s.name, rate)
+            (r,) = run_sim(
+                "paged", server, [(dataset, rate, duration_s, seed, 1.0)],
+                stop_latency=stop_latency, speculative=model,
+            )  # fmt: skip
+            m = latency_metrics(r)
+            rows.append(
+                dict(
+                    executor=SIM_LABEL,
+                    cost_model=server.cost_model,
+                    system="paged",
+                    setting=s.name,
+                    k=s.k,
+                    mean_accepted_len=s.mean_len,
+                    model_mean_accepted_len=round(1 + model.mean_accepted, 4),
+                    draft_cost_fraction=round(model.draft_cost_fraction, 4),
+                    dataset=dataset,
+                    rate=rate,
+                    duration_s=duration_s,
+                    seed=seed,
+                    mean_batch=round(float(r.result.win_batched), 2),
+                    **m,
+                )
+            )
+            if m["norm_latency_s_per_token"] > max(thresholds):
+                break
+    return rows
+
+
+def knees(rows: list[dict[str, Any]], threshold: float, rates: list[float]) -> dict[str, str]:
+    """Grid knee per setting: the highest swept rate whose latency is <= threshold and
+    below every rate that exceeded it; ">= top" when no swept rate exceeded it."""
+    out = {}
+    for name in dict.fromkeys(r["setting"] for r in rows):
+        pts = [(r["rate"], r["norm_latency_s_per_token"]) for r in rows if r["setting"] == name]
+        over = [x for x, v in pts if not v <= threshold]
+        hi = min(over) if over else None
+        ok = [x for x, v in pts if v <= threshold and (hi is None or x < hi)]
+        if hi is None:
+            out[name] = f">= {max(rates):g}"
+        else:
+            out[name] = f"{max(ok):g}" if ok else f"< {hi:g}"
+    return out
+
+
+def table(
+    rows: list[dict[str, Any]], rates: list[float], thresholds: list[float]
+) -> list[str]:
+    """The side-by-side text table: latency per rate and setting, mean batch, knees."""
+    names = list(dict.fromkeys(r["setting"] for r in rows))
+    by = {(r["setting"], r["rate"]): r for r in rows}
+    w = max(12, *(len(n) for n in names))
+    lines = [
+        "normalized latency (s/token) [mean batch]; * = a run stopped early (lower bound); "
+        "- = not run (past the knee)",
+        f"{'rate req/s':>10} " + " ".join(f"{n:>{w + 8}}" for n in names),
+    ]
+    for rate in sorted(rates):
+        cells = []
+        for n in names:
+            r = by.get((n, rate))
+            if r is None:
+                cells.append(f"{'-':>{w + 8}}")
+                continue
+            star = "*" if r["stopped_early"] else ""
+            cells.append(f"{r['norm_latency_s_per_token']:.4f}{star} [{r['mean_batch']:.1f}]"
+                         .rjust(w + 8))  # fmt: skip
+        lines.append(f"{rate:>10g} " + " ".join(cells))
+    for th in thresholds:
+        k = knees(rows, th, rates)
+        lines.append(f"{'knee@' + f'{th:g}':>10} " + " ".join(f"{k[n]:>{w + 8}}" for n in names))
+    return lines
+
+
+def plot(rows: list[dict[str, Any]], settings: list[Setting], path: Path, title: str) -> None:
+    """Latency vs rate per setting (log latency: the low-load gap is the point), with the
+    thresholds dotted."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for s in settings:
+        pts = [(r["rate"], r["norm_latency_s_per_token"]) for r in rows if r["setting"] == s.name]
+        if not pts:
+            continue
+        x, y = zip(*pts, strict=True)
+        style = "k-o" if s.k == 0 else "-o"
+        for ax in axes:
+            ax.plot(x, [min(v, 1.15) for v in y], style, label=s.label, ms=3, lw=1)
+    for th in (0.2, 0.5):
+        for ax in axes:
+            ax.axhline(th, color="k", lw=0.5, ls=":")
+    axes[0].set_ylim(0, 1.2)
+    axes[1].set_yscale("log")
+    axes[1].set_title("same, log latency", fontsize=8)
+    for ax in axes:
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("normalized latency (s/token)")
+        ax.legend(fontsize=6)
+    axes[0].set_title(title, fontsize=8)
+    save_fig(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="a YAML file, or a name under configs/")
+    ap.add_argument("--out", help="output directory")
+    ap.add_argument("--rates", type=float, nargs="+", default=list(DEFAULT_RATES))
+    ap.add_argument("--duration", type=float, help="trace seconds (default: the config's"
+                    " throughput_vs_rate.duration_s)")  # fmt: skip
+    a = ap.parse_args(argv)
+    from experiments.run import resolve_config
+    from pagedjax.config import ConfigError, load_yaml
+
+    try:
+        path = resolve_config(a.config)
+        cfg = load_yaml(ExperimentConfig, path, [])
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if any(r <= 0 for r in a.rates):
+        print("error: --rates must be positive", file=sys.stderr)
+        return 2
+    tv = cfg.throughput_vs_rate
+    server = cfg.server if tv.slots is None else dataclasses.replace(cfg.server, slots=tv.slots)
+    duration = a.duration or tv.duration_s
+    stop = tv.search.stop_latency if tv.search is not None else math.inf
+    thresholds = sorted(tv.thresholds)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(a.out) if a.out else ROOT / "results" / f"speculative_curves-{path.stem}-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    load0 = [round(x, 2) for x in os.getloadavg()]
+    t0 = time.perf_counter()
+    rows = curves(
+        server, tv.dataset, a.rates, duration, tv.seed, list(SETTINGS), thresholds, stop,
+        progress=lambda n, r: print(f"  {n} @ {r:g} req/s", file=sys.stderr, flush=True),
+    )  # fmt: skip
+    secs = time.perf_counter() - t0
+    load1 = [round(x, 2) for x in os.getloadavg()]
+    head = (
+        f"{SIM_LABEL.upper()}: {server.model} on {server.gpu} ({server.cost_model}), paged,"
+        f" {tv.dataset} {duration:g}-s traces, seed {tv.seed}; KV {server.pool_slots} slots"
+    )
+    lines = table(rows, a.rates, thresholds)
+    print(head)
+    for s in SETTINGS:
+        m = s.model(server)
+        print(
+            f"  {s.name}: k={s.k}, measured {s.mean_len:.2f} tok/step"
+            + (f" (acceptance {s.acceptance})" if s.acceptance is not None else "")
+            + f", model per-draft rate -> mean {1 + m.mean_accepted:.2f} tok/step,"
+            f" draft cost {m.draft_cost_fraction:.3f} x decode step; source: {s.source}"
+        )
+    print("\n".join(lines))
+    print(f"{secs:.0f} s; load average {load0} at start, {load1} at end")
+    write_csv(out / "speculative_curves.csv", rows)
+    plot(rows, list(SETTINGS), out / "speculative_curves.png", head)
+    dump_json(
+        out / "speculative_curves.json",
+        {
+            "setup": head,
+            "command": "python experiments/speculative_curves.py " + " ".join(sys.argv[1:]),
+            "settings": [s.__dict__ | {"model": repr(s.model(server))} for s in SETTINGS],
+            "table": lines,
+            "knees": {f"{th:g}": knees(rows, th, a.rates) for th in thresholds},
+            "seconds": round(secs, 1),
+            "load_average_start_end": [load0, load1],
+        },
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+def use_persistent_cache() -> None:
+    """As run.py: reruns reuse the compiled simulator (results/.jax_cache, or
+    $PAGEDJAX_JAX_CACHE). Only when run as a script: a test calling ``main`` keeps its
+    process's JAX settings."""
+    import jax
+
+    cache = os.environ.get("PAGEDJAX_JAX_CACHE") or str(ROOT / "results" / ".jax_cache")
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+if __name__ == "__main__":
+    use_persistent_cache()
+    sys.exit(main())
