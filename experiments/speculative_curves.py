@@ -3,7 +3,8 @@ the paged (vLLM-style) system without speculation and with it at the acceptance 
 real engine measured (docs/speculative_decoding.md), simulated.
 
     python experiments/speculative_curves.py --config llama7b.yaml [--out DIR]
-        [--rates 0.5 1 2 ...] [--duration S]
+        [--rates 0.5 1 2 ...] [--duration S] [--gpu H100-80GB] [--dataset alpaca]
+        [--slots 256]
 
 Inputs, never fitted to an outcome: each setting is k and the *mean accepted length*
 (tokens per speculating row and step, the bonus token included) that
@@ -203,28 +204,44 @@ def table(
 
 
 def plot(rows: list[dict[str, Any]], settings: list[Setting], path: Path, title: str) -> None:
-    """Latency vs rate per setting (log latency: the low-load gap is the point), with the
-    thresholds dotted."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    """Latency vs rate per setting (linear, then log: the low-load gap is the point),
+    thresholds dotted; third panel: the gain, latency without / with, at each rate both
+    ran (a ratio with an early-stopped run is a bound: hollow marker)."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    base = {r["rate"]: r for r in rows if r["setting"] == "none"}
     for s in settings:
-        pts = [(r["rate"], r["norm_latency_s_per_token"]) for r in rows if r["setting"] == s.name]
-        if not pts:
+        mine = [r for r in rows if r["setting"] == s.name]
+        if not mine:
             continue
-        x, y = zip(*pts, strict=True)
+        x = [r["rate"] for r in mine]
+        y = [r["norm_latency_s_per_token"] for r in mine]
         style = "k-o" if s.k == 0 else "-o"
-        for ax in axes:
+        for ax in axes[:2]:
             ax.plot(x, [min(v, 1.15) for v in y], style, label=s.label, ms=3, lw=1)
+        both = [r for r in mine if r["rate"] in base]
+        gain = [base[r["rate"]]["norm_latency_s_per_token"] / r["norm_latency_s_per_token"]
+                for r in both]  # fmt: skip
+        line = axes[2].plot([r["rate"] for r in both], gain, style, label=s.label, ms=3, lw=1)
+        bound = [(r["rate"], g) for r, g in zip(both, gain, strict=True)
+                 if r["stopped_early"] or base[r["rate"]]["stopped_early"]]  # fmt: skip
+        if bound:
+            bx, by = zip(*bound, strict=True)
+            axes[2].plot(bx, by, "o", mfc="white", color=line[0].get_color(), ms=6)
     for th in (0.2, 0.5):
-        for ax in axes:
+        for ax in axes[:2]:
             ax.axhline(th, color="k", lw=0.5, ls=":")
     axes[0].set_ylim(0, 1.2)
     axes[1].set_yscale("log")
     axes[1].set_title("same, log latency", fontsize=8)
+    axes[2].set_yscale("log")
+    axes[2].set_title("gain: latency without / with speculation", fontsize=8)
     for ax in axes:
         ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel("normalized latency (s/token)")
         ax.legend(fontsize=6)
-    axes[0].set_title(title, fontsize=8)
+    axes[0].set_ylabel("normalized latency (s/token)")
+    axes[1].set_ylabel("normalized latency (s/token)")
+    axes[2].set_ylabel("latency ratio (> 1: speculation faster)")
+    axes[0].set_title(title, fontsize=7)
     save_fig(fig, path)
 
 
@@ -235,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", type=float, nargs="+", default=list(DEFAULT_RATES))
     ap.add_argument("--duration", type=float, help="trace seconds (default: the config's"
                     " throughput_vs_rate.duration_s)")  # fmt: skip
+    ap.add_argument("--gpu", help="the server's GPU instead of the config's (e.g. H100-80GB;"
+                    " the KV pool stays the config's kv_slots)")  # fmt: skip
+    ap.add_argument("--dataset", choices=["sharegpt", "alpaca"],
+                    help="the workload (default: throughput_vs_rate.dataset)")
+    ap.add_argument("--slots", type=int, help="scheduler rows (the running cap; default:"
+                    " throughput_vs_rate.slots or server.slots)")  # fmt: skip
     a = ap.parse_args(argv)
     from experiments.run import resolve_config
     from pagedjax.config import ConfigError, load_yaml
@@ -250,7 +273,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tv = cfg.throughput_vs_rate
     server = cfg.server if tv.slots is None else dataclasses.replace(cfg.server, slots=tv.slots)
+    if a.gpu or a.slots:
+        try:
+            server = dataclasses.replace(
+                server, gpu=a.gpu or server.gpu, slots=a.slots or server.slots
+            )
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     duration = a.duration or tv.duration_s
+    dataset = a.dataset or tv.dataset
     stop = tv.search.stop_latency if tv.search is not None else math.inf
     thresholds = sorted(tv.thresholds)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -259,14 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     load0 = [round(x, 2) for x in os.getloadavg()]
     t0 = time.perf_counter()
     rows = curves(
-        server, tv.dataset, a.rates, duration, tv.seed, list(SETTINGS), thresholds, stop,
+        server, dataset, a.rates, duration, tv.seed, list(SETTINGS), thresholds, stop,
         progress=lambda n, r: print(f"  {n} @ {r:g} req/s", file=sys.stderr, flush=True),
     )  # fmt: skip
     secs = time.perf_counter() - t0
     load1 = [round(x, 2) for x in os.getloadavg()]
     head = (
         f"{SIM_LABEL.upper()}: {server.model} on {server.gpu} ({server.cost_model}), paged,"
-        f" {tv.dataset} {duration:g}-s traces, seed {tv.seed}; KV {server.pool_slots} slots"
+        f" {dataset} {duration:g}-s traces, seed {tv.seed}; KV {server.pool_slots} slots,"
+        f" {server.slots} scheduler rows"
     )
     lines = table(rows, a.rates, thresholds)
     print(head)

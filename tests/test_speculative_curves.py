@@ -47,6 +47,7 @@ def test_script_writes_table_csv_and_figure(tmp_path, capsys):
     assert all(r["executor"] == "simulated" for r in rows)
     assert (out / "speculative_curves.png").stat().st_size > 0
     assert sc.main(["--config", "tiny", "--rates", "-1", "--out", str(out)]) == 2
+    assert sc.main(["--config", "tiny", "--gpu", "Z80", "--out", str(out)]) == 2
 
 
 def test_eagle_cost_fraction_is_the_heads_weight_share():
