@@ -18,10 +18,10 @@ the draft's weight bytes over the target's).
 
 Approximations (say so beside any simulated number): the draft's cost is the fraction
 above (0 unless given), its prefill of the prompt is not counted; the k verification
-tokens add cost but do not take the scheduler's token budget (``max_num_batched_tokens``;
-at 2560 and <= 256 decode rows of k + 1 <= 9 tokens it could only bind in a step mixing
-prefills, which paper mode does not run); the transient blocks the drafts hold during the
-verification are not allocated (a real engine speculates only into free blocks and
+tokens add cost but do not take the scheduler's token budget (``max_num_batched_tokens``),
+so a step that also admits prompts can exceed it by k x its decode rows (a real
+scheduler would admit those prompts a step later); the transient blocks the drafts hold
+during the verification are not allocated (a real engine speculates only into free blocks and
 returns them at once, so they never force preemption); the accepted length is drawn
 independently per row and step.
 
