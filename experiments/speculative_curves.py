@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -48,10 +49,13 @@ if "xla_llvm_disable_expensive_passes" not in os.environ.get("XLA_FLAGS", ""):
         os.environ.get("XLA_FLAGS", "") + " --xla_llvm_disable_expensive_passes=true"
     ).strip()
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 
 from experiments.common import (  # noqa: E402
     SIM_LABEL,
+    cost_model,
     dump_json,
     latency_metrics,
     run_sim,
@@ -63,6 +67,8 @@ from pagedjax.simulator.cost_model import model_geometry  # noqa: E402
 from pagedjax.simulator.speculative import SpecModel  # noqa: E402
 
 DEFAULT_RATES = (0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0)
+# Contexts of the per-step gain table (tokens): Alpaca-like and ShareGPT-like scales.
+GAIN_CONTEXTS = (64, 512)
 SOURCE = "docs/speculative_decoding.md, Measured (SmolLM2-135M, CPU, benchmarks/speculative.py)"
 
 
@@ -156,6 +162,45 @@ def curves(
             if m["norm_latency_s_per_token"] > max(thresholds):
                 break
     return rows
+
+
+def step_gain(
+    server: ServerSettings, setting: Setting, batch_sizes: list[int], context: int
+) -> list[float]:
+    """The cost model's per-step view, no queueing: for a decode-only step of B rows of
+    ``context`` tokens each, tokens per second with speculation over without, i.e.
+    mean_len x t_plain(B) / (t_verify(B) + t_draft(B)). The same functions the
+    simulation loop calls (``batch_work``, ``verify_work``, ``draft_time``), on batches
+    padded to max(batch_sizes) rows so that one compiled function serves every B."""
+    width = max(batch_sizes)
+    fn = _step_times(cost_model(server), width)
+    params = setting.model(server).params()
+    out = []
+    for b in batch_sizes:
+        t0, t1 = fn(params, jnp.int32(b), jnp.int32(context))
+        out.append(setting.mean_len * float(t0) / float(t1))
+    return out
+
+
+@functools.cache
+def _step_times(cm: Any, width: int) -> Any:
+    """jitted (params, rows, context) -> (plain step s, speculative step s incl. draft)."""
+    from pagedjax.scheduler import ScheduledBatch
+    from pagedjax.simulator import speculative as spec_mode
+    from pagedjax.simulator.simulate import batch_work
+
+    def times(params: Any, rows: Any, context: Any) -> tuple[Any, Any]:
+        live = jnp.arange(width) < rows
+        batch = ScheduledBatch(
+            seq_ids=jnp.where(live, jnp.arange(width, dtype=jnp.int32), -1),
+            q_lens=live.astype(jnp.int32), start_pos=jnp.where(live, context, 0),
+            emits=live, num_seqs=rows, num_tokens=rows, preempted=~live, rejected=~live,
+        )  # fmt: skip
+        plain = batch_work(None, batch)
+        spec = cm(*spec_mode.verify_work(params, batch, plain))
+        return cm(*plain), spec + spec_mode.draft_time(params, batch, cm)
+
+    return jax.jit(times)
 
 
 def knees(rows: list[dict[str, Any]], threshold: float, rates: list[float]) -> dict[str, str]:
@@ -312,6 +357,17 @@ def main(argv: list[str] | None = None) -> int:
             f" draft cost {m.draft_cost_fraction:.3f} x decode step; source: {s.source}"
         )
     print("\n".join(lines))
+    gain_b = [1, 4, 16, 32, 64, 128, 256]
+    gains = {
+        ctx: {s.name: step_gain(server, s, gain_b, ctx) for s in SETTINGS if s.k}
+        for ctx in GAIN_CONTEXTS
+    }
+    for ctx, g in gains.items():
+        print(f"per-step gain, cost model only (no queueing): a decode-only step of B rows x"
+              f" {ctx} tokens of context, tokens/s with / without speculation")  # fmt: skip
+        print(f"{'B':>10} " + " ".join(f"{n:>14}" for n in g))
+        for i, b in enumerate(gain_b):
+            print(f"{b:>10} " + " ".join(f"{v[i]:>14.2f}" for v in g.values()))
     print(f"{secs:.0f} s; load average {load0} at start, {load1} at end")
     write_csv(out / "speculative_curves.csv", rows)
     plot(rows, list(SETTINGS), out / "speculative_curves.png", head)
@@ -322,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python experiments/speculative_curves.py " + " ".join(sys.argv[1:]),
             "settings": [s.__dict__ | {"model": repr(s.model(server))} for s in SETTINGS],
             "table": lines,
+            "step_gain": {"batch_sizes": gain_b, "by_context": gains},
             "knees": {f"{th:g}": knees(rows, th, a.rates) for th in thresholds},
             "seconds": round(secs, 1),
             "load_average_start_end": [load0, load1],

@@ -53,3 +53,16 @@ def test_script_writes_table_csv_and_figure(tmp_path, capsys):
 def test_eagle_cost_fraction_is_the_heads_weight_share():
     f = sc.eagle_cost_fraction("llama-2-7b")
     assert 1 / 32 < f < 0.1  # more than one of 32 layers (it adds fc and the LM head)
+
+
+def test_step_gain_follows_the_cost_model():
+    """Per step (no queueing): nothing accepted never gains; everything accepted at one
+    row gains nearly k + 1 (verification is almost free when the step is memory-bound);
+    the gain never grows with the batch (verification tokens take compute)."""
+    server = ServerSettings(model="llama-2-7b", gpu="A100-40GB", slots=64)
+    b = [1, 8, 64, 256]
+    assert all(g <= 1.0 for g in sc.step_gain(server, NOTHING, b, 64))
+    full = sc.step_gain(server, ALL, b, 64)
+    assert 4.5 < full[0] <= 5.0
+    assert all(x >= y - 1e-6 for x, y in zip(full[:-1], full[1:], strict=True))
+    assert full[-1] < full[0]
