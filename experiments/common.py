@@ -131,6 +131,7 @@ def run_sim(
     drain: bool = True,
     swap_space_gib: float | None = None,
     stop_latency: float = math.inf,
+    speculative: Any = None,
 ) -> list[Run]:
     """Simulate traces (dataset, rate, duration_s, seed, spread) of one system.
 
@@ -138,9 +139,12 @@ def run_sim(
     (enough for window averages); otherwise at horizon_factor x duration.
     stop_latency: stop a run once its mean normalized latency provably exceeds this
     (s/token; a knee search only needs to know it exploded).
+    speculative: a ``pagedjax.simulator.speculative.SpecModel`` (speculative decoding,
+    simulated; experiments/speculative_curves.py) or None.
     Results are cached per arguments, so experiments sharing runs pay once.
     """
-    key = (system, server, tuple(specs), block_size, drain, swap_space_gib, stop_latency)
+    key = (system, server, tuple(specs), block_size, drain, swap_space_gib, stop_latency,
+           speculative)  # fmt: skip
     if key in _CACHE:
         return _CACHE[key]
     policy, cfg = build_system(system, server, block_size, swap_space_gib)
@@ -164,7 +168,9 @@ def run_sim(
     # that runs both branches, incl. the preemption loop (measured 9x per step for 3 lanes).
     runs = []
     for w, tr, spec in zip(loads, traces, specs, strict=True):
-        res = SimResult(*(np.asarray(x) for x in simulate(policy, cfg, cm, tr)))
+        res = SimResult(
+            *(np.asarray(x) for x in simulate(policy, cfg, cm, tr, speculative=speculative))
+        )
         runs.append(Run(w, res, spec[2], stop_latency))
     _CACHE[key] = runs
     return runs

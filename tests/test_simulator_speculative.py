@@ -7,7 +7,7 @@ from pagedjax.scheduler import SchedulerConfig
 from pagedjax.scheduler.counting_policy import CountingPolicy
 from pagedjax.simulator.cost_model import FittedCostModel
 from pagedjax.simulator.simulate import make_trace, simulate
-from pagedjax.simulator.speculative import SpecModel
+from pagedjax.simulator.speculative import MIN_PMF_WIDTH, SpecModel
 
 # 10 ms per step + 1 ms per prefill-like token: easy to reason about by hand.
 COST = FittedCostModel((0.01, 0.001, 0.0, 0.0, 0.0))
@@ -29,7 +29,18 @@ def test_all_accepted_by_hand():
     assert float(r.finish_time[0]) == pytest.approx(1.0 + 0.02 + 2 * 0.014, abs=1e-5)
 
 
-@pytest.mark.slow  # three more compilations of the simulation loop (~20 s)
+def test_draft_cost_fraction_by_hand():
+    """The same run with the draft's cost at half the target's decode step: each of the
+    two speculating steps adds k x 0.5 x 10 ms (the prefill step has no draft). Shares
+    the compiled loop of the test above (the SpecModel's numbers are traced)."""
+    tr = make_trace(np.array([1.0]), np.array([10]), np.array([9]), pad_to=32)
+    spec = SpecModel(4, (0.0, 0.0, 0.0, 0.0, 1.0), draft_cost_fraction=0.5)
+    r = simulate(POLICY, CFG, COST, tr, speculative=spec)
+    assert int(r.steps) == 3
+    assert float(r.finish_time[0]) == pytest.approx(1.0 + 0.02 + 2 * (0.014 + 0.02), abs=1e-5)
+
+
+@pytest.mark.slow  # one more compilation: the plain loop (~6 s, loaded 2-core box)
 def test_nothing_accepted_costs_more_and_speculation_pays_when_accepted():
     rng = np.random.default_rng(0)
     arr = np.zeros(30)  # all at t = 0: the schedule does not depend on step times
@@ -41,6 +52,10 @@ def test_nothing_accepted_costs_more_and_speculation_pays_when_accepted():
     fin = [np.asarray(x.finish_time)[:30] for x in (plain, none_kept, good)]
     assert all(np.isfinite(f).all() for f in fin)
     assert int(none_kept.steps) == int(plain.steps)
+    # k = 0 through the speculative loop is the plain simulation, exactly.
+    zero = simulate(POLICY, CFG, COST, tr, speculative=SpecModel.none())
+    np.testing.assert_array_equal(np.asarray(zero.finish_time), np.asarray(plain.finish_time))
+    assert int(zero.steps) == int(plain.steps)
     assert fin[1].mean() > fin[0].mean()  # verification work for nothing
     assert int(good.steps) < int(plain.steps)
     assert fin[2].mean() < fin[0].mean()
@@ -54,3 +69,19 @@ def test_spec_model_checks():
         SpecModel(2, (1.0,))
     with pytest.raises(ValueError, match="distribution"):
         SpecModel(1, (0.5, 0.6))
+    with pytest.raises(ValueError, match="draft_cost_fraction"):
+        SpecModel(1, (0.5, 0.5), draft_cost_fraction=-0.1)
+    with pytest.raises(ValueError, match="mean_drafts"):
+        SpecModel.from_mean_accepted(2, 2.5)
+    assert SpecModel.none().params().log_pmf.shape == (MIN_PMF_WIDTH + 1,)
+
+
+@pytest.mark.parametrize("k, mean", [(4, 2.67), (4, 1.0), (2, 0.36), (4, 0.0), (3, 3.0)])
+def test_from_mean_accepted_reproduces_the_measured_mean(k, mean):
+    """The engine reports accepted / proposed (``spec_acceptance_rate``); the
+    first-rejection model at that same rate keeps fewer drafts on average, so a measured
+    mean is matched by solving for the per-draft rate instead."""
+    m = SpecModel.from_mean_accepted(k, mean)
+    assert m.mean_accepted == pytest.approx(mean, abs=1e-6)
+    if 0 < mean < k:
+        assert SpecModel.from_acceptance_rate(k, mean / k).mean_accepted < mean

@@ -46,6 +46,8 @@ from pagedjax.scheduler import (
     update,
 )
 from pagedjax.scheduler.schedule import ScheduledBatch
+from pagedjax.simulator import speculative as spec_mode
+from pagedjax.simulator.speculative import SpecParams
 
 
 class Trace(NamedTuple):
@@ -201,8 +203,8 @@ class _Carry(NamedTuple):
 
 def _simulate(
     policy, config: SchedulerConfig, cost_model, max_steps: int, trace: Trace, record: int = 0,
-    spec: Any = None,
-):  # spec: a speculative.SpecModel (static) or None
+    spec: SpecParams | None = None,
+):  # spec: a SpecModel's traced arrays (speculative.py) or None
     n_slots = config.max_seqs
     n_req = trace.arrival.shape[0]
     slots = jnp.arange(n_slots, dtype=jnp.int32)
@@ -247,8 +249,10 @@ def _simulate(
         st1, batch = schedule(policy, config, st0)
         work = batch_work(st1, batch)
         if spec is not None:  # decode rows verify k drafts (speculative.py)
-            work = spec.verify_work(batch, work)
+            work = spec_mode.verify_work(spec, batch, work)
         dt = cost_model(*work)
+        if spec is not None:  # and the draft proposed them (0 unless its cost is given)
+            dt = dt + spec_mode.draft_time(spec, batch, cost_model)
         swap_time = getattr(cost_model, "swap_time", None)
         if swap_time is not None:  # swap copies of the step (0 without a swap pool)
             moved = batch.swap.num_out + batch.swap.num_in
@@ -277,7 +281,7 @@ def _simulate(
         free = free_fn(st1.mem) if free_fn is not None else jnp.float32(jnp.nan)
 
         if spec is not None:  # the kept drafts, before update adds the step's token
-            st1 = spec.accept(st1, batch, c.steps, config.max_model_len)
+            st1 = spec_mode.accept(spec, st1, batch, c.steps, config.max_model_len)
         st2 = update(policy, config, st1, batch, jnp.zeros((n_slots,), bool))
         newly = (st2.status == FINISHED) & (st0.status != FINISHED)
         req_ids = jnp.where(newly, c.slot_req, n_req)
@@ -379,7 +383,7 @@ def _simulate(
     return (res, c.rec) if record else res
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3, 5))
+@partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _simulate_jit(policy, config, cost_model, max_steps, trace, spec=None):
     return _simulate(policy, config, cost_model, max_steps, trace, spec=spec)
 
@@ -389,7 +393,7 @@ def _simulate_rec(policy, config, cost_model, max_steps, record, trace):
     return _simulate(policy, config, cost_model, max_steps, trace, record)
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3, 5))
+@partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _simulate_vmap(policy, config, cost_model, max_steps, traces, spec=None):
     return jax.vmap(lambda t: _simulate(policy, config, cost_model, max_steps, t, spec=spec))(
         traces
@@ -405,8 +409,10 @@ def simulate(
     speculative: Any = None,
 ) -> SimResult:
     """Run one trace (jitted; policy, config, cost_model must be hashable).
-    speculative: a ``speculative.SpecModel`` (simulated speculative decoding) or None."""
-    return _simulate_jit(policy, config, cost_model, max_steps, trace, speculative)
+    speculative: a ``speculative.SpecModel`` (simulated speculative decoding) or None.
+    Its numbers are traced: SpecModels of one ``pmf_width`` share one compiled loop."""
+    spec = None if speculative is None else speculative.params()
+    return _simulate_jit(policy, config, cost_model, max_steps, trace, spec)
 
 
 def simulate_many(
@@ -422,7 +428,8 @@ def simulate_many(
     The loop runs until every trace is done, so pair traces of similar length.
     speculative: as ``simulate``.
     """
-    return _simulate_vmap(policy, config, cost_model, max_steps, traces, speculative)
+    spec = None if speculative is None else speculative.params()
+    return _simulate_vmap(policy, config, cost_model, max_steps, traces, spec)
 
 
 def simulate_recorded(
