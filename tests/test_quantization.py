@@ -22,6 +22,7 @@ from model_helpers import PagedRunner
 
 from pagedjax.model import preset_arch, random_params
 from pagedjax.model.quant.hf_formats import (
+    act_order_perm,
     awq_to_codes,
     codes_to_awq,
     pack_int32,
@@ -99,6 +100,18 @@ def test_nibble_and_int32_packing_round_trip():
     # AWQ's interleave: a word holding columns 0..7 stores them as 0 2 4 6 1 3 5 7.
     word = codes_to_awq(np.arange(8, dtype=np.uint8)[None, :])[0, 0].view(np.uint32)
     assert [(int(word) >> (4 * k)) & 0xF for k in range(8)] == [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def test_act_order_perm_sorts_rows_by_group_and_refuses_unequal_groups():
+    assert act_order_perm(None, 8, 2, "g") is None
+    assert act_order_perm(np.array([0, 0, 0, 0, 1, 1, 1, 1]), 8, 2, "g") is None  # contiguous
+    g_idx = np.array([1, 0, 1, 0, 0, 1, 1, 0])
+    perm = act_order_perm(g_idx, 8, 2, "g")
+    np.testing.assert_array_equal(g_idx[perm], [0, 0, 0, 0, 1, 1, 1, 1])
+    with pytest.raises(ValueError, match="m.g_idx: must give each of 2 groups 4 rows"):
+        act_order_perm(np.array([1, 0, 1, 0, 0, 1, 1, 1]), 8, 2, "m.g_idx")
+    with pytest.raises(ValueError, match=r"m.g_idx: shape \(4,\), expected \(8,\)"):
+        act_order_perm(np.array([0, 0, 1, 1]), 8, 2, "m.g_idx")
 
 
 def _random_qweight(rng, n_in, n_out, *, bits=4, group=32, zero=False, offset=False,
@@ -334,14 +347,18 @@ def _ct_config(fmt, bits, strategy, group, act_type=None):
 
 
 @pytest.mark.parametrize("scheme", [
-    "w4a16_group", "fp8_channel", *(pytest.param(s, marks=pytest.mark.slow)
-                                    for s in ("w8a16_channel", "w8a8_int", "fp8_tensor")),
+    "w4a16_group", "fp8_channel", "w4a16_actorder",
+    *(pytest.param(s, marks=pytest.mark.slow)
+      for s in ("w8a16_channel", "w8a8_int", "fp8_tensor")),
 ])  # fmt: skip
 def test_compressed_tensors_checkpoint_loads_exactly(tmp_path, scheme):
+    """w4a16_actorder: llm-compressor's GPTQ with ``actorder: "group"`` (before
+    compressed-tensors 0.20 removed it; RedHatAI's w4a16 models carry it): weight_packed
+    in the checkpoint's column order, ``weight_g_idx`` [in] naming each input's group."""
     rng = np.random.default_rng(6)
     tensors, known = _base_tensors(), {}
-    bits = 4 if scheme == "w4a16_group" else 8
-    group = 32 if scheme == "w4a16_group" else None
+    bits = 4 if scheme.startswith("w4a16") else 8
+    group = 32 if scheme.startswith("w4a16") else None
     for i in range(ARCH.num_layers):
         for role in LINEARS:
             name = f"model.layers.{i}.{role}"
@@ -368,15 +385,25 @@ def test_compressed_tensors_checkpoint_loads_exactly(tmp_path, scheme):
             tensors[f"{name}.weight_scale"] = s
             s2 = s.reshape(1, 1) if s.size == 1 else s  # [out or 1, groups]
             s_full = np.repeat(np.broadcast_to(s2, (n_out, s2.shape[1])), n_in // s2.shape[1], 1)
+            if scheme == "w4a16_actorder":  # groups follow a random order of the inputs
+                g_idx = np.empty(n_in, np.int32)
+                g_idx[rng.permutation(n_in)] = np.arange(n_in) // group
+                tensors[f"{name}.weight_g_idx"] = g_idx
+                s_full = s[:, g_idx]
             known[(role, i)] = (vals * s_full).T
     fmt, act = {
         "w4a16_group": ("pack-quantized", None), "w8a16_channel": ("pack-quantized", None),
+        "w4a16_actorder": ("pack-quantized", None),
         "w8a8_int": ("int-quantized", "int"), "fp8_channel": ("float-quantized", "float"),
         "fp8_tensor": ("float-quantized", "float"),
     }[scheme]  # fmt: skip
     strategy = "group" if group else ("tensor" if scheme == "fp8_tensor" else "channel")
-    _write_checkpoint(tmp_path / "ct", ARCH, tensors, _ct_config(fmt, bits, strategy, group, act))
+    qc = _ct_config(fmt, bits, strategy, group, act)
+    if scheme == "w4a16_actorder":
+        qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    _write_checkpoint(tmp_path / "ct", ARCH, tensors, qc)
     params = _check_model(tmp_path / "ct", ARCH, known)
+    assert (_kernel(params, "mlp.up_proj", 0).perm is not None) == (scheme == "w4a16_actorder")
     assert _kernel(params, "self_attn.q_proj", 0).act_quant == {None: "none", "int": "int8",
                                                                "float": "fp8"}[act]  # fmt: skip
 

@@ -18,6 +18,9 @@ Layouts (per linear module ``<name>``; "in" / "out" are the layer's input / outp
 - compressed-tensors (llm-compressor): ``pack-quantized`` (W4A16 / W8A16, grouped or
   per channel): ``weight_packed`` int32 [out, in * bits / 32] (packed along the input,
   values stored with an offset of 2^(bits-1)), ``weight_scale`` [out, G],
+  optional ``weight_g_idx`` int32 [in] (``actorder: "group"``, written by llm-compressor
+  before compressed-tensors 0.20 dropped it, e.g. in RedHatAI's w4a16 models: input i
+  belongs to group g_idx[i]; sorted by group at load like GPTQ's act order),
   optional ``weight_zero_point`` [out, G] (asymmetric; not built: refused);
   ``int-quantized`` (W8A8 int8): ``weight`` int8 [out, in], ``weight_scale`` [out, 1];
   ``float-quantized`` (FP8 W8A8): ``weight`` float8_e4m3fn [out, in], ``weight_scale``
@@ -26,7 +29,8 @@ Layouts (per linear module ``<name>``; "in" / "out" are the layer's input / outp
 
 Refusals (ValueError naming the tensor): a module missing one of its tensors, shapes that
 disagree with the config, AWQ other than 4-bit GEMM, GPTQ bits other than 4 / 8, act-order
-groups of unequal size, an asymmetric compressed-tensors scheme.
+groups of unequal size or a g_idx / weight_g_idx of the wrong length, an asymmetric
+compressed-tensors scheme.
 """
 
 from __future__ import annotations
@@ -92,6 +96,29 @@ def _group_size(in_features: int, groups: int, name: str) -> int:
     return in_features // groups
 
 
+def act_order_perm(
+    g_idx: np.ndarray | None, n_in: int, groups: int, name: str
+) -> np.ndarray | None:
+    """The row order that makes act-order groups contiguous: ``g_idx`` [in] gives each
+    input row's group (GPTQ ``desc_act``, compressed-tensors ``actorder: group``); None
+    when absent or already contiguous (row i in group i // group_size), else int32
+    ``argsort(g_idx)`` (stable), which sorts the rows by group (QuantizedWeight.perm).
+    ValueError when g_idx is not one entry per row or its groups are not all of size
+    in / groups."""
+    gs = n_in // groups
+    if g_idx is None:
+        return None
+    g_idx = np.asarray(g_idx, np.int64)
+    if g_idx.shape != (n_in,):
+        raise ValueError(f"{name}: shape {g_idx.shape}, expected ({n_in},)")
+    if np.array_equal(g_idx, np.arange(n_in) // gs):
+        return None
+    counts = np.bincount(g_idx.clip(0), minlength=groups)
+    if g_idx.min() < 0 or len(counts) != groups or (counts != gs).any():
+        raise ValueError(f"{name}: must give each of {groups} groups {gs} rows")
+    return np.argsort(g_idx, kind="stable").astype(np.int32)
+
+
 def awq_weight(t: dict[str, np.ndarray], name: str) -> QuantizedWeight:
     """An AWQ GEMM module's tensors (qweight, qzeros, scales) -> QuantizedWeight."""
     codes = awq_to_codes(t["qweight"])  # [in, out]
@@ -126,13 +153,8 @@ def gptq_weight(
             f"{name}: GPTQ shapes disagree: qweight -> {codes.shape}, qzeros -> "
             f"{zeros.shape}, scales {scales.shape}"
         )
-    g_idx = np.asarray(t["g_idx"], np.int64) if "g_idx" in t else np.arange(n_in) // gs
-    perm = None
-    if not np.array_equal(g_idx, np.arange(n_in) // gs):  # act order: sort rows by group
-        counts = np.bincount(g_idx, minlength=g)
-        if g_idx.min() < 0 or len(counts) != g or (counts != gs).any():
-            raise ValueError(f"{name}: g_idx must give each of {g} groups {gs} rows")
-        perm = np.argsort(g_idx, kind="stable").astype(np.int32)
+    perm = act_order_perm(t.get("g_idx"), n_in, g, f"{name}.g_idx")
+    if perm is not None:
         codes = codes[perm]
     zero_dtype = np.uint8 if zeros.max(initial=0) < 256 else np.int32
     data = pack_nibbles(codes) if bits == 4 else codes
@@ -154,9 +176,16 @@ def compressed_tensors_weight(
         n_in, n_out = codes.shape
         scale = scale.reshape(n_out, -1).T  # [G, out]
         gs = _group_size(n_in, scale.shape[0], name)
+        # actorder "group" (llm-compressor's GPTQ): weight_packed keeps the checkpoint's
+        # column order and weight_g_idx names each input's group, as GPTQ's g_idx does.
+        perm = act_order_perm(t.get("weight_g_idx"), n_in, scale.shape[0],
+                              f"{name}.weight_g_idx")  # fmt: skip
+        if perm is not None:
+            codes = codes[perm]
         data = pack_nibbles(codes) if bits <= 4 else codes
-        return QuantizedWeight(data, scale, in_features=n_in, bits=bits, group_size=gs,
-                               code_offset=1 << (bits - 1), fmt=fmt).check()  # fmt: skip
+        return QuantizedWeight(data, scale, perm=perm, in_features=n_in, bits=bits,
+                               group_size=gs, code_offset=1 << (bits - 1),
+                               fmt=fmt).check()  # fmt: skip
     w = np.ascontiguousarray(np.asarray(t["weight"]).T)  # [in, out]
     n_in, n_out = w.shape
     scale = scale.reshape(1, 1) if scale.size == 1 else scale.reshape(n_out, -1).T
