@@ -130,6 +130,22 @@ def _dense_head_feature(engine: LLMEngine, ids: list[int]) -> np.ndarray:
     return np.asarray(g)
 
 
+def _check_head_features(engine: LLMEngine) -> int:
+    """Assert every decoding sequence's head feature equals the head run from scratch
+    over its committed tokens; returns how many sequences were checked."""
+    st = jax.device_get(engine.state)
+    checked = 0
+    for s in np.flatnonzero(st.status == RUNNING):
+        done = int(st.prompt_len[s] + st.output_len[s])
+        if st.num_computed[s] != done - 1:
+            continue  # prompt still prefilling
+        ids = [int(t) for t in np.asarray(engine.device.tokens[s, :done])]
+        np.testing.assert_allclose(np.asarray(engine.speculator.eagle.feature[s]),
+                                   _dense_head_feature(engine, ids), rtol=1e-4, atol=1e-4)
+        checked += 1
+    return checked
+
+
 def test_eagle_greedy_equals_plain_with_chunking_and_preemption(head_dir):
     """Prompts over the token budget (chunked) and a pool small enough to preempt."""
     prompts = dict(enumerate(_prompts(11, 4, lo=12, hi=26)))  # 18, 14, 19, 25
@@ -160,16 +176,7 @@ def test_eagle_head_state_matches_dense_recomputation(head_dir):
     checked = 0
     while engine.has_unfinished_requests():
         engine.step()
-        st = jax.device_get(engine.state)
-        for s in np.flatnonzero(st.status == RUNNING):
-            done = int(st.prompt_len[s] + st.output_len[s])
-            if st.num_computed[s] != done - 1:
-                continue  # prompt still prefilling
-            ids = [int(t) for t in np.asarray(engine.device.tokens[s, :done])]
-            want = _dense_head_feature(engine, ids)
-            got = np.asarray(engine.speculator.eagle.feature[s])
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-            checked += 1
+        checked += _check_head_features(engine)
     assert checked >= 3
     assert engine.stats()["spec_proposed_tokens"] > 0
 
@@ -396,14 +403,7 @@ def test_swap_moves_the_head_pool(head_dir):
     checked_after_swap = 0
     while engine.has_unfinished_requests():
         engine.step()
-        st = jax.device_get(engine.state)
-        for s in np.flatnonzero(st.status == RUNNING):
-            done = int(st.prompt_len[s] + st.output_len[s])
-            if st.num_computed[s] != done - 1:
-                continue  # prompt still prefilling
-            ids = [int(t) for t in np.asarray(engine.device.tokens[s, :done])]
-            np.testing.assert_allclose(np.asarray(engine.speculator.eagle.feature[s]),
-                                       _dense_head_feature(engine, ids), rtol=1e-4, atol=1e-4)
-            checked_after_swap += sum(swaps_in) > 0
+        checked = _check_head_features(engine)
+        checked_after_swap += checked if sum(swaps_in) > 0 else 0
     assert engine.num_preemptions > 0 and sum(swaps_in) > 0, "the pool was meant to swap"
     assert checked_after_swap >= 3
