@@ -72,6 +72,7 @@ from pagedjax.memory.block_table import PAD_SLOT, slot_mapping
 from pagedjax.model import ModelArch, ModelInput, QuantizedWeight, build_module
 from pagedjax.model.eagle import EagleConfig, EagleHead, load_head
 from pagedjax.model.kv_cache import cache_bytes_per_token
+from pagedjax.model.layers import dot_transposed
 from pagedjax.model.llama import LlamaForCausalLM
 
 
@@ -86,7 +87,7 @@ def lm_logits(params: Any, arch: ModelArch, g: jax.Array) -> jax.Array:
     features are post-norm, as the LM head sees them)."""
     if arch.tie_word_embeddings:
         w = params["embed_tokens"]["embedding"]
-        return jnp.dot(g.astype(w.dtype), w.T).astype(jnp.float32)
+        return dot_transposed(g.astype(w.dtype), w).astype(jnp.float32)  # 1 row: as 2
     w = params["lm_head"]["kernel"]
     return jnp.dot(g.astype(w.dtype), w).astype(jnp.float32)
 
@@ -199,7 +200,7 @@ class EagleDraft:
         when the head has one (``params["lm"]``), else over the target's."""
         if "lm" in params:
             w = params["lm"]
-            logits = jnp.dot(g.astype(w.dtype), w.T)
+            logits = dot_transposed(g.astype(w.dtype), w)  # one row goes in as two
             return params["vocab"][jnp.argmax(logits, axis=-1)].astype(jnp.int32)
         return jnp.argmax(lm_logits(target_params, self.arch, g), axis=-1).astype(jnp.int32)
 
