@@ -43,11 +43,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` and `pagedjax` importable
     sys.path.insert(0, str(ROOT))
-# As run.py: LLVM's expensive passes slow the loop's compile for no run-time gain.
-if "xla_llvm_disable_expensive_passes" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_llvm_disable_expensive_passes=true"
-    ).strip()
+from experiments.compile_flags import skip_expensive_llvm_passes  # noqa: E402
+
+skip_expensive_llvm_passes()  # as run.py, before JAX starts its backend
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
