@@ -36,7 +36,7 @@ import numpy as np
 from serving_common import dummy_model_dir, run_client, serve_engine  # benchmarks/ on path
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.engine.async_engine import AsyncLLMEngine
+from pagedjax.entrypoints.async_engine import AsyncLLMEngine
 from pagedjax.entrypoints.openai.api_server import SERVER_SWITCH_INTERVAL_S
 from pagedjax.machine import cpu_model
 

@@ -36,7 +36,7 @@ def dummy_model_dir(hidden: int, layers: int, heads: int, vocab: int = 512,
 
 def serve(llm: Any, name: str, chat_template: str | None = None):
     """(server, thread, url, engine, metrics): the OpenAI server over llm's engine."""
-    from pagedjax.engine.async_engine import AsyncLLMEngine
+    from pagedjax.entrypoints.async_engine import AsyncLLMEngine
     from pagedjax.entrypoints.openai.api_server import SERVER_SWITCH_INTERVAL_S
     from pagedjax.entrypoints.openai.metrics import ServerMetrics
 

@@ -16,7 +16,7 @@ engine: K-step decode loop), ngram ({"method": "ngram",
 "num_speculative_tokens": k, "prompt_lookup_max": 4}), draft ({"method": "draft_model",
 "model": "self", "draft_num_layers": N}: the model's own first N layers), eagle
 ({"method": "eagle", "model": DIR}: a head trained by ``python -m
-pagedjax.engine.train_eagle``; DIR defaults to where that writes it), draftmodel
+pagedjax.tools.train_eagle``; DIR defaults to where that writes it), draftmodel
 ({"method": "draft_model", "model": NAME_OR_DIR}: a separate draft checkpoint with its own
 KV pool; default the model itself, the upper bound of acceptance at the cost of a second
 full model; no smaller real model with SmolLM2's vocabulary is available offline).
@@ -44,10 +44,10 @@ import os
 import time
 
 from pagedjax import LLM
-from pagedjax.engine.train_eagle import default_out
 from pagedjax.eval.chat import QUESTIONS, conversation
 from pagedjax.eval.texts import load_text
 from pagedjax.sampling import SamplingParams
+from pagedjax.tools.train_eagle import default_out
 
 MODEL = "smollm2-135m-instruct"
 

@@ -11,14 +11,14 @@ process, with the same arguments except ``--process-id``.
 On one CPU machine, two processes with 2 simulated devices each make the same mesh:
 prefix both commands with ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` and use
 ``localhost``. Process 0 takes the prompts and prints the outputs; the others follow its
-steps until it shuts them down (pagedjax/engine/multihost.py, docs/parallelism.md).
+steps until it shuts them down (pagedjax/engine/fronts/multihost.py, docs/parallelism.md).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from pagedjax.engine import multihost
+from pagedjax.engine.fronts import multihost
 
 
 def main(argv: list[str] | None = None) -> list[str] | None:

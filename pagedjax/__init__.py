@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "LLM": "pagedjax.engine",
+    "LLM": "pagedjax.entrypoints.llm",
     "LLMEngine": "pagedjax.engine",
     "RequestOutput": "pagedjax.engine",
     "CompletionOutput": "pagedjax.engine",
@@ -46,7 +46,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from pagedjax.engine import LLM, CompletionOutput, LLMEngine, RequestOutput
+    from pagedjax.engine import CompletionOutput, LLMEngine, RequestOutput
+    from pagedjax.entrypoints.llm import LLM
     from pagedjax.sampling import BeamSearchParams, SamplingParams
     from pagedjax.simulator.systems import (
         SYSTEMS,

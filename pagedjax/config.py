@@ -181,7 +181,7 @@ class SchedulerConfig:
 class ParallelConfig:
     """tensor_parallel_size: devices one model is split over (docs/parallelism.md);
     data_parallel_size: engine replicas; data_parallel_routing: how requests pick a replica
-    ("least_tokens" or "prefix_affinity", pagedjax/engine/router.py)."""
+    ("least_tokens" or "prefix_affinity", pagedjax/engine/fronts/router.py)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -209,9 +209,9 @@ class SpeculativeConfig:
     draft_num_layers N: a layer-skip draft, the target's first N layers with its final
     norm and LM head (pagedjax's own key); "draft_model" with another model (directory,
     .gguf, catalog or preset name) and no draft_num_layers: a separate draft checkpoint
-    with its own KV pool (engine/spec_draft_model.py);
-    "eagle" with model a head directory (engine/spec_eagle.py; trained by
-    ``python -m pagedjax.engine.train_eagle``). num_speculative_tokens: k, proposals
+    with its own KV pool (engine/spec/draft_model.py);
+    "eagle" with model a head directory (engine/spec/eagle.py; trained by
+    ``python -m pagedjax.tools.train_eagle``). num_speculative_tokens: k, proposals
     verified per sequence per step. disable_by_batch_size: no proposals in a step with
     at least this many scheduled sequences (None: always).
     """

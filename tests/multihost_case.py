@@ -23,7 +23,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("PAGEDJAX_WARMUP", "none")
 
-from pagedjax.engine import multihost  # noqa: E402
+from pagedjax.engine.fronts import multihost  # noqa: E402
 
 
 def main() -> None:

@@ -36,9 +36,9 @@ from pagedjax.config import (  # noqa: E402
     SchedulerConfig,
 )
 from pagedjax.engine.beams import beam_search  # noqa: E402
-from pagedjax.engine.data_parallel import DataParallelEngine  # noqa: E402
+from pagedjax.engine.fronts.data_parallel import DataParallelEngine  # noqa: E402
+from pagedjax.engine.fronts.router import Router  # noqa: E402
 from pagedjax.engine.llm_engine import LLMEngine  # noqa: E402
-from pagedjax.engine.router import Router  # noqa: E402
 from pagedjax.model import preset_arch, random_params  # noqa: E402
 from pagedjax.model.quant.inflight import quantize_params  # noqa: E402
 from pagedjax.model.quant.weight import QuantizedWeight  # noqa: E402
@@ -223,7 +223,7 @@ def served(eng, want: list[int], prompt: list[int]) -> dict:
     """The server's front (AsyncLLMEngine, /metrics) over the DP engine: A's output."""
     import asyncio
 
-    from pagedjax.engine.async_engine import AsyncLLMEngine
+    from pagedjax.entrypoints.async_engine import AsyncLLMEngine
     from pagedjax.entrypoints.openai.metrics import ServerMetrics
 
     front = AsyncLLMEngine(eng)

@@ -27,9 +27,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("examples",),  # runnable ablation examples (README)
     ("experiments",),  # the paper's experiments (run.py)
     ("benchmarks",),  # scripts; experiments reuse some of their loops (sharing.py)
-    ("pagedjax.entrypoints", "pagedjax.eval"),  # OpenAI server / async engine; quality harness
-    ("pagedjax",),  # the top-level facade (__init__: lazy exports)
-    ("pagedjax.engine", "pagedjax.baselines"),  # LLM / LLMEngine; the contiguous-KV engine
+    ("pagedjax.tools",),  # tools over the engine (bench, EAGLE head training)
+    ("pagedjax",),  # the top-level facade (__init__: lazy exports), gpu_check
+    ("pagedjax.entrypoints", "pagedjax.eval"),  # LLM, async engine, OpenAI server; quality
+    ("pagedjax.engine", "pagedjax.baselines"),  # the engine core; the contiguous-KV engine
     ("pagedjax.simulator",),  # trace simulation, cost models, the paper's named systems
     ("pagedjax.scheduler",),
     ("pagedjax.model", "pagedjax.sampling"),

@@ -1,7 +1,7 @@
 """Two processes on localhost (``jax.distributed``, CPU collectives over gloo, 2 devices
 each, TP 4 across both): the leader's outputs equal one device's, and a follower that
 dies makes the leader stop with an error within the heartbeat bound
-(``tests/multihost_case.py`` is one process; pagedjax/engine/multihost.py the design)."""
+(``tests/multihost_case.py`` is one process; pagedjax/engine/fronts/multihost.py the design)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import jax
 import pytest
 
 from pagedjax.config import ParallelConfig
-from pagedjax.engine.router import Router
+from pagedjax.engine.fronts.router import Router
 from pagedjax.model import preset_arch
 from pagedjax.model.sharding import check_tp, make_layout, param_specs
 

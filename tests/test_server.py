@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedjax.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedjax.entrypoints.openai import cli_args
 from pagedjax.entrypoints.openai.api_server import build_app
 from pagedjax.entrypoints.openai.metrics import ServerMetrics

@@ -1,4 +1,4 @@
-"""EAGLE-style draft head (engine/spec_eagle.py, model/eagle.py).
+"""EAGLE-style draft head (engine/spec/eagle.py, model/eagle.py).
 
 Exactness does not depend on the head's quality (verification is the target's), so a
 randomly initialised head on the tiny random Llama is enough for: greedy outputs equal
@@ -30,7 +30,7 @@ from pagedjax.config import (
     SpeculativeConfig,
 )
 from pagedjax.engine.llm_engine import LLMEngine
-from pagedjax.engine.spec_eagle import forward_with_features
+from pagedjax.engine.spec.eagle import forward_with_features
 from pagedjax.model import ModelInput, preset_arch
 from pagedjax.model.eagle import EagleConfig, EagleHead, init_head, load_head, save_head
 from pagedjax.scheduler import RUNNING
@@ -237,7 +237,7 @@ def test_training_loss_falls():
     """train_eagle's teacher forcing and loss on the tiny model: a few Adam steps on two
     sequences lower the loss and raise the teacher-forced top-1 agreement."""
     optax = pytest.importorskip("optax")
-    from pagedjax.engine.train_eagle import make_loss, teacher_features
+    from pagedjax.tools.train_eagle import make_loss, teacher_features
 
     params = _params()
     cfg = EagleConfig.for_target(ARCH)
@@ -276,8 +276,8 @@ def test_training_loss_falls():
 def test_training_attention_equals_the_paged_one():
     """The head is trained with train_eagle's dense attention and served with the paged
     backends: on the training layout both give the same outputs."""
-    from pagedjax.engine.train_eagle import BLOCK as TB
-    from pagedjax.engine.train_eagle import dense_causal_attention, pool, ragged_rows
+    from pagedjax.tools.train_eagle import BLOCK as TB
+    from pagedjax.tools.train_eagle import dense_causal_attention, pool, ragged_rows
 
     cfg = EagleConfig.for_target(ARCH)
     arch = cfg.head_arch(ARCH)
@@ -343,8 +343,8 @@ def test_truncated_vocab_greedy_equals_plain_and_drafts_stay_inside(subset_head_
 
 
 def test_training_prompts_and_draft_vocabulary():
-    from pagedjax.engine.train_eagle import draft_vocabulary, training_prompts
     from pagedjax.eval.chat import QUESTIONS
+    from pagedjax.tools.train_eagle import draft_vocabulary, training_prompts
 
     qs = training_prompts(300, seed=0)
     assert len(set(qs)) == 300 and not set(qs) & set(QUESTIONS)

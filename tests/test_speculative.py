@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculative.py): outputs, memory and compiles.
+"""Speculative decoding (engine/spec/decoder.py): outputs, memory and compiles.
 
 Greedy outputs with speculation equal those without it, across chunked prefill,
 preemption, prefix-cache hits, n > 1, stops inside an accepted run and max_tokens
@@ -33,7 +33,7 @@ from pagedjax.config import (
 )
 from pagedjax.engine.beams import beam_search
 from pagedjax.engine.llm_engine import LLMEngine
-from pagedjax.engine.spec_ngram import NgramProposer
+from pagedjax.engine.spec.ngram import NgramProposer
 from pagedjax.model import preset_arch, random_params
 from pagedjax.sampling import BeamSearchParams, SamplingParams
 from pagedjax.scheduler import RUNNING
@@ -578,7 +578,7 @@ def test_tokenizer_mismatch_refused(tmp_path):
     import json
     import shutil
 
-    from pagedjax.engine.spec_draft_model import check_same_vocab
+    from pagedjax.engine.spec.draft_model import check_same_vocab
     from pagedjax.tokenizer import HFTokenizer
     from tests.model_helpers import save_tiny_tokenizer
 

@@ -63,7 +63,7 @@ from pagedjax.engine.parallel import DevicePlacement, check_device_count
 from pagedjax.engine.prompts import check_request, record_prompt_logprobs, tokenize_prompt
 from pagedjax.engine.request_book import RequestBook
 from pagedjax.engine.sequence import RequestState, SequenceState
-from pagedjax.engine.speculative import build_speculator, check_buildable, load_draft
+from pagedjax.engine.spec.decoder import build_speculator, check_buildable, load_draft
 from pagedjax.engine.warmup import warm_up
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.prefix_cache import PrefixIndex

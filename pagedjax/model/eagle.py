@@ -236,7 +236,7 @@ def load_head(
         if not p.is_file():
             raise FileNotFoundError(
                 f"eagle head directory {str(directory)!r} lacks {p.name} (train one with"
-                " `python -m pagedjax.engine.train_eagle`)"
+                " `python -m pagedjax.tools.train_eagle`)"
             )
     cfg = EagleConfig.from_dict(json.loads(cfg_path.read_text()), where=str(cfg_path))
     cfg.head_arch(target)  # checks hidden / vocab sizes

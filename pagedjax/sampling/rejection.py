@@ -15,7 +15,7 @@ bonus draw use two independent keys folded from it, so a seeded request's draws 
 depend on the batch, the slot or the step.
 
 The engine's point-mass drafts (n-gram lookup; a greedy draft) use the special case
-q = one-hot in ``engine/spec_verify.py`` (accept iff the target's own sample equals the
+q = one-hot in ``engine/spec/verify.py`` (accept iff the target's own sample equals the
 draft), which is this rule with the draws shared with the non-speculative sampler. This
 general form is for drafts that sample (a draft model at temperature > 0).
 

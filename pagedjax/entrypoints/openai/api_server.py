@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pagedjax.engine.async_engine import AsyncLLMEngine
+from pagedjax.entrypoints.async_engine import AsyncLLMEngine
 from pagedjax.entrypoints.openai import cli_args
 from pagedjax.entrypoints.openai.metrics import ServerMetrics
 from pagedjax.entrypoints.openai.protocol import JsonFields, OpenAIError, bad, parse_messages
@@ -179,7 +179,7 @@ def build_app(
 
 def build_from_args(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine]:
     """Load the model named by the flags and build the app (and its engine)."""
-    from pagedjax.engine.llm import LLM
+    from pagedjax.entrypoints.llm import LLM
 
     cli_args.reject_unbuilt(args)
     chat_template = load_chat_template(args.chat_template)

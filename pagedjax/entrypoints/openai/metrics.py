@@ -1,7 +1,7 @@
 """Prometheus metrics of the server: vLLM's names under the ``pagedjax:`` prefix.
 
 Counters and histograms are fed by the engine thread through ``StatsSink`` (timings of
-each step's outputs, see engine/async_engine.py). Gauges and the engine's own counters
+each step's outputs, see pagedjax/entrypoints/async_engine.py). Gauges and the engine's own counters
 (preemptions, prefix-cache tokens) are read from the engine when /metrics is scraped,
 on the engine thread between steps, so a scrape costs nothing while nobody scrapes.
 
@@ -22,7 +22,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from pagedjax.engine.async_engine import AsyncLLMEngine, FinishedRequestStats
+from pagedjax.entrypoints.async_engine import AsyncLLMEngine, FinishedRequestStats
 
 PREFIX = "pagedjax:"
 

@@ -24,8 +24,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pagedjax.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from pagedjax.engine.outputs import CompletionOutput, RequestOutput
+from pagedjax.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from pagedjax.entrypoints.openai.protocol import (
     OpenAIError,
     ParsedRequest,

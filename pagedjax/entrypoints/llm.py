@@ -19,9 +19,9 @@ from pagedjax.config import (
 )
 from pagedjax.config import SchedulerConfig as EngineSchedulerConfig
 from pagedjax.engine.beams import BeamSearchOutput, beam_search
-from pagedjax.engine.data_parallel import DataParallelEngine
+from pagedjax.engine.fronts.data_parallel import DataParallelEngine
+from pagedjax.engine.fronts.multihost import MultiHostEngine
 from pagedjax.engine.llm_engine import DEFAULT_MAX_LOGPROBS, LLMEngine
-from pagedjax.engine.multihost import MultiHostEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.sampling import BeamSearchParams, SamplingParams
 
@@ -265,7 +265,7 @@ class LLM:
 
     def follow(self) -> int:
         """On a process other than 0 of a multi-process run: serve process 0's steps until
-        it calls ``shutdown()`` (pagedjax/engine/multihost.py). Returns the steps run."""
+        it calls ``shutdown()`` (pagedjax/engine/fronts/multihost.py). Returns the steps run."""
         if not isinstance(self.llm_engine, MultiHostEngine):
             raise RuntimeError("follow() is for multi-process runs (multihost.initialize)")
         return self.llm_engine.follow()

@@ -1,6 +1,6 @@
 """Train an EAGLE-style draft head on a model's own greedy outputs (CPU, minutes).
 
-    python -m pagedjax.engine.train_eagle [--model smollm2-135m-instruct] [--out DIR]
+    python -m pagedjax.tools.train_eagle [--model smollm2-135m-instruct] [--out DIR]
         [--prompts 320] [--gen-tokens 128] [--gen-budget 900] [--draft-vocab 8192]
         [--time-budget 300]
         [--batch-tokens 1024] [--lr 2e-3] [--ce-weight 0.1] [--steps N] [--seed 0]
@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.attention import PAD_SLOT, ragged_paged_attention
-from pagedjax.engine.spec_eagle import embed_tokens, forward_with_features
+from pagedjax.engine.spec.eagle import embed_tokens, forward_with_features
 from pagedjax.model import ModelInput
 from pagedjax.model.eagle import EagleConfig, EagleHead, init_head, save_head
 
@@ -289,7 +289,7 @@ def generate_data(model: str, count: int, gen_tokens: int, seed: int, path: Path
     data = json.loads(path.read_text()) if path.is_file() else dict(prompt_lens=[], seqs=[])
     if len(data["seqs"]) >= count:
         return data
-    from pagedjax.engine.llm import LLM
+    from pagedjax.entrypoints.llm import LLM
     from pagedjax.sampling import SamplingParams
 
     t0 = time.time()

@@ -45,17 +45,17 @@ import numpy as np
 from pagedjax.config import SpeculativeConfig
 from pagedjax.engine import admission
 from pagedjax.engine.buckets import pick, seqs_for_tokens
-from pagedjax.engine.spec_draft import LayerSkipDraft
-from pagedjax.engine.spec_draft_model import (
+from pagedjax.engine.spec.draft_model import (
     DraftCheckpoint,
     SeparateDraft,
     check_draft_source,
     is_separate_draft,
     load_draft,
 )
-from pagedjax.engine.spec_eagle import EagleDraft, EagleVerifier
-from pagedjax.engine.spec_ngram import NgramProposer
-from pagedjax.engine.spec_verify import SpecVerifier, sampled_offsets
+from pagedjax.engine.spec.eagle import EagleDraft, EagleVerifier
+from pagedjax.engine.spec.layer_skip import LayerSkipDraft
+from pagedjax.engine.spec.ngram import NgramProposer
+from pagedjax.engine.spec.verify import SpecVerifier, sampled_offsets
 from pagedjax.memory.rollback import truncate_batched
 
 BUILT_METHODS = ("ngram", "draft_model", "eagle")
@@ -84,7 +84,7 @@ def check_buildable(config: SpeculativeConfig | None, target_model: str | None =
     if config.method == "eagle" and not Path(str(config.model)).expanduser().is_dir():
         raise FileNotFoundError(
             f"speculative_config model {config.model!r}: no eagle head directory there"
-            " (config.json + model.safetensors; `python -m pagedjax.engine.train_eagle`)"
+            " (config.json + model.safetensors; `python -m pagedjax.tools.train_eagle`)"
         )
 
 

@@ -1,4 +1,4 @@
-"""Engine throughput on the current device: ``python -m pagedjax.engine.bench``.
+"""Engine throughput on the current device: ``python -m pagedjax.tools.bench``.
 
 Runs the same batch of requests twice through ``LLM.generate`` (the first run includes
 the compilation of every bucket it meets, the second is warm) and prints tokens/s.
@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from pagedjax.engine.llm import LLM
+from pagedjax.entrypoints.llm import LLM
 from pagedjax.sampling import SamplingParams
 
 

@@ -26,11 +26,11 @@ from typing import Any
 import jax
 
 from pagedjax.config import EngineConfig
+from pagedjax.engine.fronts.router import Router
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.loading import load_model
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.parallel import check_device_count
-from pagedjax.engine.router import Router
 from pagedjax.sampling import SamplingParams
 
 

@@ -2,7 +2,7 @@
 
 ``{"method": "eagle", "model": DIR, "num_speculative_tokens": k}`` with DIR a head
 directory (``pagedjax/model/eagle.py``: config.json + model.safetensors; train one with
-``python -m pagedjax.engine.train_eagle``). Notation: committed tokens x_0 .. x_{L-1}
+``python -m pagedjax.tools.train_eagle``). Notation: committed tokens x_0 .. x_{L-1}
 of a sequence (L = ``total``), f_p the target's (post-norm) feature at position p,
 g_p the head's output there (g_p ~ f_{p+1}; lm_head(g_p) predicts x_{p+2}).
 
@@ -65,9 +65,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pagedjax.engine.draft_pool import host_pool, mirror_swaps
 from pagedjax.engine.model_runner import apply_cow
-from pagedjax.engine.spec_verify import SpecVerifier
+from pagedjax.engine.spec.draft_pool import host_pool, mirror_swaps
+from pagedjax.engine.spec.verify import SpecVerifier
 from pagedjax.memory.block_table import PAD_SLOT, slot_mapping
 from pagedjax.model import ModelArch, ModelInput, QuantizedWeight, build_module
 from pagedjax.model.eagle import EagleConfig, EagleHead, load_head
@@ -127,7 +127,7 @@ def head_kv_bytes_per_token(head_dir: str, arch: ModelArch, dtype: Any) -> int:
     path = Path(head_dir).expanduser() / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"eagle head directory {str(path.parent)!r} lacks config.json"
-                                " (train one with `python -m pagedjax.engine.train_eagle`)")
+                                " (train one with `python -m pagedjax.tools.train_eagle`)")
     head = EagleConfig.from_dict(json.loads(path.read_text()), where=str(path)).head_arch(arch)
     return cache_bytes_per_token(head, "auto", dtype)
 

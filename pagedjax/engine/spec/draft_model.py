@@ -63,11 +63,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.config import ModelConfig, SpeculativeConfig
-from pagedjax.engine.draft_pool import host_pool, mirror_swaps
 from pagedjax.engine.loading import load_model
 from pagedjax.engine.model_runner import apply_cow, build_model_input
-from pagedjax.engine.spec_draft import greedy_draft_steps
-from pagedjax.engine.spec_eagle import head_kv_bytes_per_token
+from pagedjax.engine.spec.draft_pool import host_pool, mirror_swaps
+from pagedjax.engine.spec.eagle import head_kv_bytes_per_token
+from pagedjax.engine.spec.layer_skip import greedy_draft_steps
 from pagedjax.model import PRESETS, ModelArch, allocate_kv_cache, forward
 from pagedjax.model.catalog import CATALOG
 from pagedjax.model.kv_cache import cache_bytes_per_token
