@@ -220,7 +220,11 @@ def _attach_grow(policy, mem, ids, new, mask):
 
 
 def run_trace(
-    case: str, reqs: list[tuple], oracle: bool = False, hits: list[int] | None = None
+    case: str,
+    reqs: list[tuple],
+    oracle: bool = False,
+    hits: list[int] | None = None,
+    spec_seed: int | None = None,
 ) -> dict[str, int]:
     """Step both schedulers over ``reqs``; the reference's memory is an independent
     Python model of the pool, or (oracle) the policy itself called per sequence.
@@ -230,13 +234,16 @@ def run_trace(
     caching as the engine does it: a WAITING slot with nothing computed (new, preempted
     by recompute, or whose hold was released) gets its hit attached before the next
     step (none while a group is swapped out), capped so the last token is computed.
-    Returns counts of preemptions, swaps and released holds.
+    ``spec_seed`` models speculative decoding: each step every decoding slot asks for
+    0-3 lookahead slots (within its output target), and each row with drafts accepts a
+    random number of them (the rest rolled back by ``update``).
+    Returns counts of preemptions, swaps, released holds and drafts scheduled.
     """
     policy, cfg = CASES[case]
     group_of = []
     for k, r in enumerate(reqs):
         group_of.append(group_of[k - 1] if k and len(r) > 5 and r[5] else k)
-    counts = dict(preempted=0, swapped_out=0, swapped_in=0, released=0, attached=0)
+    counts = dict(preempted=0, swapped_out=0, swapped_in=0, released=0, attached=0, drafts=0)
     lookup: set[int] = set()  # slots to look up before the next step (the engine's relookup)
     state = init_state(policy, N)
     memory = PolicyOracle(policy) if oracle else UnitPoolModel.of(policy)
@@ -291,8 +298,20 @@ def run_trace(
 
         # Schedule: both must decide the same.
         before = jax.device_get(state.status)
-        state, batch = _schedule(policy, cfg, state)
-        rb = ref.schedule()
+        lookahead = None
+        if spec_seed is not None:
+            rng = np.random.default_rng((spec_seed, t))
+            lookahead = {}
+            for s, r in ref.reqs.items():
+                room = r.target(cfg.max_model_len) - r.output_len - 1
+                if r.status == RUNNING and r.output_len >= 1 and room > 0:
+                    lookahead[s] = min(int(rng.integers(0, 4)), room)
+            la = np.zeros(N, np.int32)
+            la[list(lookahead)] = list(lookahead.values())
+            state, batch = _schedule(policy, cfg, state, jnp.asarray(la))
+        else:
+            state, batch = _schedule(policy, cfg, state)
+        rb = ref.schedule(lookahead)
         b = jax.device_get(batch)
         ns = int(b.num_seqs)
         rows = [
@@ -332,11 +351,28 @@ def run_trace(
         for s, q, start, _ in rows:
             assert held[s] >= start + q
 
-        # EOS when the sampled token's index is the request's eos index.
-        stopped = {s for s, _, _, e in rows if e and reqs[slot_req[s]][4] == ref.reqs[s].output_len}
+        # Drafts: the jitted batch's spec_lens are the rows' q_len past their last token.
+        accepted: dict[int, int] = {}
+        acc_rows = np.zeros(N, np.int32)
+        for r, (s, q, start, e) in enumerate(rows):
+            spec = max(start + q - ref.reqs[s].total, 0)
+            assert int(b.spec_lens[r]) == spec, f"step {t}"
+            if spec and e:
+                accepted[s] = acc_rows[r] = int(rng.integers(0, spec + 1))
+                counts["drafts"] += spec
+        # EOS when a token emitted this step (1 + accepted of them) has the request's
+        # eos index.
+        stopped = {
+            s for s, _, _, e in rows
+            if e and reqs[slot_req[s]][4] is not None
+            and 0 <= reqs[slot_req[s]][4] - ref.reqs[s].output_len <= accepted.get(s, 0)
+        }  # fmt: skip
         fin_rows = np.array([r < ns and rows[r][0] in stopped for r in range(N)])
-        state = _update(policy, cfg, state, batch, jnp.asarray(fin_rows))
-        ref.update(rb, stopped)
+        if spec_seed is not None:
+            state = _update(policy, cfg, state, batch, jnp.asarray(fin_rows), jnp.asarray(acc_rows))
+        else:
+            state = _update(policy, cfg, state, batch, jnp.asarray(fin_rows))
+        ref.update(rb, stopped, accepted)
 
         # Per-slot state agrees.
         st_ = jax.device_get(state)
@@ -386,6 +422,24 @@ def run_trace(
 @given(reqs=requests)
 def test_jitted_matches_reference(case: str, reqs: list[tuple]) -> None:
     run_trace(case, reqs)
+
+
+@pytest.mark.parametrize("case", ["paged_default", "paged_swap_paper_default"])
+@settings(max_examples=max(3, _EXAMPLES // 2))
+@given(reqs=group_requests, seed=st.integers(0, 2**16))
+def test_speculative_lookahead_matches_reference(case: str, reqs: list[tuple], seed: int):
+    """Lookahead slots (speculative decoding): decoding rows ask for drafts, the budget
+    and the pool decide how many they get (preempting like any token), and ``update``
+    keeps the accepted ones and rolls the rest back: the jitted scheduler agrees with
+    the reference step by step, and all memory comes back."""
+    run_trace(case, reqs, spec_seed=seed)
+
+
+def test_speculative_traces_schedule_drafts():
+    """The speculative traces above really schedule drafts, and under preemption."""
+    reqs = [(0, 8, 24, 23, None, k % 2 == 1) for k in range(6)]
+    got = run_trace("paged_swap_paper_default", reqs, spec_seed=1)
+    assert got["drafts"] > 0 and got["preempted"] > 0
 
 
 @pytest.mark.parametrize("case", GROUP_CASES)

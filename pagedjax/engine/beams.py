@@ -368,10 +368,7 @@ class _Driver:
         for i, mv in enumerate(moves):
             a[:, i] = mv
             mask[i] = True
-        dev = engine.device
-        dev.state, dev.tokens = _jitted_reassign()(
-            dev.state, dev.tokens, a[0], a[1], a[2], a[3], a[4], mask
-        )
+        engine.device.reassign(_jitted_reassign(), a[0], a[1], a[2], a[3], a[4], mask)
 
 
 __all__ = [

@@ -87,11 +87,6 @@ class EngineCore:
         self.device.set_sampling_row(slot, seq.params, seq.index, len(seq.detok.ids))
         return slot
 
-    def release_finished(self, recycle_mask: np.ndarray) -> None:
-        """Free the host side of the slots the device recycled."""
-        for slot in np.flatnonzero(recycle_mask):
-            self.book.release_slot(self.book.owner(int(slot))[1])
-
 
 class CoreView:
     """A read-write attribute of the engine that is its core's ``core.<path>`` (e.g.

@@ -86,6 +86,8 @@ class DeviceState:
         self._abort = jax.jit(
             lambda s, ids, m: recycle(abort(policy, s, ids, m), ids, m), donate_argnums=(0,)
         )
+        ids = np.arange(n, dtype=np.int32)
+        self._recycle = jax.jit(lambda s, m: recycle(s, ids, m), donate_argnums=(0,))
         self._set_row = jax.jit(lambda buf, slot, row: buf.at[slot].set(row), donate_argnums=(0,))
         self._attach = jax.jit(functools.partial(sharing.attach_hits, bs), donate_argnums=(0,))
         self._register = jax.jit(functools.partial(sharing.register_step, bs), donate_argnums=(0,))
@@ -95,6 +97,7 @@ class DeviceState:
             k: np.array(v) for k, v in SamplingTensors.from_params([], n)._asdict().items()
         }
         self._rows_dev: SamplingTensors | None = None
+        self._no_lookahead = np.zeros(n, np.int32)
 
     def jits(self) -> dict[str, Any]:
         """The jitted functions by name (each has ``_cache_size()``: compile counting)."""
@@ -103,6 +106,7 @@ class DeviceState:
             update=self._post,
             add_requests=self._add,
             abort=self._abort,
+            recycle=self._recycle,
             set_row=self._set_row,
             attach_hits=self._attach,
             register_step=self._register,
@@ -117,14 +121,16 @@ class DeviceState:
             return self.schedule_program
         return self.schedule_fn
 
-    def schedule(self) -> ScheduledBatch:
-        """One ``schedule``: the state advances, the step's batch is returned."""
-        self.state, batch = self._scheduler()(self.state)
+    def schedule(self, lookahead: np.ndarray | None = None) -> ScheduledBatch:
+        """One ``schedule``: the state advances, the step's batch is returned.
+        lookahead: int32[max_seqs] speculative slots by slot (None: none)."""
+        la = self._no_lookahead if lookahead is None else lookahead
+        self.state, batch = self._scheduler()(self.state, la)
         return batch
 
     def preview_schedule(self) -> tuple[Any, ScheduledBatch]:
         """What ``schedule`` would return, the state left as it is (not donated)."""
-        return self._scheduler()(self.state)
+        return self._scheduler()(self.state, self._no_lookahead)
 
     def usage(self) -> tuple[jax.Array, jax.Array]:
         """(blocks referenced, blocks without sharing) of the current state, on device."""
@@ -139,9 +145,54 @@ class DeviceState:
         """Abort and recycle the masked slots: their blocks return to the pool now."""
         self.state = self._abort(self.state, ids, mask)
 
-    def update(self, batch: ScheduledBatch, finished: Any, recycle_mask: Any) -> None:
-        """``update`` (stop mask over the batch rows) then ``recycle`` of the masked slots."""
-        self.state = self._post(self.state, batch, finished, recycle_mask)
+    def update(self, batch: ScheduledBatch, finished: Any, recycle_mask: Any,
+               accepted: Any = None) -> None:  # fmt: skip
+        """``update`` (stop mask over the batch rows; drafts accepted per batch row, None:
+        none) then ``recycle`` of the masked slots."""
+        acc = self._no_lookahead if accepted is None else accepted
+        self.state = self._post(self.state, batch, finished, recycle_mask, acc)
+
+    def write_tokens(self, fn: Any, *args: Any) -> None:
+        """tokens = fn(tokens, *args): a jitted write into the token buffer (drafts)."""
+        self.tokens = fn(self.tokens, *args)
+
+    # ------------------------------------------------------------------ device programs
+    # The model programs take the pool and the token buffer donated and return new ones;
+    # these methods keep the results, so no caller holds a donated (deleted) buffer.
+
+    def run_program(self, fn: Any, params: Any, *args: Any, **kwargs: Any) -> tuple:
+        """fn(params, kv, tokens, *args, **kwargs) -> (kv', tokens', *rest): a step,
+        verification or drafting program over the pool; keeps kv', tokens', returns rest."""
+        self.kv, self.tokens, *rest = fn(params, self.kv, self.tokens, *args, **kwargs)
+        return tuple(rest)
+
+    def run_loop(self, fn: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        """fn(params, state, kv, tokens, *args, **kwargs) -> (state', kv', tokens', out):
+        the K-step decode loop; keeps the state, pool and buffer, returns out."""
+        self.state, self.kv, self.tokens, out = fn(
+            params, self.state, self.kv, self.tokens, *args, **kwargs
+        )
+        return out
+
+    def with_tokens(self, fn: Any) -> Any:
+        """fn(tokens) -> (tokens', result): a program that writes the token buffer (a
+        draft model's proposals); keeps tokens', returns result."""
+        self.tokens, result = fn(self.tokens)
+        return result
+
+    def reassign(self, fn: Any, *args: Any) -> None:
+        """fn(state, tokens, *args) -> (state', tokens'): beam search's re-binding of
+        slots to new beams (blocks and token rows together)."""
+        self.state, self.tokens = fn(self.state, self.tokens, *args)
+
+    def transform_pools(self, fn: Any) -> None:
+        """fn(kv, host_kv) -> (kv', host_kv'): a change of both pools' representation
+        (KV scale calibration re-quantizes them)."""
+        self.kv, self.host_kv = fn(self.kv, self.host_kv)
+
+    def recycle(self, mask: Any) -> None:
+        """Mark the masked FINISHED slots FREE (their results were read)."""
+        self.state = self._recycle(self.state, mask)
 
     def set_token_row(self, slot: Any, row: Any) -> None:
         """tokens[slot] = row (int32[max_model_len]); slot a numpy int32 scalar."""

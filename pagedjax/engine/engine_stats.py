@@ -41,7 +41,6 @@ def engine_jits(core: EngineCore, decoder: Any) -> dict[str, Any]:
     return dict(
         runner_step=core.runner.step,
         multi_step_loop=decoder.loop,
-        multi_step_recycle=decoder.recycle,
         **core.device.jits(),
     )
 
@@ -67,8 +66,21 @@ def engine_compilations(core: EngineCore, decoder: Any) -> int:
 
 
 def engine_stats(core: EngineCore, decoder: Any, **counts: int) -> dict[str, float | int]:
-    """The ``stats()`` dict (field meanings in ``LLMEngine.stats``); ``counts``: the
-    engine's own counters (forked samples, preemptions, swapped blocks), in order."""
+    """``LLMEngine.stats()`` (since its last ``reset_stats``; docs/engine.md); ``counts``:
+    the engine's own counters (forked samples, preemptions, swapped blocks), in order.
+
+    prefix_cache_queries: lookups (admissions and re-admissions after preemption).
+    prefix_cache_query_tokens: tokens looked up (prompt, or prompt + output to redo).
+    prefix_cache_hit_tokens: tokens whose KV was reused = prefill tokens saved.
+    prefix_cache_hit_rate: hit tokens / query tokens.
+    blocks_saved_by_sharing: 1 - blocks in use / blocks without sharing, averaged over
+        steps holding blocks; the ratio of the sums: ``blocks_saved_by_sharing_total``.
+    preemptions_recompute / preemptions_swap: sequences preempted by each kind.
+    swapped_out_blocks / swapped_in_blocks: KV blocks copied device -> host and back
+        (a block shared within a group counts once).
+    compilations, xla_compilations: ``engine_compilations``, ``backend_compilations``;
+    multi_step_*: the K-step decoder's ``MultiStepStats``.
+    """
     c, index = core.sharing, core.prefix_index
     q = c.lookup_tokens
     ms = decoder.stats

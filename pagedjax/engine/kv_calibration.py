@@ -100,9 +100,9 @@ def calibrate_pool(kv: Any, host_kv: Any, arch: ModelArch, params: Any,
 
 def calibrate_core(core: Any, prompts: Sequence[Sequence[int]]) -> None:
     """``calibrate_pool`` on an engine core's device state (``EngineCore.kv_calibration``)."""
-    dev = core.device
-    dev.kv, dev.host_kv = calibrate_pool(dev.kv, dev.host_kv, core.runner.arch, core.params,
-                                         prompts)  # fmt: skip
+    core.device.transform_pools(
+        lambda kv, host: calibrate_pool(kv, host, core.runner.arch, core.params, prompts)
+    )
 
 
 __all__ = ["calibrate_core", "calibrate_pool", "prompt_amax", "scales_from_amax"]

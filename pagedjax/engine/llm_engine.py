@@ -1,18 +1,23 @@
 """LLMEngine: requests in, streamed RequestOutputs out, one iteration per ``step()``.
 
-One step (docs/engine.md gives the reasons):
+One step, whatever runs on the device (docs/engine.md, docs/architecture.md):
 
 1. host: give queued sequences free slots; one jitted ``add_requests`` for all of them.
-2. device: ``schedule`` (jitted) picks rows and grows their blocks.
-3. host: read back the batch's sizes and rows (one sync) to pick the bucket (T, S).
-3b. swap copies the schedule decided (``_apply_swaps``): device -> host blocks of groups
-   swapped out, then host -> device blocks of groups swapped in.
-4. device: the ModelRunner step for (T, S): ragged input from the device token buffer,
-   copy-on-write copies, forward (KV donated), sample, append the ids. With speculative
-   decoding, a step with proposals verifies them instead (``speculative.py``).
-5. host: read the sampled ids (second sync), detokenize, check EOS / stop ids / stop
-   strings / length, build the RequestOutputs.
-6. device: ``update`` with the stop mask, then ``recycle`` of finished slots (async).
+   When nothing needs the host between iterations, the fused K-step decode program
+   runs instead of 2-6 (``multi_step.py``) and its tokens go to step 5's processor.
+2. host: with speculative decoding, plan each decoding slot's speculative slots and
+   the n-gram drafts (``spec/decoder.py``).
+3. device: ``schedule`` (jitted) picks rows, budgets their tokens (drafts included)
+   and grows their blocks; host: read back the batch's sizes and rows (one sync) to
+   pick the bucket (T, S); swap copies the schedule decided (``_apply_swaps``).
+4. device: one program for (T, S): the ModelRunner step (ragged input from the device
+   token buffer, copy-on-write copies, forward with the KV donated, sample, append the
+   ids), or, when rows have drafts, the verification program.
+5. host: the output processor (``output_processor.py``) reads the sampled ids (second
+   sync), records them (detokenize; EOS / stop ids / stop strings / length), registers
+   filled prefix blocks, forks n > 1 samples.
+6. device: ``update`` with the stop mask and the accepted drafts (rollback of rejected
+   ones), then ``recycle`` of finished slots (async); host: release, retire, outputs.
 
 Token ids live in both places: the device buffer ``int32[max_seqs, max_model_len]``
 feeds the model (prefill, decode and recompute after preemption read it there, so the
@@ -58,19 +63,21 @@ from pagedjax.engine.kv_cache_spec import KVCacheSpec
 from pagedjax.engine.loading import load_model
 from pagedjax.engine.model_runner import ModelRunner
 from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
+from pagedjax.engine.output_processor import OutputProcessor, SampledRows
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.parallel import DevicePlacement, check_device_count
 from pagedjax.engine.prompts import check_request, record_prompt_logprobs, tokenize_prompt
 from pagedjax.engine.request_book import RequestBook
-from pagedjax.engine.sequence import RequestState, SequenceState
+from pagedjax.engine.sequence import RequestState
 from pagedjax.engine.spec.decoder import build_speculator, check_buildable, load_draft
+from pagedjax.engine.spec.verify import sampled_offsets
 from pagedjax.engine.warmup import warm_up
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.prefix_cache import PrefixIndex
 from pagedjax.model import ModelArch, compute_dtype
 from pagedjax.sampling import BeamSearchParams, SamplingParams
 from pagedjax.sampling.params import MAX_SEED
-from pagedjax.scheduler import REASON_CAPACITY, REASON_TOO_LONG, ScheduledBatch, SchedulerConfig
+from pagedjax.scheduler import ScheduledBatch, SchedulerConfig
 from pagedjax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -164,8 +171,12 @@ class LLMEngine:
         self.speculator = build_speculator(config.speculative, arch, self.block_size, attention,
                                            max_logprobs, self.policy, draft, place.size == 1)
         k = resolve_num_steps(sc.num_multi_steps, place.device.platform)  # multi_step.py
-        num_steps = 1 if self.speculator else k  # K = 1: the one-step path (speculation)
-        self.multi_step = MultiStepDecoder(self.runner, self.policy, self.sched_config, num_steps)
+        spec = self.speculator
+        # Speculation with a drafting model runs one step at a time (its proposals are
+        # separate programs); the n-gram method runs inside the fused K-step program.
+        num_steps = 1 if spec is not None and not spec.fusable else k
+        self.multi_step = MultiStepDecoder(self.runner, self.policy, self.sched_config,
+                                           num_steps, spec)  # fmt: skip
         eos = {i for i in (*arch.eos_token_ids, tokenizer.eos_token_id) if i is not None}
         self.core = EngineCore(
             params=params, runner=self.runner, device=device_state,
@@ -175,6 +186,7 @@ class LLMEngine:
             max_blocks_per_seq=max_blocks_per_seq, token_buckets=self.token_buckets,
             seq_buckets=self.seq_buckets, enable_prefix_caching=self.enable_prefix_caching,
         )  # fmt: skip
+        self.outputs = OutputProcessor(self.core)  # the host half of every step
         self.reset_stats()
         self._rng = np.random.default_rng(config.model.seed)
         self.num_preemptions = 0
@@ -285,19 +297,23 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        """One iteration; returns the requests that got a token or finished (cumulative)."""
+        """One iteration (the module docstring's pipeline); returns the requests that got
+        a token or finished (cumulative). Every kind of step ends in the output processor."""
         core, dev, book = self.core, self.core.device, self.core.book
         self.assign_slots()
         if not book.slot_owner:
             return []
-        outputs = self.multi_step.step(core)  # None: a host event needs the one-step path
+        outputs = self.multi_step.step(core, self.outputs)  # None: run the one-step path
         if outputs is not None:
             return outputs
-        batch = dev.schedule()
+        spec = self.speculator
+        lookahead, drafts = spec.plan(core) if spec is not None else (None, None)
+        batch = dev.schedule(lookahead)
         host = jax.device_get(
             dict(
                 num_tokens=batch.num_tokens, num_seqs=batch.num_seqs, seq_ids=batch.seq_ids,
                 q_lens=batch.q_lens, start_pos=batch.start_pos, emits=batch.emits,
+                spec_lens=batch.spec_lens,
                 rejected=batch.rejected, preempted=batch.preempted, released=batch.released,
                 reason=dev.state.finish_reason,
                 usage=dev.usage(),
@@ -319,44 +335,26 @@ class LLMEngine:
             # Preempted by recompute, or a waiting hit released: look the prefix up again.
             recomputed = (host["preempted"] & ~host["swapped_out"]) | host["released"]
             book.relookup.update(int(x) for x in np.flatnonzero(recomputed))
-        touched: dict[str, RequestState] = {}
-        recycle_mask = np.zeros(self.max_seqs, bool)
+        out = self.outputs.begin()
         for slot in np.flatnonzero(host["rejected"]):
-            req, seq = book.owner(int(slot))
-            why = {REASON_TOO_LONG: "too long", REASON_CAPACITY: "cannot fit the KV pool"}
-            reason = why.get(int(host["reason"][slot]))
-            log.warning("request %s rejected: %s", req.request_id, reason)
-            seq.finish_reason = "length"  # vLLM's FINISHED_IGNORED reports "length"
-            for child in req.pending:  # samples never forked share the parent's fate
-                child.finish_reason = "length"
-            req.pending = []
-            recycle_mask[slot] = True
-            touched[req.request_id] = req
-        finished_mask = np.zeros(self.max_seqs, bool)
+            self.outputs.reject(out, int(slot), int(host["reason"][slot]))
+        accepted = None
         if int(host["num_seqs"]) > 0:
-            self._run(batch, host, touched, finished_mask, recycle_mask)
-        dev.update(batch, finished_mask, recycle_mask)
-        core.release_finished(recycle_mask)
-        outputs = [req.output() for req in touched.values()]
-        for o in outputs:
-            if o.finished:
-                book.retire(o.request_id)
-        return outputs
+            accepted = self._run(batch, host, drafts, out)
+        dev.update(batch, out.finished_rows, out.recycle, accepted)
+        return self.outputs.finish(out)
 
-    def _run(
-        self,
-        batch: Any,
-        host: dict[str, np.ndarray],
-        touched: dict[str, RequestState],
-        finished_mask: np.ndarray,
-        recycle_mask: np.ndarray,
-    ) -> None:
-        """The device step for the batch's bucket, then the sampled tokens on the host:
-        fills touched, finished_mask (batch rows) and recycle_mask (slots) in place."""
+    def _buckets(self, num_tokens: int) -> tuple[int, int]:
+        """The compiled (T, S) bucket of a step of ``num_tokens`` tokens."""
+        padded_tokens = pick(self.token_buckets, num_tokens)
+        return padded_tokens, seqs_for_tokens(self.seq_buckets, padded_tokens)
+
+    def _run(self, batch: Any, host: dict[str, np.ndarray], drafts: np.ndarray | None,
+             out: Any) -> np.ndarray | None:  # fmt: skip
+        """The step's device program (the plain step, or the verification when rows have
+        drafts), its tokens read back in one transfer and handed to the output processor.
+        Returns the drafts accepted per batch row (int32[max_seqs]), None for a plain step."""
         core, dev = self.core, self.core.device
-        spec = self.speculator
-        if spec is not None and spec.run(self, batch, host, touched, finished_mask, recycle_mask):
-            return
         num_seqs = int(host["num_seqs"])
         seq_ids, emits = host["seq_ids"], host["emits"]
         owners = [core.book.owner(int(seq_ids[r])) for r in range(num_seqs)]
@@ -365,37 +363,51 @@ class LLMEngine:
             req.prompt_logprobs is not None and host["start_pos"][r] < len(req.prompt_token_ids)
             for r, (req, _) in enumerate(owners)
         )
-        sampling = dev.sampling()
-        padded_tokens = pick(self.token_buckets, int(host["num_tokens"]))  # S from T
-        padded_seqs = seqs_for_tokens(self.seq_buckets, padded_tokens)
-        dev.kv, dev.tokens, out, plp = self.runner.run(
-            core.params, dev.kv, dev.tokens, dev.state.mem,
-            batch._replace(swap=None),  # applied by _apply_swaps; one pytree with warmup
-            sampling, dev.state.prompt_len, dev.state.output_len,
-            num_tokens=padded_tokens, num_seqs=padded_seqs, all_logits=all_logits,
-        )  # fmt: skip
+        verified = None
+        if self.speculator is not None:
+            verified = self.speculator.run(core, batch, host, drafts, self._buckets, all_logits)
+        plp = None
+        if verified is None:
+            padded_tokens, padded_seqs = self._buckets(int(host["num_tokens"]))
+            sampled, plp = dev.run_program(
+                self.runner.run, core.params, dev.state.mem,
+                batch._replace(swap=None),  # applied by _apply_swaps; one pytree with warmup
+                dev.sampling(), dev.state.prompt_len, dev.state.output_len,
+                num_tokens=padded_tokens, num_seqs=padded_seqs, all_logits=all_logits,
+            )  # fmt: skip
+        else:
+            sampled, acc_dev = verified
         rows = [r for r in range(num_seqs) if emits[r]]
         want_top = any(owners[r][1].logprobs is not None for r in rows)
-        fetch = [out.token_ids, out.logprobs]
+        fetch = {"ids": sampled.token_ids, "lps": sampled.logprobs}
+        if verified is not None:
+            fetch["accepted"] = acc_dev
         if want_top:  # [S, K] arrays: fetched only when a row asked for logprobs
-            fetch += [out.ranks, out.top_ids, out.top_logprobs]
+            fetch["top"] = (sampled.ranks, sampled.top_ids, sampled.top_logprobs)
         got = jax.device_get(fetch)
         if plp is not None:
             record_prompt_logprobs(self.tokenizer.decode, host, owners, jax.device_get(plp))
-        eos = core.book.eos
-        for r in rows:
-            req, seq = owners[r]
-            top = (got[2][r], got[3][r], got[4][r]) if want_top else None
-            if seq.record(int(got[0][r]), float(got[1][r]), top, eos):
-                recycle_mask[seq.slot] = True
-                finished_mask[r] = seq.finish_reason == "stop"
-            touched[req.request_id] = req
-        if self.enable_prefix_caching:
-            admission.register_blocks(self.core, batch, host, owners)
-        for r in rows:
-            req, seq = owners[r]
-            if req.pending and seq.index == 0 and len(seq.detok.ids) == 1:
-                self.fork_samples(req, seq)
+        if verified is None:
+            rows_out = SampledRows.one_per_row(got["ids"], got["lps"], got.get("top"), num_seqs)
+            self.outputs.record(out, owners, rows, rows_out)
+            self.outputs.register_blocks(batch, host, owners)
+            self.outputs.fork_samples(owners, rows)
+            return None
+        spec_lens = host["spec_lens"][:num_seqs].astype(np.int64)
+        acc = np.zeros(core.max_seqs, np.int32)
+        acc[:num_seqs] = np.where(spec_lens > 0, got["accepted"][:num_seqs], 0)
+        packed = SampledRows(got["ids"], got["lps"], got.get("top"),
+                             sampled_offsets(spec_lens, num_seqs), 1 + acc[:num_seqs])  # fmt: skip
+        recorded = self.outputs.record(out, owners, rows, packed)
+        self.speculator.count(spec_lens, acc[:num_seqs], recorded)
+        # Registered: each row's computed tokens that stay (a stop inside an accepted run
+        # keeps its KV up to the stop; the rejected drafts' blocks are rolled back).
+        q_acc = host["q_lens"].copy()
+        spec_rows = np.flatnonzero(spec_lens)
+        q_acc[spec_rows] = np.minimum(1 + acc[spec_rows], recorded[spec_rows] + 1)
+        self.outputs.register_blocks(batch, host, owners, q_acc)
+        self.outputs.fork_samples(owners, rows)
+        return acc
 
     def _apply_swaps(self, batch: ScheduledBatch, host: dict) -> None:
         """Copy this step's swapped blocks: out (device -> host) first, while the freed
@@ -419,11 +431,6 @@ class LLMEngine:
             self.num_swapped_in_blocks += n_in
         if self.speculator is not None:
             self.speculator.apply_swaps(sw, host)
-
-    def fork_samples(self, req: RequestState, parent: SequenceState) -> None:
-        """Give samples 1..n-1 of ``req`` slots sharing sample 0's prompt blocks
-        (``admission.fork_samples``); called when sample 0 sampled its first token."""
-        self.num_forked += admission.fork_samples(self.core, req, parent)
 
     def assign_slots(self) -> None:
         """Give queued sequences free slots (FCFS) and attach cached prefixes
@@ -456,7 +463,7 @@ class LLMEngine:
     def reset_stats(self) -> None:
         """Zero the counters ``stats()`` reports (the prefix cache's contents stay)."""
         self.core.sharing = type(self.core.sharing)()
-        self.num_forked = 0
+        self.outputs.num_forked = 0
         self.multi_step.reset_stats()
         if self.speculator is not None:
             self.speculator.reset_stats()
@@ -468,22 +475,11 @@ class LLMEngine:
         self.prefix_index.query_blocks = 0
 
     def stats(self) -> dict[str, float | int]:
-        """Sharing metrics since the last ``reset_stats`` (docs/engine.md):
-
-        prefix_cache_queries: lookups (admissions and re-admissions after preemption).
-        prefix_cache_query_tokens: tokens looked up (prompt, or prompt + output to redo).
-        prefix_cache_hit_tokens: tokens whose KV was reused = prefill tokens saved.
-        prefix_cache_hit_rate: hit tokens / query tokens.
-        blocks_saved_by_sharing: 1 - blocks in use / blocks without sharing, averaged over
-            steps holding blocks; the ratio of the sums: ``blocks_saved_by_sharing_total``.
-        preemptions_recompute / preemptions_swap: sequences preempted by each kind.
-        swapped_out_blocks / swapped_in_blocks: KV blocks copied device -> host and back
-            (a block shared within a group counts once). spec_*: ``speculative.py``.
-        compilations, xla_compilations, multi_step_*: see ``engine_stats.py``.
-        """
+        """Counters since the last ``reset_stats``: ``engine_stats.engine_stats`` gives
+        the keys' meanings; spec_*: ``spec/decoder.py``'s ``SpecCounters``."""
         spec = self.speculator.stats() if self.speculator is not None else {}
         return spec | engine_stats(
-            self.core, self.multi_step, forked_samples=self.num_forked,
+            self.core, self.multi_step, forked_samples=self.outputs.num_forked,
             preemptions_recompute=self.num_preemptions_recompute,
             preemptions_swap=self.num_preemptions_swap,
             swapped_out_blocks=self.num_swapped_out_blocks,

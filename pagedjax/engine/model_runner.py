@@ -239,11 +239,12 @@ class ModelRunner:
 
 @functools.cache
 def jitted_update(policy: Any, config: Any) -> Callable[..., Any]:
-    """update then recycle in one dispatch: (state, batch, finished_mask, recycle_mask)."""
+    """update then recycle in one dispatch: (state, batch, finished_mask, recycle_mask,
+    accepted) (accepted: drafts accepted per batch row, zeros without speculation)."""
     from pagedjax.scheduler import recycle, update
 
-    def fn(state, batch, finished_mask, recycle_mask):
-        state = update(policy, config, state, batch, finished_mask)
+    def fn(state, batch, finished_mask, recycle_mask, accepted):
+        state = update(policy, config, state, batch, finished_mask, accepted)
         ids = jnp.arange(config.max_seqs, dtype=jnp.int32)
         return recycle(state, ids, recycle_mask)
 

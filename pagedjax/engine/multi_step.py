@@ -14,21 +14,7 @@ path uses (detokenization, stop checks, logprobs), so the outputs are the ones K
 steps would give: the schedule is the same jitted function, the sampler's keys are
 fold_in(seed, sample index, output position), and the stop rules run on device and host.
 
-Exit rules (the loop stops before K iterations when):
-
-- EXIT_SHAPE: the next ``schedule`` is not a pure decode of sequences that were already
-  RUNNING (an admission or a prefill chunk, a preemption, a rejection, more rows than the
-  compiled bucket S). That iteration is rolled back: its schedule is discarded (the state
-  before it is kept, nothing ran), and the host's next one-step ``step`` schedules it
-  again, identically.
-- EXIT_IDLE: no sequence is RUNNING any more (all finished).
-- EXIT_FINISH: a sequence finished while requests wait on the host for a slot
-  (``stop_on_finish``), so the host can recycle the slot and admit them.
-- EXIT_DONE: the K iterations ran (or the ``max_iters`` asked for).
-
-The loop compiles once per loop bucket S (``loop_buckets``; T = S: one token per row);
-K is static (the size of the output buffers), the number of iterations to run is a
-traced argument.
+The program itself, its exit rules and its output: ``decode_loop.py``.
 """
 
 from __future__ import annotations
@@ -41,15 +27,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from pagedjax.engine import sharing
-from pagedjax.engine.block_hashes import extend_hashes
 from pagedjax.engine.buckets import pick
 from pagedjax.engine.core import EngineCore
+from pagedjax.engine.decode_loop import EXIT_DONE, EXIT_NAMES, LoopOutput, LoopSpec, decode_loop
+from pagedjax.engine.output_processor import OutputProcessor, SampledRows
 from pagedjax.engine.outputs import RequestOutput
-from pagedjax.sampling.sampler import SamplerOutput
-from pagedjax.scheduler import FINISHED, RUNNING, recycle, schedule, update
+from pagedjax.engine.spec.verify import sampled_offsets
+from pagedjax.scheduler import FINISHED
 
 # Stop token ids (EOS + stop_token_ids) checked on device, per slot; a request with more
 # runs one step at a time.
@@ -76,173 +61,11 @@ def resolve_num_steps(num_steps: int | str, platform: str) -> int:
         raise ValueError(f"num_scheduler_steps must be 'auto' or >= 1, got {num_steps!r}")
     return num_steps
 
-EXIT_DONE, EXIT_IDLE, EXIT_SHAPE, EXIT_FINISH = 0, 1, 2, 3
-EXIT_NAMES = {EXIT_DONE: "done", EXIT_IDLE: "idle", EXIT_SHAPE: "shape", EXIT_FINISH: "finish"}
-_GOING = -1
-
-
 def loop_buckets(seq_buckets: tuple[int, ...]) -> tuple[int, ...]:
     """The sequence buckets the loop compiles for: the engine's, below MIN_LOOP_SEQS
     merged into one (e.g. (1, 2, 4, 8, 16) -> (8, 16); (1, 2) -> (2,))."""
     floor = min(MIN_LOOP_SEQS, seq_buckets[-1])
     return tuple(sorted({max(s, floor) for s in seq_buckets}))
-
-
-class LoopOutput(NamedTuple):
-    """What one loop returns (K = buffer size, S = sequence bucket, L = top logprobs).
-    Entries at iterations >= num_iters are garbage.
-
-    num_iters int32[]: iterations that ran. exit_reason int32[]: EXIT_*.
-    seq_ids int32[K, S]: slot of each batch row (-1 padding). start_pos int32[K, S]:
-    the row's position (its KV was written). token_ids, logprobs, ranks [K, S]; top_ids,
-    top_logprobs [K, S, L]: the sampler's output. filled int32[K, S]: the block the
-    row's step completed (prefix caching), -1 if none. used, unshared int32[K]: blocks
-    referenced / blocks without sharing, after each schedule (stats).
-    status int32[max_seqs]: the scheduler status after the loop (host cross-check).
-    """
-
-    num_iters: jax.Array
-    exit_reason: jax.Array
-    seq_ids: jax.Array
-    start_pos: jax.Array
-    token_ids: jax.Array
-    logprobs: jax.Array
-    ranks: jax.Array
-    top_ids: jax.Array
-    top_logprobs: jax.Array
-    filled: jax.Array
-    used: jax.Array
-    unshared: jax.Array
-    status: jax.Array
-
-
-def decode_loop(
-    runner: Any,
-    policy: Any,
-    config: Any,
-    num_steps: int,
-    params: Any,
-    state: Any,
-    kv: Any,
-    tokens: jax.Array,
-    sampling: Any,
-    stop_ids: jax.Array,
-    max_iters: jax.Array,
-    stop_on_finish: jax.Array,
-    *,
-    num_seqs: int,
-) -> tuple[Any, Any, jax.Array, LoopOutput]:
-    """Up to min(max_iters, num_steps) decode iterations (see the module docstring).
-
-    runner: ModelRunner (its ``forward_sample``); policy, config: the scheduler's.
-    stop_ids int32[max_seqs, MAX_STOP_IDS]: per slot, ids that finish it (EOS unless
-    ignore_eos, and stop_token_ids), -1 padded. stop_on_finish bool[]: exit after an
-    iteration in which a sequence finished. Returns (state', kv', tokens', LoopOutput).
-    """
-    s_b, k_b, n = num_seqs, num_steps, config.max_seqs
-    bs = runner.block_size
-    top_k = min(runner.max_logprobs, runner.arch.vocab_size)
-    caching = getattr(state.mem, "prefix", None) is not None
-
-    def iteration(state, kv, tokens):
-        st1, batch = schedule(policy, config, state)
-        rows = batch.seq_ids[:s_b]
-        real = rows >= 0
-        safe = jnp.maximum(rows, 0)
-        decode_only = jnp.where(real, (state.status[safe] == RUNNING) & batch.emits[:s_b], True)
-        ok = (
-            (batch.num_seqs > 0)
-            & (batch.num_seqs <= s_b)
-            & (batch.num_tokens == batch.num_seqs)  # q_len 1 per row
-            & ~jnp.any(batch.preempted)
-            & ~jnp.any(batch.rejected)
-            & ~jnp.any(batch.released)  # the host looks the released hits up again
-            & jnp.all(decode_only)
-            # Swap copies are host work between steps (DeviceState.swap_out / swap_in): a swap-in
-            # (or swap-out) step is rolled back and redone by the one-step path.
-            & (batch.swap.num_out == 0)
-            & (batch.swap.num_in == 0)
-        )
-        used, unshared = sharing.sharing_usage(bs, st1)
-        start = batch.start_pos[:s_b]
-
-        def run(st1, kv, tokens):
-            kv, tokens, out, _ = runner.forward_sample(
-                params, kv, tokens, st1.mem, batch, sampling, st1.prompt_len, st1.output_len,
-                num_tokens=s_b, num_seqs=s_b, all_logits=False,
-            )  # fmt: skip
-            hit = real & jnp.any(out.token_ids[:, None] == stop_ids[safe], axis=1)
-            finished = jnp.zeros((n,), bool).at[:s_b].set(hit)
-            filled = jnp.full((s_b,), -1, jnp.int32)
-            if caching:  # the block holding position start is full: register it
-                full = real & ((start + 1) % bs == 0)
-                filled = jnp.where(full, st1.mem.tables.tables[safe, start // bs], -1)
-                st1 = sharing.register_step(
-                    bs, st1, tokens, batch.seq_ids, batch.start_pos, batch.q_lens
-                )
-            st2 = update(policy, config, st1, batch, finished)
-            return st2, kv, tokens, out, filled
-
-        def rollback(st1, kv, tokens):
-            del st1  # the schedule is discarded: the state before it is kept
-            zeros = runner_out_shapes(s_b, top_k)
-            return state, kv, tokens, zeros, jnp.full((s_b,), -1, jnp.int32)
-
-        st, kv, tokens, out, filled = lax.cond(ok, run, rollback, st1, kv, tokens)
-        rec = (rows, start, out, filled, used, unshared)
-        return ok, st, kv, tokens, rec
-
-    def cond(c):
-        i, code = c[0], c[1]
-        return (i < jnp.minimum(max_iters, k_b)) & (code == _GOING)
-
-    def body(c):
-        i, code, state, kv, tokens, buf = c
-        ok, st, kv, tokens, (rows, start, out, filled, used, unshared) = iteration(
-            state, kv, tokens
-        )
-        real = rows >= 0
-        ended = jnp.any(real & (st.status[jnp.maximum(rows, 0)] == FINISHED))
-        running = jnp.any(st.status == RUNNING)
-        code = jnp.where(
-            ~ok,
-            EXIT_SHAPE,
-            jnp.where(stop_on_finish & ended, EXIT_FINISH, jnp.where(running, _GOING, EXIT_IDLE)),
-        ).astype(jnp.int32)
-        new = (rows, start, out.token_ids, out.logprobs, out.ranks, out.top_ids,
-               out.top_logprobs, filled, used, unshared)  # fmt: skip
-        buf = tuple(b.at[i].set(x) for b, x in zip(buf, new, strict=True))
-        return i + ok.astype(jnp.int32), code, st, kv, tokens, buf
-
-    f32, i32 = jnp.float32, jnp.int32
-    buf = (
-        jnp.full((k_b, s_b), -1, i32),
-        jnp.zeros((k_b, s_b), i32),
-        jnp.zeros((k_b, s_b), i32),
-        jnp.zeros((k_b, s_b), f32),
-        jnp.zeros((k_b, s_b), i32),
-        jnp.zeros((k_b, s_b, top_k), i32),
-        jnp.zeros((k_b, s_b, top_k), f32),
-        jnp.full((k_b, s_b), -1, i32),
-        jnp.zeros((k_b,), i32),
-        jnp.zeros((k_b,), i32),
-    )
-    init = (jnp.int32(0), jnp.int32(_GOING), state, kv, tokens, buf)
-    i, code, state, kv, tokens, buf = lax.while_loop(cond, body, init)
-    code = jnp.where(code == _GOING, EXIT_DONE, code)
-    return state, kv, tokens, LoopOutput(i, code, *buf, state.status)
-
-
-def runner_out_shapes(s: int, top_k: int) -> tuple:
-    """Zeros shaped like the sampler's output for S rows (the rollback branch's value)."""
-    f32, i32 = jnp.float32, jnp.int32
-    return SamplerOutput(
-        jnp.zeros((s,), i32),
-        jnp.zeros((s,), f32),
-        jnp.zeros((s,), i32),
-        jnp.zeros((s, top_k), i32),
-        jnp.zeros((s, top_k), f32),
-    )
 
 
 class _Pending(NamedTuple):
@@ -272,22 +95,29 @@ class MultiStepDecoder:
     it does not recompile. ``enabled = False`` makes ``step`` always decline.
     """
 
-    def __init__(self, runner: Any, policy: Any, config: Any, num_steps: int):
+    def __init__(self, runner: Any, policy: Any, config: Any, num_steps: int,
+                 speculator: Any = None):  # fmt: skip
+        """speculator: the engine's SpeculativeDecoder when its drafts can be made on
+        device (``fusable``: the n-gram method): the loop then plans, drafts and verifies
+        in each iteration and counts into its counters."""
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self.speculator = speculator
+        spec = None
+        if speculator is not None:
+            c = speculator.config
+            spec = LoopSpec(speculator.verifier, speculator.k, c.prompt_lookup_min,
+                            c.prompt_lookup_max)  # fmt: skip
         self.num_steps = num_steps
         self.steps_per_call = num_steps
         self.enabled = num_steps > 1
         self.trace_count: dict[int, int] = {}
         self.stats = MultiStepStats()
         self._runner = runner
-        self._loop_fn = functools.partial(decode_loop, runner, policy, config, num_steps)
+        self._loop_fn = functools.partial(decode_loop, runner, policy, config, num_steps, spec)
         # Positional: (params, state, kv, tokens, sampling, stop_ids, max_iters,
-        # stop_on_finish); the state, the KV pool and the token buffer are donated.
+        # stop_on_finish, spec_on); the state, the KV pool and the token buffer are donated.
         self.loop = jax.jit(self._traced, static_argnames=("num_seqs",), donate_argnums=(1, 2, 3))
-        n = config.max_seqs
-        ids = np.arange(n, dtype=np.int32)
-        self.recycle = jax.jit(lambda s, m: recycle(s, ids, m), donate_argnums=(0,))
         self._stop_cache: tuple[Any, jax.Array] | None = None
         self.pipeline = True
         self._last_pure_decode = False  # see note_step
@@ -345,7 +175,7 @@ class MultiStepDecoder:
             self._stop_cache = (key, jnp.asarray(arr))
         return self._stop_cache[1]
 
-    def step(self, core: EngineCore) -> list[RequestOutput] | None:
+    def step(self, core: EngineCore, outputs: OutputProcessor) -> list[RequestOutput] | None:
         """Run (or finish) one loop; None means "take the one-step path" (not eligible,
         or the loop's first iteration was not a pure decode and was rolled back).
 
@@ -357,12 +187,12 @@ class MultiStepDecoder:
         """
         if self._inflight is not None:
             pending, self._inflight = self._inflight, None
-            return self._finish(core, pending)
+            return self._finish(core, outputs, pending)
         why = self.ineligible(core)
         if why is not None:
             self.stats.skipped[why] = self.stats.skipped.get(why, 0) + 1
             return None
-        return self._finish(core, self._dispatch(core))
+        return self._finish(core, outputs, self._dispatch(core))
 
     def _dispatch(self, core: EngineCore) -> _Pending:
         dev = core.device
@@ -370,9 +200,10 @@ class MultiStepDecoder:
         s_b = pick(loop_buckets(core.seq_buckets), min(len(owners), core.max_num_seqs))
         sampling = dev.sampling()
         t0 = time.perf_counter()
-        dev.state, dev.kv, dev.tokens, out = self.loop(
-            core.params, dev.state, dev.kv, dev.tokens, sampling,
+        out = dev.run_loop(
+            self.loop, core.params, sampling,
             self.stop_ids(core), np.int32(self.steps_per_call), np.bool_(bool(core.book.queue)),
+            np.bool_(self.speculator is not None and self.speculator.may_speculate(core)),
             num_seqs=s_b,
         )  # fmt: skip
         want_top = any(seq.logprobs is not None for _, seq in owners.values())
@@ -380,7 +211,8 @@ class MultiStepDecoder:
             out = out._replace(top_ids=None, top_logprobs=None)
         return _Pending(owners, out, want_top, t0)
 
-    def _finish(self, core: EngineCore, pending: _Pending) -> list[RequestOutput] | None:
+    def _finish(self, core: EngineCore, outputs: OutputProcessor,
+                pending: _Pending) -> list[RequestOutput] | None:  # fmt: skip
         """Wait for a dispatched loop, maybe dispatch the next (pipelining), then read
         its results (one transfer) and replay them on the host."""
         head = jax.device_get((pending.out.num_iters, pending.out.exit_reason))  # waits
@@ -402,67 +234,58 @@ class MultiStepDecoder:
         self.stats.iterations += n_it
         reason = EXIT_NAMES[code]
         self.stats.exits[reason] = self.stats.exits.get(reason, 0) + 1
-        return self._emit(core, pending.owners, got, n_it, pending.want_top)
+        return self._emit(core, outputs, pending.owners, got, n_it, pending.want_top)
 
-    def _emit(
-        self, core: EngineCore, owners: dict, got: LoopOutput, n_it: int, want_top: bool
-    ) -> list[RequestOutput]:
-        """Replay the loop's iterations on the host, in order, as ``_run`` does for one.
+    def _emit(self, core: EngineCore, outputs: OutputProcessor, owners: dict,
+              got: LoopOutput, n_it: int, want_top: bool) -> list[RequestOutput]:  # fmt: skip
+        """Replay the loop's iterations through the output processor, in order, as the
+        one-step path does for one iteration.
 
         owners: the slot owners when the loop was dispatched. A request aborted since
         (possible with pipelining) is skipped; its slot may already serve another one."""
-        touched: dict[str, Any] = {}
-        finished: list[tuple[int, Any]] = []
-        b = core.block_size
-        book = core.book
-        live = book.is_live
-
+        out = outputs.begin()
+        live = core.book.is_live
         for j in range(n_it):
             core.sharing.record_usage(int(got.used[j]), int(got.unshared[j]))
-            for r in np.flatnonzero(got.seq_ids[j] >= 0):
-                slot = int(got.seq_ids[j, r])
-                req, seq = owners[slot]
-                if not live(req):
-                    continue
-                if seq.finish_reason is not None:
+            rows = [int(r) for r in np.flatnonzero(got.seq_ids[j] >= 0)]
+            row_owners = [owners[int(got.seq_ids[j, r])] for r in rows]
+            kept = [i for i, (req, _) in enumerate(row_owners) if live(req)]
+            for i in kept:
+                if row_owners[i][1].finish_reason is not None:
                     raise RuntimeError(
-                        f"multi-step: slot {slot} ran after the host saw it finish"
-                        " (device and host stop rules disagree)"
+                        f"multi-step: slot {row_owners[i][1].slot} ran after the host saw it"
+                        " finish (device and host stop rules disagree)"
                     )
-                top = None
-                if want_top:
-                    top = (got.ranks[j, r], got.top_ids[j, r], got.top_logprobs[j, r])
-                blk = int(got.filled[j, r])
-                if blk >= 0:  # the block ending at position start_pos is now cached
-                    hi = int(got.start_pos[j, r]) // b + 1
-                    extend_hashes(seq.hashes, req.prompt_token_ids + seq.detok.ids, b, hi)
-                    core.prefix_index.record(seq.hashes[hi - 1 : hi], [blk])
-                if seq.record(
-                    int(got.token_ids[j, r]), float(got.logprobs[j, r]), top, book.eos
-                ):
-                    finished.append((slot, seq))
-                touched[req.request_id] = req
+            spec_lens = got.spec_lens[j, rows].astype(np.int64)
+            acc = got.accepted[j, rows].astype(np.int64)
+            top = (got.ranks[j], got.top_ids[j], got.top_logprobs[j]) if want_top else None
+            sampled = SampledRows(got.token_ids[j], got.logprobs[j], top,
+                                  sampled_offsets(spec_lens, len(rows)), 1 + acc)  # fmt: skip
+            recorded = outputs.record(out, row_owners, kept, sampled)
+            for i in kept:  # after the record: a block may end in accepted drafts
+                req, seq = row_owners[i]
+                for blk, end in zip(got.filled[j, rows[i]], got.filled_end[j, rows[i]],
+                                    strict=True):  # fmt: skip
+                    if blk >= 0:
+                        outputs.record_filled(req, seq, int(end), int(blk))
+            if self.speculator is not None and spec_lens.any():
+                live_rows = np.zeros(len(rows), bool)
+                live_rows[kept] = True
+                self.speculator.count(np.where(live_rows, spec_lens, 0), acc, recorded)
+                self.speculator.counters.fused_steps += 1
         core.num_steps += n_it
-        recycle_mask = np.zeros(core.max_seqs, bool)
-        for slot, _ in finished:
-            recycle_mask[slot] = True
+        book = core.book
         for slot, (req, seq) in owners.items():
             # Cross-check: the device finished exactly the sequences the host did.
             current = book.slot_owner.get(slot)
             if live(req) and current is not None and current[1] is seq:
-                if recycle_mask[slot] != (got.status[slot] == FINISHED):
+                if out.recycle[slot] != (got.status[slot] == FINISHED):
                     raise RuntimeError(
                         f"multi-step: host and device disagree on whether slot {slot} finished"
                     )
-        if recycle_mask.any():
-            core.device.state = self.recycle(core.device.state, recycle_mask)
-            for _, seq in finished:
-                book.release_slot(seq)
-        outputs = [req.output() for req in touched.values()]
-        for o in outputs:
-            if o.finished:
-                book.retire(o.request_id)
-        return outputs
+        if out.recycle.any():
+            core.device.recycle(out.recycle)
+        return outputs.finish(out)
 
     def reset_stats(self) -> None:
         self.stats = MultiStepStats()

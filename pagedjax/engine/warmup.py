@@ -178,7 +178,7 @@ def _loop(core: EngineCore, decoder: MultiStepDecoder, s: int) -> None:
     dev = core.device
     decoder.loop.lower(
         core.params, dev.state, dev.kv, dev.tokens, dev.sampling(),
-        decoder.stop_ids(core), np.int32(0), np.bool_(False), num_seqs=s,
+        decoder.stop_ids(core), np.int32(0), np.bool_(False), np.bool_(False), num_seqs=s,
     ).compile()  # fmt: skip
 
 
@@ -186,11 +186,12 @@ def _schedule_program(core: EngineCore, store: ProgramStore) -> None:
     """``schedule`` compiled for the engine's state, from the program store when it holds
     it (no tracing) or compiled and saved, handed to ``DeviceState.schedule_program``."""
     dev = core.device
-    key = store.key("schedule", describe_function(dev.schedule_partial), (dev.state,), {})
+    args = (dev.state, np.zeros(core.max_seqs, np.int32))  # (state, lookahead)
+    key = store.key("schedule", describe_function(dev.schedule_partial), args, {})
     program = store.load(key)
     if program is None:
         with compile_cache.bypassed():  # a cache-loaded program would not serialize whole
-            program = jax.jit(dev.schedule_partial).lower(dev.state).compile()
+            program = jax.jit(dev.schedule_partial).lower(*args).compile()
         store.save(key, program)
     dev.schedule_program = program
 
@@ -212,7 +213,7 @@ def _small(core: EngineCore, decoder: MultiStepDecoder, store: ProgramStore | No
     # Not donated, returns fresh buffers (a new engine's state shares zero arrays).
     dev.add_requests(i32, ones, ones, ones + ones, i32, f, i32)
     dev.abort(ids, f)
-    dev.state = decoder.recycle(dev.state, f)
+    dev.recycle(f)
     # update on an all-padding batch only advances the state's step counter.
     dev.update(_padding_batch(core), f, f)
     slot = n - 1

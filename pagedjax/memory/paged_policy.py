@@ -13,6 +13,7 @@ from pagedjax.memory.block_pool import BlockPool, create_block_pool
 from pagedjax.memory.block_table import BlockTables, CopyOnWrite, blocks_for
 from pagedjax.memory.policy import MemoryUsage
 from pagedjax.memory.prefix_cache import PrefixCacheState, create_prefix_cache, invalidate
+from pagedjax.memory.rollback import truncate_batched
 from pagedjax.memory.swap import SwapMap, append_pairs, empty_map, move_rows
 
 
@@ -201,6 +202,14 @@ class PagedPolicy:
         gone = jnp.where(mask, seq_ids, self.max_seqs)
         on_host = state.on_host.at[gone].set(False, mode="drop")
         return state._replace(pool=pool, tables=tables, host_pool=hpool, on_host=on_host)
+
+    def truncate(self, state, seq_ids, new_lens, mask):
+        """Roll the masked device-resident rows back to ``new_lens`` tokens (speculative
+        drafts rejected): blocks wholly past it return to the pool (rollback.py)."""
+        pool, tables = truncate_batched(
+            state.pool, state.tables, seq_ids, new_lens, mask, self.block_size
+        )
+        return state._replace(pool=pool, tables=tables)
 
     def free_slots(self, state: PagedState) -> jax.Array:
         """float32[]: slots in free blocks (held by no sequence), the "free" part of

@@ -40,6 +40,8 @@ class PolicyOracle:
         self.state = policy.init_state()
         self._grow = jax.jit(policy.grow)
         self._release = jax.jit(policy.release)
+        if hasattr(policy, "truncate"):
+            self._truncate = jax.jit(policy.truncate)
         self.can_swap = bool(getattr(policy, "can_swap", False))
         if self.can_swap:
             self._swap_out = jax.jit(policy.swap_out)
@@ -80,6 +82,10 @@ class PolicyOracle:
 
     def release(self, slot: int) -> None:
         self.state = self._release(self.state, jnp.asarray([slot], jnp.int32), jnp.asarray([True]))
+
+    def truncate(self, slot: int, new_len: int) -> None:
+        i = lambda v: jnp.asarray([v], jnp.int32)
+        self.state = self._truncate(self.state, i(slot), i(new_len), jnp.asarray([True]))
 
 
 class UnitPoolModel:
@@ -133,6 +139,13 @@ class UnitPoolModel:
     def release(self, slot: int) -> None:
         self.free += self.held.pop(slot, 0)
         self.host_free += self.host_held.pop(slot, 0)
+
+    def truncate(self, slot: int, new_len: int) -> None:
+        """Shorten a device-resident slot to new_len tokens: whole units past it free."""
+        keep = -(-new_len // self.unit)
+        drop = max(self.held.get(slot, 0) - keep, 0)
+        self.held[slot] = self.held.get(slot, 0) - drop
+        self.free += drop
 
     def snapshot(self) -> Any:
         return (self.free, dict(self.held))
@@ -280,8 +293,11 @@ class ReferenceScheduler:
         r.status, r.finish_reason = FINISHED, reason
 
     # -- one step -----------------------------------------------------------------------
-    def schedule(self) -> RefBatch:
+    def schedule(self, lookahead: dict[int, int] | None = None) -> RefBatch:
+        """lookahead: speculative slots by slot: a RUNNING sequence with one token to
+        compute asks for 1 + lookahead[slot] (``schedule.schedule``'s rule 2)."""
         cfg = self.config
+        lookahead = lookahead or {}
         rows: list[tuple[int, int, int, bool]] = []
         preempted: set[int] = set()
         rejected: set[int] = set()
@@ -308,7 +324,10 @@ class ReferenceScheduler:
             plan, left = [], budget
             for s in group:
                 r = self.reqs[s]
-                q = min(r.total - r.num_computed, left)
+                need = r.total - r.num_computed
+                if need == 1:  # a decode verifies its drafts in the same step
+                    need += lookahead.get(s, 0)
+                q = min(need, left)
                 left -= q
                 if q > 0:  # q == 0: budget spent: stays running, holds its memory
                     plan.append((s, q, r.num_computed))
@@ -320,7 +339,7 @@ class ReferenceScheduler:
                 self._preempt(victim, preempted, swapped_out)
                 grown = self._grow_group(plan)
             if grown:
-                rows += [(s, q, start, start + q == self.reqs[s].total) for s, q, start in plan]
+                rows += [(s, q, start, start + q >= self.reqs[s].total) for s, q, start in plan]
                 budget = left
                 i += 1
                 continue
@@ -426,18 +445,29 @@ class ReferenceScheduler:
             self.reqs[s].num_preemptions += 1
         preempted.update(group)
 
-    def update(self, batch: RefBatch, stopped: set[int]) -> list[int]:
-        """Apply the step; ``stopped``: slots whose sampled token was EOS / a stop.
+    def update(
+        self, batch: RefBatch, stopped: set[int], accepted: dict[int, int] | None = None
+    ) -> list[int]:
+        """Apply the step; ``stopped``: slots whose sampled token was EOS / a stop;
+        ``accepted``: drafts accepted by slot (of the row's q_len past its last token).
+        A row keeps its last token and its accepted drafts: num_computed grows by those,
+        the rejected drafts' memory is given back (``memory.truncate``), the output by
+        1 + accepted.
 
         Returns the slots finished this step.
         """
         done = []
-        for s, q, _, emits in batch.rows:
+        accepted = accepted or {}
+        for s, q, start, emits in batch.rows:
             r = self.reqs[s]
-            r.num_computed += q
+            spec = max(start + q - r.total, 0)
+            a = min(accepted.get(s, 0), spec) if emits else 0
+            r.num_computed += q - (spec - a)
+            if spec > a:
+                self.memory.truncate(s, r.num_computed)
             if not emits:
                 continue
-            r.output_len += 1
+            r.output_len += 1 + a
             if s in stopped or r.output_len >= r.target(self.config.max_model_len):
                 self.memory.release(s)
                 self._finish(s, REASON_STOP if s in stopped else REASON_LENGTH)

@@ -95,6 +95,10 @@ class ScheduledBatch(NamedTuple):
         released this step (num_computed back to 0) so that a running sequence or an
         admission could have the memory; the engine looks their prefixes up again.
         None only in hand-built batches.
+    spec_lens: int32 speculative (draft) positions among the row's q_lens: a RUNNING
+        decode row given ``lookahead`` drafts computes 1 + k tokens (its last token and k
+        drafts; ``emits`` is set), the step verifies them; 0 elsewhere. None only in
+        hand-built batches.
     """
 
     seq_ids: jax.Array
@@ -107,6 +111,7 @@ class ScheduledBatch(NamedTuple):
     rejected: jax.Array
     swap: SwapPlan | None = None
     released: jax.Array | None = None
+    spec_lens: jax.Array | None = None
 
 
 def _tree_where(c: jax.Array, a: Any, b: Any) -> Any:
@@ -305,12 +310,22 @@ def _swap_maps(mem: Any) -> tuple:
 
 
 def schedule(
-    policy: Any, config: SchedulerConfig, state: SchedulerState
+    policy: Any,
+    config: SchedulerConfig,
+    state: SchedulerState,
+    lookahead: jax.Array | None = None,
 ) -> tuple[SchedulerState, ScheduledBatch]:
     """Decide one step (jittable with policy and config static). See the module docstring.
 
     Memory for every scheduled token is allocated here (grow to num_computed + q_len), so
     the step's KV writes have blocks. Returns the new state and the batch.
+
+    lookahead: int32[max_seqs] by slot, speculative slots wanted (vLLM's lookahead
+    slots): a RUNNING sequence with exactly one token to compute (a decode) asks for
+    1 + lookahead tokens instead, budgeted and grown like any other (rule 2: it may
+    preempt); the budget may give it fewer (``batch.spec_lens`` says how many drafts it
+    got). The caller keeps num_computed + 1 + lookahead within the sequence's length cap.
+    None: no speculation (all zeros).
     """
     n = config.max_seqs
     if state.max_seqs != n or policy.max_seqs != n:
@@ -344,7 +359,10 @@ def schedule(
     running = state.status == RUNNING
     n_run = jnp.sum(running, dtype=jnp.int32)
     order_r = group_order(state, config, running)
-    rem_r = jnp.where(pos < n_run, (total - state.num_computed)[order_r], 0)
+    base_r = (total - state.num_computed)[order_r]
+    if lookahead is not None:  # a decode row verifies its drafts in the same step
+        base_r = base_r + jnp.where(base_r == 1, jnp.asarray(lookahead, jnp.int32)[order_r], 0)
+    rem_r = jnp.where(pos < n_run, base_r, 0)
     q_r = _budget_prefix(rem_r, budget)
     want_r = q_r > 0
     mem, preempted, swapped_out, cap_run, released = _run_running(
@@ -435,7 +453,8 @@ def schedule(
     row = seq_ids >= 0
     safe = jnp.maximum(seq_ids, 0)
     start = jnp.where(row, state.num_computed[safe], 0)
-    emits = row & (start + q_lens == total[safe])
+    emits = row & (start + q_lens >= total[safe])  # > : drafts past the last token
+    spec_lens = jnp.where(row, jnp.maximum(start + q_lens - total[safe], 0), 0)
 
     rejected = too_long | cap_run | cap_wait
     recomputed = preempted & ~swapped_out
@@ -463,5 +482,6 @@ def schedule(
         rejected=rejected,
         swap=SwapPlan(*_swap_maps(mem), swapped_out, swapped_in),
         released=released,
+        spec_lens=spec_lens.astype(jnp.int32),
     )
     return new_state, batch

@@ -1,39 +1,37 @@
-"""Speculative decoding in the engine step: propose, grow, verify, record, roll back.
+"""Speculative decoding in the engine step: plan, schedule, verify, record, roll back.
 
-``SpeculativeDecoder.run`` replaces the device step of ``LLMEngine._run`` for a step in
-which some decode row has proposals (docs/speculative_decoding.md gives the reasons):
+Speculation is part of the scheduled batch (docs/speculative_decoding.md gives the
+reasons), as vLLM's scheduler reserves lookahead slots:
 
-1. host: after ``schedule``, each eligible decode row (q_len 1, it emits, its sample
-   already has a token, no n > 1 fork pending, not beam search) asks the proposer for
-   up to k drafts, capped so the accepted run plus the bonus token never passes the
-   sequence's output target (max_tokens, max_model_len), the step's token budget
-   (``max_num_batched_tokens``) and the free blocks (no preemption for speculation).
-2. device (``_extend``, one jitted call): the drafts go into the token buffer at
-   positions ``total .. total + k - 1`` and the rows' block tables grow to
-   ``start + 1 + k`` through the memory policy's normal grow (copy-on-write and
-   prefix-cache invalidation included); the row's q_len becomes 1 + k.
-3. device (``SpecVerifier.step``, one jitted program per (T, S) bucket): the ragged
-   forward scores every row, each speculating row at its 1 + k positions; sample and
-   accept the longest matching prefix a; write the correction / bonus token.
-4. host: record the a + 1 tokens in order with the usual stop checks (EOS, stop ids,
-   stop strings, length), so a stop inside an accepted run ends the output there.
-   With prefix caching, only blocks full of accepted tokens are registered.
-5. device (``_commit``): num_computed and output_len grow by a (``update`` adds the
-   usual one), and each row is truncated to ``start + 1 + a`` tokens: blocks wholly
-   past it return to the pool (``memory/rollback.py``).
+1. host, before ``schedule`` (``plan``): each decoding slot (it has a token, no n > 1
+   fork pending, not beam search) asks for k speculative slots, capped so the accepted
+   run plus the token sampled after it never passes its output target; the n-gram
+   proposer's drafts are known here.
+2. device, ``schedule(state, lookahead)``: a RUNNING decode row gets 1 + k tokens
+   within the step's token budget, its blocks grown (and others preempted) like any
+   token's; ``batch.spec_lens`` says how many drafts each row got (maybe fewer).
+3. device (``run``): the drafts go into the token buffer (a drafting model writes its
+   own there: layer-skip, a separate checkpoint, the EAGLE head), then the
+   verification program (one per (T, S) bucket) scores every row at all its positions,
+   samples and accepts the longest matching prefix a, and writes the correction /
+   bonus token.
+4. host: the engine's output processor records the a + 1 tokens in order with the usual
+   stop checks, so a stop inside an accepted run ends the output there; with prefix
+   caching only blocks full of accepted tokens are registered.
+5. device, ``update(..., accepted)``: lengths grow by 1 + a, and rows with rejected
+   drafts are truncated through the memory policy (``PagedPolicy.truncate``: blocks
+   wholly past the accepted length return to the pool, memory/rollback.py).
 
-A separate draft checkpoint (``spec_draft_model.py``) runs over every step's batch
-between steps 2 and 3 (its own pool, the target's block ids), also in steps that take
-the plain path; its pool follows swaps through ``apply_swaps``.
-
-A step with no proposal (or one with prompt-logprob rows) takes the plain path. With
-speculation on, the engine runs the one-step path only (no K-step decode loop).
-Stats: ``stats()`` (see ``SpecCounters``).
+A separate draft checkpoint runs over every step's batch (its own pool, the target's
+block ids), also in plain steps; its pool and the EAGLE head's follow swaps through
+``apply_swaps``. A step without drafts takes the plain program (the EAGLE head, which
+must see every step, verifies always). While a request wanting prompt logprobs holds a
+slot nobody speculates. With speculation on, the engine runs the one-step path only (no
+K-step decode loop yet). Stats: ``stats()`` (see ``SpecCounters``).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,8 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.config import SpeculativeConfig
-from pagedjax.engine import admission
-from pagedjax.engine.buckets import pick, seqs_for_tokens
 from pagedjax.engine.spec.draft_model import (
     DraftCheckpoint,
     SeparateDraft,
@@ -55,8 +51,7 @@ from pagedjax.engine.spec.draft_model import (
 from pagedjax.engine.spec.eagle import EagleDraft, EagleVerifier
 from pagedjax.engine.spec.layer_skip import LayerSkipDraft
 from pagedjax.engine.spec.ngram import NgramProposer
-from pagedjax.engine.spec.verify import SpecVerifier, sampled_offsets
-from pagedjax.memory.rollback import truncate_batched
+from pagedjax.engine.spec.verify import SpecVerifier, write_drafts
 
 BUILT_METHODS = ("ngram", "draft_model", "eagle")
 
@@ -95,6 +90,7 @@ class SpecCounters:
     tokens the speculating rows recorded (accepted + corrections / bonus tokens)."""
 
     steps: int = 0
+    fused_steps: int = 0  # of the steps, those run inside the fused K-step program
     rows: int = 0
     proposed: int = 0
     accepted: int = 0
@@ -107,6 +103,7 @@ class SpecCounters:
         spec_proposals_per_step: draft tokens verified per speculating step."""
         return dict(
             spec_steps=self.steps,
+            spec_fused_steps=self.fused_steps,
             spec_rows=self.rows,
             spec_proposed_tokens=self.proposed,
             spec_accepted_tokens=self.accepted,
@@ -115,35 +112,6 @@ class SpecCounters:
             spec_mean_accepted_length=(self.rows + self.accepted) / self.rows if self.rows else 0.0,
             spec_proposals_per_step=self.proposed / self.steps if self.steps else 0.0,
         )
-
-
-def _extend(policy: Any, state: Any, tokens: jax.Array, seq_ids: jax.Array, new_lens: jax.Array,
-            mask: jax.Array, draft_pos: jax.Array, drafts: jax.Array) -> tuple:  # fmt: skip
-    """Grow the masked slots to new_lens (int32[N]) and write drafts (int32[N, K], -1 =
-    none) at draft_pos + j. Returns (state', tokens', ok bool[N])."""
-    no_wm = jnp.zeros(mask.shape, bool)
-    mem, ok = policy.grow(state.mem, seq_ids, new_lens, new_lens, new_lens, mask, no_wm)
-    n, k = drafts.shape
-    j = jnp.arange(k, dtype=jnp.int32)[None, :]
-    row = jnp.where(mask[:, None] & (drafts >= 0), seq_ids[:, None], tokens.shape[0])
-    tokens = tokens.at[row, draft_pos[:, None] + j].set(drafts, mode="drop")
-    return state._replace(mem=mem), tokens, ok
-
-
-def _commit(block_size: int, state: Any, seq_ids: jax.Array, start: jax.Array,
-            accepted: jax.Array, mask: jax.Array) -> Any:  # fmt: skip
-    """Masked rows keep a drafts: lengths grow by a (``update`` adds the step's one
-    token), tables shrink to start + 1 + a tokens."""
-    n = state.num_computed.shape[0]
-    ids = jnp.where(mask, seq_ids, n)
-    a = jnp.zeros((seq_ids.shape[0],), jnp.int32).at[: accepted.shape[0]].set(accepted)
-    mem = state.mem
-    pool, tables = truncate_batched(mem.pool, mem.tables, seq_ids, start + 1 + a, mask, block_size)
-    return state._replace(
-        num_computed=state.num_computed.at[ids].add(a, mode="drop"),
-        output_len=state.output_len.at[ids].add(a, mode="drop"),
-        mem=mem._replace(pool=pool, tables=tables),
-    )
 
 
 class SpeculativeDecoder:
@@ -182,8 +150,7 @@ class SpeculativeDecoder:
             self.verifier = SpecVerifier(*verifier_args)
         self.block_size = block_size
         self.counters = SpecCounters()
-        self._extend = jax.jit(functools.partial(_extend, policy), donate_argnums=(0, 1))
-        self._commit = jax.jit(functools.partial(_commit, block_size), donate_argnums=(0,))
+        self._write = jax.jit(write_drafts, donate_argnums=(0,))
 
     def jits(self) -> dict[str, Any]:
         """The jitted functions by name (compile counting)."""
@@ -192,8 +159,7 @@ class SpeculativeDecoder:
             draft["spec_eagle_propose"] = self.eagle.propose
         if self.separate is not None:
             draft["spec_draft_model"] = self.separate.propose
-        return dict(spec_extend=self._extend, spec_commit=self._commit,
-                    spec_verify=self.verifier.step, **draft)  # fmt: skip
+        return dict(spec_write=self._write, spec_verify=self.verifier.step, **draft)
 
     def reset_stats(self) -> None:
         self.counters = SpecCounters()
@@ -213,18 +179,17 @@ class SpeculativeDecoder:
 
     def warm_up(self, core: Any, pairs: list[tuple[int, int]]) -> None:
         """Compile the speculative programs for the runner's warm-up pairs (T, S), on
-        inputs that change nothing (no row masked, an all-padding batch), with exactly
-        the argument types ``run`` passes (jit caches by them)."""
+        inputs that change nothing (an all-padding batch, no row with drafts), with
+        exactly the argument types ``run`` passes (jit caches by them)."""
         if not pairs:
             return
         dev, n = core.device, core.max_seqs
         i32, f = np.zeros(n, np.int32), np.zeros(n, bool)
-        drafts = np.full((n, self.k), -1, np.int32)
-        dev.state, dev.tokens, ok = self._extend(dev.state, dev.tokens, i32, i32, f, i32, drafts)
         _, batch = dev.preview_schedule()  # the pytree schedule returns, zeroed: padding
         batch = jax.tree.map(jnp.zeros_like, batch)
-        batch = batch._replace(seq_ids=jnp.full_like(batch.seq_ids, -1))
-        ext = batch._replace(q_lens=jnp.asarray(i32), num_tokens=jnp.int32(0), swap=None)
+        batch = batch._replace(seq_ids=jnp.full_like(batch.seq_ids, -1), swap=None)
+        dev.write_tokens(self._write, np.full(n, -1, np.int32), i32,
+                         np.full((n, self.k), -1, np.int32))  # fmt: skip
         if self.eagle is not None:
             self.eagle.ensure(core)
         for t, s in pairs:
@@ -233,187 +198,139 @@ class SpeculativeDecoder:
             if self.eagle is not None:
                 self._eagle_propose(core, mem, i32, i32, i32, s)
             if self.draft is not None:
-                dev.kv, dev.tokens = self.draft.propose(
-                    self.draft.params_for(core.params), dev.kv, dev.tokens, mem, i32, i32,
-                    i32, num_seqs=s,
-                )  # fmt: skip
+                dev.run_program(self.draft.propose, self.draft.params_for(core.params), mem,
+                                i32, i32, i32, num_seqs=s)  # fmt: skip
             if self.separate is not None:
-                d = self.separate
-                d.kv, dev.tokens = d.propose(d.params, d.kv, dev.tokens, mem,
-                                             batch._replace(swap=None), jnp.asarray(i32),
-                                             num_tokens=t, num_seqs=s)  # fmt: skip
-            acc = self._verify(core, mem, ext, jnp.asarray(i32), t, s)
-            dev.state = self._commit(dev.state, i32, i32, acc, jnp.asarray(f))
-        jax.block_until_ready((dev.state, ok))
+                self.separate.run(core, batch, i32, t, s, mem=mem)
+            out = self._verify(core, mem, batch, jnp.asarray(i32), t, s)
+        jax.block_until_ready((dev.state, out))
 
     # ------------------------------------------------------------------ planning
 
-    def _plan(self, engine: Any, host: dict, owners: list) -> np.ndarray:
-        """int32[N] drafts per batch row, and the drafts themselves (int32[N, K], -1
-        padded), within the budget and the free blocks."""
-        core = engine.core
-        n, num_seqs = core.max_seqs, int(host["num_seqs"])
-        counts = np.zeros(n, np.int32)
+    def plan(self, core: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Before ``schedule``: (lookahead int32[max_seqs], drafts int32[max_seqs, K])
+        by slot. A slot gets k > 0 speculative slots when its sequence decodes (it has
+        a token; no n > 1 fork pending; not beam search), capped so the accepted run
+        plus the token sampled after it never passes its output target; the scheduler
+        then budgets them (``schedule``'s ``lookahead``: token budget, blocks, maybe
+        fewer). The n-gram proposer's drafts are known here; a drafting model's are
+        computed on device after the schedule (-1 here). No slot speculates while a
+        request wanting prompt logprobs holds a slot (they need every logits row of
+        the plain step) or when ``disable_by_batch_size`` slots are taken."""
+        n = core.max_seqs
+        lookahead = np.zeros(n, np.int32)
         drafts = np.full((n, self.k), -1, np.int32)
-        limit = self.config.disable_by_batch_size
-        if limit is not None and num_seqs >= limit:
-            return counts, drafts
-        budget = engine.sched_config.max_num_batched_tokens - int(host["num_tokens"])
-        if budget <= 0:
-            return counts, drafts
-        free, lengths = jax.device_get((core.device.state.mem.pool.num_free,
-                                        core.device.state.mem.tables.lengths))  # fmt: skip
-        free = int(free)
-        b = self.block_size
-        for r in range(num_seqs):
-            req, seq = owners[r]
+        owners = core.book.slot_owner
+        if not self.may_speculate(core):
+            return lookahead, drafts
+        on_device = any(d is not None for d in (self.draft, self.eagle, self.separate))
+        for slot, (req, seq) in owners.items():
             out = len(seq.detok.ids)
-            if not host["emits"][r] or host["q_lens"][r] != 1 or out == 0 or req.pending:
+            if out == 0 or req.pending or req.host_driven or seq.finish_reason is not None:
                 continue
-            if req.host_driven:
-                continue
-            k = min(self.k, seq.target - out - 1, budget)
+            k = min(self.k, seq.target - out - 1)
             if k <= 0:
                 continue
-            if any(d is not None for d in (self.draft, self.eagle, self.separate)):  # on device
-                prop = [-1] * k
-            else:
+            if not on_device:
                 prop = self.proposer.propose(req.prompt_token_ids + seq.detok.ids, k)
                 k = len(prop)
-            start = int(host["start_pos"][r])
-            held = int(lengths[int(host["seq_ids"][r])])
-            while k > 0:
-                need = max(-(-(start + 1 + k) // b) - (-(-held // b)), 0)
-                if need <= free:
-                    break
-                k -= 1
-            if k == 0:
-                continue
-            free -= max(-(-(start + 1 + k) // b) - (-(-held // b)), 0)
-            budget -= k
-            counts[r] = k
-            drafts[r, :k] = prop[:k]
-        return counts, drafts
+                drafts[slot, :k] = prop
+            lookahead[slot] = k
+        return lookahead, drafts
+
+    @property
+    def fusable(self) -> bool:
+        """Its drafts can be made inside the fused K-step program (the n-gram method:
+        ``ngram_device.py``); drafting models take the one-step path."""
+        return self.draft is None and self.eagle is None and self.separate is None
+
+    def may_speculate(self, core: Any) -> bool:
+        """The conditions on the whole step (``plan``): no slot holder wants prompt
+        logprobs, fewer than ``disable_by_batch_size`` slots are taken."""
+        owners = core.book.slot_owner
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(owners) >= limit:
+            return False
+        return not any(req.prompt_logprobs is not None for req, _ in owners.values())
 
     # ------------------------------------------------------------------ the step
 
     def _eagle_propose(self, core: Any, mem: Any, sid: Any, total: Any, counts: Any,
                        num_seqs: int) -> None:  # fmt: skip
-        e, dev = self.eagle, core.device
-        e.kv, dev.tokens = e.propose(e.params, core.params, e.kv, e.feature, dev.tokens, mem,
-                                     sid, total, counts, num_seqs=num_seqs)  # fmt: skip
+        e = self.eagle
 
-    def _verify(self, core: Any, mem: Any, ext: Any, num_drafts: Any, num_tokens: int,
-                num_seqs: int, want_out: bool = False) -> Any:  # fmt: skip
-        """The verification program (plus the eagle catch-up); (out, accepted) when
-        want_out, else accepted."""
+        def propose(tokens: Any) -> tuple[Any, Any]:
+            kv, tokens = e.propose(e.params, core.params, e.kv, e.feature, tokens, mem,
+                                   sid, total, counts, num_seqs=num_seqs)  # fmt: skip
+            return tokens, kv
+
+        e.kv = core.device.with_tokens(propose)
+
+    def _verify(self, core: Any, mem: Any, batch: Any, num_drafts: Any, num_tokens: int,
+                num_seqs: int) -> Any:  # fmt: skip
+        """The verification program (plus the eagle catch-up); (out, accepted)."""
         dev, st = core.device, core.device.state
-        args = (core.params, dev.kv, dev.tokens, mem, ext, num_drafts, dev.sampling(),
-                st.prompt_len, st.output_len)  # fmt: skip
+        args = (mem, batch, num_drafts, dev.sampling(), st.prompt_len, st.output_len)
         kw = dict(num_tokens=num_tokens, num_seqs=num_seqs)
         if self.eagle is None:
-            dev.kv, dev.tokens, out, acc = self.verifier.step(*args, **kw)
+            out, acc = dev.run_program(self.verifier.step, core.params, *args, **kw)
         else:
             e = self.eagle
-            dev.kv, dev.tokens, out, acc, e.kv, e.feature = self.verifier.step(
-                *args, e.params, e.kv, e.feature, **kw
+            out, acc, e.kv, e.feature = dev.run_program(
+                self.verifier.step, core.params, *args, e.params, e.kv, e.feature, **kw
             )
-        return (out, acc) if want_out else acc
+        return out, acc
 
-    def run(self, engine: Any, batch: Any, host: dict, touched: dict,
-            finished_mask: np.ndarray, recycle_mask: np.ndarray) -> bool:  # fmt: skip
-        """The speculative device step and its host half (module docstring); False
-        (nothing done) when no row has a proposal: the caller takes the plain path."""
-        core, dev = engine.core, engine.core.device
-        num_seqs = int(host["num_seqs"])
-        seq_ids, emits = host["seq_ids"], host["emits"]
-        owners = [core.book.owner(int(seq_ids[r])) for r in range(num_seqs)]
-        # The scheduled batch's bucket (the separate draft's forward runs over it).
-        sched_tokens = pick(engine.token_buckets, int(host["num_tokens"]))
-        sched_seqs = seqs_for_tokens(engine.seq_buckets, sched_tokens)
-        if any(
-            req.prompt_logprobs is not None and host["start_pos"][r] < len(req.prompt_token_ids)
-            for r, (req, _) in enumerate(owners)
-        ):
-            if self.separate is not None:  # its KV follows every step (spec_draft_model.py)
-                self.separate.run(core, batch, np.zeros(core.max_seqs, np.int32),
-                                  sched_tokens, sched_seqs)  # fmt: skip
-            return False  # prompt logprobs need every token's logits: the plain path
-        counts, drafts = self._plan(engine, host, owners)
-        if not counts.any() and self.eagle is None:
+    def run(self, core: Any, batch: Any, host: dict, drafts: np.ndarray, buckets: Any,
+            plain_rows: bool) -> tuple[Any, Any] | None:  # fmt: skip
+        """The step's device program when speculating: write the drafts the scheduler
+        gave slots to (``host["spec_lens"]``, batch-row order), let a drafting model
+        propose them, verify every row (one program per (T, S) bucket). Returns the
+        sampler's output packed by ``verify.sampled_offsets`` and accepted int32[S], on
+        device; None when the plain program is to run (no row has drafts and the head
+        need not see the step, or ``plain_rows``: a row needs every logits row).
+        buckets(num_tokens) -> (T, S). A separate draft's forward follows every step."""
+        dev = core.device
+        spec = host["spec_lens"].astype(np.int32)
+        base_tokens = int(host["num_tokens"]) - int(spec.sum())
+        sched_tokens, sched_seqs = buckets(base_tokens)  # the batch without its drafts
+        base = batch._replace(q_lens=batch.q_lens - batch.spec_lens)
+        if plain_rows or (not spec.any() and self.eagle is None):
+            if spec.any():
+                raise RuntimeError("drafts were scheduled for a step that cannot verify them")
             if self.separate is not None:  # the draft's forward only (no proposals)
-                self.separate.run(core, batch, counts, sched_tokens, sched_seqs)
-            return False  # (the eagle head must see every step: spec_eagle.py)
-        mask = counts > 0
+                self.separate.run(core, base, spec, sched_tokens, sched_seqs)
+            return None
+        sid = host["seq_ids"].astype(np.int32)
         start = host["start_pos"].astype(np.int32)
-        sid = seq_ids.astype(np.int32)
-        dev.state, dev.tokens, ok = self._extend(
-            dev.state, dev.tokens, sid, start + 1 + counts, mask, start + 1, drafts
-        )
-        num_tokens = int(host["num_tokens"]) + int(counts.sum())
-        padded_tokens = pick(engine.token_buckets, num_tokens)
-        padded_seqs = seqs_for_tokens(engine.seq_buckets, padded_tokens)
+        padded_tokens, padded_seqs = buckets(int(host["num_tokens"]))
+        row_drafts = np.full((core.max_seqs, self.k), -1, np.int32)
+        live = np.flatnonzero(spec)
+        row_drafts[live] = drafts[sid[live]]
+        row_drafts[np.arange(self.k)[None, :] >= spec[:, None]] = -1
+        dev.write_tokens(self._write, sid, start + 1, row_drafts)
         if self.draft is not None:
-            dev.kv, dev.tokens = self.draft.propose(
-                self.draft.params_for(core.params), dev.kv, dev.tokens,
-                dev.state.mem, sid, start + 1, counts, num_seqs=padded_seqs,
-            )  # fmt: skip
+            dev.run_program(self.draft.propose, self.draft.params_for(core.params),
+                            dev.state.mem, sid, start + 1, spec,
+                            num_seqs=padded_seqs)  # fmt: skip
         if self.separate is not None:  # over the scheduled batch, then the k draft steps
-            self.separate.run(core, batch, counts, sched_tokens, sched_seqs)
+            self.separate.run(core, base, spec, sched_tokens, sched_seqs)
         if self.eagle is not None:
             self.eagle.ensure(core)
-            if counts.any():
-                self._eagle_propose(core, dev.state.mem, sid, start + 1, counts, padded_seqs)
-        q_ext = (host["q_lens"] + counts).astype(np.int32)
-        ext = batch._replace(q_lens=jnp.asarray(q_ext), num_tokens=jnp.int32(num_tokens), swap=None)
-        out, accepted = self._verify(core, dev.state.mem, ext, jnp.asarray(counts),
-                                     padded_tokens, padded_seqs, want_out=True)  # fmt: skip
-        rows = [r for r in range(num_seqs) if emits[r]]
-        want_top = any(owners[r][1].logprobs is not None for r in rows)
-        fetch = [out.token_ids, out.logprobs, accepted, ok]
-        # The tables after the grow: registration may name blocks ``_extend`` handed out.
-        tables = dev.state.mem.tables.tables if engine.enable_prefix_caching else None
-        fetch += [tables]
-        if want_top:
-            fetch += [out.ranks, out.top_ids, out.top_logprobs]
-        got = jax.device_get(fetch)
-        if not bool(np.all(got[3])):  # _plan counted the free blocks: a bug if it fails
-            raise RuntimeError("speculative grow failed after planning; blocks miscounted")
-        acc = got[2]
-        offsets = sampled_offsets(counts, num_seqs)
-        eos = core.book.eos
-        q_acc = host["q_lens"].copy()
-        c = self.counters
-        c.steps += int(counts.any())
-        for r in rows:
-            req, seq = owners[r]
-            first = len(seq.detok.ids) == 0
-            a = int(acc[r]) if counts[r] else 0
-            recorded = 0
-            for j in range(a + 1):
-                i = int(offsets[r]) + j
-                top = (got[5][i], got[6][i], got[7][i]) if want_top else None
-                recorded += 1
-                if seq.record(int(got[0][i]), float(got[1][i]), top, eos):
-                    recycle_mask[seq.slot] = True
-                    finished_mask[r] = seq.finish_reason == "stop"
-                    break
-            if counts[r]:
-                c.rows += 1
-                c.proposed += int(counts[r])
-                c.accepted += a
-                c.emitted += recorded
-                q_acc[r] = min(1 + a, recorded + 1)
-            touched[req.request_id] = req
-            if first and req.pending and seq.index == 0:
-                engine.fork_samples(req, seq)
-        if engine.enable_prefix_caching:
-            acc_batch = batch._replace(q_lens=jnp.asarray(q_acc.astype(np.int32)))
-            admission.register_blocks(
-                core, acc_batch, {**host, "q_lens": q_acc, "tables": got[4]}, owners
-            )
-        dev.state = self._commit(dev.state, sid, start, accepted, jnp.asarray(mask))
-        return True
+            if spec.any():
+                self._eagle_propose(core, dev.state.mem, sid, start + 1, spec, padded_seqs)
+        return self._verify(core, dev.state.mem, batch._replace(swap=None), jnp.asarray(spec),
+                            padded_tokens, padded_seqs)  # fmt: skip
+
+    def count(self, spec_lens: np.ndarray, accepted: np.ndarray, recorded: np.ndarray) -> None:
+        """Counters of one verified step: per batch row, drafts verified, accepted and
+        tokens recorded (the output processor stops a row at its stop)."""
+        c, rows = self.counters, np.flatnonzero(spec_lens)
+        c.steps += int(rows.size > 0)
+        c.rows += int(rows.size)
+        c.proposed += int(spec_lens[rows].sum())
+        c.accepted += int(accepted[rows].sum())
+        c.emitted += int(recorded[rows].sum())
 
 
 def build_speculator(config: SpeculativeConfig | None, *args: Any) -> SpeculativeDecoder | None:

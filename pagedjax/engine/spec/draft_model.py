@@ -231,14 +231,21 @@ class SeparateDraft:
                                   num_seqs=num_seqs, block_size=self.block_size)  # fmt: skip
 
     def run(self, core: Any, batch: Any, counts: np.ndarray, num_tokens: int,
-            num_seqs: int) -> None:  # fmt: skip
+            num_seqs: int, mem: Any = None) -> None:  # fmt: skip
         """The draft's step over ``batch`` (bucket (num_tokens, num_seqs)) on the core's
-        token buffer and current paged state; drafts go into the token buffer."""
+        token buffer and paged state (``mem``, default the current one); drafts go into
+        the token buffer."""
         dev = core.device
-        self.kv, dev.tokens = self.propose(
-            self.params, self.kv, dev.tokens, dev.state.mem, batch._replace(swap=None),
-            jnp.asarray(counts, jnp.int32), num_tokens=num_tokens, num_seqs=num_seqs,
-        )  # fmt: skip
+        mem = dev.state.mem if mem is None else mem
+
+        def propose(tokens: Any) -> tuple[Any, Any]:
+            kv, tokens = self.propose(
+                self.params, self.kv, tokens, mem, batch._replace(swap=None),
+                jnp.asarray(counts, jnp.int32), num_tokens=num_tokens, num_seqs=num_seqs,
+            )  # fmt: skip
+            return tokens, kv
+
+        self.kv = dev.with_tokens(propose)
 
     def apply_swaps(self, plan: Any, host: dict) -> None:
         """Mirror the step's swap copies (``LLMEngine._apply_swaps``) on the draft pool:

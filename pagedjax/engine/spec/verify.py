@@ -181,4 +181,14 @@ def sampled_offsets(counts: np.ndarray, num_seqs: int) -> np.ndarray:
     return np.cumsum(m) - m
 
 
-__all__ = ["SpecVerifier", "sampled_offsets", "sampled_rows"]
+def write_drafts(tokens: jax.Array, seq_ids: jax.Array, draft_pos: jax.Array,
+                 drafts: jax.Array) -> jax.Array:
+    """tokens' with each batch row's drafts (int32[S, K] in batch-row order, -1 = none)
+    at draft_pos + j (int32[S]); padding rows (seq_id -1) write nothing."""
+    n, k = drafts.shape
+    j = jnp.arange(k, dtype=jnp.int32)[None, :]
+    row = jnp.where((seq_ids[:, None] >= 0) & (drafts >= 0), seq_ids[:, None], tokens.shape[0])
+    return tokens.at[row, draft_pos[:, None] + j].set(drafts, mode="drop")
+
+
+__all__ = ["SpecVerifier", "sampled_offsets", "sampled_rows", "write_drafts"]
