@@ -11,7 +11,9 @@ Workloads, each rendered by the chat template:
   Alice text (the output copies the prompt: n-gram lookup's favourable case, like
   summarisation / extraction / code edits);
 - chat: the 20 eval questions (pagedjax/eval/chat.py).
-Methods (NAME or NAME@K, e.g. eagle@3: that method with k = K): none (the default
+Methods (NAME or NAME@K, e.g. eagle@3: that method with k = K; a "+sN" suffix, e.g.
+ngram+s8 or none+s8, runs it with num_scheduler_steps N, the fused N-step program,
+where the n-gram method drafts and verifies on device): none (the default
 engine: K-step decode loop), ngram ({"method": "ngram",
 "num_speculative_tokens": k, "prompt_lookup_max": 4}), draft ({"method": "draft_model",
 "model": "self", "draft_num_layers": N}: the model's own first N layers), eagle
@@ -100,9 +102,17 @@ def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int, tag: str,
                 stats=eng.stats())  # fmt: skip
 
 
+def scheduler_steps(method: str) -> int | str:
+    """num_scheduler_steps of a method: "...+sN" runs the fused N-step program (e.g.
+    ngram+s8: n-gram drafts planned, scheduled and verified inside it); default "auto"."""
+    _, _, steps = method.partition("+s")
+    return int(steps) if steps else "auto"
+
+
 def method_config(configs: dict, method: str) -> dict | None:
-    """configs[method]; "NAME@K" is NAME with num_speculative_tokens K (e.g. eagle@3)."""
-    name, _, k = method.partition("@")
+    """configs[method]; "NAME@K" is NAME with num_speculative_tokens K (e.g. eagle@3);
+    a "+sN" suffix is ``scheduler_steps``'."""
+    name, _, k = method.split("+s")[0].partition("@")
     if name not in configs:
         raise SystemExit(f"unknown method {name!r}; known: {sorted(configs)} (NAME or NAME@K)")
     cfg = configs[name]
@@ -143,7 +153,8 @@ def main() -> None:
     llms = {
         m: LLM(model=MODEL, max_model_len=1024, max_num_seqs=max(a.batch_sizes),
                max_num_batched_tokens=1024, kv_cache_memory_bytes=1 << 30,
-               warmup="none", speculative_config=method_config(configs, m))
+               warmup="none", speculative_config=method_config(configs, m),
+               num_scheduler_steps=scheduler_steps(m))
         for m in a.methods
     }  # fmt: skip
     rows = []
@@ -179,6 +190,7 @@ def main() -> None:
                     round_ratios=[round(x, 2) for x in per_round],
                     acceptance=round(s.get("spec_acceptance_rate", 0.0), 3),
                     mean_accepted_len=round(s.get("spec_mean_accepted_length", 0.0), 2),
+                    fused_steps=s.get("spec_fused_steps", 0),
                     same_as_none=r["outputs"] == ref["outputs"], tokens=r["tokens"],
                     load=round(os.getloadavg()[0], 1),
                 )  # fmt: skip
