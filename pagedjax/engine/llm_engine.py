@@ -112,7 +112,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's"
                              f" max_position_embeddings={arch.max_position_embeddings}")
         self.block_size = cc.block_size
-        self.max_num_seqs = self.max_seqs = sc.max_num_seqs  # slots; the queue waits on the host
+        self.max_seqs = sc.max_num_seqs  # slots (vLLM's max_num_seqs); the queue waits on the host
         max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         backend = select_attention_backend(config.attention_backend)
         log.info("attention backend: %s (%s)", backend.name, backend.reason)
@@ -122,7 +122,7 @@ class LLMEngine:
         self.max_logprobs, self.max_blocks_per_seq = max_logprobs, max_blocks_per_seq
         budget = sc.max_num_batched_tokens
         self.token_buckets = step_buckets(budget, smallest=min(16, budget))
-        self.seq_buckets = seq_buckets_for(self.token_buckets, self.max_num_seqs)  # S from T
+        self.seq_buckets = seq_buckets_for(self.token_buckets, self.max_seqs)  # S from T
         draft, kv_per_token = load_draft(config.speculative, config.model.model, arch, tokenizer,
                                          self.kv_spec, self.max_model_len, config.model.seed)
         self.num_blocks = num_kv_blocks(  # per device: its share of each block
@@ -135,7 +135,7 @@ class LLMEngine:
             device=place.device,
             profile=functools.partial(
                 profile_forward, arch, params, self.kv_spec, self.block_size, budget,
-                self.max_num_seqs, max_blocks_per_seq,
+                self.max_seqs, max_blocks_per_seq,
             ),
         )
         self.num_host_blocks = num_host_blocks(
@@ -152,7 +152,7 @@ class LLMEngine:
         self.enable_prefix_caching = cc.enable_prefix_caching
         self.sched_config = SchedulerConfig(
             max_seqs=self.max_seqs, max_num_batched_tokens=budget,
-            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+            max_num_seqs=self.max_seqs, max_model_len=self.max_model_len,
             mode=sc.scheduling_mode, priority=sc.policy, preemption_mode=sc.preemption_mode,
         )  # fmt: skip
         log.info("%s", self.kv_spec.describe(self.num_blocks, self.block_size))
@@ -171,7 +171,7 @@ class LLMEngine:
             params=params, runner=self.runner, device=device_state,
             book=RequestBook(self.max_seqs, eos), prefix_index=PrefixIndex(),
             block_size=self.block_size, max_seqs=self.max_seqs, max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs, kv_calibration=self.kv_spec.calibrator(),
+            kv_calibration=self.kv_spec.calibrator(),
             max_blocks_per_seq=max_blocks_per_seq, token_buckets=self.token_buckets,
             seq_buckets=self.seq_buckets, enable_prefix_caching=self.enable_prefix_caching,
         )  # fmt: skip
@@ -256,8 +256,6 @@ class LLMEngine:
                     book.release_slot(seq)
         if mask.any():
             self.core.device.abort(np.arange(self.max_seqs, dtype=np.int32), mask)
-
-    abort = abort_request
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.core.book.requests)

@@ -367,7 +367,7 @@ class MultiStepDecoder:
     def _dispatch(self, core: EngineCore) -> _Pending:
         dev = core.device
         owners = dict(core.book.slot_owner)
-        s_b = pick(loop_buckets(core.seq_buckets), min(len(owners), core.max_num_seqs))
+        s_b = pick(loop_buckets(core.seq_buckets), min(len(owners), core.max_seqs))
         sampling = dev.sampling()
         t0 = time.perf_counter()
         dev.state, dev.kv, dev.tokens, out = self.loop(
