@@ -305,7 +305,7 @@ def test_beam_preempted_by_recompute_aborts_group(setup, monkeypatch):
 
     _, llm, _ = setup
     engine = llm.llm_engine
-    cfg = dataclasses.replace(engine.sched_config, preemption_mode="recompute")
+    cfg = dataclasses.replace(engine.sched_limits, preemption_mode="recompute")
     monkeypatch.setattr(
         engine.device, "schedule_fn", jax.jit(functools.partial(schedule, engine.policy, cfg))
     )

@@ -49,7 +49,7 @@ from pagedjax.scheduler import (
 class DeviceState:
     """Device arrays of one engine and the jitted functions over them.
 
-    policy, sched_config: the memory policy and scheduler config the state follows.
+    policy, sched_limits: the memory policy and the jitted scheduler's ``SchedulerLimits``.
     kv: the allocated pool. max_model_len: the token buffer's width. num_host_blocks:
     swap pool size (0: none).
     """
@@ -57,13 +57,13 @@ class DeviceState:
     def __init__(
         self,
         policy: Any,
-        sched_config: Any,
+        sched_limits: Any,
         kv: Any,
         *,
         max_model_len: int,
         num_host_blocks: int,
     ):
-        n = sched_config.max_seqs
+        n = sched_limits.max_seqs
         self.max_seqs = n
         self.block_size = bs = policy.block_size
         self.state = init_state(policy, n)
@@ -73,7 +73,7 @@ class DeviceState:
             lambda p: np.zeros((p.shape[0], num_host_blocks + 1, *p.shape[2:]), p.dtype), kv
         )
         # Public: experiments wrap it to record each step's batch (real_serving.py).
-        self.schedule_partial = functools.partial(schedule, policy, sched_config)
+        self.schedule_partial = functools.partial(schedule, policy, sched_limits)
         self.schedule_fn = self._schedule_jit = jax.jit(self.schedule_partial)
         # ``schedule_fn`` compiled and loaded from the program store by the warm-up (no
         # tracing at a warm start: the scheduler is the largest trace after the steps);
@@ -82,7 +82,7 @@ class DeviceState:
         # A partial of its own: jit shares one cache between wrappers of the same function,
         # and stats()["compilations"] counts this engine's entries only.
         self._add = jax.jit(functools.partial(add_requests))
-        self._post = jitted_update(policy, sched_config)
+        self._post = jitted_update(policy, sched_limits)
         self._abort = jax.jit(
             lambda s, ids, m: recycle(abort(policy, s, ids, m), ids, m), donate_argnums=(0,)
         )

@@ -70,7 +70,7 @@ from pagedjax.memory.prefix_cache import PrefixIndex
 from pagedjax.model import ModelArch, compute_dtype
 from pagedjax.sampling import BeamSearchParams, SamplingParams
 from pagedjax.sampling.params import MAX_SEED
-from pagedjax.scheduler import REASON_CAPACITY, REASON_TOO_LONG, ScheduledBatch, SchedulerConfig
+from pagedjax.scheduler import REASON_CAPACITY, REASON_TOO_LONG, ScheduledBatch, SchedulerLimits
 from pagedjax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -150,14 +150,14 @@ class LLMEngine:
             num_host_blocks=self.num_host_blocks,
         )  # fmt: skip
         self.enable_prefix_caching = cc.enable_prefix_caching
-        self.sched_config = SchedulerConfig(
+        self.sched_limits = SchedulerLimits(
             max_seqs=self.max_seqs, max_num_batched_tokens=budget,
             max_num_seqs=self.max_seqs, max_model_len=self.max_model_len,
             mode=sc.scheduling_mode, priority=sc.policy, preemption_mode=sc.preemption_mode,
         )  # fmt: skip
         log.info("%s", self.kv_spec.describe(self.num_blocks, self.block_size))
         kv = place.allocate_kv(self.kv_spec, self.num_blocks, self.block_size, kv_fill_value)
-        device_state = DeviceState(self.policy, self.sched_config, kv,
+        device_state = DeviceState(self.policy, self.sched_limits, kv,
                                    max_model_len=self.max_model_len,
                                    num_host_blocks=self.num_host_blocks)  # fmt: skip
         place.place_state(device_state)
@@ -165,7 +165,7 @@ class LLMEngine:
                                            max_logprobs, self.policy, draft, place.size == 1)
         k = resolve_num_steps(sc.num_multi_steps, place.device.platform)  # multi_step.py
         num_steps = 1 if self.speculator else k  # K = 1: the one-step path (speculation)
-        self.multi_step = MultiStepDecoder(self.runner, self.policy, self.sched_config, num_steps)
+        self.multi_step = MultiStepDecoder(self.runner, self.policy, self.sched_limits, num_steps)
         eos = {i for i in (*arch.eos_token_ids, tokenizer.eos_token_id) if i is not None}
         self.core = EngineCore(
             params=params, runner=self.runner, device=device_state,
@@ -270,7 +270,7 @@ class LLMEngine:
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         """ValueError if a request of these ids and params can never run here."""
         check_request(
-            ids, params, sched_config=self.sched_config, max_model_len=self.max_model_len,
+            ids, params, sched_limits=self.sched_limits, max_model_len=self.max_model_len,
             num_blocks=self.num_blocks, block_size=self.block_size,
             watermark_blocks=self.policy.watermark_blocks, max_logprobs=self.max_logprobs,
             vocab_size=self.arch.vocab_size,

@@ -15,9 +15,9 @@ from pagedjax.config import (
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    SchedulerConfig,
     SpeculativeConfig,
 )
-from pagedjax.config import SchedulerConfig as EngineSchedulerConfig
 from pagedjax.engine.beams import BeamSearchOutput, beam_search
 from pagedjax.engine.fronts.data_parallel import DataParallelEngine
 from pagedjax.engine.fronts.multihost import MultiHostEngine
@@ -134,7 +134,7 @@ class LLM:
                 cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
                 kv_scales=kv_scales,  # type: ignore[arg-type]
             ),
-            scheduler=EngineSchedulerConfig(
+            scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
                 scheduling_mode=scheduling_mode,  # type: ignore[arg-type]

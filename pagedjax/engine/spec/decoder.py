@@ -258,7 +258,7 @@ class SpeculativeDecoder:
         limit = self.config.disable_by_batch_size
         if limit is not None and num_seqs >= limit:
             return counts, drafts
-        budget = engine.sched_config.max_num_batched_tokens - int(host["num_tokens"])
+        budget = engine.sched_limits.max_num_batched_tokens - int(host["num_tokens"])
         if budget <= 0:
             return counts, drafts
         free, lengths = jax.device_get((core.device.state.mem.pool.num_free,
