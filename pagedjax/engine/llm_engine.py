@@ -31,13 +31,14 @@ blocks, and back into fresh device blocks when it is swapped in.
 State (docs/architecture.md): device arrays in ``DeviceState`` (``device_state.py``),
 host bookkeeping in ``RequestBook`` (``request_book.py``), both in one ``EngineCore``
 (``core.py``) that the decode loop, warm-up and beam search share through public
-methods; ``state``, ``kv``, ``tokens`` and ``params`` here are views of the core's.
+methods; ``state``, ``kv``, ``book`` and ``params`` here are views of the core's.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -64,6 +65,7 @@ from pagedjax.engine.prompts import check_request, record_prompt_logprobs, token
 from pagedjax.engine.request_book import RequestBook
 from pagedjax.engine.sequence import RequestState, SequenceState
 from pagedjax.engine.spec.decoder import build_speculator, check_buildable, load_draft
+from pagedjax.engine.step_record import StepObserver, notify
 from pagedjax.engine.warmup import warm_up
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.prefix_cache import PrefixIndex
@@ -104,7 +106,6 @@ class LLMEngine:
         self.arch, self.tokenizer, self.config = arch, tokenizer, config
         dtype = compute_dtype(params)  # not a quantized weight's int codes
         self.kv_spec = KVCacheSpec.resolve(arch, dtype, cc.cache_dtype, kv_dtype, cc.kv_scales)
-        self.kv_dtype = self.kv_spec.dtype  # what the values are (int8 / fp8: kv_cache_spec.py)
         self.placement = place = DevicePlacement(arch, par.tensor_parallel_size, devices)
         params = place.params(params, self.kv_spec)  # refuses what is not sharded yet
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
@@ -176,6 +177,7 @@ class LLMEngine:
             seq_buckets=self.seq_buckets, enable_prefix_caching=self.enable_prefix_caching,
         )  # fmt: skip
         self.reset_stats()
+        self.step_observers: list[StepObserver] = []  # add_step_observer
         self._rng = np.random.default_rng(config.model.seed)
         self.num_preemptions = 0
         # Start-up compilation, counted (programs, and how many came from the cache).
@@ -196,12 +198,8 @@ class LLMEngine:
     # Views of the core's state (core.py): one copy of each, the old names kept.
     params = CoreView("params", "The model parameters (replaceable between steps).")
     book = CoreView("book", "Host bookkeeping: requests, queue, slot owners (RequestBook).")
-    device = CoreView("device", "Device arrays and their jitted functions (DeviceState).")
     state = CoreView("device.state", "The scheduler state (pool, tables, lengths) on device.")
     kv = CoreView("device.kv", "(k, v) KV pool, each [layers, blocks, kv heads, block, dim].")
-    tokens = CoreView("device.tokens", "int32[max_seqs, max_model_len] ids per slot.")
-    host_kv = CoreView("device.host_kv", "The host swap pool (numpy, like kv).")
-    prefix_index = CoreView("prefix_index", "The prefix cache's host hint (PrefixIndex).")
     num_steps = CoreView("num_steps", "Engine iterations run so far.")
 
     # ------------------------------------------------------------------ requests
@@ -282,15 +280,19 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
 
+    def add_step_observer(self, fn: StepObserver) -> None:
+        """fn(StepRecord) after each iteration, the K-step loop's too (step_record.py)."""
+        self.step_observers.append(fn)
+
     def step(self) -> list[RequestOutput]:
         """One iteration; returns the requests that got a token or finished (cumulative)."""
-        core, dev, book = self.core, self.core.device, self.core.book
+        core, dev, book, t0 = self.core, self.core.device, self.core.book, time.perf_counter()
         self.assign_slots()
         if not book.slot_owner:
             return []
         outputs = self.multi_step.step(core)  # None: a host event needs the one-step path
-        if outputs is not None:
-            return outputs
+        if outputs is not None:  # observers see each iteration it ran (step_record.py)
+            return notify(self.step_observers, t0, outputs, self.multi_step.last_loop)
         batch = dev.schedule()
         host = jax.device_get(
             dict(
@@ -339,7 +341,7 @@ class LLMEngine:
         for o in outputs:
             if o.finished:
                 book.retire(o.request_id)
-        return outputs
+        return notify(self.step_observers, t0, outputs, host)
 
     def _run(
         self,
@@ -462,8 +464,8 @@ class LLMEngine:
         self.num_preemptions_swap = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
-        self.prefix_index.queries = self.prefix_index.hit_blocks = 0
-        self.prefix_index.query_blocks = 0
+        self.core.prefix_index.queries = self.core.prefix_index.hit_blocks = 0
+        self.core.prefix_index.query_blocks = 0
 
     def stats(self) -> dict[str, float | int]:
         """Sharing metrics since the last ``reset_stats`` (docs/engine.md):

@@ -294,6 +294,7 @@ class MultiStepDecoder:
         self._noted: dict[int, Any] = {}  # id -> the SequenceState (kept alive)
         self._inflight: _Pending | None = None  # a loop dispatched, not yet read
         self.last_loop_seconds = 0.0  # wall time of the last dispatch + transfer
+        self.last_loop: tuple[Any, Any, int] | None = None  # seq_ids, start_pos, iterations
 
     def _traced(self, *args: Any, num_seqs: int) -> Any:
         self.trace_count[num_seqs] = self.trace_count.get(num_seqs, 0) + 1  # trace time only
@@ -400,6 +401,7 @@ class MultiStepDecoder:
             return None
         self.stats.loops += 1
         self.stats.iterations += n_it
+        self.last_loop = (got.seq_ids, got.start_pos, n_it)  # step observers (step_record.py)
         reason = EXIT_NAMES[code]
         self.stats.exits[reason] = self.stats.exits.get(reason, 0) + 1
         return self._emit(core, pending.owners, got, n_it, pending.want_top)
