@@ -99,7 +99,7 @@ def roofline_seconds(engine: LLMEngine, num_seqs: int, prompt_len: int, output_l
     """(seconds, weight bytes, mean KV bytes) of one decode iteration at ``bandwidth``."""
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))
     mean_context = prompt_len + (output_len + 1) / 2  # positions read, averaged over the phase
-    kv_bytes = int(num_seqs * mean_context * engine.arch.kv_bytes_per_token(engine.kv_dtype))
+    kv_bytes = int(num_seqs * mean_context * engine.arch.kv_bytes_per_token(engine.kv_spec.dtype))
     return (weight_bytes + kv_bytes) / bandwidth, weight_bytes, kv_bytes
 
 

@@ -19,7 +19,7 @@ import jax
 
 from pagedjax.machine import cpu_model
 from pagedjax.memory.paged_policy import PagedPolicy
-from pagedjax.scheduler import SchedulerConfig
+from pagedjax.scheduler import SchedulerLimits
 from pagedjax.scheduler.bench import bench
 
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> dict[int, tuple[float, float]]:
     out = {}
     for n in args.seqs:
         policy = PagedPolicy(n * 24 + 1, bs, n, 128, 0.01)
-        cfg = SchedulerConfig(
+        cfg = SchedulerLimits(
             n, max_num_batched_tokens=max(2560, n * 100), max_num_seqs=n, max_model_len=128 * bs
         )
         per_dispatch, per_loop, _ = bench(policy, cfg, n, args.steps)

@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.config import ServerSettings  # noqa: E402
-from pagedjax.scheduler import SchedulerConfig  # noqa: E402
+from pagedjax.scheduler import SchedulerLimits  # noqa: E402
 from pagedjax.simulator import systems  # noqa: E402
 from pagedjax.simulator.simulate import (  # noqa: E402
     SimResult,
@@ -52,8 +52,8 @@ def build_system(
     server: ServerSettings,
     block_size: int | None = None,
     swap_space_gib: float | None = None,
-) -> tuple[Any, SchedulerConfig]:
-    """The (memory policy, scheduler config) of a named system on ``server``
+) -> tuple[Any, SchedulerLimits]:
+    """The (memory policy, SchedulerLimits) of a named system on ``server``
     (``pagedjax.simulator.systems.build_system``, which documents the systems)."""
     return systems.build_system(
         system,

@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import jax
 import numpy as np
 
 from experiments.config import EngineSettings
+from pagedjax.engine.step_record import StepRecord
 from pagedjax.workloads import Workload
 
 
@@ -97,14 +97,12 @@ def serve(
 
     eng = llm.llm_engine
     steps: list[tuple[float, float, float, float]] = []
-    orig = eng.device.schedule_fn
+    pending: list[tuple] = []
 
-    def recording(state):  # wrap: record the batch's work, keep the engine unchanged
-        st, b = orig(state)
-        q, start, ids = jax.device_get((b.q_lens, b.start_pos, b.seq_ids))
-        row = ids >= 0
-        dec = row & (q == 1) & (start > 0)
-        pre = row & ~dec
+    def record(rec: StepRecord) -> None:  # the engine's step observer: the batch's work
+        q, start = rec.q_lens, rec.start_pos
+        dec = (q == 1) & (start > 0)
+        pre = ~dec
         pending.append(
             (
                 float(q[pre].sum()),
@@ -113,17 +111,14 @@ def serve(
                 float((q[pre] * (q[pre] + 1) / 2 + q[pre] * start[pre]).sum()),
             )
         )
-        return st, b
 
-    pending: list[tuple] = []
-    eng.device.schedule_fn = recording
+    eng.add_step_observer(record)
     rng = np.random.default_rng(seed)
     n = len(w)
     first = np.full(n, np.nan)
     done = np.full(n, np.nan)
     out_len = np.zeros(n, np.int32)
     nxt = 0
-    # Read as attributes: stats() would ask the wrapped schedule_fn for its jit cache size.
     kinds = ("num_preemptions_recompute", "num_preemptions_swap")
     pre0 = sum(getattr(eng, k) for k in kinds)
     t0 = time.perf_counter()
@@ -154,11 +149,12 @@ def serve(
                     done[i] = te - t0
                     out_len[i] = len(o.outputs[0].token_ids)
             # The iteration from admitting arrivals to handling outputs: the host work a
-            # serving loop does around each step is part of what the simulator must charge.
-            if pending:
-                steps.append((*pending[-1], time.perf_counter() - ts))
+            # serving loop does around each step is part of what the simulator must charge
+            # (a K-step loop's iterations share it evenly).
+            took = time.perf_counter() - ts
+            steps.extend((*feats, took / len(pending)) for feats in pending)
     finally:
-        eng.device.schedule_fn = orig
+        eng.step_observers.remove(record)
     return {
         "first": first,
         "finish": done,

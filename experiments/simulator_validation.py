@@ -7,7 +7,7 @@ in sample and out of sample.
    (``real_serving.warm_up``), so the timed steps are warm (``steps_over_1s`` checks it).
 2. Fit ``FittedCostModel`` (t = a + b prefill + c decode + d kv + e pairs, every
    coefficient >= 0) to the steps of the fit workload only.
-3. Simulate every workload's traces with the engine's own policy and scheduler config,
+3. Simulate every workload's traces with the engine's own policy and scheduler limits,
    step time from that profile, and compare per rate. The error of a rate is the worse of
    |sim - real| / real for mean normalized latency and for output throughput; a
    workload's error is its worst rate. The fit workload's error is in sample (a check of
@@ -96,9 +96,9 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
         return {"status": f"not available: {type(e).__name__}: {e}"}
     llm = shared["llm"]
     eng = llm.llm_engine
-    # The engine's own memory policy and scheduler config: the simulator then makes the
+    # The engine's own memory policy and scheduler limits: the simulator then makes the
     # same decisions; only the step time comes from the fitted profile.
-    policy, scfg = eng.policy, eng.sched_config
+    policy, scfg = eng.policy, eng.sched_limits
     names = [v.fit_workload, *v.held_out]
     rates = {n: list(s.rates) for n in names}
     for n in v.held_out:

@@ -132,7 +132,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Iteration-level scheduling.
+    """Iteration-level scheduling (the user-facing settings; the engine derives the jitted
+    scheduler's static ``pagedjax.scheduler.SchedulerLimits`` from them).
 
     scheduling_mode: ``default`` (token budget, chunked prefill), ``paper`` (the 2023
         vLLM rules: no chunking, FCFS, 1% watermark) or ``static`` (request-level

@@ -291,24 +291,18 @@ def test_bad_input_raises_clearly(setup):
     _assert_idle(engine)
 
 
-def test_beam_preempted_by_recompute_aborts_group(setup, monkeypatch):
+def test_beam_preempted_by_recompute_aborts_group(setup, request):
     """Under preemption_mode="recompute" a preempted group's beams come back one at a
     time: the group falls out of step and is aborted with a clear error, and the other
     requests still finish. (The engine's schedule is re-jitted with that mode: the model
     programs stay compiled.)"""
     import dataclasses
-    import functools
-
-    import jax
-
-    from pagedjax.scheduler import schedule
 
     _, llm, _ = setup
     engine = llm.llm_engine
-    cfg = dataclasses.replace(engine.sched_config, preemption_mode="recompute")
-    monkeypatch.setattr(
-        engine.device, "schedule_fn", jax.jit(functools.partial(schedule, engine.policy, cfg))
-    )
+    cfg = dataclasses.replace(engine.sched_limits, preemption_mode="recompute")
+    engine.core.device.use_schedule_limits(cfg)
+    request.addfinalizer(lambda: engine.core.device.use_schedule_limits(None))  # module-wide
     rng = np.random.default_rng(5)
     for i in range(3):  # 3 x 64 tokens = 48 of the 63 blocks
         hog = rng.integers(3, VOCAB, size=20).tolist()

@@ -241,7 +241,7 @@ def test_step_compiles_once_per_bucket():
     assert counts and all(v == 1 for v in counts.values()), counts
     assert all(k[0] in engine.token_buckets and k[1] in engine.seq_buckets for k in counts)
     assert engine.runner.step._cache_size() == len(counts)
-    assert engine.device.schedule_fn._cache_size() == 1
+    assert engine.core.device.jits()["schedule"]._cache_size() == 1
     _assert_idle(engine)
 
 
@@ -266,7 +266,7 @@ def test_warmup_compiles_the_executable_real_steps_use():
 def test_kv_pool_is_donated_to_the_step():
     engine = _engine()
     old = jax.tree.leaves(engine.kv)
-    old_tokens = engine.tokens
+    old_tokens = engine.core.device.tokens
     engine.add_request("d", [4, 5, 6], _greedy(2))
     engine.step()
     assert all(x.is_deleted() for x in old) and old_tokens.is_deleted()
@@ -282,10 +282,10 @@ def test_step_aliases_the_pool_without_a_pool_sized_copy():
     pages = (4096, ARCH.num_kv_heads, BLOCK, ARCH.head_dim)
     kv = (jax.ShapeDtypeStruct((ARCH.num_layers, *pages), jnp.float32),) * 2
     pool_bytes = 2 * ARCH.num_layers * int(np.prod(pages)) * 4
-    state, batch = engine.device.preview_schedule()
-    sampling = engine.device.sampling()
+    state, batch = engine.core.device.preview_schedule()
+    sampling = engine.core.device.sampling()
     compiled = runner.step.lower(
-        engine.params, kv, engine.tokens, state.mem, batch, sampling,
+        engine.params, kv, engine.core.device.tokens, state.mem, batch, sampling,
         state.prompt_len, state.output_len, num_tokens=16, num_seqs=4,
     ).compile()  # fmt: skip
     mem = compiled.memory_analysis()

@@ -291,7 +291,7 @@ def test_block_copy_moves_scales_with_values():
 )
 def test_layer_loop_never_copies_an_8bit_pool_or_a_layer_of_it(fmt_name, backend):
     """As tests/test_layer_loop.py for the float pool: the 8-bit values and the int8 scales
-    are carried through the layer scan and updated in place, no pool-sized copy and no
+    are carried through the layer loop and updated in place, no pool-sized copy and no
     array of one layer's page shape (of any dtype) in the optimized HLO."""
     import dataclasses
     import re

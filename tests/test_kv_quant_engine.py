@@ -108,7 +108,7 @@ def test_swap_carries_8bit_blocks_and_scales(cache_dtype):
         status0 = np.asarray(engine.state.status)
         tables0 = np.asarray(engine.state.mem.tables.tables)
         dev0 = [np.array(x) for x in jax.tree.leaves(engine.kv)]
-        host0 = [np.array(x) for x in jax.tree.leaves(engine.host_kv)]
+        host0 = [np.array(x) for x in jax.tree.leaves(engine.core.device.host_kv)]
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = [c.token_ids for c in o.outputs]
@@ -119,7 +119,8 @@ def test_swap_carries_8bit_blocks_and_scales(cache_dtype):
                 pairs = [(d, h) for d, h in zip(tables0[slot], tables1[slot], strict=True)
                          if d > 0 and h > 0]  # fmt: skip
                 for d, h in pairs:
-                    for dev, host in zip(dev0, jax.tree.leaves(engine.host_kv), strict=True):
+                    host_kv = jax.tree.leaves(engine.core.device.host_kv)
+                    for dev, host in zip(dev0, host_kv, strict=True):
                         np.testing.assert_array_equal(host[:, h], dev[:, d])
                 outs += len(pairs)
             if status0[slot] == SWAPPED and status1[slot] == RUNNING:  # swapped in
@@ -172,7 +173,7 @@ def test_calibrate_sets_fp8_scales_from_the_first_prompts():
     k, v = engine.kv
     np.testing.assert_allclose(np.asarray(k.layer_scale), k_amax / 448, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(v.layer_scale), v_amax / 448, rtol=1e-6)
-    assert engine.host_kv[0].layer_scale == k.layer_scale  # the swap pool agrees
+    assert engine.core.device.host_kv[0].layer_scale == k.layer_scale  # the swap pool agrees
     before = (k.layer_scale, v.layer_scale)
     out = _alone(engine, PROMPT_A[:5], SHORT)
     assert (engine.kv[0].layer_scale, engine.kv[1].layer_scale) == before and len(out[0]) == 4

@@ -1,4 +1,4 @@
-"""The layer loop: decoder layers under one ``lax.scan`` over the stacked KV pool.
+"""The layer loop: decoder layers under one ``fori_loop`` over the stacked KV pool.
 
 The compiled step must (a) hold one layer body whatever the depth, so its program does not
 grow with the number of layers, and (b) never materialize the pool or one layer of it: the

@@ -285,7 +285,7 @@ def test_host_overhead_benchmark_tiny():
     # 4 + 13 / 2 = 10.5 tokens, at 1 GB/s.
     seconds, wbytes, kvbytes = roofline_seconds(engine, 2, 4, 12, 1e9)
     assert wbytes == sum(x.nbytes for x in jax.tree.leaves(engine.params))
-    assert kvbytes == int(2 * 10.5 * engine.arch.kv_bytes_per_token(engine.kv_dtype))
+    assert kvbytes == int(2 * 10.5 * engine.arch.kv_bytes_per_token(engine.kv_spec.dtype))
     assert seconds == pytest.approx((wbytes + kvbytes) / 1e9)
     assert copy_bandwidth(1 << 20, repeats=2) > 1e8  # any machine copies 100 MB/s
     _assert_idle(engine)
@@ -317,4 +317,37 @@ def test_loop_runs_while_a_request_waits_in_a_slot_for_memory():
     assert engine.multi_step.stats.iterations - it0 >= 4  # A decoded in loops meanwhile
     done.update(_drain(engine, {}))
     _same(ref, done)
+    _assert_idle(engine)
+
+
+def test_step_observer_sees_every_iteration_fused_or_not():
+    """``LLMEngine.add_step_observer``: one ``StepRecord`` per engine iteration, the K-step
+    loop's iterations included; with the loop on, the batches are those of K = 1 (the same
+    rows, token counts and positions), some of them marked fused."""
+    engine = _engine(False)  # no prefix cache: the second run schedules as the first
+    rng = np.random.default_rng(3)
+    arrivals = {0: [("o0", _prompt(rng, 6), _greedy(12)), ("o1", _prompt(rng, 11), _greedy(12))]}
+
+    def observe(multi: bool) -> list:
+        records: list = []
+        observer = records.append
+        engine.add_step_observer(observer)
+        steps0 = engine.num_steps
+        try:
+            _run(engine, multi, arrivals, set())
+        finally:
+            engine.step_observers.remove(observer)
+        assert len(records) == engine.num_steps - steps0  # every iteration, once
+        return records
+
+    one, many = observe(False), observe(True)
+    assert not any(r.fused for r in one) and any(r.fused for r in many)
+
+    def batch(r) -> tuple:
+        assert len(r.seq_ids) == len(r.q_lens) == len(r.start_pos) == r.num_seqs
+        assert int(r.q_lens.sum()) == r.num_tokens and r.wall_s > 0
+        return r.num_tokens, sorted(zip(r.q_lens.tolist(), r.start_pos.tolist(), strict=True))
+
+    assert [batch(r) for r in one] == [batch(r) for r in many]
+    assert sum(r.num_tokens for r in one) == 6 + 11 + 2 * (12 - 1)  # prompts, then decodes
     _assert_idle(engine)

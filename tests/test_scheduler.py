@@ -17,7 +17,7 @@ from pagedjax.scheduler import (
     REASON_TOO_LONG,
     RUNNING,
     WAITING,
-    SchedulerConfig,
+    SchedulerLimits,
     abort,
     add_requests,
     init_state,
@@ -30,7 +30,7 @@ from pagedjax.scheduler.counting_policy import CountingPolicy
 N = 4
 # Shared (policy, config) pairs: each distinct pair costs a compilation.
 P64 = CountingPolicy(N, 64, unit=4)  # 16 units
-B4 = SchedulerConfig(N, max_num_batched_tokens=4, max_num_seqs=N, max_model_len=32)
+B4 = SchedulerLimits(N, max_num_batched_tokens=4, max_num_seqs=N, max_model_len=32)
 _schedule = jax.jit(schedule, static_argnums=(0, 1))
 _update = jax.jit(update, static_argnums=(0, 1))
 
@@ -65,18 +65,18 @@ def _free(state) -> int:
 
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):
-        SchedulerConfig(4, max_num_seqs=5)
+        SchedulerLimits(4, max_num_seqs=5)
     with pytest.raises(ValueError, match="mode"):
-        SchedulerConfig(4, max_num_seqs=4, mode="fast")
+        SchedulerLimits(4, max_num_seqs=4, mode="fast")
     with pytest.raises(ValueError, match="priority"):
-        SchedulerConfig(4, max_num_seqs=4, priority="random")
+        SchedulerLimits(4, max_num_seqs=4, priority="random")
     with pytest.raises(ValueError, match="paper mode is FCFS"):
-        SchedulerConfig(4, max_num_seqs=4, mode="paper", priority="shortest_remaining")
+        SchedulerLimits(4, max_num_seqs=4, mode="paper", priority="shortest_remaining")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        SchedulerConfig(4, max_num_batched_tokens=0, max_num_seqs=4)
+        SchedulerLimits(4, max_num_batched_tokens=0, max_num_seqs=4)
     with pytest.raises(ValueError, match="static_batch_size"):
-        SchedulerConfig(4, max_num_seqs=4, mode="static", static_batch_size=5)
-    cfg = SchedulerConfig.paper(max_seqs=300)
+        SchedulerLimits(4, max_num_seqs=4, mode="static", static_batch_size=5)
+    cfg = SchedulerLimits.paper(max_seqs=300)
     assert (cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.mode) == (2560, 256, "paper")
     assert cfg.prompt_limit == 2048
 
@@ -94,7 +94,7 @@ def test_input_validation() -> None:
         )
     with pytest.raises(ValueError, match="policy.max_seqs"):
         init_state(CountingPolicy(3, 64), N)
-    cfg = SchedulerConfig(N, 8, max_num_seqs=N, max_model_len=32)
+    cfg = SchedulerLimits(N, 8, max_num_seqs=N, max_model_len=32)
     with pytest.raises(ValueError, match="finished_mask"):
         update(policy, cfg, state, schedule(policy, cfg, state)[1], jnp.zeros(3, bool))
 
@@ -130,7 +130,7 @@ def test_decodes_first_then_prompt_chunk_in_one_batch() -> None:
 
 def test_paper_mode_rejects_prompts_over_the_budget_and_does_not_chunk() -> None:
     policy = CountingPolicy(N, 64, unit=4)
-    cfg = SchedulerConfig(N, 8, max_num_seqs=N, max_model_len=32, mode="paper")
+    cfg = SchedulerLimits(N, 8, max_num_seqs=N, max_model_len=32, mode="paper")
     state = _add(init_state(policy, N), [(0, 10, 4, 0), (1, 6, 4, 1), (2, 5, 4, 2)])
     state, rows, b = _step(policy, cfg, state)
     # 10 > budget: rejected. 6 fits; 6 + 5 does not: strict FCFS stops there (no chunk).
@@ -145,7 +145,7 @@ def test_paper_mode_rejects_prompts_over_the_budget_and_does_not_chunk() -> None
 def test_preempt_latest_by_recompute_and_return_to_front() -> None:
     # 4 units of 4 tokens. A and B (8 tokens each) fill the pool.
     policy = CountingPolicy(N, 16, unit=4)
-    cfg = SchedulerConfig(N, 64, max_num_seqs=N, max_model_len=32)
+    cfg = SchedulerLimits(N, 64, max_num_seqs=N, max_model_len=32)
     state = _add(init_state(policy, N), [(0, 8, 3, 0), (1, 8, 3, 1)])
     state, rows, _ = _step(policy, cfg, state)
     assert rows == [(0, 8, 0, True), (1, 8, 0, True)] and _free(state) == 0
@@ -165,13 +165,13 @@ def test_preempt_latest_by_recompute_and_return_to_front() -> None:
 
 def test_requests_that_can_never_fit_are_rejected_not_hung() -> None:
     policy = CountingPolicy(N, 8, unit=4)
-    paper = SchedulerConfig(N, 16, max_num_seqs=N, max_model_len=32, mode="paper")
+    paper = SchedulerLimits(N, 16, max_num_seqs=N, max_model_len=32, mode="paper")
     state = _add(init_state(policy, N), [(0, 12, 2, 0)])
     state, rows, b = _step(policy, paper, state)
     assert rows == [] and bool(b.rejected[0])
     assert int(state.finish_reason[0]) == REASON_CAPACITY
     # Chunked: admitted chunk by chunk, then fails alone and is rejected.
-    chunked = SchedulerConfig(N, 4, max_num_seqs=N, max_model_len=32)
+    chunked = SchedulerLimits(N, 4, max_num_seqs=N, max_model_len=32)
     state = _add(init_state(policy, N), [(0, 12, 2, 0)])
     for _ in range(3):
         state, rows, b = _step(policy, chunked, state)
@@ -181,7 +181,7 @@ def test_requests_that_can_never_fit_are_rejected_not_hung() -> None:
 
 def test_static_mode_admits_only_when_the_batch_is_done() -> None:
     policy = CountingPolicy(N, 64, unit=4)
-    cfg = SchedulerConfig(
+    cfg = SchedulerLimits(
         N, 64, max_num_seqs=N, max_model_len=32, mode="static", static_batch_size=2
     )
     state = _add(init_state(policy, N), [(0, 2, 1, 0), (1, 2, 3, 1), (2, 2, 1, 2)])
@@ -197,8 +197,8 @@ def test_static_mode_admits_only_when_the_batch_is_done() -> None:
 
 def test_shortest_remaining_priority_admits_short_first() -> None:
     policy = CountingPolicy(N, 64, unit=4)
-    srpt = SchedulerConfig(N, 64, max_num_seqs=1, max_model_len=32, priority="shortest_remaining")
-    fcfs = SchedulerConfig(N, 64, max_num_seqs=1, max_model_len=32)
+    srpt = SchedulerLimits(N, 64, max_num_seqs=1, max_model_len=32, priority="shortest_remaining")
+    fcfs = SchedulerLimits(N, 64, max_num_seqs=1, max_model_len=32)
     reqs = [(0, 8, 8, 0), (1, 2, 2, 1)]
     _, rows, _ = _step(policy, srpt, _add(init_state(policy, N), reqs))
     assert [r[0] for r in rows] == [1]
@@ -230,7 +230,7 @@ def test_true_output_length_and_max_model_len_end_sequences() -> None:
 def test_watermark_blocks_admission_but_not_growth() -> None:
     # 10 units, watermark 2: an admission must leave 2 units free.
     policy = CountingPolicy(N, 40, unit=4, watermark_frac=0.2)
-    cfg = SchedulerConfig(N, 64, max_num_seqs=N, max_model_len=40)
+    cfg = SchedulerLimits(N, 64, max_num_seqs=N, max_model_len=40)
     state = _add(init_state(policy, N), [(0, 32, 8, 0)])  # 8 units: leaves exactly 2
     state, rows, _ = _step(policy, cfg, state)
     assert rows == [(0, 32, 0, True)] and _free(state) == 2
@@ -255,7 +255,7 @@ def test_abort_and_recycle() -> None:
 def test_schedule_vmaps_over_independent_states() -> None:
     """The simulator sweeps configurations with vmap: each lane decides as if alone."""
     policy = CountingPolicy(N, 16, unit=4)
-    cfg = SchedulerConfig(N, 64, max_num_seqs=N, max_model_len=32)
+    cfg = SchedulerLimits(N, 64, max_num_seqs=N, max_model_len=32)
     a = _add(init_state(policy, N), [(0, 8, 3, 0), (1, 8, 3, 1)])  # will preempt
     b = _add(init_state(policy, N), [(0, 2, 3, 0)])
     lanes = jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)

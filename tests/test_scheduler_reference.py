@@ -27,7 +27,7 @@ from pagedjax.scheduler import (
     RUNNING,
     SWAPPED,
     WAITING,
-    SchedulerConfig,
+    SchedulerLimits,
     add_requests,
     init_state,
     recycle,
@@ -49,38 +49,38 @@ _paged_paper = PagedPolicy(
 CASES = {
     "default_fcfs": (
         CountingPolicy(N, 64, unit=4),
-        SchedulerConfig(N, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=48),
+        SchedulerLimits(N, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=48),
     ),
     "default_srpt": (  # a pool smaller than the longest requests: capacity rejections
         CountingPolicy(N, 40, unit=4),
-        SchedulerConfig(N, 16, max_num_seqs=6, max_model_len=48, priority="shortest_remaining"),
+        SchedulerLimits(N, 16, max_num_seqs=6, max_model_len=48, priority="shortest_remaining"),
     ),
     "paper_counting": (
         CountingPolicy(N, 64, unit=4, watermark_frac=0.1),
-        SchedulerConfig(N, 40, max_num_seqs=6, max_model_len=48, mode="paper"),
+        SchedulerLimits(N, 40, max_num_seqs=6, max_model_len=48, mode="paper"),
     ),
     "static": (
         CountingPolicy(N, 80, unit=4),
-        SchedulerConfig(
+        SchedulerLimits(
             N, 96, max_num_seqs=6, max_model_len=48, mode="static", static_batch_size=3
         ),
     ),
     "paged_default": (
         _paged_small,
-        SchedulerConfig(N, 16, max_num_seqs=6, max_model_len=48),
+        SchedulerLimits(N, 16, max_num_seqs=6, max_model_len=48),
     ),
     "paged_paper": (
         _paged_paper,
-        SchedulerConfig(N, 40, max_num_seqs=6, max_model_len=48, mode="paper"),
+        SchedulerLimits(N, 40, max_num_seqs=6, max_model_len=48, mode="paper"),
     ),
     # Orca baselines (buddy-allocated reservations): checked through PolicyOracle only.
     "orca_pow2_default": (
         ReservationPolicy("pow2", N, 128, 48, watermark_frac=0.05),
-        SchedulerConfig(N, 16, max_num_seqs=6, max_model_len=48),
+        SchedulerLimits(N, 16, max_num_seqs=6, max_model_len=48),
     ),
     "orca_max_static": (
         ReservationPolicy("max", N, 160, 48),
-        SchedulerConfig(
+        SchedulerLimits(
             N, 96, max_num_seqs=6, max_model_len=48, mode="static", static_batch_size=3
         ),
     ),
@@ -88,24 +88,24 @@ CASES = {
     # previous request's group (run with groups=True).
     "counting_swap": (
         CountingPolicy(N, 64, unit=4, host_units=12),
-        SchedulerConfig(N, 16, max_num_seqs=6, max_model_len=48, preemption_mode="swap"),
+        SchedulerLimits(N, 16, max_num_seqs=6, max_model_len=48, preemption_mode="swap"),
     ),
     "counting_groups_recompute": (
         CountingPolicy(N, 64, unit=4, host_units=40),
-        SchedulerConfig(N, 16, max_num_seqs=6, max_model_len=48, preemption_mode="recompute"),
+        SchedulerLimits(N, 16, max_num_seqs=6, max_model_len=48, preemption_mode="recompute"),
     ),
     "paged_swap_paper_default": (  # None: swap groups of several, recompute single ones
         PagedPolicy(17, 4, N, 12, watermark_frac=0.1, num_host_blocks=16),
-        SchedulerConfig(N, 40, max_num_seqs=6, max_model_len=48, mode="paper"),
+        SchedulerLimits(N, 40, max_num_seqs=6, max_model_len=48, mode="paper"),
     ),
     "paged_swap_tiny_host": (  # the host pool is often too small: recompute fallback
         PagedPolicy(17, 4, N, 12, num_host_blocks=3),
-        SchedulerConfig(N, 16, max_num_seqs=6, max_model_len=48, preemption_mode="swap"),
+        SchedulerLimits(N, 16, max_num_seqs=6, max_model_len=48, preemption_mode="swap"),
     ),
     # A group that needs nearly the whole pool (hand-made trace below).
     "counting_swap_tight": (
         CountingPolicy(N, 40, unit=4, host_units=20),
-        SchedulerConfig(N, 64, max_num_seqs=6, max_model_len=48, preemption_mode="swap"),
+        SchedulerLimits(N, 64, max_num_seqs=6, max_model_len=48, preemption_mode="swap"),
     ),
 }
 ORACLE_ONLY = ("orca_pow2_default", "orca_max_static")

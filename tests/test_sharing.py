@@ -86,11 +86,11 @@ def _uncached(
 ) -> tuple[list[int], np.ndarray]:
     """Greedy ids of prompt alone with no possible hit, and each step's top-2 gap
     (``params``: greedy with logprobs=2, default ``_greedy()``)."""
-    saved, engine.prefix_index = engine.prefix_index, PrefixIndex()
+    saved, engine.core.prefix_index = engine.core.prefix_index, PrefixIndex()
     try:
         out = _drain(engine, {0: [("ref", prompt, params or _greedy())]})["ref"].outputs[0]
     finally:
-        engine.prefix_index = saved
+        engine.core.prefix_index = saved
     gaps = [np.diff(sorted(lp.logprob for lp in e.values()))[-1] for e in out.logprobs]
     return out.token_ids, np.asarray(gaps)
 
@@ -145,7 +145,7 @@ def test_evicted_prefix_is_recomputed_correctly():
         (f"f{i}", rng.integers(3, ARCH.vocab_size, 30).tolist(), _greedy()) for i in range(4)
     ]
     _drain(engine, {0: fillers})  # 4 x 42 tokens through 23 blocks: reuses every free block
-    hint_before = len(engine.prefix_index)
+    hint_before = len(engine.core.prefix_index)
     again = _drain(engine, {0: [("again", p, _greedy())]})["again"]
     _same(ref, again.outputs[0].token_ids)
     assert engine.num_preemptions > 0
@@ -212,11 +212,11 @@ def test_seeded_forked_samples_equal_unshared_samples():
 
     engine.fork_samples = unshared
     try:
-        saved, engine.prefix_index = engine.prefix_index, PrefixIndex()
+        saved, engine.core.prefix_index = engine.core.prefix_index, PrefixIndex()
         alone = _drain(engine, {0: [("u", prompt, p)]})["u"]
     finally:
         del engine.fork_samples
-        engine.prefix_index = saved
+        engine.core.prefix_index = saved
     got = [o.token_ids for o in shared.outputs]
     assert got == [o.token_ids for o in alone.outputs]
     assert len({tuple(g) for g in got}) == 3

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from pagedjax.scheduler import SchedulerConfig
+from pagedjax.scheduler import SchedulerLimits
 from pagedjax.scheduler.counting_policy import CountingPolicy
 from pagedjax.simulator.cost_model import FittedCostModel
 from pagedjax.simulator.simulate import (
@@ -21,7 +21,7 @@ POLICY = CountingPolicy(N, 160)  # one policy and shape: one compilation per tes
 
 
 def _cfg(**kw):
-    return SchedulerConfig(
+    return SchedulerLimits(
         max_seqs=N, max_num_batched_tokens=256, max_num_seqs=N, max_model_len=64, mode="paper", **kw
     )
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from pagedjax.scheduler import SchedulerConfig
+from pagedjax.scheduler import SchedulerLimits
 from pagedjax.scheduler.counting_policy import CountingPolicy
 from pagedjax.simulator.cost_model import FittedCostModel
 from pagedjax.simulator.simulate import make_trace, simulate
@@ -13,7 +13,7 @@ from pagedjax.simulator.speculative import MIN_PMF_WIDTH, SpecModel
 COST = FittedCostModel((0.01, 0.001, 0.0, 0.0, 0.0))
 N = 16
 POLICY = CountingPolicy(N, 160)
-CFG = SchedulerConfig(
+CFG = SchedulerLimits(
     max_seqs=N, max_num_batched_tokens=256, max_num_seqs=N, max_model_len=64, mode="paper"
 )
 

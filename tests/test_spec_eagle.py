@@ -139,7 +139,7 @@ def _check_head_features(engine: LLMEngine) -> int:
         done = int(st.prompt_len[s] + st.output_len[s])
         if st.num_computed[s] != done - 1:
             continue  # prompt still prefilling
-        ids = [int(t) for t in np.asarray(engine.device.tokens[s, :done])]
+        ids = [int(t) for t in np.asarray(engine.core.device.tokens[s, :done])]
         np.testing.assert_allclose(np.asarray(engine.speculator.eagle.feature[s]),
                                    _dense_head_feature(engine, ids), rtol=1e-4, atol=1e-4)
         checked += 1

@@ -41,7 +41,7 @@ def test_default_engine_has_few_step_programs():
     assert len(loops) <= MAX_LOOP_PROGRAMS, loops
     # Every step a schedule can produce maps to one of them: rows never exceed tokens.
     for t, s in steps:
-        assert s == min(t, engine.max_num_seqs)
+        assert s == min(t, engine.max_seqs)
 
 
 def test_default_start_up_compiles_everything_generate_needs(monkeypatch):

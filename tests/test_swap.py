@@ -336,7 +336,7 @@ def test_simulator_runs_swap_preemption():
     pool preempts (by swap: single sequences, mode "swap") and every request still
     finishes (the cost model does not charge copy time yet). Swap decisions themselves
     are checked against the reference in tests/test_scheduler_reference.py."""
-    from pagedjax.scheduler import SchedulerConfig as SC
+    from pagedjax.scheduler import SchedulerLimits as SC
     from pagedjax.simulator.cost_model import FittedCostModel
     from pagedjax.simulator.simulate import make_trace, simulate
 

@@ -37,11 +37,10 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
-    """The chosen pair of callables and why they were chosen."""
+    """The chosen attention callable and why it was chosen."""
 
     name: Literal["reference", "pallas", "native_cpu", "triton"]
     ragged_paged_attention: Callable[..., jax.Array]
-    paged_decode_attention: Callable[..., jax.Array] | None
     reason: str
 
 
@@ -99,22 +98,17 @@ def select_attention_backend(
     if name == "native_cpu":
         from pagedjax.attention import native_cpu
 
-        return AttentionBackend("native_cpu", native_cpu.ragged_paged_attention, None, reason)
+        return AttentionBackend("native_cpu", native_cpu.ragged_paged_attention, reason)
     if name == "pallas":
         from pallas_kernels import paged_attention
 
         return AttentionBackend(
-            "pallas",
-            with_8bit_pages(paged_attention.ragged_paged_attention),
-            with_8bit_pages(paged_attention.paged_decode_attention),
-            reason,
+            "pallas", with_8bit_pages(paged_attention.ragged_paged_attention), reason
         )
     from pagedjax.attention import reference as xla_reference
 
-    ragged, decode = xla_reference.ragged_paged_attention, None
-    if reference is not None:
-        ragged = reference
-    return AttentionBackend("reference", ragged, decode, reason)
+    ragged = reference if reference is not None else xla_reference.ragged_paged_attention
+    return AttentionBackend("reference", ragged, reason)
 
 
 def _triton_backend(device: Any) -> AttentionBackend:
@@ -141,7 +135,7 @@ def _triton_backend(device: Any) -> AttentionBackend:
         reason = f"requested; parity on {kind} in {report}"
     # 8-bit pools reach the kernel as the Pallas kernels' kv_format / k_scale / v_scale.
     ragged = with_8bit_pages(jax_binding.ragged_paged_attention)
-    return AttentionBackend("triton", ragged, None, reason)
+    return AttentionBackend("triton", ragged, reason)
 
 
 # kv_quant format name -> the kernels' kv_format (pallas_kernels.paged_attention.KV_FORMATS,

@@ -292,7 +292,7 @@ class _Driver:
             raise RuntimeError(f"beam search group {g.request_id} got no slot")
         seq.detok = IncrementalDetokenizer.holding(engine.tokenizer, [])
         g.slots = [seq.slot]
-        engine.device.set_sampling_value("logprob_temperature", seq.slot, g.temperature)
+        engine.core.device.set_sampling_value("logprob_temperature", seq.slot, g.temperature)
 
     def _advance(self, g: BeamGroup) -> list[tuple[int, int, int, int, int]]:
         """Check the group's beams sampled this step; pick the next beams. Returns
@@ -357,7 +357,7 @@ class _Driver:
         )
         g.req.seqs.append(seq)
         slot = engine.book.bind_slot(g.req, seq)
-        engine.device.copy_sampling_row(slot, parent)
+        engine.core.device.copy_sampling_row(slot, parent)
         return slot
 
     def _apply(self, moves: list[tuple[int, int, int, int, int]]) -> None:

@@ -61,8 +61,7 @@ class EngineCore:
     book: RequestBook
     prefix_index: PrefixIndex
     block_size: int
-    max_seqs: int  # scheduler slots
-    max_num_seqs: int  # most sequences in one step
+    max_seqs: int  # scheduler slots = most sequences in one step (max_num_seqs)
     max_model_len: int
     max_blocks_per_seq: int
     token_buckets: tuple[int, ...]

@@ -49,7 +49,7 @@ from pagedjax.scheduler import (
 class DeviceState:
     """Device arrays of one engine and the jitted functions over them.
 
-    policy, sched_config: the memory policy and scheduler config the state follows.
+    policy, sched_limits: the memory policy and the jitted scheduler's ``SchedulerLimits``.
     kv: the allocated pool. max_model_len: the token buffer's width. num_host_blocks:
     swap pool size (0: none).
     """
@@ -57,13 +57,13 @@ class DeviceState:
     def __init__(
         self,
         policy: Any,
-        sched_config: Any,
+        sched_limits: Any,
         kv: Any,
         *,
         max_model_len: int,
         num_host_blocks: int,
     ):
-        n = sched_config.max_seqs
+        n = sched_limits.max_seqs
         self.max_seqs = n
         self.block_size = bs = policy.block_size
         self.state = init_state(policy, n)
@@ -72,17 +72,19 @@ class DeviceState:
         self.host_kv = jax.tree.map(
             lambda p: np.zeros((p.shape[0], num_host_blocks + 1, *p.shape[2:]), p.dtype), kv
         )
-        # Public: experiments wrap it to record each step's batch (real_serving.py).
-        self.schedule_partial = functools.partial(schedule, policy, sched_config)
-        self.schedule_fn = self._schedule_jit = jax.jit(self.schedule_partial)
-        # ``schedule_fn`` compiled and loaded from the program store by the warm-up (no
-        # tracing at a warm start: the scheduler is the largest trace after the steps);
-        # used while ``schedule_fn`` is the engine's own jit (an experiment's wrapper wins).
+        # The scheduler: its jit, and the same function compiled or loaded from the program
+        # store by the warm-up (``schedule_program``: no tracing at a warm start, the
+        # scheduler being the largest trace after the steps). Observing each step's batch
+        # is ``LLMEngine.add_step_observer``'s, not a wrapper around this function.
+        self._policy = policy
+        self.schedule_partial = functools.partial(schedule, policy, sched_limits)
+        self._schedule_jit = jax.jit(self.schedule_partial)
         self.schedule_program: Any = None
+        self._schedule_override: Any = None  # use_schedule_limits
         # A partial of its own: jit shares one cache between wrappers of the same function,
         # and stats()["compilations"] counts this engine's entries only.
         self._add = jax.jit(functools.partial(add_requests))
-        self._post = jitted_update(policy, sched_config)
+        self._post = jitted_update(policy, sched_limits)
         self._abort = jax.jit(
             lambda s, ids, m: recycle(abort(policy, s, ids, m), ids, m), donate_argnums=(0,)
         )
@@ -102,7 +104,7 @@ class DeviceState:
     def jits(self) -> dict[str, Any]:
         """The jitted functions by name (each has ``_cache_size()``: compile counting)."""
         return dict(
-            schedule=self.schedule_fn,
+            schedule=self._schedule_jit,
             update=self._post,
             add_requests=self._add,
             abort=self._abort,
@@ -117,9 +119,22 @@ class DeviceState:
     # ------------------------------------------------------------------ scheduler state
 
     def _scheduler(self) -> Any:
-        if self.schedule_program is not None and self.schedule_fn is self._schedule_jit:
+        if self._schedule_override is not None:
+            return self._schedule_override
+        if self.schedule_program is not None:
             return self.schedule_program
-        return self.schedule_fn
+        return self._schedule_jit
+
+    def use_schedule_limits(self, limits: Any | None) -> None:
+        """Schedule with other ``SchedulerLimits`` of the same shapes (same ``max_seqs``),
+        e.g. another preemption mode, the model programs kept (tests); None: the engine's
+        own scheduler again (its jit and warm-started program were kept)."""
+        if limits is None:
+            self._schedule_override = None
+            return
+        if limits.max_seqs != self.max_seqs:
+            raise ValueError(f"limits.max_seqs={limits.max_seqs} != max_seqs={self.max_seqs}")
+        self._schedule_override = jax.jit(functools.partial(schedule, self._policy, limits))
 
     def schedule(self, lookahead: np.ndarray | None = None) -> ScheduledBatch:
         """One ``schedule``: the state advances, the step's batch is returned.

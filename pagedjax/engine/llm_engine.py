@@ -36,13 +36,14 @@ blocks, and back into fresh device blocks when it is swapped in.
 State (docs/architecture.md): device arrays in ``DeviceState`` (``device_state.py``),
 host bookkeeping in ``RequestBook`` (``request_book.py``), both in one ``EngineCore``
 (``core.py``) that the decode loop, warm-up and beam search share through public
-methods; ``state``, ``kv``, ``tokens`` and ``params`` here are views of the core's.
+methods; ``state``, ``kv``, ``book`` and ``params`` here are views of the core's.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -71,13 +72,14 @@ from pagedjax.engine.request_book import RequestBook
 from pagedjax.engine.sequence import RequestState
 from pagedjax.engine.spec.decoder import build_speculator, check_buildable, load_draft
 from pagedjax.engine.spec.verify import sampled_offsets
+from pagedjax.engine.step_record import StepObserver, notify
 from pagedjax.engine.warmup import warm_up
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.prefix_cache import PrefixIndex
 from pagedjax.model import ModelArch, compute_dtype
 from pagedjax.sampling import BeamSearchParams, SamplingParams
 from pagedjax.sampling.params import MAX_SEED
-from pagedjax.scheduler import ScheduledBatch, SchedulerConfig
+from pagedjax.scheduler import ScheduledBatch, SchedulerLimits
 from pagedjax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -111,7 +113,6 @@ class LLMEngine:
         self.arch, self.tokenizer, self.config = arch, tokenizer, config
         dtype = compute_dtype(params)  # not a quantized weight's int codes
         self.kv_spec = KVCacheSpec.resolve(arch, dtype, cc.cache_dtype, kv_dtype, cc.kv_scales)
-        self.kv_dtype = self.kv_spec.dtype  # what the values are (int8 / fp8: kv_cache_spec.py)
         self.placement = place = DevicePlacement(arch, par.tensor_parallel_size, devices)
         params = place.params(params, self.kv_spec)  # refuses what is not sharded yet
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
@@ -119,7 +120,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's"
                              f" max_position_embeddings={arch.max_position_embeddings}")
         self.block_size = cc.block_size
-        self.max_num_seqs = self.max_seqs = sc.max_num_seqs  # slots; the queue waits on the host
+        self.max_seqs = sc.max_num_seqs  # slots (vLLM's max_num_seqs); the queue waits on the host
         max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         backend = select_attention_backend(config.attention_backend)
         log.info("attention backend: %s (%s)", backend.name, backend.reason)
@@ -129,7 +130,7 @@ class LLMEngine:
         self.max_logprobs, self.max_blocks_per_seq = max_logprobs, max_blocks_per_seq
         budget = sc.max_num_batched_tokens
         self.token_buckets = step_buckets(budget, smallest=min(16, budget))
-        self.seq_buckets = seq_buckets_for(self.token_buckets, self.max_num_seqs)  # S from T
+        self.seq_buckets = seq_buckets_for(self.token_buckets, self.max_seqs)  # S from T
         draft, kv_per_token = load_draft(config.speculative, config.model.model, arch, tokenizer,
                                          self.kv_spec, self.max_model_len, config.model.seed)
         self.num_blocks = num_kv_blocks(  # per device: its share of each block
@@ -142,7 +143,7 @@ class LLMEngine:
             device=place.device,
             profile=functools.partial(
                 profile_forward, arch, params, self.kv_spec, self.block_size, budget,
-                self.max_num_seqs, max_blocks_per_seq,
+                self.max_seqs, max_blocks_per_seq,
             ),
         )
         self.num_host_blocks = num_host_blocks(
@@ -157,14 +158,14 @@ class LLMEngine:
             num_host_blocks=self.num_host_blocks,
         )  # fmt: skip
         self.enable_prefix_caching = cc.enable_prefix_caching
-        self.sched_config = SchedulerConfig(
+        self.sched_limits = SchedulerLimits(
             max_seqs=self.max_seqs, max_num_batched_tokens=budget,
-            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+            max_num_seqs=self.max_seqs, max_model_len=self.max_model_len,
             mode=sc.scheduling_mode, priority=sc.policy, preemption_mode=sc.preemption_mode,
         )  # fmt: skip
         log.info("%s", self.kv_spec.describe(self.num_blocks, self.block_size))
         kv = place.allocate_kv(self.kv_spec, self.num_blocks, self.block_size, kv_fill_value)
-        device_state = DeviceState(self.policy, self.sched_config, kv,
+        device_state = DeviceState(self.policy, self.sched_limits, kv,
                                    max_model_len=self.max_model_len,
                                    num_host_blocks=self.num_host_blocks)  # fmt: skip
         place.place_state(device_state)
@@ -175,19 +176,20 @@ class LLMEngine:
         # Speculation with a drafting model runs one step at a time (its proposals are
         # separate programs); the n-gram method runs inside the fused K-step program.
         num_steps = 1 if spec is not None and not spec.fusable else k
-        self.multi_step = MultiStepDecoder(self.runner, self.policy, self.sched_config,
+        self.multi_step = MultiStepDecoder(self.runner, self.policy, self.sched_limits,
                                            num_steps, spec)  # fmt: skip
         eos = {i for i in (*arch.eos_token_ids, tokenizer.eos_token_id) if i is not None}
         self.core = EngineCore(
             params=params, runner=self.runner, device=device_state,
             book=RequestBook(self.max_seqs, eos), prefix_index=PrefixIndex(),
             block_size=self.block_size, max_seqs=self.max_seqs, max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs, kv_calibration=self.kv_spec.calibrator(),
+            kv_calibration=self.kv_spec.calibrator(),
             max_blocks_per_seq=max_blocks_per_seq, token_buckets=self.token_buckets,
             seq_buckets=self.seq_buckets, enable_prefix_caching=self.enable_prefix_caching,
         )  # fmt: skip
         self.outputs = OutputProcessor(self.core)  # the host half of every step
         self.reset_stats()
+        self.step_observers: list[StepObserver] = []  # add_step_observer
         self._rng = np.random.default_rng(config.model.seed)
         self.num_preemptions = 0
         # Start-up compilation, counted (programs, and how many came from the cache).
@@ -208,12 +210,8 @@ class LLMEngine:
     # Views of the core's state (core.py): one copy of each, the old names kept.
     params = CoreView("params", "The model parameters (replaceable between steps).")
     book = CoreView("book", "Host bookkeeping: requests, queue, slot owners (RequestBook).")
-    device = CoreView("device", "Device arrays and their jitted functions (DeviceState).")
     state = CoreView("device.state", "The scheduler state (pool, tables, lengths) on device.")
     kv = CoreView("device.kv", "(k, v) KV pool, each [layers, blocks, kv heads, block, dim].")
-    tokens = CoreView("device.tokens", "int32[max_seqs, max_model_len] ids per slot.")
-    host_kv = CoreView("device.host_kv", "The host swap pool (numpy, like kv).")
-    prefix_index = CoreView("prefix_index", "The prefix cache's host hint (PrefixIndex).")
     num_steps = CoreView("num_steps", "Engine iterations run so far.")
 
     # ------------------------------------------------------------------ requests
@@ -269,8 +267,6 @@ class LLMEngine:
         if mask.any():
             self.core.device.abort(np.arange(self.max_seqs, dtype=np.int32), mask)
 
-    abort = abort_request
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.core.book.requests)
 
@@ -284,7 +280,7 @@ class LLMEngine:
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         """ValueError if a request of these ids and params can never run here."""
         check_request(
-            ids, params, sched_config=self.sched_config, max_model_len=self.max_model_len,
+            ids, params, sched_limits=self.sched_limits, max_model_len=self.max_model_len,
             num_blocks=self.num_blocks, block_size=self.block_size,
             watermark_blocks=self.policy.watermark_blocks, max_logprobs=self.max_logprobs,
             vocab_size=self.arch.vocab_size,
@@ -296,16 +292,20 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
 
+    def add_step_observer(self, fn: StepObserver) -> None:
+        """fn(StepRecord) after each iteration, the K-step loop's too (step_record.py)."""
+        self.step_observers.append(fn)
+
     def step(self) -> list[RequestOutput]:
         """One iteration (the module docstring's pipeline); returns the requests that got
         a token or finished (cumulative). Every kind of step ends in the output processor."""
-        core, dev, book = self.core, self.core.device, self.core.book
+        core, dev, book, t0 = self.core, self.core.device, self.core.book, time.perf_counter()
         self.assign_slots()
         if not book.slot_owner:
             return []
         outputs = self.multi_step.step(core, self.outputs)  # None: run the one-step path
-        if outputs is not None:
-            return outputs
+        if outputs is not None:  # observers see each iteration it ran (step_record.py)
+            return notify(self.step_observers, t0, outputs, self.multi_step.last_loop)
         spec = self.speculator
         lookahead, drafts = spec.plan(core) if spec is not None else (None, None)
         batch = dev.schedule(lookahead)
@@ -342,7 +342,7 @@ class LLMEngine:
         if int(host["num_seqs"]) > 0:
             accepted = self._run(batch, host, drafts, out)
         dev.update(batch, out.finished_rows, out.recycle, accepted)
-        return self.outputs.finish(out)
+        return notify(self.step_observers, t0, self.outputs.finish(out), host)
 
     def _buckets(self, num_tokens: int) -> tuple[int, int]:
         """The compiled (T, S) bucket of a step of ``num_tokens`` tokens."""
@@ -471,8 +471,8 @@ class LLMEngine:
         self.num_preemptions_swap = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
-        self.prefix_index.queries = self.prefix_index.hit_blocks = 0
-        self.prefix_index.query_blocks = 0
+        self.core.prefix_index.queries = self.core.prefix_index.hit_blocks = 0
+        self.core.prefix_index.query_blocks = 0
 
     def stats(self) -> dict[str, float | int]:
         """Counters since the last ``reset_stats``: ``engine_stats.engine_stats`` gives

@@ -3,6 +3,7 @@ catalog name (a real model fetched once into the user's cache) or a preset name.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -63,7 +64,7 @@ def load_model(mc: ModelConfig) -> tuple[ModelArch, Any, Tokenizer, Any]:
     """
     platform = jax.devices()[0].platform
     path = Path(mc.model)
-    check_method(mc.quantization)
+    mc = dataclasses.replace(mc, quantization=check_method(mc.quantization))  # "fp8" aliased
     if mc.model in CATALOG or (path.suffix == ".gguf" and path.is_file()):
         if mc.load_format == "safetensors":
             raise ValueError(f"{mc.model!r} is a GGUF model; use load_format='auto' or 'dummy'")

@@ -124,6 +124,8 @@ class MultiStepDecoder:
         self._noted: dict[int, Any] = {}  # id -> the SequenceState (kept alive)
         self._inflight: _Pending | None = None  # a loop dispatched, not yet read
         self.last_loop_seconds = 0.0  # wall time of the last dispatch + transfer
+        # seq_ids, start_pos, iterations, spec_lens of the last loop (step observers)
+        self.last_loop: tuple[Any, Any, int, Any] | None = None
 
     def _traced(self, *args: Any, num_seqs: int) -> Any:
         self.trace_count[num_seqs] = self.trace_count.get(num_seqs, 0) + 1  # trace time only
@@ -197,7 +199,7 @@ class MultiStepDecoder:
     def _dispatch(self, core: EngineCore) -> _Pending:
         dev = core.device
         owners = dict(core.book.slot_owner)
-        s_b = pick(loop_buckets(core.seq_buckets), min(len(owners), core.max_num_seqs))
+        s_b = pick(loop_buckets(core.seq_buckets), min(len(owners), core.max_seqs))
         sampling = dev.sampling()
         t0 = time.perf_counter()
         out = dev.run_loop(
@@ -232,6 +234,7 @@ class MultiStepDecoder:
             return None
         self.stats.loops += 1
         self.stats.iterations += n_it
+        self.last_loop = (got.seq_ids, got.start_pos, n_it, got.spec_lens)  # step_record.py
         reason = EXIT_NAMES[code]
         self.stats.exits[reason] = self.stats.exits.get(reason, 0) + 1
         return self._emit(core, outputs, pending.owners, got, n_it, pending.want_top)

@@ -49,7 +49,7 @@ def check_request(
     ids: list[int],
     params: SamplingParams,
     *,
-    sched_config: Any,
+    sched_limits: Any,
     max_model_len: int,
     num_blocks: int,
     block_size: int,
@@ -62,16 +62,16 @@ def check_request(
     give, logprobs over max_logprobs, stop ids outside the vocabulary."""
     if not ids:
         raise ValueError("the prompt is empty")
-    limit = sched_config.prompt_limit
+    limit = sched_limits.prompt_limit
     if len(ids) > limit:
         raise ValueError(
             f"prompt has {len(ids)} tokens, longer than the limit {limit}"
             f" (max_model_len={max_model_len}"
             + (
                 ""
-                if sched_config.chunked_prefill
-                else f", or max_num_batched_tokens={sched_config.max_num_batched_tokens}:"
-                f" {sched_config.mode} mode does not chunk prompts"
+                if sched_limits.chunked_prefill
+                else f", or max_num_batched_tokens={sched_limits.max_num_batched_tokens}:"
+                f" {sched_limits.mode} mode does not chunk prompts"
             )
             + ")"
         )

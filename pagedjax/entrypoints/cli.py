@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     cli_args.add_engine_args(serve, model_positional=True)
     cli_args.add_server_args(serve)
+    cli_args.add_vllm_refusals(serve)
 
     bench = sub.add_parser("bench", help="benchmarks", allow_abbrev=False)
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

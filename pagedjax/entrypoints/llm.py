@@ -15,9 +15,9 @@ from pagedjax.config import (
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    SchedulerConfig,
     SpeculativeConfig,
 )
-from pagedjax.config import SchedulerConfig as EngineSchedulerConfig
 from pagedjax.engine.beams import BeamSearchOutput, beam_search
 from pagedjax.engine.fronts.data_parallel import DataParallelEngine
 from pagedjax.engine.fronts.multihost import MultiHostEngine
@@ -50,10 +50,14 @@ class LLM:
     "int8_per_token_head" (docs/kv_quantization.md): about twice the blocks of a 16-bit
     pool in the same memory. kv_scales (pagedjax's own, fp8 only): "default" (1.0, as
     vLLM) or "calibrate" (per layer and KV head from the first prompts' max |K|, |V|).
-    num_scheduler_steps (vLLM's name; ``SchedulerConfig.num_multi_steps``): K, the most
-    decode iterations run in one on-device loop; "auto" picks K per device kind.
+    num_scheduler_steps (pagedjax's own: vLLM V0's name, vLLM 0.32 has no such option;
+    ``SchedulerConfig.num_multi_steps``): K, the most decode iterations run in one
+    on-device loop; "auto" picks K per device kind.
     warmup: "auto" (every step program at start-up, or ``$PAGEDJAX_WARMUP``), "decode",
-    "all" or "none". compilation_cache: JAX's persistent compilation cache directory
+    "all" or "none". enforce_eager (vLLM's name, its JAX meaning here): nothing compiled
+    ahead of time (warmup "none": each program compiles when a step first needs it) and
+    no fused K-step program (num_scheduler_steps 1); docs/serving.md.
+    compilation_cache: JAX's persistent compilation cache directory
     (default ``$PAGEDJAX_COMPILATION_CACHE``, else ~/.cache/pagedjax/jax), or "off".
     quantization: vLLM's name; None takes the checkpoint's own (config.json's
     quantization_config: awq, gptq, compressed-tensors), "gguf" keeps a GGUF file's
@@ -95,6 +99,7 @@ class LLM:
         compilation_cache: str | None = None,
         quantization: str | None = None,
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+        enforce_eager: bool = False,
         **unknown: Any,
     ):
         if unknown:
@@ -102,6 +107,8 @@ class LLM:
                 f"LLM() got unknown keyword argument(s) {sorted(unknown)}; see"
                 " help(pagedjax.LLM) for the supported options"
             )
+        if enforce_eager:
+            warmup, num_scheduler_steps = eager_settings(warmup, num_scheduler_steps)
         if preemption_mode not in (None, "recompute", "swap"):
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}"
@@ -134,7 +141,7 @@ class LLM:
                 cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
                 kv_scales=kv_scales,  # type: ignore[arg-type]
             ),
-            scheduler=EngineSchedulerConfig(
+            scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
                 scheduling_mode=scheduling_mode,  # type: ignore[arg-type]
@@ -367,3 +374,18 @@ def _speculative(value: Any) -> SpeculativeConfig | None:
     if not isinstance(value, dict):
         raise TypeError(f"speculative_config must be a dict, got {type(value).__name__}")
     return SpeculativeConfig.from_dict(value)
+
+
+def eager_settings(warmup: str, num_scheduler_steps: int | str) -> tuple[str, int]:
+    """(warmup, num_scheduler_steps) under ``enforce_eager=True``: vLLM's switch means no
+    CUDA graphs, captured ahead of time for whole decode steps; the JAX counterparts are
+    the ahead-of-time warm-up and the fused K-step decode program, so both are off
+    ("none", 1). ValueError if the caller asked for either explicitly."""
+    if warmup not in ("auto", "none"):
+        raise ValueError(f"enforce_eager=True compiles nothing ahead of time: warmup={warmup!r}"
+                         " contradicts it (leave warmup at 'auto' or pass 'none')")  # fmt: skip
+    if num_scheduler_steps not in ("auto", 1):
+        n = num_scheduler_steps
+        raise ValueError(f"enforce_eager=True runs no fused K-step program:"
+                         f" num_scheduler_steps={n!r} contradicts it")  # fmt: skip
+    return "none", 1

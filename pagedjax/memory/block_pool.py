@@ -287,8 +287,3 @@ def unlink_free(pool: BlockPool, block: jax.Array) -> tuple[BlockPool, jax.Array
     rc = jax.lax.optimization_barrier(jnp.where(ok, 1, _get(pool.refcount, block)))
     pool = _unlink(pool, block, ok)
     return pool._replace(refcount=_set(pool.refcount, block, rc)), ok
-
-
-def num_used(pool: BlockPool) -> jax.Array:
-    """Blocks with at least one reference (excluding the null block)."""
-    return pool.num_blocks - 1 - pool.num_free

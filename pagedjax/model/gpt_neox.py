@@ -4,7 +4,7 @@ sequential one, a GELU MLP with biases, and an untied output embedding ``embed_o
 
 HF's fused ``query_key_value`` (rows laid out per head as [q_h, k_h, v_h]) is split into
 q/k/v_proj at load (loader.py), so attention is the rotary families' ``RotaryAttention``.
-Decoder layers stacked under ``layers`` and run under one ``lax.scan`` (layers.py)."""
+Decoder layers stacked under ``layers`` and run under one ``fori_loop`` (``layers.LayerLoop``)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pagedjax.model.layers import (
     layer_inputs,
     layer_window,
     linear,
-    scan_layers,
+    loop_layers,
 )
 from pagedjax.model.llama import RotaryAttention
 
@@ -37,7 +37,8 @@ def _layer_norm(arch: ModelArch, name: str, param_dtype: Any) -> nn.LayerNorm:
 
 
 class GPTNeoXDecoderLayer(nn.Module):
-    """One layer as a scan body: ((x, k_pool, v_pool), LayerInputs, batch) -> (carry, None)."""
+    """One layer as the layer loop's body: ((x, k_pool, v_pool), LayerInputs, batch) ->
+    (carry, None)."""
 
     arch: ModelArch
     param_dtype: Any
@@ -90,7 +91,7 @@ class GPTNeoXForCausalLM(nn.Module):
         embed = nn.Embed(a.vocab_size, a.hidden_size, name="embed_in", param_dtype=pd)
         x = embed(batch.tokens)
         inputs, uniform = layer_inputs(a.layer_windows)
-        layers = scan_layers(GPTNeoXDecoderLayer, a.num_layers, self.native_matmul)(
+        layers = loop_layers(GPTNeoXDecoderLayer, a.num_layers, self.native_matmul)(
             a, pd, self.attention_fn, uniform, name="layers"
         )
         (x, k_pool, v_pool), _ = layers((x, *kv_cache), inputs, batch)

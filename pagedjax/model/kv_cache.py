@@ -38,7 +38,7 @@ def allocate_kv_cache(
 ) -> KVCache:
     """(k, v), each [num_layers, num_blocks, num_kv_heads, block_size, head_dim] of dtype.
 
-    Stacked over layers because the model runs its layers under one ``lax.scan`` that
+    Stacked over layers because the model runs its layers under one ``fori_loop`` that
     carries the pool: one buffer per K and V, updated in place under a donated jit, and
     the step compiles one layer body whatever the depth. A page of one head stays one
     contiguous [block_size, head_dim] tile. Block b of every layer belongs to the same

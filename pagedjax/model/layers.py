@@ -36,7 +36,7 @@ Window = int | None | jax.Array
 
 
 class LayerInputs(NamedTuple):
-    """Per-layer values the layer loop scans over: int32[L] each."""
+    """Per-layer values the layer loop indexes by layer: int32[L] each."""
 
     index: jax.Array  # the layer's index into the stacked pool
     window: jax.Array  # the layer's sliding window, 0 for none
@@ -75,7 +75,7 @@ class StackedWeight:
 def layer_view(tree: Any, index: jax.Array, native: bool) -> Any:
     """Layer ``index`` of a stacked parameter tree: dense kernels ([L, in, out] arrays named
     "kernel") as ``StackedWeight`` views, every other leaf (norms, biases, quantized
-    weights' fields, MoE experts) sliced as the scan would slice it."""
+    weights' fields, MoE experts) sliced at the layer index."""
     out = {}
     for name, value in tree.items():
         if isinstance(value, Mapping):
@@ -127,7 +127,7 @@ class LayerLoop(nn.Module):
         return jax.lax.fori_loop(0, self.num_layers, body, carry), None
 
 
-def scan_layers(
+def loop_layers(
     layer_cls: type[nn.Module], num_layers: int, native: bool = False
 ) -> Callable[..., LayerLoop]:
     """A constructor ``(*layer_args, name=...) -> LayerLoop``: ``layer_cls`` applied

@@ -5,8 +5,8 @@ head), Phi-3 (its fused qkv_proj / gate_up_proj are split at load), Gemma 2 (sof
 (a sparse MoE in place of the MLP). Which features a model uses is read off its ModelArch.
 
 Parameter names follow the HF module names, so conversion is mechanical; the decoder layers
-are stacked under ``layers`` (leading axis = layer) and run under one ``lax.scan``
-(layers.py says why)."""
+are stacked under ``layers`` (leading axis = layer) and run under one ``fori_loop``
+(``layers.LayerLoop``; layers.py says why)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from pagedjax.model.layers import (
     layer_inputs,
     layer_window,
     linear,
+    loop_layers,
     paged_self_attention,
-    scan_layers,
     soft_cap,
 )
 from pagedjax.model.moe import SparseMoE
@@ -92,7 +92,7 @@ class GatedMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """One layer as a scan body: ((x [T, H], k_pool, v_pool), LayerInputs, batch) ->
+    """One layer as the layer loop's body: ((x [T, H], k_pool, v_pool), LayerInputs, batch) ->
     (carry, None). Pre-norm residual blocks; Gemma 2 also norms each block's output."""
 
     arch: ModelArch
@@ -140,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         if a.embed_scale:  # Gemma: sqrt(hidden) rounded to the compute dtype first, as HF
             x = x * jnp.asarray(a.hidden_size**0.5, x.dtype)
         inputs, uniform = layer_inputs(a.layer_windows)
-        layers = scan_layers(LlamaDecoderLayer, a.num_layers, self.native_matmul)(
+        layers = loop_layers(LlamaDecoderLayer, a.num_layers, self.native_matmul)(
             a, pd, self.attention_fn, uniform, name="layers"
         )
         (x, k_pool, v_pool), _ = layers((x, *kv_cache), inputs, batch)

@@ -51,7 +51,7 @@ def checkpoint_files(directory: Path) -> list[Path]:
 
 def _hf_key(path: tuple[str, ...]) -> tuple[str, bool, bool]:
     """Flax param path -> (normalized HF key, transpose?, stacked?). Dense kernels are
-    [in, out]; a stacked key (under the scanned "layers") has a "{i}" for the layer index."""
+    [in, out]; a stacked key (under the layer loop's "layers") has a "{i}" for the layer index."""
     *mods, leaf = path
     stacked = bool(mods) and mods[0] == "layers"
     if stacked:
@@ -117,7 +117,7 @@ def convert_hf_tensors(
         if not stacked:
             x = one(key, transpose, spec.shape)
             return None if x is None else jax.tree.map(jnp.asarray, x)
-        # Decoder layers are stacked on a leading axis (the layer loop's scan).
+        # Decoder layers are stacked on a leading axis (the layer loop's ``fori_loop``).
         rows = [one(key.format(i=i), transpose, spec.shape[1:]) for i in range(spec.shape[0])]
         if any(r is None for r in rows):
             return None

@@ -1,6 +1,6 @@
 """OPT over the paged KV cache: learned positions (offset 2), pre- or post-LayerNorm per
 ``do_layer_norm_before``, ReLU MLP, project_in/out when word_embed_proj_dim != hidden_size.
-Decoder layers stacked under ``layers`` and run under one ``lax.scan`` (layers.py)."""
+Decoder layers stacked under ``layers`` and run under one ``fori_loop`` (layers.LayerLoop)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from pagedjax.model.layers import (
     activation,
     layer_inputs,
     linear,
+    loop_layers,
     paged_self_attention,
-    scan_layers,
 )
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2 (a fairseq legacy)
@@ -64,7 +64,8 @@ class OPTAttention(nn.Module):
 
 
 class OPTDecoderLayer(nn.Module):
-    """One layer as a scan body: ((x, k_pool, v_pool), LayerInputs, batch) -> (carry, None)."""
+    """One layer as the layer loop's body: ((x, k_pool, v_pool), LayerInputs, batch) ->
+    (carry, None)."""
 
     arch: ModelArch
     param_dtype: Any
@@ -116,7 +117,7 @@ class OPTForCausalLM(nn.Module):
         )  # fmt: skip
         x = x + positions(batch.positions + POSITION_OFFSET)
         inputs, _ = layer_inputs(a.layer_windows)
-        layers = scan_layers(OPTDecoderLayer, a.num_layers, self.native_matmul)(
+        layers = loop_layers(OPTDecoderLayer, a.num_layers, self.native_matmul)(
             a, pd, self.attention_fn, name="layers"
         )
         (x, k_pool, v_pool), _ = layers((x, *kv_cache), inputs, batch)

@@ -1,10 +1,11 @@
 """Iteration-level scheduler (jitted array code) and its plain-Python reference.
 
-Public API: SchedulerConfig, SchedulerState, ScheduledBatch, init_state, add_requests,
-abort, recycle, schedule, update; priorities in ``priority``; the spec in ``reference``.
+Public API: SchedulerLimits (the static limits ``schedule`` decides with), SchedulerState,
+ScheduledBatch, init_state, add_requests, abort, recycle, schedule, update; priorities in
+``priority``; the spec in ``reference``.
 """
 
-from pagedjax.scheduler.config import SchedulerConfig
+from pagedjax.scheduler.config import SchedulerLimits
 from pagedjax.scheduler.schedule import ScheduledBatch, SwapPlan, schedule
 from pagedjax.scheduler.state import (
     FINISHED,
@@ -41,7 +42,7 @@ __all__ = [
     "WAITING",
     "ScheduledBatch",
     "SwapPlan",
-    "SchedulerConfig",
+    "SchedulerLimits",
     "SchedulerState",
     "abort",
     "add_requests",

@@ -17,11 +17,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from pagedjax.memory.paged_policy import PagedPolicy
-from pagedjax.scheduler import SchedulerConfig, add_requests, init_state, schedule, update
+from pagedjax.scheduler import SchedulerLimits, add_requests, init_state, schedule, update
 from pagedjax.scheduler.counting_policy import CountingPolicy
 
 
-def _running_state(policy, cfg: SchedulerConfig, seqs: int, prompt: int, out: int):
+def _running_state(policy, cfg: SchedulerLimits, seqs: int, prompt: int, out: int):
     """``seqs`` requests of ``prompt`` tokens (max_tokens ``out``), prefilled."""
     ids = jnp.arange(seqs, dtype=jnp.int32)
     full = lambda v: jnp.full((seqs,), v, jnp.int32)
@@ -85,7 +85,7 @@ def main() -> None:
     print(f"schedule+update per step, {n} running sequences, {jax.devices()[0].platform}")
     print(f"{'policy':<12} {'mode':<8} {'dispatch/step':>14} {'in-loop/step':>13} preempt")
     for name, policy, mode in rows:
-        cfg = SchedulerConfig(
+        cfg = SchedulerLimits(
             n,
             max_num_batched_tokens=max(2560, n * 100),
             max_num_seqs=n,

@@ -1,4 +1,10 @@
-"""Static scheduler configuration (hashable, so it can be a ``jax.jit`` static argument)."""
+"""The jitted scheduler's static limits (hashable, so they can be a ``jax.jit`` static argument).
+
+``SchedulerLimits`` is what ``schedule`` / ``update`` decide with: the user-facing settings
+(``pagedjax.config.SchedulerConfig``, EngineConfig's ``scheduler`` section, vLLM's names)
+plus the sizes the engine derives (slots, ``max_model_len``). ``LLMEngine`` builds one from
+its EngineConfig; the simulator, the reference scheduler and the benchmarks build their own.
+"""
 
 from __future__ import annotations
 
@@ -20,8 +26,9 @@ def _check_pos_int(name: str, value: object) -> None:
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    """What the scheduler decides with; every field is static.
+class SchedulerLimits:
+    """What the jitted scheduler decides with; every field is static (see the module
+    docstring for how it relates to ``pagedjax.config.SchedulerConfig``).
 
     max_seqs: sequence slots (waiting + running + finished-but-unread); the length of
         every per-slot state array. Must equal the memory policy's ``max_seqs``.
@@ -104,7 +111,7 @@ class SchedulerConfig:
         return min(self.max_model_len, self.max_num_batched_tokens)
 
     @classmethod
-    def paper(cls, max_seqs: int = PAPER_MAX_NUM_SEQS, **overrides: Any) -> SchedulerConfig:
+    def paper(cls, max_seqs: int = PAPER_MAX_NUM_SEQS, **overrides: Any) -> SchedulerLimits:
         """The 2023 vLLM defaults: paper mode, FCFS, 2560 batched tokens, 256 sequences."""
         kw: dict[str, Any] = dict(
             max_seqs=max_seqs,

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pagedjax.scheduler.config import SchedulerConfig
+from pagedjax.scheduler.config import SchedulerLimits
 from pagedjax.scheduler.state import (
     FINISHED,
     REASON_ABORTED,
@@ -212,7 +212,7 @@ class RefBatch:
 
 
 class ReferenceScheduler:
-    def __init__(self, config: SchedulerConfig, memory: Any) -> None:
+    def __init__(self, config: SchedulerLimits, memory: Any) -> None:
         if not isinstance(config.priority, str):
             raise ValueError("the reference scheduler knows only named priorities")
         self.config = config

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pagedjax.scheduler.config import SchedulerConfig
+from pagedjax.scheduler.config import SchedulerLimits
 from pagedjax.scheduler.priority import priority_order
 from pagedjax.scheduler.state import (
     FINISHED,
@@ -131,7 +131,7 @@ def _budget_prefix(need: jax.Array, budget: jax.Array) -> jax.Array:
     return jnp.clip(budget - before, 0, need).astype(jnp.int32)
 
 
-def group_order(state: SchedulerState, config: SchedulerConfig, members: jax.Array) -> jax.Array:
+def group_order(state: SchedulerState, config: SchedulerLimits, members: jax.Array) -> jax.Array:
     """Like ``priority_order`` but group-contiguous: groups ordered by their best member,
     members by priority within the group. For n = 1 groups it is the priority order.
     Group ids are any int32 (one sort, no table indexed by group id)."""
@@ -311,7 +311,7 @@ def _swap_maps(mem: Any) -> tuple:
 
 def schedule(
     policy: Any,
-    config: SchedulerConfig,
+    config: SchedulerLimits,
     state: SchedulerState,
     lookahead: jax.Array | None = None,
 ) -> tuple[SchedulerState, ScheduledBatch]:

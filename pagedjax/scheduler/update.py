@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pagedjax.scheduler.config import SchedulerConfig
+from pagedjax.scheduler.config import SchedulerLimits
 from pagedjax.scheduler.schedule import ScheduledBatch
 from pagedjax.scheduler.state import (
     FINISHED,
@@ -22,7 +22,7 @@ from pagedjax.scheduler.state import (
 
 def update(
     policy: Any,
-    config: SchedulerConfig,
+    config: SchedulerLimits,
     state: SchedulerState,
     batch: ScheduledBatch,
     finished_mask: jax.Array,

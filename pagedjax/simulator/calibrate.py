@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedjax.memory.paged_policy import PagedPolicy
-from pagedjax.scheduler import SchedulerConfig
+from pagedjax.scheduler import SchedulerLimits
 from pagedjax.simulator.cost_model import roofline
 from pagedjax.simulator.simulate import make_trace, simulate_recorded
 
@@ -61,7 +61,7 @@ def record_steps(cap: int, seed: int = 0, max_steps: int = 40_000) -> tuple[np.n
     n = NUM_REQUESTS
     tr = make_trace(np.zeros(n, np.float32), np.full(n, PROMPT_LEN, np.int32), out, 1024)
     policy = PagedPolicy(KV_SLOTS // BLOCK + 1, BLOCK, MAX_SEQS, MAX_LEN // BLOCK, 0.01)
-    cfg = SchedulerConfig(
+    cfg = SchedulerLimits(
         max_seqs=MAX_SEQS,
         max_num_batched_tokens=BATCHED_TOKENS[cap],
         max_num_seqs=MAX_SEQS,

@@ -17,7 +17,7 @@ only changes decisions when every slot is taken by waiting requests *and* more c
 admitted in one step; ``max_seqs`` of a few times ``max_num_seqs`` makes that rare.
 
 Everything is array code, so ``simulate_many`` vmaps the loop over several traces (request
-rates, seeds, length spreads) sharing one policy, scheduler config and cost model. All
+rates, seeds, length spreads) sharing one policy, scheduler limits and cost model. All
 outputs are *simulated*: callers must label them so.
 """
 
@@ -38,7 +38,7 @@ from pagedjax.scheduler import (
     RUNNING,
     SWAPPED,
     WAITING,
-    SchedulerConfig,
+    SchedulerLimits,
     add_requests,
     init_state,
     recycle,
@@ -202,7 +202,7 @@ class _Carry(NamedTuple):
 
 
 def _simulate(
-    policy, config: SchedulerConfig, cost_model, max_steps: int, trace: Trace, record: int = 0,
+    policy, config: SchedulerLimits, cost_model, max_steps: int, trace: Trace, record: int = 0,
     spec: SpecParams | None = None,
 ):  # spec: a SpecModel's traced arrays (speculative.py) or None
     n_slots = config.max_seqs
@@ -402,7 +402,7 @@ def _simulate_vmap(policy, config, cost_model, max_steps, traces, spec=None):
 
 def simulate(
     policy: Any,
-    config: SchedulerConfig,
+    config: SchedulerLimits,
     cost_model: Any,
     trace: Trace,
     max_steps: int = 2_000_000,
@@ -417,7 +417,7 @@ def simulate(
 
 def simulate_many(
     policy: Any,
-    config: SchedulerConfig,
+    config: SchedulerLimits,
     cost_model: Any,
     traces: Trace,
     max_steps: int = 2_000_000,
@@ -434,7 +434,7 @@ def simulate_many(
 
 def simulate_recorded(
     policy: Any,
-    config: SchedulerConfig,
+    config: SchedulerLimits,
     cost_model: Any,
     trace: Trace,
     record: int,

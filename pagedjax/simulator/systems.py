@@ -33,7 +33,7 @@ import numpy as np
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.reservation import ReservationPolicy
 from pagedjax.memory.static_batching import static_batch_size
-from pagedjax.scheduler import SchedulerConfig
+from pagedjax.scheduler import SchedulerLimits
 from pagedjax.simulator.cost_model import calibrated, model_geometry, roofline
 from pagedjax.simulator.simulate import SimResult, make_trace, simulate
 from pagedjax.workloads import Workload
@@ -63,8 +63,8 @@ def build_system(
     model: str = "opt-13b",
     tp: int = 1,
     kv_cache_dtype: str = "auto",
-) -> tuple[Any, SchedulerConfig]:
-    """The (memory policy, scheduler config) of a named system (``SYSTEMS``).
+) -> tuple[Any, SchedulerLimits]:
+    """The (memory policy, SchedulerLimits) of a named system (``SYSTEMS``).
 
     kv_slots: KV-cache capacity in tokens. slots: scheduler rows (waiting + running);
     at most min(max_num_seqs, slots) run at once. block_size: the paged pool's (the
@@ -103,7 +103,7 @@ def build_system(
         cfg.update(mode="static", static_batch_size=b, max_num_batched_tokens=b * mlen)
     else:
         raise ValueError(f"unknown system {system!r}; one of {SYSTEMS}")
-    return policy, SchedulerConfig(**cfg)
+    return policy, SchedulerLimits(**cfg)
 
 
 def make_cost_model(
@@ -141,7 +141,7 @@ class SystemRun:
 
 
 def simulate_system(
-    system: str | tuple[Any, SchedulerConfig],
+    system: str | tuple[Any, SchedulerLimits],
     workload: Workload,
     *,
     cost_model: Any = None,
@@ -152,7 +152,7 @@ def simulate_system(
 ) -> SystemRun:
     """Simulate ``workload`` (arrival times, prompt and output lengths) under a system:
     a name (built by ``build_system(system, **system_args)``) or a (memory policy,
-    SchedulerConfig) pair of one's own.
+    SchedulerLimits) pair of one's own.
 
     cost_model: default ``make_cost_model()`` (roofline of OPT-13B on an A100-40GB).
     horizon_s: stop at this simulated time (default: unbounded, i.e. until every request

@@ -220,7 +220,7 @@ class FakeJaxTriton:
 
     ``callback=False``: runs at once on concrete arrays (eager calls only).
     ``callback=True``: runs through ``jax.pure_callback``, so it also works under
-    ``jax.jit`` and inside the model's ``lax.scan`` layer loop (traced layer and window)."""
+    ``jax.jit`` and inside the model's layer loop (a ``fori_loop``) (traced layer and window)."""
 
     def __init__(self, callback: bool = False) -> None:
         self.calls: list[dict[str, Any]] = []

@@ -100,7 +100,7 @@ def triton_paged_attention(
         q[cu_q_lens[s] + i], at position kv_lens[s] - q_len_s + i.
       k_pool, v_pool: [L, N, Hkv, B, D], q's dtype (or 8-bit, see kv_format); block 0 is
         the null block.
-      layer: int32 scalar (may be traced, e.g. a ``lax.scan`` index): the layer to read.
+      layer: int32 scalar (may be traced: the layer loop's ``fori_loop`` index): the layer.
       block_tables: int32[S, M]; only entries of pages below kv_len are read.
       kv_lens: int32[S], context including this step's tokens (0: padding sequence).
       cu_q_lens: int32[S + 1]; tokens at index >= cu_q_lens[S] are padding.

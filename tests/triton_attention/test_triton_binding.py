@@ -105,7 +105,7 @@ def test_both_jax_triton_spellings_and_a_traced_layer(monkeypatch, spelling):
     q, pool, bt, kv, cu = _inputs()
 
     @jax.jit
-    def step(layer):  # the layer index is traced, as under lax.scan
+    def step(layer):  # the layer index is traced, as under the layer loop's fori_loop
         return triton_paged_attention(q, pool, pool, layer, bt, kv, cu, sm_scale=0.125,
                                       num_splits=1)  # fmt: skip
 

@@ -1,8 +1,9 @@
 """The Triton backend inside the model's layer loop, on the CPU: the jax-triton binding with
 a stand-in that runs each call in Triton's interpreter through ``jax.pure_callback``, so the
-engine's contract (stacked pool carried through ``lax.scan``, traced layer index, traced
-per-layer windows, NaN-filled pages in random order) is exercised end to end. Logits must
-match the XLA reference backend's. Runs in a subprocess with TRITON_INTERPRET=1.
+engine's contract (stacked pool carried through the layer loop's ``fori_loop``, traced
+layer index, traced per-layer windows, NaN-filled pages in random order) is exercised end
+to end. Logits must match the XLA reference backend's. Runs in a subprocess with
+TRITON_INTERPRET=1.
 
 The same with an 8-bit KV cache (docs/kv_quantization.md): the engine's writer quantizes
 into a NaN-poisoned ``QuantizedPages`` pool (-m slow; each format), the Triton

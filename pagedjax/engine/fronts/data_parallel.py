@@ -116,8 +116,6 @@ class DataParallelEngine:
                 self.replicas[replica].abort_request(rid)
                 self.router.finish(rid)
 
-    abort = abort_request
-
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.replicas)
 

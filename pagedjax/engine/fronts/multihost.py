@@ -110,8 +110,6 @@ class MultiHostEngine:
         self.engine.abort_request(ids)
         self._pending.append(("abort", ids))
 
-    abort = abort_request
-
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()
 

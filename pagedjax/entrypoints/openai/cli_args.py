@@ -4,10 +4,12 @@ An engine flag left out is left out of ``LLM(...)`` too, so the server's default
 ``LLM``'s (prefix caching on, K auto, ...), never a second copy of them.
 
 ``make_parser()`` builds the argparse parser (abbreviations off, so an unknown or
-misspelt flag is an error rather than a guess). ``llm_kwargs(args)`` turns the parsed
-flags into ``LLM(...)`` keyword arguments; ``reject_unbuilt(args)`` raises SystemExit
-naming a flag value that cannot be served (a negative --max-waiting-requests) instead
-of ignoring it.
+misspelt flag is an error rather than a guess); each of vLLM 0.32's server flags that
+pagedjax does not implement (``vllm_flags.py``, generated from vLLM's parser) is refused
+by name with the reason (``add_vllm_refusals``), not argparse's generic error.
+``llm_kwargs(args)`` turns the parsed flags into ``LLM(...)`` keyword arguments;
+``reject_unbuilt(args)`` raises SystemExit naming a flag value that cannot be served (a
+negative --max-waiting-requests) instead of ignoring it.
 """
 
 from __future__ import annotations
@@ -17,18 +19,20 @@ import json
 from typing import Any
 
 from pagedjax.attention import KV_CACHE_DTYPES
+from pagedjax.entrypoints.openai.vllm_flags import VLLM_SERVER_FLAGS, VLLM_VERSION
 
-# Flags vLLM does not have; the help text says so (docs/serving.md lists them).
+# Flags vLLM 0.32 does not have (vllm_flags.py); the help text says so (docs/serving.md
+# lists them; tests/test_vllm_recipes.py checks this list against vLLM's).
 PAGEDJAX_ONLY = (
     "--swap-space",  # vLLM removed it in V1; here the paper's host swap pool (GiB)
     "--num-scheduler-steps",  # vLLM V0's multi-step; here the on-device K-step decode loop
+    "--preemption-mode",  # vLLM V0's; here recompute or swap (the paper's)
     "--max-waiting-requests",
-    "--attention-backend",
     "--scheduling-mode",
-    "--watermark",
     "--warmup",
     "--compilation-cache",
     "--data-parallel-routing",  # vLLM balances DP replicas by load only
+    "--disable-log-requests",  # vLLM 0.32 has --enable-log-requests instead
 )
 
 
@@ -63,7 +67,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--gpu-memory-utilization", "--device-memory-utilization", type=float,
+                   default=None)  # fmt: skip
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument(
         "--kv-cache-memory-bytes",
@@ -77,7 +82,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         default=None,
         help="automatic prefix caching (LLM's default: on, as vLLM)",
     )
-    p.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
+    p.add_argument(
+        "--preemption-mode",
+        default=None,
+        choices=["recompute", "swap"],
+        help=_own("how a preempted group gives its KV blocks back (vLLM V0's flag)"),
+    )
     p.add_argument("--max-logprobs", type=int, default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=None)
@@ -94,13 +104,23 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         "--num-scheduler-steps",
         type=_int_or_auto,
         default=None,
-        help=_own("decode iterations run in one on-device loop (K), or 'auto'"),
+        help=_own(
+            "decode iterations run in one on-device loop (K), or 'auto'; vLLM V0's name,"
+            f" vLLM {VLLM_VERSION} has no such flag"
+        ),
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's flag, its JAX meaning: nothing compiled ahead of time (--warmup none)"
+        " and no fused K-step decode program (--num-scheduler-steps 1); docs/serving.md",
     )
     p.add_argument(
         "--attention-backend",
         default=None,
         choices=["auto", "reference", "native_cpu", "pallas"],
-        help=_own("attention implementation"),
+        help="attention implementation (vLLM's flag, pagedjax's backends)",
     )
     p.add_argument(
         "--scheduling-mode",
@@ -108,9 +128,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         choices=["default", "paper", "static"],
         help=_own("default (chunked prefill), paper (2023 vLLM rules) or static batching"),
     )
-    p.add_argument(
-        "--watermark", type=float, default=None, help=_own("fraction of blocks kept free")
-    )
+    p.add_argument("--watermark", type=float, default=None, help="fraction of blocks kept free")
     p.add_argument(
         "--warmup",
         default=None,
@@ -131,6 +149,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     )  # fmt: skip
     p.add_argument(
         "--speculative-config",
+        "-sc",
         type=_json_object,
         default=None,
         help='speculative decoding, JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\'',
@@ -171,7 +190,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help=_own("answer 503 while this many requests wait for a slot (default: unlimited)"),
     )
     p.add_argument("--uvicorn-log-level", default="info")
-    p.add_argument("--disable-log-requests", action="store_true")
+    p.add_argument(
+        "--disable-log-requests", action="store_true", help=_own("no access log per request")
+    )
 
 
 def make_parser(prog: str = "pagedjax.entrypoints.openai.api_server") -> argparse.ArgumentParser:
@@ -182,7 +203,89 @@ def make_parser(prog: str = "pagedjax.entrypoints.openai.api_server") -> argpars
     )
     add_engine_args(p)
     add_server_args(p)
+    add_vllm_refusals(p)
     return p
+
+
+# Why a vLLM flag is not implemented, by the first pattern its name contains (else the
+# last entry's reason).
+REFUSAL_REASONS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("lora",), "LoRA adapters are not built"),
+    (("trust-remote-code", "model-impl", "model-class-overrides", "runner", "convert"),
+     "pagedjax runs its own model implementations (docs/model_families.md), never a"
+     " checkpoint's code"),
+    (("revision", "download-dir", "hf-token", "hf-overrides", "hf-config-path"),
+     "models load from a local directory, a .gguf file or pagedjax's catalog, not from"
+     " the Hugging Face Hub"),
+    (("chunked-prefill",), "chunked prefill is always on in the default --scheduling-mode"
+     " (paper and static turn it off)"),
+    (("compilation-config", "optimization-level", "performance-mode"),
+     "XLA compiles whole programs; pagedjax's compile options are --warmup,"
+     " --compilation-cache and --enforce-eager"),
+    (("scheduling-policy", "scheduler-cls", "async-scheduling"),
+     "the scheduler is pagedjax's jitted one (--scheduling-mode; docs/scheduler.md)"),
+    (("-mm-", "mm-", "media", "video", "language-model-only", "prompt-embeds"),
+     "multimodal inputs and prompt embeddings are not built (text models only)"),
+    (("tool", "reasoning", "cohere", "anthropic"),
+     "tool calling and reasoning parsers are not built"),
+    (("ssl",), "TLS is not built: put a TLS-terminating proxy in front"),
+    (("cudagraph", "cuda-graph"), "CUDA graphs do not exist under XLA, which compiles whole"
+     " programs (--enforce-eager has pagedjax's meaning: docs/serving.md)"),
+    (("pipeline-parallel", "context-parallel", "dcp-", "cp-kv", "expert", "eplb", "ep-",
+      "nnodes", "node-rank", "master-", "data-parallel-", "dp-", "distributed", "ray-",
+      "all2all", "dbo", "ubatch", "headless", "api-server-count", "nccl", "custom-all-reduce",
+      "hc-sp", "numa", "device-ids", "worker", "fault-tolerance"),
+     "only tensor (--tensor-parallel-size) and data (--data-parallel-size) parallelism on"
+     " one host are built (docs/parallelism.md)"),
+    (("mamba", "replayssm", "swa-"), "state-space (Mamba) models are not built"),
+    (("kv-transfer", "kv-events", "ec-", "offload", "kv-sharing"),
+     "KV transfer, events and offloading are not built (the host swap pool: --swap-space)"),
+    (("sleep", "cumem"), "sleep mode and GPU memory pools are not built"),
+    (("grpc", "uds", "middleware", "root-path", "allowed-", "allow-credentials", "h11-",
+      "fastapi", "offline-docs", "access-log", "request-id-headers", "fingerprint",
+      "scale-out", "tokens-only", "sse-", "tokenizer-info", "log-", "logging", "metrics",
+      "traces", "nvtx", "jit-monitor", "server-load"),
+     "this part of vLLM's server (transport, middleware, logging or metrics options) is"
+     " not built; pagedjax's server is docs/serving.md's"),
+    ((), "not implemented in pagedjax (docs/serving.md lists the flags that are)"),
+)
+
+
+# Each vLLM option string -> its flag's canonical long name (vllm_flags.py's first name).
+CANONICAL = {s: names[0] for names in VLLM_SERVER_FLAGS for s in names}
+
+
+def refusal_reason(flag: str) -> str:
+    """Why the vLLM flag ``flag`` (any of its option strings) is refused
+    (``REFUSAL_REASONS``, matched on its canonical name)."""
+    flag = CANONICAL.get(flag, flag)
+    for patterns, reason in REFUSAL_REASONS:
+        if not patterns or any(pat in flag for pat in patterns):
+            return reason
+    raise AssertionError("REFUSAL_REASONS ends with a catch-all")
+
+
+class _Refused(argparse.Action):
+    """A vLLM flag pagedjax does not implement: an error naming it and why."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any,
+                 option_string: str | None = None) -> None:  # fmt: skip
+        flag = option_string or self.option_strings[0]
+        name = flag if CANONICAL.get(flag, flag) == flag else f"{flag} ({CANONICAL[flag]})"
+        parser.error(f"{name}, a vLLM {VLLM_VERSION} server flag, is not implemented by"
+                     f" pagedjax: {refusal_reason(flag)}")  # fmt: skip
+
+
+def add_vllm_refusals(p: argparse.ArgumentParser) -> list[str]:
+    """Make each option string of vLLM's server (``vllm_flags.py``) that ``p`` does not
+    have an error naming the flag and the reason, whatever values follow it. Returns
+    the refused option strings."""
+    have = {s for a in p._actions for s in a.option_strings}
+    refused = [s for names in VLLM_SERVER_FLAGS for s in names if s not in have]
+    for flag in refused:
+        p.add_argument(flag, nargs="*", action=_Refused, default=argparse.SUPPRESS,
+                       dest=f"refused{flag}", help=argparse.SUPPRESS)  # fmt: skip
+    return refused
 
 
 def reject_unbuilt(args: argparse.Namespace) -> None:
@@ -205,6 +308,7 @@ LLM_ARGS = (
     "kv_cache_dtype",
     "quantization",
     "speculative_config",
+    "enforce_eager",
 )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ Q6_K     16          (d * sc_j) * (q - 32)                       6-bit (a byte)
 
 Other types (F32, F16, BF16, the remaining quant types) load dequantized through
 gguf_loader.py. A linear role whose layers mix types (llama.cpp's Q4_K_M gives some layers'
-ffn_down / attn_v Q6_K) cannot share one scan body: that role is dequantized to the
+ffn_down / attn_v Q6_K) cannot share one layer-loop body: that role is dequantized to the
 compute dtype and the log says so. A quantized token embedding stays packed too, in the
 LM head's orientation [hidden, vocab] (layers.Embedding): a lookup dequantizes only the
 looked-up rows, and when tied (the real model's Q8_0 embedding) it is the quantized LM

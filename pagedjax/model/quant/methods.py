@@ -18,6 +18,7 @@ asked of a checkpoint that does not carry it; a quantization_config method not b
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +40,24 @@ from pagedjax.model.quant.inflight import INFLIGHT_MODES
 from pagedjax.model.quant.weight import QuantizedWeight
 from pagedjax.model.safetensors_io import load_tensors
 
+log = logging.getLogger(__name__)
+
 CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors")
 METHODS = (*CHECKPOINT_METHODS, "gguf", *INFLIGHT_MODES)
+# Deprecated names vLLM 0.32 still accepts for in-flight quantization, with a warning
+# (its weight_utils.get_quant_config: "fp8" on a checkpoint without an fp8
+# quantization_config is "fp8_per_tensor").
+DEPRECATED_ALIASES = {"fp8": "fp8_per_tensor"}
 
 
 def check_method(name: str | None) -> str | None:
-    """name itself if it is a quantization method (or None); ValueError otherwise."""
+    """name itself if it is a quantization method (or None); a deprecated alias is
+    mapped to its method with a warning (``DEPRECATED_ALIASES``); ValueError otherwise."""
+    if name in DEPRECATED_ALIASES:
+        new = DEPRECATED_ALIASES[name]
+        log.warning("quantization %r is deprecated for in-flight quantization (as in vLLM);"
+                    " running %r: pass quantization=%r instead", name, new, new)  # fmt: skip
+        return new
     if name is not None and name not in METHODS:
         raise ValueError(f"unknown quantization {name!r}; supported: {list(METHODS)}")
     return name
@@ -60,7 +73,7 @@ def checkpoint_quantization_config(directory: Path) -> dict[str, Any] | None:
 
 def resolve_method(requested: str | None, directory: Path | None) -> str | None:
     """The method a model directory (None: no checkpoint) runs with (module docstring)."""
-    check_method(requested)
+    requested = check_method(requested)
     qc = checkpoint_quantization_config(directory) if directory is not None else None
     detected = None if qc is None else qc.get("quant_method")
     if detected is not None and detected not in CHECKPOINT_METHODS:

@@ -2,8 +2,8 @@
 
 Contract. A ``QuantizedWeight`` stands where a dense layer's ``kernel`` [in, out] would be
 (same parameter name, so the families, the layer loop and the loaders see one tree). It is
-a JAX pytree: its arrays are leaves (stacked on a leading layer axis under the scanned
-``layers``, sliced per layer by ``lax.scan`` like any parameter); its format is static
+a JAX pytree: its arrays are leaves (stacked on a leading layer axis under the layer
+loop's ``layers``, sliced per layer by it like any parameter); its format is static
 (part of the tree structure, so jit specializes on it and a format change is a new
 program, never a silent retrace). The value of weight element (i, o) is
 
@@ -270,7 +270,7 @@ def compute_dtype(params: Any) -> Any:
 
 def stack_layers(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Per-layer weights of one role -> one weight with a leading layer axis (the layer
-    loop's layout). ValueError if their formats differ (they could not share a scan body)."""
+    loop's layout). ValueError if their formats differ (they could not share a layer-loop body)."""
     formats = {jax.tree.structure(w) for w in weights}
     if len(formats) != 1:
         raise ValueError(
