@@ -170,6 +170,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help=_own("answer 503 while this many requests wait for a slot (default: unlimited)"),
     )
+    p.add_argument(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help="step the engine in a thread of the server process, not in engine core"
+        " processes of its own (debugging; docs/serving.md)",
+    )
     p.add_argument("--uvicorn-log-level", default="info")
     p.add_argument("--disable-log-requests", action="store_true")
 
