@@ -12,7 +12,8 @@ pool are per replica by nature (a request's blocks live on its replica's devices
 separate engines need no change to the engine; the weights are loaded once and placed on
 each replica's devices. ``step()`` steps every replica that has work, in turn, on this
 thread: JAX dispatches asynchronously, but each step reads its sampled ids back, so the
-replicas' host work is serialized (a thread per replica is left for later; the
+replicas' host work is serialized (the server instead runs each replica in an engine
+core process of its own, ``core_client.py``, with this module's router and merges; the
 correctness of the routing and of each replica's outputs does not depend on it).
 Outputs stream per request exactly as with one replica (request ids are global).
 """
