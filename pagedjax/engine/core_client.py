@@ -133,7 +133,8 @@ class MPEngineClient:
         facts = self._cores[0].facts
         self.max_model_len: int = facts["max_model_len"]
         self.max_logprobs: int = facts["max_logprobs"]
-        self.vocab_size: int = facts["vocab_size"]
+        self.arch = facts["arch"]  # the model's ModelArch
+        self.vocab_size: int = self.arch.vocab_size
         self.block_size: int = facts["block_size"]
         self._facts = facts
         self.router = Router(m, par.data_parallel_routing, block_size=self.block_size)
@@ -190,7 +191,7 @@ class MPEngineClient:
             ids, params, sched_config=f["sched_config"], max_model_len=f["max_model_len"],
             num_blocks=f["num_blocks"], block_size=f["block_size"],
             watermark_blocks=f["watermark_blocks"], max_logprobs=f["max_logprobs"],
-            vocab_size=f["vocab_size"],
+            vocab_size=self.vocab_size,
         )  # fmt: skip
         out = params.max_tokens or max(self.max_model_len - len(ids), 1)
         replica = self.router.route(request_id, ids, len(ids) + out * max(params.n, 1))

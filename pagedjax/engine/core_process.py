@@ -237,7 +237,7 @@ def run_core(config: Any, max_logprobs: int, conn: Any, replica: int = 0,
         engine = LLMEngine.from_config(config, max_logprobs=max_logprobs, devices=devices[:tp])
         facts = dict(
             max_model_len=engine.max_model_len, max_logprobs=engine.max_logprobs,
-            vocab_size=engine.vocab_size, block_size=engine.block_size,
+            arch=engine.arch, block_size=engine.block_size,
             num_blocks=engine.num_blocks, watermark_blocks=engine.policy.watermark_blocks,
             sched_config=engine.sched_config, pid=os.getpid(),
         )  # fmt: skip

@@ -204,10 +204,6 @@ class LLMEngine:
     prefix_index = CoreView("prefix_index", "The prefix cache's host hint (PrefixIndex).")
     num_steps = CoreView("num_steps", "Engine iterations run so far.")
 
-    @property
-    def vocab_size(self) -> int:  # engine/protocol.py's EngineClient
-        return self.arch.vocab_size
-
     # ------------------------------------------------------------------ requests
 
     def add_request(

@@ -3,7 +3,8 @@
 vLLM v1 separates the API process from the engine core behind an engine-client
 interface; this is pagedjax's. It is the request interface of ``LLMEngine`` (requests in,
 one iteration per ``step()``, cumulative ``RequestOutput``s out) plus the few read-only
-facts a server needs (tokenizer, max_model_len, max_logprobs, vocab_size) and the load
+facts a server needs (tokenizer, max_model_len, max_logprobs, the model's ``arch``:
+its vocab_size...) and the load
 numbers /metrics reports. Four classes implement it:
 
 - ``LLMEngine`` (one engine in this process);
@@ -40,7 +41,7 @@ class EngineClient(Protocol):
     tokenizer: Any
     max_model_len: int
     max_logprobs: int
-    vocab_size: int
+    arch: Any  # the model's ModelArch (vocab_size, ...)
     num_preemptions: int
 
     def add_request(
@@ -65,7 +66,7 @@ class EngineClient(Protocol):
 
 
 ENGINE_CLIENT_MEMBERS = (
-    "tokenizer", "max_model_len", "max_logprobs", "vocab_size", "num_preemptions",
+    "tokenizer", "max_model_len", "max_logprobs", "arch", "num_preemptions",
     "add_request", "abort_request", "step", "has_unfinished_requests",
     "get_num_unfinished_requests", "request_counts", "stats", "num_free_blocks",
     "num_usable_blocks",

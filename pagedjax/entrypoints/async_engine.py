@@ -143,7 +143,7 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_logprobs = engine.max_logprobs
-        self.vocab_size = engine.vocab_size
+        self.vocab_size = engine.arch.vocab_size
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._dead: EngineDeadError | None = None

@@ -148,10 +148,6 @@ class DataParallelEngine:
         return self.replicas[0].max_logprobs
 
     @property
-    def vocab_size(self) -> int:
-        return self.arch.vocab_size
-
-    @property
     def num_preemptions(self) -> int:
         return sum(e.num_preemptions for e in self.replicas)
 
