@@ -24,8 +24,10 @@ core -> client: ("ready", facts) | ("out", items, counts or None) |
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import pickle
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -219,10 +221,28 @@ def _visible_devices(replica: int, devices_per_replica: int, num_replicas: int) 
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
 
 
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent dies (a SIGKILLed API
+    process leaves no core stepping on; elsewhere the core exits at its next send or
+    receive, on EOF). The parent is the thread that started the process: start
+    MPEngineClient on a thread that lives as long as it (the main thread)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+        parent = multiprocessing.parent_process()
+        if parent is not None and os.getppid() != parent.pid:  # it died before the call
+            os._exit(1)
+
+
 def run_core(config: Any, max_logprobs: int, conn: Any, replica: int = 0,
              num_replicas: int = 1) -> None:  # fmt: skip
     """The core process' main: build the engine from ``config`` (data_parallel_size 1),
     report ("ready", facts), then serve the connection until "stop" or EOF."""
+    _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s core{replica}: %(message)s")
     tp = config.parallel.tensor_parallel_size
     _visible_devices(replica, tp, num_replicas)
