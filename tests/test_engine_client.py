@@ -34,7 +34,7 @@ import pytest
 from pagedjax import LLM, SamplingParams
 from pagedjax.engine.core_client import MPEngineClient
 from pagedjax.engine.core_process import OutputDecoder, OutputEncoder
-from pagedjax.engine.fronts.data_parallel import DataParallelEngine
+from pagedjax.engine.fronts.data_parallel import DataParallelEngine, merge_counts, merge_stats
 from pagedjax.engine.fronts.multihost import MultiHostEngine
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -137,6 +137,25 @@ def test_encoder_decoder_round_trip_with_stop_truncation():
     for outs in steps:
         assert dec.decode(enc.encode(outs)) == outs
     assert not enc.sent and not dec.requests  # finished requests are forgotten
+
+
+def test_replica_merges():
+    """What DataParallelEngine and MPEngineClient report over replicas: counts and
+    counters summed, ratios averaged, the process-wide compilation count once."""
+    a = dict(prefix_cache_hit_rate=0.5, xla_compilations=7, compilations=3, spec_rows=2)
+    b = dict(prefix_cache_hit_rate=0.25, xla_compilations=9, compilations=4, spec_rows=5)
+    assert merge_stats([a, b]) == dict(prefix_cache_hit_rate=0.375, xla_compilations=7,
+                                       compilations=7, spec_rows=7)  # fmt: skip
+    c = dict(running=1, waiting=2, swapped=0, slots_in_use=1)
+    assert merge_counts([c, c]) == dict(running=2, waiting=4, swapped=0, slots_in_use=2)
+
+    class Replica:
+        def __init__(self, stats, counts):
+            self.stats, self.request_counts = (lambda: stats), (lambda: counts)
+
+    dp = object.__new__(DataParallelEngine)
+    dp.replicas = [Replica(a, c), Replica(b, c)]
+    assert dp.stats() == merge_stats([a, b]) and dp.request_counts() == merge_counts([c, c])
 
 
 # ------------------------------------------------------------------ outputs
