@@ -105,7 +105,8 @@ class LLM:
             )
         args = {k: v for k, v in locals().items() if k not in ("self", "unknown", "__class__")}
         config = engine_config(**args)
-        if jax.process_count() > 1:  # after multihost.initialize
+        multi_process = jax.process_count() > 1  # after multihost.initialize
+        if multi_process:
             if preemption_mode == "swap":
                 raise ValueError("preemption_mode='swap' is not available over several"
                                  " processes (multihost.py): use 'recompute'")  # fmt: skip
@@ -115,7 +116,6 @@ class LLM:
             config = dataclasses.replace(
                 config, cache=dataclasses.replace(config.cache, swap_space=0.0)
             )
-        multi_process = jax.process_count() > 1
         engine_cls = DataParallelEngine if data_parallel_size > 1 else LLMEngine
         self.llm_engine = engine_cls.from_config(config, max_logprobs=max_logprobs)
         if multi_process:  # process 0 takes requests, the others follow (multihost.py)
