@@ -4,8 +4,8 @@
 On test_server.py's tiny llama and geometry (so no new compilation shapes: the core
 process loads the programs from the session's persistent compilation cache): outputs
 through the core process equal ``LLM.generate``'s RequestOutputs field for field (greedy
-with logprobs, a stop string, n > 1 seeded samples, token-id prompts; prompt logprobs
-in the encoder's round trip), streamed outputs
+and a stop string; in the slow tier also logprobs, n > 1 seeded samples, token-id
+prompts; prompt logprobs in the encoder's round trip), streamed outputs
 grow towards them; an abandoned stream aborts the request in the core and frees its
 blocks; /metrics reads the core; killing the core fails the request in flight with the
 exit code, /health answers 503 and new requests 500 at once, and no process is left.
@@ -161,15 +161,21 @@ def test_replica_merges():
 # ------------------------------------------------------------------ outputs
 
 
-def _requests(llm) -> list[tuple[Any, SamplingParams]]:
+def _requests(llm, full: bool) -> list[tuple[Any, SamplingParams]]:
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     ref = llm.generate("The quick brown fox", greedy, use_tqdm=False)[0].outputs[0].text
     stop = next(ref[i : i + 2] for i in range(1, len(ref) - 1) if ref[i : i + 2].strip())
+    reqs = [
+        ("Hello, world", greedy),
+        ("The quick brown fox", SamplingParams(temperature=0, max_tokens=10, stop=[stop])),
+    ]
+    if not full:  # test_server.py's programs only
+        return reqs
     ids = llm.get_tokenizer().encode("Hello, world")
     return [
         ("Hello, world", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
                                         logprobs=2)),
-        ("The quick brown fox", SamplingParams(temperature=0, max_tokens=10, stop=[stop])),
+        reqs[1],
         ("a", SamplingParams(temperature=1.0, seed=1234, n=3, max_tokens=8, ignore_eos=True)),
         ({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=6,
                                                   ignore_eos=True)),
@@ -180,8 +186,13 @@ def _without_metrics(o: RequestOutput) -> RequestOutput:
     return dataclasses.replace(o, metrics=None)
 
 
-def test_outputs_equal_in_process(llm, mp):
-    reqs = _requests(llm)
+@pytest.mark.parametrize(
+    "full", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["greedy-stop", "all"]
+)
+def test_outputs_equal_in_process(llm, mp, full):
+    """greedy-stop (default tier): greedy and a stop string. all (slow: compiles its own
+    programs twice, ~85 s on a loaded 2-core box): logprobs, n = 3 seeded, token ids."""
+    reqs = _requests(llm, full)
     want = llm.generate([p for p, _ in reqs], [s for _, s in reqs], use_tqdm=False)
     assert want[1].outputs[0].finish_reason == "stop"  # the stop string is met
 
