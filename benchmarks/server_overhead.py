@@ -18,7 +18,11 @@ table gives each path's median and the median of the per-round ratios):
 3. the HTTP server (uvicorn in a thread of this process) with all N requests sent at
    once as streams by a client in another process (benchmarks/serving_common.py), for
    each variant: uvicorn's HTTP parser (httptools / pure-Python h11) x the GIL switch
-   interval (the server's 0.5 ms / CPython's default 5 ms).
+   interval (the server's 0.5 ms / CPython's default 5 ms), the engine stepped by a
+   thread of the server process (``--disable-frontend-multiprocessing``);
+4. the same server with the engine core in a process of its own (``MPEngineClient``,
+   the server's default; ``--mp-variants``), built from the same config and weights
+   (same seed) and warmed up the same way (every bucket, in the core).
 
 Printed: tokens/s and the ratio to LLM.generate of each, the compilations during the
 timed runs (must be 0), and the load (uptime).
@@ -36,7 +40,9 @@ import numpy as np
 from serving_common import dummy_model_dir, run_client, serve_engine  # benchmarks/ on path
 
 from pagedjax import LLM, SamplingParams
+from pagedjax.engine.core_client import MPEngineClient
 from pagedjax.entrypoints.async_engine import AsyncLLMEngine
+from pagedjax.entrypoints.llm import engine_config
 from pagedjax.entrypoints.openai.api_server import SERVER_SWITCH_INTERVAL_S
 from pagedjax.machine import cpu_model
 
@@ -53,6 +59,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--variants", default="httptools:0.0005,httptools:0.005,h11:0.0005",
                     help="HTTP:SWITCH_INTERVAL_S list for the server runs")  # fmt: skip
+    ap.add_argument("--mp-variants", default="httptools:0.0005",
+                    help="HTTP:SWITCH_INTERVAL_S list for the engine-core-process server"
+                         " runs ('' for none)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--offline-switch-interval", type=float, default=SERVER_SWITCH_INTERVAL_S,
                     help="GIL switch interval of the LLM.generate runs (default: the"
@@ -60,11 +69,12 @@ def main() -> None:
     args = ap.parse_args()
 
     model = dummy_model_dir(args.hidden, args.layers, args.heads)
-    llm = LLM(
+    llm_kwargs = dict(
         model=model, load_format="dummy", dtype="float32", max_model_len=1024,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=1 << 30,
     )  # fmt: skip
+    llm = LLM(**llm_kwargs)
     t0 = time.perf_counter()
     llm.llm_engine.warmup(mode="all")
     warm_s = time.perf_counter() - t0
@@ -103,6 +113,15 @@ def main() -> None:
                    ignore_eos=True) for p in prompts]  # fmt: skip
     variants = [(v.split(":")[0], float(v.split(":")[1])) for v in args.variants.split(",")]
     servers = {v: serve_engine(engine, "bench", http=v[0]) for v in variants}
+    mp_variants = [(v.split(":")[0], float(v.split(":")[1]))
+                   for v in args.mp_variants.split(",") if v]  # fmt: skip
+    mp_engine = None
+    if mp_variants:
+        client = MPEngineClient(engine_config(**llm_kwargs, warmup="all"))
+        mp_engine = AsyncLLMEngine(client)
+        for v in mp_variants:
+            servers[("mp", *v)] = serve_engine(mp_engine, "bench", http=v[0])
+        mp_compiles = lambda: client.stats()["compilations"]  # noqa: E731
 
     def offline_run() -> float:
         # The engine thread is idle between runs; LLM.generate drives the engine from
@@ -115,35 +134,41 @@ def main() -> None:
         return asyncio.run(async_layer())
 
     def server_run(v) -> tuple[float, list]:
-        sys.setswitchinterval(v[1])
+        sys.setswitchinterval(v[-1])
         got = run_client(servers[v][2] + "/v1/completions", bodies)
         tokens = sum(r["tokens"] for r in got["results"])
         assert tokens == want and not any(r["error"] for r in got["results"])
         return want / got["wall"], [r["ttft"] for r in got["results"] if r["ttft"]]
 
+    all_variants = [*variants, *[("mp", *v) for v in mp_variants]]
     offline_run(), async_run()  # untimed
-    for v in variants:
+    for v in all_variants:
         server_run(v)
     c0 = compiles()
+    m0 = mp_compiles() if mp_variants else 0
     names = [
         f"LLM.generate, {args.offline_switch_interval * 1e3:g} ms switch",
         "AsyncLLMEngine (in-process asyncio), 0.5 ms switch",
-        *[f"HTTP server: {h}, {i * 1e3:g} ms switch" for h, i in variants],
-    ]
+        *[f"HTTP server, engine thread: {h}, {i * 1e3:g} ms switch" for h, i in variants],
+        *[f"HTTP server, engine core process: {h}, {i * 1e3:g} ms switch"
+          for h, i in mp_variants],
+    ]  # fmt: skip
     tps: dict[str, list[float]] = {n: [] for n in names}
     ttfts: dict[str, list[float]] = {}
     for _ in range(args.repeats):
         tps[names[0]].append(offline_run())
         tps[names[1]].append(async_run())
-        for name, v in zip(names[2:], variants, strict=True):
+        for name, v in zip(names[2:], all_variants, strict=True):
             t, tt = server_run(v)
             tps[name].append(t)
             ttfts.setdefault(name, []).extend(tt)
-    stop_compiles = compiles() - c0
+    stop_compiles = compiles() - c0 + (mp_compiles() - m0 if mp_variants else 0)
     for server, thread, _ in servers.values():
         server.should_exit = True
         thread.join(30)
     engine.shutdown()
+    if mp_engine is not None:
+        mp_engine.shutdown()
     base = tps[names[0]]
     rows = [(n, float(np.median(v)), float(np.median(np.array(v) / np.array(base))))
             for n, v in tps.items()]  # fmt: skip
@@ -165,6 +190,8 @@ def main() -> None:
         each = ", ".join(f"{x:.0f}" for x in tps[name])
         print(f"| {name} | {med:.1f} | {ratio:.2f} | {each} | {ttft} |")
     print(f"server_over_offline: {rows[2][2]:.3f}")
+    if mp_variants:
+        print(f"core_process_server_over_offline: {rows[2 + len(variants)][2]:.3f}")
 
 
 if __name__ == "__main__":

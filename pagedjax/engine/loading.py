@@ -119,6 +119,24 @@ def load_model(mc: ModelConfig) -> tuple[ModelArch, Any, Tokenizer, Any]:
     return arch, _in_flight(params, method), tokenizer, dtype
 
 
+def load_model_tokenizer(mc: ModelConfig) -> Tokenizer:
+    """The tokenizer ``load_model(mc)`` returns, without loading weights or starting JAX's
+    backend (an API process whose engine core runs in another process, core_client.py)."""
+    if mc.tokenizer is not None:
+        return load_tokenizer(mc.tokenizer)
+    path = Path(mc.model)
+    if mc.model in CATALOG or (path.suffix == ".gguf" and path.is_file()):
+        return gguf_tokenizer(fetch_model(mc.model) if mc.model in CATALOG else path)
+    if path.is_dir():
+        return load_tokenizer(path)
+    if mc.model in PRESETS:
+        arch = preset_arch(mc.model)
+        return ByteTokenizer(arch.eos_token_id, arch.bos_token_id)
+    raise FileNotFoundError(
+        f"model {mc.model!r}: no checkpoint directory, GGUF file, catalog model or preset"
+    )
+
+
 def _in_flight(params: Any, method: str | None) -> Any:
     """params with an in-flight quantization mode applied (unchanged for None and for
     the methods a loader already applied)."""

@@ -1,10 +1,15 @@
-"""AsyncLLMEngine: LLMEngine behind asyncio, for a server (vLLM's name and interface).
+"""AsyncLLMEngine: an engine client behind asyncio, for a server (vLLM's name and interface).
 
-One background thread owns the LLMEngine and is the only code that touches it: it
+The engine is any ``EngineClient`` (pagedjax/engine/protocol.py): an ``LLMEngine`` (or its
+data-parallel / multi-host fronts) stepped in this process, or an ``MPEngineClient``
+whose engine cores step in processes of their own (the server's default,
+docs/serving.md). One background thread owns it and is the only code that touches it: it
 applies queued commands (add, abort, a function to run on the engine) between steps,
 then runs ``step()`` (the K-step decode loop included) while requests are unfinished,
-and blocks on its command queue when there are none. Asyncio code talks to it through
-two one-way channels:
+and blocks on its command queue when there are none. An engine with ``wake()``
+(``MPEngineClient``) blocks in ``step()`` itself, waiting for its cores' outputs, a core's
+death or a wake-up: each queued command wakes it. Asyncio code talks to the thread
+through two one-way channels:
 
 - in: a thread-safe ``queue.SimpleQueue`` of commands; putting never blocks.
 - out: after each step the thread hands that step's RequestOutputs to each request's
@@ -18,8 +23,9 @@ So an HTTP handler never blocks the engine and the engine never blocks a handler
 ``LLMEngine.abort_request`` returns the request's blocks to the pool at once.
 
 Errors: an ``add_request`` that raises (bad prompt, prompt too long) fails that request's
-stream with the exception and changes nothing else. A ``step()`` that raises is fatal:
-the engine's state may be inconsistent, so the thread fails every request in flight with
+stream with the exception and changes nothing else. A ``step()`` that raises is fatal
+(the engine's state may be inconsistent; with ``MPEngineClient``: a core process died,
+and the error names its exit code): the thread fails every request in flight with
 ``EngineDeadError`` naming the cause, answers every later call with it, and stops;
 ``is_healthy`` turns False, so a server's /health reports it instead of hanging.
 
@@ -40,15 +46,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
+from pagedjax.engine.protocol import EngineClient, EngineDeadError, metrics_snapshot
 from pagedjax.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (a step raised, or shutdown); nothing more is served."""
 
 
 class QueueFullError(RuntimeError):
@@ -116,9 +118,10 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    """Asyncio front of an LLMEngine driven by one background thread (module docstring).
+    """Asyncio front of an EngineClient driven by one background thread (module docstring).
 
-    engine: the LLMEngine this object now owns (do not call it from other threads).
+    engine: the EngineClient this object now owns (do not call it from other threads);
+        ``shutdown()`` shuts it down too when it has a ``shutdown()``.
     max_waiting_requests: refuse ``generate`` with QueueFullError while this many
         requests wait for a scheduler slot (None: unlimited).
     stats: optional StatsSink for serving metrics.
@@ -126,7 +129,7 @@ class AsyncLLMEngine:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: EngineClient,
         *,
         max_waiting_requests: int | None = None,
         stats: StatsSink | None = None,
@@ -147,7 +150,8 @@ class AsyncLLMEngine:
         self._waiting = 0  # published by the thread: requests without a slot
         self._pending_adds = 0  # adds queued but not applied yet (approximate, lock-free)
         self._lock = threading.Lock()
-        self._ids = 0
+        # An engine that blocks in step() until it has outputs (MPEngineClient).
+        self._wake: Callable[[], None] | None = getattr(engine, "wake", None)
         self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
         self._thread.start()
 
@@ -172,11 +176,6 @@ class AsyncLLMEngine:
             raise self._dead
         if not self._thread.is_alive():
             raise EngineDeadError("the engine thread is not running")
-
-    def new_request_id(self, prefix: str = "req") -> str:
-        with self._lock:
-            self._ids += 1
-            return f"{prefix}-{self._ids}"
 
     async def generate(
         self,
@@ -204,7 +203,7 @@ class AsyncLLMEngine:
         stream = _Stream(request_id, asyncio.get_running_loop())
         with self._lock:
             self._pending_adds += 1
-        self._commands.put(("add", request_id, prompt, sampling_params, stream, time.monotonic()))
+        self._put(("add", request_id, prompt, sampling_params, stream, time.monotonic()))
         if self._dead is not None:  # died between the check above and the put
             raise self._dead
         done = False
@@ -231,35 +230,49 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished); applied before the next step."""
         if self._dead is None:
-            self._commands.put(("abort", request_id))
+            self._put(("abort", request_id))
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+    def _put(self, cmd: tuple) -> None:
+        self._commands.put(cmd)
+        if self._wake is not None:
+            self._wake()
+
+    async def metrics_snapshot(self) -> dict[str, Any]:
+        """/metrics' engine numbers (``protocol.metrics_snapshot``), read between steps."""
+        return await self.call(metrics_snapshot)
+
+    async def call(self, fn: Callable[[EngineClient], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps; returns its result."""
         return await asyncio.wrap_future(self.call_future(fn))
 
-    def call_future(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+    def call_future(self, fn: Callable[[EngineClient], Any]) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._dead is not None:
             fut.set_exception(self._dead)
         else:
-            self._commands.put(("call", fn, fut))
+            self._put(("call", fn, fut))
             if self._dead is not None:  # died before the thread could take it
                 _fail(fut, self._dead)
         return fut
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
-        """Stop the thread; requests in flight fail with EngineDeadError."""
+        """Stop the thread (requests in flight fail with EngineDeadError), then the
+        engine's own shutdown if it has one (MPEngineClient: its core processes)."""
         if self._thread.is_alive():
-            self._commands.put(("stop",))
+            self._put(("stop",))
             self._thread.join(timeout)
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
         engine = self.engine
+        waits = self._wake is not None  # step() itself blocks until there is something
         try:
             while True:
-                busy = engine.has_unfinished_requests()
+                busy = waits or engine.has_unfinished_requests()
                 # Idle: block until a command comes. Busy: take what is there, then step.
                 cmds = [] if busy else [self._commands.get()]
                 while True:
@@ -272,17 +285,27 @@ class AsyncLLMEngine:
                     return
                 for cmd in cmds:
                     self._apply(cmd)
-                if not engine.has_unfinished_requests():
+                if not waits and not engine.has_unfinished_requests():
                     self._waiting = 0
                     continue
                 try:
                     outputs = engine.step()
+                except EngineDeadError as e:  # a core process died (MPEngineClient)
+                    self._die(e)
+                    return
                 except BaseException as e:  # noqa: BLE001 - any failure kills the engine
                     log.exception("engine step failed")
                     self._die(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
                     return
+                if waits:
+                    for rid, error in engine.pop_request_errors():  # type: ignore[attr-defined]
+                        tracked = self._tracked.pop(rid, None)
+                        if tracked is not None:
+                            _call_soon(tracked.stream, error)
                 self._deliver(outputs, time.monotonic())
                 self._waiting = engine.request_counts()["waiting"]
+        except EngineDeadError as e:  # a core process died under a command (MPEngineClient)
+            self._die(e)
         except BaseException as e:  # noqa: BLE001 - a bug in this loop must not hang clients
             log.exception("engine thread failed")
             self._die(EngineDeadError(f"engine thread failed: {type(e).__name__}: {e}"))
@@ -342,7 +365,7 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 for stream, _ in items:
-                    self._commands.put(("abort", stream.request_id))
+                    self._put(("abort", stream.request_id))
 
     def _observe(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
         stats = self.stats
@@ -412,6 +435,13 @@ class AsyncLLMEngine:
                     pass
             elif cmd[0] == "call":
                 _fail(cmd[2], error)
+
+
+def _call_soon(stream: _Stream, item: Any) -> None:
+    try:
+        stream.loop.call_soon_threadsafe(stream.put, item)
+    except RuntimeError:  # the loop is closed
+        pass
 
 
 def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:

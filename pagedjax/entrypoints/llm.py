@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -15,7 +16,6 @@ from pagedjax.config import (
     EngineConfig,
     ModelConfig,
     ParallelConfig,
-    SchedulerConfig,
     SpeculativeConfig,
 )
 from pagedjax.engine.beams import BeamSearchOutput, beam_search
@@ -107,59 +107,19 @@ class LLM:
                 f"LLM() got unknown keyword argument(s) {sorted(unknown)}; see"
                 " help(pagedjax.LLM) for the supported options"
             )
-        if enforce_eager:
-            warmup, num_scheduler_steps = eager_settings(warmup, num_scheduler_steps)
-        if preemption_mode not in (None, "recompute", "swap"):
-            raise ValueError(
-                f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}"
-            )
+        args = {k: v for k, v in locals().items() if k not in ("self", "unknown", "__class__")}
+        config = engine_config(**args)
         multi_process = jax.process_count() > 1  # after multihost.initialize
         if multi_process:
             if preemption_mode == "swap":
                 raise ValueError("preemption_mode='swap' is not available over several"
                                  " processes (multihost.py): use 'recompute'")  # fmt: skip
-            swap_space = 0.0  # KV blocks of other processes cannot be read to this host
             if data_parallel_size > 1:
                 raise ValueError("data_parallel_size > 1 over several processes is not built")
-        config = EngineConfig(
-            model=ModelConfig(
-                model=model,
-                dtype=dtype,  # type: ignore[arg-type]
-                load_format=load_format,  # type: ignore[arg-type]
-                max_model_len=max_model_len,
-                tokenizer=tokenizer,
-                seed=seed,
-                quantization=quantization,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                gpu_memory_utilization=gpu_memory_utilization,
-                num_gpu_blocks_override=num_gpu_blocks_override,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                swap_space=swap_space,
-                enable_prefix_caching=enable_prefix_caching,
-                cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
-                kv_scales=kv_scales,  # type: ignore[arg-type]
-            ),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                scheduling_mode=scheduling_mode,  # type: ignore[arg-type]
-                watermark=watermark,
-                preemption_mode=preemption_mode,  # type: ignore[arg-type]
-                num_multi_steps=num_scheduler_steps,
-            ),
-            parallel=ParallelConfig(
-                tensor_parallel_size=tensor_parallel_size,
-                data_parallel_size=data_parallel_size,
-                data_parallel_routing=data_parallel_routing,  # type: ignore[arg-type]
-            ),
-            attention_backend=attention_backend,  # type: ignore[arg-type]
-            warmup=warmup,  # type: ignore[arg-type]
-            compilation_cache=compilation_cache,
-            speculative=_speculative(speculative_config),
-        )
-        _check_literals(config)
+            # KV blocks of other processes cannot be read to this host: no swap pool.
+            config = dataclasses.replace(
+                config, cache=dataclasses.replace(config.cache, swap_space=0.0)
+            )
         engine_cls = DataParallelEngine if data_parallel_size > 1 else LLMEngine
         self.llm_engine = engine_cls.from_config(config, max_logprobs=max_logprobs)
         if multi_process:  # process 0 takes requests, the others follow (multihost.py)
@@ -312,6 +272,96 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
+
+
+def engine_config(
+    model: str,
+    tokenizer: str | None = None,
+    *,
+    dtype: str = "auto",
+    load_format: str = "auto",
+    seed: int = 0,
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 2048,
+    gpu_memory_utilization: float = 0.9,
+    num_gpu_blocks_override: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    swap_space: float = 4.0,
+    enable_prefix_caching: bool = True,
+    kv_cache_dtype: str = "auto",
+    kv_scales: str = "default",
+    preemption_mode: str | None = None,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    data_parallel_routing: str = "least_tokens",
+    scheduling_mode: str = "default",
+    watermark: float = 0.01,
+    attention_backend: str = "auto",
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    num_scheduler_steps: int | str = "auto",
+    warmup: str = "auto",
+    compilation_cache: str | None = None,
+    quantization: str | None = None,
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+    enforce_eager: bool = False,
+    **unknown: Any,
+) -> EngineConfig:
+    """The EngineConfig of ``LLM(model, ...)``'s arguments (see ``LLM``), built without
+    loading anything or starting JAX's backend: the server hands it to engine core
+    processes (pagedjax/engine/core_client.py). Raises as ``LLM`` does on bad arguments."""
+    if unknown:
+        raise TypeError(
+            f"engine_config() got unknown keyword argument(s) {sorted(unknown)}; see"
+            " help(pagedjax.LLM) for the supported options"
+        )
+    if enforce_eager:
+        warmup, num_scheduler_steps = eager_settings(warmup, num_scheduler_steps)
+    if preemption_mode not in (None, "recompute", "swap"):
+        raise ValueError(
+            f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}"
+        )
+    config = EngineConfig(
+        model=ModelConfig(
+            model=model,
+            dtype=dtype,  # type: ignore[arg-type]
+            load_format=load_format,  # type: ignore[arg-type]
+            max_model_len=max_model_len,
+            tokenizer=tokenizer,
+            seed=seed,
+            quantization=quantization,
+        ),
+        cache=CacheConfig(
+            block_size=block_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            swap_space=swap_space,
+            enable_prefix_caching=enable_prefix_caching,
+            cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
+            kv_scales=kv_scales,  # type: ignore[arg-type]
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            scheduling_mode=scheduling_mode,  # type: ignore[arg-type]
+            watermark=watermark,
+            preemption_mode=preemption_mode,  # type: ignore[arg-type]
+            num_multi_steps=num_scheduler_steps,
+        ),
+        parallel=ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
+            data_parallel_routing=data_parallel_routing,  # type: ignore[arg-type]
+        ),
+        attention_backend=attention_backend,  # type: ignore[arg-type]
+        warmup=warmup,  # type: ignore[arg-type]
+        compilation_cache=compilation_cache,
+        speculative=_speculative(speculative_config),
+    )
+    _check_literals(config)
+    return config
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

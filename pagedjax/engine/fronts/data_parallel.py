@@ -12,7 +12,8 @@ pool are per replica by nature (a request's blocks live on its replica's devices
 separate engines need no change to the engine; the weights are loaded once and placed on
 each replica's devices. ``step()`` steps every replica that has work, in turn, on this
 thread: JAX dispatches asynchronously, but each step reads its sampled ids back, so the
-replicas' host work is serialized (a thread per replica is left for later; the
+replicas' host work is serialized (the server instead runs each replica in an engine
+core process of its own, ``core_client.py``, with this module's router and merges; the
 correctness of the routing and of each replica's outputs does not depend on it).
 Outputs stream per request exactly as with one replica (request ids are global).
 """
@@ -149,11 +150,7 @@ class DataParallelEngine:
         return sum(e.num_preemptions for e in self.replicas)
 
     def request_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for e in self.replicas:
-            for k, v in e.request_counts().items():
-                counts[k] = counts.get(k, 0) + v
-        return counts
+        return merge_counts([e.request_counts() for e in self.replicas])
 
     def num_usable_blocks(self) -> int:
         return sum(e.num_usable_blocks() for e in self.replicas)
@@ -168,21 +165,36 @@ class DataParallelEngine:
     def stats(self) -> dict[str, float | int]:
         """``LLMEngine.stats()`` summed over replicas, except the ratios (the replicas'
         unweighted mean) and the process-wide XLA compilation count (once)."""
-        per = self.replica_stats()
-        out: dict[str, float | int] = {}
-        for key in per[0]:
-            vals = [s[key] for s in per]
-            if key in _MEAN_KEYS:
-                out[key] = sum(vals) / len(vals)
-            elif key in _PROCESS_KEYS:
-                out[key] = vals[0]
-            else:
-                out[key] = sum(vals)
-        return out
+        return merge_stats(self.replica_stats())
+
+
+def merge_stats(per: Sequence[dict[str, float | int]]) -> dict[str, float | int]:
+    """Replicas' ``LLMEngine.stats()`` as one: sums, except the ratios (unweighted mean)
+    and the process-wide XLA compilation count (the first replica's: with replicas in
+    processes of their own, core_client.py, that process's count)."""
+    out: dict[str, float | int] = {}
+    for key in per[0]:
+        vals = [s[key] for s in per]
+        if key in _MEAN_KEYS:
+            out[key] = sum(vals) / len(vals)
+        elif key in _PROCESS_KEYS:
+            out[key] = vals[0]
+        else:
+            out[key] = sum(vals)
+    return out
+
+
+def merge_counts(per: Sequence[dict[str, int]]) -> dict[str, int]:
+    """Replicas' ``request_counts()`` summed."""
+    counts: dict[str, int] = {}
+    for c in per:
+        for k, v in c.items():
+            counts[k] = counts.get(k, 0) + v
+    return counts
 
 
 _MEAN_KEYS = ("prefix_cache_hit_rate", "blocks_saved_by_sharing", "blocks_saved_by_sharing_total")
 _PROCESS_KEYS = ("xla_compilations",)
 
 
-__all__ = ["DataParallelEngine"]
+__all__ = ["DataParallelEngine", "merge_counts", "merge_stats"]

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from pagedjax.engine.protocol import EngineClient
 from pagedjax.entrypoints.async_engine import AsyncLLMEngine
 from pagedjax.entrypoints.openai import cli_args
 from pagedjax.entrypoints.openai.metrics import ServerMetrics
@@ -34,7 +35,8 @@ from pagedjax.entrypoints.openai.serving import OpenAIServing, load_chat_templat
 
 log = logging.getLogger("pagedjax.server")
 
-# The engine thread and the event loop share one interpreter. With CPython's default
+# With --disable-frontend-multiprocessing the engine thread and the event loop share one
+# interpreter (the default: the engine core steps in its own process). With CPython's default
 # 5 ms GIL switch interval, each time the engine thread comes back from a device call
 # while the loop is busy encoding chunks it can wait up to 5 ms for the GIL, many times
 # per step; 0.5 ms cut that convoy (server / offline throughput 0.46 -> 0.83 in one
@@ -177,18 +179,34 @@ def build_app(
     return app
 
 
+def build_engine_client(args: argparse.Namespace) -> EngineClient:
+    """The engine the flags name: engine core processes (``MPEngineClient``, one per
+    data-parallel replica), or with --disable-frontend-multiprocessing the LLM's engine
+    in this process (one thread steps it, replicas one after another)."""
+    from pagedjax.entrypoints.llm import LLM, engine_config
+
+    kwargs = cli_args.llm_kwargs(args)
+    if args.disable_frontend_multiprocessing:
+        return LLM(**kwargs).llm_engine
+    from pagedjax.engine.core_client import MPEngineClient
+
+    max_logprobs = kwargs.pop("max_logprobs", None)
+    config = engine_config(**kwargs)
+    if max_logprobs is None:
+        return MPEngineClient(config)
+    return MPEngineClient(config, max_logprobs=max_logprobs)
+
+
 def build_from_args(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine]:
     """Load the model named by the flags and build the app (and its engine)."""
-    from pagedjax.entrypoints.llm import LLM
-
     cli_args.reject_unbuilt(args)
     chat_template = load_chat_template(args.chat_template)
     names = args.served_model_name or [args.model]
     metrics = ServerMetrics(names[0])
-    llm = LLM(**cli_args.llm_kwargs(args))
-    engine = AsyncLLMEngine.from_llm(
-        llm, max_waiting_requests=args.max_waiting_requests, stats=metrics
-    )
+    engine = AsyncLLMEngine(
+        build_engine_client(args), max_waiting_requests=args.max_waiting_requests,
+        stats=metrics,
+    )  # fmt: skip
     app = build_app(
         engine,
         names,

@@ -33,6 +33,7 @@ PAGEDJAX_ONLY = (
     "--compilation-cache",
     "--data-parallel-routing",  # vLLM balances DP replicas by load only
     "--disable-log-requests",  # vLLM 0.32 has --enable-log-requests instead
+    "--disable-frontend-multiprocessing",  # vLLM V0's; here the engine thread (debugging)
 )
 
 
@@ -188,6 +189,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help=_own("answer 503 while this many requests wait for a slot (default: unlimited)"),
+    )
+    p.add_argument(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help=_own("step the engine in a thread of the server process, not in engine core"
+                  " processes of its own (debugging; vLLM V0's name; docs/serving.md)"),
     )
     p.add_argument("--uvicorn-log-level", default="info")
     p.add_argument(

@@ -2,8 +2,9 @@
 
 Counters and histograms are fed by the engine thread through ``StatsSink`` (timings of
 each step's outputs, see pagedjax/entrypoints/async_engine.py). Gauges and the engine's own counters
-(preemptions, prefix-cache tokens) are read from the engine when /metrics is scraped,
-on the engine thread between steps, so a scrape costs nothing while nobody scrapes.
+(preemptions, prefix-cache tokens) are read from the engine when /metrics is scraped
+(``AsyncLLMEngine.metrics_snapshot``: between steps, one round trip per engine core
+process), so a scrape costs nothing while nobody scrapes.
 
 Each server has its own ``CollectorRegistry`` (several servers in one process, as in
 the tests, do not collide).
@@ -126,17 +127,18 @@ class ServerMetrics:
     # ------------------------------------------------------------- scrape
 
     async def render(self, engine: AsyncLLMEngine) -> bytes:
-        """Read the engine's gauges and counters (on its thread), then the text format."""
+        """Read the engine's gauges and counters (between steps), then the text format."""
         if engine.is_healthy:
             try:
-                snap = await engine.call(_snapshot)
+                snap = await engine.metrics_snapshot()
             except Exception:  # noqa: BLE001 - the engine died meanwhile: last values stay
                 snap = None
             if snap is not None:
                 self._apply(snap)
         return generate_latest(self.registry)
 
-    def _apply(self, snap: dict[str, Any]) -> None:
+    def _apply(self, raw: dict[str, Any]) -> None:
+        snap = _flatten(raw)
         self.running.set(snap["running"])
         self.waiting.set(snap["waiting"])
         self.swapped.set(snap["swapped"])
@@ -156,17 +158,15 @@ class ServerMetrics:
             self._seen[key] = snap[key]
 
 
-def _snapshot(engine: Any) -> dict[str, Any]:
-    """Runs on the engine thread."""
-    counts = engine.request_counts()
-    stats = engine.stats()
-    usable = engine.num_usable_blocks()
+def _flatten(snap: dict[str, Any]) -> dict[str, Any]:
+    """protocol.metrics_snapshot's numbers as the metric values."""
+    counts, stats, usable = snap["counts"], snap["stats"], snap["usable"]
     return dict(
         running=counts["running"],
         waiting=counts["waiting"],
         swapped=counts["swapped"],
-        kv_usage=1.0 - engine.num_free_blocks() / usable if usable else 0.0,
-        preemptions=int(engine.num_preemptions),
+        kv_usage=1.0 - snap["free"] / usable if usable else 0.0,
+        preemptions=int(snap["preemptions"]),
         queries=int(stats["prefix_cache_query_tokens"]),
         hits=int(stats["prefix_cache_hit_tokens"]),
         spec_drafts=int(stats.get("spec_rows", 0)),

@@ -44,7 +44,8 @@ def sse(obj: Any) -> str:
 
 
 class OpenAIServing:
-    """Completions and chat completions over one AsyncLLMEngine."""
+    """Completions and chat completions over one AsyncLLMEngine (whatever its engine:
+    every engine fact used here is ``EngineClient``'s, pagedjax/engine/protocol.py)."""
 
     def __init__(
         self,
@@ -187,8 +188,8 @@ async def _first(stream: AsyncIterator) -> Any:
         raise bad(str(e)) from e
     except QueueFullError as e:
         raise OpenAIError(503, str(e)) from e
-    except EngineDeadError as e:
-        raise OpenAIError(503, str(e)) from e
+    except EngineDeadError as e:  # for good (vLLM answers 500 too)
+        raise OpenAIError(500, str(e)) from e
 
 
 async def _single(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -257,8 +258,10 @@ async def run_until_disconnect(request: Request, coro) -> Any:
         return task.result()
     except (ValueError, TypeError) as e:
         raise bad(str(e)) from e
-    except (QueueFullError, EngineDeadError) as e:
+    except QueueFullError as e:
         raise OpenAIError(503, str(e)) from e
+    except EngineDeadError as e:
+        raise OpenAIError(500, str(e)) from e
 
 
 # ----------------------------------------------------------------- response views
@@ -344,7 +347,10 @@ class _View:
                 yield sse(self.chunk([], self.usage(latest)))
         except (ValueError, TypeError, QueueFullError, EngineDeadError) as e:
             # Headers are sent: the error goes in the stream, as vLLM does.
-            status = 400 if isinstance(e, ValueError | TypeError) else 503
+            status = (
+                400 if isinstance(e, ValueError | TypeError)
+                else 503 if isinstance(e, QueueFullError) else 500
+            )  # fmt: skip
             yield sse(OpenAIError(status, str(e)).body())
         finally:
             await stream.aclose()
