@@ -16,6 +16,7 @@ from pagedjax.config import (
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    SchedulerConfig,
     SpeculativeConfig,
 )
 from pagedjax.engine.beams import BeamSearchOutput, beam_search
