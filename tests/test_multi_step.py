@@ -274,7 +274,7 @@ def test_no_compilation_after_warmup(caching: bool):
 
 def test_host_overhead_benchmark_tiny():
     """The benchmark's measurement on this module's engine (already compiled)."""
-    from benchmarks.host_overhead import copy_bandwidth, measure, roofline_seconds
+    from pagedjax.tools.host_overhead import copy_bandwidth, measure, roofline_seconds
 
     engine = _engine(False)
     dev, rows = measure(engine, [1, K], K, num_seqs=2, prompt_len=4, output_len=12, repeats=1)
