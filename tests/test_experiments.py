@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_experiments")
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [sys.executable, str(ROOT / "experiments" / "run.py")]
 

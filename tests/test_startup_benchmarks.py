@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_startup_benchmarks")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
