@@ -106,6 +106,7 @@ def test_greedy_answers_equal_transformers(llm, hf):
     assert any(a[-1] == tok.eos_token_id and len(a) < 32 for a in ours)
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): subprocesses / extra compiles
 def test_perplexity_equals_transformers_on_512_tokens(llm, hf):
     model, _ = hf
     report = compare(model, llm, load_text(), window=512, max_tokens=512)
@@ -116,6 +117,7 @@ def test_perplexity_equals_transformers_on_512_tokens(llm, hf):
     assert report["kl"] < 1e-4, report
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): subprocesses / extra compiles
 def test_concurrent_chat_with_prefix_caching_equals_one_by_one(llm):
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS[:16]]
     params = SamplingParams(temperature=0.0, max_tokens=8)
