@@ -7,7 +7,10 @@ by the ``cache_dir`` argument or the ``PAGEDJAX_COMPILATION_CACHE`` environment 
 small or quick to compile (``jax_persistent_cache_min_compile_time_secs = 0``): a step
 program of a small model compiles in about a second, and a server start-up compiles twenty
 of them. ``LLM``, the server, ``experiments/run.py`` and the benchmarks call it before
-their first compilation; the test suite points it at a temporary directory (conftest).
+their first compilation; the test suite uses the same per-user directory (tests/conftest.py),
+so a second run of the suite loads what the first compiled. ``prune`` keeps a directory
+under a size cap (oldest files first): the program store's keys cover the whole source,
+so every edit leaves stale entries behind.
 
 ``CompileCounter`` counts, from JAX's monitoring events, how many programs a span of code
 compiled and how many of those came from the cache, for the start-up line
@@ -116,6 +119,37 @@ def bypassed() -> Iterator[None]:
         jax_cache.reset_cache()
 
 
+DEFAULT_MAX_BYTES = 4 << 30
+
+
+def prune(directory: str | os.PathLike | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
+    """Deletes the least recently written files under ``directory`` (default: the resolved
+    cache directory; its program store too) until they total at most ``max_bytes``;
+    returns the bytes freed. Files that vanish meanwhile (another process) are skipped."""
+    root = resolve_cache_dir(directory) if directory is None else Path(directory)
+    if root is None or not root.is_dir():
+        return 0
+    files = []
+    for path in root.rglob("*"):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if path.is_file():
+            files.append((st.st_mtime, st.st_size, path))
+    total = sum(size for _, size, _ in files)
+    freed = 0
+    for _, size, path in sorted(files):
+        if total - freed <= max_bytes:
+            break
+        try:
+            path.unlink()
+        except OSError:
+            continue
+        freed += size
+    return freed
+
+
 class CompileCounter:
     """Counts compilations between ``start()`` and ``stop()`` from JAX's monitoring
     events (process-wide: concurrent compilations elsewhere in the process count too).
@@ -182,3 +216,9 @@ class CompileCounter:
             f"store, {self.requests} compiled ({self.hits} from the cache, "
             f"{self.requests - self.hits} new), in {self.seconds:.1f} s"
         )
+
+
+__all__ = [
+    "DEFAULT_MAX_BYTES", "ENV_VAR", "CompileCounter", "bypassed", "default_cache_dir", "enable",
+    "prune", "resolve_cache_dir",
+]  # fmt: skip

@@ -13,10 +13,10 @@ part only; the output printed before a timeout is kept):
 3. kernel bench: decode and prefill shapes (Llama-3-8B heads); time of both kernel
    families, JAX's own Pallas paged-attention op, the XLA reference and dense attention;
    K/V bytes per second as a share of a measured device copy.
-4. engine roofline: ``benchmarks/host_overhead.py`` (decode-step device time over
+4. engine roofline: ``pagedjax/tools/host_overhead.py`` (decode-step device time over
    weights + KV bytes at the copy bandwidth, host overhead share) on a Llama-2-7B-shaped
    bf16 model.
-5. end to end: ``benchmarks/offline_throughput.py``, generated tokens per second of
+5. end to end: ``pagedjax/tools/offline_throughput.py``, generated tokens per second of
    ``LLM.generate`` on the same model, per attention backend.
 
 The report (``docs/gpu_check_<date>.md`` unless ``--out``) sets nothing "verified": a
@@ -26,7 +26,8 @@ person reads it, then commits ``parity.H200_PARITY_VERIFIED`` / ``parity.TRITON_
 interpreter (jax-triton replaced by a stand-in that runs the call interpreted), Mosaic GPU
 kernels in the Pallas GPU interpreter, the engine parts on tiny-llama. It tests the
 script, not the kernels' speed. This module imports nothing from ``pagedjax``: the engine
-parts are separate scripts, and the XLA reference comes through ``dispatch``.
+parts are separate processes (``python -m pagedjax.tools.*``, so the check runs from an
+installed wheel as from the repository), and the XLA reference comes through ``dispatch``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent  # the repository, or site-packages in a wheel
+IN_REPO = (REPO / "pyproject.toml").is_file()
 RESULT = "GPU_CHECK_RESULT "  # prefix of a part's one machine-readable line
 
 
@@ -74,12 +76,12 @@ def plan_parts(dry_run: bool, on_gpu: bool, hopper: bool) -> list[Part]:
     dry = ["--dry-run"] if dry_run else []
     triton_jax = on_gpu and _triton_jax_available()
     if dry_run:
-        roofline = [py, "benchmarks/host_overhead.py", "--model", "tiny-llama", "--num-seqs",
+        roofline = [py, "-m", "pagedjax.tools.host_overhead", "--model", "tiny-llama", "--num-seqs",
                     "2", "--prompt-len", "8", "--output-len", "4", "--ks", "1",
                     "--device-k", "2", "--repeats", "1", "--copy-mib", "8"]  # fmt: skip
-        e2e = [py, "benchmarks/offline_throughput.py", "--tiny", "--backends", "auto"]
+        e2e = [py, "-m", "pagedjax.tools.offline_throughput", "--tiny", "--backends", "auto"]
     else:
-        roofline = [py, "benchmarks/host_overhead.py", "--model", "llama-2-7b", "--dtype",
+        roofline = [py, "-m", "pagedjax.tools.host_overhead", "--model", "llama-2-7b", "--dtype",
                     "bfloat16", "--num-seqs", "256", "--prompt-len", "128", "--output-len",
                     "64", "--ks", "1", "8", "--device-k", "32", "--repeats", "1",
                     "--attention-backend", "triton" if triton_jax else "auto"]  # fmt: skip
@@ -87,7 +89,7 @@ def plan_parts(dry_run: bool, on_gpu: bool, hopper: bool) -> list[Part]:
         backends = (["triton"] if triton_jax else []) + ["reference"] + (
             ["pallas"] if hopper else []
         )
-        e2e = [py, "benchmarks/offline_throughput.py", "--model", "llama-2-7b", "--dtype",
+        e2e = [py, "-m", "pagedjax.tools.offline_throughput", "--model", "llama-2-7b", "--dtype",
                "bfloat16", "--num-requests", "256", "--prompt-len", "128", "--output-len",
                "128", "--backends", *backends]  # fmt: skip
     # GPU timeouts add up to 470 s: the whole check stays under 8 minutes. The dry run
@@ -102,16 +104,17 @@ def plan_parts(dry_run: bool, on_gpu: bool, hopper: bool) -> list[Part]:
              t["parity"], interpret=dry_run),
         Part("bench", "Kernel bench", [*me, "--part", "bench", *dry], t["bench"],
              interpret=dry_run),
-        Part("roofline", "Engine decode step: roofline (benchmarks/host_overhead.py)",
+        Part("roofline", "Engine decode step: roofline (pagedjax.tools.host_overhead)",
              roofline, t["roofline"], fenced=True),
-        Part("e2e", "End to end: offline throughput (benchmarks/offline_throughput.py)",
+        Part("e2e", "End to end: offline throughput (pagedjax.tools.offline_throughput)",
              e2e, t["e2e"], fenced=True),
     ]  # fmt: skip
 
 
 def _child_env(interpret: bool) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    if IN_REPO:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
@@ -122,7 +125,8 @@ def run_part(part: Part) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
-            part.argv, capture_output=True, text=True, cwd=REPO, env=_child_env(part.interpret),
+            part.argv, capture_output=True, text=True, cwd=REPO if IN_REPO else None,
+            env=_child_env(part.interpret),
             timeout=part.timeout_s,
         )  # fmt: skip
         status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
@@ -157,11 +161,15 @@ def _summary(part: Part, r: dict[str, Any]) -> str:
 
 
 def _git_commit() -> str:
+    if not IN_REPO:
+        return "unknown (an installed package)"
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, cwd=REPO, timeout=10)  # fmt: skip
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, cwd=REPO, timeout=10)  # fmt: skip
+        if out.returncode != 0 or not out.stdout.strip():
+            return "unknown (not a git checkout)"
         return out.stdout.strip() + (" (with local changes)" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -643,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown parts {sorted(unknown)}; parts: {[p.name for p in parts]}")
         parts = [p for p in parts if p.name in args.only]
     date = datetime.date.today().isoformat()
-    out = args.out or REPO / "docs" / (
+    out = args.out or (REPO / "docs" if IN_REPO else Path.cwd()) / (
         f"gpu_check_{date}.md" if not args.dry_run else f"gpu_check_dry_run_{date}.md"
     )
     results = []

@@ -3,9 +3,11 @@
 Used by the native attention kernel (``attention/native_cpu.py``) and the stacked-weight
 matmul (``model/native_matmul.py``). A library is compiled with the system C++ compiler
 (``CXX``, else ``g++``) into a cache directory (``PAGEDJAX_KERNEL_CACHE``, else
-``~/.cache/pagedjax``), named by a hash of the source, the flags, the compiler's version,
-the FFI headers' path and the CPU, so a changed source, compiler or machine builds anew
-and an unchanged one costs a file lookup. Callers fall back to XLA when ``compiler()`` is
+``$XDG_CACHE_HOME/pagedjax/kernels``, i.e. ``~/.cache/pagedjax/kernels``), named by a hash
+of the source, the flags, the compiler's version, the FFI headers' path, the jax / jaxlib
+versions (the headers' ABI can change in place under the same path) and the CPU, so a
+changed source, compiler, jaxlib or machine builds anew and an unchanged one costs a file
+lookup (tests/test_cache_keys.py). Callers fall back to XLA when ``compiler()`` is
 None or the build fails, so pagedjax never depends on a compiler being present.
 """
 
@@ -22,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import jax
+import jaxlib
 
 from pagedjax.machine import cpu_model
 
@@ -32,9 +35,24 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-sim
 
 
 def cache_dir() -> Path:
-    """Where built libraries live: ``$PAGEDJAX_KERNEL_CACHE`` or ``~/.cache/pagedjax``."""
+    """Where built libraries live: ``$PAGEDJAX_KERNEL_CACHE``, else
+    ``$XDG_CACHE_HOME/pagedjax/kernels`` (``~/.cache/pagedjax/kernels``)."""
     env = os.environ.get("PAGEDJAX_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "pagedjax"
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pagedjax" / "kernels"
+
+
+def build_key(source: Path, include_dir: str, cxx: str, flags: tuple[str, ...] = FLAGS) -> str:
+    """The cache key of one build: what the library depends on (module docstring)."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    return hashlib.sha256(
+        "\0".join(
+            [source.read_text(), " ".join(flags), version, include_dir, jax.__version__,
+             jaxlib.version.__version__, cpu_model(), platform.machine()]
+        ).encode()
+    ).hexdigest()[:16]  # fmt: skip
 
 
 def compiler() -> str | None:
@@ -68,14 +86,7 @@ def register_ffi_library(
 def build_library(source: Path, include_dir: str, cxx: str, flags: tuple[str, ...] = FLAGS) -> Path:
     """Compile ``source`` into a shared library unless this exact build is cached; returns
     its path. Raises RuntimeError with the compiler's output when the build fails."""
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        "\0".join(
-            [source.read_text(), " ".join(flags), version, include_dir, cpu_model(),
-             platform.machine()]
-        ).encode()
-    ).hexdigest()[:16]  # fmt: skip
-    out = cache_dir() / f"{source.stem}-{key}.so"
+    out = cache_dir() / f"{source.stem}-{build_key(source, include_dir, cxx, flags)}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -95,4 +106,4 @@ def build_library(source: Path, include_dir: str, cxx: str, flags: tuple[str, ..
     return out
 
 
-__all__ = ["FLAGS", "build_library", "cache_dir", "compiler", "register_ffi_library"]
+__all__ = ["FLAGS", "build_key", "build_library", "cache_dir", "compiler", "register_ffi_library"]

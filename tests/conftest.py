@@ -3,16 +3,21 @@ start-up compilation off and a temporary persistent compilation cache for the se
 
 PAGEDJAX_HYPOTHESIS_PROFILE=long runs >= 5,000 examples per state machine / property.
 Engines built by tests skip the default warm-up (PAGEDJAX_WARMUP=none: tests build many
-short-lived engines and compile what they run), and JAX's persistent compilation cache
-points at a directory of this test run (shared by its pytest-xdist workers, removed at
-exit by nobody: it lives under the system temp dir), so engines of the same geometry in
-different tests load each other's programs instead of compiling them again. Both are
-``setdefault``: a developer's own environment wins.
+short-lived engines and compile what they run), and JAX's persistent compilation cache is
+the per-user one (``$XDG_CACHE_HOME/pagedjax/jax``, default ``~/.cache/pagedjax/jax``;
+pagedjax/compile_cache.py), shared by the pytest-xdist workers of a run and kept between
+runs: engines of the same geometry in different tests, and in the next run of the same
+source, load each other's programs instead of compiling them again. JAX's cache key covers
+the traced program; the engine's program store (beside it) and the native kernels
+(pagedjax/native_build.py) are keyed by the sources' digest and the jax / jaxlib versions
+(tests/test_cache_keys.py). The controller prunes the cache to
+``compile_cache.DEFAULT_MAX_BYTES`` at the start of a session. Both variables are
+``setdefault``: a developer's own environment wins (``PAGEDJAX_COMPILATION_CACHE=DIR`` for
+another directory, ``off`` for none: a cold run).
 Also the session fixture that fetches the real test model (smollm2_gguf).
 """
 
 import os
-import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -35,17 +40,16 @@ settings.register_profile(
 settings.load_profile(os.environ.get("PAGEDJAX_HYPOTHESIS_PROFILE", "ci"))
 
 os.environ.setdefault("PAGEDJAX_WARMUP", "none")
-_run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
-os.environ.setdefault(
-    "PAGEDJAX_COMPILATION_CACHE",
-    os.path.join(tempfile.gettempdir(), f"pagedjax-test-jax-cache-{_run}")
-    if _run
-    else tempfile.mkdtemp(prefix="pagedjax-test-jax-cache-"),
-)
 
 from pagedjax import compile_cache  # noqa: E402  (after the environment is set)
 
 compile_cache.enable()
+
+
+def pytest_sessionstart(session):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or a run without xdist)
+        compile_cache.prune()
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():

@@ -6,7 +6,8 @@ prints one JSON line ``{"case": ..., ...facts}`` per case for the test to check 
 The device count must be fixed before JAX starts, hence a subprocess: the test process
 itself has already initialized JAX with one device.
 
-Cases (``tp<N>-<model>[-<backend>]`` and ``dp``): greedy and seeded
+Cases (``tp<N>-<model>[-<backend>]`` and ``dp``; ``memory-tp<N>-<model>`` builds the
+engine only and reports its bytes per device): greedy and seeded
 outputs of a mixed workload at TP N equal the single-device outputs of the same engine
 configuration; the workload is built to exercise chunked prefill, decode, preemption by
 recompute (single sequences) and by swap (the n = 2 group), prefix-cache hits, n > 1
@@ -327,7 +328,16 @@ def case_tp_int4(tp: int) -> dict:
     return dict(max_logprob_diff=diff, logprob_positions=len(want), **memory(many, tp))
 
 
+def case_memory(tp: int, model: str) -> dict:
+    """Only the engine's placement at TP ``tp`` (no workload, nothing compiled): the bytes
+    per device, for a test that compares them with another TP size's."""
+    return memory(engine(model, tp), tp)
+
+
 def run(name: str) -> dict:
+    if name.startswith("memory-"):  # memory-tp2-tiny-llama
+        _, tp, *model = name.split("-")
+        return case_memory(int(tp[2:]), "-".join(model) + "-tp")
     if name.endswith("-int4"):  # tp2-int4
         return case_tp_int4(int(name.split("-")[0][2:]))
     parts = name.split("-")

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedjax import native_build
 from pagedjax.attention import native_cpu, ragged_paged_attention
 from pallas_kernels.cases import make_case as make_poisoned_case
 from tests.test_attention import (
@@ -28,10 +29,16 @@ from tests.test_attention import (
 )
 
 # On a machine with a compiler the kernel must build: a silent fallback would make every
-# test below compare the reference with itself.
+# test below compare the reference with itself. So the tests skip only without a compiler
+# (native_build.compiler(): $CXX, else g++), and fail when the build fails.
 if shutil.which("g++"):
     assert native_cpu.available()[0], native_cpu.available()[1]
-pytestmark = pytest.mark.skipif(not native_cpu.available()[0], reason="no native kernel")
+pytestmark = pytest.mark.skipif(native_build.compiler() is None, reason="no C++ compiler")
+
+
+def test_kernel_builds_where_a_compiler_is_present():
+    ok, why = native_cpu.available()
+    assert ok, f"native attention did not build with {native_build.compiler()}: {why}"
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap"))

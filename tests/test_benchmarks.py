@@ -27,6 +27,7 @@ CASES = [
 ]
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): subprocesses / extra compiles
 @pytest.mark.parametrize(("script", "args", "name"), CASES, ids=[c[0] for c in CASES])
 def test_benchmark_last_line(script: str, args: list[str], name: str) -> None:
     proc = subprocess.run(

@@ -33,6 +33,10 @@ from pagedjax.model import preset_arch, random_params
 from pagedjax.sampling import SamplingParams
 from pagedjax.scheduler import FREE
 from pagedjax.tokenizer import ByteTokenizer
+from tests.engine_helpers import drain
+
+# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_engine")
 
 ARCH = preset_arch("tiny-llama")  # vocab 512, 2 layers, 4 q / 2 kv heads, head_dim 16
 BLOCK = 4
@@ -71,31 +75,11 @@ def _greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-def _drain(
-    engine: LLMEngine,
-    arrivals: dict[int, list] | None = None,
-    max_steps: int = 2000,
-    on_step=None,
-):
-    """Step until idle, adding (request_id, prompt, params) at their arrival steps, and
-    calling on_step() after each step.
-
-    Returns {request_id: final RequestOutput}; each request must finish exactly once."""
-    arrivals = arrivals or {}
-    done = {}
-    step = 0
-    while engine.has_unfinished_requests() or any(k >= step for k in arrivals):
-        for rid, prompt, params in arrivals.get(step, []):
-            engine.add_request(rid, prompt, params)
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in done, "a request finished twice"
-                done[out.request_id] = out
-        if on_step is not None:
-            on_step()
-        step += 1
-        assert step < max_steps, "engine did not finish (hang or starvation)"
-    return done
+def _drain(engine: LLMEngine, arrivals: dict[int, list] | None = None, max_steps: int = 2000,
+           on_step=None):  # fmt: skip
+    """tests/engine_helpers.drain; on_step() takes no argument here."""
+    hook = None if on_step is None else (lambda _engine: on_step())
+    return drain(engine, arrivals, max_steps=max_steps, on_step=hook)
 
 
 def _assert_idle(engine: LLMEngine) -> None:

@@ -31,6 +31,10 @@ from pagedjax.model import preset_arch, random_params
 from pagedjax.sampling import SamplingParams
 from pagedjax.scheduler import FREE
 from pagedjax.tokenizer import ByteTokenizer
+from tests.engine_helpers import drain
+
+# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_multi_step")
 
 ARCH = dataclasses.replace(preset_arch("tiny-llama"), num_layers=1)
 BLOCK = 4
@@ -70,17 +74,7 @@ def _per_function(engine: LLMEngine) -> dict[str, int]:
 
 def _drain(engine: LLMEngine, arrivals: dict[int, list], max_steps: int = 2000) -> dict:
     """Step until idle, adding (request_id, prompt, params) at their arrival steps."""
-    done, step = {}, 0
-    while engine.has_unfinished_requests() or any(k >= step for k in arrivals):
-        for rid, prompt, params in arrivals.get(step, []):
-            engine.add_request(rid, prompt, params)
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in done, "a request finished twice"
-                done[out.request_id] = out
-        step += 1
-        assert step < max_steps, "engine did not finish"
-    return done
+    return drain(engine, arrivals, max_steps=max_steps)
 
 
 def _assert_idle(engine: LLMEngine) -> None:
@@ -274,7 +268,7 @@ def test_no_compilation_after_warmup(caching: bool):
 
 def test_host_overhead_benchmark_tiny():
     """The benchmark's measurement on this module's engine (already compiled)."""
-    from benchmarks.host_overhead import copy_bandwidth, measure, roofline_seconds
+    from pagedjax.tools.host_overhead import copy_bandwidth, measure, roofline_seconds
 
     engine = _engine(False)
     dev, rows = measure(engine, [1, K], K, num_seqs=2, prompt_len=4, output_len=12, repeats=1)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.tier2  # second tier (docs/testing.md): subprocesses / extra compiles
+
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT_S = 5  # multihost_case.py's heartbeat_timeout_s
 BOUND_S = HEARTBEAT_S + 25  # heartbeat, the service's polling, the abort and its logs

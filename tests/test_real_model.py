@@ -26,6 +26,9 @@ from pagedjax.eval import (  # noqa: E402
     load_text,
 )
 
+# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_real_model")
+
 # Small limits keep the number of compiled step shapes (and CI time) down: one window
 # of 512 tokens + 1 output fits max_model_len; 16 slots hold the concurrent test.
 ENGINE_ARGS = dict(
@@ -103,6 +106,7 @@ def test_greedy_answers_equal_transformers(llm, hf):
     assert any(a[-1] == tok.eos_token_id and len(a) < 32 for a in ours)
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): subprocesses / extra compiles
 def test_perplexity_equals_transformers_on_512_tokens(llm, hf):
     model, _ = hf
     report = compare(model, llm, load_text(), window=512, max_tokens=512)
@@ -113,6 +117,7 @@ def test_perplexity_equals_transformers_on_512_tokens(llm, hf):
     assert report["kl"] < 1e-4, report
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): subprocesses / extra compiles
 def test_concurrent_chat_with_prefix_caching_equals_one_by_one(llm):
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS[:16]]
     params = SamplingParams(temperature=0.0, max_tokens=8)

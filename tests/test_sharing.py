@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +23,11 @@ from pagedjax.memory.prefix_cache import PrefixIndex, chain_hashes
 from pagedjax.sampling import SamplingParams
 from pagedjax.scheduler import FREE
 from pagedjax.tokenizer import ByteTokenizer
+from tests.engine_helpers import drain
 from tests.test_engine import ARCH, _params
+
+# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_sharing")
 
 BLOCK, MAX_LEN, MAX_SEQS, BUDGET = 4, 64, 4, 16
 NUM_BLOCKS = 24  # 23 usable: four 40-token sequences (10 blocks each) must preempt
@@ -55,18 +60,8 @@ def _check_refcounts(engine: LLMEngine) -> None:
 
 
 def _drain(engine: LLMEngine, arrivals: dict[int, list]) -> dict:
-    done, step = {}, 0
-    while engine.has_unfinished_requests() or any(k >= step for k in arrivals):
-        for rid, prompt, params in arrivals.get(step, []):
-            engine.add_request(rid, prompt, params)
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in done
-                done[out.request_id] = out
-        _check_refcounts(engine)
-        step += 1
-        assert step < 2000
-    return done
+    """tests/engine_helpers.drain, checking every block's refcount after each step."""
+    return drain(engine, arrivals, on_step=_check_refcounts)
 
 
 def _assert_idle(engine: LLMEngine) -> None:

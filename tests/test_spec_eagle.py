@@ -52,6 +52,9 @@ from tests.test_speculative import (
     check_memory,
 )
 
+# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_spec_eagle")
+
 
 @functools.cache
 def _head_dir(tmp: str) -> str:
@@ -181,6 +184,7 @@ def test_eagle_head_state_matches_dense_recomputation(head_dir):
     assert engine.stats()["spec_proposed_tokens"] > 0
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): subprocesses / extra compiles
 def test_eagle_compiles_nothing_after_warm_up(head_dir):
     prompts = dict(enumerate(_prompts(13, 4, lo=5, hi=30)))
     reqs = [(str(i), p, _greedy(12)) for i, p in prompts.items()]
@@ -316,6 +320,7 @@ def test_truncated_vocab_round_trip_and_refusals(subset_head_dir, tmp_path):
         load_head(tmp_path / "e", ARCH)
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): subprocesses / extra compiles
 def test_truncated_vocab_greedy_equals_plain_and_drafts_stay_inside(subset_head_dir):
     """A head with a quarter of the vocabulary: outputs equal the plain run, and every
     token the proposal program writes is an id of the subset."""
@@ -383,6 +388,7 @@ def test_head_pool_counted_in_kv_budget(head_dir):
     assert nbytes(spec.kv) + nbytes(spec.speculator.eagle.kv) <= budget
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): subprocesses / extra compiles
 def test_swap_moves_the_head_pool(head_dir):
     """Under swap preemption, every decoding sequence's head feature still equals the
     head run from scratch over its committed tokens, after swap-ins too: the head's

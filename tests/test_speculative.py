@@ -38,6 +38,10 @@ from pagedjax.model import preset_arch, random_params
 from pagedjax.sampling import BeamSearchParams, SamplingParams
 from pagedjax.scheduler import RUNNING
 from pagedjax.tokenizer import ByteTokenizer
+from tests.engine_helpers import drain
+
+# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_speculative")
 
 ARCH = preset_arch("tiny-llama")  # vocab 512, 2 layers
 BLOCK = 4
@@ -84,19 +88,8 @@ def _engine(spec: bool, method: str = "ngram", warmup: str = "none",
 
 
 def _drain(engine: LLMEngine, requests, on_step=None, max_steps: int = 1000):
-    for rid, prompt, params in requests:
-        engine.add_request(rid, prompt, params)
-    done, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in done
-                done[out.request_id] = out
-        if on_step is not None:
-            on_step(engine)
-        steps += 1
-        assert steps < max_steps
-    return done
+    """All requests at step 0 (tests/engine_helpers.drain)."""
+    return drain(engine, list(requests), max_steps=max_steps, on_step=on_step)
 
 
 def _greedy(max_tokens: int, **kw) -> SamplingParams:

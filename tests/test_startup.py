@@ -23,6 +23,9 @@ from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.multi_step import loop_buckets
 from pagedjax.engine.warmup import bucket_pairs
 
+# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_startup")
+
 ROOT = Path(__file__).resolve().parents[1]
 MAX_STEP_PROGRAMS = 20  # one-step programs of a default engine (issue 13's bound)
 MAX_LOOP_PROGRAMS = 8  # K-step decode loop programs
@@ -90,6 +93,7 @@ def _child(cache_dir: Path) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): subprocesses / extra compiles
 def test_a_new_process_loads_its_programs_from_the_persistent_cache(tmp_path):
     """The second process (same cache directory) compiles nothing: its step programs (the
     native CPU kernels' calls included) and the scheduler come from the program store
@@ -134,6 +138,7 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): subprocesses / extra compiles
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
 def test_five_engines_of_five_shapes_in_one_process(monkeypatch):
     """Engines of five model shapes, each warmed up (every step program) and deleted

@@ -47,16 +47,20 @@ SUBDIR = "pagedjax-programs"
 _ROOTS = ("pagedjax", "pallas_kernels")
 
 
-@functools.cache
-def source_digest() -> str:
-    """sha256 over pagedjax's and pallas_kernels' .py and .cc files (path and content)."""
-    base = Path(__file__).resolve().parents[2]
+def tree_digest(base: Path, roots: tuple[str, ...] = _ROOTS) -> str:
+    """sha256 over the .py and .cc files (path and content) under ``base / root``."""
     h = hashlib.sha256()
-    for root in _ROOTS:
+    for root in roots:
         for path in sorted((base / root).rglob("*")):
             if path.suffix in (".py", ".cc") and path.is_file():
                 h.update(str(path.relative_to(base)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 over pagedjax's and pallas_kernels' .py and .cc files (path and content)."""
+    return tree_digest(Path(__file__).resolve().parents[2])
 
 
 def describe_function(fn: Callable[..., Any]) -> str:
@@ -143,4 +147,4 @@ class ProgramStore:
         self.saved += 1
 
 
-__all__ = ["ProgramStore", "describe_function", "environment", "source_digest"]
+__all__ = ["ProgramStore", "describe_function", "environment", "source_digest", "tree_digest"]

@@ -47,6 +47,7 @@ def _check_kernel_parts(text: str) -> None:
         float(cells[1]), float(cells[4]), float(cells[7]), float(cells[8])  # ran: numbers
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): subprocesses / extra compiles
 def test_dry_run_kernel_parts(tmp_path, subprocess_env):
     text = _dry_run(tmp_path, subprocess_env(interpret=False), "environment", "parity", "bench")
     _check_kernel_parts(text)
