@@ -30,6 +30,7 @@ def _consistent(m: dict) -> None:
     assert m["finished"] > 0 and math.isfinite(m["norm_latency_s_per_token"])
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): among the slowest of the default tier
 def test_orca_vs_paged_example(capsys):
     out = _load("orca_vs_paged").main(tiny=True, block_size=32)
     assert set(out) == {"orca_max", "orca_oracle", "paged"}
@@ -39,6 +40,7 @@ def test_orca_vs_paged_example(capsys):
     assert "simulated" in capsys.readouterr().out
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): among the slowest of the default tier
 def test_custom_priority_example():
     out = _load("custom_priority").main(tiny=True)
     assert set(out) == {"fcfs", "shortest_prompt"}
@@ -46,6 +48,7 @@ def test_custom_priority_example():
         _consistent(m)
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): among the slowest of the default tier
 def test_custom_memory_policy_example():
     src = (EXAMPLES / "custom_memory_policy.py").read_text()
     assert len(src.splitlines()) < 60  # the bound for this example

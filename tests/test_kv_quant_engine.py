@@ -83,6 +83,7 @@ def test_kv_budget_counts_the_smaller_blocks(caplog):
 
 
 # int8 fast (values and scales); fp8 (values only, the same tree-mapped copies) under -m slow.
+@pytest.mark.tier2  # second tier (docs/testing.md): among the slowest of the default tier
 @pytest.mark.parametrize(
     "cache_dtype", ["int8_per_token_head", pytest.param("fp8_e4m3", marks=pytest.mark.slow)]
 )

@@ -156,6 +156,7 @@ def _same(a, b) -> None:
                         assert ex[t].rank == ey[t].rank, rid
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): among the slowest of the default tier
 @pytest.mark.parametrize(
     "caching",
     # Without caching: a subset of the cached run's paths; slow (run with -m slow) to keep

@@ -36,6 +36,7 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): among the slowest of the default tier
 def test_engine_serves_a_quantized_model_with_a_flat_compile_count():
     llm = LLM("tiny-llama", quantization="nf4", **ARGS)
     engine = llm.llm_engine

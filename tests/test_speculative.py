@@ -524,6 +524,7 @@ def _dir_reference() -> dict:
     return _reference(_dir_requests())
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): among the slowest of the default tier
 @pytest.mark.parametrize("draft", ["trunc", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_separate_draft_greedy_equals_plain(draft_dirs, draft):
     """A separate draft with its own pool: greedy outputs equal the plain run across
