@@ -162,8 +162,8 @@ def test_waiting_hits_give_way_to_running_requests():
     dev, released = engine.core.device, []
     schedule = dev.schedule
 
-    def counting():  # the one-step path's schedule: count the holds released
-        batch = schedule()
+    def counting(lookahead=None):  # the one-step path's schedule: count the holds released
+        batch = schedule(lookahead)
         released.append(int(np.asarray(batch.released).sum()))
         return batch
 
@@ -184,10 +184,10 @@ def test_parallel_samples_share_the_prompt():
     engine = _engine()
     prompt = np.random.default_rng(3).integers(3, ARCH.vocab_size, 13).tolist()
     ref = _uncached(engine, prompt)
-    forked = engine.num_forked
+    forked = engine.outputs.num_forked
     out = _drain(engine, {0: [("g", prompt, _greedy(n=3))]})["g"]
     assert [o.index for o in out.outputs] == [0, 1, 2]
-    assert engine.num_forked - forked == 2
+    assert engine.outputs.num_forked - forked == 2
     first = out.outputs[0].token_ids
     assert all(o.token_ids == first for o in out.outputs)  # greedy: identical samples
     _same(ref, first)

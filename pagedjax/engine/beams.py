@@ -368,7 +368,7 @@ class _Driver:
         for i, mv in enumerate(moves):
             a[:, i] = mv
             mask[i] = True
-        engine.device.reassign(_jitted_reassign(), a[0], a[1], a[2], a[3], a[4], mask)
+        engine.core.device.reassign(_jitted_reassign(), a[0], a[1], a[2], a[3], a[4], mask)
 
 
 __all__ = [

@@ -188,7 +188,7 @@ class MPEngineClient:
         f = self._facts
         text, ids = tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
         check_request(
-            ids, params, sched_config=f["sched_config"], max_model_len=f["max_model_len"],
+            ids, params, sched_limits=f["sched_limits"], max_model_len=f["max_model_len"],
             num_blocks=f["num_blocks"], block_size=f["block_size"],
             watermark_blocks=f["watermark_blocks"], max_logprobs=f["max_logprobs"],
             vocab_size=self.vocab_size,

@@ -259,7 +259,7 @@ def run_core(config: Any, max_logprobs: int, conn: Any, replica: int = 0,
             max_model_len=engine.max_model_len, max_logprobs=engine.max_logprobs,
             arch=engine.arch, block_size=engine.block_size,
             num_blocks=engine.num_blocks, watermark_blocks=engine.policy.watermark_blocks,
-            sched_config=engine.sched_config, pid=os.getpid(),
+            sched_limits=engine.sched_limits, pid=os.getpid(),
         )  # fmt: skip
     except BaseException as e:  # noqa: BLE001 - reported to the client, then exit
         log.exception("engine core failed to start")

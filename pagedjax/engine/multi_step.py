@@ -118,6 +118,11 @@ class MultiStepDecoder:
         # Positional: (params, state, kv, tokens, sampling, stop_ids, max_iters,
         # stop_on_finish, spec_on); the state, the KV pool and the token buffer are donated.
         self.loop = jax.jit(self._traced, static_argnames=("num_seqs",), donate_argnums=(1, 2, 3))
+        # Compiled loops by bucket S, called by ``run_loop`` instead of ``loop``: the warm-up
+        # fills it, so a warmed-up engine never traces the loop again, even when a process
+        # with many jitted functions evicts it from jit's cache (measured: 9,000 other
+        # jitted signatures in one process retraced it).
+        self.programs: dict[int, Any] = {}
         self._stop_cache: tuple[Any, jax.Array] | None = None
         self.pipeline = True
         self._last_pure_decode = False  # see note_step
@@ -126,6 +131,14 @@ class MultiStepDecoder:
         self.last_loop_seconds = 0.0  # wall time of the last dispatch + transfer
         # seq_ids, start_pos, iterations, spec_lens of the last loop (step observers)
         self.last_loop: tuple[Any, Any, int, Any] | None = None
+
+    def run_loop(self, *args: Any, num_seqs: int) -> Any:
+        """``loop(*args, num_seqs=...)`` through the compiled program of ``programs`` when
+        there is one for that bucket (the same executable ``loop`` would run)."""
+        program = self.programs.get(num_seqs)
+        if program is not None:
+            return program(*args)
+        return self.loop(*args, num_seqs=num_seqs)
 
     def _traced(self, *args: Any, num_seqs: int) -> Any:
         self.trace_count[num_seqs] = self.trace_count.get(num_seqs, 0) + 1  # trace time only
@@ -203,7 +216,7 @@ class MultiStepDecoder:
         sampling = dev.sampling()
         t0 = time.perf_counter()
         out = dev.run_loop(
-            self.loop, core.params, sampling,
+            self.run_loop, core.params, sampling,
             self.stop_ids(core), np.int32(self.steps_per_call), np.bool_(bool(core.book.queue)),
             np.bool_(self.speculator is not None and self.speculator.may_speculate(core)),
             num_seqs=s_b,

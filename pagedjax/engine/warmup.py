@@ -174,9 +174,10 @@ def _runner(
 
 
 def _loop(core: EngineCore, decoder: MultiStepDecoder, s: int) -> None:
-    """Compile the decode loop of ``s`` rows ahead of time (not run; see ``_runner``)."""
+    """Compile the decode loop of ``s`` rows ahead of time (not run; see ``_runner``) and
+    hand it to the decoder (``MultiStepDecoder.run_loop``)."""
     dev = core.device
-    decoder.loop.lower(
+    decoder.programs[s] = decoder.loop.lower(
         core.params, dev.state, dev.kv, dev.tokens, dev.sampling(),
         decoder.stop_ids(core), np.int32(0), np.bool_(False), np.bool_(False), num_seqs=s,
     ).compile()  # fmt: skip
