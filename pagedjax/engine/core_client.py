@@ -44,9 +44,9 @@ from pagedjax.engine.core_process import OutputDecoder, dumps, run_core
 from pagedjax.engine.fronts.data_parallel import merge_counts, merge_stats
 from pagedjax.engine.fronts.router import Router
 from pagedjax.engine.outputs import RequestOutput
-from pagedjax.engine.prompts import check_request, tokenize_prompt
+from pagedjax.engine.prompts import check_request, check_request_args, tokenize_prompt
 from pagedjax.engine.protocol import EngineDeadError
-from pagedjax.sampling import BeamSearchParams, SamplingParams
+from pagedjax.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -176,15 +176,7 @@ class MPEngineClient:
         """Validate (as LLMEngine.add_request: raises, changing nothing), route, send.
         Returns the replica."""
         self._check_alive()
-        params = SamplingParams() if params is None else params
-        if isinstance(params, BeamSearchParams):
-            raise TypeError("BeamSearchParams go to LLM.beam_search (or engine.beams.beam_search)")
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {request_id!r}")
-        if request_id in self._replica_of:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        params = check_request_args(request_id, params, self._replica_of)
         f = self._facts
         text, ids = tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
         check_request(

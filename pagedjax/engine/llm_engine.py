@@ -67,7 +67,12 @@ from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
 from pagedjax.engine.output_processor import OutputProcessor, SampledRows
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.parallel import DevicePlacement, check_device_count
-from pagedjax.engine.prompts import check_request, record_prompt_logprobs, tokenize_prompt
+from pagedjax.engine.prompts import (
+    check_request,
+    check_request_args,
+    record_prompt_logprobs,
+    tokenize_prompt,
+)
 from pagedjax.engine.request_book import RequestBook
 from pagedjax.engine.sequence import RequestState
 from pagedjax.engine.spec.decoder import build_speculator, check_buildable, load_draft
@@ -77,7 +82,7 @@ from pagedjax.engine.warmup import warm_up
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.prefix_cache import PrefixIndex
 from pagedjax.model import ModelArch, compute_dtype
-from pagedjax.sampling import BeamSearchParams, SamplingParams
+from pagedjax.sampling import SamplingParams
 from pagedjax.sampling.params import MAX_SEED
 from pagedjax.scheduler import ScheduledBatch, SchedulerLimits
 from pagedjax.tokenizer import Tokenizer
@@ -227,16 +232,8 @@ class LLMEngine:
         on a duplicate id, bad ids, a prompt over max_model_len (or the token budget in
         paper/static mode), a prompt the KV pool can never hold, or unsupported options.
         """
-        params = SamplingParams() if params is None else params
-        if isinstance(params, BeamSearchParams):
-            raise TypeError("BeamSearchParams go to LLM.beam_search (or engine.beams.beam_search)")
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {request_id!r}")
         book = self.core.book
-        if request_id in book.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        params = check_request_args(request_id, params, book.requests)
         text, ids = self.tokenize_prompt(prompt)
         self.check_request(ids, params)
         if params.seed is None and not params.greedy:

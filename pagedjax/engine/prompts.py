@@ -13,7 +13,7 @@ import numpy as np
 
 from pagedjax.engine.outputs import Logprob
 from pagedjax.memory.block_table import blocks_for
-from pagedjax.sampling import SamplingParams
+from pagedjax.sampling import BeamSearchParams, SamplingParams
 
 
 def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt: Any) -> tuple[str | None, list[int]]:
@@ -43,6 +43,22 @@ def check_ids(ids: Any, vocab_size: int) -> list[int]:
             raise ValueError(f"prompt token id {i} outside the vocabulary [0, {vocab_size})")
         out.append(int(i))
     return out
+
+
+def check_request_args(request_id: Any, params: Any, in_use: Any) -> SamplingParams:
+    """The checks of ``add_request``'s arguments every engine client makes before any
+    work: ``params`` (None: the defaults) is SamplingParams (beam search has its own
+    entry point), ``request_id`` a str not in ``in_use``. Returns the params."""
+    params = SamplingParams() if params is None else params
+    if isinstance(params, BeamSearchParams):
+        raise TypeError("BeamSearchParams go to LLM.beam_search (or engine.beams.beam_search)")
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    if not isinstance(request_id, str):
+        raise TypeError(f"request_id must be a str, got {request_id!r}")
+    if request_id in in_use:
+        raise ValueError(f"request id {request_id!r} is already in use")
+    return params
 
 
 def check_request(
