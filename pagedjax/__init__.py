@@ -20,6 +20,7 @@ _EXPORTS = {
     "CompletionOutput": "pagedjax.engine",
     "SamplingParams": "pagedjax.sampling",
     "BeamSearchParams": "pagedjax.sampling",
+    "StructuredOutputsParams": "pagedjax.sampling",
     "SYSTEMS": "pagedjax.simulator.systems",
     "build_system": "pagedjax.simulator.systems",
     "make_cost_model": "pagedjax.simulator.systems",
@@ -37,6 +38,7 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "Workload",
     "build_system",
     "load_trace",
@@ -48,7 +50,7 @@ __all__ = [
 if TYPE_CHECKING:
     from pagedjax.engine import CompletionOutput, LLMEngine, RequestOutput
     from pagedjax.entrypoints.llm import LLM
-    from pagedjax.sampling import BeamSearchParams, SamplingParams
+    from pagedjax.sampling import BeamSearchParams, SamplingParams, StructuredOutputsParams
     from pagedjax.simulator.systems import (
         SYSTEMS,
         build_system,

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from pagedjax.sampling import BeamSearchParams, SamplingParams
+from pagedjax.sampling import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 INVALID_SAMPLING = [
     ("n", 0, "n must be at least 1"),
@@ -42,6 +42,17 @@ INVALID_SAMPLING = [
     ("max_tokens", 2.0, "max_tokens must be an int"),
     ("logprobs", -1, "logprobs must be non-negative"),
     ("prompt_logprobs", -1, "prompt_logprobs must be non-negative"),
+    ("min_tokens", -1, "min_tokens must be non-negative"),
+    ("min_tokens", 17, r"min_tokens \(17\) must be at most max_tokens"),
+    ("logit_bias", {5: 101.0}, r"logit_bias values must be in \[-100, 100\]"),
+    ("logit_bias", {-1: 1.0}, "logit_bias keys must be non-negative"),
+    ("logit_bias", [1, 2], "logit_bias must be a mapping"),
+    ("logit_bias", {1: math.nan}, "logit_bias value must be finite"),
+    ("allowed_token_ids", [], "allowed_token_ids must not be empty"),
+    ("allowed_token_ids", [-3], "allowed_token_ids must be non-negative"),
+    ("bad_words", "word", "bad_words must be a sequence of str"),
+    ("bad_words", [""], "bad_words must hold non-empty strings"),
+    ("structured_outputs", {"json": {}}, "structured_outputs must be StructuredOutputsParams"),
 ]
 
 
@@ -111,3 +122,46 @@ def test_beam_search_defaults() -> None:
     assert (b.ignore_eos, b.temperature, b.length_penalty) == (False, 0.0, 1.0)
     with pytest.raises(TypeError, match="beam_witdh"):
         BeamSearchParams(beam_witdh=4, max_tokens=8)
+
+
+def test_logit_controls_normalised() -> None:
+    p = SamplingParams(logit_bias={"7": 2, 3: -1.5}, allowed_token_ids=[4, 5], bad_words=["x"])
+    assert p.logit_bias == {7: 2.0, 3: -1.5}
+    assert (p.allowed_token_ids, p.bad_words, p.min_tokens) == ((4, 5), ("x",), 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "kind"),
+    [
+        (dict(json={"type": "object"}), "json"),
+        (dict(json='{"type": "string"}'), "json"),
+        (dict(regex="[a-z]+"), "regex"),
+        (dict(choice=["yes", "no"]), "choice"),
+        (dict(grammar='root ::= "a"'), "grammar"),
+        (dict(json_object=True), "json_object"),
+        (dict(structural_tag="{}"), "structural_tag"),
+    ],
+)
+def test_structured_outputs_one_kind(kwargs: dict, kind: str) -> None:
+    s = StructuredOutputsParams(**kwargs)
+    assert s.kind == kind
+    assert SamplingParams(structured_outputs=s).structured_outputs is s
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(), "exactly one of"),
+        (dict(json_object=False), "exactly one of"),
+        (dict(regex="a", choice=["a"]), "exactly one of"),
+        (dict(choice=[]), "choice must be a non-empty list"),
+        (dict(choice="ab"), "choice must be a non-empty list"),
+        (dict(choice=["a", 1]), "choice must hold strings"),
+        (dict(json=3), "json must be a schema dict"),
+        (dict(regex=5), "regex must be a str"),
+        (dict(regex="a", disable_any_whitespace=1), "disable_any_whitespace must be a bool"),
+    ],
+)
+def test_invalid_structured_outputs(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**kwargs)

@@ -58,6 +58,21 @@ def check_request_args(request_id: Any, params: Any, in_use: Any) -> SamplingPar
         raise TypeError(f"request_id must be a str, got {request_id!r}")
     if request_id in in_use:
         raise ValueError(f"request id {request_id!r} is already in use")
+    unsupported = [
+        name
+        for name, off in (
+            ("structured_outputs", None),
+            ("logit_bias", None),
+            ("allowed_token_ids", None),
+            ("bad_words", None),
+            ("min_tokens", 0),
+        )
+        if getattr(params, name) != off
+    ]
+    if unsupported:
+        # Accepted by SamplingParams (vLLM's names) but not applied by the engine yet:
+        # refused rather than silently ignored.
+        raise ValueError(f"not supported by this engine yet: {', '.join(unsupported)}")
     return params
 
 

@@ -1,6 +1,11 @@
 """Sampling: user options (SamplingParams), their per-row arrays, and the jitted sampler."""
 
-from pagedjax.sampling.params import SAMPLING_EPS, BeamSearchParams, SamplingParams
+from pagedjax.sampling.params import (
+    SAMPLING_EPS,
+    BeamSearchParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from pagedjax.sampling.sampler import (
     DEFAULT_MAX_LOGPROBS,
     PromptLogprobs,
@@ -23,6 +28,7 @@ __all__ = [
     "SamplerOutput",
     "SamplingParams",
     "SamplingTensors",
+    "StructuredOutputsParams",
     "TokenHistory",
     "apply_penalties",
     "process_logits",

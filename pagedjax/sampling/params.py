@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
@@ -62,6 +62,12 @@ class SamplingParams:
     max_tokens: most tokens to generate; None = up to the model's context length.
     logprobs: number of top logprobs to return per generated token (plus the sampled
         token's own); prompt_logprobs: the same for prompt tokens. None = none.
+    min_tokens: EOS and stop_token_ids are masked until this many tokens are generated.
+    logit_bias: {token id: bias in [-100, 100]} added to the logits (OpenAI's rule).
+    allowed_token_ids: only these token ids may be sampled (None = all).
+    bad_words: words whose token sequences must never be generated (vLLM's rule: the last
+        token of a word's encoding is masked when the tokens before it were just produced).
+    structured_outputs: a StructuredOutputsParams constraint on the output (None = none).
     """
 
     n: int = 1
@@ -79,6 +85,11 @@ class SamplingParams:
     max_tokens: int | None = 16
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    min_tokens: int = 0
+    logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -122,6 +133,32 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and _check_int(name, value) < 0:
                 raise ValueError(f"{name} must be non-negative, got {value}")
+        if _check_int("min_tokens", self.min_tokens) < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
+            )
+        put("logit_bias", _normalise_logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = _normalise_token_ids(self.allowed_token_ids, "allowed_token_ids")
+            if not allowed:
+                raise ValueError("allowed_token_ids must not be empty")
+            put("allowed_token_ids", allowed)
+        if self.bad_words is not None:
+            words = self.bad_words
+            if isinstance(words, str) or not isinstance(words, Sequence):
+                raise ValueError(f"bad_words must be a sequence of str, got {words!r}")
+            if not all(isinstance(w, str) and w for w in words):
+                raise ValueError(f"bad_words must hold non-empty strings, got {words!r}")
+            put("bad_words", tuple(words))
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be StructuredOutputsParams, got"
+                f" {type(self.structured_outputs).__name__}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -144,15 +181,102 @@ def _normalise_stop(stop: object) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _normalise_token_ids(ids: object) -> tuple[int, ...]:
+def _normalise_token_ids(ids: object, name: str = "stop_token_ids") -> tuple[int, ...]:
     if ids is None:
         return ()
     if isinstance(ids, str) or not isinstance(ids, Sequence):
-        raise ValueError(f"stop_token_ids must be a sequence of int, got {ids!r}")
+        raise ValueError(f"{name} must be a sequence of int, got {ids!r}")
     for i in ids:
-        if _check_int("stop_token_ids", i) < 0:
-            raise ValueError(f"stop_token_ids must be non-negative, got {i}")
+        if _check_int(name, i) < 0:
+            raise ValueError(f"{name} must be non-negative, got {i}")
     return tuple(ids)
+
+
+# OpenAI's logit_bias range; vLLM clamps to it on the server and we refuse outside it.
+MAX_LOGIT_BIAS = 100.0
+
+
+def _normalise_logit_bias(bias: object) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        # The OpenAI API sends token ids as JSON object keys, i.e. strings of digits.
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if _check_int("logit_bias key", token) < 0:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r}")
+        value = _check_float("logit_bias value", value)
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+        out[token] = value
+    return out
+
+
+# The constraint kinds of StructuredOutputsParams: exactly one is set per request.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM 0.32's StructuredOutputsParams).
+
+    Exactly one kind is set: json (a JSON schema, as a dict or its JSON text), regex,
+    choice (the output is one of these strings), grammar (EBNF / Lark text),
+    json_object=True (any JSON object), structural_tag (xgrammar's structural tag, JSON
+    text). Options: disable_any_whitespace (JSON without free whitespace; default False:
+    any whitespace, as vLLM), disable_additional_properties (a schema's objects without
+    ``additionalProperties`` get ``false``), whitespace_pattern (a regex for JSON
+    whitespace; outlines-style backends), disable_fallback (accepted for vLLM scripts;
+    the backend rule never falls back silently here). The engine compiles the constraint
+    once per request; an invalid one is a ValueError at add_request.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar,"
+                f" json_object, structural_tag; got {given or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"json must be a schema dict or its JSON text, got {self.json!r}")
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a str, got {value!r}")
+        if self.choice is not None:
+            choice = self.choice
+            if isinstance(choice, str) or not isinstance(choice, Sequence) or not choice:
+                raise ValueError(f"choice must be a non-empty list of str, got {choice!r}")
+            if not all(isinstance(c, str) for c in choice):
+                raise ValueError(f"choice must hold strings, got {choice!r}")
+            object.__setattr__(self, "choice", tuple(choice))
+        if self.json_object is not None:
+            _check_bool("json_object", self.json_object)
+        for name in (
+            "disable_fallback",
+            "disable_any_whitespace",
+            "disable_additional_properties",
+        ):
+            _check_bool(name, getattr(self, name))
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of STRUCTURED_OUTPUT_KINDS."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass(frozen=True, kw_only=True)
