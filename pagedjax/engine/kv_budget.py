@@ -17,9 +17,10 @@ memory byte for byte changed between two starts on the same box, so the persiste
 compilation cache missed and most programs recompiled at each start (measured: 23 of
 30). With the rounding, only a halving of the free memory changes the pool. Why not
 smaller: with 256 MiB (the old default) issue 13's 200-request run preempted 33
-sequences and ran at 0.76x vLLM; with 4 GiB 0.91x (docs/benchmarks.md). Every path is capped at the blocks that max_num_seqs sequences of
-max_model_len tokens could ever hold (more would never be used), plus the null block, so
-a small model with short sequences allocates far less than the budget.
+sequences and ran at 0.76x vLLM; with 4 GiB 0.91x (docs/benchmarks.md). Every path is
+capped at the blocks that max_num_seqs sequences of max_model_len tokens could ever hold
+(more would never be used), plus the null block, so a small model with short sequences
+allocates far less than the budget.
 """
 
 from __future__ import annotations
