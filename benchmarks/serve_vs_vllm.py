@@ -417,17 +417,21 @@ def run_server_round(
         warm_s = time.perf_counter() - t
         timed = client_flags(args, model, seed=args.seed, output_len=args.output_len)
         cpu0, client0 = tree_cpu_seconds(server.proc.pid), children_cpu_seconds()
+        comp0 = scrape_metric(server.url, "pagedjax:engine_compilations")
         res = run_client(vpy, server.url, timed, work / f"{tag}-{name}.json", log,
                          args.client_timeout)  # fmt: skip
         cpu1, client1 = tree_cpu_seconds(server.proc.pid), children_cpu_seconds()
+        comp1 = scrape_metric(server.url, "pagedjax:engine_compilations")
     finally:
         server.stop()
     res.update(startup_s=startup_s, warmup_s=warm_s, load_start=load0,
                load_end=os.getloadavg()[0], client_cpu_s=client1 - client0,
-               cpu_s={k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1})  # fmt: skip
+               cpu_s={k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1},
+               compilations_timed=None if None in (comp0, comp1) else comp1 - comp0)  # fmt: skip
     print(f"[{tag}] {name} server: CPU seconds in the timed run: "
           + ", ".join(f"{k} {v:.1f}" for k, v in res["cpu_s"].items())
-          + f"; client {res['client_cpu_s']:.1f}", flush=True)
+          + f"; client {res['client_cpu_s']:.1f}; programs compiled in it: "
+          f"{_cell(res['compilations_timed'], 'd')}", flush=True)
     print(f"[{tag}] {name} server: warm-up {warm_s:.1f} s; {res['output_tok_s']:.1f} output "
           f"tok/s, mean TTFT {res['mean_ttft_ms']:.0f} ms, mean TPOT {res['mean_tpot_ms']:.0f} "
           f"ms, {res['completed']} completed, {res['output_tokens']} tokens; load "
@@ -457,6 +461,20 @@ def tree_cpu_seconds(pid: int) -> dict[str, float]:
             continue
         out[role] = out.get(role, 0.0) + t.user + t.system
     return out
+
+
+def scrape_metric(url: str, name: str) -> float | None:
+    """The value of an unlabelled-or-one-series metric on the server's /metrics (None if
+    it is absent, e.g. on vLLM's server)."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return None
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
 
 
 def children_cpu_seconds() -> float:

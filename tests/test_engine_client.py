@@ -345,6 +345,9 @@ def test_http_streams_and_metrics_through_the_core(mp, llm):
         metrics
     )
     assert "pagedjax:kv_cache_usage_perc" in metrics
+    # The core compiled its programs (warm-up at least): the gauge reads the core's count.
+    (line,) = [ln for ln in metrics.splitlines() if ln.startswith("pagedjax:engine_compilations")]
+    assert float(line.rsplit(" ", 1)[1]) > 0
 
 
 def test_killed_core_fails_requests_promptly(mp):
