@@ -24,14 +24,17 @@ from pagedjax.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedjax.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
-# vLLM 0.32's StructuredOutputsConfig fields and their types.
-CONFIG_KEYS: dict[str, type] = {
+# vLLM 0.32's StructuredOutputsConfig fields and their types (the engine checks values).
+CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
     "backend": str,
     "disable_fallback": bool,
     "disable_any_whitespace": bool,
     "disable_additional_properties": bool,
     "reasoning_parser": str,
     "enable_in_reasoning": bool,
+    # pagedjax's own (config.StructuredOutputsConfig): compilation time limit, cache size
+    "compile_timeout_s": (int, float),
+    "cache_size": int,
 }
 
 
@@ -49,10 +52,9 @@ def structured_outputs_config(text: str) -> dict[str, Any]:
                 f"unknown key {key!r} (vLLM's StructuredOutputsConfig keys: {list(CONFIG_KEYS)};"
                 " reasoning_parser_plugin is not built)"
             )
-        if not isinstance(v, CONFIG_KEYS[key]):
-            raise argparse.ArgumentTypeError(
-                f"{key} must be a {CONFIG_KEYS[key].__name__}, got {v!r}"
-            )
+        want = CONFIG_KEYS[key]
+        if isinstance(v, bool) != (want is bool) or not isinstance(v, want):
+            raise argparse.ArgumentTypeError(f"{key}: wrong type, got {v!r}")
     if value.get("backend", "auto") not in BACKENDS:
         raise argparse.ArgumentTypeError(
             f"backend must be one of {list(BACKENDS)}, got {value['backend']!r}"
