@@ -34,7 +34,7 @@ from pagedjax.entrypoints.openai.protocol import (
     parse_chat,
     parse_completion,
 )
-from pagedjax.entrypoints.openai.structured import engine_refusal_param, parse_constraints
+from pagedjax.entrypoints.openai.structured import parse_constraints
 
 
 def _dumps(obj: Any) -> str:
@@ -203,7 +203,7 @@ async def _first(stream: AsyncIterator) -> Any:
     try:
         return await stream.__anext__()
     except (ValueError, TypeError) as e:
-        raise bad(str(e), engine_refusal_param(str(e))) from e
+        raise bad(str(e)) from e
     except QueueFullError as e:
         raise OpenAIError(503, str(e)) from e
     except EngineDeadError as e:  # for good (vLLM answers 500 too)
@@ -275,7 +275,7 @@ async def run_until_disconnect(request: Request, coro) -> Any:
     try:
         return task.result()
     except (ValueError, TypeError) as e:
-        raise bad(str(e), engine_refusal_param(str(e))) from e
+        raise bad(str(e)) from e
     except QueueFullError as e:
         raise OpenAIError(503, str(e)) from e
     except EngineDeadError as e:

@@ -226,11 +226,3 @@ def parse_logit_controls(b: JsonFields, vocab_size: int) -> dict[str, Any]:
             out["bad_words"] = words
     return out
 
-
-def engine_refusal_param(message: str) -> str | None:
-    """The field an engine's 'not supported by this engine yet: a, b' ValueError names
-    first, for the error's ``param``."""
-    prefix = "not supported by this engine yet: "
-    if message.startswith(prefix):
-        return message[len(prefix) :].split(",")[0].strip() or None
-    return None
