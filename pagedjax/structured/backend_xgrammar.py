@@ -49,7 +49,11 @@ class XgrammarGuide:
         return bool(self._m.accept_token(int(token)))
 
     def fill_mask(self, out: np.ndarray) -> None:
-        """out int32[W]: the tokens allowed next (written in place)."""
+        """out int32[W]: the tokens allowed next (written in place; none once the
+        matcher accepted its stop token)."""
+        if self._m.is_terminated():
+            out.fill(0)
+            return
         self._m.fill_next_token_bitmask(out.reshape(1, -1), 0)
 
     def is_terminated(self) -> bool:
@@ -116,9 +120,8 @@ class XgrammarBackend:
         return self._compiler.compile_structural_tag(text)
 
     def guide(self, compiled: Any) -> XgrammarGuide:
-        return XgrammarGuide(
-            self._xgr.GrammarMatcher(compiled, max_rollback_tokens=self._max_rollback)
-        )
+        # Rollback is unlimited in xgrammar >= 0.2 (max_rollback_tokens is deprecated).
+        return XgrammarGuide(self._xgr.GrammarMatcher(compiled))
 
 
 def _first_line(e: Exception) -> str:
