@@ -240,3 +240,42 @@ def test_speculation_and_k_step_loop_compose() -> None:
         k: v.outputs[0].token_ids for k, v in base.items()
     }
     assert loop.multi_step.stats.skipped.get("structured_output", 0) > 0
+
+
+def test_structural_tag_on_xgrammar() -> None:
+    tag = {"structures": [{"begin": "<f>", "schema": {"type": "boolean"}, "end": "</f>"}],
+           "triggers": ["<f>"]}  # fmt: skip
+    mgr = _manager()
+    compiled = mgr.compile(SO(structural_tag=json.dumps(tag)))
+    assert compiled.backend == "xgrammar"
+    guide = mgr.guide(compiled)
+    for ch in b"free text <f>true</f>":
+        assert guide.accept(ch), chr(ch)
+    with pytest.raises(ValueError, match="structural_tag"):
+        mgr.compile(SO(structural_tag="{not json"))
+
+
+@pytest.mark.slow  # loads the real tokenizer from the GGUF (~5-20 s)
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_real_tokenizer_vocabulary(smollm2_gguf, backend: str) -> None:
+    """SmolLM2's BPE vocabulary: the tokens of a valid document are allowed one by one,
+    and after it only EOS."""
+    from pagedjax.tokenizer import gguf_tokenizer
+
+    tok = gguf_tokenizer(smollm2_gguf)
+    v = 49152
+    mgr = StructuredOutputManager(StructuredOutputsConfig(backend=backend), tok, v,
+                                  [tok.eos_token_id])  # fmt: skip
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]}  # fmt: skip
+    guide = mgr.guide(mgr.compile(SO(json=schema)))
+    mask = np.zeros(v // 32, np.int32)
+    for t in tok.encode('{"name": "Ann", "age": 7}', add_special_tokens=False):
+        guide.fill_mask(mask)
+        assert (int(mask[t >> 5]) >> (t & 31)) & 1, t
+        assert guide.accept(t)
+    guide.fill_mask(mask)
+    assert np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")).tolist() == [
+        tok.eos_token_id
+    ]

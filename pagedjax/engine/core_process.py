@@ -101,7 +101,7 @@ class OutputEncoder:
                 st = self.sent[o.request_id] = _Sent()
             head = None
             if not st.head:
-                head = (o.prompt, o.prompt_token_ids)
+                head = (o.prompt, o.prompt_token_ids, o.structured_output_backend)
                 st.head = True
             plp = None
             if o.prompt_logprobs is not None and len(o.prompt_logprobs) != st.plp:
@@ -142,13 +142,14 @@ class OutputEncoder:
 class _Request:
     """What the client has of one request (the decoder's state)."""
 
-    __slots__ = ("prompt", "prompt_ids", "plp", "metrics", "comps")
+    __slots__ = ("prompt", "prompt_ids", "plp", "metrics", "comps", "backend")
 
     def __init__(self) -> None:
         self.prompt: str | None = None
         self.prompt_ids: list[int] = []
         self.plp: list | None = None
         self.metrics: tuple | None = None
+        self.backend: str | None = None  # RequestOutput.structured_output_backend
         # index -> [ids, logprobs or None, text, cumulative logprob, finish, stop reason]
         self.comps: dict[int, list] = {}
 
@@ -166,7 +167,7 @@ class OutputDecoder:
             if r is None:
                 r = self.requests[rid] = _Request()
             if head is not None:
-                r.prompt, r.prompt_ids = head
+                r.prompt, r.prompt_ids, r.backend = head
             if plp is not None:
                 r.plp = [_dec_lp(e) for e in plp]
             if metrics is not None:
@@ -197,6 +198,7 @@ class OutputDecoder:
                 prompt_logprobs=list(r.plp) if r.plp else None, outputs=completions,
                 finished=finished,
                 metrics=RequestMetrics(*r.metrics) if r.metrics is not None else None,
+                structured_output_backend=r.backend,
             ))  # fmt: skip
             if finished:
                 del self.requests[rid]
