@@ -1,7 +1,10 @@
 """``--tool-call-parser llama3_json``: Llama 3.1/3.2 JSON calls, vLLM's rules. The output
 is calls only when it starts with ``<|python_tag|>`` or ``{`` (else it is all content):
 one or more objects ``{"name": ..., "parameters": {...}}`` (``arguments`` is accepted
-too) separated by ``;``; anything that does not parse makes the whole output content.
+too) separated by ``;``, plain text after them dropped; an object that does not parse
+(or is cut off) makes the whole output content. vLLM 0.32's non-streamed parser also
+finds calls after leading text (its streamed one does not); here both follow the
+streamed rule, so a stream and the full answer agree.
 ``<|python_tag|>`` is a special token, so it is usually gone from text decoded with
 ``skip_special_tokens`` and the output starts with ``{``.
 """
@@ -36,7 +39,7 @@ class Llama3JsonToolParser(ToolParser):
 
 def _scan(text: str, i: int, final: bool) -> tuple[list[Call], list[tuple[int, int]], bool]:
     """Calls found from text[i] on, the spans of the complete objects, and whether the
-    text is exactly objects separated by ';' (meaningful when final)."""
+    text is objects separated by ';', then anything (meaningful when final)."""
     calls: list[Call] = []
     spans: list[tuple[int, int]] = []
     i = skip_ws(text, i)
@@ -58,7 +61,7 @@ def _scan(text: str, i: int, final: bool) -> tuple[list[Call], list[tuple[int, i
         i = skip_ws(text, obj.end)
         if i < len(text):
             if text[i] != ";":
-                return calls, spans, False
+                return calls, spans, True  # plain text after the calls: dropped, as vLLM
             i = skip_ws(text, i + 1)
     return calls, spans, bool(spans)
 
