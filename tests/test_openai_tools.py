@@ -465,8 +465,15 @@ def test_prepare_chat_constraints_and_auto_rule():
     _, extras = _prepare({"messages": msgs[:1], "chat_template_kwargs": {"enable_thinking": False}})
     rules = build_rules(extras, tool_parser=None, reasoning_parser="qwen3", prompt="")
     assert rules.reasoning is None and rules.report_reasoning  # thinking off: all content
+    _, extras = _prepare({"messages": msgs[:1], "reasoning_effort": "none"})
+    assert extras.template_kwargs == {"reasoning_effort": "none", "enable_thinking": False}
+    rules = build_rules(extras, tool_parser=None, reasoning_parser="qwen3", prompt="")
+    assert rules.reasoning is None  # vLLM 0.32: reasoning_effort "none" turns thinking off
+    assert _bad(_prepare, {"messages": msgs[:1], "reasoning_effort": "huge"}).param == (
+        "reasoning_effort"
+    )
     rules = build_rules(
-        ChatExtras(extras.tools, {}, None, True),
+        ChatExtras(extras.tools, {}, True),
         tool_parser=None,
         reasoning_parser="deepseek_r1",
         prompt="<think>\n",

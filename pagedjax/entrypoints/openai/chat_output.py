@@ -167,13 +167,18 @@ class ChatExtras:
     """A chat request's tool and reasoning fields, checked (``prepare_chat``)."""
 
     tools: ToolRequest
-    template_kwargs: dict[str, Any]  # for the chat template: tools=, chat_template_kwargs
-    chat_template_kwargs: dict[str, Any] | None
+    # For the chat template: chat_template_kwargs, tools=, reasoning_effort (and the
+    # enable_thinking it implies unless chat_template_kwargs gives one).
+    template_kwargs: dict[str, Any]
     include_reasoning: bool
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
 def prepare_chat(body: dict, parsed: Any, *, auto_tools: bool) -> ChatExtras:
-    """Read the chat body's tool fields, chat_template_kwargs and include_reasoning;
+    """Read the chat body's tool fields, chat_template_kwargs, reasoning_effort and
+    include_reasoning;
     add the tool constraint to ``parsed.params_kwargs``; copy the messages' tool fields.
     ``auto_tools``: the server has --enable-auto-tool-choice and a parser."""
     req = parse_tools(body)
@@ -200,7 +205,14 @@ def prepare_chat(body: dict, parsed: Any, *, auto_tools: bool) -> ChatExtras:
     kwargs: dict[str, Any] = dict(ctk or {})
     if req.tools is not None:
         kwargs["tools"] = req.tools
-    return ChatExtras(req, kwargs, ctk, include)
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # vLLM 0.32: the template's reasoning_effort and enable_thinking
+        if effort not in REASONING_EFFORTS:
+            raise bad(f"'reasoning_effort' must be one of {list(REASONING_EFFORTS)}, got"
+                      f" {effort!r}", "reasoning_effort")  # fmt: skip
+        kwargs["reasoning_effort"] = effort
+        kwargs.setdefault("enable_thinking", effort != "none")
+    return ChatExtras(req, kwargs, include)
 
 
 def build_rules(
@@ -211,7 +223,7 @@ def build_rules(
     reasoning = None
     if reasoning_parser is not None:
         parser = REASONING_PARSERS[reasoning_parser]()
-        if parser.thinking(extras.chat_template_kwargs) and not parser.reasoning_ended_in(prompt):
+        if parser.thinking(extras.template_kwargs) and not parser.reasoning_ended_in(prompt):
             reasoning = parser
     req = extras.tools
     tools: ToolParser | None = None
