@@ -7,7 +7,8 @@ logprobs, seeds) with greedy text equal to ``LLM.generate``; 200 concurrent stre
 is held; a table of bad requests with their status and error type, after which the
 server still serves; /metrics parsed by prometheus-client with counters that add up; the
 API key; an engine whose step fails (requests fail with the cause, /health turns 503);
-the command-line flags.
+the command-line flags; constrained outputs (tool_choice "required" / named, response_format
+json_schema) valid from the real engine (tests/test_server_tools.py has the parsers).
 """
 
 from __future__ import annotations
