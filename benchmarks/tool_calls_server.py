@@ -224,14 +224,15 @@ def run_one(client, kind: str, i: int, stream: bool, max_tokens: int) -> dict:
                 seconds=time.perf_counter() - t0)  # fmt: skip
 
 
-def serve(model: str, max_model_len: int):
+def serve(model: str, max_model_len: int, structured: dict | None):
     import uvicorn
 
     from pagedjax import LLM
     from pagedjax.entrypoints.async_engine import AsyncLLMEngine
     from pagedjax.entrypoints.openai.api_server import build_app
 
-    llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, seed=0)
+    extra = {"structured_outputs_config": structured} if structured else {}
+    llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, seed=0, **extra)
     engine = AsyncLLMEngine.from_llm(llm)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -251,11 +252,17 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="the first 3 tools only")
+    ap.add_argument(
+        "--structured-outputs-config",
+        type=json.loads,
+        default=None,
+        help="the server flag's JSON, e.g. '{\"disable_any_whitespace\": true}'",
+    )
     args = ap.parse_args()
     from openai import OpenAI
 
     t0 = time.perf_counter()
-    server, engine, url = serve(args.model, args.max_model_len)
+    server, engine, url = serve(args.model, args.max_model_len, args.structured_outputs_config)
     print(f"server up in {time.perf_counter() - t0:.1f} s")
     client = OpenAI(api_key="x", base_url=url, timeout=1800, max_retries=0)
     n = 3 if args.quick else len(TOOLS)
