@@ -256,6 +256,50 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Structured outputs (vLLM's ``structured_outputs_config`` keys;
+    docs/structured_outputs.md).
+
+    backend: "auto" (vLLM's default and per-request rule: xgrammar unless it would not
+    enforce the constraint, e.g. a JSON schema keyword it ignores or a grammar it
+    cannot compile, then guidance), "xgrammar" or "guidance" (llguidance). vLLM's "outlines" and
+    "lm-format-enforcer" are not built here (refused by name).
+    disable_fallback: accepted for vLLM configs; no backend falls back silently here.
+    disable_any_whitespace, disable_additional_properties: engine-wide defaults of the
+    request options of the same names (either one turns the option on).
+    reasoning_parser, enable_in_reasoning: the server's (the constraint starts after the
+    reasoning); stored here so one config carries vLLM's keys.
+    compile_timeout_s: a constraint whose compilation takes longer is refused (ValueError
+    at add_request). cache_size: compiled constraints kept (by constraint text).
+    """
+
+    backend: Literal["auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"] = "auto"
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
+    compile_timeout_s: float = 30.0
+    cache_size: int = 256
+
+    def __post_init__(self) -> None:
+        _check(
+            self.backend not in ("outlines", "lm-format-enforcer"),
+            "structured_outputs_config.backend",
+            f"{self.backend!r} is not built in pagedjax; use 'xgrammar', 'guidance' or 'auto'",
+        )  # fmt: skip
+        _check(self.compile_timeout_s > 0, "structured_outputs_config.compile_timeout_s",
+               f"must be positive, got {self.compile_timeout_s}")  # fmt: skip
+        _check(self.cache_size >= 0, "structured_outputs_config.cache_size",
+               f"must be >= 0, got {self.cache_size}")  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StructuredOutputsConfig:
+        """From vLLM's dict (or JSON object) form; unknown keys are rejected by name."""
+        return load_dataclass(cls, data, prefix="structured_outputs_config.")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; the top level of an engine YAML file."""
 
@@ -265,6 +309,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # Speculative decoding (None: off); LLM(speculative_config={...}) builds it.
     speculative: SpeculativeConfig | None = None
+    # Structured outputs: the grammar backend and its options (structured_outputs_config).
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     attention_backend: Literal["reference", "pallas", "native_cpu", "triton", "auto"] = "auto"
     # Compile at start-up (pagedjax/engine/warmup.py): "auto" = "all" (every step
     # program; cheap with the layer loop and the persistent cache), unless the

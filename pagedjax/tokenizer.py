@@ -72,6 +72,12 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer itself: the grammar backends (pagedjax/structured)
+        read its vocabulary from it."""
+        return self._tok
+
+    @property
     def chat_template(self) -> str | None:
         """The tokenizer's own Jinja chat template (tokenizer_config.json or GGUF), if any."""
         return getattr(self._tok, "chat_template", None)

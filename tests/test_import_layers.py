@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedjax.engine", "pagedjax.baselines"),  # the engine core; the contiguous-KV engine
     ("pagedjax.simulator",),  # trace simulation, cost models, the paper's named systems
     ("pagedjax.scheduler",),
+    ("pagedjax.structured",),  # grammar backends for structured outputs (host masks)
     ("pagedjax.model", "pagedjax.sampling"),
     ("pagedjax.attention",),  # backends, KV write / copy
     ("pagedjax.memory",),

@@ -7,7 +7,8 @@ logprobs, seeds) with greedy text equal to ``LLM.generate``; 200 concurrent stre
 is held; a table of bad requests with their status and error type, after which the
 server still serves; /metrics parsed by prometheus-client with counters that add up; the
 API key; an engine whose step fails (requests fail with the cause, /health turns 503);
-the command-line flags.
+the command-line flags; constrained outputs (tool_choice "required" / named, response_format
+json_schema) valid from the real engine (tests/test_server_tools.py has the parsers).
 """
 
 from __future__ import annotations
@@ -324,8 +325,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "a", "stop_token_ids": ["a"]}, 400, "BadRequestError",
      "stop_token_ids"),
     ("/v1/completions", {"prompt": "a", "suffix": "z"}, 400, "BadRequestError", "suffix"),
-    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 10}}, 400, "BadRequestError",
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 1000}}, 400, "BadRequestError",
      "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "guided_json": {}}, 400, "BadRequestError",
+     "guided_json"),
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400,
      "BadRequestError", "stream_options"),
     ("/v1/completions", {"prompt": LONG}, 400, "BadRequestError", "prompt"),
@@ -340,8 +343,10 @@ BAD_REQUESTS = [
      "messages"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400,
      "BadRequestError", "tools"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}},
      400, "BadRequestError", "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f"}}]}, 400, "BadRequestError", "tool_choice"),  # "auto" needs the flag
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "BadRequestError",
      "top_logprobs"),
     ("/detokenize", {"tokens": [-1]}, 400, "BadRequestError", "tokens"),
@@ -440,6 +445,79 @@ def test_waiting_queue_limit_503(served):
         served.engine.max_waiting_requests = None
     assert httpx.post(served.url + "/v1/completions", json=body, timeout=60).status_code == 200
     _assert_idle_and_free(served)
+
+
+# ------------------------------------------------------------------ structured outputs
+
+ENGINE_LACKS = "not supported by this engine yet"
+UNIT_TOOL = {"type": "function", "function": {"name": "set_unit", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+    "additionalProperties": False}}}  # fmt: skip
+BEEP_TOOL = {"type": "function", "function": {"name": "beep", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}  # fmt: skip
+
+
+def _constrained(call):
+    """Run a constrained request; skip only while the engine refuses structured outputs
+    (issue 33's engine work: once it applies them these tests must pass)."""
+    import openai
+
+    try:
+        return call()
+    except openai.BadRequestError as e:
+        if ENGINE_LACKS in str(e):
+            pytest.skip(f"the engine refuses it: {e}")
+        raise
+
+
+def _tool_calls(r, stream: bool) -> tuple[list[tuple[str, str]], str | None]:
+    if not stream:
+        m = r.choices[0].message
+        return [(c.function.name, c.function.arguments) for c in m.tool_calls or []], (
+            r.choices[0].finish_reason)  # fmt: skip
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in r:
+        for ch in chunk.choices:
+            for tc in ch.delta.tool_calls or []:
+                calls.setdefault(tc.index, [tc.function.name or "", ""])
+                calls[tc.index][1] += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    return [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_and_named_tool_calls_are_valid(served, client, stream):
+    """tool_choice "required" and a named function give tool_calls that parse and follow
+    the tools' schemas (the engine applies the constraint); a refusal by an engine without
+    structured outputs skips, any other error fails."""
+    named = {"type": "function", "function": {"name": "set_unit"}}
+    # JSON allows whitespace anywhere (vLLM's default) and the array any length, and a random
+    # model pads with whitespace or calls up to max_tokens: a logit_bias keeps whitespace
+    # out and "," wherever the grammar allows another token (a bias never beats the mask).
+    ws = {i for ch in " \n\r\t," for i in served.tokenizer.encode(ch, add_special_tokens=False)}
+    no_ws = {"logit_bias": {str(i): -100 for i in ws}}
+    for choice, want_finish in (("required", "tool_calls"), (named, "stop")):
+        r = _constrained(lambda choice=choice: client.chat.completions.create(
+            model=NAME, messages=CHAT, tools=[UNIT_TOOL, BEEP_TOOL], tool_choice=choice,
+            temperature=0, max_tokens=70, stream=stream, extra_body=no_ws))  # fmt: skip
+        calls, finish = _tool_calls(r, stream)
+        assert finish == want_finish and calls, (choice, calls)
+        for name, args in calls:
+            args = json.loads(args)
+            assert name in ("set_unit", "beep") and (name == "beep" or args["unit"] in "cf")
+    _assert_idle_and_free(served)
+
+
+def test_response_format_json_schema_is_valid(served, client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    r = _constrained(lambda: client.chat.completions.create(
+        model=NAME, messages=CHAT, temperature=0, max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}}))  # fmt: skip
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
 
 
 def test_bench_serve_against_the_server(served, tmp_path):

@@ -73,6 +73,8 @@ class EngineCore:
     # (kv_calibration.calibrate_core; admission.assign_slots calls it).
     kv_calibration: Any = None
     num_steps: int = 0  # engine iterations run (one-step path and decode loop)
+    # logit_controls.LogitControls: dynamic masks (min_tokens, bad_words, grammars).
+    controls: Any = None
 
     def take_slot(self, req: RequestState, seq: SequenceState) -> int:
         """Bind a free slot to seq: owner, token-buffer row (prompt + any output kept for

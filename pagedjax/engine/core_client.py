@@ -44,6 +44,7 @@ from pagedjax.config import EngineConfig
 from pagedjax.engine.core_process import OutputDecoder, dumps, run_core
 from pagedjax.engine.fronts.data_parallel import merge_counts, merge_stats
 from pagedjax.engine.fronts.router import Router
+from pagedjax.engine.logit_controls import LogitControls
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.prompts import check_request, check_request_args, tokenize_prompt
 from pagedjax.engine.protocol import EngineDeadError
@@ -99,6 +100,7 @@ class MPEngineClient:
         par = config.parallel
         m = par.data_parallel_size
         self.config = config
+        self._controls: LogitControls | None = None  # add_request's constraint checks
         core_config = dataclasses.replace(
             config, parallel=dataclasses.replace(par, data_parallel_size=1)
         )
@@ -186,6 +188,14 @@ class MPEngineClient:
             watermark_blocks=f["watermark_blocks"], max_logprobs=f["max_logprobs"],
             vocab_size=self.vocab_size,
         )  # fmt: skip
+        if params.structured_outputs is not None or params.bad_words:
+            # Compiled here too, so a bad constraint is this call's ValueError (the
+            # server's 400), not a later "failed" message from the core.
+            if self._controls is None:
+                eos = {self.tokenizer.eos_token_id} - {None}
+                self._controls = LogitControls(self.vocab_size, self.tokenizer,
+                                               self.config.structured_outputs, eos)  # fmt: skip
+            self._controls.prepare(params)
         out = params.max_tokens or max(self.max_model_len - len(ids), 1)
         replica = self.router.route(request_id, ids, len(ids) + out * max(params.n, 1))
         self._replica_of[request_id] = replica

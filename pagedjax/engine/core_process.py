@@ -107,7 +107,7 @@ class OutputEncoder:
                 st = self.sent[o.request_id] = _Sent()
             head = None
             if not st.head:
-                head = (o.prompt, o.prompt_token_ids)
+                head = (o.prompt, o.prompt_token_ids, o.structured_output_backend)
                 st.head = True
             plp = None
             if o.prompt_logprobs is not None and len(o.prompt_logprobs) != st.plp:
@@ -168,7 +168,7 @@ class _Comp:
 class _Request:
     """What the client has of one request (the decoder's state)."""
 
-    __slots__ = ("prompt", "prompt_ids", "plp", "metrics", "comps", "params")
+    __slots__ = ("prompt", "prompt_ids", "plp", "metrics", "comps", "params", "backend")
 
     def __init__(self, params: SamplingParams | None = None) -> None:
         self.prompt: str | None = None
@@ -177,6 +177,7 @@ class _Request:
         self.metrics: tuple | None = None
         self.comps: dict[int, _Comp] = {}
         self.params = params
+        self.backend: str | None = None  # RequestOutput.structured_output_backend
 
 
 class OutputDecoder:
@@ -208,7 +209,7 @@ class OutputDecoder:
             if r is None:
                 r = self.requests[rid] = _Request()
             if head is not None:
-                r.prompt, r.prompt_ids = head
+                r.prompt, r.prompt_ids, r.backend = head
             if plp is not None:
                 r.plp = [_dec_lp(e) for e in plp]
             if metrics is not None:
@@ -243,6 +244,7 @@ class OutputDecoder:
                 prompt_logprobs=list(r.plp) if r.plp else None, outputs=completions,
                 finished=finished,
                 metrics=RequestMetrics(*r.metrics) if r.metrics is not None else None,
+                structured_output_backend=r.backend,
             ))  # fmt: skip
             if finished:
                 del self.requests[rid]

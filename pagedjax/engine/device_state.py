@@ -17,7 +17,9 @@ Arrays (shapes are the contract, docs/engine.md):
 - ``host_kv``: the swap pool, ``kv``'s pytree with numpy leaves of [num_layers,
   num_host_blocks + 1, ...] (block 0 is its null block; 8-bit values and scales alike).
 - sampling rows: a host mirror (numpy, one row per slot) uploaded as one
-  ``SamplingTensors`` only when a row changed since the last upload.
+  ``SamplingTensors``, each field only when one of its rows changed since the last
+  upload (the [max_seqs, ceil(V / 32)] masks change every step for constrained rows;
+  the other fields need not travel with them).
 
 Argument types are passed through unchanged (numpy stays numpy): jit caches by them, and
 warm-up (``warmup.py``) compiles exactly the signatures the engine later uses.
@@ -62,8 +64,10 @@ class DeviceState:
         *,
         max_model_len: int,
         num_host_blocks: int,
+        vocab_size: int = 0,
     ):
         n = sched_limits.max_seqs
+        self.vocab_size = vocab_size  # the sampling rows' logit controls (0: none)
         self.max_seqs = n
         self.block_size = bs = policy.block_size
         self.state = init_state(policy, n)
@@ -96,9 +100,11 @@ class DeviceState:
         self._fork = jax.jit(functools.partial(sharing.fork_children, bs), donate_argnums=(0,))
         self._usage = jax.jit(functools.partial(sharing.sharing_usage, bs))
         self._rows = {
-            k: np.array(v) for k, v in SamplingTensors.from_params([], n)._asdict().items()
+            k: np.array(v)
+            for k, v in SamplingTensors.from_params([], n, vocab_size)._asdict().items()
         }
         self._rows_dev: SamplingTensors | None = None
+        self._fields_dev: dict[str, Any] = {}  # uploaded fields, dropped when one changes
         self._no_lookahead = np.zeros(n, np.int32)
 
     def jits(self) -> dict[str, Any]:
@@ -250,34 +256,45 @@ class DeviceState:
     # ------------------------------------------------------------------ sampling rows
 
     def sampling(self) -> SamplingTensors:
-        """The per-slot sampling tensors on device (uploaded if a row changed)."""
+        """The per-slot sampling tensors on device (the changed fields uploaded)."""
         if self._rows_dev is None:
-            self._rows_dev = SamplingTensors(**{k: jnp.asarray(v) for k, v in self._rows.items()})
+            for k, v in self._rows.items():
+                if k not in self._fields_dev:
+                    self._fields_dev[k] = jnp.asarray(v)
+            self._rows_dev = SamplingTensors(**self._fields_dev)
         return self._rows_dev
 
     def set_sampling_row(
         self, slot: int, params: SamplingParams, index: int, num_output: int
     ) -> None:
         """The slot's row for sample ``index`` of a request, ``num_output`` tokens in."""
-        t = SamplingTensors.from_params([(params, index, num_output)], 1)
+        t = SamplingTensors.from_params([(params, index, num_output)], 1, self.vocab_size)
         for name, v in t._asdict().items():
-            self._rows[name][slot] = v[0]
-        self._rows_dev = None
+            self.set_sampling_value(name, slot, v[0])
 
     def copy_sampling_row(self, dst: int, src: int) -> None:
         """Slot dst samples as slot src does (a new beam of the same group)."""
-        for v in self._rows.values():
-            v[dst] = v[src]
-        self._rows_dev = None
+        for name, v in self._rows.items():
+            self.set_sampling_value(name, dst, v[src].copy())
 
     def set_sampling_value(self, name: str, slot: int, value: Any) -> None:
-        """One field of one row (a ``SamplingTensors`` field name)."""
-        self._rows[name][slot] = value
+        """One field of one row (a ``SamplingTensors`` field name); a value equal to the
+        row's current one changes nothing (no upload)."""
+        row = self._rows[name]
+        if np.array_equal(row[slot], value):
+            return
+        row[slot] = value
         self._rows_dev = None
+        self._fields_dev.pop(name, None)
+
+    def sampling_value(self, name: str, slot: int) -> np.ndarray:
+        """One field of one row, as the host mirror holds it (read-only use)."""
+        return self._rows[name][slot]
 
     def mark_sampling_stale(self) -> None:
         """Upload the rows again before the next use (slots were re-bound)."""
         self._rows_dev = None
+        self._fields_dev.clear()
 
 
 def padding_bucket(n: int, limit: int) -> int:

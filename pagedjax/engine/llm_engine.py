@@ -62,6 +62,7 @@ from pagedjax.engine.engine_stats import engine_stats
 from pagedjax.engine.kv_budget import num_kv_blocks, profile_forward
 from pagedjax.engine.kv_cache_spec import KVCacheSpec
 from pagedjax.engine.loading import load_model
+from pagedjax.engine.logit_controls import LogitControls
 from pagedjax.engine.model_runner import ModelRunner
 from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
 from pagedjax.engine.output_processor import OutputProcessor, SampledRows
@@ -174,7 +175,8 @@ class LLMEngine:
         kv = place.allocate_kv(self.kv_spec, self.num_blocks, self.block_size, kv_fill_value)
         device_state = DeviceState(self.policy, self.sched_limits, kv,
                                    max_model_len=self.max_model_len,
-                                   num_host_blocks=self.num_host_blocks)  # fmt: skip
+                                   num_host_blocks=self.num_host_blocks,
+                                   vocab_size=arch.vocab_size)  # fmt: skip
         place.place_state(device_state)
         self.speculator = build_speculator(config.speculative, arch, self.block_size, attention,
                                            max_logprobs, self.policy, draft, place.size == 1)
@@ -193,6 +195,7 @@ class LLMEngine:
             kv_calibration=self.kv_spec.calibrator(),
             max_blocks_per_seq=max_blocks_per_seq, token_buckets=self.token_buckets,
             seq_buckets=self.seq_buckets, enable_prefix_caching=self.enable_prefix_caching,
+            controls=LogitControls(arch.vocab_size, tokenizer, config.structured_outputs, eos),
         )  # fmt: skip
         self.outputs = OutputProcessor(self.core)  # the host half of every step
         self.reset_stats()
@@ -238,6 +241,7 @@ class LLMEngine:
         params = check_request_args(request_id, params, book.requests)
         text, ids = self.tokenize_prompt(prompt)
         self.check_request(ids, params)
+        controls = self.core.controls.prepare(params)  # bad words' ids, compiled grammar
         if params.seed is None and not params.greedy:
             # Drawn here, once, so the request's samples survive preemption unchanged.
             params = params.with_seed(int(self._rng.integers(0, MAX_SEED + 1)))
@@ -247,6 +251,7 @@ class LLMEngine:
             request_id, text, ids, params, target, self.tokenizer, book.next_arrival,
             detokenize=self.detokenize,
         )
+        self.core.controls.attach(req, controls)
         # n > 1: only sample 0 prefills; the others fork its blocks when its prompt is done.
         book.add(req)
 
@@ -303,6 +308,7 @@ class LLMEngine:
         self.assign_slots()
         if not book.slot_owner:
             return []
+        core.controls.write_rows(core)  # dynamic masks; such slots keep the one-step path
         outputs = self.multi_step.step(core, self.outputs)  # None: run the one-step path
         if outputs is not None:  # observers see each iteration it ran (step_record.py)
             return notify(self.step_observers, t0, outputs, self.multi_step.last_loop)
@@ -478,7 +484,7 @@ class LLMEngine:
         """Counters since the last ``reset_stats``: ``engine_stats.engine_stats`` gives
         the keys' meanings; spec_*: ``spec/decoder.py``'s ``SpecCounters``."""
         spec = self.speculator.stats() if self.speculator is not None else {}
-        return spec | engine_stats(
+        return spec | self.core.controls.stats() | engine_stats(
             self.core, self.multi_step, forked_samples=self.outputs.num_forked,
             preemptions_recompute=self.num_preemptions_recompute,
             preemptions_swap=self.num_preemptions_swap,

@@ -31,6 +31,7 @@ import numpy as np
 from pagedjax.engine.buckets import pick
 from pagedjax.engine.core import EngineCore
 from pagedjax.engine.decode_loop import EXIT_DONE, EXIT_NAMES, LoopOutput, LoopSpec, decode_loop
+from pagedjax.engine.logit_controls import needs_host
 from pagedjax.engine.output_processor import OutputProcessor, SampledRows
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.spec.verify import sampled_offsets
@@ -169,6 +170,8 @@ class MultiStepDecoder:
                 return "beam_search"  # the host picks each step's tokens
             if len(core.book.stop_ids(seq)) > MAX_STOP_IDS:
                 return "many_stop_ids"
+            if core.controls is not None and needs_host(core.book, req, seq):
+                return "structured_output"  # grammar, bad_words or min_tokens masks
         return None
 
     def note_step(self, core: EngineCore, host: dict[str, Any]) -> None:

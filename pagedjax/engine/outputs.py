@@ -71,7 +71,9 @@ class RequestOutput:
     SamplingParams.prompt_logprobs is set, one entry per prompt token: None for the first,
     then {token_id: Logprob} with the actual token and the top-k (raw model logprobs).
     finished: every sample has finished. metrics: the request's timeline (serving
-    metrics: queue time, time to first token).
+    metrics: queue time, time to first token). structured_output_backend: the backend
+    that compiled the request's structured_outputs constraint ("xgrammar" or
+    "guidance"; None without one): pagedjax's extension, vLLM does not report it.
     """
 
     request_id: str
@@ -81,3 +83,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    structured_output_backend: str | None = None

@@ -14,6 +14,7 @@ import numpy as np
 from pagedjax.engine.outputs import Logprob
 from pagedjax.memory.block_table import blocks_for
 from pagedjax.sampling import BeamSearchParams, SamplingParams
+from pagedjax.sampling.tensors import MAX_LOGIT_BIAS_ENTRIES
 
 
 def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt: Any) -> tuple[str | None, list[int]]:
@@ -58,21 +59,6 @@ def check_request_args(request_id: Any, params: Any, in_use: Any) -> SamplingPar
         raise TypeError(f"request_id must be a str, got {request_id!r}")
     if request_id in in_use:
         raise ValueError(f"request id {request_id!r} is already in use")
-    unsupported = [
-        name
-        for name, off in (
-            ("structured_outputs", None),
-            ("logit_bias", None),
-            ("allowed_token_ids", None),
-            ("bad_words", None),
-            ("min_tokens", 0),
-        )
-        if getattr(params, name) != off
-    ]
-    if unsupported:
-        # Accepted by SamplingParams (vLLM's names) but not applied by the engine yet:
-        # refused rather than silently ignored.
-        raise ValueError(f"not supported by this engine yet: {', '.join(unsupported)}")
     return params
 
 
@@ -121,6 +107,16 @@ def check_request(
     for t in params.stop_token_ids:
         if t >= vocab_size:
             raise ValueError(f"stop_token_ids has {t}, outside the vocabulary")
+    for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("logit_bias", params.logit_bias or {})):  # fmt: skip
+        bad = sorted(t for t in ids if t >= vocab_size)
+        if bad:
+            raise ValueError(f"{name} has token ids {bad} outside the vocabulary [0, {vocab_size})")
+    if len(params.logit_bias or {}) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(
+            f"logit_bias has {len(params.logit_bias)} entries; this engine takes at most"
+            f" {MAX_LOGIT_BIAS_ENTRIES} per request"
+        )
 
 
 def record_prompt_logprobs(decode: Any, host: dict, owners: list, plp: Any) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedjax.sampling import SamplingParams
+from pagedjax.structured import DEAD_END_REASON
 
 
 @dataclass
@@ -39,6 +40,16 @@ class SequenceState:
     # Each token's raw logprob, kept when the engine does not detokenize (see
     # CompletionOutput.sampled_logprobs); None otherwise.
     sampled_logprobs: list[float] | None = None
+    # Structured outputs: the grammar matcher (pagedjax/structured Guide; None: no
+    # constraint) and its packed mask of the tokens allowed next, int32[ceil(V / 32)].
+    guide: Any = None
+    grammar_mask: np.ndarray | None = None
+
+    def start_guide(self, guide: Any, words: int) -> None:
+        """Constrain this sample by ``guide`` (at its start state): the first mask."""
+        self.guide = guide
+        self.grammar_mask = np.zeros(words, np.int32)
+        guide.fill_mask(self.grammar_mask)
 
     def record(
         self,
@@ -64,7 +75,21 @@ class SequenceState:
             self.finish_reason, self.stop_reason = "stop", stop_str
         elif len(self.detok.ids) >= self.target:
             self.finish_reason = "length"
+        if self.guide is not None and self.finish_reason is None:
+            self._advance_guide(tok)
         return self.finish_reason is not None
+
+    def _advance_guide(self, tok: int) -> None:
+        """The grammar takes the token; a refused token (never sampled under the mask)
+        or a state with no allowed next token finishes the sample (DEAD_END_REASON)
+        instead of sampling from an empty distribution."""
+        mask = self.grammar_mask
+        ok = self.guide.accept(tok)
+        if ok:
+            mask.fill(0)
+            self.guide.fill_mask(mask)
+        if not ok or not mask.any():
+            self.finish_reason, self.stop_reason = "stop", DEAD_END_REASON
 
     def _logprob_entry(self, tok: int, logprob: float, top: tuple) -> dict[int, Logprob]:
         rank, top_ids, top_lps = top
@@ -105,6 +130,10 @@ class RequestState:
     # Beam search (engine/beams.py): the host picks every step's tokens, so the K-step
     # decode loop must not run while such a request holds slots.
     host_driven: bool = False
+    # bad_words as token id sequences (logit_controls.bad_words_token_ids).
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    # The structured-output backend that compiled the request's constraint (None: none).
+    structured_backend: str | None = None
     # Timeline for serving metrics (time.monotonic()); see outputs.RequestMetrics.
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
@@ -158,4 +187,5 @@ class RequestState:
             outputs=[s.completion() for s in self.seqs],
             finished=self.finished,
             metrics=RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time),
+            structured_output_backend=self.structured_backend,
         )

@@ -18,6 +18,7 @@ from pagedjax.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    StructuredOutputsConfig,
 )
 from pagedjax.engine.beams import BeamSearchOutput, beam_search
 from pagedjax.engine.fronts.data_parallel import DataParallelEngine
@@ -66,6 +67,9 @@ class LLM:
     "fp8_per_tensor", "fp8_per_channel", "int4", "nf4"); docs/quantization.md.
     speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens":
     4, "prompt_lookup_max": 4} (``config.SpeculativeConfig``; docs/speculative_decoding.md).
+    structured_outputs_config: vLLM's dict, e.g. {"backend": "auto" | "xgrammar" |
+    "guidance", "disable_any_whitespace": False} (``config.StructuredOutputsConfig``;
+    docs/structured_outputs.md).
     """
 
     def __init__(
@@ -100,6 +104,7 @@ class LLM:
         compilation_cache: str | None = None,
         quantization: str | None = None,
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+        structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None,
         enforce_eager: bool = False,
         **unknown: Any,
     ):
@@ -306,6 +311,7 @@ def engine_config(
     compilation_cache: str | None = None,
     quantization: str | None = None,
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+    structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None,
     enforce_eager: bool = False,
     **unknown: Any,
 ) -> EngineConfig:
@@ -360,6 +366,7 @@ def engine_config(
         warmup=warmup,  # type: ignore[arg-type]
         compilation_cache=compilation_cache,
         speculative=_speculative(speculative_config),
+        structured_outputs=_structured_outputs(structured_outputs_config),
     )
     _check_literals(config)
     return config
@@ -425,6 +432,20 @@ def _speculative(value: Any) -> SpeculativeConfig | None:
     if not isinstance(value, dict):
         raise TypeError(f"speculative_config must be a dict, got {type(value).__name__}")
     return SpeculativeConfig.from_dict(value)
+
+
+def _structured_outputs(value: Any) -> StructuredOutputsConfig:
+    """vLLM's ``structured_outputs_config`` (a dict, e.g. {"backend": "guidance"}) as a
+    checked dataclass (None: the defaults)."""
+    if value is None:
+        return StructuredOutputsConfig()
+    if isinstance(value, StructuredOutputsConfig):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(
+            f"structured_outputs_config must be a dict, got {type(value).__name__}"
+        )
+    return StructuredOutputsConfig.from_dict(value)
 
 
 def eager_settings(warmup: str, num_scheduler_steps: int | str) -> tuple[str, int]:

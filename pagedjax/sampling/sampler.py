@@ -81,15 +81,47 @@ def _filter_threshold(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
     return jnp.maximum(kth, pth)
 
 
+def apply_token_bitmask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """float32[S, V] logits with -inf where int32[S, W] packed ``mask``'s bit is clear
+    (bit t % 32 of word t // 32 is token t). Skipped (one cond) when every word is -1."""
+    v = logits.shape[-1]
+    tok = jnp.arange(v, dtype=jnp.int32)
+
+    def masked(x: jax.Array) -> jax.Array:
+        bits = (mask[:, tok // 32] >> (tok % 32)[None, :]) & 1
+        return jnp.where(bits == 1, x, -jnp.inf)
+
+    return jax.lax.cond(jnp.all(mask == -1), lambda x: x, masked, logits)
+
+
+def apply_logit_controls(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """vLLM's order before the penalties: the grammar mask, allowed_token_ids / bad_words /
+    min_tokens (``token_mask``), then logit_bias. Zero-width fields are skipped (static)."""
+    if t.grammar_mask.shape[-1]:
+        logits = apply_token_bitmask(logits, t.grammar_mask)
+        logits = apply_token_bitmask(logits, t.token_mask)
+    if t.bias_ids.shape[-1]:
+        v = logits.shape[-1]
+        ids = jnp.where(t.bias_ids < 0, v, t.bias_ids)  # padding: dropped
+        rows = jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
+
+        def biased(x: jax.Array) -> jax.Array:
+            return x.at[rows, ids].add(t.bias_values, mode="drop")
+
+        logits = jax.lax.cond(jnp.all(t.bias_ids < 0), lambda x: x, biased, logits)
+    return logits
+
+
 def process_logits(
     logits: jax.Array, t: SamplingTensors, history: TokenHistory | None = None
 ) -> jax.Array:
     """float32[S, V] raw logits -> float32[S, V] logits of the distribution sampled from.
 
-    Penalised, divided by temperature, and filtered (excluded tokens are -inf). A greedy
-    row becomes 0 at its argmax (first on ties) and -inf elsewhere.
+    Masked and biased (``apply_logit_controls``), penalised, divided by temperature, and
+    filtered (excluded tokens are -inf). A greedy row becomes 0 at its argmax (first on
+    ties) and -inf elsewhere.
     """
-    logits = logits.astype(jnp.float32)
+    logits = apply_logit_controls(logits.astype(jnp.float32), t)
     if history is not None:
         active = jnp.any(
             (t.repetition_penalty != 1.0)
@@ -170,9 +202,14 @@ def sample(
         lambda x: jax.vmap(jax.random.categorical)(row_keys(t), x),
         processed,
     ).astype(jnp.int32)
-    # Raw logprobs (logprob_temperature 1.0), or temperature-scaled ones for beam search.
+    # Raw logprobs (logprob_temperature 1.0), or temperature-scaled ones for beam search;
+    # vLLM's raw_logprobs: after the grammar mask (applied to the logits the sampler gets),
+    # before allowed_token_ids, bad_words, min_tokens, logit_bias and the penalties.
+    raw = logits.astype(jnp.float32)
+    if t.grammar_mask.shape[-1]:
+        raw = apply_token_bitmask(raw, t.grammar_mask)
     scale = t.logprob_temperature.astype(jnp.float32)[:, None]
-    raw = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
+    raw = jax.nn.log_softmax(raw / scale, axis=-1)
     k = min(max_logprobs, logits.shape[-1])
     return SamplerOutput(ids, *_logprob_summary(raw, ids, k))
 

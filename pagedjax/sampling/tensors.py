@@ -14,6 +14,23 @@ import numpy as np
 
 from pagedjax.sampling.params import SamplingParams
 
+# Entries of one request's logit_bias the sampler carries per row (a fixed shape keeps one
+# compiled program per bucket); a request with more is refused at add_request.
+MAX_LOGIT_BIAS_ENTRIES = 300
+
+
+def mask_words(vocab_size: int) -> int:
+    """Int32 words of a packed token bitmask over ``vocab_size`` tokens: ceil(V / 32)."""
+    return (vocab_size + 31) // 32
+
+
+def pack_token_ids(ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    """int32[ceil(V / 32)] bitmask with bit t % 32 of word t // 32 set for each id in ids
+    (xgrammar's and llguidance's layout)."""
+    bits = np.zeros(mask_words(vocab_size) * 32, np.bool_)
+    bits[np.asarray(ids, np.int64)] = True
+    return np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
+
 
 class SamplingTensors(NamedTuple):
     """Per-row sampling options, a pytree of arrays of shape [S].
@@ -30,6 +47,18 @@ class SamplingTensors(NamedTuple):
     logprob_temperature: float32, the reported logprobs are log_softmax(logits / it):
         1.0 = the raw distribution (vLLM's default, every request); beam search sets
         its temperature here so it ranks beams by temperature-scaled log-probs.
+
+    Logit controls, [S, W] and [S, B] (W = ceil(V / 32), B = MAX_LOGIT_BIAS_ENTRIES; both
+    0 when built without a vocabulary: the sampler then skips them, a static choice):
+    grammar_mask: int32[S, W] packed bitmask (bit t % 32 of word t // 32: token t may be
+        sampled), the structured-output constraint; -1 words = no constraint. Applied
+        before the reported logprobs, as vLLM applies its grammar bitmask to the logits
+        it hands the sampler.
+    token_mask: int32[S, W], allowed_token_ids, bad_words and min_tokens' masked stop ids
+        (the engine rewrites the dynamic parts each step); applied after the reported
+        logprobs (vLLM's raw_logprobs are taken before its logits processors).
+    bias_ids: int32[S, B], -1 padded; bias_values: float32[S, B]: logit_bias, added
+        after token_mask and before the penalties and temperature (vLLM's order).
     """
 
     temperature: jax.Array
@@ -44,20 +73,31 @@ class SamplingTensors(NamedTuple):
     sample_index: jax.Array
     output_position: jax.Array
     logprob_temperature: jax.Array
+    grammar_mask: jax.Array
+    token_mask: jax.Array
+    bias_ids: jax.Array
+    bias_values: jax.Array
 
     @classmethod
     def from_params(
-        cls, rows: Sequence[tuple[SamplingParams, int, int]], pad_to: int
+        cls,
+        rows: Sequence[tuple[SamplingParams, int, int]],
+        pad_to: int,
+        vocab_size: int = 0,
     ) -> SamplingTensors:
         """Build the arrays from (params, sample_index, output_position) per row.
 
         Rows beyond len(rows) up to pad_to are neutral greedy padding. A sampled
         (non-greedy) row must have a seed: the engine assigns one at add_request.
+        vocab_size: V for the logit controls (0: none, and a request using
+        allowed_token_ids or logit_bias is refused). The static controls
+        (allowed_token_ids, logit_bias) are set here; the engine writes the dynamic ones
+        (bad_words, min_tokens, the grammar) into the masks each step.
         Returns numpy arrays (jit transfers them; no device placement here).
         """
         if pad_to < len(rows):
             raise ValueError(f"pad_to ({pad_to}) must be at least the number of rows ({len(rows)})")
-        t = _neutral(pad_to)
+        t = _neutral(pad_to, vocab_size)
         for r, row in enumerate(rows):
             if len(row) != 3 or not isinstance(row[0], SamplingParams):
                 raise ValueError(
@@ -85,11 +125,40 @@ class SamplingTensors(NamedTuple):
             t["seed"][r] = 0 if p.seed is None else p.seed
             t["sample_index"][r] = sample_index
             t["output_position"][r] = output_position
+            _static_controls(t, r, p, vocab_size)
         return cls(**t)
 
 
-def _neutral(s: int) -> dict[str, np.ndarray]:
+def static_token_mask(p: SamplingParams, vocab_size: int) -> np.ndarray:
+    """int32[W]: the tokens p.allowed_token_ids lets through (all when None)."""
+    if p.allowed_token_ids is None:
+        return np.full(mask_words(vocab_size), -1, np.int32)
+    return pack_token_ids(p.allowed_token_ids, vocab_size)
+
+
+def _static_controls(t: dict, r: int, p: SamplingParams, vocab_size: int) -> None:
+    uses = p.allowed_token_ids is not None or bool(p.logit_bias)
+    if not uses:
+        return
+    if vocab_size == 0:
+        raise ValueError("allowed_token_ids / logit_bias need the tensors built with vocab_size")
+    ids = [*(p.allowed_token_ids or ()), *(p.logit_bias or {})]
+    if max(ids) >= vocab_size:
+        raise ValueError(f"token id {max(ids)} outside the vocabulary [0, {vocab_size})")
+    t["token_mask"][r] = static_token_mask(p, vocab_size)
+    bias = p.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(
+            f"logit_bias has {len(bias)} entries, more than {MAX_LOGIT_BIAS_ENTRIES}"
+        )
+    t["bias_ids"][r, : len(bias)] = list(bias)
+    t["bias_values"][r, : len(bias)] = list(bias.values())
+
+
+def _neutral(s: int, vocab_size: int = 0) -> dict[str, np.ndarray]:
     f32, i32 = np.float32, np.int32
+    w = mask_words(vocab_size)
+    b = MAX_LOGIT_BIAS_ENTRIES if vocab_size else 0
     return dict(
         temperature=np.ones(s, f32),
         greedy=np.ones(s, np.bool_),
@@ -103,6 +172,10 @@ def _neutral(s: int) -> dict[str, np.ndarray]:
         sample_index=np.zeros(s, i32),
         output_position=np.zeros(s, i32),
         logprob_temperature=np.ones(s, f32),
+        grammar_mask=np.full((s, w), -1, i32),
+        token_mask=np.full((s, w), -1, i32),
+        bias_ids=np.full((s, b), -1, i32),
+        bias_values=np.zeros((s, b), f32),
     )
 
 

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.config import SpeculativeConfig
+from pagedjax.engine.logit_controls import needs_host
 from pagedjax.engine.spec.draft_model import (
     DraftCheckpoint,
     SeparateDraft,
@@ -216,7 +217,8 @@ class SpeculativeDecoder:
         fewer). The n-gram proposer's drafts are known here; a drafting model's are
         computed on device after the schedule (-1 here). No slot speculates while a
         request wanting prompt logprobs holds a slot (they need every logits row of
-        the plain step) or when ``disable_by_batch_size`` slots are taken."""
+        the plain step) or when ``disable_by_batch_size`` slots are taken. A slot whose
+        mask changes per token (``logit_controls.needs_host``) gets none."""
         n = core.max_seqs
         lookahead = np.zeros(n, np.int32)
         drafts = np.full((n, self.k), -1, np.int32)
@@ -228,6 +230,8 @@ class SpeculativeDecoder:
             out = len(seq.detok.ids)
             if out == 0 or req.pending or req.host_driven or seq.finish_reason is not None:
                 continue
+            if core.controls is not None and needs_host(core.book, req, seq):
+                continue  # its mask changes with each token: no drafts (logit_controls.py)
             k = min(self.k, seq.target - out - 1)
             if k <= 0:
                 continue

@@ -72,14 +72,17 @@ def build_app(
     chat_template: str | None = None,
     response_role: str = "assistant",
     metrics: ServerMetrics | None = None,
+    **output_parsers: Any,
 ) -> FastAPI:
     """The FastAPI app over ``engine``. Give ``metrics`` the ServerMetrics that is the
-    engine's stats sink (else a fresh one without timings is made)."""
+    engine's stats sink (else a fresh one without timings is made). ``output_parsers``:
+    OpenAIServing's enable_auto_tools, tool_parser, reasoning_parser."""
     app = FastAPI(title="pagedjax OpenAI-compatible server", version=version())
     metrics = metrics or ServerMetrics(served_model_names[0])
     serving = OpenAIServing(
-        engine, served_model_names, chat_template=chat_template, response_role=response_role
-    )
+        engine, served_model_names, chat_template=chat_template, response_role=response_role,
+        **output_parsers,
+    )  # fmt: skip
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
     created = int(time.time())
 
@@ -215,6 +218,9 @@ def build_from_args(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine]:
         chat_template=chat_template,
         response_role=args.response_role,
         metrics=metrics,
+        enable_auto_tools=args.enable_auto_tool_choice,
+        tool_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     return app, engine
 

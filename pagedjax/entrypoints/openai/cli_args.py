@@ -19,6 +19,11 @@ import json
 from typing import Any
 
 from pagedjax.attention import KV_CACHE_DTYPES
+from pagedjax.entrypoints.openai.output_flags import (
+    add_output_args,
+    check_output_args,
+    output_llm_kwargs,
+)
 from pagedjax.entrypoints.openai.vllm_flags import VLLM_SERVER_FLAGS, VLLM_VERSION
 
 # Flags vLLM 0.32 does not have (vllm_flags.py); the help text says so (docs/serving.md
@@ -200,6 +205,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--disable-log-requests", action="store_true", help=_own("no access log per request")
     )
+    add_output_args(p)  # structured outputs, tool calling, reasoning (output_flags.py)
 
 
 def make_parser(prog: str = "pagedjax.entrypoints.openai.api_server") -> argparse.ArgumentParser:
@@ -233,8 +239,11 @@ REFUSAL_REASONS: tuple[tuple[tuple[str, ...], str], ...] = (
      "the scheduler is pagedjax's jitted one (--scheduling-mode; docs/scheduler.md)"),
     (("-mm-", "mm-", "media", "video", "language-model-only", "prompt-embeds"),
      "multimodal inputs and prompt embeddings are not built (text models only)"),
-    (("tool", "reasoning", "cohere", "anthropic"),
-     "tool calling and reasoning parsers are not built"),
+    (("cohere", "anthropic"), "the Cohere and Anthropic API front ends are not built"),
+    (("tool", "reasoning"),
+     "only --enable-auto-tool-choice, --tool-call-parser (hermes, llama3_json),"
+     " --reasoning-parser (deepseek_r1, qwen3) and --structured-outputs-config are built:"
+     " no parser plugins, tool servers or reasoning configs"),
     (("ssl",), "TLS is not built: put a TLS-terminating proxy in front"),
     (("cudagraph", "cuda-graph"), "CUDA graphs do not exist under XLA, which compiles whole"
      " programs (--enforce-eager has pagedjax's meaning: docs/serving.md)"),
@@ -302,6 +311,7 @@ def reject_unbuilt(args: argparse.Namespace) -> None:
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         n = args.max_waiting_requests
         raise SystemExit(f"error: --max-waiting-requests must be >= 0, got {n}")
+    check_output_args(args)
 
 
 # Flags that map one to one onto LLM(...) keyword arguments (dest == keyword).
@@ -322,7 +332,8 @@ LLM_ARGS = (
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """LLM(...) keyword arguments from the parsed flags: only the flags given, so every
     default is LLM's own (one place to change a default; the server cannot drift)."""
-    return {k: getattr(args, k) for k in LLM_ARGS if getattr(args, k) is not None}
+    kwargs = {k: getattr(args, k) for k in LLM_ARGS if getattr(args, k) is not None}
+    return kwargs | output_llm_kwargs(args)
 
 
 def describe(args: argparse.Namespace) -> str:

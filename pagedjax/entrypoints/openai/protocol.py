@@ -6,9 +6,11 @@ SamplingParams, or an ``OpenAIError`` naming the field. Rules:
 - wrong types and out-of-range values: 400, ``param`` names the field; no coercion
   ("5" is not an int; true is not a number);
 - fields the server does not know: accepted and logged as a warning (vLLM's behaviour);
-- fields it knows but does not support (``suffix``, ``response_format`` other than
-  text, ``tools``, ``tool_choice`` other than "none", ``logit_bias``, ``min_tokens``,
-  ``skip_special_tokens: false``, ...): 400 naming the field.
+- fields it knows but does not support (``suffix``, ``skip_special_tokens: false``,
+  ...): 400 naming the field.
+
+Structured outputs, logit controls (structured.py) and tools (tools.py) are read by
+their own modules; this one only lists their names as known.
 
 Errors are ``{"error": {"message", "type", "param", "code"}}`` with vLLM's type names
 (BadRequestError, AuthenticationError, NotFoundError, ServiceUnavailableError, ...).
@@ -137,6 +139,10 @@ _SAMPLING_FIELDS = {
     "skip_special_tokens", "min_tokens", "include_stop_str_in_output",
     "spaces_between_special_tokens", "prompt_logprobs", "add_special_tokens",
     "request_id",
+    # structured.py
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
+    "allowed_token_ids", "bad_words",
 }  # fmt: skip
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "logprobs", "suffix"}
 CHAT_FIELDS = _SAMPLING_FIELDS | {
@@ -144,6 +150,7 @@ CHAT_FIELDS = _SAMPLING_FIELDS | {
     "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
     "add_generation_prompt", "continue_final_message", "chat_template", "echo",
     "store", "metadata", "service_tier", "modalities", "reasoning_effort",
+    "chat_template_kwargs", "include_reasoning",
 }  # fmt: skip
 
 
@@ -177,7 +184,9 @@ class ParsedRequest:
             return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs,
                                   **self.params_kwargs)  # fmt: skip
         except (ValueError, TypeError) as e:  # ranges double-checked by SamplingParams
-            raise bad(str(e)) from e
+            param = next((f for f in ("min_tokens", "structured_outputs") if str(e).startswith(f)),
+                         None)  # fmt: skip
+            raise bad(str(e), param) from e
 
 
 def _common(b: JsonFields, max_logprobs: int) -> dict[str, Any]:
@@ -215,14 +224,6 @@ def _common(b: JsonFields, max_logprobs: int) -> dict[str, Any]:
             raise bad("'stop_token_ids' must be an array of non-negative integers",
                       "stop_token_ids")  # fmt: skip
         out["stop_token_ids"] = ids
-    bias = b.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise bad("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
-        if bias:
-            raise bad("'logit_bias' is not supported by this server yet", "logit_bias")
-    if b.int("min_tokens", 0, lo=0) > 0:
-        raise bad("'min_tokens' is not supported by this server yet", "min_tokens")
     if b.bool("include_stop_str_in_output", False):
         raise bad("'include_stop_str_in_output' is not supported by this server yet",
                   "include_stop_str_in_output")  # fmt: skip
@@ -355,19 +356,6 @@ def parse_messages(v: Any) -> list[dict]:
 def parse_chat(body: Any, *, vocab_size: int, max_logprobs: int) -> ParsedRequest:
     b = JsonFields(body, CHAT_FIELDS)
     messages = parse_messages(b.body.get("messages"))
-    rf = b.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("'response_format' other than {\"type\": \"text\"} is not supported by this"
-                  " server", "response_format")  # fmt: skip
-    tools = b.get("tools")
-    if tools:
-        raise bad("'tools' (tool calling) is not supported by this server", "tools")
-    if b.get("functions"):
-        raise bad("'functions' (function calling) is not supported by this server", "functions")
-    tc = b.get("tool_choice")
-    if tc is not None and tc != "none":
-        raise bad("'tool_choice' other than \"none\" is not supported by this server",
-                  "tool_choice")  # fmt: skip
     kwargs = _common(b, max_logprobs)
     want_lp = b.bool("logprobs", False)
     top = b.int("top_logprobs", None, lo=0, hi=max_logprobs)

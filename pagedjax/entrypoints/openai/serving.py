@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedjax.engine.outputs import CompletionOutput, RequestOutput
 from pagedjax.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from pagedjax.entrypoints.openai.chat_output import OutputRules, build_rules, prepare_chat
 from pagedjax.entrypoints.openai.protocol import (
     OpenAIError,
     ParsedRequest,
@@ -33,6 +34,7 @@ from pagedjax.entrypoints.openai.protocol import (
     parse_chat,
     parse_completion,
 )
+from pagedjax.entrypoints.openai.structured import parse_constraints
 
 
 def _dumps(obj: Any) -> str:
@@ -54,7 +56,12 @@ class OpenAIServing:
         *,
         chat_template: str | None = None,
         response_role: str = "assistant",
+        enable_auto_tools: bool = False,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ):
+        self.enable_auto_tools, self.tool_parser = enable_auto_tools, tool_parser
+        self.reasoning_parser = reasoning_parser
         self.engine = engine
         self.names = served_model_names
         self.chat_template = chat_template
@@ -67,9 +74,11 @@ class OpenAIServing:
         if name is not None and name not in self.names:
             raise OpenAIError(404, f"The model `{name}` does not exist.", "model")
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool, template: str | None):
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, template: str | None,
+                    template_kwargs: dict | None = None):  # fmt: skip
         """The conversation as prompt text: the request's or the server's template, else
-        the tokenizer's; a 400 when there is none."""
+        the tokenizer's; a 400 when there is none. template_kwargs: ``tools=`` and the
+        request's chat_template_kwargs."""
         template = template or self.chat_template
         tok = self.tokenizer
         own = getattr(tok, "chat_template", None)
@@ -82,9 +91,11 @@ class OpenAIServing:
         try:
             if hasattr(tok, "apply_chat_template"):
                 return tok.apply_chat_template(
-                    messages, add_generation_prompt=add_generation_prompt, chat_template=template
-                )
-            return render_template(template, messages, add_generation_prompt, tok)
+                    messages, add_generation_prompt=add_generation_prompt, chat_template=template,
+                    **(template_kwargs or {}),
+                )  # fmt: skip
+            return render_template(template, messages, add_generation_prompt, tok,
+                                   **(template_kwargs or {}))  # fmt: skip
         except OpenAIError:
             raise
         except Exception as e:  # noqa: BLE001 - a template error is the request's
@@ -122,6 +133,7 @@ class OpenAIServing:
         e = self.engine
         parsed = parse_completion(body, vocab_size=e.vocab_size, max_logprobs=e.max_logprobs)
         self.check_model(parsed.model)
+        parsed.params_kwargs.update(parse_constraints(body, e.vocab_size))
         jobs = []
         for p in parsed.prompts:
             ids = self.tokenize(p, parsed.add_special_tokens)
@@ -139,14 +151,20 @@ class OpenAIServing:
         parsed = parse_chat(body, vocab_size=e.vocab_size, max_logprobs=e.max_logprobs)
         self.check_model(parsed.model)
         assert parsed.messages is not None
+        parsed.params_kwargs.update(parse_constraints(body, e.vocab_size))
+        extras = prepare_chat(body, parsed, auto_tools=self.enable_auto_tools and
+                              self.tool_parser is not None)  # fmt: skip
         text = self.render_chat(
-            parsed.messages, parsed.add_generation_prompt, parsed.chat_template
-        )
+            parsed.messages, parsed.add_generation_prompt, parsed.chat_template,
+            extras.template_kwargs,
+        )  # fmt: skip
+        rules = build_rules(extras, tool_parser=self.tool_parser,
+                            reasoning_parser=self.reasoning_parser, prompt=text)  # fmt: skip
         ids = self.tokenize(text, parsed.add_special_tokens)
         mt = self._max_tokens(parsed, len(ids), "messages")
         jobs = [({"prompt_token_ids": ids, "prompt": text}, parsed.sampling_params(mt))]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        view = _ChatView(self, parsed, rid)
+        view = _ChatView(self, parsed, rid, rules)
         return await self._respond(parsed, jobs, rid, view, request)
 
     # ------------------------------------------------------------- engine I/O
@@ -270,13 +288,14 @@ async def run_until_disconnect(request: Request, coro) -> Any:
 class _ChoiceState:
     """What a stream already sent for one choice."""
 
-    __slots__ = ("text", "tokens", "finished", "started")
+    __slots__ = ("text", "tokens", "finished", "started", "stream")
 
     def __init__(self) -> None:
         self.text = 0  # characters sent
         self.tokens = 0  # tokens whose logprobs were sent
         self.finished = False
         self.started = False
+        self.stream: Any = None  # chat: its ChoiceStream (chat_output.py)
 
 
 class _View:
@@ -426,15 +445,21 @@ class _ChatView(_View):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
+    def __init__(self, serving, parsed, rid, rules: OutputRules):
+        super().__init__(serving, parsed, rid)
+        self.rules = rules  # reasoning / content / tool calls (chat_output.py)
+
     def delta(self, i, out, c, st):
         d: dict[str, Any] = {}
         if not st.started:
             st.started = True
             d["role"] = self.s.response_role
             d["content"] = ""
-        text = self.new_text(c, st)
-        if text:
-            d["content"] = d.get("content", "") + text
+            st.stream = self.rules.stream()
+        final = c.finish_reason is not None
+        visible = c.text if final else c.text[: max(len(c.text) - self.hold, 0)]
+        d.update(st.stream.delta(visible, final))
+        finish_reason = st.stream.finish_reason(c.finish_reason)
         lp = None
         if self.p.logprobs is not None and c.logprobs is not None:
             lp = {"content": chat_logprobs(c, st.tokens, len(c.logprobs), self.p.logprobs)}
@@ -447,7 +472,7 @@ class _ChatView(_View):
             "index": c.index,
             "delta": d,
             "logprobs": lp,
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": c.stop_reason,
         }
 
@@ -458,11 +483,13 @@ class _ChatView(_View):
             lp = None
             if self.p.logprobs is not None and c.logprobs is not None:
                 lp = {"content": chat_logprobs(c, 0, len(c.logprobs), self.p.logprobs)}
+            message, finish_reason = self.rules.message(self.s.response_role, c.text,
+                                                        c.finish_reason)  # fmt: skip
             choices.append({
                 "index": c.index,
-                "message": {"role": self.s.response_role, "content": c.text},
+                "message": message,
                 "logprobs": lp,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             })  # fmt: skip
         return self.envelope(choices, outs)
@@ -538,7 +565,8 @@ def load_chat_template(value: str | None) -> str | None:
     return value
 
 
-def render_template(template: str, messages: list[dict], add_generation_prompt: bool, tok) -> str:
+def render_template(template: str, messages: list[dict], add_generation_prompt: bool, tok,
+                    **template_kwargs: Any) -> str:  # fmt: skip
     """Render a Jinja chat template as transformers does (sandboxed, trim_blocks), for
     tokenizers without their own renderer (the byte-level fallback)."""
     from jinja2.exceptions import TemplateError
@@ -554,4 +582,5 @@ def render_template(template: str, messages: list[dict], add_generation_prompt: 
         add_generation_prompt=add_generation_prompt,
         bos_token="",
         eos_token="",
+        **template_kwargs,
     )

@@ -1,0 +1,133 @@
+"""xgrammar (vLLM's default backend): compile a constraint, and one GrammarMatcher per
+sequence that fills the packed bitmask, accepts tokens and rolls back.
+
+Compiles as vLLM's xgrammar backend does: JSON schemas (and json_object as
+``{"type": "object"}``) with ``any_whitespace`` unless disable_any_whitespace, regexes,
+EBNF grammars (Lark text through xgrammar's Lark front end), choices as an EBNF
+alternation, structural tags (the current JSON form, or vLLM's legacy
+{"structures", "triggers"} form). The tokenizer's vocabulary is padded to the model's
+vocabulary size: ids past the tokenizer's are never allowed, EOS only where the grammar
+accepts termination.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from pagedjax.sampling.params import StructuredOutputsParams
+from pagedjax.structured import spec
+
+
+def tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, eos_ids: list[int]) -> Any:
+    """xgrammar's TokenizerInfo for a Hugging Face tokenizer (``hf_tokenizer``) or the
+    byte tokenizer (ids 0..255 are the bytes; the rest are special, never in a grammar)."""
+    hf = getattr(tokenizer, "hf_tokenizer", None)
+    if hf is not None:
+        return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size,
+                                                  stop_token_ids=eos_ids)  # fmt: skip
+    if type(tokenizer).__name__ == "ByteTokenizer":
+        vocab = [bytes([i]) for i in range(256)] + [b""] * (vocab_size - 256)
+        return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
+                                 stop_token_ids=eos_ids)  # fmt: skip
+    raise ValueError(
+        f"structured outputs need a Hugging Face or byte tokenizer, got {type(tokenizer).__name__}"
+    )
+
+
+class XgrammarGuide:
+    """One sequence's matcher state (the ``Guide`` protocol of manager.py)."""
+
+    backend = "xgrammar"
+
+    def __init__(self, matcher: Any):
+        self._m = matcher
+
+    def accept(self, token: int) -> bool:
+        return bool(self._m.accept_token(int(token)))
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        """out int32[W]: the tokens allowed next (written in place; none once the
+        matcher accepted its stop token)."""
+        if self._m.is_terminated():
+            out.fill(0)
+            return
+        self._m.fill_next_token_bitmask(out.reshape(1, -1), 0)
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
+
+class XgrammarBackend:
+    """Compiles constraints for one tokenizer (xgrammar also caches compiled grammars)."""
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int], max_rollback: int):
+        import xgrammar as xgr  # the manager turns an ImportError into its install hint
+
+        self._xgr = xgr
+        info = tokenizer_info(xgr, tokenizer, vocab_size, eos_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._max_rollback = max_rollback
+
+    def unsupported(self, p: StructuredOutputsParams, disable_additional: bool) -> str | None:
+        """Why xgrammar would not enforce this constraint faithfully (None: it would)."""
+        if p.json is not None:
+            key = spec.xgrammar_unsupported(spec.schema_dict(p, disable_additional))
+            if key is not None:
+                return f"the JSON schema uses {key}, which xgrammar does not enforce"
+        return None
+
+    def compile(self, p: StructuredOutputsParams, any_whitespace: bool,
+                disable_additional: bool) -> Any:  # fmt: skip
+        """The CompiledGrammar; ValueError naming the problem."""
+        why = self.unsupported(p, disable_additional)
+        if why is not None:
+            raise ValueError(why + " (the guidance backend does; or backend 'auto')")
+        c = self._compiler
+        try:
+            if p.json is not None or p.json_object:
+                schema = json.dumps(spec.schema_dict(p, disable_additional))
+                return c.compile_json_schema(schema, any_whitespace=any_whitespace)
+            if p.regex is not None:
+                return c.compile_regex(p.regex)
+            if p.choice is not None:
+                return c.compile_grammar(spec.choice_ebnf(p.choice))
+            if p.grammar is not None:
+                if spec.looks_like_lark(p.grammar):
+                    return c.compile_lark(p.grammar)
+                return c.compile_grammar(p.grammar)
+            return self._structural_tag(p.structural_tag or "")
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ValueError(f"invalid {p.kind} for xgrammar: {_first_line(e)}") from e
+
+    def _structural_tag(self, text: str) -> Any:
+        tag = json.loads(text)
+        if isinstance(tag, dict) and "structures" in tag:  # vLLM's legacy form
+            items = [
+                self._xgr.StructuralTagItem(
+                    begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"]
+                )
+                for s in tag["structures"]
+            ]
+            return self._compiler.compile_structural_tag(items, tag["triggers"])
+        return self._compiler.compile_structural_tag(text)
+
+    def guide(self, compiled: Any) -> XgrammarGuide:
+        # Rollback is unlimited in xgrammar >= 0.2 (max_rollback_tokens is deprecated).
+        return XgrammarGuide(self._xgr.GrammarMatcher(compiled))
+
+
+def _first_line(e: Exception) -> str:
+    # xgrammar's messages start with a "[time] /path/file.cc:line: " prefix; keep the rest.
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
+
+
+__all__ = ["XgrammarBackend", "XgrammarGuide", "tokenizer_info"]

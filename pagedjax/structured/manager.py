@@ -1,0 +1,184 @@
+"""The structured-output manager: one per engine; picks the backend, compiles each
+request's constraint once (cached, time-limited) and makes each sequence's Guide.
+
+Contract: ``compile(params)`` runs at add_request, before the request touches engine
+state, and raises ValueError naming the problem (an invalid schema, regex or grammar, a
+keyword the chosen backend would not enforce, a compile over the time limit, a missing
+backend package); nothing is lost. ``guide(compiled)`` is cheap (a matcher over the
+shared compiled grammar), one per sample. Backends are imported on first use, so an
+engine that never sees a constraint never imports them.
+
+Cost: a compile runs on a worker thread so it can be abandoned at ``compile_timeout_s``
+(the thread finishes in the background: Python cannot stop it); the cache is keyed by
+the backend and the constraint's canonical text (the tokenizer is the engine's own).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from pagedjax.config import StructuredOutputsConfig
+from pagedjax.sampling.params import StructuredOutputsParams
+from pagedjax.structured import spec
+
+BACKENDS = ("auto", "xgrammar", "guidance")
+
+# stop_reason of a sequence finished because its grammar allowed no next token.
+DEAD_END_REASON = "structured_output_dead_end"
+
+_PACKAGES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
+
+
+def missing_backend_message(backend: str) -> str:
+    """What to install for a backend whose package is missing."""
+    return (
+        f"structured outputs with backend {backend!r} need the {_PACKAGES[backend]!r}"
+        " package: pip install pagedjax[structured]"
+    )
+
+
+class Guide(Protocol):
+    """One sequence's grammar state on the host (backend_xgrammar / backend_guidance)."""
+
+    backend: str
+
+    def accept(self, token: int) -> bool: ...
+
+    def fill_mask(self, out: np.ndarray) -> None: ...
+
+    def is_terminated(self) -> bool: ...
+
+    def rollback(self, num_tokens: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A request's compiled constraint: which backend, and its handle."""
+
+    backend: str
+    handle: Any
+
+
+@dataclass
+class StructuredStats:
+    """Counters since the engine started (``LLMEngine.stats``'s ``structured_*`` keys)."""
+
+    compiles: int = 0
+    cache_hits: int = 0
+    compile_s: float = 0.0
+    by_backend: dict[str, int] = field(default_factory=dict)
+
+
+class StructuredOutputManager:
+    """See the module docstring. tokenizer: the engine's (HF or byte); vocab_size: the
+    model's V (masks are [ceil(V / 32)] words); eos_ids: the ids that may end a
+    constrained output where its grammar accepts termination."""
+
+    def __init__(self, config: StructuredOutputsConfig, tokenizer: Any, vocab_size: int,
+                 eos_ids: list[int], max_rollback: int = 0):  # fmt: skip
+        self.config = config
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_ids)
+        self._max_rollback = max_rollback
+        self._backends: dict[str, Any] = {}
+        self._cache: OrderedDict[tuple[str, str], Compiled] = OrderedDict()
+        self._lock = threading.Lock()  # backends are built on the worker threads
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar")
+        self.stats = StructuredStats()
+
+    def _backend(self, name: str) -> Any:
+        with self._lock:
+            if name not in self._backends:
+                try:
+                    if name == "xgrammar":
+                        from pagedjax.structured.backend_xgrammar import XgrammarBackend as cls
+                    else:
+                        from pagedjax.structured.backend_guidance import GuidanceBackend as cls
+                    self._backends[name] = cls(self._tokenizer, self.vocab_size, self._eos,
+                                               self._max_rollback)  # fmt: skip
+                except ImportError as e:
+                    raise ValueError(missing_backend_message(name)) from e
+            return self._backends[name]
+
+    def compile(self, p: StructuredOutputsParams) -> Compiled:
+        """The request's compiled constraint (see the module docstring)."""
+        if p.whitespace_pattern is not None:
+            raise ValueError(
+                "structured_outputs.whitespace_pattern is an outlines option; the xgrammar"
+                " and guidance backends take disable_any_whitespace instead"
+            )
+        cfg = self.config
+        any_ws = not (cfg.disable_any_whitespace or p.disable_any_whitespace)
+        closed = cfg.disable_additional_properties or p.disable_additional_properties
+        text = spec.constraint_text(p) + repr((any_ws, closed))
+        for name in self._candidates(p):
+            hit = self._cache.get((name, text))
+            if hit is not None:
+                self._cache.move_to_end((name, text))
+                self.stats.cache_hits += 1
+                return hit
+        t0 = time.perf_counter()
+        future = self._pool.submit(self._compile, p, any_ws, closed)
+        try:
+            compiled = future.result(timeout=cfg.compile_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise ValueError(
+                f"compiling the {p.kind} constraint took longer than"
+                f" compile_timeout_s={cfg.compile_timeout_s}"
+            ) from None
+        self.stats.compiles += 1
+        self.stats.compile_s += time.perf_counter() - t0
+        self.stats.by_backend[compiled.backend] = self.stats.by_backend.get(compiled.backend,
+                                                                            0) + 1  # fmt: skip
+        if cfg.cache_size:
+            self._cache[(compiled.backend, text)] = compiled
+            while len(self._cache) > cfg.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _candidates(self, p: StructuredOutputsParams) -> tuple[str, ...]:
+        backend = self.config.backend
+        if backend != "auto":
+            return (backend,)
+        # vLLM's "auto": xgrammar first; guidance when xgrammar refuses the constraint.
+        # Structural tags are xgrammar's format only.
+        return ("xgrammar",) if p.structural_tag is not None else ("xgrammar", "guidance")
+
+    def _compile(self, p: StructuredOutputsParams, any_ws: bool, closed: bool) -> Compiled:
+        names = self._candidates(p)
+        errors = []
+        for name in names:
+            try:
+                backend = self._backend(name)
+                return Compiled(name, backend.compile(p, any_ws, closed))
+            except ValueError as e:
+                errors.append(e)
+                if len(names) == 1 or "pip install" in str(e):
+                    raise
+        raise ValueError("; ".join(f"{n}: {e}" for n, e in zip(names, errors, strict=True)))
+
+    def guide(self, compiled: Compiled) -> Guide:
+        """A fresh matcher at the start of the constraint, for one sequence."""
+        return self._backend(compiled.backend).guide(compiled.handle)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = [
+    "BACKENDS",
+    "DEAD_END_REASON",
+    "Compiled",
+    "Guide",
+    "StructuredOutputManager",
+    "StructuredStats",
+    "missing_backend_message",
+]

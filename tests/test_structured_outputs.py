@@ -1,0 +1,281 @@
+"""Structured outputs (issue 33): the grammar backends through the manager, and the
+engine's constrained decoding on a tiny random model with the byte tokenizer (ids
+0..255 are the bytes, so grammars compile in milliseconds); outputs must parse / match
+whatever the random model prefers."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
+
+from pagedjax.config import (  # noqa: E402
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    StructuredOutputsConfig,
+)
+from pagedjax.engine.llm_engine import LLMEngine  # noqa: E402
+from pagedjax.model import preset_arch, random_params  # noqa: E402
+from pagedjax.sampling import SamplingParams  # noqa: E402
+from pagedjax.sampling import StructuredOutputsParams as SO  # noqa: E402
+from pagedjax.structured import DEAD_END_REASON, StructuredOutputManager  # noqa: E402
+from pagedjax.tokenizer import ByteTokenizer  # noqa: E402
+from tests.engine_helpers import drain  # noqa: E402
+
+ARCH = preset_arch("tiny-llama")  # vocab 512, EOS 2
+EOS = ARCH.eos_token_id
+TOK = ByteTokenizer(eos_token_id=EOS, bos_token_id=ARCH.bos_token_id)
+SCHEMA = {
+    "type": "object",
+    "properties": {"b": {"enum": ["x", "y"]}, "c": {"type": "boolean"}},
+    "required": ["b", "c"],
+    "additionalProperties": False,
+}
+REGEX = r"[ab]{2}-\d"
+CHOICES = ("yes", "no", "maybe")
+
+
+def _manager(backend: str = "auto", **kw) -> StructuredOutputManager:
+    return StructuredOutputManager(StructuredOutputsConfig(backend=backend, **kw), TOK,
+                                   ARCH.vocab_size, [EOS])  # fmt: skip
+
+
+def _allowed(guide) -> set[int]:
+    m = np.zeros((ARCH.vocab_size + 31) // 32, np.int32)
+    guide.fill_mask(m)
+    return set(np.flatnonzero(np.unpackbits(m.view(np.uint8), bitorder="little")).tolist())
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_each_kind_compiles_and_masks(backend: str) -> None:
+    mgr = _manager(backend)
+    cases = [
+        (SO(regex=REGEX), {ord("a"), ord("b")}),
+        (SO(choice=list(CHOICES)), {ord("y"), ord("n"), ord("m")}),
+        (SO(json=SCHEMA, disable_any_whitespace=True), {ord("{")}),
+        (SO(json=json.dumps(SCHEMA)), {ord("{")}),  # schema as JSON text
+        (SO(json_object=True, disable_any_whitespace=True), {ord("{")}),
+        (SO(grammar='root ::= "x" root | "y"'), {ord("x"), ord("y")}),
+        (SO(grammar='start: "q"+'), {ord("q")}),  # Lark
+    ]
+    for params, first in cases:
+        compiled = mgr.compile(params)
+        assert compiled.backend == backend
+        guide = mgr.guide(compiled)
+        got = _allowed(guide)
+        assert got == first or (first <= got and params.json_object is None
+                                and not params.disable_any_whitespace), params  # fmt: skip
+    # EOS only where the grammar may end: after "ab-1", only EOS.
+    guide = mgr.guide(mgr.compile(SO(regex=REGEX)))
+    for ch in b"ab-":
+        assert guide.accept(ch) and EOS not in _allowed(guide)
+    assert guide.accept(ord("1")) and _allowed(guide) == {EOS}
+    assert not mgr.guide(mgr.compile(SO(regex=REGEX))).accept(ord("z"))
+
+
+@pytest.mark.parametrize("backend", ["auto", "xgrammar", "guidance"])
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        (SO(regex="[a"), "regex"),
+        (SO(json="{not json"), "not valid JSON"),
+        (SO(json={"type": 5}), "json"),
+        (SO(grammar="root ::= missing"), "grammar"),
+    ],
+)
+def test_invalid_constraints_name_the_problem(backend: str, params: SO, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        _manager(backend).compile(params)
+
+
+def test_backend_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    multiple = SO(json={"type": "object", "properties": {"n": {"type": "integer",
+                                                               "multipleOf": 3}}})  # fmt: skip
+    with pytest.raises(ValueError, match="multipleOf, which xgrammar does not enforce"):
+        _manager("xgrammar").compile(multiple)
+    assert _manager("auto").compile(multiple).backend == "guidance"  # vLLM's auto rule
+    assert _manager("auto").compile(SO(regex=REGEX)).backend == "xgrammar"
+    with pytest.raises(ValueError, match="whitespace_pattern"):
+        _manager().compile(SO(regex="a", whitespace_pattern=r"[ ]?"))
+    with pytest.raises(ValueError, match="structural_tag"):
+        _manager("guidance").compile(SO(structural_tag='{"structures": [], "triggers": []}'))
+    mgr = _manager()
+    a, b = mgr.compile(SO(choice=["p", "q"])), mgr.compile(SO(choice=["p", "q"]))
+    assert a is b and (mgr.stats.compiles, mgr.stats.cache_hits) == (1, 1)
+    from pagedjax.structured import backend_xgrammar
+
+    slow = backend_xgrammar.XgrammarBackend.compile
+    monkeypatch.setattr(backend_xgrammar.XgrammarBackend, "compile",
+                        lambda *a: time.sleep(0.5) or slow(*a))  # fmt: skip
+    with pytest.raises(ValueError, match="took longer than compile_timeout_s"):
+        _manager("xgrammar", compile_timeout_s=0.05).compile(SO(json=SCHEMA))
+
+
+def test_config_keys() -> None:
+    assert StructuredOutputsConfig.from_dict({"backend": "guidance"}).backend == "guidance"
+    with pytest.raises(ConfigError, match="unknown key structured_outputs_config.bakend"):
+        StructuredOutputsConfig.from_dict({"bakend": "xgrammar"})
+    with pytest.raises(ConfigError, match="not built in pagedjax"):
+        StructuredOutputsConfig(backend="outlines")
+
+
+@functools.cache
+def _engine(backend: str = "auto", spec: bool = False, steps: int | str = "auto") -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-llama", max_model_len=64, seed=0),
+        cache=CacheConfig(block_size=4, num_gpu_blocks_override=64, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, watermark=0.0,
+                                  num_multi_steps=steps),  # fmt: skip
+        speculative=SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3)
+        if spec
+        else None,
+        structured_outputs=StructuredOutputsConfig(backend=backend),
+    )
+    params = random_params(ARCH, seed=0, dtype=jnp.float32, std=0.15)
+    return LLMEngine(ARCH, params, TOK, config)
+
+
+def _requests(temperature: float) -> list:
+    def p(so: SO, **kw) -> SamplingParams:
+        kw.setdefault("max_tokens", 40)
+        return SamplingParams(temperature=temperature, seed=7, structured_outputs=so, **kw)
+
+    return [
+        ("regex", "hello", p(SO(regex=REGEX))),
+        ("choice", "pick one", p(SO(choice=list(CHOICES)))),
+        ("json", "{", p(SO(json=SCHEMA, disable_any_whitespace=True))),
+        ("object", "obj", p(SO(json_object=True, disable_any_whitespace=True), max_tokens=12)),
+        # EOS pushed to the top: it may end the output only where the grammar accepts.
+        ("eos", "eos", p(SO(regex="[ab]{3}"), logit_bias={EOS: 100.0})),
+    ]
+
+
+def _check_valid(out: dict) -> None:
+    text = {k: v.outputs[0].text for k, v in out.items()}
+    assert re.fullmatch(REGEX, text["regex"]), text
+    assert text["choice"] in CHOICES
+    doc = json.loads(text["json"])
+    assert set(doc) == {"b", "c"} and doc["b"] in ("x", "y") and isinstance(doc["c"], bool)
+    obj = out["object"].outputs[0]
+    assert obj.text.startswith("{")  # 12 tokens may cut any JSON object short
+    if obj.finish_reason == "stop":
+        assert isinstance(json.loads(obj.text), dict)
+    assert re.fullmatch("[ab]{3}", text["eos"]) and out["eos"].outputs[0].token_ids[-1] == EOS
+    for k in ("regex", "choice", "json", "eos"):
+        assert out[k].outputs[0].finish_reason == "stop", (k, out[k].outputs[0])
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_engine_outputs_are_valid(backend: str) -> None:
+    engine = _engine(backend)
+    plain = ("plain", "hello", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    alone = drain(engine, [plain])["plain"].outputs[0].token_ids
+    for temperature in (0.0, 1.0):
+        out = drain(engine, [*_requests(temperature), plain])
+        _check_valid(out)
+        assert {out[k].structured_output_backend for k in out if k != "plain"} == {backend}
+        assert out["plain"].outputs[0].token_ids == alone  # other rows are unconstrained
+    # One program per bucket: the masks are inputs of fixed shape, never a recompile.
+    assert all(n == 1 for n in engine.runner.trace_count.values()), engine.runner.trace_count
+    assert engine.stats()["structured_host_steps"] > 0
+
+
+def test_dead_end_finishes_with_a_reason() -> None:
+    engine = _engine()
+    # ignore_eos: the grammar's forced EOS does not stop the output, and after it the
+    # grammar allows nothing: the request finishes instead of sampling garbage.
+    p = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                       structured_outputs=SO(regex="ab"))  # fmt: skip
+    out = drain(engine, [("dead", "x", p)])["dead"].outputs[0]
+    assert out.token_ids == [ord("a"), ord("b"), EOS]
+    assert (out.finish_reason, out.stop_reason) == ("stop", DEAD_END_REASON)
+
+
+def test_n_samples_have_their_own_matchers() -> None:
+    p = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=20,
+                       structured_outputs=SO(regex=r"(cat|dog|bird)!"))  # fmt: skip
+    out = drain(_engine(), [("n", "pets", p)])["n"]
+    assert len(out.outputs) == 3
+    for o in out.outputs:
+        assert re.fullmatch(r"(cat|dog|bird)!", o.text), o.text
+
+
+def test_invalid_constraint_is_refused_at_add_request() -> None:
+    engine = _engine()
+    bad = SamplingParams(structured_outputs=SO(json={"type": "object", "properties": 3}))
+    with pytest.raises(ValueError, match="json"):
+        engine.add_request("bad", "x", bad)
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.tier2  # two more engines (speculative, K-step loop): ~20 s of compiling
+def test_speculation_and_k_step_loop_compose() -> None:
+    """Constrained rows do not speculate and keep the one-step path; outputs equal plain
+    decoding, and unconstrained rows beside them still speculate."""
+    reqs = [*_requests(0.0),
+            ("repeat", "abcabcabcabc", SamplingParams(temperature=0.0, max_tokens=12,
+                                                      ignore_eos=True))]  # fmt: skip
+    base = drain(_engine(), reqs)
+    spec = _engine(spec=True)
+    got = drain(spec, reqs)
+    assert {k: v.outputs[0].token_ids for k, v in got.items()} == {
+        k: v.outputs[0].token_ids for k, v in base.items()
+    }
+    assert spec.stats()["spec_rows"] > 0  # the unconstrained row speculated
+    loop = _engine(steps=4)
+    got = drain(loop, reqs)
+    assert {k: v.outputs[0].token_ids for k, v in got.items()} == {
+        k: v.outputs[0].token_ids for k, v in base.items()
+    }
+    assert loop.multi_step.stats.skipped.get("structured_output", 0) > 0
+
+
+def test_structural_tag_on_xgrammar() -> None:
+    tag = {"structures": [{"begin": "<f>", "schema": {"type": "boolean"}, "end": "</f>"}],
+           "triggers": ["<f>"]}  # fmt: skip
+    mgr = _manager()
+    compiled = mgr.compile(SO(structural_tag=json.dumps(tag)))
+    assert compiled.backend == "xgrammar"
+    guide = mgr.guide(compiled)
+    for ch in b"free text <f>true</f>":
+        assert guide.accept(ch), chr(ch)
+    with pytest.raises(ValueError, match="structural_tag"):
+        mgr.compile(SO(structural_tag="{not json"))
+
+
+@pytest.mark.slow  # loads the real tokenizer from the GGUF (~5-20 s)
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_real_tokenizer_vocabulary(smollm2_gguf, backend: str) -> None:
+    """SmolLM2's BPE vocabulary: the tokens of a valid document are allowed one by one,
+    and after it only EOS."""
+    from pagedjax.tokenizer import gguf_tokenizer
+
+    tok = gguf_tokenizer(smollm2_gguf)
+    v = 49152
+    mgr = StructuredOutputManager(StructuredOutputsConfig(backend=backend), tok, v,
+                                  [tok.eos_token_id])  # fmt: skip
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]}  # fmt: skip
+    guide = mgr.guide(mgr.compile(SO(json=schema)))
+    mask = np.zeros(v // 32, np.int32)
+    for t in tok.encode('{"name": "Ann", "age": 7}', add_special_tokens=False):
+        guide.fill_mask(mask)
+        assert (int(mask[t >> 5]) >> (t & 31)) & 1, t
+        assert guide.accept(t)
+    guide.fill_mask(mask)
+    assert np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")).tolist() == [
+        tok.eos_token_id
+    ]
