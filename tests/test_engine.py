@@ -537,3 +537,16 @@ def test_detokenizer_stop_string_across_tokens():
         if hits[-1]:
             break
     assert hits == [None] * 6 + ["lo w"] and d.text == "hel"
+
+
+def test_detokenizer_stop_strings_wait_for_min_tokens():
+    """vLLM's rule: a stop string counts once more than min_tokens ids are out; one
+    completed earlier is passed over. text=False keeps ids only and matches nothing."""
+    def first_hit(**kw):
+        d = IncrementalDetokenizer(ByteTokenizer(), stop=("l",), **kw)
+        return next((n for n, b in enumerate(b"hello world", 1) if d.append(b)), None)
+
+    assert first_hit() == 3  # "hel"
+    assert first_hit(min_tokens=3) == 4  # the first "l" is the 3rd id: too early
+    assert first_hit(min_tokens=4) == 10  # both l's of "hello" too early; "worl"
+    assert first_hit(text=False) is None

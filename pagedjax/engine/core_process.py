@@ -220,8 +220,10 @@ class OutputDecoder:
                 if c is None:
                     detok = None
                     if self.tokenizer is not None:
-                        stop = r.params.stop if r.params is not None else ()
-                        detok = IncrementalDetokenizer(self.tokenizer, stop)
+                        p = r.params
+                        detok = IncrementalDetokenizer(
+                            self.tokenizer, p.stop if p else (), min_tokens=p.min_tokens if p else 0
+                        )
                     c = r.comps[item[0]] = _Comp(detok)
                 if c.detok is None:
                     _take_core_text(c, item)

@@ -24,10 +24,19 @@ class IncrementalDetokenizer:
     whose client detokenizes and matches stop strings in the API process, as vLLM v1.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *, text: bool = True):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        *,
+        text: bool = True,
+        min_tokens: int = 0,
+    ):
         self.tokenizer = tokenizer
         self._stop = tuple(stop)
         self._text = text
+        # vLLM's rule: stop strings count only once more than min_tokens ids are out.
+        self._min_tokens = min_tokens
         self.ids: list[int] = []
         self.text = ""
         self._prefix = 0  # start of the decode window
@@ -66,6 +75,8 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self.ids)
         old_len = len(self.text)
         self.text += delta
+        if len(self.ids) <= self._min_tokens:
+            return None
         return self._match_stop(old_len)
 
     def _match_stop(self, old_len: int) -> str | None:

@@ -161,7 +161,9 @@ class RequestState:
             seq = SequenceState(
                 index=i,
                 params=params,
-                detok=IncrementalDetokenizer(tokenizer, params.stop, text=detokenize),
+                detok=IncrementalDetokenizer(
+                    tokenizer, params.stop, text=detokenize, min_tokens=params.min_tokens
+                ),
                 target=target,
                 arrival=next_arrival(),
                 logprobs=[] if params.logprobs is not None else None,
