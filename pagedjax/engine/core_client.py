@@ -41,6 +41,7 @@ from typing import Any
 
 from pagedjax.config import EngineConfig
 from pagedjax.engine.core_process import OutputDecoder, dumps, run_core
+from pagedjax.engine.faults import StepFailedError
 from pagedjax.engine.fronts.data_parallel import merge_counts, merge_stats
 from pagedjax.engine.fronts.router import Router
 from pagedjax.engine.outputs import RequestOutput
@@ -287,7 +288,8 @@ class MPEngineClient:
             if self._replica_of.pop(rid, None) is not None:
                 self.router.finish(rid)
                 self._decoder.forget(rid)
-                cls = {"ValueError": ValueError, "TypeError": TypeError}.get(etype, RuntimeError)
+                cls = {"ValueError": ValueError, "TypeError": TypeError,
+                       "StepFailedError": StepFailedError}.get(etype, RuntimeError)
                 self._errors.append((rid, cls(text)))
         elif kind == "error":
             core.last_error = msg[1]
