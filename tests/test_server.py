@@ -435,7 +435,7 @@ def test_waiting_queue_limit_503(served):
     try:
         r = httpx.post(served.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
-        assert "--max-waiting-requests" in r.json()["error"]["message"]
+        assert "--max-num-queued-reqs" in r.json()["error"]["message"]
     finally:
         served.engine.max_waiting_requests = None
     assert httpx.post(served.url + "/v1/completions", json=body, timeout=60).status_code == 200

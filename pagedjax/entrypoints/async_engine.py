@@ -195,7 +195,7 @@ class AsyncLLMEngine:
         ):
             raise QueueFullError(
                 f"{self._waiting + self._pending_adds} requests are waiting, the limit"
-                f" (--max-waiting-requests) is {self.max_waiting_requests}"
+                f" (--max-num-queued-reqs) is {self.max_waiting_requests}"
             )
         stream = _Stream(request_id, asyncio.get_running_loop())
         with self._lock:
