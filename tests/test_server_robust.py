@@ -272,6 +272,8 @@ def test_body_and_field_limits(served):
         ({"prompt": "a", "stop": ["a", "b", "c"]}, {}, 400, "stop", "--max-stop-strings"),
         ({"prompt": "a", "stop": "abcdef"}, {}, 400, "stop", "--max-stop-string-length"),
         ({"prompt": "a", "logprobs": 21}, {}, 400, "logprobs", "logprobs"),
+        ({"messages": msgs[:1], "chat_template": "{{ 1 }}"}, {}, 400, "chat_template",
+         "--trust-request-chat-template"),
     ]
 
     async def main():

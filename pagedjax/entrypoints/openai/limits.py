@@ -14,6 +14,8 @@ server down (``ServerLimits``, ``add_limit_args``); docs/security.md lists them:
 - ``--max-request-body-bytes`` (413; default 16 MiB, a 128k-token prompt as token ids
   is about 1 MiB), ``--max-json-depth`` (400; default 64), the body must be
   ``application/json`` (415; a missing content type is taken as JSON, as curl sends).
+- ``--trust-request-chat-template`` (vLLM's flag, off by default): a request's own
+  ``chat_template`` is a 400 unless it is on (a template is code the server runs).
 - ``--max-messages`` (default 1024), ``--max-n`` (OpenAI's 128), ``--max-stop-strings``
   (64) and ``--max-stop-string-length`` (1024 characters: the stream holds back the
   longest stop string's length), each a 400 naming the field. ``logprobs`` and
@@ -69,6 +71,7 @@ class ServerLimits:
     max_stop_string_length: int = 1024
     request_timeout_s: float | None = 3600.0
     retry_after_s: int = 1  # Retry-After of a 503
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_json_depth", "max_messages", "max_n",
@@ -89,6 +92,7 @@ class ServerLimits:
             max_stop_strings=args.max_stop_strings,
             max_stop_string_length=args.max_stop_string_length,
             request_timeout_s=None if timeout is not None and timeout <= 0 else timeout,
+            trust_request_chat_template=args.trust_request_chat_template,
         )  # fmt: skip
 
 
@@ -105,6 +109,11 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
         help="answer 503 with Retry-After while this many requests wait for a scheduler slot"
         f" (default {DEFAULT_MAX_QUEUED}; 0 refuses any wait; --max-waiting-requests is"
         " pagedjax's older name)",
+    )  # fmt: skip
+    p.add_argument(
+        "--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=False,
+        help="render a chat template sent in the request (vLLM's flag; default off: such a"
+        " request is a 400, since a template is code the server runs, docs/security.md)",
     )  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
                    help=own + "seconds a request may take, arrival to last token, before it"
@@ -279,6 +288,13 @@ def check_body(body: Any, limits: ServerLimits) -> None:
     are left for the validator to name."""
     if not isinstance(body, dict):
         return
+    kwargs = body.get("chat_template_kwargs")
+    sent = body.get("chat_template") is not None or (
+        isinstance(kwargs, dict) and kwargs.get("chat_template") is not None)  # fmt: skip
+    if sent and not limits.trust_request_chat_template:
+        raise bad("a chat template in the request is refused: the server runs only its own"
+                  " (start it with --trust-request-chat-template to allow them)",
+                  "chat_template")  # fmt: skip
     messages = body.get("messages")
     if isinstance(messages, list) and len(messages) > limits.max_messages:
         raise bad(f"'messages' has {len(messages)} messages, more than --max-messages"
