@@ -1,8 +1,10 @@
 """The server as an operator runs it (issue 32): ``python -m ...api_server`` in a
 subprocess, the engine core in its own process.
 
-1. The engine core process is killed mid-stream (``PAGEDJAX_FAULT_INJECT=kill:FILE``):
-   the stream ends with an error naming the SIGKILL, /health answers 503 while the core
+1. A step raises inside the engine core (``PAGEDJAX_FAULT_INJECT=raise:FILE``): the
+   stream in it ends with a 500 naming the fault, the server serves on. The engine core
+   process is killed mid-stream (``kill:FILE``): the stream ends with an error naming
+   the SIGKILL, /health answers 503 while the core
    restarts (``--max-engine-restarts 1``), then 200, and a request is served again.
 2. SIGTERM with streams in flight (``--shutdown-timeout 1``): a new request gets 503
    with ``Retry-After`` at once; the short stream finishes normally; the long ones end
@@ -67,9 +69,10 @@ async def _stream(c: httpx.AsyncClient, max_tokens: int, started: asyncio.Event)
 def test_engine_kill_restart_then_sigterm_drains(tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    kill_file = tmp_path / "kill"
+    kill_file, raise_file = tmp_path / "kill", tmp_path / "raise"
     log_path = tmp_path / "server.log"
-    env = {**os.environ, "PAGEDJAX_FAULT_INJECT": f"kill:{kill_file}", "PAGEDJAX_WARMUP": "none"}
+    env = {**os.environ, "PAGEDJAX_FAULT_INJECT": f"raise:{raise_file},kill:{kill_file}",
+           "PAGEDJAX_WARMUP": "none"}  # fmt: skip
     cmd = [sys.executable, "-m", "pagedjax.entrypoints.openai.api_server", "--model", NAME,
            "--port", str(port), "--max-model-len", "2048", "--block-size", "16",
            "--num-gpu-blocks-override", "512", "--max-num-seqs", "4",
@@ -80,19 +83,27 @@ def test_engine_kill_restart_then_sigterm_drains(tmp_path):
     try:
         _wait_health(url, proc, 300, log_path)
 
-        async def kill_mid_stream():
+        async def fault_mid_stream(trigger) -> dict:
             async with httpx.AsyncClient(base_url=url, timeout=120) as c:
                 started = asyncio.Event()
                 task = asyncio.create_task(_stream(c, 1900, started))
                 await asyncio.wait_for(started.wait(), 60)
-                kill_file.touch()
+                trigger.touch()
                 events = await task
-            err = events[-2]["error"]
-            assert events[-1] == "[DONE]" and err["code"] == 500, events[-3:]
-            assert "SIGKILL" in err["message"] and "restarting" in err["message"], err
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 500, events[-3:]
+            assert not trigger.exists()
+            return events[-2]["error"]
 
-        asyncio.run(kill_mid_stream())
-        assert not kill_file.exists()
+        # A step that raises in the core: its batch fails, the core serves on.
+        err = asyncio.run(fault_mid_stream(raise_file))
+        assert "engine step failed: InjectedFault" in err["message"], err
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        r = httpx.post(url + "/v1/completions", timeout=120,
+                       json={"model": NAME, "prompt": "on", "max_tokens": 3})  # fmt: skip
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        # The core killed: the stream fails naming the signal, a new core starts.
+        err = asyncio.run(fault_mid_stream(kill_file))
+        assert "SIGKILL" in err["message"] and "restarting" in err["message"], err
         _wait_health(url, proc, 300, log_path)
         r = httpx.post(url + "/v1/completions", timeout=120,
                        json={"model": NAME, "prompt": "again", "max_tokens": 3})  # fmt: skip

@@ -22,8 +22,9 @@ which ``FailureBudget`` turns into EngineDeadError.
 The hook: ``PAGEDJAX_FAULT_INJECT=raise:PATH`` makes the model runner raise
 ``InjectedFault`` at its next call while the file PATH exists (it deletes the file:
 one fault per file); ``kill:PATH`` makes the process kill itself with SIGKILL instead
-(an engine core process that dies). Read once when the runner is built; unset, it costs
-nothing. Tests and operators' drills use it (docs/security.md, tests/test_server_faults.py).
+(an engine core process that dies); several, comma-separated. Read once when the runner
+is built; unset, it costs nothing. Tests and operators' drills use it (docs/security.md;
+tests/test_server_robust.py, tests/test_server_shutdown.py).
 """
 
 from __future__ import annotations
@@ -64,14 +65,29 @@ class FaultHook:
         raise InjectedFault(f"fault injected by {FAULT_ENV} ({self.path})")
 
 
-def hook_from_env() -> FaultHook | None:
+class FaultHooks:
+    """Several hooks (``PAGEDJAX_FAULT_INJECT=raise:A,kill:B``), checked in order."""
+
+    def __init__(self, hooks: list[FaultHook]):
+        self.hooks = hooks
+
+    def check(self) -> None:
+        for hook in self.hooks:
+            hook.check()
+
+
+def hook_from_env() -> FaultHooks | None:
     value = os.environ.get(FAULT_ENV)
     if not value:
         return None
-    action, sep, path = value.partition(":")
-    if not sep or not path:
-        raise ValueError(f"{FAULT_ENV} must be 'raise:PATH' or 'kill:PATH', got {value!r}")
-    return FaultHook(action, path)
+    hooks = []
+    for spec in value.split(","):
+        action, sep, path = spec.partition(":")
+        if not sep or not path:
+            raise ValueError(f"{FAULT_ENV} must be comma-separated 'raise:PATH' or"
+                             f" 'kill:PATH', got {value!r}")  # fmt: skip
+        hooks.append(FaultHook(action, path))
+    return FaultHooks(hooks)
 
 
 def batch_request_ids(engine: Any) -> list[str]:
@@ -120,6 +136,6 @@ class FailureBudget:
 
 
 __all__ = [
-    "FAULT_ENV", "FailureBudget", "FaultHook", "InjectedFault", "StepFailedError",
+    "FAULT_ENV", "FailureBudget", "FaultHook", "FaultHooks", "InjectedFault", "StepFailedError",
     "batch_request_ids", "fail_batch", "hook_from_env",
 ]  # fmt: skip
