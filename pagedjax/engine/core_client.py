@@ -236,7 +236,8 @@ class MPEngineClient:
 
     def step(self) -> list[RequestOutput]:
         """The outputs the cores sent since the last call; blocks until there are some,
-        ``wake()`` is called or a core dies (EngineDeadError)."""
+        a request failed in a core (``pop_request_errors``), ``wake()`` is called or a core
+        dies (EngineDeadError)."""
         self._check_alive()
         if self._buffer:
             out, self._buffer = self._buffer, []
@@ -255,7 +256,7 @@ class MPEngineClient:
                 else:  # a sentinel without EOF first: read what is left, then report
                     self._read(sentinels[x])
                     self._died(sentinels[x])
-            if self._buffer or woken:
+            if self._buffer or woken or self._errors:  # errors: pop_request_errors
                 out, self._buffer = self._buffer, []
                 return out
 
