@@ -35,7 +35,7 @@ from pagedjax.entrypoints.openai.metrics import ServerMetrics
 pytestmark = pytest.mark.xdist_group("test_server_robust")
 
 NAME = "tiny-llama"
-LONG = 110  # tokens of the request that holds the only slot (max_model_len 128)
+LONG = 1000  # tokens of a request that holds the only slot: long enough to outlast a check
 
 
 class Served:
@@ -76,7 +76,7 @@ def served(tmp_path_factory):
     fault_file = str(tmp_path_factory.mktemp("faults") / "raise")
     os.environ[FAULT_ENV] = f"raise:{fault_file}"  # read once, when the runner is built
     try:
-        llm = LLM(NAME, max_model_len=128, num_gpu_blocks_override=64, block_size=8,
+        llm = LLM(NAME, max_model_len=1024, num_gpu_blocks_override=160, block_size=8,
                   max_num_seqs=1, max_num_batched_tokens=64, num_scheduler_steps=1,
                   warmup="none")  # fmt: skip
     finally:
@@ -99,7 +99,7 @@ def served(tmp_path_factory):
     engine.shutdown()
 
 
-def _wait(cond, what: str, timeout: float = 30.0) -> None:
+def _wait(cond, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -156,8 +156,8 @@ def test_every_disconnect_aborts(served):
                 await asyncio.to_thread(_wait, lambda: s.counts()["waiting"] == 0, "abort")
                 assert not blocker.done(), "the blocker finished first: the test proves nothing"
                 assert s.aborted() == before + 1, stream
-            status, events = await blocker
-            assert status == 200 and events[-1]["choices"][0]["finish_reason"] == "length"
+            blocker.cancel()  # a disconnect mid-stream (test_server.py has 50 of them)
+            await asyncio.gather(blocker, return_exceptions=True)
             await asyncio.to_thread(_assert_idle_and_free, s)
             # Non-streamed, after its first tokens: aborted mid-generation.
             before = s.aborted()
