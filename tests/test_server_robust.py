@@ -296,3 +296,38 @@ def test_body_and_field_limits(served):
 
     asyncio.run(main())
     _assert_idle_and_free(served)
+
+
+def test_limit_and_shutdown_flags(served):
+    """The flags reach ServerLimits (vLLM's names where vLLM has one); bad values exit;
+    --trust-request-chat-template lets a request's own template render."""
+    from pagedjax.entrypoints.openai import cli_args
+
+    p = cli_args.make_parser()
+    args = p.parse_args(["--model", "m"])
+    assert (args.max_waiting_requests, args.shutdown_timeout) == (1024, 20.0)
+    assert ServerLimits.from_args(args) == ServerLimits()
+    args = p.parse_args(["--model", "m", "--max-num-queued-reqs", "256", "--shutdown-timeout",
+                         "0", "--request-timeout", "0", "--max-n", "4",
+                         "--trust-request-chat-template"])  # fmt: skip
+    lim = ServerLimits.from_args(args)
+    assert args.max_waiting_requests == 256 and args.shutdown_timeout == 0
+    assert lim.request_timeout_s is None and lim.max_n == 4 and lim.trust_request_chat_template
+    assert p.parse_args(["--model", "m", "--max-waiting-requests", "7"]).max_waiting_requests == 7
+    for bad in (["--max-n", "0"], ["--shutdown-timeout", "-1"], ["--max-engine-restarts", "-1"],
+                ["--max-num-queued-reqs", "-1"], ["--max-json-depth", "0"]):
+        with pytest.raises(SystemExit):
+            cli_args.reject_unbuilt(p.parse_args(["--model", "m", *bad]))
+    app = build_app(served.engine, [NAME], limits=lim)
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
+            r = await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "chat_template": template})  # fmt: skip
+            assert r.status_code == 200, r.text
+
+    asyncio.run(main())
+    _assert_idle_and_free(served)
