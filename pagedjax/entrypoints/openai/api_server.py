@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from pagedjax.engine.protocol import EngineClient
 from pagedjax.entrypoints.async_engine import AsyncLLMEngine
 from pagedjax.entrypoints.openai import cli_args
-from pagedjax.entrypoints.openai.limits import LimitError, ServerLimits, read_json
+from pagedjax.entrypoints.openai.limits import LimitError, ServerLimits, check_body, read_json
 from pagedjax.entrypoints.openai.metrics import ServerMetrics
 from pagedjax.entrypoints.openai.protocol import JsonFields, OpenAIError, bad, parse_messages
 from pagedjax.entrypoints.openai.serving import OpenAIServing, load_chat_template
@@ -159,7 +159,9 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         fields = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
-        b = JsonFields(await _json_body(request), fields)
+        body = await _json_body(request)
+        check_body(body, limits)  # --max-messages: rendering runs on the event loop
+        b = JsonFields(body, fields)
         serving.check_model(b.str("model"))
         if "messages" in b.body:
             text = serving.render_chat(
