@@ -111,8 +111,10 @@ class LLMEngine:
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         kv_fill_value: float = 0.0,
         devices: Sequence[Any] | None = None,
+        detokenize: bool = True,
     ):
         _reject_unbuilt_features(config)
+        self.detokenize = detokenize  # False: ids only, the core process' client detokenizes
         compile_cache.enable(config.compilation_cache)  # idempotent
         cc, sc, par = config.cache, config.scheduler, config.parallel  # par: TP (parallel.py)
         self.arch, self.tokenizer, self.config = arch, tokenizer, config
@@ -242,7 +244,8 @@ class LLMEngine:
         max_tokens = params.max_tokens or (self.max_model_len - len(ids))
         target = max(1, min(max_tokens, self.max_model_len - len(ids)))
         req = RequestState.new(
-            request_id, text, ids, params, target, self.tokenizer, book.next_arrival
+            request_id, text, ids, params, target, self.tokenizer, book.next_arrival,
+            detokenize=self.detokenize,
         )
         # n > 1: only sample 0 prefills; the others fork its blocks when its prompt is done.
         book.add(req)

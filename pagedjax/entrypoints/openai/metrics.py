@@ -107,6 +107,12 @@ class ServerMetrics:
             "request_rejected", "Requests answered 503 / 413 before reaching the engine.",
             ("reason",),
         )  # fmt: skip
+        # pagedjax's own: programs compiled for the engine since it started. Growth under
+        # steady traffic means a batch shape the warm-up did not compile (its time is
+        # charged to the requests that met it).
+        self.compilations = gauge(
+            "engine_compilations", "Programs compiled for the engine's jitted functions."
+        )
         # Last engine counter values seen (engine counters -> Prometheus deltas).
         self._seen = dict(
             preemptions=0, queries=0, hits=0, spec_drafts=0, spec_draft_tokens=0, spec_accepted=0
@@ -164,6 +170,7 @@ class ServerMetrics:
         self.waiting.set(snap["waiting"])
         self.swapped.set(snap["swapped"])
         self.kv_usage.set(snap["kv_usage"])
+        self.compilations.set(snap["compilations"])
         for key, metric in (
             ("preemptions", self.preemptions),
             ("queries", self.prefix_queries),
@@ -193,4 +200,5 @@ def _flatten(snap: dict[str, Any]) -> dict[str, Any]:
         spec_drafts=int(stats.get("spec_rows", 0)),
         spec_draft_tokens=int(stats.get("spec_proposed_tokens", 0)),
         spec_accepted=int(stats.get("spec_accepted_tokens", 0)),
+        compilations=int(stats.get("compilations", 0)),
     )
