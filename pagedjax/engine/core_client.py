@@ -42,6 +42,7 @@ from typing import Any
 
 from pagedjax.config import EngineConfig
 from pagedjax.engine.core_process import OutputDecoder, dumps, run_core
+from pagedjax.engine.faults import StepFailedError
 from pagedjax.engine.fronts.data_parallel import merge_counts, merge_stats
 from pagedjax.engine.fronts.router import Router
 from pagedjax.engine.logit_controls import LogitControls
@@ -247,7 +248,8 @@ class MPEngineClient:
 
     def step(self) -> list[RequestOutput]:
         """The outputs the cores sent since the last call; blocks until there are some,
-        ``wake()`` is called or a core dies (EngineDeadError)."""
+        a request failed in a core (``pop_request_errors``), ``wake()`` is called or a core
+        dies (EngineDeadError)."""
         self._check_alive()
         if self._buffer:
             out, self._buffer = self._buffer, []
@@ -266,7 +268,7 @@ class MPEngineClient:
                 else:  # a sentinel without EOF first: read what is left, then report
                     self._read(sentinels[x])
                     self._died(sentinels[x])
-            if self._buffer or woken:
+            if self._buffer or woken or self._errors:  # errors: pop_request_errors
                 out, self._buffer = self._buffer, []
                 return out
 
@@ -303,7 +305,8 @@ class MPEngineClient:
             if self._replica_of.pop(rid, None) is not None:
                 self.router.finish(rid)
                 self._decoder.forget(rid)
-                cls = {"ValueError": ValueError, "TypeError": TypeError}.get(etype, RuntimeError)
+                cls = {"ValueError": ValueError, "TypeError": TypeError,
+                       "StepFailedError": StepFailedError}.get(etype, RuntimeError)
                 self._errors.append((rid, cls(text)))
         elif kind == "error":
             core.last_error = msg[1]

@@ -5,7 +5,10 @@ data-parallel replica. The loop: apply every command that has arrived (add, abor
 named RPC, stop), then one ``step()`` if a request is unfinished, and send that step's
 outputs as one message. It blocks on the connection only when no request is unfinished,
 so the core never waits on the API process while there is work; the API process reads
-continuously (a reader thread), so the core's sends do not wait either.
+continuously (a reader thread), so the core's sends do not wait either. A step that
+raises costs its batch only (``faults.fail_batch``: those requests are aborted and
+reported "failed" with a StepFailedError); three failed steps in a row end the process
+with EXIT_STEP_FAILED, which the client reports as the engine's death.
 
 Messages are pickled tuples of plain values (``OutputEncoder``): per step, per request
 only what is new since the last message (new token ids, new logprobs entries, the text
@@ -37,6 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
+from pagedjax.engine.faults import FailureBudget, fail_batch
 from pagedjax.engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -379,6 +383,7 @@ class CoreLoop:
         self.engine, self.conn = engine, conn
         self.encoder = OutputEncoder()
         self.counts: dict[str, int] | None = None
+        self.failures = FailureBudget()
 
     def run(self) -> int:
         engine, conn = self.engine, self.conn
@@ -396,7 +401,18 @@ class CoreLoop:
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
-                except BaseException as e:  # noqa: BLE001 - any failure kills the core
+                    self.failures.ok()
+                except Exception as e:  # noqa: BLE001 - the batch's failure (faults.py)
+                    log.exception("engine step failed")
+                    if self.failures.failed():  # failing again and again: give up
+                        _send_quietly(conn, ("error", f"engine step failed {self.failures.run}"
+                                             f" times in a row: {type(e).__name__}: {e}"))
+                        return EXIT_STEP_FAILED
+                    ids, err = fail_batch(engine, e)  # an LLMEngine: ids is a list
+                    self.encoder.forget(ids or [])
+                    for rid in ids or []:
+                        _send_quietly(conn, ("failed", rid, "StepFailedError", str(err)))
+                except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt and the like
                     log.exception("engine step failed")
                     _send_quietly(conn, ("error", f"engine step failed: {type(e).__name__}: {e}"))
                     return EXIT_STEP_FAILED

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pagedjax.attention import copy_blocks
+from pagedjax.engine.faults import hook_from_env
 from pagedjax.engine.program_store import describe_function
 from pagedjax.memory.block_table import slot_mapping
 from pagedjax.model import ModelArch, ModelInput
@@ -137,6 +138,7 @@ class ModelRunner:
         # Compiled steps by (num_tokens, num_seqs, all_logits), called by ``run`` instead of
         # ``step``: the warm-up fills it (from the program store: no tracing).
         self.programs: dict[tuple[int, int, bool], Any] = {}
+        self.fault = hook_from_env()  # PAGEDJAX_FAULT_INJECT (faults.py): tests, drills
 
     def describe(self) -> str:
         """What the step's trace depends on beyond its arguments (program_store.py's key)."""
@@ -146,6 +148,8 @@ class ModelRunner:
     def run(self, *args: Any, num_tokens: int, num_seqs: int, all_logits: bool = False) -> Any:
         """``step(*args, ...)``, through a compiled program of ``programs`` when there is one
         for these static arguments (the same executable ``step`` would run)."""
+        if self.fault is not None:
+            self.fault.check()
         program = self.programs.get((num_tokens, num_seqs, all_logits))
         if program is not None:
             return program(*args)

@@ -23,11 +23,16 @@ So an HTTP handler never blocks the engine and the engine never blocks a handler
 ``LLMEngine.abort_request`` returns the request's blocks to the pool at once.
 
 Errors: an ``add_request`` that raises (bad prompt, prompt too long) fails that request's
-stream with the exception and changes nothing else. A ``step()`` that raises is fatal
-(the engine's state may be inconsistent; with ``MPEngineClient``: a core process died,
-and the error names its exit code): the thread fails every request in flight with
+stream with the exception and changes nothing else. A ``step()`` that raises costs its
+batch (``engine/faults.py``): the requests holding a slot are aborted (blocks freed) and
+fail with ``StepFailedError`` naming the cause; the rest go on. Three failed steps in a
+row, or an engine that dies (``MPEngineClient``: a core process died, the error names
+its exit code) are fatal: with ``engine_factory`` and restarts left the thread fails
+what was in flight, builds a new engine and serves on (``generate`` answers
+``EngineRestartingError`` meanwhile); else it fails every request in flight with
 ``EngineDeadError`` naming the cause, answers every later call with it, and stops;
 ``is_healthy`` turns False, so a server's /health reports it instead of hanging.
+``fail_all(error)`` ends every request in flight with ``error`` (graceful shutdown).
 
 Serving metrics: the thread timestamps each step's outputs (``time.monotonic()``) and,
 with a ``stats`` sink, reports per-token and per-request timings (time to first token,
@@ -43,11 +48,17 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from pagedjax.engine.faults import FailureBudget, fail_batch
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.protocol import EngineClient, EngineDeadError, metrics_snapshot
+from pagedjax.entrypoints.request_stats import (
+    StatsSink,
+    Tracked,
+    observe,
+    observe_abort,
+)
 from pagedjax.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -57,47 +68,8 @@ class QueueFullError(RuntimeError):
     """More requests wait for a scheduler slot than ``max_waiting_requests`` allows."""
 
 
-@dataclass
-class FinishedRequestStats:
-    """Timings of one finished (or aborted) request, in seconds on the monotonic clock.
-
-    queue_time: arrival -> first scheduler slot (None if it never got one).
-    ttft: arrival -> first output token read back (None without a token).
-    e2e: arrival -> finish. tpot: (finish - first token) / (generated tokens - 1) of
-    sample 0 (None with fewer than two tokens), vLLM's time per output token.
-    finish_reason: sample 0's ("stop", "length") or "abort".
-    """
-
-    request_id: str
-    prompt_tokens: int
-    generation_tokens: int
-    queue_time: float | None
-    ttft: float | None
-    e2e: float
-    tpot: float | None
-    finish_reason: str
-
-
-class StatsSink(Protocol):
-    """Receives timings from the engine thread (keep it cheap: it runs between steps)."""
-
-    def on_first_token(self, ttft: float) -> None: ...
-
-    def on_inter_token(self, seconds: float, count: int) -> None: ...
-
-    def on_finished(self, stats: FinishedRequestStats) -> None: ...
-
-
-@dataclass
-class _Tracked:
-    """Engine-thread bookkeeping of one request in flight."""
-
-    stream: _Stream
-    arrival: float
-    generated: int = 0  # output tokens over all samples, so far
-    prompt_tokens: int = 0  # known from the first output on
-    first_token: float | None = None
-    last_token: float | None = None
+class EngineRestartingError(RuntimeError):
+    """The engine died and a new one is being started (``max_restarts``); retry."""
 
 
 class _Stream:
@@ -133,19 +105,27 @@ class AsyncLLMEngine:
         *,
         max_waiting_requests: int | None = None,
         stats: StatsSink | None = None,
+        engine_factory: Callable[[], EngineClient] | None = None,
+        max_restarts: int = 0,
     ):
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.stats = stats
+        # Restarts of a dead engine (MPEngineClient: its core process died).
+        self._factory, self._restarts_left = engine_factory, max_restarts
+        self._restarting = False
+        self._dead_cause = ""
+        self.restarts = 0  # done so far
+        self._failures = FailureBudget()
         # Read-only views handlers may use without the thread (immutable after init).
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_logprobs = engine.max_logprobs
         self.vocab_size = engine.arch.vocab_size
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._tracked: dict[str, Tracked] = {}  # engine thread only
         self._dead: EngineDeadError | None = None
         self._waiting = 0  # published by the thread: requests without a slot
         self._pending_adds = 0  # adds queued but not applied yet (approximate, lock-free)
@@ -164,7 +144,22 @@ class AsyncLLMEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return self._dead is None and not self._restarting and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet finished (approximate: read without the thread)."""
+        return len(self._tracked) + self._pending_adds
+
+    def fail_all(self, error: BaseException) -> concurrent.futures.Future:
+        """Abort every request in flight and end each with ``error`` (graceful
+        shutdown's last step); the future gives how many."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._dead is not None:
+            fut.set_result(0)
+        else:
+            self._put(("fail_all", error, fut))
+        return fut
 
     @property
     def dead_error(self) -> EngineDeadError | None:
@@ -192,13 +187,15 @@ class AsyncLLMEngine:
         that disconnects, cancellation) the request is aborted and its blocks freed.
         """
         self.check_health()
+        if self._restarting:
+            raise EngineRestartingError("the engine is restarting after a failure; retry")
         if (
             self.max_waiting_requests is not None
             and self._waiting + self._pending_adds >= self.max_waiting_requests
         ):
             raise QueueFullError(
                 f"{self._waiting + self._pending_adds} requests are waiting, the limit"
-                f" (--max-waiting-requests) is {self.max_waiting_requests}"
+                f" (--max-num-queued-reqs) is {self.max_waiting_requests}"
             )
         stream = _Stream(request_id, asyncio.get_running_loop())
         with self._lock:
@@ -290,10 +287,22 @@ class AsyncLLMEngine:
                     continue
                 try:
                     outputs = engine.step()
+                    self._failures.ok()
                 except EngineDeadError as e:  # a core process died (MPEngineClient)
+                    if self._restart(e):
+                        engine = self.engine
+                        continue
                     self._die(e)
                     return
-                except BaseException as e:  # noqa: BLE001 - any failure kills the engine
+                except Exception as e:  # noqa: BLE001 - the batch's failure (faults.py)
+                    log.exception("engine step failed")
+                    if self._failures.failed():
+                        n, why = self._failures.run, f"{type(e).__name__}: {e}"
+                        self._die(EngineDeadError(f"engine step failed {n} times in a row: {why}"))
+                        return
+                    self._fail_batch(e)
+                    continue
+                except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt and the like
                     log.exception("engine step failed")
                     self._die(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
                     return
@@ -305,6 +314,9 @@ class AsyncLLMEngine:
                 self._deliver(outputs, time.monotonic())
                 self._waiting = engine.request_counts()["waiting"]
         except EngineDeadError as e:  # a core process died under a command (MPEngineClient)
+            if self._restart(e):
+                self._run()  # the new engine, same thread (one restart = one frame)
+                return
             self._die(e)
         except BaseException as e:  # noqa: BLE001 - a bug in this loop must not hang clients
             log.exception("engine thread failed")
@@ -323,22 +335,23 @@ class AsyncLLMEngine:
             except Exception as e:  # noqa: BLE001 - the request's error, not the engine's
                 stream.loop.call_soon_threadsafe(stream.put, e)
                 return
-            self._tracked[rid] = _Tracked(stream, arrival)
+            self._tracked[rid] = Tracked(stream, arrival)
         elif kind == "abort":
             rid = cmd[1]
             tracked = self._tracked.pop(rid, None)
             if tracked is None:
                 return  # finished already
             self.engine.abort_request(rid)
-            if self.stats is not None:
-                now = time.monotonic()
-                ttft = _since(tracked.first_token, tracked)
-                self.stats.on_finished(
-                    FinishedRequestStats(
-                        rid, tracked.prompt_tokens, tracked.generated, None, ttft,
-                        now - tracked.arrival, None, "abort",
-                    )
-                )  # fmt: skip
+            observe_abort(self.stats, rid, tracked)
+        elif kind == "fail_all":
+            _, error, fut = cmd
+            rids = list(self._tracked)
+            if rids:
+                self.engine.abort_request(rids)
+            for rid in rids:
+                self._fail_request(rid, error)
+            if fut.set_running_or_notify_cancel():
+                fut.set_result(len(rids))
         elif kind == "call":
             _, fn, fut = cmd
             if fut.set_running_or_notify_cancel():
@@ -346,6 +359,54 @@ class AsyncLLMEngine:
                     fut.set_result(fn(self.engine))
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
+
+    def _fail_request(self, rid: str, error: BaseException) -> None:
+        """End a request (already aborted in the engine) with ``error``."""
+        tracked = self._tracked.pop(rid, None)
+        if tracked is not None:
+            _call_soon(tracked.stream, error)
+            observe_abort(self.stats, rid, tracked)
+
+    def _fail_batch(self, error: Exception) -> None:
+        """A step raised: abort its batch and fail those requests (faults.fail_batch)."""
+        rids, err = fail_batch(self.engine, error)
+        if rids is None:  # a front over several engines: everything in flight
+            rids = list(self._tracked)
+            self.engine.abort_request(rids)
+        log.error("failed %d request(s) of the failed step: %s", len(rids), err)
+        for rid in rids:
+            self._fail_request(rid, err)
+
+    def _restart(self, error: EngineDeadError) -> bool:
+        """The engine died: with restarts left, fail what was in flight (it is lost),
+        build a new engine with ``engine_factory`` and go on. False when not configured,
+        none is left, or the new engine fails to start."""
+        if self._factory is None or self._restarts_left <= 0:
+            return False
+        self._restarts_left -= 1
+        self._restarting = True
+        try:
+            lost = EngineDeadError(f"{error}; the request was lost, the engine is restarting")
+            for rid in list(self._tracked):
+                self._fail_request(rid, lost)
+            log.error("%s: restarting the engine (%d restart(s) left)", error,
+                      self._restarts_left)  # fmt: skip
+            stop = getattr(self.engine, "shutdown", None)
+            if stop is not None:
+                stop()
+            try:
+                engine = self._factory()
+            except Exception as e:  # noqa: BLE001 - reported as the death's cause
+                log.exception("engine restart failed")
+                self._dead_cause = f"; the restart failed: {type(e).__name__}: {e}"
+                return False
+            self.engine = engine
+            self._wake = getattr(engine, "wake", None)
+            self._failures.ok()
+            self.restarts += 1
+            return True
+        finally:
+            self._restarting = False
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
         """Hand a step's outputs to their streams (one callback per event loop) and
@@ -357,7 +418,7 @@ class AsyncLLMEngine:
                 continue  # aborted meanwhile
             by_loop.setdefault(tracked.stream.loop, []).append((tracked.stream, out))
             if self.stats is not None:
-                self._observe(tracked, out, now)
+                observe(self.stats, tracked, out, now)
             if out.finished:
                 del self._tracked[out.request_id]
         for loop, items in by_loop.items():
@@ -367,51 +428,10 @@ class AsyncLLMEngine:
                 for stream, _ in items:
                     self._put(("abort", stream.request_id))
 
-    def _observe(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
-        stats = self.stats
-        assert stats is not None
-        total = sum(len(c.token_ids) for c in out.outputs)
-        tracked.prompt_tokens = len(out.prompt_token_ids)
-        new = total - tracked.generated
-        if new > 0:
-            if tracked.first_token is None:
-                tracked.first_token = now
-                stats.on_first_token(now - tracked.arrival)
-                if new > 1:
-                    stats.on_inter_token(0.0, new - 1)  # n > 1 samples of the same step
-            else:
-                stats.on_inter_token((now - tracked.last_token) / new, new)
-            tracked.last_token = now
-            tracked.generated = total
-        if out.finished:
-            first = out.outputs[0] if out.outputs else None
-            m = out.metrics
-            queue_time = (
-                m.first_scheduled_time - tracked.arrival
-                if m is not None and m.first_scheduled_time is not None
-                else None
-            )
-            n0 = len(first.token_ids) if first is not None else 0
-            tpot = (
-                (now - tracked.first_token) / (n0 - 1)
-                if tracked.first_token is not None and n0 > 1
-                else None
-            )
-            stats.on_finished(
-                FinishedRequestStats(
-                    out.request_id,
-                    len(out.prompt_token_ids),
-                    total,
-                    max(queue_time, 0.0) if queue_time is not None else None,
-                    _since(tracked.first_token, tracked),
-                    now - tracked.arrival,
-                    tpot,
-                    (first.finish_reason if first is not None else None) or "stop",
-                )
-            )
-
     def _die(self, error: EngineDeadError, cmds: list[tuple] = ()) -> None:
         """Fail everything in flight and everything queued with ``error``; stop."""
+        if self._dead_cause:
+            error = EngineDeadError(f"{error}{self._dead_cause}")
         self._dead = error
         for rid, tracked in list(self._tracked.items()):
             stream = tracked.stream
@@ -435,6 +455,8 @@ class AsyncLLMEngine:
                     pass
             elif cmd[0] == "call":
                 _fail(cmd[2], error)
+            elif cmd[0] == "fail_all":
+                _fail(cmd[2], error)
 
 
 def _call_soon(stream: _Stream, item: Any) -> None:
@@ -456,7 +478,3 @@ def _fail(fut: concurrent.futures.Future, error: BaseException) -> None:
             fut.set_exception(error)
     except (RuntimeError, concurrent.futures.InvalidStateError):
         pass
-
-
-def _since(t: float | None, tracked: _Tracked) -> float | None:
-    return None if t is None else t - tracked.arrival

@@ -12,7 +12,6 @@ serves until interrupted. docs/serving.md gives the design and the measurements.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import secrets
@@ -29,9 +28,11 @@ from starlette.responses import JSONResponse, Response
 from pagedjax.engine.protocol import EngineClient
 from pagedjax.entrypoints.async_engine import AsyncLLMEngine
 from pagedjax.entrypoints.openai import cli_args
+from pagedjax.entrypoints.openai.limits import LimitError, ServerLimits, check_body, read_json
 from pagedjax.entrypoints.openai.metrics import ServerMetrics
 from pagedjax.entrypoints.openai.protocol import JsonFields, OpenAIError, bad, parse_messages
 from pagedjax.entrypoints.openai.serving import OpenAIServing, load_chat_template
+from pagedjax.entrypoints.openai.shutdown import Drainer, DrainingServer, DrainMiddleware
 
 log = logging.getLogger("pagedjax.server")
 
@@ -52,15 +53,11 @@ def version() -> str:
 
 
 def _error(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=getattr(e, "headers", None))
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad(f"malformed JSON body: {e}") from e
+# vLLM 0.32's --api-key guards these path prefixes (docs/security.md).
+API_KEY_PREFIXES = ("/v1", "/v2", "/inference")
 
 
 def build_app(
@@ -72,22 +69,35 @@ def build_app(
     chat_template: str | None = None,
     response_role: str = "assistant",
     metrics: ServerMetrics | None = None,
+    limits: ServerLimits | None = None,
+    shutdown_timeout_s: float = 20.0,
     **output_parsers: Any,
 ) -> FastAPI:
     """The FastAPI app over ``engine``. Give ``metrics`` the ServerMetrics that is the
-    engine's stats sink (else a fresh one without timings is made). ``output_parsers``:
-    OpenAIServing's enable_auto_tools, tool_parser, reasoning_parser."""
+    engine's stats sink (else a fresh one without timings is made); ``limits`` the
+    per-request limits (limits.py); ``shutdown_timeout_s`` the drain of a graceful
+    shutdown (shutdown.py: ``app.state.drainer``). ``output_parsers``: OpenAIServing's
+    enable_auto_tools, tool_parser, reasoning_parser."""
     app = FastAPI(title="pagedjax OpenAI-compatible server", version=version())
     metrics = metrics or ServerMetrics(served_model_names[0])
+    limits = limits or ServerLimits()
     serving = OpenAIServing(
         engine, served_model_names, chat_template=chat_template, response_role=response_role,
-        **output_parsers,
+        limits=limits, **output_parsers,
     )  # fmt: skip
+    drainer = Drainer(engine, shutdown_timeout_s, metrics)
+    app.add_middleware(DrainMiddleware, drainer=drainer)
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
+    app.state.drainer, app.state.limits = drainer, limits
+
+    async def _json_body(request: Request) -> Any:
+        return await read_json(request, limits)
     created = int(time.time())
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+        if isinstance(e, LimitError) and e.reason is not None and e.status in (413, 503):
+            metrics.rejected(e.reason)
         return _error(e)
 
     @app.exception_handler(StarletteHTTPException)
@@ -101,7 +111,7 @@ def build_app(
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
+        if api_key is not None and request.url.path.startswith(API_KEY_PREFIXES):
             got = request.headers.get("authorization", "")
             if not secrets.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
                 return _error(OpenAIError(401, "invalid or missing API key"))
@@ -151,7 +161,9 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         fields = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
-        b = JsonFields(await _json_body(request), fields)
+        body = await _json_body(request)
+        check_body(body, limits)  # --max-messages: rendering runs on the event loop
+        b = JsonFields(body, fields)
         serving.check_model(b.str("model"))
         if "messages" in b.body:
             text = serving.render_chat(
@@ -206,9 +218,13 @@ def build_from_args(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine]:
     chat_template = load_chat_template(args.chat_template)
     names = args.served_model_name or [args.model]
     metrics = ServerMetrics(names[0])
+    restarts = args.max_engine_restarts
+    factory = None
+    if restarts > 0 and not args.disable_frontend_multiprocessing:
+        factory = lambda: build_engine_client(args)  # noqa: E731 - a dead core's successor
     engine = AsyncLLMEngine(
         build_engine_client(args), max_waiting_requests=args.max_waiting_requests,
-        stats=metrics,
+        stats=metrics, engine_factory=factory, max_restarts=restarts,
     )  # fmt: skip
     app = build_app(
         engine,
@@ -218,6 +234,8 @@ def build_from_args(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine]:
         chat_template=chat_template,
         response_role=args.response_role,
         metrics=metrics,
+        limits=ServerLimits.from_args(args),
+        shutdown_timeout_s=args.shutdown_timeout,
         enable_auto_tools=args.enable_auto_tool_choice,
         tool_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
@@ -226,22 +244,24 @@ def build_from_args(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine]:
 
 
 def run_server(args: argparse.Namespace) -> None:
+    """Serve until SIGTERM / SIGINT, then drain (shutdown.py), log the final counters,
+    stop the engine and return (exit status 0)."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
     log.info("args: %s", cli_args.describe(args))
     app, engine = build_from_args(args)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        access_log=not args.disable_log_requests,
+    )  # fmt: skip
     try:
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            access_log=not args.disable_log_requests,
-        )
+        DrainingServer(config, app.state.drainer).run()
     finally:
+        log.info("final counters: %s", app.state.metrics.summary())
         engine.shutdown()
+        log.info("engine stopped")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,11 +19,13 @@ import json
 from typing import Any
 
 from pagedjax.attention import KV_CACHE_DTYPES
+from pagedjax.entrypoints.openai.limits import PAGEDJAX_ONLY_LIMITS, add_limit_args
 from pagedjax.entrypoints.openai.output_flags import (
     add_output_args,
     check_output_args,
     output_llm_kwargs,
 )
+from pagedjax.entrypoints.openai.shutdown import add_shutdown_args
 from pagedjax.entrypoints.openai.vllm_flags import VLLM_SERVER_FLAGS, VLLM_VERSION
 
 # Flags vLLM 0.32 does not have (vllm_flags.py); the help text says so (docs/serving.md
@@ -32,7 +34,9 @@ PAGEDJAX_ONLY = (
     "--swap-space",  # vLLM removed it in V1; here the paper's host swap pool (GiB)
     "--num-scheduler-steps",  # vLLM V0's multi-step; here the on-device K-step decode loop
     "--preemption-mode",  # vLLM V0's; here recompute or swap (the paper's)
-    "--max-waiting-requests",
+    "--max-waiting-requests",  # older name of vLLM's --max-num-queued-reqs (limits.py)
+    "--max-engine-restarts",
+    *PAGEDJAX_ONLY_LIMITS,
     "--scheduling-mode",
     "--warmup",
     "--compilation-cache",
@@ -189,12 +193,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="Jinja chat template, a file path or the template text (default: the tokenizer's)",
     )
     p.add_argument("--response-role", default="assistant")
+    add_limit_args(p)  # --max-num-queued-reqs, --request-timeout, body / field limits
+    add_shutdown_args(p)  # --shutdown-timeout
     p.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=None,
-        help=_own("answer 503 while this many requests wait for a slot (default: unlimited)"),
-    )
+        "--max-engine-restarts", type=int, default=0,
+        help=_own("restart a dead engine core process up to this many times (its requests"
+                  " in flight fail); 0: /health and every request fail, for an orchestrator"
+                  " to restart the server"),
+    )  # fmt: skip
     p.add_argument(
         "--disable-frontend-multiprocessing",
         action="store_true",
@@ -310,8 +316,18 @@ def reject_unbuilt(args: argparse.Namespace) -> None:
     combinations the engine does not support are refused by LLM with their names."""
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         n = args.max_waiting_requests
-        raise SystemExit(f"error: --max-waiting-requests must be >= 0, got {n}")
+        raise SystemExit(f"error: --max-num-queued-reqs (--max-waiting-requests) must be >= 0,"
+                         f" got {n}")  # fmt: skip
     check_output_args(args)
+    for flag in ("max_engine_restarts", "shutdown_timeout"):
+        if getattr(args, flag) < 0:
+            raise SystemExit(f"error: --{flag.replace('_', '-')} must be >= 0")
+    from pagedjax.entrypoints.openai.limits import ServerLimits
+
+    try:
+        ServerLimits.from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 # Flags that map one to one onto LLM(...) keyword arguments (dest == keyword).

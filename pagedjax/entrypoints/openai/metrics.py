@@ -23,7 +23,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from pagedjax.entrypoints.async_engine import AsyncLLMEngine, FinishedRequestStats
+from pagedjax.entrypoints.async_engine import AsyncLLMEngine
+from pagedjax.entrypoints.request_stats import FinishedRequestStats
 
 PREFIX = "pagedjax:"
 
@@ -100,6 +101,12 @@ class ServerMetrics:
         self.spec_accepted = counter(
             "spec_decode_num_accepted_tokens", "Draft tokens accepted."
         ).labels(model_name)
+        # Requests refused before the engine (pagedjax's own: vLLM has no such counter):
+        # queue_full (--max-num-queued-reqs), shutting_down, too_large, engine_restarting.
+        self.request_rejected = counter(
+            "request_rejected", "Requests answered 503 / 413 before reaching the engine.",
+            ("reason",),
+        )  # fmt: skip
         # pagedjax's own: programs compiled for the engine since it started. Growth under
         # steady traffic means a batch shape the warm-up did not compile (its time is
         # charged to the requests that met it).
@@ -129,6 +136,20 @@ class ServerMetrics:
             self.tpot.observe(s.tpot)
         if s.queue_time is not None:
             self.queue_time.observe(s.queue_time)
+
+    def rejected(self, reason: str) -> None:
+        self.request_rejected.labels(self.model_name, reason).inc()
+
+    def summary(self) -> str:
+        """Finished and rejected requests by reason, one line (logged at shutdown)."""
+        parts = []
+        for family, label in ((self.request_success, "finished_reason"),
+                              (self.request_rejected, "reason")):  # fmt: skip
+            for metric in family.collect():
+                for s in metric.samples:
+                    if s.name.endswith("_total"):
+                        parts.append(f"{s.name}{{{label}={s.labels[label]}}}={s.value:g}")
+        return ", ".join(parts) or "no requests"
 
     # ------------------------------------------------------------- scrape
 

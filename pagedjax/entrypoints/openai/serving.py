@@ -7,9 +7,11 @@ turn them into OpenAI's response or into ``data: {...}`` chunks ending with
 until the request finishes, because a stop string that spans tokens truncates text that
 would otherwise already have been sent.
 
-A client that goes away cancels the handler (Starlette's disconnect listener for
-streams, ``run_until_disconnect`` otherwise); the generator's ``finally`` then aborts the
-request, which frees its blocks before the engine's next step.
+A client that goes away cancels the handler (``run_until_disconnect`` while a request
+waits for its first output or, not streamed, for its last; Starlette's disconnect
+listener once a stream has started); the generator's ``finally`` then aborts the request,
+which frees its blocks before the engine's next step. Limits (``limits.py``) are checked
+before validation; errors map to OpenAI's shape through one table (``limits.error_for``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedjax.engine.outputs import CompletionOutput, RequestOutput
-from pagedjax.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from pagedjax.entrypoints.async_engine import AsyncLLMEngine
 from pagedjax.entrypoints.openai.chat_output import OutputRules, build_rules, prepare_chat
+from pagedjax.entrypoints.openai.limits import ServerLimits, check_body, error_for, with_deadline
 from pagedjax.entrypoints.openai.protocol import (
     OpenAIError,
     ParsedRequest,
@@ -56,6 +59,7 @@ class OpenAIServing:
         *,
         chat_template: str | None = None,
         response_role: str = "assistant",
+        limits: ServerLimits | None = None,
         enable_auto_tools: bool = False,
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
@@ -63,6 +67,7 @@ class OpenAIServing:
         self.enable_auto_tools, self.tool_parser = enable_auto_tools, tool_parser
         self.reasoning_parser = reasoning_parser
         self.engine = engine
+        self.limits = limits or ServerLimits()
         self.names = served_model_names
         self.chat_template = chat_template
         self.response_role = response_role
@@ -131,6 +136,7 @@ class OpenAIServing:
 
     async def completions(self, body: Any, request: Request) -> Response:
         e = self.engine
+        check_body(body, self.limits)
         parsed = parse_completion(body, vocab_size=e.vocab_size, max_logprobs=e.max_logprobs)
         self.check_model(parsed.model)
         parsed.params_kwargs.update(parse_constraints(body, e.vocab_size))
@@ -148,6 +154,7 @@ class OpenAIServing:
 
     async def chat(self, body: Any, request: Request) -> Response:
         e = self.engine
+        check_body(body, self.limits)
         parsed = parse_chat(body, vocab_size=e.vocab_size, max_logprobs=e.max_logprobs)
         self.check_model(parsed.model)
         assert parsed.messages is not None
@@ -176,9 +183,10 @@ class OpenAIServing:
             for i, (prompt, params) in enumerate(jobs)
         ]
         stream = _merged(gens) if n_prompts > 1 else _single(gens[0])
+        stream = with_deadline(stream, self.limits.request_timeout_s)
         if parsed.stream:
-            try:
-                first = await _first(stream)  # add errors become HTTP errors, not SSE
+            try:  # add errors become HTTP errors, not SSE; a client gone meanwhile aborts
+                first = await run_until_disconnect(request, _first(stream))
             except BaseException:
                 await stream.aclose()
                 raise
@@ -202,12 +210,8 @@ class OpenAIServing:
 async def _first(stream: AsyncIterator) -> Any:
     try:
         return await stream.__anext__()
-    except (ValueError, TypeError) as e:
-        raise bad(str(e)) from e
-    except QueueFullError as e:
-        raise OpenAIError(503, str(e)) from e
-    except EngineDeadError as e:  # for good (vLLM answers 500 too)
-        raise OpenAIError(500, str(e)) from e
+    except Exception as e:  # noqa: BLE001 - limits.error_for's table
+        raise error_for(e) from e
 
 
 async def _single(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -274,12 +278,8 @@ async def run_until_disconnect(request: Request, coro) -> Any:
         raise OpenAIError(499, "client disconnected")
     try:
         return task.result()
-    except (ValueError, TypeError) as e:
-        raise bad(str(e)) from e
-    except QueueFullError as e:
-        raise OpenAIError(503, str(e)) from e
-    except EngineDeadError as e:
-        raise OpenAIError(500, str(e)) from e
+    except Exception as e:  # noqa: BLE001 - limits.error_for's table
+        raise error_for(e) from e
 
 
 # ----------------------------------------------------------------- response views
@@ -364,13 +364,8 @@ class _View:
                     break
             if self.p.include_usage:
                 yield sse(self.chunk([], self.usage(latest)))
-        except (ValueError, TypeError, QueueFullError, EngineDeadError) as e:
-            # Headers are sent: the error goes in the stream, as vLLM does.
-            status = (
-                400 if isinstance(e, ValueError | TypeError)
-                else 503 if isinstance(e, QueueFullError) else 500
-            )  # fmt: skip
-            yield sse(OpenAIError(status, str(e)).body())
+        except Exception as e:  # noqa: BLE001 - headers are sent: the error goes in the
+            yield sse(error_for(e).body())  # stream, as vLLM does (limits.error_for)
         finally:
             await stream.aclose()
         yield "data: [DONE]\n\n"
