@@ -89,6 +89,19 @@ class EngineCore:
         self.device.set_sampling_row(slot, seq.params, seq.index, len(seq.detok.ids))
         return slot
 
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Drop these requests now (``LLMEngine.abort_request``): their slots and blocks
+        are freed at once; unknown ids are ignored."""
+        mask = np.zeros(self.max_seqs, bool)
+        for rid in request_ids:
+            req = self.book.drop(rid)
+            for seq in req.seqs if req is not None else ():
+                if seq.slot is not None:
+                    mask[seq.slot] = True
+                    self.book.release_slot(seq)
+        if mask.any():
+            self.device.abort(np.arange(self.max_seqs, dtype=np.int32), mask)
+
     def stop_samples(self, request_id: str, indices: Iterable[int]) -> None:
         """End these samples of a request now, as a stop string ends them: the engine
         core process' client matches stop strings in the API process and sends this

@@ -20,8 +20,8 @@ One step, whatever runs on the device (docs/engine.md, docs/architecture.md):
    ones), then ``recycle`` of finished slots (async); host: release, retire, outputs.
 
 Token ids live in both places: the device buffer ``int32[max_seqs, max_model_len]``
-feeds the model (prefill, decode and recompute after preemption read it there, so the
-host never uploads a batch), and the host keeps each sequence's ids for detokenization.
+feeds the model (the host never uploads a batch); the host keeps them for detokenization
+(``detokenize=False``: ids only, the engine core process' client detokenizes).
 Block sharing (docs/engine.md): with prefix caching on, a sequence admitted to a slot
 (new, or preempted by recompute) first reuses the verified cached blocks of its longest
 cached prefix (``sharing.attach_hits``), and the blocks each step fills are registered
@@ -115,7 +115,7 @@ class LLMEngine:
         detokenize: bool = True,
     ):
         _reject_unbuilt_features(config)
-        self.detokenize = detokenize  # False: ids only, the core process' client detokenizes
+        self.detokenize = detokenize
         compile_cache.enable(config.compilation_cache)  # idempotent
         cc, sc, par = config.cache, config.scheduler, config.parallel  # par: TP (parallel.py)
         self.arch, self.tokenizer, self.config = arch, tokenizer, config
@@ -258,19 +258,7 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Drop requests now: their blocks return to the pool at once. Unknown ids are
         ignored (as vLLM: the request may have finished in the meantime)."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        mask = np.zeros(self.max_seqs, bool)
-        book = self.core.book
-        for rid in ids:
-            req = book.drop(rid)
-            if req is None:
-                continue
-            for seq in req.seqs:
-                if seq.slot is not None:
-                    mask[seq.slot] = True
-                    book.release_slot(seq)
-        if mask.any():
-            self.core.device.abort(np.arange(self.max_seqs, dtype=np.int32), mask)
+        self.core.abort([request_id] if isinstance(request_id, str) else list(request_id))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.core.book.requests)
