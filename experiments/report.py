@@ -109,10 +109,30 @@ def write_report(
         "",
         "## Claims",
         "",
-        "Rules fixed in experiments/claims.py (issue 17), computed from this run's"
-        " summary.json. `n/a`: not measured here, or a bound that decides nothing.",
+        "One rule table for every config (experiments/claims.py: the paper's value,"
+        " the accepted interval and why), judged on this run's summary.json. A knee"
+        " bound that does not decide a rule fails it.",
         "",
         markdown_table(claims),
+        "Not run in this config: "
+        + (
+            "; ".join(f"{x['key']} ({x['reason']})" for x in summary.get("claims_not_run", []))
+            or "none"
+        )
+        + ".",
+        "",
+        "Sanity checks (identities of the policies: checks of the code, not evidence): "
+        + (
+            ", ".join(
+                f"{c['check']}: {'ok' if c['holds'] else 'BROKEN'}"
+                for c in summary.get("sanity_checks", [])
+            )
+            or "none"
+        )
+        + ".",
+        "",
+        "Time per part (s): " + ", ".join(f"{k} {v}" for k, v in info["seconds"].items()) + ".",
+        "",
         "## Results by experiment",
         "",
     ]

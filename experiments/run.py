@@ -155,14 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     info["user_cpu_s"] = round(ru.ru_utime, 1)
     info["system_cpu_s"] = round(ru.ru_stime, 1)
-    from experiments.claims import claims, markdown_table, print_claims
+    from experiments.claims import claims, markdown_table, not_run, print_claims, sanity_checks
     from experiments.report import machine_info, write_report
 
     info["machine"] = machine_info()
     summary["claims"] = claims(summary, cfg)
+    summary["claims_not_run"] = not_run(summary, cfg)
+    summary["sanity_checks"] = sanity_checks(summary, cfg)
     (out / "claims.md").write_text(
-        f"# Claims: {path.name}\n\nRules: experiments/claims.py.\n\n"
-        + markdown_table(summary["claims"])
+        f"# Claims: {path.name}\n\nRules: experiments/claims.py (one table for every"
+        " config).\n\n" + markdown_table(summary["claims"])
     )
     dump_json(out / "summary.json", summary)
     dump_json(out / "run_info.json", info)
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         f" {info['user_cpu_s']} s; load average at start {info['load_average_at_start']},"
         f" at end {info['machine']['load_average_1_5_15']}"
     )
-    print_claims(summary["claims"])
+    print_claims(summary["claims"], summary["claims_not_run"])
     report = write_report(out, cfg, summary, info, tables, summary["claims"])
     print(f"\nreport: {report}")  # last line: the report's path
     return 0

@@ -67,9 +67,10 @@ def _compare(w: Workload, real: dict[str, Any], policy: Any, scfg: Any, fit: Any
     res = SimResult(*(np.asarray(x) for x in simulate(policy, scfg, fit, tr)))
     sim = latency_metrics(Run(w, res, float(w.arrival_time[-1])))
     rm = metrics(w, real)
-    e_nl = abs(sim["norm_latency_s_per_token"] - rm["norm_latency_s_per_token"]) / rm[
-        "norm_latency_s_per_token"
-    ]
+    e_nl = (
+        abs(sim["norm_latency_s_per_token"] - rm["norm_latency_s_per_token"])
+        / rm["norm_latency_s_per_token"]
+    )
     e_tp = abs(sim["throughput_tok_s"] - rm["throughput_tok_s"]) / rm["throughput_tok_s"]
     return dict(
         real_norm_latency=rm["norm_latency_s_per_token"],
