@@ -76,6 +76,7 @@ def cost_model(server: ServerSettings) -> Any:
     return systems.make_cost_model(
         server.gpu, server.model, server.tp, calibration=server.cost_model,
         step_overhead_s=server.step_overhead_s, kv_cache_dtype=server.kv_cache_dtype,
+        block_cost=server.block_cost,
     )  # fmt: skip
 
 

@@ -143,7 +143,7 @@ def rows(s: dict, cmd: str) -> list[tuple[str, str, str, str, str]]:
                         )
     if "block_size" in s:
         for k, v in s["block_size"].items():
-            if isinstance(v, dict):
+            if isinstance(v, dict) and "best_block_size" in v:
                 out.append(
                     (
                         f"Fig. 18b best block size, {k}",

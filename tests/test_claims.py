@@ -147,3 +147,30 @@ def test_paper_repro_judges_with_the_same_table(tmp_path):
     assert "WIDEN" not in text and "accept " not in text  # no acceptance of its own
     r = C.BY_KEY["fig12.paged/orca_max"]
     assert f"accepted [{r.lo:g}, {r.hi:g}]" in gen._accepted("fig12.paged/orca_max")
+
+
+def test_validation_interleaves_workloads_and_reports_the_real_spread():
+    import numpy as np
+
+    from experiments.simulator_validation import interleaved_jobs, real_spread_pct
+    from pagedjax.workloads import Workload
+
+    jobs = interleaved_jobs(["sharegpt", "alpaca"], {"sharegpt": [4, 8, 32], "alpaca": [8, 32]}, 2)
+    assert jobs[:5] == [
+        (0, "sharegpt", 0), (0, "alpaca", 0), (0, "sharegpt", 1), (0, "alpaca", 1),
+        (0, "sharegpt", 2),
+    ]  # fmt: skip
+    assert len(jobs) == 10 and jobs[5][0] == 1  # repeat 1 starts after repeat 0 ends
+    w = Workload(np.array([0.0, 1.0]), np.array([4, 4]), np.array([10, 10]))
+
+    def real(finish):  # two requests, both answered at `finish`
+        f = np.array([finish, finish])
+        return {"first": f - 1, "finish": f, "steps": np.zeros((3, 5))}
+
+    assert real_spread_pct([[real(2.0)]], [w]) is None  # one repeat: unknown
+    same = real_spread_pct([[real(2.0)], [real(2.0)], [real(2.0)]], [w])
+    assert same == 0.0
+    # finish f = 2 / 2.2 / 2.4: mean normalized latency (2f - 1) / 20 = 0.15 / 0.17 / 0.19
+    # (spread 0.04 / 0.17) is worse than throughput 20 / f (1.67 / 9.09)
+    spread = real_spread_pct([[real(2.0)], [real(2.2)], [real(2.4)]], [w])
+    assert spread == pytest.approx(100 * 0.04 / 0.17, abs=0.1)

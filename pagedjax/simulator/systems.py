@@ -106,6 +106,19 @@ def build_system(
     return policy, SchedulerLimits(**cfg)
 
 
+# Block-granular access of the paged kernel (block_time), "kernel" setting: vLLM's
+# paged kernel loads each KV block whole (its K/V loads run over the block's slots and
+# mask the scores after), and its fixed cost per block is read off the paper's Fig. 18a:
+# PagedAttention at block 16 is 20-26 % slower than FasterTransformer's contiguous
+# kernel (section 7.1), i.e. ~0.23 x the HBM time of a 16-token block, 3.7 tokens' worth
+# per block visit. Cross-check on this CPU: experiments/block_size.py times the native
+# kernel at several block sizes and fits its own per-block cost (docs/experiments.md).
+BLOCK_COSTS: dict[str, dict[str, float | bool]] = {
+    "none": {},
+    "kernel": {"block_overhead_tokens": 0.23 * 16, "whole_block_reads": True},
+}
+
+
 def make_cost_model(
     gpu: str = "A100-40GB",
     model: str = "opt-13b",
@@ -114,17 +127,21 @@ def make_cost_model(
     calibration: str = "roofline",
     step_overhead_s: float = 2e-3,
     kv_cache_dtype: str = "auto",
+    block_cost: str = "none",
 ) -> Any:
     """The step-time model of a GPU (``cost_model.GPUS``) serving a model preset
     (``cost_model.MODEL_PRESETS``): the plain roofline plus ``step_overhead_s`` per step,
     or a named calibration (``cost_model.CALIBRATIONS``, e.g. "vllm2023", whose fitted
     overhead replaces step_overhead_s). ``kv_cache_dtype``: the KV cache's storage, which
-    sets the KV bytes a step reads ("fp8": half of a 16-bit cache's). Hashable, so it is a
-    static jit argument."""
+    sets the KV bytes a step reads ("fp8": half of a 16-bit cache's). ``block_cost``: a
+    paged kernel's block-granular access (BLOCK_COSTS: "none" or "kernel"). Hashable, so
+    it is a static jit argument."""
+    if block_cost not in BLOCK_COSTS:
+        raise ValueError(f"block_cost must be one of {sorted(BLOCK_COSTS)}, got {block_cost!r}")
     geom = model_geometry(model, tp, kv_cache_dtype)
     if calibration != "roofline":
-        return calibrated(calibration, gpu, geom)
-    return roofline(gpu, geom, step_overhead_s=step_overhead_s)
+        return calibrated(calibration, gpu, geom, **BLOCK_COSTS[block_cost])
+    return roofline(gpu, geom, step_overhead_s=step_overhead_s, **BLOCK_COSTS[block_cost])
 
 
 @dataclass
@@ -239,7 +256,6 @@ def usage_pcts(result: SimResult, capacity: int) -> dict[str, float]:
         "token_of_allocated_pct": float(100.0 * u[0] / alloc) if alloc > 0 else math.nan,
         "window_s": float(result.win_time),
     }
-
 
 
 __all__ = [
