@@ -190,7 +190,7 @@ RULES: tuple[Rule, ...] = (
         round(2.0 / (1 + KNEE_TOL), 3),
         round(2.0 * (1 + KNEE_TOL), 3),
         _KN,
-        "fig17",
+        "chatbot",
     ),
     *(
         Rule(
@@ -297,7 +297,6 @@ def not_run(summary: dict[str, Any], cfg: Any) -> list[dict[str, str]]:
     why = {
         "fig16": "no experiment compares vLLM with Orca (Oracle) on a shared prefix"
         " (shared_prefix measures prefix caching on / off on the real engine)",
-        "fig17": "no chatbot experiment",
     }
     out = []
     for r in RULES:

@@ -174,6 +174,14 @@ def measure(summary: dict[str, Any], cfg: Any) -> list[Measured]:
                     ex,
                 )
             )
+    cb = summary.get("chatbot", {}).get(f"knee@{KNEE_THRESHOLD}")
+    if cb:
+        for name, text in cb["ratio_text"].items():
+            other = name.split("/")[1]
+            lo, hi = parse_bound(text)
+            out.append(Measured("fig17.paged/orca", f"vs {other} (knees {cb['text']['paged']}"
+                                f" / {cb['text'][other]} req/s)", lo, hi, text,
+                                _sim(summary, "chatbot", cm)))  # fmt: skip
     sv = summary.get("simulator_validation", {})
     for wname, w in sv.get("workloads", {}).items():
         key = "sim.in_sample" if w["in_sample"] else "sim.held_out"

@@ -22,6 +22,7 @@ EXPERIMENTS = (
     "simulator_validation",
     "shared_prefix",
     "sharing",
+    "chatbot",
 )
 SYSTEMS = ("orca_max", "orca_pow2", "orca_oracle", "paged", "ft_static")
 DATASETS = ("sharegpt", "alpaca")
@@ -428,6 +429,23 @@ class SharingSettings:
 
 
 @dataclass(frozen=True)
+class ChatbotSettings:
+    """Fig. 17 (experiments/chatbot.py): prompts of 1024 tokens, outputs capped at 1024,
+    each system's knee at 0.5 s/token by throughput_vs_rate's search (simulated)."""
+
+    systems: list[str] = field(
+        default_factory=lambda: ["orca_max", "orca_pow2", "orca_oracle", "paged"]
+    )
+    duration_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for s in self.systems:
+            _check(s in SYSTEMS and s != "ft_static", "chatbot.systems", f"bad system {s!r}")
+        _check("paged" in self.systems, "chatbot.systems", "must include paged")
+        _check(self.duration_s > 0, "chatbot.duration_s", "must be > 0")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """Top level of configs/*.yaml."""
 
@@ -444,11 +462,17 @@ class ExperimentConfig:
     simulator_validation: ValidationSettings = field(default_factory=ValidationSettings)
     shared_prefix: SharedPrefixSettings = field(default_factory=SharedPrefixSettings)
     sharing: SharingSettings = field(default_factory=SharingSettings)
+    chatbot: ChatbotSettings = field(default_factory=ChatbotSettings)
 
     def __post_init__(self) -> None:
         for i, e in enumerate(self.experiments):
             _check(e in EXPERIMENTS, f"experiments[{i}]", f"unknown experiment {e!r}")
         knee_rates = [self.memory_waste.rate] + [w.rate for w in self.batched_requests.workloads]
+        _check(
+            "chatbot" not in self.experiments or self.throughput_vs_rate.search is not None,
+            "throughput_vs_rate.search",
+            "the chatbot experiment (Fig. 17) needs the knee search configured",
+        )
         _check(
             "knee" not in knee_rates or self.throughput_vs_rate.search is not None,
             "throughput_vs_rate.search",

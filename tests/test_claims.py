@@ -174,3 +174,18 @@ def test_validation_interleaves_workloads_and_reports_the_real_spread():
     # (spread 0.04 / 0.17) is worse than throughput 20 / f (1.67 / 9.09)
     spread = real_spread_pct([[real(2.0)], [real(2.2)], [real(2.4)]], [w])
     assert spread == pytest.approx(100 * 0.04 / 0.17, abs=0.1)
+
+
+def test_chatbot_workload_and_its_claim_rows():
+    """Fig. 17: prompts at the 1024 cap, outputs capped at 1024; the chatbot summary's
+    knee ratios become one fig17 row per Orca variant (bounds judged like Fig. 12)."""
+    from experiments.common import workload
+
+    w = workload("chatbot", 1.0, 300.0, 0, 1.0, 2048)
+    assert len(w) > 200 and (w.prompt_len == 1024).all() and w.output_len.max() <= 1024
+    assert w.output_len.min() >= 1
+    s = {"chatbot": {"executor": "simulated", "knee@0.5": {
+        "text": {"paged": "1.2", "orca_max": "0.6", "orca_oracle": "0.9"},
+        "ratio_text": {"paged/orca_max": "2.00", "paged/orca_oracle": ">= 1.2"}}}}  # fmt: skip
+    rows = [r for r in C.claims(s, _cfg(["chatbot"])) if r["key"] == "fig17.paged/orca"]
+    assert [r["holds"] for r in rows] == [True, False]  # the bound >= 1.2 decides nothing
