@@ -11,6 +11,7 @@ Every number produced here is simulated; the writers label files and figures so.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -162,6 +163,8 @@ def run_sim(
     simulated; experiments/speculative_curves.py) or None.
     Results are cached per arguments, so experiments sharing runs pay once.
     """
+    if system in systems.SYSTEM_SERVER:  # an ablation that changes the server (paged_fp8)
+        server = dataclasses.replace(server, **systems.SYSTEM_SERVER[system])
     key = (system, server, tuple(specs), block_size, drain, swap_space_gib, stop_latency,
            speculative)  # fmt: skip
     if key in _CACHE:

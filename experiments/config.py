@@ -23,6 +23,7 @@ EXPERIMENTS = (
     "shared_prefix",
     "sharing",
     "chatbot",
+    "ablations",
 )
 SYSTEMS = ("orca_max", "orca_pow2", "orca_oracle", "paged", "ft_static")
 DATASETS = ("sharegpt", "alpaca")

@@ -145,11 +145,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     tables = []
     t_all = time.perf_counter()
+    failed = []
     for name in progress(cfg.experiments, desc="experiments"):
         t0 = time.perf_counter()
-        summary[name] = modules[name].run(cfg, out, progress, **_extra(modules[name], executor))
+        try:
+            summary[name] = modules[name].run(cfg, out, progress, **_extra(modules[name], executor))
+            tables.append((name, modules[name].table(summary[name])))
+        except Exception as e:  # noqa: BLE001 - recorded, the other experiments still run
+            import traceback
+
+            traceback.print_exc()
+            failed.append(name)
+            summary[name] = {"status": f"failed: {type(e).__name__}: {e}"}
+            tables.append((name, [("status", summary[name]["status"][:60], "")]))
         info["seconds"][name] = round(time.perf_counter() - t0, 1)
-        tables.append((name, modules[name].table(summary[name])))
         dump_json(out / "summary.json", summary)  # written as we go: partial runs keep data
     info["seconds"]["total"] = round(time.perf_counter() - t_all, 1)
     ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -176,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print_claims(summary["claims"], summary["claims_not_run"])
     report = write_report(out, cfg, summary, info, tables, summary["claims"])
+    if failed:
+        print(f"experiments that failed (see above and summary.json): {failed}", file=sys.stderr)
     print(f"\nreport: {report}")  # last line: the report's path
-    return 0
+    return 1 if failed else 0
 
 
 def _extra(module: Any, executor: str) -> dict[str, Any]:

@@ -272,7 +272,8 @@ def _simulate(
             dt = dt + spec_mode.draft_time(spec, batch, cost_model)
         block_time = getattr(cost_model, "block_time", None)
         block_size = getattr(policy, "block_size", None)  # paged pools only
-        if block_time is not None and block_size is not None:  # 0 unless configured
+        contiguous = getattr(policy, "contiguous_kernel", False)  # vAttention-like
+        if block_time is not None and block_size is not None and not contiguous:
             dt = dt + block_time(*block_work(batch, block_size))
         swap_time = getattr(cost_model, "swap_time", None)
         if swap_time is not None:  # swap copies of the step (0 without a swap pool)

@@ -40,13 +40,45 @@ from pagedjax.workloads import Workload
 
 SIM_LABEL = "simulated"
 SYSTEMS = ("paged", "orca_max", "orca_pow2", "orca_oracle", "ft_static")
+# Ablations the paper could not run (issue 34), built by build_system like the others:
+# vattention_64k / vattention_2m: vAttention-style contiguous virtual memory (physical
+# pages of 64 KiB / 2 MiB per layer's K or V mapped on demand, no block table, so the
+# kernel reads contiguous KV: no per-block cost); paged_fp8: the paged system over an
+# fp8 KV pool in the same memory (SYSTEM_SERVER: the caller's server takes
+# kv_cache_dtype="fp8", so the pool holds 2x the tokens and a step reads half the bytes).
+ABLATIONS = ("vattention_64k", "vattention_2m", "paged_fp8")
+PAGE_BYTES = {"vattention_64k": 64 << 10, "vattention_2m": 2 << 20}
+SYSTEM_SERVER: dict[str, dict[str, Any]] = {"paged_fp8": {"kv_cache_dtype": "fp8"}}
 SYSTEM_LABELS = {
     "orca_max": "Orca (Max)",
     "orca_pow2": "Orca (Pow2)",
     "orca_oracle": "Orca (Oracle)",
     "paged": "paged (vLLM)",
     "ft_static": "FasterTransformer-like (static)",
+    "vattention_64k": "vAttention-like, 64 KiB pages",
+    "vattention_2m": "vAttention-like, 2 MiB pages",
+    "paged_fp8": "paged, fp8 KV pool",
 }
+
+
+@dataclass(frozen=True)
+class VirtualContiguousPolicy(PagedPolicy):
+    """vAttention-style memory: each request's KV is one contiguous virtual range per
+    layer and K/V, backed by physical pages mapped on demand. Allocation is the paged
+    pool's (a page of ``block_size`` tokens, granted as the sequence grows), but the
+    kernel reads contiguous memory: no block table, no per-block cost
+    (``contiguous_kernel``: the simulator skips ``block_time``)."""
+
+    contiguous_kernel: bool = True
+
+
+def page_tokens(page_bytes: int, model: str, tp: int = 1, kv_cache_dtype: str = "auto") -> int:
+    """Tokens one physical page holds for one layer's K (or V), rounded down to a power
+    of two (the pool's block size must be one); at least 1."""
+    g = model_geometry(model, tp, kv_cache_dtype)
+    per_token = g.kv_bytes_per_token_per_gpu / (2 * g.num_layers)
+    n = max(1, int(page_bytes // per_token))
+    return 1 << (n.bit_length() - 1)
 
 
 def build_system(
@@ -92,8 +124,11 @@ def build_system(
             cap // bs + 1, bs, n, -(-mlen // bs), watermark, num_host_blocks=host
         )
         cfg.update(preemption_mode="swap")
-    elif system == "paged":
+    elif system in ("paged", "paged_fp8"):  # paged_fp8: the caller's kv_slots are fp8's
         policy = PagedPolicy(cap // bs + 1, bs, n, -(-mlen // bs), watermark)
+    elif system in PAGE_BYTES:
+        pt = page_tokens(PAGE_BYTES[system], model, tp, kv_cache_dtype)
+        policy = VirtualContiguousPolicy(cap // pt + 1, pt, n, -(-mlen // pt), watermark)
     elif system in ("orca_max", "orca_pow2", "orca_oracle"):
         policy = ReservationPolicy(system.split("_")[1], n, cap, mlen, watermark)
     elif system == "ft_static":
@@ -102,7 +137,7 @@ def build_system(
         # The budget must take B whole prompts: a static batch is prefilled at once.
         cfg.update(mode="static", static_batch_size=b, max_num_batched_tokens=b * mlen)
     else:
-        raise ValueError(f"unknown system {system!r}; one of {SYSTEMS}")
+        raise ValueError(f"unknown system {system!r}; one of {SYSTEMS + ABLATIONS}")
     return policy, SchedulerLimits(**cfg)
 
 
