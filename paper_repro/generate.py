@@ -169,6 +169,31 @@ def rows(s: dict, cmd: str) -> list[tuple[str, str, str, str, str]]:
                     "simulated",
                 )
             )
+    if "ablations" in s and "status" not in s["ablations"]:
+        ab = s["ablations"]
+        for x, v in ab.items():
+            if isinstance(v, dict):
+                out.append(
+                    (
+                        f"ablation {x} @ {ab['rate']:.3g} req/s: s/token, batched, token %",
+                        cmd,
+                        f"{v['norm_latency_s_per_token']} / {v['avg_batched']} /"
+                        f" {v['token_states_pct']}",
+                        "- (not in the paper)",
+                        "simulated",
+                    )
+                )
+    if "chatbot" in s and "status" not in s["chatbot"]:
+        e = s["chatbot"]["knee@0.5"]
+        out.append(
+            (
+                "Fig. 17 chatbot knees @ 0.5 s/token (req/s)",
+                cmd,
+                ", ".join(f"{k} {v}" for k, v in e["text"].items()),
+                "-",
+                "simulated",
+            )
+        )
     if "engine_throughput" in s:
         e = s["engine_throughput"]
         val = e.get("status") or ", ".join(
