@@ -94,6 +94,7 @@ def write_report(
     claims: list[dict[str, Any]],
 ) -> Path:
     """Write report.md and report.html into ``out``; returns the HTML's path."""
+    alloc = getattr(cfg, "time_allocation_s", {})  # configs may state none
     md = [
         f"# Run report: {cfg.name}",
         "",
@@ -131,7 +132,17 @@ def write_report(
         )
         + ".",
         "",
-        "Time per part (s): " + ", ".join(f"{k} {v}" for k, v in info["seconds"].items()) + ".",
+        "Time per part (s, took / allocated on an idle box): "
+        + ", ".join(
+            f"{k} {v}" + (f" / {a:g}" if (a := alloc.get(k)) else "")
+            for k, v in info["seconds"].items()
+        )
+        + (
+            f"; total allocated {sum(alloc.values()):g}"
+            if alloc
+            else ""
+        )
+        + f" (load average at start {info.get('load_average_at_start')}).",
         "",
         "## Results by experiment",
         "",
