@@ -20,7 +20,7 @@ def _cfg(experiments=None):
     if experiments is not None:
         import dataclasses
 
-        cfg = dataclasses.replace(cfg, experiments=experiments)
+        cfg = dataclasses.replace(cfg, experiments=experiments, time_allocation_s={})
     return cfg
 
 
