@@ -22,6 +22,8 @@ EXPERIMENTS = (
     "simulator_validation",
     "shared_prefix",
     "sharing",
+    "chatbot",
+    "ablations",
 )
 SYSTEMS = ("orca_max", "orca_pow2", "orca_oracle", "paged", "ft_static")
 DATASETS = ("sharegpt", "alpaca")
@@ -72,6 +74,10 @@ class ServerSettings:
     horizon_factor: float = 1.5
     cost_model: str = "roofline"
     kv_cache_dtype: str = "auto"
+    # The paged kernel's block-granular access in the step time (systems.BLOCK_COSTS):
+    # "kernel" charges a fixed cost per KV block visited and whole-block reads (Fig. 18b's
+    # small-block side); "none" leaves it out (the roofline alone).
+    block_cost: str = "none"
 
     @property
     def pool_slots(self) -> int:
@@ -84,6 +90,13 @@ class ServerSettings:
     def __post_init__(self) -> None:
         from pagedjax.attention.kv_quant import KV_CACHE_DTYPES
         from pagedjax.simulator.cost_model import GPUS
+        from pagedjax.simulator.systems import BLOCK_COSTS
+
+        _check(
+            self.block_cost in BLOCK_COSTS,
+            "server.block_cost",
+            f"must be one of {sorted(BLOCK_COSTS)}, got {self.block_cost!r}",
+        )
 
         _check(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
@@ -239,6 +252,9 @@ class BlockSizeSettings:
     block_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
     duration_s: float = 300.0
     seed: int = 0
+    # Also time the native CPU kernel at these block sizes (a cross-check of the per-block
+    # cost, experiments/block_cost_cpu.py; ~20 s).
+    cpu_cross_check: bool = False
 
     def __post_init__(self) -> None:
         for b in self.block_sizes:
@@ -294,9 +310,12 @@ class EngineSettings:
 class ValidationSettings:
     """Simulator validation (experiments/simulator_validation.py): the step-time profile
     is fitted on the real engine's steps of ``fit_workload`` only and checked on it (in
-    sample) and on each ``held_out`` workload (out of sample), at the ``engine`` section's
-    rates (``held_out_rates`` for the held-out ones, if set). ``repeats`` independent sets
-    of real runs; each workload's error is the median over them (this CPU is noisy).
+    sample) and on each ``held_out`` workload (out of sample), at ``rates`` (default: the
+    ``engine`` section's; ``held_out_rates`` for the held-out ones, if set). ``repeats``
+    independent sets of real runs, the workloads' runs interleaved within each (so a
+    change of the machine's load hits the fit and the held-out runs alike); each repeat
+    fits its own profile; each workload's error is the median over repeats, reported
+    beside the real runs' run-to-run spread (this CPU is shared and noisy).
 
     Workloads: "sharegpt" (synthetic ShareGPT lengths scaled to engine.max_model_len),
     "alpaca" (synthetic Alpaca lengths as drawn, clipped to the context: they are short),
@@ -310,10 +329,19 @@ class ValidationSettings:
         default_factory=lambda: ["alpaca", "azure_conv"]
     )
     held_out_rates: list[float] | None = None
+    # The fit workload's rates (null: the engine section's). Set, the validation serves
+    # its own fit runs, interleaved with the held-out ones, instead of reusing
+    # engine_throughput's (served minutes earlier, under possibly different load).
+    rates: list[float] | None = None
     repeats: int = 1
 
     def __post_init__(self) -> None:
         _check(self.repeats >= 1, "simulator_validation.repeats", "must be >= 1")
+        _check(
+            self.rates is None or (len(self.rates) > 0 and all(r > 0 for r in self.rates)),
+            "simulator_validation.rates",
+            "must be positive (or null: the engine rates)",
+        )
         _check(
             self.fit_workload not in self.held_out,
             "simulator_validation.held_out",
@@ -402,6 +430,23 @@ class SharingSettings:
 
 
 @dataclass(frozen=True)
+class ChatbotSettings:
+    """Fig. 17 (experiments/chatbot.py): prompts of 1024 tokens, outputs capped at 1024,
+    each system's knee at 0.5 s/token by throughput_vs_rate's search (simulated)."""
+
+    systems: list[str] = field(
+        default_factory=lambda: ["orca_max", "orca_pow2", "orca_oracle", "paged"]
+    )
+    duration_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for s in self.systems:
+            _check(s in SYSTEMS and s != "ft_static", "chatbot.systems", f"bad system {s!r}")
+        _check("paged" in self.systems, "chatbot.systems", "must include paged")
+        _check(self.duration_s > 0, "chatbot.duration_s", "must be > 0")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """Top level of configs/*.yaml."""
 
@@ -418,11 +463,23 @@ class ExperimentConfig:
     simulator_validation: ValidationSettings = field(default_factory=ValidationSettings)
     shared_prefix: SharedPrefixSettings = field(default_factory=SharedPrefixSettings)
     sharing: SharingSettings = field(default_factory=SharingSettings)
+    chatbot: ChatbotSettings = field(default_factory=ChatbotSettings)
+    # Wall-time allocation per experiment (s) on an idle box, printed in the report beside
+    # the time each part took (llama7b.yaml: 8 minutes in all); empty: none stated.
+    time_allocation_s: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for k, v in self.time_allocation_s.items():
+            _check(k in self.experiments, "time_allocation_s", f"{k!r} is not an experiment here")
+            _check(v > 0, f"time_allocation_s.{k}", "must be > 0")
         for i, e in enumerate(self.experiments):
             _check(e in EXPERIMENTS, f"experiments[{i}]", f"unknown experiment {e!r}")
         knee_rates = [self.memory_waste.rate] + [w.rate for w in self.batched_requests.workloads]
+        _check(
+            "chatbot" not in self.experiments or self.throughput_vs_rate.search is not None,
+            "throughput_vs_rate.search",
+            "the chatbot experiment (Fig. 17) needs the knee search configured",
+        )
         _check(
             "knee" not in knee_rates or self.throughput_vs_rate.search is not None,
             "throughput_vs_rate.search",

@@ -94,6 +94,7 @@ def write_report(
     claims: list[dict[str, Any]],
 ) -> Path:
     """Write report.md and report.html into ``out``; returns the HTML's path."""
+    alloc = getattr(cfg, "time_allocation_s", {})  # configs may state none
     md = [
         f"# Run report: {cfg.name}",
         "",
@@ -109,10 +110,40 @@ def write_report(
         "",
         "## Claims",
         "",
-        "Rules fixed in experiments/claims.py (issue 17), computed from this run's"
-        " summary.json. `n/a`: not measured here, or a bound that decides nothing.",
+        "One rule table for every config (experiments/claims.py: the paper's value,"
+        " the accepted interval and why), judged on this run's summary.json. A knee"
+        " bound that does not decide a rule fails it.",
         "",
         markdown_table(claims),
+        "Not run in this config: "
+        + (
+            "; ".join(f"{x['key']} ({x['reason']})" for x in summary.get("claims_not_run", []))
+            or "none"
+        )
+        + ".",
+        "",
+        "Sanity checks (identities of the policies: checks of the code, not evidence): "
+        + (
+            ", ".join(
+                f"{c['check']}: {'ok' if c['holds'] else 'BROKEN'}"
+                for c in summary.get("sanity_checks", [])
+            )
+            or "none"
+        )
+        + ".",
+        "",
+        "Time per part (s, took / allocated on an idle box): "
+        + ", ".join(
+            f"{k} {v}" + (f" / {a:g}" if (a := alloc.get(k)) else "")
+            for k, v in info["seconds"].items()
+        )
+        + (
+            f"; total allocated {sum(alloc.values()):g}"
+            if alloc
+            else ""
+        )
+        + f" (load average at start {info.get('load_average_at_start')}).",
+        "",
         "## Results by experiment",
         "",
     ]

@@ -145,24 +145,35 @@ def main(argv: list[str] | None = None) -> int:
     }
     tables = []
     t_all = time.perf_counter()
+    failed = []
     for name in progress(cfg.experiments, desc="experiments"):
         t0 = time.perf_counter()
-        summary[name] = modules[name].run(cfg, out, progress, **_extra(modules[name], executor))
+        try:
+            summary[name] = modules[name].run(cfg, out, progress, **_extra(modules[name], executor))
+            tables.append((name, modules[name].table(summary[name])))
+        except Exception as e:  # noqa: BLE001 - recorded, the other experiments still run
+            import traceback
+
+            traceback.print_exc()
+            failed.append(name)
+            summary[name] = {"status": f"failed: {type(e).__name__}: {e}"}
+            tables.append((name, [("status", summary[name]["status"][:60], "")]))
         info["seconds"][name] = round(time.perf_counter() - t0, 1)
-        tables.append((name, modules[name].table(summary[name])))
         dump_json(out / "summary.json", summary)  # written as we go: partial runs keep data
     info["seconds"]["total"] = round(time.perf_counter() - t_all, 1)
     ru = resource.getrusage(resource.RUSAGE_SELF)
     info["user_cpu_s"] = round(ru.ru_utime, 1)
     info["system_cpu_s"] = round(ru.ru_stime, 1)
-    from experiments.claims import claims, markdown_table, print_claims
+    from experiments.claims import claims, markdown_table, not_run, print_claims, sanity_checks
     from experiments.report import machine_info, write_report
 
     info["machine"] = machine_info()
     summary["claims"] = claims(summary, cfg)
+    summary["claims_not_run"] = not_run(summary, cfg)
+    summary["sanity_checks"] = sanity_checks(summary, cfg)
     (out / "claims.md").write_text(
-        f"# Claims: {path.name}\n\nRules: experiments/claims.py.\n\n"
-        + markdown_table(summary["claims"])
+        f"# Claims: {path.name}\n\nRules: experiments/claims.py (one table for every"
+        " config).\n\n" + markdown_table(summary["claims"])
     )
     dump_json(out / "summary.json", summary)
     dump_json(out / "run_info.json", info)
@@ -172,10 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         f" {info['user_cpu_s']} s; load average at start {info['load_average_at_start']},"
         f" at end {info['machine']['load_average_1_5_15']}"
     )
-    print_claims(summary["claims"])
+    print_claims(summary["claims"], summary["claims_not_run"])
     report = write_report(out, cfg, summary, info, tables, summary["claims"])
+    if failed:
+        print(f"experiments that failed (see above and summary.json): {failed}", file=sys.stderr)
     print(f"\nreport: {report}")  # last line: the report's path
-    return 0
+    return 1 if failed else 0
 
 
 def _extra(module: Any, executor: str) -> dict[str, Any]:

@@ -217,9 +217,7 @@ def knees(rows: list[dict[str, Any]], threshold: float, rates: list[float]) -> d
     return out
 
 
-def table(
-    rows: list[dict[str, Any]], rates: list[float], thresholds: list[float]
-) -> list[str]:
+def table(rows: list[dict[str, Any]], rates: list[float], thresholds: list[float]) -> list[str]:
     """The side-by-side text table: latency per rate and setting, mean batch, knees."""
     names = list(dict.fromkeys(r["setting"] for r in rows))
     by = {(r["setting"], r["rate"]): r for r in rows}
@@ -297,8 +295,11 @@ def main(argv: list[str] | None = None) -> int:
                     " throughput_vs_rate.duration_s)")  # fmt: skip
     ap.add_argument("--gpu", help="the server's GPU instead of the config's (e.g. H100-80GB;"
                     " the KV pool stays the config's kv_slots)")  # fmt: skip
-    ap.add_argument("--dataset", choices=["sharegpt", "alpaca"],
-                    help="the workload (default: throughput_vs_rate.dataset)")
+    ap.add_argument(
+        "--dataset",
+        choices=["sharegpt", "alpaca"],
+        help="the workload (default: throughput_vs_rate.dataset)",
+    )
     ap.add_argument("--slots", type=int, help="scheduler rows (the running cap; default:"
                     " throughput_vs_rate.slots or server.slots)")  # fmt: skip
     a = ap.parse_args(argv)

@@ -194,3 +194,30 @@ def test_dense_model_step_bytes_unchanged_by_the_moe_accounting():
     for n in (1, 7, 300):
         assert float(geom.step_weight_bytes_read(n)) == pytest.approx(geom.step_weight_bytes)
     assert geom.active_layer_params == geom.layer_matmul_params
+
+
+def test_block_time_charges_block_visits_and_whole_block_reads():
+    """Issue 34: the paged kernel's block-granular access (systems.BLOCK_COSTS["kernel"])."""
+    from types import SimpleNamespace
+
+    from pagedjax.simulator.simulate import block_work
+    from pagedjax.simulator.systems import make_cost_model
+
+    none = make_cost_model("A100-40GB", "opt-13b")
+    kern = make_cost_model("A100-40GB", "opt-13b", block_cost="kernel")
+    assert float(none.block_time(100, 50)) == 0.0  # the default charges nothing
+    per_token = 819_200 / (kern.mem_efficiency * 1.555e12)
+    one = float(kern.block_time(1, 0))
+    assert one == pytest.approx(0.23 * 16 * per_token, rel=0.02)
+    assert float(kern.block_time(1, 10)) == pytest.approx(one + 10 * per_token, rel=0.02)
+    # A decode at position 20 (context 21) and a prefill chunk with prefix 32, one pad row.
+    batch = SimpleNamespace(
+        seq_ids=jnp.array([0, 1, -1]), q_lens=jnp.array([1, 8, 0]),
+        start_pos=jnp.array([20, 32, 0]),
+    )  # fmt: skip
+    blocks, pad = block_work(batch, 16)
+    assert (float(blocks), float(pad)) == (2 + 2, 11 + 0)
+    blocks, pad = block_work(batch, 1)
+    assert (float(blocks), float(pad)) == (21 + 32, 0)
+    with pytest.raises(ValueError, match="block_cost"):
+        make_cost_model(block_cost="fast")

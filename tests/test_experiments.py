@@ -75,9 +75,14 @@ def test_tiny_searches_knees_and_reports_claims(tiny_run):
     assert paged["external_only_pct"] == pytest.approx(0, abs=0.01)  # paged: no buddy slack
     assert paged["free_pct"] == pytest.approx(paged["external_frag_pct"], abs=0.01)
     claims = s["claims"]
-    assert claims and all(
-        set(c) == {"claim", "paper", "ours", "rule", "holds", "executor"} for c in claims
-    )
+    keys = {"key", "claim", "paper", "lo", "hi", "bound_used", "tolerance_why", "ours"}
+    keys |= {"value", "spread", "holds", "verdict", "executor"}
+    assert claims and all(set(c) == keys and isinstance(c["holds"], bool) for c in claims)
+    # Every rule of the table is judged or listed with a reason; identities apart.
+    from experiments.claims import BY_KEY
+
+    assert {c["key"] for c in claims} | {x["key"] for x in s["claims_not_run"]} == set(BY_KEY)
+    assert any("Orca (Max)" in c["check"] for c in s["sanity_checks"])
     assert (out / "claims.md").read_text().count("| Fig.") == len(claims)
     html = (out / "report.html").read_text()
     assert "<table>" in html and '<img src="memory_waste.png"' in html

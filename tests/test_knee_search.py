@@ -1,11 +1,10 @@
-"""Knee search (bracketing + bisection) and the claims rules, on synthetic inputs."""
+"""Knee search (bracketing + bisection) on synthetic inputs (claims: test_claims.py)."""
 
 import math
 
 import pytest
 
-from experiments.claims import _bound_holds, claims, markdown_table
-from experiments.knee_search import Knee, find_knees, ratio_text
+from experiments.knee_search import find_knees, ratio_text
 
 
 def curve(knee_rate: float):
@@ -73,75 +72,6 @@ def test_nan_latency_counts_as_exceeded():
 
     k = find_knees(probe, [0.5], start=1.0, rate_min=0.5, rate_max=64.0).knees[0.5]
     assert k.bracketed and k.lo <= 3 < k.hi
-
-
-def test_bound_rule():
-    assert _bound_holds("2.5", 2.0) is True
-    assert _bound_holds("1.5", 2.0) is False
-    assert _bound_holds(">= 2.5", 2.0) is True
-    assert _bound_holds(">= 1.5", 2.0) is None  # a lower bound under the rule decides nothing
-    assert _bound_holds("< 1.5", 2.0) is False
-    assert _bound_holds("unknown", 2.0) is None
-
-
-class _Server:
-    cost_model = "roofline"
-    kv_slots = 15728
-    pool_slots = 15728  # a 16-bit cache: the pool holds kv_slots tokens
-    max_model_len = 2048
-
-
-class _Cfg:
-    server = _Server()
-
-
-def test_claims_are_computed_from_the_summary():
-    k = Knee(0.5, 2.0, 2.05)
-    summary = {
-        "memory_waste": {
-            "executor": "simulated",
-            "setup": {"rate": 7.1},
-            "operating_point": {"rate": 7.1},
-            "paged": {"token_of_allocated_pct": 97.0, "token_states_pct": 90.0, "free_pct": 5.0},
-            "orca_max": {"token_states_pct": 19.9},
-            "orca_pow2": {"token_states_pct": 30.0},
-            "orca_oracle": {"token_states_pct": 40.0},
-        },
-        "throughput_vs_rate": {
-            "mode": "search",
-            "spread_1.0": {
-                "knee@0.5": {
-                    "text": {"paged": "7", "orca_oracle": "4", "orca_max": "2", "ft_static": "< 1"},
-                    "ratio_text": {
-                        "paged/orca_oracle": "1.75",
-                        "paged/orca_max": "3.50",
-                        "paged/ft_static": ">= 7.00",
-                    },
-                }
-            },
-        },
-        "batched_requests": {
-            "sharegpt": {
-                "rate": 7.1,
-                "orca_max": 7.0,
-                "orca_oracle": 10.0,
-                "paged": 30.0,
-                "paged/orca_oracle": 3.0,
-                "paged/orca_max": 4.29,
-            }
-        },
-    }
-    rows = claims(summary, _Cfg())
-    holds = {r["claim"].split(",")[0].split(" (")[0]: r["holds"] for r in rows}
-    assert holds["Fig. 2: paged token states"] is True
-    assert holds["Fig. 2: orca_max token states"] is False  # 19.9 < 20
-    assert holds["Fig. 2: orca_oracle token states"] is True  # 40 is inside [20, 40]
-    assert [r["holds"] for r in rows if "Fig. 12" in r["claim"]] == [True, True, True]
-    assert [r["holds"] for r in rows if "Fig. 13" in r["claim"]] == [True, True, True]
-    for r in rows:
-        assert set(r) == {"claim", "paper", "ours", "rule", "holds", "executor"}
-    assert markdown_table(rows).count("\n") == len(rows) + 2
-    assert k.bracketed
 
 
 def test_knee_rate_needs_the_search_configured():

@@ -15,6 +15,7 @@ jax.jit and inside lax.while_loop. See docs/workloads.md for the formulas and co
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -140,9 +141,7 @@ class ModelGeometry:
         Equals ``step_weight_bytes`` for a dense model."""
         if not self.num_experts:
             return _f32(self.step_weight_bytes) + 0.0 * _f32(new_tokens)
-        per_layer = self.attention_params + self.mlp_params * self.expected_experts_read(
-            new_tokens
-        )
+        per_layer = self.attention_params + self.mlp_params * self.expected_experts_read(new_tokens)
         return (self.num_layers * per_layer + self.lm_head_params) * self.bytes_per_param
 
     @property
@@ -223,7 +222,15 @@ MODEL_PRESETS: dict[str, ModelGeometry] = {
         "llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, gated_mlp=True, tied_embeddings=False
     ),
     "llama-3-70b": ModelGeometry(
-        "llama-3-70b", 80, 8192, 64, 8, 128, 28672, 128256, gated_mlp=True,
+        "llama-3-70b",
+        80,
+        8192,
+        64,
+        8,
+        128,
+        28672,
+        128256,
+        gated_mlp=True,
         tied_embeddings=False,
     ),  # fmt: skip
     # Issue 23's families (pagedjax/model/presets.py has their full HF configs).
@@ -241,8 +248,18 @@ MODEL_PRESETS: dict[str, ModelGeometry] = {
         "phi-3-mini", 32, 3072, 32, 32, 96, 8192, 32064, gated_mlp=True, tied_embeddings=False
     ),
     "mixtral-8x7b": ModelGeometry(
-        "mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000, gated_mlp=True,
-        tied_embeddings=False, num_experts=8, experts_per_token=2,
+        "mixtral-8x7b",
+        32,
+        4096,
+        32,
+        8,
+        128,
+        14336,
+        32000,
+        gated_mlp=True,
+        tied_embeddings=False,
+        num_experts=8,
+        experts_per_token=2,
     ),  # fmt: skip
 }
 
@@ -294,6 +311,12 @@ class RooflineCostModel:
     # blocks pay many fixed costs; 5 us is a typical launch + DMA setup (an assumption).
     host_link_efficiency: float = 0.8
     copy_latency_s: float = 5e-6
+    # Block-granular KV access of a paged kernel (block_time; 0 / False: not charged).
+    # block_overhead_tokens: the fixed cost of visiting one KV block (block-table lookup,
+    # one tile's issue and wait), as the HBM time of that many tokens' KV; whole_block_reads:
+    # the kernel loads every block whole, so the last block's unused slots are read too.
+    block_overhead_tokens: float = 0.0
+    whole_block_reads: bool = False
 
     def __post_init__(self) -> None:
         for field in (
@@ -307,7 +330,12 @@ class RooflineCostModel:
                 raise ValueError(f"{field} must be in (0, 1], got {v}")
         if self.link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {self.link!r}")
-        for field in ("allreduce_latency_s", "step_overhead_s", "copy_latency_s"):
+        for field in (
+            "allreduce_latency_s",
+            "step_overhead_s",
+            "copy_latency_s",
+            "block_overhead_tokens",
+        ):
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
 
@@ -384,6 +412,19 @@ class RooflineCostModel:
         bw = self.gpu.host_link_bytes_per_s * self.host_link_efficiency
         return blocks * (2 * m.num_layers * self.copy_latency_s) + bytes_ / bw
 
+    def block_time(self, kv_blocks, pad_tokens) -> jnp.ndarray:
+        """Seconds a paged kernel spends on block granularity in one step (float32):
+        ``kv_blocks`` block visits (per layer: every layer reads the same blocks) at
+        ``block_overhead_tokens`` tokens' HBM time each, plus, with whole_block_reads,
+        the ``pad_tokens`` unused slots of the blocks read. Added to the step time (not
+        folded into the roofline's max: a small overestimate in compute-bound steps)."""
+        m = self.model
+        extra = _f32(kv_blocks) * self.block_overhead_tokens
+        if self.whole_block_reads:
+            extra = extra + _f32(pad_tokens)
+        bw = self.mem_efficiency * self.gpu.hbm_bytes_per_s
+        return extra * m.kv_bytes_per_token_per_gpu / bw
+
     def __call__(
         self, prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs=0, prefill_seqs=0
     ) -> jnp.ndarray:
@@ -426,12 +467,13 @@ CALIBRATIONS: dict[str, dict[str, float]] = {
 
 
 def calibrated(
-    name: str, gpu: str, model: str | ModelGeometry, tp: int | None = None
+    name: str, gpu: str, model: str | ModelGeometry, tp: int | None = None, **kwargs: Any
 ) -> RooflineCostModel:
-    """The roofline with a named calibration's efficiencies and overhead (CALIBRATIONS)."""
+    """The roofline with a named calibration's efficiencies and overhead (CALIBRATIONS);
+    kwargs set the other fields (e.g. BLOCK_COSTS)."""
     if name not in CALIBRATIONS:
         raise ValueError(f"calibration must be one of {sorted(CALIBRATIONS)}, got {name!r}")
-    return roofline(gpu, model, tp, **CALIBRATIONS[name])
+    return roofline(gpu, model, tp, **CALIBRATIONS[name], **kwargs)
 
 
 FEATURE_NAMES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "prefill_attn_pairs")

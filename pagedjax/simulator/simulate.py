@@ -174,6 +174,18 @@ def batch_work(state: Any, batch: ScheduledBatch) -> tuple[jax.Array, ...]:
     return prefill_tokens, decode_seqs, kv.astype(f32), pairs, prefill_seqs
 
 
+def block_work(batch: ScheduledBatch, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """(KV blocks the batch's attention visits, unused slots in them) for a paged pool of
+    ``block_size``: each row reads the blocks of the context batch_work counts for it
+    (decode: start + 1; a prefill chunk: its prefix). float32 scalars."""
+    row = batch.seq_ids >= 0
+    decode = row & (batch.q_lens == 1) & (batch.start_pos > 0)
+    ctx = jnp.where(decode, batch.start_pos + 1, jnp.where(row, batch.start_pos, 0))
+    blocks = (ctx + block_size - 1) // block_size
+    f32 = jnp.float32
+    return jnp.sum(blocks).astype(f32), jnp.sum(blocks * block_size - ctx).astype(f32)
+
+
 class _Carry(NamedTuple):
     state: Any
     clock: jax.Array  # Kahan-summed float32 clock (hi, lo): 1e5 steps of ms would drift
@@ -202,7 +214,12 @@ class _Carry(NamedTuple):
 
 
 def _simulate(
-    policy, config: SchedulerLimits, cost_model, max_steps: int, trace: Trace, record: int = 0,
+    policy,
+    config: SchedulerLimits,
+    cost_model,
+    max_steps: int,
+    trace: Trace,
+    record: int = 0,
     spec: SpecParams | None = None,
 ):  # spec: a SpecModel's traced arrays (speculative.py) or None
     n_slots = config.max_seqs
@@ -253,6 +270,11 @@ def _simulate(
         dt = cost_model(*work)
         if spec is not None:  # and the draft proposed them (0 unless its cost is given)
             dt = dt + spec_mode.draft_time(spec, batch, cost_model)
+        block_time = getattr(cost_model, "block_time", None)
+        block_size = getattr(policy, "block_size", None)  # paged pools only
+        contiguous = getattr(policy, "contiguous_kernel", False)  # vAttention-like
+        if block_time is not None and block_size is not None and not contiguous:
+            dt = dt + block_time(*block_work(batch, block_size))
         swap_time = getattr(cost_model, "swap_time", None)
         if swap_time is not None:  # swap copies of the step (0 without a swap pool)
             moved = batch.swap.num_out + batch.swap.num_in

@@ -40,13 +40,45 @@ from pagedjax.workloads import Workload
 
 SIM_LABEL = "simulated"
 SYSTEMS = ("paged", "orca_max", "orca_pow2", "orca_oracle", "ft_static")
+# Ablations the paper could not run (issue 34), built by build_system like the others:
+# vattention_64k / vattention_2m: vAttention-style contiguous virtual memory (physical
+# pages of 64 KiB / 2 MiB per layer's K or V mapped on demand, no block table, so the
+# kernel reads contiguous KV: no per-block cost); paged_fp8: the paged system over an
+# fp8 KV pool in the same memory (SYSTEM_SERVER: the caller's server takes
+# kv_cache_dtype="fp8", so the pool holds 2x the tokens and a step reads half the bytes).
+ABLATIONS = ("vattention_64k", "vattention_2m", "paged_fp8")
+PAGE_BYTES = {"vattention_64k": 64 << 10, "vattention_2m": 2 << 20}
+SYSTEM_SERVER: dict[str, dict[str, Any]] = {"paged_fp8": {"kv_cache_dtype": "fp8"}}
 SYSTEM_LABELS = {
     "orca_max": "Orca (Max)",
     "orca_pow2": "Orca (Pow2)",
     "orca_oracle": "Orca (Oracle)",
     "paged": "paged (vLLM)",
     "ft_static": "FasterTransformer-like (static)",
+    "vattention_64k": "vAttention-like, 64 KiB pages",
+    "vattention_2m": "vAttention-like, 2 MiB pages",
+    "paged_fp8": "paged, fp8 KV pool",
 }
+
+
+@dataclass(frozen=True)
+class VirtualContiguousPolicy(PagedPolicy):
+    """vAttention-style memory: each request's KV is one contiguous virtual range per
+    layer and K/V, backed by physical pages mapped on demand. Allocation is the paged
+    pool's (a page of ``block_size`` tokens, granted as the sequence grows), but the
+    kernel reads contiguous memory: no block table, no per-block cost
+    (``contiguous_kernel``: the simulator skips ``block_time``)."""
+
+    contiguous_kernel: bool = True
+
+
+def page_tokens(page_bytes: int, model: str, tp: int = 1, kv_cache_dtype: str = "auto") -> int:
+    """Tokens one physical page holds for one layer's K (or V), rounded down to a power
+    of two (the pool's block size must be one); at least 1."""
+    g = model_geometry(model, tp, kv_cache_dtype)
+    per_token = g.kv_bytes_per_token_per_gpu / (2 * g.num_layers)
+    n = max(1, int(page_bytes // per_token))
+    return 1 << (n.bit_length() - 1)
 
 
 def build_system(
@@ -92,8 +124,11 @@ def build_system(
             cap // bs + 1, bs, n, -(-mlen // bs), watermark, num_host_blocks=host
         )
         cfg.update(preemption_mode="swap")
-    elif system == "paged":
+    elif system in ("paged", "paged_fp8"):  # paged_fp8: the caller's kv_slots are fp8's
         policy = PagedPolicy(cap // bs + 1, bs, n, -(-mlen // bs), watermark)
+    elif system in PAGE_BYTES:
+        pt = page_tokens(PAGE_BYTES[system], model, tp, kv_cache_dtype)
+        policy = VirtualContiguousPolicy(cap // pt + 1, pt, n, -(-mlen // pt), watermark)
     elif system in ("orca_max", "orca_pow2", "orca_oracle"):
         policy = ReservationPolicy(system.split("_")[1], n, cap, mlen, watermark)
     elif system == "ft_static":
@@ -102,8 +137,21 @@ def build_system(
         # The budget must take B whole prompts: a static batch is prefilled at once.
         cfg.update(mode="static", static_batch_size=b, max_num_batched_tokens=b * mlen)
     else:
-        raise ValueError(f"unknown system {system!r}; one of {SYSTEMS}")
+        raise ValueError(f"unknown system {system!r}; one of {SYSTEMS + ABLATIONS}")
     return policy, SchedulerLimits(**cfg)
+
+
+# Block-granular access of the paged kernel (block_time), "kernel" setting: vLLM's
+# paged kernel loads each KV block whole (its K/V loads run over the block's slots and
+# mask the scores after), and its fixed cost per block is read off the paper's Fig. 18a:
+# PagedAttention at block 16 is 20-26 % slower than FasterTransformer's contiguous
+# kernel (section 7.1), i.e. ~0.23 x the HBM time of a 16-token block, 3.7 tokens' worth
+# per block visit. Cross-check on this CPU: experiments/block_size.py times the native
+# kernel at several block sizes and fits its own per-block cost (docs/experiments.md).
+BLOCK_COSTS: dict[str, dict[str, float | bool]] = {
+    "none": {},
+    "kernel": {"block_overhead_tokens": 0.23 * 16, "whole_block_reads": True},
+}
 
 
 def make_cost_model(
@@ -114,17 +162,21 @@ def make_cost_model(
     calibration: str = "roofline",
     step_overhead_s: float = 2e-3,
     kv_cache_dtype: str = "auto",
+    block_cost: str = "none",
 ) -> Any:
     """The step-time model of a GPU (``cost_model.GPUS``) serving a model preset
     (``cost_model.MODEL_PRESETS``): the plain roofline plus ``step_overhead_s`` per step,
     or a named calibration (``cost_model.CALIBRATIONS``, e.g. "vllm2023", whose fitted
     overhead replaces step_overhead_s). ``kv_cache_dtype``: the KV cache's storage, which
-    sets the KV bytes a step reads ("fp8": half of a 16-bit cache's). Hashable, so it is a
-    static jit argument."""
+    sets the KV bytes a step reads ("fp8": half of a 16-bit cache's). ``block_cost``: a
+    paged kernel's block-granular access (BLOCK_COSTS: "none" or "kernel"). Hashable, so
+    it is a static jit argument."""
+    if block_cost not in BLOCK_COSTS:
+        raise ValueError(f"block_cost must be one of {sorted(BLOCK_COSTS)}, got {block_cost!r}")
     geom = model_geometry(model, tp, kv_cache_dtype)
     if calibration != "roofline":
-        return calibrated(calibration, gpu, geom)
-    return roofline(gpu, geom, step_overhead_s=step_overhead_s)
+        return calibrated(calibration, gpu, geom, **BLOCK_COSTS[block_cost])
+    return roofline(gpu, geom, step_overhead_s=step_overhead_s, **BLOCK_COSTS[block_cost])
 
 
 @dataclass
@@ -239,7 +291,6 @@ def usage_pcts(result: SimResult, capacity: int) -> dict[str, float]:
         "token_of_allocated_pct": float(100.0 * u[0] / alloc) if alloc > 0 else math.nan,
         "window_s": float(result.win_time),
     }
-
 
 
 __all__ = [

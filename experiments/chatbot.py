@@ -1,0 +1,84 @@
+"""Fig. 17: a chatbot, paged vs the three Orca variants (simulated).
+
+The paper serves OPT-13B with ShareGPT conversations: each request's prompt is the
+history plus the last query, cut to the last 1024 tokens, with at most 1024 output
+tokens; most prompts hit 1024, so every Orca variant's buddy chunk is 2048 slots
+whatever it predicts, and vLLM sustains 2x their request rate. Here: the "chatbot"
+workload of experiments/common.py (every prompt 1024 tokens, ShareGPT-like outputs
+capped at 1024, Poisson arrivals), each system's knee at 0.5 s/token found by the same
+search as Fig. 12 (throughput_vs_rate.search), and the knee ratio paged / each variant.
+Simulated, under the server's cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+
+from experiments.common import SIM_LABEL, SYSTEM_COLORS, SYSTEM_LABELS, save_fig, write_csv
+from experiments.config import ExperimentConfig
+from experiments.knee_search import ratio_text
+from experiments.throughput_vs_rate import OPERATING_THRESHOLD, prefetch_searches, search
+
+
+def settings(cfg: ExperimentConfig) -> Any:
+    """throughput_vs_rate's search settings on the chatbot workload (one threshold)."""
+    c = cfg.chatbot
+    return dataclasses.replace(
+        cfg.throughput_vs_rate,
+        dataset="chatbot",
+        systems=list(c.systems),
+        duration_s=c.duration_s,
+        thresholds=[OPERATING_THRESHOLD],
+        spread_scales=[],
+        also_cost_models=[],
+    )
+
+
+def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
+    s = settings(cfg)
+    server = cfg.server
+    systems = ["paged"] + [x for x in s.systems if x != "paged"]
+    prefetch_searches(server, s, [(1.0, x) for x in systems])
+    rows, knees, curves = [], {}, {}
+    for system in progress(systems, desc="chatbot", leave=False):
+        found, metrics = search(system, server, s, 1.0)
+        knees[system] = found.knees[OPERATING_THRESHOLD]
+        curves[system] = sorted(metrics.items())
+        for rate, m in curves[system]:
+            rows.append(dict(executor=SIM_LABEL, system=system, rate=rate, **m))
+    ratios = {
+        f"paged/{x}": ratio_text(knees["paged"], knees[x])[1] for x in systems if x != "paged"
+    }
+    summary: dict[str, Any] = {
+        "executor": SIM_LABEL,
+        "cost_model": server.cost_model,
+        "setup": {"prompt_len": 1024, "max_output": 1024, "duration_s": s.duration_s},
+        f"knee@{OPERATING_THRESHOLD}": {
+            "text": {x: k.text() for x, k in knees.items()},
+            "ratio_text": ratios,
+        },
+    }
+    write_csv(out / "chatbot.csv", rows)
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for x, pts in curves.items():
+        ax.plot([r for r, _ in pts], [m["norm_latency_s_per_token"] for _, m in pts], "o-",
+                color=SYSTEM_COLORS[x], label=f"{SYSTEM_LABELS[x]} (knee {knees[x].text()})",
+                ms=3)  # fmt: skip
+    ax.axhline(OPERATING_THRESHOLD, color="k", lw=0.5, ls=":")
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1.2)
+    ax.set_xlabel("request rate (req/s), log scale; dots = probes")
+    ax.set_ylabel("normalized latency (s/token)")
+    ax.set_title(f"Fig. 17 chatbot, {server.model} ({SIM_LABEL}, {server.cost_model})", fontsize=9)
+    ax.legend(fontsize=7)
+    save_fig(fig, out / "chatbot.png")
+    return summary
+
+
+def table(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
+    e = summary[f"knee@{OPERATING_THRESHOLD}"]
+    return [(f"chatbot knee ratio {k} @0.5", v, "2x") for k, v in e["ratio_text"].items()]
