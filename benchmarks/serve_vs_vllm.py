@@ -416,12 +416,18 @@ def run_server_round(
                    args.client_timeout)  # fmt: skip
         warm_s = time.perf_counter() - t
         timed = client_flags(args, model, seed=args.seed, output_len=args.output_len)
+        cpu0, client0 = tree_cpu_seconds(server.proc.pid), children_cpu_seconds()
         res = run_client(vpy, server.url, timed, work / f"{tag}-{name}.json", log,
                          args.client_timeout)  # fmt: skip
+        cpu1, client1 = tree_cpu_seconds(server.proc.pid), children_cpu_seconds()
     finally:
         server.stop()
     res.update(startup_s=startup_s, warmup_s=warm_s, load_start=load0,
-               load_end=os.getloadavg()[0])  # fmt: skip
+               load_end=os.getloadavg()[0], client_cpu_s=client1 - client0,
+               cpu_s={k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1})  # fmt: skip
+    print(f"[{tag}] {name} server: CPU seconds in the timed run: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in res["cpu_s"].items())
+          + f"; client {res['client_cpu_s']:.1f}", flush=True)
     print(f"[{tag}] {name} server: warm-up {warm_s:.1f} s; {res['output_tok_s']:.1f} output "
           f"tok/s, mean TTFT {res['mean_ttft_ms']:.0f} ms, mean TPOT {res['mean_tpot_ms']:.0f} "
           f"ms, {res['completed']} completed, {res['output_tokens']} tokens; load "
@@ -429,6 +435,36 @@ def run_server_round(
     if res["first_error"]:
         print(f"[{tag}] {name}: first request error: {res['first_error']}", flush=True)
     return res
+
+
+def tree_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by a server process and its children,
+    by role: "api" (the process itself) and each child by its name (the engine core
+    processes; vLLM's are named by it too). Load-robust where wall time is not: what
+    each process costs per output token, whoever else runs on the box."""
+    import psutil
+
+    out: dict[str, float] = {}
+    try:
+        root = psutil.Process(pid)
+        procs = [("api", root)] + [(c.name(), c) for c in root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for role, proc in procs:
+        try:
+            t = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        out[role] = out.get(role, 0.0) + t.user + t.system
+    return out
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds of this process' finished children (the client runs as one)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def dump_prompts(args: argparse.Namespace, model: str, path: Path) -> list[dict[str, Any]]:
@@ -460,7 +496,8 @@ def run_offline_round(
     print(f"[{tag}] offline LLM.generate: ready in {res['startup_s']:.1f} s, warm-up "
           f"{res['warmup_s']:.1f} s; {res['output_tok_s']:.1f} output tok/s "
           f"({res['output_tokens']} tokens in {res['timed_s']:.1f} s, "
-          f"{res['compilations_timed']} compilations); load {load0:.2f} -> "
+          f"{res['compilations_timed']} compilations, {res['cpu_s']:.1f} CPU s); load "
+          f"{load0:.2f} -> "
           f"{res['load_end']:.2f}", flush=True)  # fmt: skip
     return res
 
@@ -482,13 +519,13 @@ def offline_child(
     llm.generate(requests, sp, use_tqdm=False)
     warmup_s = time.perf_counter() - t
     compiles = llm.llm_engine.stats().get("compilations", 0)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(requests, sp, use_tqdm=False)
-    timed_s = time.perf_counter() - t
+    timed_s, cpu_s = time.perf_counter() - t, time.process_time() - cpu
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     result = dict(
         startup_s=startup_s, warmup_s=warmup_s, timed_s=timed_s, output_tokens=tokens,
-        output_tok_s=tokens / timed_s, num_requests=len(requests),
+        output_tok_s=tokens / timed_s, num_requests=len(requests), cpu_s=cpu_s,
         input_tokens=sum(len(r["prompt_token_ids"]) for r in requests),
         compilations_timed=llm.llm_engine.stats().get("compilations", 0) - compiles,
     )  # fmt: skip

@@ -476,6 +476,22 @@ def test_kv_budget_cpu_paths():
         num_kv_blocks(num_gpu_blocks_override=None, kv_cache_memory_bytes=100, **kw)
 
 
+def test_cpu_default_kv_bytes_is_stable_across_starts(monkeypatch):
+    """The default pool is a program shape: free memory that drifts by a few hundred MiB
+    between two starts must give the same pool (else the compilation cache misses)."""
+    from pagedjax.engine import kv_budget
+
+    sizes = set()
+    for avail_gib in (9.1, 9.6, 10.4, 11.7, 15.9):
+        monkeypatch.setattr(kv_budget, "available_memory_bytes", lambda a=avail_gib: int(a * 2**30))
+        sizes.add(kv_budget.cpu_default_kv_bytes()[0])
+    assert sizes == {2 << 30}
+    monkeypatch.setattr(kv_budget, "available_memory_bytes", lambda: 64 << 30)
+    assert kv_budget.cpu_default_kv_bytes()[0] == 4 << 30
+    monkeypatch.setattr(kv_budget, "available_memory_bytes", lambda: 3 << 30)
+    assert kv_budget.cpu_default_kv_bytes()[0] == 512 << 20
+
+
 class _FakeGPU:
     platform = "gpu"
 

@@ -142,6 +142,93 @@ def test_encoder_decoder_round_trip_with_stop_truncation():
     assert not enc.sent and not dec.requests  # finished requests are forgotten
 
 
+def test_client_side_detokenization_equals_in_process(llm):
+    """The core's engine does not detokenize; the client's decoder detokenizes, matches
+    stop strings (cutting tokens the core ran past them, e.g. in a K-step run), and its
+    stop_samples calls end those samples in the engine: outputs equal the in-process
+    engine's field for field, and the engine ends with every block free. Run on the
+    in-process engine with detokenization switched off (no process: the same programs)."""
+    engine = llm.llm_engine
+    free = engine.num_free_blocks()
+    free_text = SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=12, ignore_eos=True)
+    texts = [c.text for c in llm.generate("a", free_text, use_tqdm=False)[0].outputs]
+    stop = next(texts[0][i : i + 2] for i in range(3, len(texts[0]) - 1)
+                if texts[0][i : i + 2].strip())  # fmt: skip
+    greedy = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=12,
+                          ignore_eos=True), use_tqdm=False)[0].outputs[0].text  # fmt: skip
+    gstop = next(greedy[i : i + 2] for i in range(1, len(greedy) - 1) if greedy[i : i + 2].strip())
+    reqs = [
+        ("Hello, world", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)),
+        ("The quick brown fox", SamplingParams(temperature=0, max_tokens=12, stop=[gstop])),
+        ("a", dataclasses.replace(free_text, stop=[stop])),  # sample 0 stops, maybe not 1
+    ]
+    want = llm.generate([p for p, _ in reqs], [s for _, s in reqs], use_tqdm=False)
+    assert want[1].outputs[0].finish_reason == "stop" == want[2].outputs[0].finish_reason
+    enc, dec = OutputEncoder(), OutputDecoder(engine.tokenizer)
+    engine.detokenize = False
+    try:
+        for i, (p, s) in enumerate(reqs):
+            engine.add_request(f"d{i}", p, s)
+            dec.expect(f"d{i}", s)
+        live, final = {f"d{i}" for i in range(len(reqs))}, {}
+        while engine.has_unfinished_requests():
+            items = [it for it in enc.encode(engine.step()) if it[0] in live]
+            for o in dec.decode(items):
+                assert all(c.text == "" for c in o.outputs) or o.request_id in live
+                if o.finished:
+                    live.discard(o.request_id)
+                    final[o.request_id] = o
+            for rid, indices in dec.stops:
+                engine.core.stop_samples(rid, indices)
+                if rid not in engine.core.book.requests:
+                    enc.forget([rid])
+            dec.stops.clear()
+    finally:
+        engine.detokenize = True
+    for i, w in enumerate(want):
+        got = final[f"d{i}"]
+        assert _without_metrics(got) == dataclasses.replace(
+            _without_metrics(w), request_id=got.request_id
+        )
+    assert not enc.sent and not dec.requests
+    assert engine.num_free_blocks() == free
+
+
+def test_decoder_cuts_tokens_run_past_a_stop_string(llm):
+    """One message carrying tokens past a stop string (a K-step run or accepted drafts
+    in the core): ids, logprobs and the cumulative logprob are cut after the token that
+    completed the string, and the core is asked to stop the sample. EOS on that very
+    token wins over the string (vLLM's rule order); the string wins over length."""
+    tok = llm.get_tokenizer()
+    ids = tok.encode("abcdefgh", add_special_tokens=False)
+    assert len(ids) >= 4
+    stop = tok.decode(ids[:2])[-1]  # completed by the second token
+    lps = [-0.5, -0.25, -1.0, -2.0]
+    enc_lp = [((t, lp, 1, None),) for t, lp in zip(ids, lps, strict=False)]
+
+    def item(finish=None, n=4):
+        comp = (0, 0, ids[:n], 0, enc_lp[:n], 0, "", sum(lps[:n]), finish, None, lps[:n])
+        return ("r", None, None, None, finish is not None, [comp])
+
+    params = SamplingParams(temperature=0, max_tokens=4, stop=[stop], logprobs=0)
+    dec = OutputDecoder(tok)
+    dec.expect("r", params)
+    (out,) = dec.decode([item()])
+    c = out.outputs[0]
+    assert out.finished and c.token_ids == ids[:2] and len(c.logprobs) == 2
+    assert (c.finish_reason, c.stop_reason, c.cumulative_logprob) == ("stop", stop, -0.75)
+    assert c.text == tok.decode(ids[:2])[:-1] and dec.stops == [("r", [0])]
+    assert not dec.requests  # finished: later messages for "r" are the caller's to drop
+
+    for finish, want in (("stop", ("stop", None)), ("length", ("stop", stop))):
+        dec = OutputDecoder(tok)
+        dec.expect("r", params)
+        (out,) = dec.decode([item(finish, n=2)])
+        c = out.outputs[0]
+        assert (c.finish_reason, c.stop_reason) == want and c.token_ids == ids[:2]
+        assert dec.stops == []  # the core finished it itself
+
+
 def test_replica_merges():
     """What DataParallelEngine and MPEngineClient report over replicas: counts and
     counters summed, ratios averaged, the process-wide compilation count once."""

@@ -14,6 +14,7 @@ device_state, request_book (tests/test_import_layers.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,32 @@ class EngineCore:
         self.device.set_token_row(np.int32(slot), row)
         self.device.set_sampling_row(slot, seq.params, seq.index, len(seq.detok.ids))
         return slot
+
+    def stop_samples(self, request_id: str, indices: Iterable[int]) -> None:
+        """End these samples of a request now, as a stop string ends them: the engine
+        core process' client matches stop strings in the API process and sends this
+        when one ends a sample. Their slots and blocks are freed before the next step
+        (shared blocks stay with the other samples); the request is forgotten when no
+        sample is left, without another output (the client already has the final one).
+        Unknown requests, indices and finished samples are ignored."""
+        req = self.book.requests.get(request_id)
+        if req is None:
+            return
+        wanted = set(indices)
+        mask = np.zeros(self.max_seqs, bool)
+        for seq in req.seqs:
+            if seq.index not in wanted or seq.finish_reason is not None:
+                continue
+            seq.finish_reason = "stop"
+            if seq.slot is not None:
+                mask[seq.slot] = True
+                self.book.release_slot(seq)
+        req.pending = [s for s in req.pending if s.finish_reason is None]
+        self.book.unqueue(req, [s for s in req.seqs if s.finish_reason is not None])
+        if req.finished:
+            self.book.drop(request_id)
+        if mask.any():
+            self.device.abort(np.arange(self.max_seqs, dtype=np.int32), mask)
 
 
 class CoreView:

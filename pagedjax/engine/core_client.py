@@ -11,7 +11,8 @@ for one interpreter's GIL, and replicas step at the same time.
   reaches a core), routes (``Router``, with several replicas) and sends the ids.
 - ``step()`` blocks until some core sent outputs (or ``wake()`` is called, or a core
   dies) and returns the RequestOutputs rebuilt from the compact deltas
-  (``core_process.OutputDecoder``): equal to what the engine built in the core.
+  (``core_process.OutputDecoder``), detokenized here, with stop strings matched here:
+  equal to what an in-process engine returns.
 - ``request_counts()`` is the cores' counts as of their last iteration (they come with
   every message); ``stats()``, ``snapshot()``, ``num_free_blocks()`` are named RPCs (a
   round trip, answered between two steps).
@@ -141,7 +142,7 @@ class MPEngineClient:
         self._facts = facts
         self.router = Router(m, par.data_parallel_routing, block_size=self.block_size)
         self._replica_of: dict[str, int] = {}  # unfinished requests
-        self._decoder = OutputDecoder()
+        self._decoder = OutputDecoder(self.tokenizer)  # detokenizes here (core_process.py)
         self._buffer: list[RequestOutput] = []  # outputs read while waiting for an RPC
         self._errors: list[tuple[str, Exception]] = []
         self._calls = itertools.count()
@@ -198,6 +199,7 @@ class MPEngineClient:
         out = params.max_tokens or max(self.max_model_len - len(ids), 1)
         replica = self.router.route(request_id, ids, len(ids) + out * max(params.n, 1))
         self._replica_of[request_id] = replica
+        self._decoder.expect(request_id, params)
         self._send(
             self._cores[replica],
             ("add", request_id, {"prompt": text, "prompt_token_ids": ids}, params),
@@ -285,6 +287,10 @@ class MPEngineClient:
                 core.counts = counts
             live = [it for it in items if it[0] in self._replica_of]  # not aborted here
             outs = self._decoder.decode(live)
+            stops, self._decoder.stops = self._decoder.stops, []
+            for rid, indices in stops:  # stop strings matched here: the core stops them
+                if self._dead is None:
+                    self._send(core, ("stop_samples", rid, indices))
             for o in outs:
                 if o.finished:
                     del self._replica_of[o.request_id]

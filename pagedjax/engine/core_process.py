@@ -10,12 +10,16 @@ continuously (a reader thread), so the core's sends do not wait either.
 Messages are pickled tuples of plain values (``OutputEncoder``): per step, per request
 only what is new since the last message (new token ids, new logprobs entries, the text
 to keep and the text delta, cumulative logprob, finish and stop reason), the prompt once,
-the request's timeline when it changes; never the cumulative RequestOutput. Detokenization
-and stop strings stay in the core (the engine's output processor does them inside the
-step; see docs/serving.md, "Engine core process"). ``OutputDecoder`` on the client side
-rebuilds RequestOutputs equal to the engine's.
+the request's timeline when it changes; never the cumulative RequestOutput. The core's
+engine does not detokenize (``LLMEngine(detokenize=False)``: ids, logprobs and each
+token's logprob): ``OutputDecoder`` on the client side detokenizes in the API process,
+matches stop strings there and tells the core to stop the samples a stop string ended
+(as vLLM v1's output processor does), and so rebuilds RequestOutputs equal to the
+in-process engine's. The core may run a step or a K-step run past such a string before
+the message arrives; those tokens are cut on the client.
 
 client -> core: ("add", rid, prompt, params) | ("abort", [rids]) |
+    ("stop_samples", rid, [sample indices]) |
     ("rpc", call_id, name) | ("stop",)
 core -> client: ("ready", facts) | ("out", items, counts or None) |
     ("rpc", call_id, ok, value) | ("failed", rid, error type, message) | ("error", message)
@@ -32,6 +36,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -39,6 +44,7 @@ from pagedjax.engine.outputs import (
     RequestOutput,
 )
 from pagedjax.engine.protocol import metrics_snapshot
+from pagedjax.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +132,10 @@ class OutputEncoder:
                     kl = min(sent[1], len(c.logprobs))
                     lps = [_enc_lp(e) for e in c.logprobs[kl:]]
                     sent[1] = len(c.logprobs)
+                slps = None if c.sampled_logprobs is None else c.sampled_logprobs[ki:]
                 comps.append((c.index, ki, c.token_ids[ki:], kl, lps, kt, c.text[kt:],
-                              c.cumulative_logprob, c.finish_reason, c.stop_reason))  # fmt: skip
+                              c.cumulative_logprob, c.finish_reason, c.stop_reason,
+                              slps))  # fmt: skip
                 sent[0], sent[2] = len(c.token_ids), len(c.text)
             items.append((o.request_id, head, plp, metrics, o.finished, comps))
             if o.finished:
@@ -139,26 +147,60 @@ class OutputEncoder:
             self.sent.pop(rid, None)
 
 
+class _Comp:
+    """What the client has of one completion. With a tokenizer (the core does not
+    detokenize) it also holds the text's detokenizer and the token logprobs; ``cut``:
+    a stop string ended it here, so later updates from the core are ignored."""
+
+    __slots__ = ("ids", "lps", "text", "cum", "finish", "stop", "detok", "cut")
+
+    def __init__(self, detok: IncrementalDetokenizer | None) -> None:
+        self.ids: list[int] = []
+        self.lps: list | None = None
+        self.text = ""
+        self.cum: float | None = 0.0 if detok is not None else None
+        self.finish: str | None = None
+        self.stop: int | str | None = None
+        self.detok = detok
+        self.cut = False
+
+
 class _Request:
     """What the client has of one request (the decoder's state)."""
 
-    __slots__ = ("prompt", "prompt_ids", "plp", "metrics", "comps", "backend")
+    __slots__ = ("prompt", "prompt_ids", "plp", "metrics", "comps", "params", "backend")
 
-    def __init__(self) -> None:
+    def __init__(self, params: SamplingParams | None = None) -> None:
         self.prompt: str | None = None
         self.prompt_ids: list[int] = []
         self.plp: list | None = None
         self.metrics: tuple | None = None
+        self.comps: dict[int, _Comp] = {}
+        self.params = params
         self.backend: str | None = None  # RequestOutput.structured_output_backend
-        # index -> [ids, logprobs or None, text, cumulative logprob, finish, stop reason]
-        self.comps: dict[int, list] = {}
 
 
 class OutputDecoder:
-    """Client side: the per-step items -> RequestOutputs equal to the core's."""
+    """Client side: the per-step items -> RequestOutputs equal to the in-process engine's.
 
-    def __init__(self) -> None:
+    ``tokenizer`` given: the core runs ``LLMEngine(detokenize=False)``, so this side
+    detokenizes each completion and matches its stop strings (``expect`` gives a
+    request's params first), in the engine's rule order (EOS and stop ids, found by the
+    core, win over a stop string on the same token; a stop string wins over length).
+    A stop string ends a completion here: its ids, logprobs and cumulative logprob are cut
+    after the token that completed it, and ``stops`` lists (request id, sample indices)
+    for the caller to send to the core (``stop_samples``), which may have run on a
+    few tokens meanwhile. Without a tokenizer the core's text is taken as it is.
+    """
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
         self.requests: dict[str, _Request] = {}
+        self.stops: list[tuple[str, list[int]]] = []
+
+    def expect(self, request_id: str, params: SamplingParams) -> None:
+        """A request was sent to the core with these params (its stop strings)."""
+        self.requests[request_id] = _Request(params)
 
     def decode(self, items: Sequence[tuple]) -> list[RequestOutput]:
         outs = []
@@ -172,27 +214,31 @@ class OutputDecoder:
                 r.plp = [_dec_lp(e) for e in plp]
             if metrics is not None:
                 r.metrics = metrics
-            completions = []
-            for index, ki, ids, kl, lps, kt, text, cum, finish, stop in comps:
-                c = r.comps.get(index)
+            completions, stopped = [], []
+            for item in comps:
+                c = r.comps.get(item[0])
                 if c is None:
-                    c = r.comps[index] = [[], None, "", None, None, None]
-                del c[0][ki:]
-                c[0].extend(ids)
-                if kl < 0:
-                    c[1] = None
-                else:
-                    if c[1] is None:
-                        c[1] = []
-                    del c[1][kl:]
-                    c[1].extend(_dec_lp(e) for e in lps)
-                c[2] = c[2][:kt] + text if kt < len(c[2]) else c[2] + text
-                c[3], c[4], c[5] = cum, finish, stop
+                    detok = None
+                    if self.tokenizer is not None:
+                        stop = r.params.stop if r.params is not None else ()
+                        detok = IncrementalDetokenizer(self.tokenizer, stop)
+                    c = r.comps[item[0]] = _Comp(detok)
+                if c.detok is None:
+                    _take_core_text(c, item)
+                elif not c.cut and _detokenize(c, item):
+                    stopped.append(item[0])
                 completions.append(CompletionOutput(
-                    index=index, text=c[2], token_ids=list(c[0]), cumulative_logprob=cum,
-                    logprobs=list(c[1]) if c[1] is not None else None,
-                    finish_reason=finish, stop_reason=stop,
+                    index=item[0], text=c.text, token_ids=list(c.ids),
+                    cumulative_logprob=c.cum,
+                    logprobs=list(c.lps) if c.lps is not None else None,
+                    finish_reason=c.finish, stop_reason=c.stop,
                 ))  # fmt: skip
+            if stopped:
+                self.stops.append((rid, stopped))
+            if self.tokenizer is not None:
+                finished = all(c.finish is not None for c in r.comps.values()) and (
+                    r.params is None or len(r.comps) == r.params.n
+                )
             outs.append(RequestOutput(
                 request_id=rid, prompt=r.prompt, prompt_token_ids=list(r.prompt_ids),
                 prompt_logprobs=list(r.plp) if r.plp else None, outputs=completions,
@@ -206,6 +252,48 @@ class OutputDecoder:
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+
+
+def _take_core_text(c: _Comp, item: tuple) -> None:
+    """The core detokenized: apply its deltas as they are."""
+    index, ki, ids, kl, lps, kt, text, cum, finish, stop, _ = item
+    del c.ids[ki:]
+    c.ids.extend(ids)
+    if kl < 0:
+        c.lps = None
+    else:
+        if c.lps is None:
+            c.lps = []
+        del c.lps[kl:]
+        c.lps.extend(_dec_lp(e) for e in lps)
+    c.text = c.text[:kt] + text if kt < len(c.text) else c.text + text
+    c.cum, c.finish, c.stop = cum, finish, stop
+
+
+def _detokenize(c: _Comp, item: tuple) -> bool:
+    """The core sent ids only: grow the text token by token and match stop strings.
+    True when a stop string ended the completion here while the core had not."""
+    index, ki, ids, kl, lps, kt, text, cum, finish, stop, slps = item
+    entries = None if kl < 0 else [_dec_lp(e) for e in lps]
+    if entries is not None and c.lps is None:
+        c.lps = []
+    if not ids and finish is not None:  # finished without a new token (the pool is full)
+        c.finish, c.stop = finish, stop
+    for j, tok in enumerate(ids):
+        last = j == len(ids) - 1
+        c.ids.append(tok)
+        c.cum += slps[j]  # the engine's own order of additions: the same float
+        if entries is not None and j < len(entries):
+            c.lps.append(entries[j])
+        hit = c.detok.append(tok)
+        c.text = c.detok.text
+        if last and finish is not None and not (hit is not None and finish == "length"):
+            c.finish, c.stop = finish, stop  # EOS / stop id (or length, no string)
+            return False
+        if hit is not None:
+            c.finish, c.stop, c.cut = "stop", hit, True
+            return not (last and finish is not None)
+    return False
 
 
 # ------------------------------------------------------------------ the process
@@ -256,7 +344,9 @@ def run_core(config: Any, max_logprobs: int, conn: Any, replica: int = 0,
         devices = jax.devices()
         if len(devices) >= (replica + 1) * tp:  # a CPU with forced devices: one each
             devices = devices[replica * tp : (replica + 1) * tp]
-        engine = LLMEngine.from_config(config, max_logprobs=max_logprobs, devices=devices[:tp])
+        engine = LLMEngine.from_config(
+            config, max_logprobs=max_logprobs, devices=devices[:tp], detokenize=False
+        )
         facts = dict(
             max_model_len=engine.max_model_len, max_logprobs=engine.max_logprobs,
             arch=engine.arch, block_size=engine.block_size,
@@ -328,6 +418,11 @@ class CoreLoop:
         elif kind == "abort":
             self.engine.abort_request(cmd[1])
             self.encoder.forget(cmd[1])
+        elif kind == "stop_samples":
+            _, rid, indices = cmd
+            self.engine.core.stop_samples(rid, indices)
+            if rid not in self.engine.core.book.requests:
+                self.encoder.forget([rid])
         elif kind == "rpc":
             _, call_id, name = cmd
             try:

@@ -18,15 +18,26 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """Text of one sequence's output ids, grown one token at a time."""
+    """Text of one sequence's output ids, grown one token at a time.
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
+    ``text=False``: keep the ids only (no text, no stop strings): the engine core process,
+    whose client detokenizes and matches stop strings in the API process, as vLLM v1.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *, text: bool = True):
         self.tokenizer = tokenizer
         self._stop = tuple(stop)
+        self._text = text
         self.ids: list[int] = []
         self.text = ""
         self._prefix = 0  # start of the decode window
         self._read = 0  # ids[:_read] are already in self.text
+
+    @property
+    def matches_stop_strings(self) -> bool:
+        """Whether ``append`` can end the sequence by a stop string (it has some and
+        produces text)."""
+        return self._text and bool(self._stop)
 
     @classmethod
     def holding(cls, tokenizer: Tokenizer, ids: Sequence[int]) -> IncrementalDetokenizer:
@@ -45,6 +56,8 @@ class IncrementalDetokenizer:
         include_stop_str_in_output=False); the id itself stays in self.ids.
         """
         self.ids.append(token_id)
+        if not self._text:
+            return None
         before = self.tokenizer.decode(self.ids[self._prefix : self._read])
         window = self.tokenizer.decode(self.ids[self._prefix :])
         if len(window) <= len(before) or window.endswith(_REPLACEMENT):

@@ -11,11 +11,16 @@ CPU (no memory stats): ``num_gpu_blocks_override``, else ``kv_cache_memory_bytes
 ``cpu_default_kv_bytes()``: 4 GiB, the KV space vLLM's CPU build is run with
 (``VLLM_CPU_KVCACHE_SPACE=4``, the value its docs use), but never more than a quarter of
 the memory available when the engine starts, so a small machine or several engines in
-one process do not run out. Why not smaller: with 256 MiB (the old default) issue 13's
-200-request run preempted 33 sequences and ran at 0.76x vLLM; with 4 GiB 0.91x
-(docs/benchmarks.md). Every path is capped at the blocks that max_num_seqs sequences of
-max_model_len tokens could ever hold (more would never be used), plus the null block, so
-a small model with short sequences allocates far less than the budget.
+one process do not run out. That quarter is rounded down to a power of two: the pool's
+size is part of every compiled program's shapes, and a size that followed the free
+memory byte for byte changed between two starts on the same box, so the persistent
+compilation cache missed and most programs recompiled at each start (measured: 23 of
+30). With the rounding, only a halving of the free memory changes the pool. Why not
+smaller: with 256 MiB (the old default) issue 13's 200-request run preempted 33
+sequences and ran at 0.76x vLLM; with 4 GiB 0.91x (docs/benchmarks.md). Every path is
+capped at the blocks that max_num_seqs sequences of max_model_len tokens could ever hold
+(more would never be used), plus the null block, so a small model with short sequences
+allocates far less than the budget.
 """
 
 from __future__ import annotations
@@ -47,9 +52,19 @@ def cpu_default_kv_bytes() -> tuple[int, str]:
     """(bytes, why): the CPU pool when no size is given (module docstring)."""
     avail = available_memory_bytes()
     if avail is not None and avail * CPU_DEFAULT_MEMORY_FRACTION < CPU_DEFAULT_KV_BYTES:
-        n = int(avail * CPU_DEFAULT_MEMORY_FRACTION)
-        return n, f"CPU default: a quarter of the {avail / 2**30:.1f} GiB available"
+        n = power_of_two_floor(int(avail * CPU_DEFAULT_MEMORY_FRACTION))
+        return n, (
+            f"CPU default: a quarter of the {avail / 2**30:.1f} GiB available,"
+            f" rounded down to {n / 2**20:g} MiB"
+        )
     return CPU_DEFAULT_KV_BYTES, f"CPU default {CPU_DEFAULT_KV_BYTES / 2**30:g} GiB"
+
+
+def power_of_two_floor(n: int) -> int:
+    """The largest power of two <= n (n >= 1)."""
+    if n < 1:
+        raise ValueError(f"expected a positive byte count, got {n}")
+    return 1 << (n.bit_length() - 1)
 
 
 def block_bytes(kv_bytes_per_token: int, block_size: int) -> int:

@@ -160,8 +160,10 @@ class MultiStepDecoder:
             noted = self._noted.get(id(seq)) is seq
             if not seq.detok.ids and not (self._last_pure_decode and noted):
                 return "prefill"
-            if seq.params.stop:
-                return "stop_strings"  # only the host detokenizer can see them
+            if seq.detok.matches_stop_strings:
+                # Only the host detokenizer can see them. Without detokenization here (the
+                # engine core process) the client cuts the tokens run past a stop string.
+                return "stop_strings"
             if req.pending:
                 return "fork"  # n > 1 samples still to fork from sample 0
             if req.host_driven:

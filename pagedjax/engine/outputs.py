@@ -30,6 +30,10 @@ class CompletionOutput:
     finish_reason: None while running, else "stop" (EOS, stop token or string) or
         "length" (max_tokens / max_model_len / the KV pool cannot hold it) or "abort".
     stop_reason: the stop string or stop token id that ended it; None for EOS or length.
+    sampled_logprobs: each generated token's raw logprob, only from an engine that does
+        not detokenize (the engine core process): its client cuts the output at a stop
+        string itself and sums the kept tokens' logprobs into cumulative_logprob, in the
+        engine's order, so the sum equals the in-process one. None otherwise.
     """
 
     index: int
@@ -39,6 +43,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    sampled_logprobs: list[float] | None = field(default=None, repr=False, compare=False)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -86,6 +86,11 @@ class RequestBook:
             self.queue = deque(x for x in self.queue if x[0] is not req)
         return req
 
+    def unqueue(self, req: RequestState, seqs: list[SequenceState]) -> None:
+        """Take these sequences of ``req`` out of the queue (samples ended while queued)."""
+        gone = {id(s) for s in seqs}
+        self.queue = deque(x for x in self.queue if not (x[0] is req and id(x[1]) in gone))
+
     def is_live(self, req: RequestState) -> bool:
         """Whether ``req`` is still the request registered under its id (not finished,
         not aborted, not replaced by a new request reusing the id)."""

@@ -37,6 +37,9 @@ class SequenceState:
     stop_reason: int | str | None = None
     # Chained hashes of the full blocks of prompt + output so far (prefix caching).
     hashes: list[int] = field(default_factory=list)
+    # Each token's raw logprob, kept when the engine does not detokenize (see
+    # CompletionOutput.sampled_logprobs); None otherwise.
+    sampled_logprobs: list[float] | None = None
     # Structured outputs: the grammar matcher (pagedjax/structured Guide; None: no
     # constraint) and its packed mask of the tokens allowed next, int32[ceil(V / 32)].
     guide: Any = None
@@ -59,6 +62,8 @@ class SequenceState:
         when logprobs were fetched) and check the stop rules in vLLM's order: EOS, stop
         token ids, stop strings, length. Returns True when the sequence finished."""
         self.cumulative_logprob += logprob
+        if self.sampled_logprobs is not None:
+            self.sampled_logprobs.append(logprob)
         stop_str = self.detok.append(tok)
         if self.logprobs is not None and top is not None:
             self.logprobs.append(self._logprob_entry(tok, logprob, top))
@@ -105,6 +110,9 @@ class SequenceState:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            sampled_logprobs=(
+                list(self.sampled_logprobs) if self.sampled_logprobs is not None else None
+            ),
         )
 
 
@@ -139,9 +147,12 @@ class RequestState:
         target: int,
         tokenizer: Any,
         next_arrival: Callable[[], int],
+        detokenize: bool = True,
     ) -> RequestState:
         """A request of ``params.n`` samples, each with its detokenizer and FCFS key
-        (``next_arrival()``), finishing by length at ``target`` output tokens."""
+        (``next_arrival()``), finishing by length at ``target`` output tokens.
+        detokenize=False: ids only, no text or stop strings, each token's logprob kept
+        (the engine core process; its client detokenizes)."""
         req = cls(request_id, text, ids)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
@@ -150,10 +161,11 @@ class RequestState:
             seq = SequenceState(
                 index=i,
                 params=params,
-                detok=IncrementalDetokenizer(tokenizer, params.stop),
+                detok=IncrementalDetokenizer(tokenizer, params.stop, text=detokenize),
                 target=target,
                 arrival=next_arrival(),
                 logprobs=[] if params.logprobs is not None else None,
+                sampled_logprobs=None if detokenize else [],
             )
             req.seqs.append(seq)
         return req
