@@ -6,7 +6,7 @@
 A skeleton of issue 33's benchmark (docs/structured_outputs.md): a fixed set of JSON
 schemas, regexes and choice lists (``CASES``; the issue asks for 30 / 10 / 10, this holds
 fewer), greedy. For each backend: every case once, the share of outputs that are valid
-(JSON parsing plus the schema's required keys and enums, checked here without jsonschema;
+(JSON parsing plus the schema's required keys, checked here without jsonschema;
 regexes with ``re.fullmatch``; choices by membership; an output cut by max_tokens counts
 as invalid). Then, per batch size B, B requests under a regex no output can finish vs
 B unconstrained requests, all running exactly max_tokens steps, stepped to completion
