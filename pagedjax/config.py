@@ -267,8 +267,9 @@ class StructuredOutputsConfig:
     disable_fallback: accepted for vLLM configs; no backend falls back silently here.
     disable_any_whitespace, disable_additional_properties: engine-wide defaults of the
     request options of the same names (either one turns the option on).
-    reasoning_parser, enable_in_reasoning: the server's (the constraint starts after the
-    reasoning); stored here so one config carries vLLM's keys.
+    reasoning_parser, enable_in_reasoning: stored so one config carries vLLM's keys; the
+    engine does not read them yet (a constraint applies from the first output token;
+    starting it after the reasoning is not built).
     compile_timeout_s: a constraint whose compilation takes longer is refused (ValueError
     at add_request). cache_size: compiled constraints kept (by constraint text).
     """

@@ -132,7 +132,7 @@ def test_config_keys() -> None:
 
 
 @functools.cache
-def _engine(backend: str = "auto", spec: bool = False, steps: int | str = "auto") -> LLMEngine:
+def _engine(backend: str = "xgrammar", spec: bool = False, steps: int | str = "auto") -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(model="tiny-llama", max_model_len=64, seed=0),
         cache=CacheConfig(block_size=4, num_gpu_blocks_override=64, enable_prefix_caching=False),
@@ -177,7 +177,8 @@ def _check_valid(out: dict) -> None:
         assert out[k].outputs[0].finish_reason == "stop", (k, out[k].outputs[0])
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+# One engine in the default tier (xgrammar, shared by the tests below); guidance's is tier 2.
+@pytest.mark.parametrize("backend", ["xgrammar", pytest.param("guidance", marks=pytest.mark.tier2)])
 def test_engine_outputs_are_valid(backend: str) -> None:
     engine = _engine(backend)
     plain = ("plain", "hello", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
@@ -226,7 +227,11 @@ def test_speculation_and_k_step_loop_compose() -> None:
     decoding, and unconstrained rows beside them still speculate."""
     reqs = [*_requests(0.0),
             ("repeat", "abcabcabcabc", SamplingParams(temperature=0.0, max_tokens=12,
-                                                      ignore_eos=True))]  # fmt: skip
+                                                      ignore_eos=True)),
+            # Static controls ride along in the K-step program and in verification.
+            ("static", "abcabcabc", SamplingParams(temperature=0.0, max_tokens=24,
+                                                   ignore_eos=True, logit_bias={ord("c"): 5.0},
+                                                   allowed_token_ids=list(b"abcd")))]  # fmt: skip
     base = drain(_engine(), reqs)
     spec = _engine(spec=True)
     got = drain(spec, reqs)
@@ -240,6 +245,8 @@ def test_speculation_and_k_step_loop_compose() -> None:
         k: v.outputs[0].token_ids for k, v in base.items()
     }
     assert loop.multi_step.stats.skipped.get("structured_output", 0) > 0
+    assert loop.stats()["multi_step_loops"] > 0  # once the constrained rows finished
+    assert set(got["static"].outputs[0].token_ids) <= set(b"abcd")
 
 
 def test_structural_tag_on_xgrammar() -> None:
@@ -279,3 +286,12 @@ def test_real_tokenizer_vocabulary(smollm2_gguf, backend: str) -> None:
     assert np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")).tolist() == [
         tok.eos_token_id
     ]
+
+
+def test_min_tokens_yields_to_the_grammar_end() -> None:
+    """min_tokens beyond the grammar's end: the grammar's EOS is let through (rather
+    than an empty distribution), so the output is the grammar's."""
+    p = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=10,
+                       structured_outputs=SO(regex="ab"))  # fmt: skip
+    out = drain(_engine(), [("mt", "x", p)])["mt"].outputs[0]
+    assert out.token_ids == [ord("a"), ord("b"), EOS] and out.finish_reason == "stop"

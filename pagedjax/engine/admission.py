@@ -20,7 +20,8 @@ from pagedjax.memory.block_pool import NULL_BLOCK
 
 
 def assign_slots(core: EngineCore) -> None:
-    """Give queued sequences free slots (FCFS), register them with the scheduler, then
+    """Give queued sequences free slots (FCFS), register them with the scheduler, write
+    the slots' dynamic masks (``logit_controls``: such slots keep the one-step path), then
     (prefix caching) attach cached prefixes to them and to re-waiting preempted slots."""
     book = core.book
     new: list[int] = []
@@ -48,11 +49,12 @@ def assign_slots(core: EngineCore) -> None:
             groups[k] = req.seqs[0].arrival  # unique among live groups
             new.append(slot)
             k += 1
-        core.device.mark_sampling_stale()
         final = prompt_lens + max_tokens
         core.device.add_requests(
             slot_ids, prompt_lens, max_tokens, final, arrivals, mask, groups
         )
+    if core.controls is not None:
+        core.controls.write_rows(core)
     if core.enable_prefix_caching:
         if book.swapped_slots:
             # No admission while a group is swapped out: a lookup now would hold

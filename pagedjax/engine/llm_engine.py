@@ -173,10 +173,9 @@ class LLMEngine:
         )  # fmt: skip
         log.info("%s", self.kv_spec.describe(self.num_blocks, self.block_size))
         kv = place.allocate_kv(self.kv_spec, self.num_blocks, self.block_size, kv_fill_value)
-        device_state = DeviceState(self.policy, self.sched_limits, kv,
+        device_state = DeviceState(self.policy, self.sched_limits, kv, vocab_size=arch.vocab_size,
                                    max_model_len=self.max_model_len,
-                                   num_host_blocks=self.num_host_blocks,
-                                   vocab_size=arch.vocab_size)  # fmt: skip
+                                   num_host_blocks=self.num_host_blocks)  # fmt: skip
         place.place_state(device_state)
         self.speculator = build_speculator(config.speculative, arch, self.block_size, attention,
                                            max_logprobs, self.policy, draft, place.size == 1)
@@ -296,7 +295,6 @@ class LLMEngine:
         self.assign_slots()
         if not book.slot_owner:
             return []
-        core.controls.write_rows(core)  # dynamic masks; such slots keep the one-step path
         outputs = self.multi_step.step(core, self.outputs)  # None: run the one-step path
         if outputs is not None:  # observers see each iteration it ran (step_record.py)
             return notify(self.step_observers, t0, outputs, self.multi_step.last_loop)

@@ -68,13 +68,15 @@ def clear_bits(mask: np.ndarray, ids: Any) -> None:
         words[t >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
 
 
-def token_mask(book: Any, req: Any, seq: Any, vocab_size: int) -> np.ndarray:
-    """int32[W]: allowed_token_ids, minus the stop ids before min_tokens, minus the bad
-    words' last tokens whose prefixes the output just ended with."""
+def token_mask(book: Any, req: Any, seq: Any, vocab_size: int,
+               min_tokens: bool = True) -> np.ndarray:  # fmt: skip
+    """int32[W]: allowed_token_ids, minus the stop ids before min_tokens (unless
+    ``min_tokens`` is False), minus the bad words' last tokens whose prefixes the output
+    just ended with."""
     p = seq.params
     mask = static_token_mask(p, vocab_size).copy()
     out = seq.detok.ids
-    if len(out) < p.min_tokens:
+    if min_tokens and len(out) < p.min_tokens:
         clear_bits(mask, book.stop_ids(seq))
     for word in req.bad_words_ids:
         prefix = word[:-1]
@@ -135,9 +137,13 @@ class LogitControls:
             p = seq.params
             if not (p.min_tokens or req.bad_words_ids or seq.guide is not None):
                 continue
-            dev.set_sampling_value("token_mask", slot, token_mask(book, req, seq,
-                                                                  self.vocab_size))  # fmt: skip
+            mask = token_mask(book, req, seq, self.vocab_size)
             grammar = seq.grammar_mask if seq.guide is not None else self._all
+            if seq.guide is not None and not np.any(mask & grammar):
+                # The grammar allows only what min_tokens masks (its end, EOS): the
+                # grammar wins, rather than sampling from an empty distribution.
+                mask = token_mask(book, req, seq, self.vocab_size, min_tokens=False)
+            dev.set_sampling_value("token_mask", slot, mask)
             dev.set_sampling_value("grammar_mask", slot, grammar)
             any_host |= needs_host(book, req, seq)
         self.host_steps += any_host
