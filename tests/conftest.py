@@ -41,6 +41,23 @@ settings.load_profile(os.environ.get("PAGEDJAX_HYPOTHESIS_PROFILE", "ci"))
 
 os.environ.setdefault("PAGEDJAX_WARMUP", "none")
 
+# XLA flags for the test processes, read when JAX starts its backend (so set here, before any
+# test touches a device) and inherited by the subprocesses tests start (those that set
+# XLA_FLAGS themselves append to it). The suite compiles hundreds of small programs and runs
+# each a few times, so CPU compile time dominates: LLVM at -O0 compiles the tiny engine's
+# programs in ~60 % of the CPU time (docs/testing.md). Results move by float32 rounding
+# only (the tiny engine's logprobs by <= 1e-6, the same tokens): XLA's graph passes, which
+# choose the fusions, are unchanged; LLVM's instruction selection (FMA contraction,
+# vectorized loops) is not. Every comparison in the suite is within one process (one set of
+# flags) or has a tolerance. One Eigen thread per op: two xdist workers share two cores.
+# A flag the developer already set in XLA_FLAGS wins.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_multi_thread_eigen=false")
+_flags = os.environ.get("XLA_FLAGS", "")
+for _flag in TEST_XLA_FLAGS:
+    if _flag.split("=")[0] not in _flags:
+        _flags = f"{_flags} {_flag}".strip()
+os.environ["XLA_FLAGS"] = _flags
+
 from pagedjax import compile_cache  # noqa: E402  (after the environment is set)
 
 compile_cache.enable()

@@ -5,12 +5,22 @@
 list: all at step 0), calls ``on_step(engine)`` after every step, and returns
 ``{request_id: final RequestOutput}``. Each request must finish exactly once, within
 ``max_steps`` steps (else a hang or starvation fails the test).
+``xla_flags_with_devices(n)``: XLA_FLAGS for a subprocess with ``n`` simulated devices.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
+
+
+def xla_flags_with_devices(count: int) -> str:
+    """This process's XLA_FLAGS (tests/conftest.py's compile flags included) plus ``count``
+    simulated CPU devices, for a subprocess: the child compiles with the same flags as the
+    tests that compare against it, so results agree to the bit."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
 def drain(
@@ -39,4 +49,4 @@ def drain(
     return done
 
 
-__all__ = ["drain"]
+__all__ = ["drain", "xla_flags_with_devices"]

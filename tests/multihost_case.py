@@ -19,7 +19,10 @@ import signal
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+# Two simulated devices, after the parent's flags (tests/conftest.py's compile flags).
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("PAGEDJAX_WARMUP", "none")
 

@@ -43,7 +43,8 @@ BLOCK = 4
 MAX_LEN = 64
 MAX_SEQS = 4
 BUDGET = 16  # tokens per step: prompts over 16 tokens are chunked
-NUM_BLOCKS = 20  # 19 usable: 4 sequences of up to 48 tokens (12 blocks) must preempt
+NUM_BLOCKS = 24  # 23 usable: 4 sequences of up to 48 tokens (12 blocks) must preempt; the
+# geometry of test_sharing and test_speculative (programs shared through the compile cache)
 MAX_PROMPT, MAX_OUT = 24, 24
 TIE_GAP = 1e-4
 

@@ -43,6 +43,7 @@ from pagedjax.entrypoints.async_engine import AsyncLLMEngine
 from pagedjax.entrypoints.llm import engine_config
 from pagedjax.entrypoints.openai.api_server import build_app
 from pagedjax.entrypoints.openai.metrics import ServerMetrics
+from tests.engine_helpers import xla_flags_with_devices
 from tests.model_helpers import save_tiny_hf_model, save_tiny_tokenizer
 from tests.test_server import _free_port, _serve
 
@@ -395,7 +396,7 @@ def test_serve_data_parallel_2_with_ngram_speculation(model_dir, llm, tmp_path):
     processes (one simulated CPU device each); concurrent greedy streams equal a single
     engine's outputs and speculation ran; SIGTERM leaves no process behind."""
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(2),
                JAX_PLATFORMS="cpu")  # fmt: skip
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in GEOMETRY.items()]
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine_helpers import xla_flags_with_devices
+
 pytestmark = pytest.mark.tier2  # second tier (docs/testing.md): subprocesses / extra compiles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,8 +31,7 @@ def _port() -> int:
 
 
 def _start(pid: int, port: int, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # multihost_case.py adds its 2 devices
     return subprocess.Popen(
         [sys.executable, "-u", str(ROOT / "tests" / "multihost_case.py"), str(pid), str(port),
          *extra],
@@ -81,7 +82,7 @@ def test_the_example_runs_on_two_processes():
     """examples/multihost_generate.py through the LLM API (LLM.follow / LLM.shutdown)."""
     port = _port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")  # fmt: skip
+               XLA_FLAGS=xla_flags_with_devices(2))  # fmt: skip
     cmd = [sys.executable, str(ROOT / "examples" / "multihost_generate.py"),
            "--coordinator-address", f"localhost:{port}", "--num-processes", "2"]  # fmt: skip
     procs = [subprocess.Popen([*cmd, "--process-id", str(i)], env=env, text=True,

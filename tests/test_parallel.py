@@ -20,12 +20,13 @@ from pagedjax.config import ParallelConfig
 from pagedjax.engine.fronts.router import Router
 from pagedjax.model import preset_arch
 from pagedjax.model.sharding import check_tp, make_layout, param_specs
+from tests.engine_helpers import xla_flags_with_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cases(*names: str, timeout: float = 600) -> dict[str, dict]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(8),
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "parallel_cases.py"), *names],

@@ -28,6 +28,7 @@ from pagedjax import LLM, SamplingParams
 from pagedjax.entrypoints.openai import cli_args
 from pagedjax.entrypoints.openai.vllm_flags import VLLM_SERVER_FLAGS
 from pagedjax.model.quant.weight import QuantizedWeight
+from tests.engine_helpers import xla_flags_with_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ["--max-model-len", "8192", "--gpu-memory-utilization", "0.9", "--enforce-eager"]
@@ -64,7 +65,7 @@ def _serve_one_completion(model_dir: Path, extra: list[str], devices: int = 1) -
     port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     if devices > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = xla_flags_with_devices(devices)
     cmd = [sys.executable, "-m", "pagedjax.entrypoints.openai.api_server",
            "--model", str(model_dir), "--port", str(port), *RECIPE, *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
