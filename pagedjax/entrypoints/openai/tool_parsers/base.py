@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,21 @@ def json_name(text: str, start: int, end: int | None) -> str | None:
     except ValueError:
         return None
     return v if isinstance(v, str) else None
+
+
+def scanned_call(text: str, obj: Any, *arg_keys: str) -> Call | None:
+    """The call in ``obj`` (a ``json_scan.ScannedObject`` over ``text``): its string name
+    and the raw text of the first member named by ``arg_keys`` (to the end of ``text``
+    while that value is open; ``"{}"`` once the object closed without one, ``""`` while
+    it is open). None when the object is malformed or has no string name."""
+    name_m = obj.get("name")
+    name = json_name(text, name_m.start, name_m.end) if name_m else None
+    if obj.error or name is None:
+        return None
+    args_m = obj.get(*arg_keys)
+    if args_m is not None:
+        return Call(name, text[args_m.start : args_m.end if args_m.end is not None else len(text)])
+    return Call(name, "{}" if obj.end is not None else "")
 
 
 class ToolParser:

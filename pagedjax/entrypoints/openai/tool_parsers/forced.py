@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from pagedjax.entrypoints.openai.tool_parsers.base import Call, ToolParse, ToolParser, json_name
+from pagedjax.entrypoints.openai.tool_parsers.base import Call, ToolParse, ToolParser, scanned_call
 from pagedjax.entrypoints.openai.tool_parsers.json_scan import scan_object, skip_ws
 
 
@@ -47,16 +47,10 @@ def _scan_array(text: str, final: bool) -> tuple[list[Call], bool]:
         if text[i] == "]":
             return calls, not text[i + 1 :].strip()
         obj = scan_object(text, i, final)
-        name_m = obj.get("name")
-        name = json_name(text, name_m.start, name_m.end) if name_m else None
-        if obj.error or name is None:
+        call = scanned_call(text, obj, "parameters")
+        if call is None:
             return calls, False
-        args_m = obj.get("parameters")
-        if args_m is not None:
-            args = text[args_m.start : args_m.end if args_m.end is not None else len(text)]
-        else:
-            args = "{}" if obj.end is not None else ""
-        calls.append(Call(name, args))
+        calls.append(call)
         if obj.end is None:
             return calls, False
         i = skip_ws(text, obj.end)

@@ -12,10 +12,9 @@ import json
 import re
 
 from pagedjax.entrypoints.openai.tool_parsers.base import (
-    Call,
     ToolParse,
     ToolParser,
-    json_name,
+    scanned_call,
     tag_overlap,
 )
 from pagedjax.entrypoints.openai.tool_parsers.json_scan import scan_object, skip_ws
@@ -39,16 +38,10 @@ class HermesToolParser(ToolParser):
         while pos >= 0:
             body = skip_ws(text, pos + len(START))
             obj = scan_object(text, body, final)
-            name_m = obj.get("name")
-            name = json_name(text, name_m.start, name_m.end) if name_m else None
-            if obj.error or name is None:
+            call = scanned_call(text, obj, "arguments")
+            if call is None:
                 break
-            args_m = obj.get("arguments")
-            if args_m is not None:
-                args = text[args_m.start : args_m.end if args_m.end is not None else len(text)]
-            else:
-                args = "{}" if obj.end is not None else ""
-            calls.append(Call(name, args))
+            calls.append(call)
             if obj.end is None:
                 break
             pos = text.find(START, obj.end)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from pagedjax.entrypoints.openai.tool_parsers.base import Call, ToolParse, ToolParser, json_name
+from pagedjax.entrypoints.openai.tool_parsers.base import Call, ToolParse, ToolParser, scanned_call
 from pagedjax.entrypoints.openai.tool_parsers.json_scan import scan_object, skip_ws
 
 BOT = "<|python_tag|>"
@@ -45,16 +45,10 @@ def _scan(text: str, i: int, final: bool) -> tuple[list[Call], list[tuple[int, i
     i = skip_ws(text, i)
     while i < len(text):
         obj = scan_object(text, i, final)
-        name_m = obj.get("name")
-        name = json_name(text, name_m.start, name_m.end) if name_m else None
-        if obj.error or name is None:
+        call = scanned_call(text, obj, "parameters", "arguments")
+        if call is None:
             return calls, spans, False
-        args_m = obj.get("parameters", "arguments")
-        if args_m is not None:
-            args = text[args_m.start : args_m.end if args_m.end is not None else len(text)]
-        else:
-            args = "{}" if obj.end is not None else ""
-        calls.append(Call(name, args))
+        calls.append(call)
         if obj.end is None:
             return calls, spans, False
         spans.append((i, obj.end))
