@@ -84,7 +84,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         "--kv-cache-memory-bytes",
         type=int,
         default=None,
-        help="KV pool size in bytes (on CPU: else 4 GiB, at most a quarter of free memory)",
+        help="KV pool size in bytes (on CPU: else 4 GiB, at most a quarter of free memory"
+        " rounded down to a power of two)",
     )
     p.add_argument(
         "--enable-prefix-caching",
