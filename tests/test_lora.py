@@ -239,3 +239,8 @@ def test_forward_matches_transformers_peft_mixed_batch(tmp_path):
     _, logits2 = forward(table.attach(params), kv, batch)
     assert forward._cache_size() == before
     np.testing.assert_allclose(np.asarray(logits2)[:5], logits[:5], atol=1e-6)  # base rows
+    np.testing.assert_allclose(np.asarray(logits2)[9:15], logits[9:15], atol=1e-6)  # a1 rows
+    # Adapters attached but no per-token slots: the base model on every row.
+    kv = allocate_kv_cache(arch, 1 + 3 * 2, 4, jnp.float32)
+    _, plain = forward(table.attach(params), kv, batch._replace(lora_slots=None))
+    np.testing.assert_allclose(np.asarray(plain)[9:15], hf_logits(base, seqs[2]), atol=1e-5)
