@@ -19,6 +19,8 @@ class ModelInput(NamedTuple):
     logits_indices [L]: token indices whose logits are returned (last token of each
       sequence by default, every prompt token for prompt logprobs); padding entries may
       repeat any valid index and their rows are to be ignored.
+    lora_slots [T] or None: each token's LoRA adapter slot (pagedjax/lora/slots.py; 0 = no
+      adapter). None, the default, runs the base model even when adapters are attached.
     """
 
     tokens: jax.Array
@@ -28,3 +30,4 @@ class ModelInput(NamedTuple):
     kv_lens: jax.Array
     cu_q_lens: jax.Array
     logits_indices: jax.Array
+    lora_slots: jax.Array | None = None

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
 from pagedjax.attention import write_kv
+from pagedjax.lora.ops import lora_delta
 from pagedjax.model.input import ModelInput
 from pagedjax.model.native_matmul import stacked_matmul, uses_native
 from pagedjax.model.quant.weight import QuantizedWeight, embedding_rows, quantized_matmul
@@ -153,7 +154,7 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
 
 def linear(
     features: int, name: str, *, bias: bool, param_dtype: Any, native: bool = False
-) -> nn.Module:
+) -> Linear:
     """The one place the families build a dense layer ([..., in] -> [..., features], params
     "kernel" [in, features] and "bias"): a ``Linear``, which also runs a quantized kernel.
     ``native``: an unstacked fp32 kernel (the LM head) may run the CPU matmul kernel."""
@@ -165,7 +166,12 @@ class Linear(nn.Module):
     except that a ``kernel`` given as a ``QuantizedWeight`` (pagedjax/model/quant) runs
     through ``quantized_matmul``. The format lives in the parameters, not in the module,
     so every family and the layer loop serve quantized checkpoints unchanged; init builds
-    the dense kernel (what the loaders' shape checks and random weights read)."""
+    the dense kernel (what the loaders' shape checks and random weights read).
+
+    LoRA: when the parameters also hold ``lora_a`` [slots, in, r], ``lora_b`` [slots, r,
+    out] and ``lora_scale`` [slots] (``LoRASlotTable.attach``) and the call passes
+    ``lora_slots`` int32 [rows], each row adds its adapter's x @ A @ B * scale
+    (``lora_delta``) to the base output; without either the layer is the base one."""
 
     features: int
     use_bias: bool = True
@@ -176,7 +182,7 @@ class Linear(nn.Module):
     native: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
         stored = self.get_variable("params", "kernel")
         if isinstance(stored, QuantizedWeight):
             y = quantized_matmul(x, stored)
@@ -196,6 +202,12 @@ class Linear(nn.Module):
             bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
             y, bias = promote_dtype(y, bias, dtype=None)
             y = y + bias
+        if lora_slots is not None and self.has_variable("params", "lora_a"):
+            delta = lora_delta(
+                x, lora_slots, self.get_variable("params", "lora_a"),
+                self.get_variable("params", "lora_b"), self.get_variable("params", "lora_scale"),
+            )  # fmt: skip
+            y = y + delta.astype(y.dtype)
         return y
 
 

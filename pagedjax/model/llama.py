@@ -51,10 +51,11 @@ class RotaryAttention(nn.Module):
         self, x: jax.Array, kv: KVPool, layer: jax.Array, window: Window, batch: ModelInput
     ) -> tuple[jax.Array, KVPool]:
         a, t, pd = self.arch, x.shape[0], self.param_dtype
+        ls = batch.lora_slots  # per-token LoRA slots, or None (base model)
         h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
-        q = linear(h * d, "q_proj", bias=a.qkv_bias, param_dtype=pd)(x).reshape(t, h, d)
-        k = linear(hkv * d, "k_proj", bias=a.qkv_bias, param_dtype=pd)(x).reshape(t, hkv, d)
-        v = linear(hkv * d, "v_proj", bias=a.qkv_bias, param_dtype=pd)(x).reshape(t, hkv, d)
+        q = linear(h * d, "q_proj", bias=a.qkv_bias, param_dtype=pd)(x, ls).reshape(t, h, d)
+        k = linear(hkv * d, "k_proj", bias=a.qkv_bias, param_dtype=pd)(x, ls).reshape(t, hkv, d)
+        v = linear(hkv * d, "v_proj", bias=a.qkv_bias, param_dtype=pd)(x, ls).reshape(t, hkv, d)
         if a.qk_norm:
             q = RMSNorm(a.norm_eps, pd, name="q_norm")(q)
             k = RMSNorm(a.norm_eps, pd, name="k_norm")(k)
@@ -70,7 +71,7 @@ class RotaryAttention(nn.Module):
             logit_soft_cap=a.attn_soft_cap,
         )  # fmt: skip
         return linear(a.hidden_size, "o_proj", bias=a.o_bias, param_dtype=pd)(
-            o.reshape(t, h * d)
+            o.reshape(t, h * d), ls
         ), kv
 
 
@@ -81,14 +82,14 @@ class GatedMLP(nn.Module):
     param_dtype: Any
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        a, pd = self.arch, self.param_dtype
+    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
+        a, pd, ls = self.arch, self.param_dtype, lora_slots  # ls: per-token LoRA slots
         dense = lambda name, f: linear(f, name, bias=a.mlp_bias, param_dtype=pd)
         act = activation(a.hidden_act)
-        up = act(dense("gate_proj", a.intermediate_size)(x)) * dense(
+        up = act(dense("gate_proj", a.intermediate_size)(x, ls)) * dense(
             "up_proj", a.intermediate_size
-        )(x)
-        return dense("down_proj", a.hidden_size)(up)
+        )(x, ls)
+        return dense("down_proj", a.hidden_size)(up, ls)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -118,7 +119,7 @@ class LlamaDecoderLayer(nn.Module):
         if a.num_experts:
             h = SparseMoE(a, pd, name="block_sparse_moe")(h)
         else:
-            h = GatedMLP(a, pd, name="mlp")(h)
+            h = GatedMLP(a, pd, name="mlp")(h, batch.lora_slots)
         if a.sandwich_norms:
             h = norm("post_feedforward_layernorm")(h)
         return (x + h, k_pool, v_pool), None

@@ -1,0 +1,26 @@
+"""Multi-LoRA serving, the foundation (docs/lora.md): the request handle (``LoRARequest``),
+the PEFT checkpoint loader (``load_peft_adapter``), the fixed-shape adapter slot table
+(``LoRASlotTable``) and the per-row delta matmuls (``lora_delta``, ``lora_delta_grouped``)
+the model's linears add to their output."""
+
+from pagedjax.lora.checkpoint import (
+    LLAMA_TARGET_MODULES,
+    LoRAAdapter,
+    llama_module_shapes,
+    load_peft_adapter,
+)
+from pagedjax.lora.ops import benchmark_lora_delta, lora_delta, lora_delta_grouped
+from pagedjax.lora.request import LoRARequest
+from pagedjax.lora.slots import LoRASlotTable
+
+__all__ = [
+    "LLAMA_TARGET_MODULES",
+    "LoRAAdapter",
+    "LoRARequest",
+    "LoRASlotTable",
+    "benchmark_lora_delta",
+    "llama_module_shapes",
+    "load_peft_adapter",
+    "lora_delta",
+    "lora_delta_grouped",
+]
