@@ -235,7 +235,40 @@ def test_paged_llama_logits_with_images_match_transformers(llava_default, num_im
              if num_images else jnp.zeros((0, 32), jnp.float32))
     merged = merge_image_embeddings(tok, embed[tok], feats, arch.image_token_id)
     merged = jnp.concatenate([merged, jnp.zeros((pad, 32), merged.dtype)])
+    with pytest.raises(ValueError, match="inputs_embeds must be"):
+        forward(params, kv, batch, arch=text_arch, inputs_embeds=merged[:-1])
     step = jax.jit(functools.partial(forward, arch=text_arch))
     _, logits = step(params, kv, batch, inputs_embeds=merged)
     # Measured max |diff| ~1e-7 on CPU fp32.
     np.testing.assert_allclose(np.asarray(logits), ref.numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_merge_jits():
+    """Under jit (traced ids) the merge gives the eager result; the count check is skipped."""
+    ids = jnp.asarray([1, 9, 9, 2, 9], jnp.int32)
+    emb = jnp.arange(10, dtype=jnp.float32).reshape(5, 2)
+    feats = -jnp.arange(1, 7, dtype=jnp.float32).reshape(3, 2)
+    f = jax.jit(merge_image_embeddings, static_argnums=3)
+    np.testing.assert_array_equal(np.asarray(f(ids, emb, feats, 9)),
+                                  np.asarray(merge_image_embeddings(ids, emb, feats, 9)))
+
+
+def test_old_llava_hf_key_layout_and_refusals(llava):
+    """llava-hf hub names (vision_tower.vision_model.*, language_model.model.*) load to the
+    same params; a missing or unexpected vision tensor is refused by name."""
+    _, arch, tensors = llava
+    vision, projector, text = load_llava_vision(arch, tensors)
+    old = {}
+    for k, x in tensors.items():
+        if k.startswith("vision_tower."):
+            k = "vision_tower.vision_model." + k[len("vision_tower."):]
+        old[k] = x
+    v2, p2, t2 = load_llava_vision(arch, old)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), vision, v2))
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), projector, p2))
+    assert sorted(t2) == sorted(text)
+    key = "vision_tower.encoder.layers.1.mlp.fc1.bias"
+    with pytest.raises(ValueError, match="missing tensor 'encoder.layers.1.mlp.fc1.bias'"):
+        load_llava_vision(arch, {k: x for k, x in tensors.items() if k != key})
+    with pytest.raises(ValueError, match="does not use"):
+        load_llava_vision(arch, dict(tensors, **{"vision_tower.extra.weight": np.zeros(2)}))
