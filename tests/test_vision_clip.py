@@ -90,9 +90,8 @@ def test_hidden_states_and_features_match_transformers(llava):
     assert feats.shape == (3, arch.num_image_tokens, 32)
     np.testing.assert_allclose(feats, torch.stack(list(ref_feats)).numpy(), atol=1e-5, rtol=1e-5)
     # The projector alone, on the selected features.
-    sel = select_features(jnp.asarray(hs), arch.vision_feature_layer if isinstance(
-        arch.vision_feature_layer, int) else list(arch.vision_feature_layer),
-        arch.vision_feature_select_strategy)
+    sel = select_features(jnp.asarray(hs), arch.vision_feature_layer,
+                          arch.vision_feature_select_strategy)
     with torch.no_grad():
         ref_proj = model.model.multi_modal_projector(torch.from_numpy(np.array(sel)))
     np.testing.assert_allclose(np.asarray(project(projector, sel, arch)), ref_proj.numpy(),

@@ -17,6 +17,7 @@ compiled program one layer long whatever the depth (as the decoder's layer loop 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -223,7 +224,7 @@ def clip_hidden_states(params: Params, pixel_values: jax.Array, arch: CLIPVision
 
 
 def select_features(
-    hidden_states: jax.Array, feature_layer: int | list[int], strategy: str
+    hidden_states: jax.Array, feature_layer: int | Sequence[int], strategy: str
 ) -> jax.Array:
     """LLaVA's feature selection: the hidden state(s) at ``feature_layer`` (negative counts
     from the end; a list concatenates along hidden), CLS dropped for "default", kept for

@@ -169,9 +169,7 @@ def image_features(
     """[B, 3, S, S] pixels -> [B, num_image_tokens, text_hidden]: transformers'
     ``get_image_features`` for one fixed image size (no image_sizes splitting)."""
     hs = clip_hidden_states(vision_params, pixel_values, arch.vision)
-    feats = select_features(hs, arch.vision_feature_layer if isinstance(
-        arch.vision_feature_layer, int) else list(arch.vision_feature_layer),
-        arch.vision_feature_select_strategy)
+    feats = select_features(hs, arch.vision_feature_layer, arch.vision_feature_select_strategy)
     return project(projector_params, feats, arch)
 
 
