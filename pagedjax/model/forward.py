@@ -60,15 +60,27 @@ def forward(
     arch: ModelArch,
     attention_fn: AttentionFn = ragged_paged_attention,
     native_matmul: bool = False,
+    inputs_embeds: jax.Array | None = None,
 ) -> tuple[KVCache, jax.Array]:
     """One step over a ragged batch (prefill, chunked prefill and decode mixed).
 
     Returns the updated cache (same structure) and fp32 logits [L, vocab] at
     batch.logits_indices. Compute runs in the params' dtype; attention accumulates in fp32.
+
+    inputs_embeds [T, hidden] (optional, Llama family only): the input rows instead of
+    embedding batch.tokens, for multi-modal prompts whose image features are merged into
+    the text embeddings (model/vision/llava.py). Padding rows are arbitrary.
     """
     _check_cache(arch, kv_cache)
     module = build_module(arch, attention_fn=attention_fn, native_matmul=native_matmul)
-    return module.apply({"params": params}, kv_cache, batch)
+    if inputs_embeds is None:
+        return module.apply({"params": params}, kv_cache, batch)
+    if arch.family != "llama":
+        raise ValueError(f"inputs_embeds is supported for the llama family, not {arch.family!r}")
+    want = (batch.tokens.shape[0], arch.hidden_size)
+    if tuple(inputs_embeds.shape) != want:
+        raise ValueError(f"inputs_embeds must be {list(want)}, got {inputs_embeds.shape}")
+    return module.apply({"params": params}, kv_cache, batch, inputs_embeds)
 
 
 @functools.cache

@@ -134,10 +134,12 @@ class LlamaForCausalLM(nn.Module):
     native_matmul: bool = False  # the CPU kernel for stacked weights (native_matmul.py)
 
     @nn.compact
-    def __call__(self, kv_cache: KVPool, batch: ModelInput):
+    def __call__(self, kv_cache: KVPool, batch: ModelInput, inputs_embeds: jax.Array | None = None):
         a, pd = self.arch, self.param_dtype
         embed = Embedding(a.vocab_size, a.hidden_size, name="embed_tokens", param_dtype=pd)
-        x = embed(batch.tokens)
+        # inputs_embeds [T, hidden]: rows to use instead of looking up batch.tokens (LLaVA's
+        # image features merged into the text embeddings); scaled below as HF scales them.
+        x = embed(batch.tokens) if inputs_embeds is None else inputs_embeds.astype(pd)
         if a.embed_scale:  # Gemma: sqrt(hidden) rounded to the compute dtype first, as HF
             x = x * jnp.asarray(a.hidden_size**0.5, x.dtype)
         inputs, uniform = layer_inputs(a.layer_windows)
