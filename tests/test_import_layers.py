@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedjax.simulator",),  # trace simulation, cost models, the paper's named systems
     ("pagedjax.scheduler",),
     ("pagedjax.structured",),  # grammar backends for structured outputs (host masks)
+    ("pagedjax.lora",),  # adapter requests, PEFT checkpoints, slot table (the delta op is model's)
     ("pagedjax.model", "pagedjax.sampling"),
     ("pagedjax.attention",),  # backends, KV write / copy
     ("pagedjax.memory",),

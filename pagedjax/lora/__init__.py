@@ -9,9 +9,9 @@ from pagedjax.lora.checkpoint import (
     llama_module_shapes,
     load_peft_adapter,
 )
-from pagedjax.lora.ops import benchmark_lora_delta, lora_delta, lora_delta_grouped
 from pagedjax.lora.request import LoRARequest
 from pagedjax.lora.slots import LoRASlotTable
+from pagedjax.model.lora_delta import benchmark_lora_delta, lora_delta, lora_delta_grouped
 
 __all__ = [
     "LLAMA_TARGET_MODULES",

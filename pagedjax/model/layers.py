@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
 from pagedjax.attention import write_kv
-from pagedjax.lora.ops import lora_delta
 from pagedjax.model.input import ModelInput
+from pagedjax.model.lora_delta import lora_delta
 from pagedjax.model.native_matmul import stacked_matmul, uses_native
 from pagedjax.model.quant.weight import QuantizedWeight, embedding_rows, quantized_matmul
 
