@@ -19,6 +19,10 @@ comparable where wall time is not.
   ``LLM.generate``; a few ms: requests trickle in as they do through the HTTP server).
   CPU seconds of the core process (``/proc/<pid>/stat``) and of this process.
 
+``--burn-duty f`` adds a process busy a fraction f of every 10 ms (both runs, or the core's
+only with ``--burn-core-only``: as vLLM's client and the API process share the cores with
+the server's core and not with offline ``LLM.generate``).
+
 Both get the same token-id prompts (seeded random ids, ``--input-len`` each), greedy,
 ``ignore_eos``, ``max_tokens=--output-len``. Each side's engine iterations are recorded by a
 step observer (in the core process, installed by wrapping ``run_core``): steps, tokens,
@@ -202,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         default=0.0,
         help="a competing process busy this fraction of each 10 ms (both runs)",
     )
+    ap.add_argument("--burn-core-only", action="store_true", help="the burner in the core run only")
     args = ap.parse_args(argv)
     kv = {"kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30)}
     load0 = os.getloadavg()
@@ -212,13 +217,19 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {}
     offline_ids = None
     burner = None
-    if args.burn_duty > 0:  # another process on the cores, as the HTTP client and API are
+
+    def start_burner() -> Any:  # another process on the cores, as the HTTP client and API are
         busy, rest = 0.01 * args.burn_duty, 0.01 * (1 - args.burn_duty)
         code = (f"import time\nwhile True:\n t = time.perf_counter() + {busy}\n"
                 f" while time.perf_counter() < t: pass\n time.sleep({rest})")  # fmt: skip
-        burner = subprocess.Popen([sys.executable, "-c", code])
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    if args.burn_duty > 0 and not args.burn_core_only:
+        burner = start_burner()
     if not args.skip_offline:
         results["offline"], offline_ids = run_offline(args, kv)
+    if args.burn_duty > 0 and args.burn_core_only:  # as the HTTP client shares the server's
+        burner = start_burner()
     try:
         results["core"], core_ids = run_core(args, kv, steps_file)
     finally:
