@@ -324,6 +324,22 @@ def test_abandoned_stream_aborts_in_the_core(mp):
     assert not mp.call(lambda e: e.has_unfinished_requests())
 
 
+def test_idle_core_does_not_spin(mp):
+    """With no request the core blocks on its connection (core_process.CoreLoop.run): over
+    one idle second its process (every thread: the loop and XLA's pool) uses a few ms of
+    CPU at most. A poll with a zero timeout, or a step loop that runs while idle, would
+    use most of the second; on a 2-core box that CPU is taken from the API process."""
+    mp.call(lambda e: e.snapshot())  # a round trip: anything queued before has run
+    assert not mp.call(lambda e: e.has_unfinished_requests())
+    core = psutil.Process(mp.client.pids[0])
+    time.sleep(0.2)  # the reply sent, the loop back in recv
+    before = core.cpu_times()
+    time.sleep(1.0)
+    after = core.cpu_times()
+    used = (after.user + after.system) - (before.user + before.system)
+    assert used < 0.1, f"idle engine core used {used:.3f} CPU s in 1 s"
+
+
 def test_http_streams_and_metrics_through_the_core(mp, llm):
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     want = llm.generate("Hello, world", greedy, use_tqdm=False)
