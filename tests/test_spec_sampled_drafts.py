@@ -1,0 +1,117 @@
+"""Sampled drafts (``draft_sample_method="probabilistic"``, engine/spec/draft_sampling.py).
+
+A layer-skip draft (the tiny model's first layer) samples its drafts from its own q at
+the request's temperature; the verification applies rejection sampling. The tokens the
+engine emits must follow the target's distribution: the plain engine (no speculation)
+samples the same requests with other draws of the same distribution, and a two-sample
+chi-square test compares the two at each generated position (seeded requests, so the
+test is deterministic). The draft's own distribution differs from the target's (one
+layer of two), so a verification that kept drafts without the min(1, p/q) rule would
+shift the spec engine's tokens towards q (sampling/rejection.py's own test checks the
+rule's power on a small vocabulary). Greedy requests keep sample-and-compare: their
+outputs equal the plain run's; a seeded sampled request gives the same output alone and
+in a batch (its draws depend on (seed, sample, position) only).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+from pagedjax.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.model import preset_arch, random_params
+from pagedjax.sampling import SamplingParams
+from pagedjax.tokenizer import ByteTokenizer
+from tests.engine_helpers import drain
+
+ARCH = preset_arch("tiny-llama")  # vocab 512, 2 layers
+K = 3
+PROMPT = [5, 17, 99, 3, 250, 17, 99]
+
+
+@functools.cache
+def _params():
+    # Larger weights than the other tests: a peaked distribution, so a top-k of a few
+    # tokens holds most of the mass and the positions have few outcomes.
+    return random_params(ARCH, seed=3, dtype=jnp.float32, std=0.5)
+
+
+@functools.cache
+def _engine(spec: bool) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-llama", max_model_len=32, seed=0),
+        cache=CacheConfig(block_size=4, num_gpu_blocks_override=200),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16,
+                                  num_multi_steps=1),
+        speculative=SpeculativeConfig(
+            method="draft_model", model="self", draft_num_layers=1, num_speculative_tokens=K,
+            draft_sample_method="probabilistic",
+        ) if spec else None,
+    )  # fmt: skip
+    tok = ByteTokenizer(eos_token_id=ARCH.eos_token_id, bos_token_id=ARCH.bos_token_id)
+    return LLMEngine(ARCH, _params(), tok, config)
+
+
+def _sample(spec: bool, seeds, max_tokens: int, **kw) -> list[list[int]]:
+    engine = _engine(spec)
+    sp = lambda s: SamplingParams(max_tokens=max_tokens, seed=s, ignore_eos=True, **kw)
+    got = drain(engine, [(f"s{s}", PROMPT, sp(s)) for s in seeds], max_steps=5000)
+    return [got[f"s{s}"].outputs[0].token_ids for s in seeds]
+
+
+def _same_distribution(a: list[int], b: list[int]) -> float:
+    """p-value of a two-sample chi-square test; outcomes rarer than 10 in all pooled."""
+    values, counts = np.unique(a + b, return_counts=True)
+    common = set(values[counts >= 10].tolist())
+    bins = sorted(common) + ["rare"]
+    table = np.array([[sum((x if x in common else "rare") == v for x in s) for v in bins]
+                      for s in (a, b)])  # fmt: skip
+    table = table[:, table.sum(axis=0) > 0]
+    return float(chi2_contingency(table)[1])
+
+
+def _check(n: int, **kw) -> None:
+    seeds = range(n)
+    spec = _sample(True, seeds, 1 + K, **kw)
+    plain = _sample(False, range(10_000, 10_000 + n), 1 + K, **kw)
+    s = _engine(True).stats()
+    assert s["spec_proposed_tokens"] > 0 and s["spec_accepted_tokens"] > 0
+    for pos in range(1, 1 + K):  # position 0 comes from the prefill (no drafts)
+        p = _same_distribution([o[pos] for o in spec], [o[pos] for o in plain])
+        assert p > 1e-3, (pos, p)
+    # Pairs of positions too: the drafts' run is accepted as a whole.
+    pairs = lambda outs: [o[1] * 512 + o[2] for o in outs]
+    assert _same_distribution(pairs(spec), pairs(plain)) > 1e-3
+
+
+def test_sampled_drafts_follow_the_targets_distribution():
+    _check(192, temperature=1.0, top_k=4)
+
+
+@pytest.mark.tier2
+def test_sampled_drafts_follow_the_targets_distribution_more_samples_top_p():
+    _check(640, temperature=0.7, top_p=0.8)
+
+
+def test_greedy_requests_keep_sample_and_compare_and_seeds_reproduce():
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    ref = drain(_engine(False), [("g", PROMPT, greedy)])["g"].outputs[0].token_ids
+    got = drain(_engine(True), [("g", PROMPT, greedy)])["g"].outputs[0].token_ids
+    assert got == ref
+    sp = SamplingParams(temperature=1.0, max_tokens=10, seed=5, ignore_eos=True)
+    alone = drain(_engine(True), [("a", PROMPT, sp)])["a"].outputs[0].token_ids
+    batch = [("b", PROMPT, sp)] + [(f"o{i}", PROMPT[:4], SamplingParams(
+        temperature=1.0, max_tokens=6, seed=100 + i, ignore_eos=True)) for i in range(5)]
+    together = drain(_engine(True), batch)["b"].outputs[0].token_ids
+    assert together == alone
