@@ -247,7 +247,7 @@ class EagleDraft:
         block_tables = jnp.where(row_ok[:, None], tables[safe], 0)
 
         def body(i, carry):
-            draft_kv, tokens, g, d, q = carry
+            draft_kv, tokens, g, d, qd = carry  # qd: the drafts' q
             active = row_ok & (i < cnt)
             pos = jnp.maximum(tot - 2 + i, 0)
             slots = slot_mapping(tables, safe, pos, active, self.block_size)
@@ -271,9 +271,9 @@ class EagleDraft:
             g = jnp.where(active[:, None], g_new, g)
             nd, probs = self.draft_ids(params, target_params, g_new, draw, i)
             if draw is not None:
-                q = store(q, i, probs, active)
+                qd = store(qd, i, probs, active)
             tokens = tokens.at[jnp.where(active, safe, n), tot + i].set(nd, mode="drop")
-            return draft_kv, tokens, g, jnp.where(active, nd, d), q
+            return draft_kv, tokens, g, jnp.where(active, nd, d), qd
 
         draft_kv, tokens, _, _, q = jax.lax.fori_loop(1, self.k, body,
                                                       (draft_kv, tokens, g, d, q))  # fmt: skip

@@ -127,7 +127,7 @@ def greedy_draft_steps(apply: Callable[[Any, ModelInput], tuple[Any, jax.Array]]
     block_tables = jnp.where(row_ok[:, None], tables[safe], 0)
 
     def body(i, carry):
-        kv, tokens, q = carry
+        kv, tokens, qd = carry  # qd: the drafts' q (q below: query lengths)
         active = row_ok & (i < cnt + kv_tail)
         pos = jnp.maximum(tot - 1 + i, 0)
         ids = tokens[safe, jnp.minimum(pos, tokens.shape[1] - 1)]
@@ -154,10 +154,10 @@ def greedy_draft_steps(apply: Callable[[Any, ModelInput], tuple[Any, jax.Array]]
             nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         else:
             nxt, probs = draw(i, logits)
-            q = store(q, i, probs, active & (i < cnt))
+            qd = store(qd, i, probs, active & (i < cnt))
         dst = jnp.where(active & (i < cnt), safe, n)  # out of range: dropped
         tokens = tokens.at[dst, tot + i].set(nxt, mode="drop")
-        return kv, tokens, q
+        return kv, tokens, qd
 
     kv, tokens, q = jax.lax.fori_loop(lower, upper, body, (kv, tokens, q))
     return (kv, tokens) if draw is None else (kv, tokens, q)
