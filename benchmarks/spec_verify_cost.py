@@ -104,6 +104,7 @@ def build(model: str, max_b: int, max_k: int, prompt_len: int, steps: int) -> LL
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_b,
                                   num_multi_steps=1),
         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=max_k),
+        warmup="none",  # each point's --warm steps compile what it runs, nothing more
     )  # fmt: skip
     tok = ByteTokenizer(eos_token_id=arch.eos_token_id, bos_token_id=arch.bos_token_id)
     engine = LLMEngine(arch, params, tok, config)

@@ -36,7 +36,7 @@ from pagedjax.tokenizer import ByteTokenizer
 from tests.engine_helpers import drain
 
 ARCH = preset_arch("tiny-llama")  # vocab 512, 2 layers
-K = 3
+K = 4  # tests/test_speculative.py's
 PROMPT = [5, 17, 99, 3, 250, 17, 99]
 
 
@@ -49,18 +49,20 @@ def _params():
 
 @functools.cache
 def _engine(spec: bool) -> LLMEngine:
+    """tests/test_speculative.py's geometry (its plain programs come from the persistent
+    compilation cache), no warm-up: the tests compile only what they run."""
     config = EngineConfig(
-        model=ModelConfig(model="tiny-llama", max_model_len=32, seed=0),
-        cache=CacheConfig(block_size=4, num_gpu_blocks_override=200),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16,
-                                  num_multi_steps=1),
+        model=ModelConfig(model="tiny-llama", max_model_len=64, seed=0),
+        cache=CacheConfig(block_size=4, num_gpu_blocks_override=24, enable_prefix_caching=True),
+        scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, watermark=0.0),
         speculative=SpeculativeConfig(
             method="draft_model", model="self", draft_num_layers=1, num_speculative_tokens=K,
             draft_sample_method="probabilistic",
         ) if spec else None,
+        warmup="none",
     )  # fmt: skip
     tok = ByteTokenizer(eos_token_id=ARCH.eos_token_id, bos_token_id=ARCH.bos_token_id)
-    return LLMEngine(ARCH, _params(), tok, config)
+    return LLMEngine(ARCH, _params(), tok, config, kv_fill_value=float("nan"))
 
 
 def _sample(spec: bool, seeds, max_tokens: int, **kw) -> list[list[int]]:
@@ -96,12 +98,12 @@ def _check(n: int, **kw) -> None:
 
 
 def test_sampled_drafts_follow_the_targets_distribution():
-    _check(192, temperature=1.0, top_k=4)
+    _check(96, temperature=1.0, top_k=4)
 
 
 @pytest.mark.tier2
 def test_sampled_drafts_follow_the_targets_distribution_more_samples_top_p():
-    _check(640, temperature=0.7, top_p=0.8)
+    _check(400, temperature=0.7, top_p=0.8)
 
 
 def test_greedy_requests_keep_sample_and_compare_and_seeds_reproduce():
