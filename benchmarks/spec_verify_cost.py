@@ -12,12 +12,12 @@ processing), so the ratio is the accepted length each method needs to break even
 each (B, k); it also prints the per-draft acceptance alpha that gives that L under the
 i.i.d. model L = (1 - alpha^(k+1)) / (1 - alpha).
 
-Model: SmolLM2-135M's geometry (llama, 30 layers, hidden 576, 9 / 3 heads, vocab 49152,
-tied embeddings) with random weights, fp32, when the real GGUF is not in the model cache
-(``pagedjax.model.catalog.cached_model_path``): the step's cost does not depend on the
-weights' values, only its acceptance does, and the drafts here are forced (every row
-gets exactly k drafts, from a proposer that repeats the last token), so acceptance plays
-no part. ``--model tiny``: the 2-layer test model (seconds; for checking the script).
+Model: SmolLM2-135M-Instruct from the model cache (``catalog.cached_model_path``),
+dequantized to fp32, else its geometry (llama, 30 layers, hidden 576, 9 / 3 heads, vocab
+49152, tied embeddings) with random weights: the step's cost does not depend on the
+weights' values. The drafts are forced (every row gets exactly k, from a proposer that
+repeats the last token), so acceptance plays no part in the curve. ``--model tiny``:
+the 2-layer test model (for checking the script).
 
 Each point (B, k): B requests with ``--prompt-len`` token prompts are prefilled, then
 ``--warm`` steps (compilation) and ``--steps`` timed steps; the median step time is
@@ -37,8 +37,15 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pagedjax.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.engine.loading import load_model
 from pagedjax.model import arch_from_hf_config, preset_arch, random_params
 from pagedjax.model.catalog import cached_model_path
 from pagedjax.sampling import SamplingParams
@@ -88,19 +95,20 @@ def build(model: str, max_b: int, max_k: int, prompt_len: int, steps: int) -> LL
         arch = preset_arch("tiny-llama")
         params = random_params(arch, seed=0, dtype=jnp.float32, std=0.15)
     else:
-        try:
-            path = cached_model_path("smollm2-135m-instruct")
-        except KeyError:
-            path = None
-        if path is not None and path.is_file():
-            print(f"note: the real GGUF is cached at {path}; this script still times the random-"
-                  "weight geometry (cost does not depend on the weights)")  # fmt: skip
-        arch = arch_from_hf_config(SMOLLM2)
-        params = random_params(arch, seed=0, dtype=jnp.float32, std=0.02)
+        path = cached_model_path("smollm2-135m-instruct")
+        if path.is_file():  # the real model, dequantized to fp32 (as benchmarks/speculative.py)
+            print(f"model: SmolLM2-135M-Instruct from {path}, fp32")
+            arch, params, _, _ = load_model(ModelConfig(model=str(path), dtype="float32"))
+        else:
+            print("model: SmolLM2-135M's geometry, random weights, fp32 (no cached GGUF)")
+            arch = arch_from_hf_config(SMOLLM2)
+            params = random_params(arch, seed=0, dtype=jnp.float32, std=0.02)
     max_len = prompt_len + (steps + 8) * (max_k + 1) + 16
     budget = max(64, max_b * (max_k + 1))
+    blocks = max_b * (-(-max_len // 16) + 1) + 8  # a small pool: the default sizes it to RAM
     config = EngineConfig(
         model=ModelConfig(model="random", max_model_len=max_len, seed=0),
+        cache=CacheConfig(block_size=16, num_gpu_blocks_override=blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_b,
                                   num_multi_steps=1),
         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=max_k),
@@ -141,6 +149,45 @@ def time_point(engine: LLMEngine, b: int, k: int, prompt_len: int, warm: int,
     return statistics.median(times)
 
 
+def compare_auto(engine: LLMEngine, b: int, k: int, prompt_len: int, steps: int,
+                 tag: str) -> dict[str, tuple[float, float]]:  # fmt: skip
+    """Tokens per second and per step of B sequences for: no drafts (k = 0), k drafts
+    every step (fixed), and the automatic rule (auto), with drafts that are almost never
+    accepted (the repeated last token on a random model: a workload where speculation
+    cannot pay). The methods' runs alternate: none, fixed, auto."""
+    spec, out = engine.speculator, {}
+    base = spec.config
+    modes = {
+        "none": dict(num_speculative_tokens_per_batch_size=((1, 1 << 20, 0),)),
+        "fixed": dict(num_speculative_tokens_per_batch_size=((1, 1 << 20, k),)),
+        "auto": dict(num_speculative_tokens_per_batch_size=((1, 1 << 20, k),),
+                     auto_num_speculative_tokens=True),
+    }  # fmt: skip
+    rng = np.random.default_rng(b)
+    sp = SamplingParams(temperature=0.0, max_tokens=steps * (k + 1) + 16, ignore_eos=True)
+    for name, change in modes.items():
+        spec.config = dataclasses.replace(base, **change)
+        ids = [rng.integers(3, engine.arch.vocab_size, size=prompt_len).tolist()
+               for _ in range(b)]  # fmt: skip
+        for i in range(b):
+            engine.add_request(f"{tag}{name}-{i}", {"prompt_token_ids": ids[i]}, sp)
+        while any(len(q.detok.ids) == 0 for _, q in engine.core.book.slot_owner.values()):
+            engine.step()
+        before = sum(len(q.detok.ids) for _, q in engine.core.book.slot_owner.values())
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sec = time.perf_counter() - t0
+        after = sum(len(q.detok.ids) for _, q in engine.core.book.slot_owner.values())
+        out[name] = ((after - before) / sec, (after - before) / steps / b)
+        for i in range(b):
+            engine.abort_request(f"{tag}{name}-{i}")
+        while engine.has_unfinished_requests():
+            engine.step()
+    spec.config = base
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
@@ -149,6 +196,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warm", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=48)
+    ap.add_argument("--compare-auto", type=int, default=0, metavar="STEPS",
+                    help="also time none / fixed k / auto over STEPS steps at each B")
     args = ap.parse_args()
     points = parse_points(args.points)
     max_b = max(b for b, _ in points)
@@ -169,6 +218,15 @@ def main() -> None:
             a = "-" if not k else ("never" if alpha is None else f"{alpha:.2f}")
             print(f"| {b} | {k} | {b * (1 + k)} | {sec * 1e3:.1f} | {ratio:.2f} |"
                   f" {'-' if not k else f'{ratio:.2f}'} | {a} |", flush=True)  # fmt: skip
+    if args.compare_auto:
+        print("\n| B | k | none tok/s | fixed k tok/s (vs none) | auto tok/s (vs none) |"
+              " tokens per row-step none / fixed / auto |\n|---|---|---|---|---|---|")
+        for b, ks in points:
+            r = compare_auto(engine, b, max(ks), args.prompt_len, args.compare_auto, f"c{b}")
+            n, f, a = r["none"], r["fixed"], r["auto"]
+            print(f"| {b} | {max(ks)} | {n[0]:.1f} | {f[0]:.1f} ({f[0] / n[0]:.2f}) |"
+                  f" {a[0]:.1f} ({a[0] / n[0]:.2f}) | {n[1]:.2f} / {f[1]:.2f} / {a[1]:.2f} |",
+                  flush=True)  # fmt: skip
     print(f"total {time.perf_counter() - t_start:.0f} s; load after: {os.getloadavg()}")
 
 
