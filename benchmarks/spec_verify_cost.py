@@ -198,6 +198,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--compare-auto", type=int, default=0, metavar="STEPS",
                     help="also time none / fixed k / auto over STEPS steps at each B")
+    ap.add_argument("--skip-curve", action="store_true", help="only --compare-auto")
     args = ap.parse_args()
     points = parse_points(args.points)
     max_b = max(b for b, _ in points)
@@ -207,7 +208,7 @@ def main() -> None:
     t_start = time.perf_counter()
     print("| B | k | rows | ms per step | vs plain | L to break even | alpha to break even |")
     print("|---|---|---|---|---|---|---|")
-    for b, ks in points:
+    for b, ks in [] if args.skip_curve else points:
         plain = None
         for k in sorted(set(ks) | {0}):
             sec = time_point(engine, b, k, args.prompt_len, args.warm, args.steps, f"b{b}k{k}")

@@ -21,7 +21,10 @@ For a draft that is a point mass (n-gram lookup, a greedy draft model) this is t
 rejection rule of Leviathan et al. (2023) with q = one-hot: the draft token is accepted
 with probability p(draft) = min(1, p / q), and after a rejection the emitted token is a
 sample of p restricted to the other tokens, the normalised residual (p - q)+. The general
-rule for a draft distribution q is ``pagedjax/sampling/rejection.py``.
+rule for a draft distribution q is ``pagedjax/sampling/rejection.py``, applied here to
+the rows whose drafts were sampled (``draft_probs``, ``draft_sampling.py``): p is then
+the distribution the target samples from at each position, and the row emits its
+accepted drafts plus the residual / bonus token, their logprobs recomputed.
 
 Shapes (N slots, Lb = max_model_len, T / S the token / sequence bucket, K static):
   num_drafts int32[N] in batch-row order (0 for rows that do not speculate).
