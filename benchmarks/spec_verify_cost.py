@@ -150,7 +150,7 @@ def time_point(engine: LLMEngine, b: int, k: int, prompt_len: int, warm: int,
 
 
 def compare_auto(engine: LLMEngine, b: int, k: int, prompt_len: int, steps: int,
-                 tag: str) -> dict[str, tuple[float, float]]:  # fmt: skip
+                 tag: str, warm: int = 2) -> dict[str, tuple[float, float]]:  # fmt: skip
     """Tokens per second and per step of B sequences for: no drafts (k = 0), k drafts
     every step (fixed), and the automatic rule (auto), with drafts that are almost never
     accepted (the repeated last token on a random model: a workload where speculation
@@ -164,7 +164,8 @@ def compare_auto(engine: LLMEngine, b: int, k: int, prompt_len: int, steps: int,
                      auto_num_speculative_tokens=True),
     }  # fmt: skip
     rng = np.random.default_rng(b)
-    sp = SamplingParams(temperature=0.0, max_tokens=steps * (k + 1) + 16, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=(steps + warm) * (k + 1) + 16,
+                        ignore_eos=True)  # fmt: skip
     for name, change in modes.items():
         spec.config = dataclasses.replace(base, **change)
         ids = [rng.integers(3, engine.arch.vocab_size, size=prompt_len).tolist()
@@ -172,6 +173,8 @@ def compare_auto(engine: LLMEngine, b: int, k: int, prompt_len: int, steps: int,
         for i in range(b):
             engine.add_request(f"{tag}{name}-{i}", {"prompt_token_ids": ids[i]}, sp)
         while any(len(q.detok.ids) == 0 for _, q in engine.core.book.slot_owner.values()):
+            engine.step()
+        for _ in range(warm):  # compile the decode / verification programs first
             engine.step()
         before = sum(len(q.detok.ids) for _, q in engine.core.book.slot_owner.values())
         t0 = time.perf_counter()
@@ -223,7 +226,8 @@ def main() -> None:
         print("\n| B | k | none tok/s | fixed k tok/s (vs none) | auto tok/s (vs none) |"
               " tokens per row-step none / fixed / auto |\n|---|---|---|---|---|---|")
         for b, ks in points:
-            r = compare_auto(engine, b, max(ks), args.prompt_len, args.compare_auto, f"c{b}")
+            r = compare_auto(engine, b, max(ks), args.prompt_len, args.compare_auto, f"c{b}",
+                             warm=max(args.warm, 2))  # fmt: skip
             n, f, a = r["none"], r["fixed"], r["auto"]
             print(f"| {b} | {max(ks)} | {n[0]:.1f} | {f[0]:.1f} ({f[0] / n[0]:.2f}) |"
                   f" {a[0]:.1f} ({a[0] / n[0]:.2f}) | {n[1]:.2f} / {f[1]:.2f} / {a[1]:.2f} |",

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedjax.config import ConfigError, SpeculativeConfig
-from pagedjax.engine.spec.k_schedule import Acceptance, allocate, batch_size_lookup
+from pagedjax.engine.spec.k_schedule import Acceptance, StepCost, allocate, batch_size_lookup
 from tests.test_speculative import (
     OracleProposer,
     _assert_same,
@@ -112,6 +112,27 @@ def test_allocate_unknown_cost_keeps_caps_and_acceptance_estimate():
     assert a == pytest.approx((5 + 2 * g) / (5 + 1 + 2))  # MLE 5 / 6 shrunk to g
     acc.bind(0, 8)  # a new sequence in the slot starts from the global estimate
     assert acc.alpha(np.array([0]))[0] == pytest.approx(g)
+
+
+@pytest.mark.parametrize("verify_cost,expect_drafts", [(3.0, False), (1.05, True)])
+def test_step_cost_explores_then_settles(verify_cost, expect_drafts):
+    """Allocation and measurement in a loop, costs per (verifies, T) from a known world
+    (a plain step: 1.0, a verifying one: verify_cost, whatever T): whatever it tries
+    first, the rule measures both kinds and settles on the better one, alpha = 0.4."""
+    cost, buckets = StepCost(), (8, 16, 32)
+    picked = []
+    for _ in range(12):
+        def est(n: int) -> float:
+            t = next(x for x in buckets if x >= 8 + n)
+            return cost.estimate((n > 0, t, t))
+
+        k = allocate(np.full(8, 0.4), np.full(8, 3), 8, est)
+        n = int(k.sum())
+        t = next(x for x in buckets if x >= 8 + n)
+        cost.observe((n > 0, t, t), verify_cost if n else 1.0)  # weight-bound: flat in T
+        picked.append(n)
+    assert (picked[-1] > 0) == expect_drafts, picked
+    assert len(set(picked[-3:])) == 1, picked  # settled
 
 
 class _Spy:

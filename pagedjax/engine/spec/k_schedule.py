@@ -29,9 +29,9 @@ would underestimate alpha: drafts after the first rejection are never tried.
 Cost (``StepCost``): an exponential moving average of the measured seconds of each
 (verifies, T, S) program key, the whole step from dispatch to the tokens on the host
 (drafting programs included). The first measurement of a key is dropped (it may hold the
-compilation). An unmeasured key is estimated optimistically at the cheapest measured
-cost of a key no larger, so it gets tried (twice: the first is dropped) and measured;
-after that the measurement decides. Nothing measured yet: every row keeps its cap.
+compilation). An unmeasured key is estimated optimistically, so it gets tried (twice: the
+first is dropped) and measured, after which the measurement decides: a plain key at 0
+(tried first), a verifying key at the cheapest measured key with T no larger.
 
 Compilation: the verification program is compiled per (T, S) bucket with the static
 K = num_speculative_tokens, whatever each row's k (``verify.py``); drafting programs are
@@ -141,15 +141,17 @@ class StepCost:
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
 
-    def estimate(self, key: tuple) -> float | None:
-        """The key's average; unmeasured: the cheapest measured key with T no larger
-        (optimistic, so it is tried); None when nothing is measured."""
+    def estimate(self, key: tuple) -> float:
+        """The key's average. Unmeasured, optimistically, so it is tried and measured: a
+        plain key (key[0] False) at 0, tried first (else a rule that keeps drafting would
+        never learn what the plain step costs); a verifying key at the cheapest measured
+        key with T no larger (0 when none)."""
         if key in self.seconds:
             return self.seconds[key]
-        if not self.seconds:
-            return None
+        if not key[0]:
+            return 0.0
         smaller = [v for (_, t, _), v in self.seconds.items() if t <= key[1]]
-        return min(smaller) if smaller else min(self.seconds.values())
+        return min(smaller, default=0.0)
 
 
 __all__ = ["Acceptance", "StepCost", "allocate", "batch_size_lookup"]
