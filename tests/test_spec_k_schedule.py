@@ -59,6 +59,9 @@ def tables(draw):
 def test_batch_size_lookup_is_vllms_rule(table, max_batch, kmax):
     cfg = SpeculativeConfig(num_speculative_tokens=kmax,
                             num_speculative_tokens_per_batch_size=table)  # fmt: skip
+    parsed = SpeculativeConfig.from_dict({"num_speculative_tokens": kmax,
+                                          "num_speculative_tokens_per_batch_size": table})
+    assert parsed == cfg  # the JSON form (--speculative-config) normalises alike
     dense = batch_size_lookup(cfg.num_speculative_tokens_per_batch_size, max_batch, kmax)
     for b in range(1, max_batch + 1):
         assert dense[b] == _reference_k(table, b, kmax), (table, b)
