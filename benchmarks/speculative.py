@@ -15,7 +15,9 @@ Methods (NAME or NAME@K, e.g. eagle@3: that method with k = K; a "+sN" suffix, e
 ngram+s8 or none+s8, runs it with num_scheduler_steps N, the fused N-step program,
 where the n-gram method drafts and verifies on device): none (the default
 engine: K-step decode loop), ngram ({"method": "ngram",
-"num_speculative_tokens": k, "prompt_lookup_max": 4}), draft ({"method": "draft_model",
+"num_speculative_tokens": k, "prompt_lookup_max": 4}), ngramauto (the same with
+"auto_num_speculative_tokens": true: k per row and step from the measured acceptance and
+step cost, down to 0, engine/spec/k_schedule.py), draft ({"method": "draft_model",
 "model": "self", "draft_num_layers": N}: the model's own first N layers), eagle
 ({"method": "eagle", "model": DIR}: a head trained by ``python -m
 pagedjax.tools.train_eagle``; DIR defaults to where that writes it), draftmodel
@@ -141,6 +143,8 @@ def main() -> None:
     configs = {
         "none": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4},
+        "ngramauto": {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4,
+                      "auto_num_speculative_tokens": True},
         "draft": {"method": "draft_model", "model": "self", "num_speculative_tokens": a.k,
                   "draft_num_layers": a.draft_layers},
         "eagle": {"method": "eagle", "model": a.eagle_dir, "num_speculative_tokens": a.k},

@@ -200,6 +200,34 @@ class ParallelConfig:
         )
 
 
+def _batch_size_schedule(table: Any) -> tuple[tuple[int, int, int], ...]:
+    """vLLM's ``validate_and_normalize_dynamic_sd_schedule`` rules for the 3-item form:
+    ((bs_lo, bs_hi, k), ...) sorted; ConfigError naming the rule broken."""
+    key = "speculative_config.num_speculative_tokens_per_batch_size"
+    _check(isinstance(table, list | tuple) and len(table) > 0, key, "must be a non-empty list")
+    rows = []
+    for entry in table:
+        _check(isinstance(entry, list | tuple) and len(entry) in (3, 5), key,
+               f"each entry is [bs_lo, bs_hi, k], got {entry!r}")  # fmt: skip
+        if len(entry) == 5:
+            raise ConfigError(f"{key}: the 5-item form (context-length buckets) is not built;"
+                              " use [bs_lo, bs_hi, k] entries")  # fmt: skip
+        _check(all(isinstance(x, int) and not isinstance(x, bool) for x in entry), key,
+               f"entries are integers, got {entry!r}")  # fmt: skip
+        lo, hi, k = entry
+        _check(lo >= 1 and hi >= 1, key, f"batch-size range ({lo}, {hi}) must be positive")
+        _check(lo <= hi, key, f"batch-size range start must be <= end in {entry!r}")
+        _check(k >= 0, key, f"k values must be >= 0, got {entry!r}")
+        rows.append((lo, hi, k))
+    rows.sort()
+    prev = 0
+    for lo, hi, _ in rows:
+        _check(lo > prev, key, "batch-size ranges must be non-overlapping")
+        prev = hi
+    _check(rows[0][0] == 1, key, "the first batch-size range must start at 1")
+    return tuple(rows)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's ``speculative_config`` keys; docs/speculative_decoding.md).
@@ -215,6 +243,21 @@ class SpeculativeConfig:
     ``python -m pagedjax.tools.train_eagle``). num_speculative_tokens: k, proposals
     verified per sequence per step. disable_by_batch_size: no proposals in a step with
     at least this many scheduled sequences (None: always).
+
+    num_speculative_tokens_per_batch_size (vLLM's key, its 3-item form): ranges
+    ``[[bs_lo, bs_hi, k], ...]``, inclusive, sorted, non-overlapping, the first starting
+    at 1, k >= 0: a step whose batch has B sequences drafts at most k(B) per row (capped
+    at num_speculative_tokens); a B in a gap takes the previous range's k, a B past the
+    last range the last k (vLLM's ``build_dynamic_sd_schedule_lookup``). k = 0 is a plain
+    step. vLLM's 5-item form (context-length buckets) is refused: not built.
+    auto_num_speculative_tokens (pagedjax's own key, no vLLM equivalent): size each row's
+    k every step from the measured acceptance and the measured cost of the step's
+    bucket, down to 0 (``engine/spec/k_schedule.py``); within the table's k when both
+    are set.
+    draft_sample_method (vLLM's key): "greedy" drafts the argmax; "probabilistic" makes
+    the draft_model / eagle drafts samples of the draft's distribution q at the request's
+    temperature, verified by rejection sampling (min(1, p/q), residual max(0, p - q)).
+    The n-gram method has no q (a point mass): its drafts stay greedy either way.
     """
 
     method: Literal["ngram", "draft_model", "eagle"] = "ngram"
@@ -224,6 +267,9 @@ class SpeculativeConfig:
     model: str | None = None
     draft_num_layers: int | None = None
     disable_by_batch_size: int | None = None
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, ...], ...] | None = None
+    auto_num_speculative_tokens: bool = False
+    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -248,6 +294,13 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         _check(b is None or b >= 1, "speculative_config.disable_by_batch_size",
                f"must be >= 1, got {b}")  # fmt: skip
+        table = self.num_speculative_tokens_per_batch_size
+        if table is not None:
+            object.__setattr__(self, "num_speculative_tokens_per_batch_size",
+                               _batch_size_schedule(table))  # fmt: skip
+        m = self.draft_sample_method
+        _check(m in ("greedy", "probabilistic"), "speculative_config.draft_sample_method",
+               f"must be 'greedy' or 'probabilistic', got {m!r}")  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:

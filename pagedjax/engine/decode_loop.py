@@ -103,7 +103,7 @@ def decode_loop(
     stop_ids: jax.Array,
     max_iters: jax.Array,
     stop_on_finish: jax.Array,
-    spec_on: jax.Array,
+    spec_k: jax.Array,
     *,
     num_seqs: int,
 ) -> tuple[Any, Any, jax.Array, LoopOutput]:
@@ -115,8 +115,9 @@ def decode_loop(
     them in the iteration's program, as the one-step path does over several programs.
     stop_ids int32[max_seqs, MAX_STOP_IDS]: per slot, ids that finish it (EOS unless
     ignore_eos, and stop_token_ids), -1 padded. stop_on_finish bool[]: exit after an
-    iteration in which a sequence finished. spec_on bool[]: speculate in this dispatch
-    (the host's conditions, ``SpeculativeDecoder.plan``). Returns (state', kv', tokens',
+    iteration in which a sequence finished. spec_k int32[]: drafts per row at most in
+    this dispatch, 0 = none (the host's conditions and the batch-size table,
+    ``SpeculativeDecoder.loop_k``; a traced value: no program per k). Returns (state', kv', tokens',
     LoopOutput).
     """
     s_b, k_b, n = num_seqs, num_steps, config.max_seqs
@@ -132,10 +133,11 @@ def decode_loop(
         total = state.prompt_len + state.output_len
         target = output_target(state, config.max_model_len)
         decoding = (
-            spec_on & (state.status == RUNNING) & (total - state.num_computed == 1)
+            (spec_k > 0) & (state.status == RUNNING) & (total - state.num_computed == 1)
             & (state.output_len >= 1)
         )  # fmt: skip
-        want = jnp.where(decoding, jnp.clip(target - state.output_len - 1, 0, ks), 0)
+        cap = jnp.minimum(spec_k, ks)
+        want = jnp.where(decoding, jnp.clip(target - state.output_len - 1, 0, cap), 0)
         # Search only the decoding slots, compacted to the batch's s_b rows: the search
         # costs O(rows * max_model_len), and over all max_seqs slots it cost ~49 ms an
         # iteration at 256 x 8192 (more than SmolLM2's batch-1 decode step), ~0.1 ms at

@@ -355,7 +355,7 @@ class LLMEngine:
             req.prompt_logprobs is not None and host["start_pos"][r] < len(req.prompt_token_ids)
             for r, (req, _) in enumerate(owners)
         )
-        verified = None
+        verified, t0 = None, time.perf_counter()
         if self.speculator is not None:
             verified = self.speculator.run(core, batch, host, drafts, self._buckets, all_logits)
         plp = None
@@ -377,6 +377,9 @@ class LLMEngine:
         if want_top:  # [S, K] arrays: fetched only when a row asked for logprobs
             fetch["top"] = (sampled.ranks, sampled.top_ids, sampled.top_logprobs)
         got = jax.device_get(fetch)
+        if self.speculator is not None:  # the automatic k rule's cost table (spec/k_schedule.py)
+            self.speculator.observe(self._buckets(int(host["num_tokens"])), verified is not None,
+                                    time.perf_counter() - t0)  # fmt: skip
         if plp is not None:
             record_prompt_logprobs(self.tokenizer.decode, host, owners, jax.device_get(plp))
         if verified is None:

@@ -117,7 +117,7 @@ class MultiStepDecoder:
         self._runner = runner
         self._loop_fn = functools.partial(decode_loop, runner, policy, config, num_steps, spec)
         # Positional: (params, state, kv, tokens, sampling, stop_ids, max_iters,
-        # stop_on_finish, spec_on); the state, the KV pool and the token buffer are donated.
+        # stop_on_finish, spec_k); the state, the KV pool and the token buffer are donated.
         self.loop = jax.jit(self._traced, static_argnames=("num_seqs",), donate_argnums=(1, 2, 3))
         # Compiled loops by bucket S, called by ``run_loop`` instead of ``loop``: the warm-up
         # fills it, so a warmed-up engine never traces the loop again, even when a process
@@ -223,7 +223,7 @@ class MultiStepDecoder:
         out = dev.run_loop(
             self.run_loop, core.params, sampling,
             self.stop_ids(core), np.int32(self.steps_per_call), np.bool_(bool(core.book.queue)),
-            np.bool_(self.speculator is not None and self.speculator.may_speculate(core)),
+            np.int32(0 if self.speculator is None else self.speculator.loop_k(core)),
             num_seqs=s_b,
         )  # fmt: skip
         want_top = any(seq.logprobs is not None for _, seq in owners.values())

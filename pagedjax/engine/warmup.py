@@ -179,7 +179,7 @@ def _loop(core: EngineCore, decoder: MultiStepDecoder, s: int) -> None:
     dev = core.device
     decoder.programs[s] = decoder.loop.lower(
         core.params, dev.state, dev.kv, dev.tokens, dev.sampling(),
-        decoder.stop_ids(core), np.int32(0), np.bool_(False), np.bool_(False), num_seqs=s,
+        decoder.stop_ids(core), np.int32(0), np.bool_(False), np.int32(0), num_seqs=s,
     ).compile()  # fmt: skip
 
 

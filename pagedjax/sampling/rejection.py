@@ -17,7 +17,8 @@ depend on the batch, the slot or the step.
 The engine's point-mass drafts (n-gram lookup; a greedy draft) use the special case
 q = one-hot in ``engine/spec/verify.py`` (accept iff the target's own sample equals the
 draft), which is this rule with the draws shared with the non-speculative sampler. This
-general form is for drafts that sample (a draft model at temperature > 0).
+general form is for drafts that sample: ``engine/spec/verify.py`` calls it for
+``draft_sample_method="probabilistic"`` (engine/spec/draft_sampling.py).
 
 Shapes: S rows, K draft positions (static), V vocabulary.
 """

@@ -202,6 +202,13 @@ def sample(
         lambda x: jax.vmap(jax.random.categorical)(row_keys(t), x),
         processed,
     ).astype(jnp.int32)
+    return output_for(logits, t, ids, max_logprobs=max_logprobs)
+
+
+def output_for(logits: jax.Array, t: SamplingTensors, ids: jax.Array, *,
+               max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplerOutput:  # fmt: skip
+    """The SamplerOutput of tokens ids int32[S] chosen by another rule (``sample``'s, or
+    speculative rejection sampling): their reported logprobs and ranks, the top ones."""
     # Raw logprobs (logprob_temperature 1.0), or temperature-scaled ones for beam search;
     # vLLM's raw_logprobs: after the grammar mask (applied to the logits the sampler gets),
     # before allowed_token_ids, bad_words, min_tokens, logit_bias and the penalties.

@@ -6,7 +6,10 @@ reasons), as vLLM's scheduler reserves lookahead slots:
 1. host, before ``schedule`` (``plan``): each decoding slot (it has a token, no n > 1
    fork pending, not beam search) asks for k speculative slots, capped so the accepted
    run plus the token sampled after it never passes its output target; the n-gram
-   proposer's drafts are known here.
+   proposer's drafts are known here. k is num_speculative_tokens, or the batch-size
+   table's k for this batch (vLLM's num_speculative_tokens_per_batch_size), cut per row
+   by the automatic rule when on (``k_schedule.py``: measured acceptance and step cost,
+   down to 0: a plain step).
 2. device, ``schedule(state, lookahead)``: a RUNNING decode row gets 1 + k tokens
    within the step's token budget, its blocks grown (and others preempted) like any
    token's; ``batch.spec_lens`` says how many drafts each row got (maybe fewer).
@@ -14,7 +17,8 @@ reasons), as vLLM's scheduler reserves lookahead slots:
    own there: layer-skip, a separate checkpoint, the EAGLE head), then the
    verification program (one per (T, S) bucket) scores every row at all its positions,
    samples and accepts the longest matching prefix a, and writes the correction /
-   bonus token.
+   bonus token; sampled drafts (``draft_sample_method="probabilistic"``) are verified by
+   rejection sampling instead (``draft_sampling.py``).
 4. host: the engine's output processor records the a + 1 tokens in order with the usual
    stop checks, so a stop inside an accepted run ends the output there; with prefix
    caching only blocks full of accepted tokens are registered.
@@ -41,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.config import SpeculativeConfig
+from pagedjax.engine.buckets import pick, seqs_for_tokens
 from pagedjax.engine.logit_controls import needs_host
 from pagedjax.engine.spec.draft_model import (
     DraftCheckpoint,
@@ -50,6 +55,7 @@ from pagedjax.engine.spec.draft_model import (
     load_draft,
 )
 from pagedjax.engine.spec.eagle import EagleDraft, EagleVerifier
+from pagedjax.engine.spec.k_schedule import Acceptance, StepCost, allocate, batch_size_lookup
 from pagedjax.engine.spec.layer_skip import LayerSkipDraft
 from pagedjax.engine.spec.ngram import NgramProposer
 from pagedjax.engine.spec.verify import SpecVerifier, write_drafts
@@ -150,8 +156,32 @@ class SpeculativeDecoder:
         else:
             self.verifier = SpecVerifier(*verifier_args)
         self.block_size = block_size
+        # Sampled drafts (draft_sampling.py) for the drafting models; n-gram drafts have
+        # no q (point masses) and keep sample-and-compare, as vLLM treats them.
+        self.probabilistic = config.draft_sample_method == "probabilistic" and not self.fusable
+        self.vocab_size = arch.vocab_size
+        self._zero_q: dict[int, Any] = {}  # S -> zeros [S, K, V]: a step without drafts
         self.counters = SpecCounters()
         self._write = jax.jit(write_drafts, donate_argnums=(0,))
+        # k per step (k_schedule.py): vLLM's batch-size table, pagedjax's automatic rule.
+        self.acceptance: Acceptance | None = None  # sized on first plan (max_seqs)
+        self.cost = StepCost()
+        self.k_history: list[int] = []  # drafts planned per step (most recent last, <= 64)
+        self._rows: np.ndarray | None = None  # slots of the verified step's batch rows
+
+    def step_k(self, batch_size: int) -> int:
+        """Drafts per row allowed for a step of ``batch_size`` sequences: k, or the
+        batch-size table's entry (vLLM's num_speculative_tokens_per_batch_size)."""
+        table = self.config.num_speculative_tokens_per_batch_size
+        if table is None:
+            return self.k
+        return int(batch_size_lookup(table, max(batch_size, 1), self.k)[max(batch_size, 1)])
+
+    def observe(self, bucket: tuple[int, int], verified: bool, seconds: float) -> None:
+        """A step's wall time from dispatch to its tokens on the host (the engine's
+        ``_run``) by program key (verified, T, S): the automatic rule's cost table."""
+        if self.config.auto_num_speculative_tokens:
+            self.cost.observe((verified, *bucket), seconds)
 
     def jits(self) -> dict[str, Any]:
         """The jitted functions by name (compile counting)."""
@@ -200,11 +230,33 @@ class SpeculativeDecoder:
                 self._eagle_propose(core, mem, i32, i32, i32, s)
             if self.draft is not None:
                 dev.run_program(self.draft.propose, self.draft.params_for(core.params), mem,
-                                i32, i32, i32, num_seqs=s)  # fmt: skip
+                                i32, i32, i32, *self._sampling_args(core),
+                                num_seqs=s)  # fmt: skip
             if self.separate is not None:
-                self.separate.run(core, batch, i32, t, s, mem=mem)
-            out = self._verify(core, mem, batch, jnp.asarray(i32), t, s)
+                self.separate.run(core, batch, i32, t, s, mem=mem, num_drafts=self._q_k)
+            out = self._verify(core, mem, batch, jnp.asarray(i32), t, s, self._no_q(s))
         jax.block_until_ready((dev.state, out))
+
+    @property
+    def _q_k(self) -> int:
+        """K of the drafts' q (sampled drafts), 0 without."""
+        return self.k if self.probabilistic else 0
+
+    def _sampling_args(self, core: Any) -> tuple:
+        """The propose programs' extra arguments for sampled drafts: (sampling tensors by
+        slot, output_len by slot), or () for greedy drafts."""
+        if not self.probabilistic:
+            return ()
+        return core.device.sampling(), core.device.state.output_len
+
+    def _no_q(self, num_seqs: int) -> Any:
+        """The verification's draft_probs when no draft was sampled: None for greedy
+        drafts, else zeros [S, K, V] (one program per bucket either way)."""
+        if not self.probabilistic:
+            return None
+        if num_seqs not in self._zero_q:
+            self._zero_q[num_seqs] = jnp.zeros((num_seqs, self.k, self.vocab_size), jnp.float32)
+        return self._zero_q[num_seqs]
 
     # ------------------------------------------------------------------ planning
 
@@ -224,7 +276,8 @@ class SpeculativeDecoder:
         drafts = np.full((n, self.k), -1, np.int32)
         owners = core.book.slot_owner
         if not self.may_speculate(core):
-            return lookahead, drafts
+            return self._planned(lookahead, drafts)
+        k_step = self.step_k(len(owners))  # may_speculate: > 0
         on_device = any(d is not None for d in (self.draft, self.eagle, self.separate))
         for slot, (req, seq) in owners.items():
             out = len(seq.detok.ids)
@@ -232,7 +285,7 @@ class SpeculativeDecoder:
                 continue
             if core.controls is not None and needs_host(core.book, req, seq):
                 continue  # its mask changes with each token: no drafts (logit_controls.py)
-            k = min(self.k, seq.target - out - 1)
+            k = min(k_step, seq.target - out - 1)
             if k <= 0:
                 continue
             if not on_device:
@@ -240,6 +293,33 @@ class SpeculativeDecoder:
                 k = len(prop)
                 drafts[slot, :k] = prop
             lookahead[slot] = k
+        if self.config.auto_num_speculative_tokens:
+            self._auto(core, lookahead, drafts)
+        return self._planned(lookahead, drafts)
+
+    def _auto(self, core: Any, lookahead: np.ndarray, drafts: np.ndarray) -> None:
+        """pagedjax's automatic rule (k_schedule.allocate), in place: each row's k cut
+        to the allocation from its acceptance and the measured cost of the step."""
+        owners = core.book.slot_owner
+        if self.acceptance is None:
+            self.acceptance = Acceptance(core.max_seqs)
+        for slot, (_, seq) in owners.items():
+            self.acceptance.bind(slot, id(seq))
+        live = np.flatnonzero(lookahead)
+        if not live.size:
+            return
+        base, largest = len(owners), core.token_buckets[-1]
+
+        def cost(m: int) -> float | None:
+            t = pick(core.token_buckets, min(base + m, largest))
+            return self.cost.estimate((m > 0, t, seqs_for_tokens(core.seq_buckets, t)))
+
+        k = allocate(self.acceptance.alpha(live), lookahead[live], base, cost)
+        lookahead[live] = k
+        drafts[np.arange(self.k)[None, :] >= lookahead[:, None]] = -1
+
+    def _planned(self, lookahead: np.ndarray, drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        self.k_history = (self.k_history + [int(lookahead.max(initial=0))])[-64:]
         return lookahead, drafts
 
     @property
@@ -248,6 +328,12 @@ class SpeculativeDecoder:
         ``ngram_device.py``); drafting models take the one-step path."""
         return self.draft is None and self.eagle is None and self.separate is None
 
+    def loop_k(self, core: Any) -> int:
+        """Drafts per row at most in a fused K-step dispatch (``decode_loop``'s spec_k):
+        the batch-size table's k when the step may speculate, else 0. The automatic rule
+        does not run inside the loop (its drafts are planned on device)."""
+        return self.step_k(len(core.book.slot_owner)) if self.may_speculate(core) else 0
+
     def may_speculate(self, core: Any) -> bool:
         """The conditions on the whole step (``plan``): no slot holder wants prompt
         logprobs, fewer than ``disable_by_batch_size`` slots are taken."""
@@ -255,34 +341,40 @@ class SpeculativeDecoder:
         limit = self.config.disable_by_batch_size
         if limit is not None and len(owners) >= limit:
             return False
+        if self.step_k(len(owners)) == 0:  # the batch-size table says: a plain step
+            return False
         return not any(req.prompt_logprobs is not None for req, _ in owners.values())
 
     # ------------------------------------------------------------------ the step
 
     def _eagle_propose(self, core: Any, mem: Any, sid: Any, total: Any, counts: Any,
-                       num_seqs: int) -> None:  # fmt: skip
+                       num_seqs: int) -> Any:  # fmt: skip
+        """The head's proposals; their q (sampled drafts) or None."""
         e = self.eagle
+        extra = self._sampling_args(core)
 
         def propose(tokens: Any) -> tuple[Any, Any]:
-            kv, tokens = e.propose(e.params, core.params, e.kv, e.feature, tokens, mem,
-                                   sid, total, counts, num_seqs=num_seqs)  # fmt: skip
-            return tokens, kv
+            kv, tokens, *q = e.propose(e.params, core.params, e.kv, e.feature, tokens, mem,
+                                       sid, total, counts, *extra, num_seqs=num_seqs)  # fmt: skip
+            return tokens, (kv, q[0] if q else None)
 
-        e.kv = core.device.with_tokens(propose)
+        e.kv, q = core.device.with_tokens(propose)
+        return q
 
     def _verify(self, core: Any, mem: Any, batch: Any, num_drafts: Any, num_tokens: int,
-                num_seqs: int) -> Any:  # fmt: skip
+                num_seqs: int, draft_probs: Any = None) -> Any:  # fmt: skip
         """The verification program (plus the eagle catch-up); (out, accepted)."""
         dev, st = core.device, core.device.state
         args = (mem, batch, num_drafts, dev.sampling(), st.prompt_len, st.output_len)
         kw = dict(num_tokens=num_tokens, num_seqs=num_seqs)
         if self.eagle is None:
-            out, acc = dev.run_program(self.verifier.step, core.params, *args, **kw)
+            out, acc = dev.run_program(self.verifier.step, core.params, *args, draft_probs, **kw)
         else:
             e = self.eagle
             out, acc, e.kv, e.feature = dev.run_program(
-                self.verifier.step, core.params, *args, e.params, e.kv, e.feature, **kw
-            )
+                self.verifier.step, core.params, *args, e.params, e.kv, e.feature, draft_probs,
+                **kw,
+            )  # fmt: skip
         return out, acc
 
     def run(self, core: Any, batch: Any, host: dict, drafts: np.ndarray, buckets: Any,
@@ -303,9 +395,11 @@ class SpeculativeDecoder:
             if spec.any():
                 raise RuntimeError("drafts were scheduled for a step that cannot verify them")
             if self.separate is not None:  # the draft's forward only (no proposals)
-                self.separate.run(core, base, spec, sched_tokens, sched_seqs)
+                self.separate.run(core, base, spec, sched_tokens, sched_seqs,
+                                  num_drafts=self._q_k)  # fmt: skip
             return None
         sid = host["seq_ids"].astype(np.int32)
+        self._rows = sid  # count(): the batch rows' slots (per-slot acceptance)
         start = host["start_pos"].astype(np.int32)
         padded_tokens, padded_seqs = buckets(int(host["num_tokens"]))
         row_drafts = np.full((core.max_seqs, self.k), -1, np.int32)
@@ -313,18 +407,26 @@ class SpeculativeDecoder:
         row_drafts[live] = drafts[sid[live]]
         row_drafts[np.arange(self.k)[None, :] >= spec[:, None]] = -1
         dev.write_tokens(self._write, sid, start + 1, row_drafts)
+        q = None  # the sampled drafts' q, [S, K, V] in batch-row order
         if self.draft is not None:
-            dev.run_program(self.draft.propose, self.draft.params_for(core.params),
-                            dev.state.mem, sid, start + 1, spec,
-                            num_seqs=padded_seqs)  # fmt: skip
+            rest = dev.run_program(self.draft.propose, self.draft.params_for(core.params),
+                                   dev.state.mem, sid, start + 1, spec,
+                                   *self._sampling_args(core), num_seqs=padded_seqs)  # fmt: skip
+            q = rest[0] if rest else None
         if self.separate is not None:  # over the scheduled batch, then the k draft steps
-            self.separate.run(core, base, spec, sched_tokens, sched_seqs)
+            q = self.separate.run(core, base, spec, sched_tokens, sched_seqs,
+                                  num_drafts=self._q_k)  # fmt: skip
+            if q is not None and q.shape[0] != padded_seqs:  # its own (smaller) S bucket
+                q = jnp.pad(q[:padded_seqs], ((0, max(padded_seqs - q.shape[0], 0)), (0, 0),
+                                              (0, 0)))  # fmt: skip
         if self.eagle is not None:
             self.eagle.ensure(core)
             if spec.any():
-                self._eagle_propose(core, dev.state.mem, sid, start + 1, spec, padded_seqs)
+                q = self._eagle_propose(core, dev.state.mem, sid, start + 1, spec, padded_seqs)
+        if q is None:
+            q = self._no_q(padded_seqs)
         return self._verify(core, dev.state.mem, batch._replace(swap=None), jnp.asarray(spec),
-                            padded_tokens, padded_seqs)  # fmt: skip
+                            padded_tokens, padded_seqs, q)  # fmt: skip
 
     def count(self, spec_lens: np.ndarray, accepted: np.ndarray, recorded: np.ndarray) -> None:
         """Counters of one verified step: per batch row, drafts verified, accepted and
@@ -335,6 +437,10 @@ class SpeculativeDecoder:
         c.proposed += int(spec_lens[rows].sum())
         c.accepted += int(accepted[rows].sum())
         c.emitted += int(recorded[rows].sum())
+        if self.acceptance is not None and self._rows is not None:
+            self.acceptance.record(self._rows[: len(spec_lens)], np.asarray(spec_lens),
+                                   np.asarray(accepted))  # fmt: skip
+        self._rows = None
 
 
 def build_speculator(config: SpeculativeConfig | None, *args: Any) -> SpeculativeDecoder | None:

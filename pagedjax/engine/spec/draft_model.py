@@ -46,7 +46,9 @@ holds, for every block, the draft's KV of the very tokens the target's block hol
 Swap preemption moves this pool's blocks too (``apply_swaps``, its own host pool with
 the target's host block ids, copied with the target's plan before any draft write). Drafts
 are greedy (point masses), so the verification's acceptance rule is exact for sampled
-requests as well (spec_verify.py). Refused: a quantized KV cache (int8 / fp8: the draft
+requests as well (spec_verify.py); with ``draft_sample_method="probabilistic"`` they are
+samples of the draft's q and the verification applies rejection sampling
+(``draft_sampling.py``). Refused: a quantized KV cache (int8 / fp8: the draft
 pool would need its own scales), a draft with a shorter context than max_model_len.
 """
 
@@ -66,6 +68,7 @@ from pagedjax.config import ModelConfig, SpeculativeConfig
 from pagedjax.engine.loading import load_model
 from pagedjax.engine.model_runner import apply_cow, build_model_input
 from pagedjax.engine.spec.draft_pool import host_pool, mirror_swaps
+from pagedjax.engine.spec.draft_sampling import draft_drawer, store
 from pagedjax.engine.spec.eagle import head_kv_bytes_per_token
 from pagedjax.engine.spec.layer_skip import greedy_draft_steps
 from pagedjax.model import PRESETS, ModelArch, allocate_kv_cache, forward
@@ -195,7 +198,8 @@ class SeparateDraft:
                  " the KV budget), host swap pool %d blocks", ckpt.model, num_blocks,
                  block_size, pool / 2**20, num_host_blocks)  # fmt: skip
         self.trace_count: dict[tuple[int, int], int] = {}
-        self.propose = jax.jit(self._propose, static_argnames=("num_tokens", "num_seqs"),
+        self.propose = jax.jit(self._propose,
+                               static_argnames=("num_tokens", "num_seqs", "num_drafts"),
                                donate_argnames=("kv", "tokens"))  # fmt: skip
 
     def _apply(self, params: Any, kv: Any, inp: Any) -> tuple[Any, jax.Array]:
@@ -203,7 +207,8 @@ class SeparateDraft:
                        native_matmul=self.native_matmul)  # fmt: skip
 
     def _propose(self, params: Any, kv: Any, tokens: jax.Array, mem: Any, batch: Any,
-                 counts: jax.Array, *, num_tokens: int, num_seqs: int) -> tuple:  # fmt: skip
+                 counts: jax.Array, sampling: Any = None, output_len: Any = None,
+                 num_drafts: int = 0, *, num_tokens: int, num_seqs: int) -> tuple:  # fmt: skip
         key = (num_tokens, num_seqs)
         self.trace_count[key] = self.trace_count.get(key, 0) + 1  # at trace time only
         tables = mem.tables.tables
@@ -217,7 +222,14 @@ class SeparateDraft:
         safe = jnp.maximum(sid, 0)
         total = batch.start_pos + batch.q_lens  # [N] position of the first draft
         cnt = jnp.where(row_ok, counts[:num_seqs], 0)
-        d0 = jnp.argmax(logits[:num_seqs], axis=-1).astype(jnp.int32)
+        draw = q = None
+        if sampling is None:
+            d0 = jnp.argmax(logits[:num_seqs], axis=-1).astype(jnp.int32)
+        else:  # sampled drafts (draft_sampling.py): q of each, float32[S, K, V]
+            v = self.arch.vocab_size
+            draw = draft_drawer(sampling, output_len, sid, v)
+            d0, p0 = draw(jnp.int32(0), logits[:num_seqs])
+            q = store(jnp.zeros((num_seqs, num_drafts, v), jnp.float32), 0, p0, cnt > 0)
         n = tokens.shape[0]
         tokens = tokens.at[jnp.where(row_ok & (cnt > 0), safe, n), total[:num_seqs]].set(
             d0, mode="drop"
@@ -228,24 +240,30 @@ class SeparateDraft:
         upper = jnp.max(cnt) + 1
         return greedy_draft_steps(apply, kv, tokens, tables, batch.seq_ids, total, counts,
                                   1, jnp.where(upper > 1, upper, 1), kv_tail=1,
-                                  num_seqs=num_seqs, block_size=self.block_size)  # fmt: skip
+                                  num_seqs=num_seqs, block_size=self.block_size,
+                                  draw=draw, q=q)  # fmt: skip
 
     def run(self, core: Any, batch: Any, counts: np.ndarray, num_tokens: int,
-            num_seqs: int, mem: Any = None) -> None:  # fmt: skip
+            num_seqs: int, mem: Any = None, num_drafts: int = 0) -> Any:  # fmt: skip
         """The draft's step over ``batch`` (bucket (num_tokens, num_seqs)) on the core's
         token buffer and paged state (``mem``, default the current one); drafts go into
-        the token buffer."""
+        the token buffer. num_drafts = K > 0: sampled drafts (draft_sampling.py), returns
+        their q float32[num_seqs, K, V]; else None."""
         dev = core.device
         mem = dev.state.mem if mem is None else mem
+        extra = (dev.sampling(), dev.state.output_len) if num_drafts else ()
+        kw = dict(num_drafts=num_drafts) if num_drafts else {}
 
         def propose(tokens: Any) -> tuple[Any, Any]:
-            kv, tokens = self.propose(
+            kv, tokens, *q = self.propose(
                 self.params, self.kv, tokens, mem, batch._replace(swap=None),
-                jnp.asarray(counts, jnp.int32), num_tokens=num_tokens, num_seqs=num_seqs,
+                jnp.asarray(counts, jnp.int32), *extra, num_tokens=num_tokens,
+                num_seqs=num_seqs, **kw,
             )  # fmt: skip
-            return tokens, kv
+            return tokens, (kv, q[0] if q else None)
 
-        self.kv = dev.with_tokens(propose)
+        self.kv, q = dev.with_tokens(propose)
+        return q
 
     def apply_swaps(self, plan: Any, host: dict) -> None:
         """Mirror the step's swap copies (``LLMEngine._apply_swaps``) on the draft pool:

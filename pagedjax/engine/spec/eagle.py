@@ -47,7 +47,10 @@ writes no head KV; n > 1 samples forked after the first token start from a stale
 ``ensure`` gathers the LM head's rows for those ids once (``params["lm"]``, [N, H]) and
 every draft is ``vocab[argmax(g @ lm.T)]``; so a draft is always an id of the subset,
 and the drafting cost of the LM head shrinks by V / N. Drafts are greedy (a point mass
-q = one-hot), so rejection sampling for sampled requests is unchanged.
+q = one-hot, verified by sample-and-compare) unless ``draft_sample_method`` is
+"probabilistic": then each is a sample of q = softmax(logits / T) over the subset (q
+scattered back to the V ids, zero elsewhere) and the verification applies rejection
+sampling (``draft_sampling.py``).
 
 Refused (by name, ``check_eagle``): a quantized KV cache (the head's pool would need
 the calibration / scales path), quantized target embeddings / LM head, a non-Llama
@@ -67,6 +70,7 @@ import jax.numpy as jnp
 
 from pagedjax.engine.model_runner import apply_cow
 from pagedjax.engine.spec.draft_pool import host_pool, mirror_swaps
+from pagedjax.engine.spec.draft_sampling import draft_drawer, store
 from pagedjax.engine.spec.verify import SpecVerifier
 from pagedjax.memory.block_table import PAD_SLOT, slot_mapping
 from pagedjax.model import ModelArch, ModelInput, QuantizedWeight, build_module
@@ -195,21 +199,34 @@ class EagleDraft:
         return self.module.apply({"params": params["head"]}, draft_kv,
                                  feats.astype(jnp.float32), x, inp)  # fmt: skip
 
-    def draft_ids(self, params: Any, target_params: Any, g: jax.Array) -> jax.Array:
-        """Greedy drafts int32[S] from head outputs g [S, H]: over the draft vocabulary
-        when the head has one (``params["lm"]``), else over the target's."""
+    def draft_logits(self, params: Any, target_params: Any,
+                     g: jax.Array) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
+        """(logits [S, N], vocab int32[N] or None) from head outputs g [S, H]: over the
+        draft vocabulary when the head has one (``params["lm"]``), else over the target's
+        (vocab None: N = V, ids are positions)."""
         if "lm" in params:
             w = params["lm"]
-            logits = dot_transposed(g.astype(w.dtype), w)  # one row goes in as two
-            return params["vocab"][jnp.argmax(logits, axis=-1)].astype(jnp.int32)
-        return jnp.argmax(lm_logits(target_params, self.arch, g), axis=-1).astype(jnp.int32)
+            return dot_transposed(g.astype(w.dtype), w), params["vocab"]  # 1 row: as 2
+        return lm_logits(target_params, self.arch, g), None
+
+    def draft_ids(self, params: Any, target_params: Any, g: jax.Array,
+                  draw: Any = None, i: Any = 0) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
+        """(drafts int32[S], q float32[S, V] or None) from head outputs g [S, H]: the
+        argmax, or with draw (draft_sampling.draft_drawer) draft i's sample and its q."""
+        logits, vocab = self.draft_logits(params, target_params, g)
+        if draw is not None:
+            return draw(i, logits, vocab)
+        ids = jnp.argmax(logits, axis=-1)
+        return (ids if vocab is None else vocab[ids]).astype(jnp.int32), None
 
     def _propose(self, params: Any, target_params: Any, draft_kv: Any, feature: jax.Array,
                  tokens: jax.Array, mem: Any, seq_ids: jax.Array, total: jax.Array,
-                 counts: jax.Array, *, num_seqs: int) -> tuple[Any, jax.Array]:  # fmt: skip
+                 counts: jax.Array, sampling: Any = None, output_len: Any = None, *,
+                 num_seqs: int) -> tuple:  # fmt: skip
         """draft_kv and tokens donated; seq_ids, total, counts int32[N] in batch-row
         order (first num_seqs used). Writes draft i of row r at total + i, i < counts[r].
-        Returns (draft_kv', tokens')."""
+        Returns (draft_kv', tokens'); with sampling (SamplingTensors by slot) and
+        output_len: sampled drafts, (draft_kv', tokens', q float32[num_seqs, K, V])."""
         self.trace_count[num_seqs] = self.trace_count.get(num_seqs, 0) + 1
         tables = mem.tables.tables
         draft_kv = apply_cow(draft_kv, mem.last_cow.src, mem.last_cow.dst, mem.last_cow.valid)
@@ -219,12 +236,18 @@ class EagleDraft:
         tot, cnt = total[:num_seqs], counts[:num_seqs]
         n = tokens.shape[0]
         g = feature[safe]  # [S, H]: g_{L-2}
-        d = self.draft_ids(params, target_params, g)
+        draw = q = None
+        if sampling is not None:
+            draw = draft_drawer(sampling, output_len, sid, self.arch.vocab_size)
+        d, p0 = self.draft_ids(params, target_params, g, draw, jnp.int32(0))
+        if draw is not None:
+            q = store(jnp.zeros((num_seqs, self.k, self.arch.vocab_size), jnp.float32), 0, p0,
+                      row_ok & (cnt > 0))  # fmt: skip
         tokens = tokens.at[jnp.where(row_ok & (cnt > 0), safe, n), tot].set(d, mode="drop")
         block_tables = jnp.where(row_ok[:, None], tables[safe], 0)
 
         def body(i, carry):
-            draft_kv, tokens, g, d = carry
+            draft_kv, tokens, g, d, qd = carry  # qd: the drafts' q
             active = row_ok & (i < cnt)
             pos = jnp.maximum(tot - 2 + i, 0)
             slots = slot_mapping(tables, safe, pos, active, self.block_size)
@@ -246,20 +269,24 @@ class EagleDraft:
                                            target_params)  # fmt: skip
             g_new = out[jnp.minimum(cu[:-1], num_seqs - 1)]  # unpack: row r's query
             g = jnp.where(active[:, None], g_new, g)
-            nd = self.draft_ids(params, target_params, g_new)
+            nd, probs = self.draft_ids(params, target_params, g_new, draw, i)
+            if draw is not None:
+                qd = store(qd, i, probs, active)
             tokens = tokens.at[jnp.where(active, safe, n), tot + i].set(nd, mode="drop")
-            return draft_kv, tokens, g, jnp.where(active, nd, d)
+            return draft_kv, tokens, g, jnp.where(active, nd, d), qd
 
-        draft_kv, tokens, _, _ = jax.lax.fori_loop(1, self.k, body, (draft_kv, tokens, g, d))
-        return draft_kv, tokens
+        draft_kv, tokens, _, _, q = jax.lax.fori_loop(1, self.k, body,
+                                                      (draft_kv, tokens, g, d, q))  # fmt: skip
+        return (draft_kv, tokens) if draw is None else (draft_kv, tokens, q)
 
 
 class EagleVerifier(SpecVerifier):
     """``SpecVerifier`` whose program also runs the head's catch-up (module docstring).
 
     step(params, kv, tokens, mem, batch, num_drafts, sampling, prompt_len, output_len,
-    head_params, draft_kv, feature, *, num_tokens, num_seqs) -> (kv', tokens', out,
-    accepted, draft_kv', feature'); kv, tokens, draft_kv and feature are donated."""
+    head_params, draft_kv, feature, draft_probs=None, *, num_tokens, num_seqs) -> (kv',
+    tokens', out, accepted, draft_kv', feature'); kv, tokens, draft_kv and feature are
+    donated; draft_probs: sampled drafts' q (``SpecVerifier.verify``)."""
 
     def __init__(self, draft: EagleDraft, *args: Any):
         super().__init__(*args)
@@ -278,10 +305,11 @@ class EagleVerifier(SpecVerifier):
     def _eagle_step(self, params: Any, kv: Any, tokens: jax.Array, mem: Any, batch: Any,
                     num_drafts: jax.Array, slot_sampling: Any, prompt_len: jax.Array,
                     output_len: jax.Array, head_params: Any, draft_kv: Any,
-                    feature: jax.Array, *, num_tokens: int, num_seqs: int) -> tuple:  # fmt: skip
+                    feature: jax.Array, draft_probs: Any = None, *, num_tokens: int,
+                    num_seqs: int) -> tuple:  # fmt: skip
         kv, tokens, out, accepted, aux = self.verify(
             params, kv, tokens, mem, batch, num_drafts, slot_sampling, prompt_len, output_len,
-            num_tokens=num_tokens, num_seqs=num_seqs,
+            draft_probs, num_tokens=num_tokens, num_seqs=num_seqs,
         )  # fmt: skip
         inp, feats = aux["inp"], aux["extra"]
         draft_kv = apply_cow(draft_kv, mem.last_cow.src, mem.last_cow.dst, mem.last_cow.valid)

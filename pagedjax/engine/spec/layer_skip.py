@@ -2,8 +2,9 @@
 
 ``{"method": "draft_model", "model": "self", "draft_num_layers": N}``: a draft that needs
 no other checkpoint (LayerSkip / "self-speculative decoding", Elhoushi et al. 2024,
-Zhang et al. 2023). It proposes k tokens greedily, one batched step per draft token,
-all k in one jitted program (a ``lax.fori_loop``) per sequence bucket.
+Zhang et al. 2023). It proposes k tokens greedily (or sampled from its q with
+``draft_sample_method="probabilistic"``, ``draft_sampling.py``), one batched step per
+draft token, all k in one jitted program (a ``lax.fori_loop``) per sequence bucket.
 
 Its KV: the draft's layers are the target's layers 0..N-1 with the same weights, so the
 KV it needs for every committed token is exactly what the target already wrote in
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pagedjax.engine.model_runner import apply_cow
+from pagedjax.engine.spec.draft_sampling import draft_drawer, store
 from pagedjax.memory.block_table import PAD_SLOT, slot_mapping
 from pagedjax.model import ModelArch, ModelInput
 from pagedjax.model.forward import build_module
@@ -77,25 +79,34 @@ class LayerSkipDraft:
         return self._params
 
     def _propose(self, params: Any, kv: Any, tokens: jax.Array, mem: Any,
-                 seq_ids: jax.Array, total: jax.Array, counts: jax.Array, *,
-                 num_seqs: int) -> tuple[Any, jax.Array]:  # fmt: skip
+                 seq_ids: jax.Array, total: jax.Array, counts: jax.Array,
+                 sampling: Any = None, output_len: jax.Array | None = None, *,
+                 num_seqs: int) -> tuple:  # fmt: skip
         """kv (whole pool, donated), tokens (donated), mem: the paged state (tables and
         the step's pending copy-on-write, applied first so the draft reads the copied
         block; the verification step applies it again, harmlessly); seq_ids, total,
         counts int32[N] in batch-row order (first num_seqs used). Returns (kv', tokens'
-        with the drafts written)."""
+        with the drafts written). With sampling (SamplingTensors by slot) and output_len
+        int32[N] by slot: sampled drafts (draft_sampling.py), returns (kv', tokens', q
+        float32[num_seqs, K, V])."""
         self.trace_count[num_seqs] = self.trace_count.get(num_seqs, 0) + 1
         kv = apply_cow(kv, mem.last_cow.src, mem.last_cow.dst, mem.last_cow.valid)
         apply = lambda kv, inp: self.module.apply({"params": params}, kv, inp)
+        draw = q = None
+        if sampling is not None:
+            draw = draft_drawer(sampling, output_len, seq_ids[:num_seqs], self.arch.vocab_size)
+            q = jnp.zeros((num_seqs, self.k, self.arch.vocab_size), jnp.float32)
         return greedy_draft_steps(apply, kv, tokens, mem.tables.tables, seq_ids, total,
                                   counts, 0, self.k, kv_tail=0, num_seqs=num_seqs,
-                                  block_size=self.block_size)  # fmt: skip
+                                  block_size=self.block_size, draw=draw, q=q)  # fmt: skip
 
 
 def greedy_draft_steps(apply: Callable[[Any, ModelInput], tuple[Any, jax.Array]], kv: Any,
                        tokens: jax.Array, tables: jax.Array, seq_ids: jax.Array,
                        total: jax.Array, counts: jax.Array, lower: Any, upper: Any, *,
-                       kv_tail: int, num_seqs: int, block_size: int) -> tuple:  # fmt: skip
+                       kv_tail: int, num_seqs: int, block_size: int,
+                       draw: Callable[..., tuple] | None = None,
+                       q: jax.Array | None = None) -> tuple:  # fmt: skip
     """Batched one-token draft steps i in [lower, upper) (bounds may be traced).
 
     Step i feeds each active row the token at position ``total - 1 + i`` (writing its
@@ -105,7 +116,9 @@ def greedy_draft_steps(apply: Callable[[Any, ModelInput], tuple[Any, jax.Array]]
     the KV of the last draft (``spec_draft_model.py``: a separate draft needs its own KV
     at every position the verification may accept). seq_ids, total, counts: int32[N]
     in batch-row order, first num_seqs used; rows past their run write nothing
-    (PAD_SLOT). Returns (kv', tokens')."""
+    (PAD_SLOT). Returns (kv', tokens'). With draw (``draft_sampling.draft_drawer``) and
+    q float32[S, K, V]: draft i is draw(i, logits)'s sample and its q goes to q[:, i];
+    returns (kv', tokens', q')."""
     sid = seq_ids[:num_seqs]
     row_ok = sid >= 0
     safe = jnp.maximum(sid, 0)
@@ -114,7 +127,7 @@ def greedy_draft_steps(apply: Callable[[Any, ModelInput], tuple[Any, jax.Array]]
     block_tables = jnp.where(row_ok[:, None], tables[safe], 0)
 
     def body(i, carry):
-        kv, tokens = carry
+        kv, tokens, qd = carry  # qd: the drafts' q (q below: query lengths)
         active = row_ok & (i < cnt + kv_tail)
         pos = jnp.maximum(tot - 1 + i, 0)
         ids = tokens[safe, jnp.minimum(pos, tokens.shape[1] - 1)]
@@ -137,12 +150,17 @@ def greedy_draft_steps(apply: Callable[[Any, ModelInput], tuple[Any, jax.Array]]
             logits_indices=jnp.minimum(cu[:-1], num_seqs - 1),
         )
         kv, logits = apply(kv, inp)
-        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if draw is None:
+            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        else:
+            nxt, probs = draw(i, logits)
+            qd = store(qd, i, probs, active & (i < cnt))
         dst = jnp.where(active & (i < cnt), safe, n)  # out of range: dropped
         tokens = tokens.at[dst, tot + i].set(nxt, mode="drop")
-        return kv, tokens
+        return kv, tokens, qd
 
-    return jax.lax.fori_loop(lower, upper, body, (kv, tokens))
+    kv, tokens, q = jax.lax.fori_loop(lower, upper, body, (kv, tokens, q))
+    return (kv, tokens) if draw is None else (kv, tokens, q)
 
 
 __all__ = ["LayerSkipDraft", "draft_arch", "draft_params", "greedy_draft_steps"]

@@ -21,7 +21,10 @@ For a draft that is a point mass (n-gram lookup, a greedy draft model) this is t
 rejection rule of Leviathan et al. (2023) with q = one-hot: the draft token is accepted
 with probability p(draft) = min(1, p / q), and after a rejection the emitted token is a
 sample of p restricted to the other tokens, the normalised residual (p - q)+. The general
-rule for a draft distribution q is ``pagedjax/sampling/rejection.py``.
+rule for a draft distribution q is ``pagedjax/sampling/rejection.py``, applied here to
+the rows whose drafts were sampled (``draft_probs``, ``draft_sampling.py``): p is then
+the distribution the target samples from at each position, and the row emits its
+accepted drafts plus the residual / bonus token, their logprobs recomputed.
 
 Shapes (N slots, Lb = max_model_len, T / S the token / sequence bucket, K static):
   num_drafts int32[N] in batch-row order (0 for rows that do not speculate).
@@ -42,7 +45,8 @@ import numpy as np
 from pagedjax.engine.model_runner import apply_cow, build_model_input, token_history
 from pagedjax.model import ModelArch
 from pagedjax.model.forward import forward
-from pagedjax.sampling import SamplingTensors, sample
+from pagedjax.sampling import SamplingTensors, output_for, processed_probs, sample
+from pagedjax.sampling.rejection import position_keys, rejection_sample
 from pagedjax.scheduler import ScheduledBatch
 
 
@@ -87,13 +91,14 @@ class SpecVerifier:
         slot_sampling: SamplingTensors,
         prompt_len: jax.Array,
         output_len: jax.Array,
+        draft_probs: jax.Array | None = None,
         *,
         num_tokens: int,
         num_seqs: int,
     ) -> tuple[Any, jax.Array, Any, jax.Array]:
         kv, tokens, out, accepted, _ = self.verify(
             params, kv, tokens, mem, batch, num_drafts, slot_sampling, prompt_len, output_len,
-            num_tokens=num_tokens, num_seqs=num_seqs,
+            draft_probs, num_tokens=num_tokens, num_seqs=num_seqs,
         )  # fmt: skip
         return kv, tokens, out, accepted
 
@@ -115,11 +120,15 @@ class SpecVerifier:
         slot_sampling: SamplingTensors,
         prompt_len: jax.Array,
         output_len: jax.Array,
+        draft_probs: jax.Array | None = None,
         *,
         num_tokens: int,
         num_seqs: int,
     ) -> tuple[Any, jax.Array, Any, jax.Array, dict]:
-        """``_step``'s body; also returns {"inp": the ModelInput, "extra": _forward's}."""
+        """``_step``'s body; also returns {"inp": the ModelInput, "extra": _forward's}.
+        draft_probs float32[>= S, K, V] (batch-row order): the q each draft was sampled
+        from (``draft_sampling.py``); its sampled rows (temperature > 0, with drafts) are
+        verified by rejection sampling (``_rejection``), the others by sample-and-compare."""
         key = (num_tokens, num_seqs)
         self.trace_count[key] = self.trace_count.get(key, 0) + 1  # at trace time only
         inp = build_model_input(
@@ -162,11 +171,43 @@ class SpecVerifier:
             num_segments=num_seqs,
         )  # fmt: skip
         accepted = jnp.minimum(first_miss, nd).astype(jnp.int32)
+        if draft_probs is not None:
+            out, accepted = self._rejection(
+                logits, t, history, out, accepted, draft_probs, tokens, slot_sampling,
+                output_len, safe, total, nd, offset, frow, j, fvalid,
+            )  # fmt: skip
         emit = batch.emits[:num_seqs] & row_ok
         nxt = out.token_ids[jnp.minimum(offset + accepted, size - 1)]
         n = tokens.shape[0]
         tokens = tokens.at[jnp.where(emit, seq_ids, n), total + accepted].set(nxt, mode="drop")
         return kv, tokens, out, accepted, {"inp": inp, "extra": extra}
+
+    def _rejection(self, logits: jax.Array, t: SamplingTensors, history: Any, out: Any,
+                   accepted: jax.Array, draft_probs: jax.Array, tokens: jax.Array,
+                   slot_sampling: SamplingTensors, output_len: jax.Array, safe: jax.Array,
+                   total: jax.Array, nd: jax.Array, offset: jax.Array, frow: jax.Array,
+                   j: jax.Array, fvalid: jax.Array) -> tuple[Any, jax.Array]:  # fmt: skip
+        """Rejection sampling (``sampling/rejection.py``) for the sampled rows: p is the
+        distribution the target samples from at each packed position (penalties,
+        temperature, filters: ``processed_probs``), gathered to [S, K + 1, V]; q the
+        drafts'. Returns (out with those rows' emitted tokens and their logprobs,
+        accepted); greedy rows and rows without drafts keep ``out`` and ``accepted``."""
+        s, k = safe.shape[0], self.k
+        size = logits.shape[0]
+        p = processed_probs(logits, t, history)  # [size, V]
+        jj = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+        dense = jnp.minimum(offset[:, None] + jnp.minimum(jj, nd[:, None]), size - 1)
+        target = p[dense]  # [S, K + 1, V]
+        pos = jnp.minimum(total[:, None] + jj[:, :k], tokens.shape[1] - 1)
+        draft_ids = jnp.maximum(tokens[safe[:, None], pos], 0)
+        keys = position_keys(slot_sampling.seed[safe], slot_sampling.sample_index[safe],
+                             output_len[safe], k + 1)  # fmt: skip
+        res = rejection_sample(target, draft_probs[:s], draft_ids, nd, keys)
+        sampled = ~slot_sampling.greedy[safe] & (nd > 0)  # [S]
+        accepted = jnp.where(sampled, res.accepted, accepted)
+        emitted = res.token_ids[frow, jnp.minimum(j, k)]  # [size] packed
+        ids = jnp.where(fvalid & sampled[frow], emitted, out.token_ids)
+        return output_for(logits, t, ids, max_logprobs=self.max_logprobs), accepted
 
 
 def sampled_rows(num_tokens: int, num_seqs: int, k: int) -> int:

@@ -1,0 +1,210 @@
+"""k per step (engine/spec/k_schedule.py): vLLM's batch-size table and the automatic rule.
+
+The table's lookup equals a direct reading of vLLM's rule (the k of the last range
+starting at or below B, capped at num_speculative_tokens); its validation refuses what
+vLLM refuses. ``allocate`` equals a brute-force search of every per-row k vector. In the
+engine, greedy outputs equal the plain run's under a table whose k changes with the batch
+(4, 1, 0 and back) and under the automatic rule in both directions (a verification that
+costs ten plain steps: k = 0, no draft proposed; one that costs a plain step: drafts),
+and the verification still compiles once per (T, S) bucket whatever the k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedjax.config import ConfigError, SpeculativeConfig
+from pagedjax.engine.spec.k_schedule import Acceptance, StepCost, allocate, batch_size_lookup
+from tests.test_speculative import (
+    OracleProposer,
+    _assert_same,
+    _drain,
+    _engine,
+    _greedy,
+    _prompts,
+    _reference,
+    _refs,
+    check_memory,
+)
+
+pytestmark = pytest.mark.xdist_group("test_speculative")  # shares its module's engines
+
+
+def _reference_k(table, b: int, kmax: int) -> int:
+    """vLLM's rule read directly: the last range starting at or below b decides (inside
+    it, in the gap after it, or past the last range)."""
+    return min(kmax, [k for lo, _, k in sorted(table) if lo <= b][-1])
+
+
+@st.composite
+def tables(draw):
+    """Valid 3-item tables: sorted, non-overlapping ranges from 1, maybe with gaps."""
+    n = draw(st.integers(1, 4))
+    rows, lo = [], 1
+    for _ in range(n):
+        hi = lo + draw(st.integers(0, 5))
+        rows.append([lo, hi, draw(st.integers(0, 8))])
+        lo = hi + 1 + draw(st.integers(0, 3))
+    return rows
+
+
+@settings(max_examples=60, deadline=None)
+@given(tables(), st.integers(1, 40), st.integers(1, 6))
+def test_batch_size_lookup_is_vllms_rule(table, max_batch, kmax):
+    cfg = SpeculativeConfig(num_speculative_tokens=kmax,
+                            num_speculative_tokens_per_batch_size=table)  # fmt: skip
+    parsed = SpeculativeConfig.from_dict({"num_speculative_tokens": kmax,
+                                          "num_speculative_tokens_per_batch_size": table})
+    assert parsed == cfg  # the JSON form (--speculative-config) normalises alike
+    dense = batch_size_lookup(cfg.num_speculative_tokens_per_batch_size, max_batch, kmax)
+    for b in range(1, max_batch + 1):
+        assert dense[b] == _reference_k(table, b, kmax), (table, b)
+
+
+@pytest.mark.parametrize("table,match", [
+    ([[2, 4, 1]], "start at 1"),
+    ([[1, 4, 2], [3, 8, 1]], "non-overlapping"),
+    ([[1, 4, -1]], ">= 0"),
+    ([[4, 1, 2]], "start must be <= end"),
+    ([[1, 4, 1, 100, 2]], "5-item form"),
+    ([], "non-empty"),
+])  # fmt: skip
+def test_batch_size_table_refusals(table, match):
+    with pytest.raises(ConfigError, match=match):
+        SpeculativeConfig.from_dict({"num_speculative_tokens_per_batch_size": table})
+    with pytest.raises(ConfigError, match="draft_sample_method"):
+        SpeculativeConfig.from_dict({"draft_sample_method": "nucleus"})
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(0, 3)), min_size=1, max_size=3),
+    st.integers(1, 4),
+    st.lists(st.floats(0.5, 4.0), min_size=10, max_size=10),
+)
+def test_allocate_is_the_brute_force_optimum(rows, base, steps):
+    alpha = np.array([a for a, _ in rows])
+    caps = np.array([c for _, c in rows])
+    table = np.cumsum(steps)  # cost(n): increasing in the drafts (buckets may be flat)
+
+    def rate(ks) -> float:
+        gain = sum(alpha[r] ** j for r, k in enumerate(ks) for j in range(1, k + 1))
+        return (base + gain) / table[sum(ks)]
+
+    got = allocate(alpha, caps, base, lambda n: float(table[n]))
+    assert np.all((0 <= got) & (got <= caps))
+    best = max(rate(ks) for ks in itertools.product(*(range(c + 1) for c in caps)))
+    assert rate(got) >= best * (1 - 1e-9)
+
+
+def test_allocate_unknown_cost_keeps_caps_and_acceptance_estimate():
+    caps = np.array([3, 0, 2])
+    np.testing.assert_array_equal(allocate(np.ones(3) * 0.5, caps, 2, lambda n: None), caps)
+    acc = Acceptance(4)
+    acc.bind(0, 7)
+    # rows: 4 drafts, 2 accepted (one rejection); 3 drafts all accepted (none)
+    acc.record(np.array([0, 0]), np.array([4, 3]), np.array([2, 3]))
+    a = acc.alpha(np.array([0]))[0]
+    g = acc.global_accepted / (acc.global_accepted + acc.global_rejected)
+    assert a == pytest.approx((5 + 2 * g) / (5 + 1 + 2))  # MLE 5 / 6 shrunk to g
+    acc.bind(0, 8)  # a new sequence in the slot starts from the global estimate
+    assert acc.alpha(np.array([0]))[0] == pytest.approx(g)
+
+
+@pytest.mark.parametrize("verify_cost,expect_drafts", [(3.0, False), (1.05, True)])
+def test_step_cost_explores_then_settles(verify_cost, expect_drafts):
+    """Allocation and measurement in a loop, costs per (verifies, T) from a known world
+    (a plain step: 1.0, a verifying one: verify_cost, whatever T): whatever it tries
+    first, the rule measures both kinds and settles on the better one, alpha = 0.4."""
+    cost, buckets = StepCost(), (8, 16, 32)
+    picked = []
+    for _ in range(12):
+        def est(n: int) -> float:
+            t = next(x for x in buckets if x >= 8 + n)
+            return cost.estimate((n > 0, t, t))
+
+        k = allocate(np.full(8, 0.4), np.full(8, 3), 8, est)
+        n = int(k.sum())
+        t = next(x for x in buckets if x >= 8 + n)
+        cost.observe((n > 0, t, t), verify_cost if n else 1.0)  # weight-bound: flat in T
+        picked.append(n)
+    assert (picked[-1] > 0) == expect_drafts, picked
+    assert len(set(picked[-3:])) == 1, picked  # settled
+
+
+class _Spy:
+    """Wraps SpeculativeDecoder.plan: (batch size, largest k) of every planned step."""
+
+    def __init__(self, spec):
+        self.spec, self.real, self.seen = spec, spec.plan, []
+
+    def __call__(self, core):
+        lookahead, drafts = self.real(core)
+        self.seen.append((len(core.book.slot_owner), int(lookahead.max())))
+        return lookahead, drafts
+
+
+def _run_with(config_changes: dict, cost=None):
+    """Greedy requests of different lengths (the batch shrinks as they finish) through
+    the shared speculative engine with ``config_changes``; returns (ref, got, spy, stats)."""
+    prompts = dict(enumerate(_prompts(21, 4, lo=6, hi=24)))
+    reqs = [(str(i), p, _greedy(8 + 4 * i)) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    engine = _engine(True)
+    spec = engine.speculator
+    old = (spec.config, spec.proposer, spec.cost, spec.plan)
+    spec.config = dataclasses.replace(spec.config, **config_changes)
+    spec.proposer = OracleProposer(_refs(ref, prompts), bad=3)
+    if cost is not None:
+        spec.cost = cost
+    spy = spec.plan = _Spy(spec)
+    try:
+        engine.reset_stats()
+        got = _drain(engine, reqs, on_step=check_memory)
+        return ref, got, spy, engine.stats(), dict(spec.verifier.trace_count)
+    finally:
+        spec.config, spec.proposer, spec.cost = old[:3]
+        del spec.plan  # the instance attribute: the method again
+        spec.acceptance = None
+
+
+def test_batch_size_table_greedy_equals_plain_one_program_per_bucket():
+    table = ((1, 1, 4), (2, 2, 1), (4, 4, 0))  # B = 3 is in the gap: k(2) = 1
+    ref, got, spy, stats, traces = _run_with({"num_speculative_tokens_per_batch_size": table})
+    _assert_same(ref, got)
+    want = {1: 4, 2: 1, 3: 1, 4: 0}
+    assert all(k <= want[b] for b, k in spy.seen), spy.seen
+    assert {k for _, k in spy.seen} >= {0, 1, 4}, spy.seen  # every entry was exercised
+    assert stats["spec_accepted_tokens"] > 0
+    assert all(v == 1 for v in traces.values()), traces  # no program per k
+
+
+class _FixedCost:
+    """A cost table that does not learn: a verifying step costs ``verify`` plain ones."""
+
+    def __init__(self, verify: float):
+        self.verify = verify
+
+    def observe(self, key, seconds) -> None:
+        pass
+
+    def estimate(self, key) -> float:
+        return self.verify if key[0] else 1.0
+
+
+@pytest.mark.parametrize("verify_cost", [10.0, 1.0])
+def test_auto_rule_greedy_equals_plain_down_to_zero(verify_cost):
+    ref, got, spy, stats, _ = _run_with({"auto_num_speculative_tokens": True},
+                                        cost=_FixedCost(verify_cost))  # fmt: skip
+    _assert_same(ref, got)
+    if verify_cost > 5:  # never pays: k = 0, plain steps only
+        assert stats["spec_proposed_tokens"] == 0 and stats["spec_steps"] == 0
+        assert {k for _, k in spy.seen} == {0}
+    else:  # free drafts always pay (alpha > 0): every row keeps its proposals
+        assert stats["spec_proposed_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
