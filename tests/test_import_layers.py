@@ -34,7 +34,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedjax.simulator",),  # trace simulation, cost models, the paper's named systems
     ("pagedjax.scheduler",),
     ("pagedjax.structured",),  # grammar backends for structured outputs (host masks)
+    ("pagedjax.lora",),  # adapters: PEFT loader (model's safetensors), slot table
     ("pagedjax.model", "pagedjax.sampling"),
+    ("pagedjax.lora.ops",),  # the per-row delta matmuls the model's linears add
     ("pagedjax.attention",),  # backends, KV write / copy
     ("pagedjax.memory",),
     ("pagedjax.native_build",),  # compiles the native CPU kernels (attention, matmul)

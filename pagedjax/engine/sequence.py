@@ -134,6 +134,10 @@ class RequestState:
     bad_words_ids: list[list[int]] = field(default_factory=list)
     # The structured-output backend that compiled the request's constraint (None: none).
     structured_backend: str | None = None
+    # LoRA (docs/lora.md): the request's adapter (a pagedjax.lora.LoRARequest; None: the
+    # base model) and the prefix cache's salt of its block hashes (block_hashes.py).
+    lora_request: Any = None
+    cache_salt: bytes | None = None
     # Timeline for serving metrics (time.monotonic()); see outputs.RequestMetrics.
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 

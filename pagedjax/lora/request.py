@@ -25,6 +25,14 @@ class LoRARequest:
         if not self.lora_path:
             raise ValueError("lora_path must name a PEFT adapter directory")
 
+    @property
+    def cache_salt(self) -> bytes:
+        """The prefix cache's salt for this adapter's requests (``block_hashes``): the
+        same prompt under two adapters (or an adapter and the base model) has different
+        KV, so its blocks must never be shared. Id and name both, as vLLM keys on the
+        name: two handles that differ in either never share blocks."""
+        return f"lora:{self.lora_int_id}:{self.lora_name}".encode()
+
     def __hash__(self) -> int:
         return hash(self.lora_int_id)
 
