@@ -391,6 +391,39 @@ def test_slot_pressure_waits_then_completes(tiny, llm):
 
 
 @pytest.mark.tier2
+def test_engine_core_process_serves_adapters(tiny, llm, tmp_path):
+    """The server's default engine: the core in a process of its own (MPEngineClient).
+    The LoRARequest crosses the process boundary with its request; a bad adapter is
+    the add_request's ValueError in the API process, and LoRA off refuses one."""
+    from pagedjax.engine.core_client import MPEngineClient
+    from pagedjax.entrypoints.llm import engine_config
+
+    prompts = {"r-base": None, "r-a": 1, "r-c": 3}
+    prompt = [9, 8, 7, 6, 5, 4, 3]
+    want = {rid: llm.generate(prompt, _greedy(), use_tqdm=False,
+                              lora_request=tiny.loras.get(i))[0].outputs[0].token_ids
+            for rid, i in prompts.items()}  # fmt: skip
+    geometry = dict(dtype="float32", block_size=4, max_model_len=96, max_num_seqs=4,
+                    max_num_batched_tokens=32, num_gpu_blocks_override=POOL, seed=0,
+                    warmup="none")  # fmt: skip
+    mp = MPEngineClient(engine_config(model=str(tiny.dir / "base"), enable_lora=True,
+                                      max_loras=2, max_lora_rank=8, **geometry))  # fmt: skip
+    try:
+        with pytest.raises(ValueError, match="missing adapter_config.json"):
+            mp.add_request("bad", prompt, _greedy(), LoRARequest("x", 9, str(tmp_path)))
+        for rid, i in prompts.items():
+            mp.add_request(rid, prompt, _greedy(), lora_request=tiny.loras.get(i))
+        got = {}
+        while mp.has_unfinished_requests():
+            for o in mp.step():
+                if o.finished:
+                    got[o.request_id] = o.outputs[0].token_ids
+        assert got == want
+    finally:
+        mp.shutdown()
+
+
+@pytest.mark.tier2
 def test_server_serves_an_adapter_by_model_name(tiny, llm):
     from starlette.testclient import TestClient
 
