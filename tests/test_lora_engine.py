@@ -391,6 +391,23 @@ def test_slot_pressure_waits_then_completes(tiny, llm):
 
 
 @pytest.mark.tier2
+def test_core_loop_add_carries_the_lora_request(tiny, llm):
+    """The engine core process' command loop (core_process.CoreLoop, run here on the
+    in-process engine): an "add" message with a fifth element serves that adapter."""
+    from pagedjax.engine.core_process import CoreLoop
+
+    prompt = [9, 8, 7, 6, 5, 4, 3]
+    want = llm.generate(prompt, _greedy(), use_tqdm=False, lora_request=tiny.loras[3])
+    engine = llm.llm_engine
+    CoreLoop(engine, None).apply(("add", "core-1", {"prompt_token_ids": prompt}, _greedy(),
+                                  tiny.loras[3]))  # fmt: skip
+    got = None
+    while engine.has_unfinished_requests():
+        got = [o for o in engine.step() if o.finished] or got
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+@pytest.mark.slow  # ~55 s on the loaded 2-core box (a core process starts and compiles)
 def test_engine_core_process_serves_adapters(tiny, llm, tmp_path):
     """The server's default engine: the core in a process of its own (MPEngineClient).
     The LoRARequest crosses the process boundary with its request; a bad adapter is
