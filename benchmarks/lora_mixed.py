@@ -73,27 +73,33 @@ def main() -> None:
                   num_gpu_blocks_override=256, enable_prefix_caching=False, warmup="none",
                   seed=0)  # fmt: skip
 
-    def timed(llm, lora) -> float:
+    def timed(llm, lora) -> tuple[float, float]:
+        """(output tok/s of wall time, ms of this process' CPU time per output token):
+        the second is steadier on a shared box (other processes' load stretches wall
+        time, much less the CPU time the run itself needs)."""
         llm.generate(prompts, params, use_tqdm=False, lora_request=lora)  # compile
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
-        dt = time.perf_counter() - t
-        return sum(len(o.outputs[0].token_ids) for o in outs) / dt
+        dt, dc = time.perf_counter() - t, time.process_time() - c
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        return n / dt, 1e3 * dc / n
 
     print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs; model"
           f" {'tiny' if args.tiny else 'SmolLM2-135M shapes'}, {args.requests} requests x"
           f" {args.prompt_len} prompt + {args.new} new, {args.adapters} adapters rank"
           f" {args.rank}", flush=True)  # fmt: skip
-    base_tps = timed(LLM(**common), None)
-    print(f"base engine:                      {base_tps:8.1f} output tok/s", flush=True)
+    def show(name: str, r: tuple[float, float], ref: tuple[float, float] | None) -> None:
+        rel = "" if ref is None else (f" ({r[0] / ref[0]:.2f}x base tok/s,"
+                                      f" {r[1] / ref[1]:.2f}x base CPU/token)")  # fmt: skip
+        print(f"{name:34s} {r[0]:8.1f} output tok/s, {r[1]:7.2f} CPU ms/token{rel}",
+              flush=True)  # fmt: skip
+
+    base = timed(LLM(**common), None)
+    show("base engine", base, None)
     llm = LLM(**common, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
     mixed = [loras[i % len(loras)] for i in range(args.requests)]
-    mixed_tps = timed(llm, mixed)
-    print(f"LoRA engine, {args.adapters} adapters mixed:     {mixed_tps:8.1f} output tok/s"
-          f" ({mixed_tps / base_tps:.2f}x base)", flush=True)  # fmt: skip
-    off_tps = timed(llm, None)
-    print(f"LoRA engine, base requests only:  {off_tps:8.1f} output tok/s"
-          f" ({off_tps / base_tps:.2f}x base)")  # fmt: skip
+    show(f"LoRA engine, {args.adapters} adapters mixed", timed(llm, mixed), base)
+    show("LoRA engine, base requests only", timed(llm, None), base)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
