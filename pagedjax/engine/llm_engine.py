@@ -63,7 +63,7 @@ from pagedjax.engine.kv_budget import num_kv_blocks, profile_forward
 from pagedjax.engine.kv_cache_spec import KVCacheSpec
 from pagedjax.engine.loading import load_model
 from pagedjax.engine.logit_controls import LogitControls
-from pagedjax.engine.lora_manager import LoRAManager
+from pagedjax.engine.lora_manager import LoRAManager, check_lora_buildable, prepare_request
 from pagedjax.engine.model_runner import ModelRunner
 from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
 from pagedjax.engine.output_processor import OutputProcessor, SampledRows
@@ -238,25 +238,17 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. prompt: text, token ids, or {"prompt_token_ids": [...]} /
-        {"prompt": "..."} (vLLM's TextPrompt / TokensPrompt). lora_request: the adapter to
-        serve it with (LoRA on: ``LLM(enable_lora=True)``; docs/lora.md). Raises (changing
-        nothing) on a duplicate id, bad ids, a prompt over max_model_len (or the token
-        budget in paper/static mode), a prompt the KV pool can never hold, unsupported
-        options, or an adapter that cannot be served (LoRA off, a bad checkpoint, a rank
-        above max_lora_rank, modules the model lacks).
-        """
+        {"prompt": "..."} (vLLM's TextPrompt / TokensPrompt); lora_request: its adapter.
+        Raises (changing nothing) on a duplicate id, bad ids, a prompt over max_model_len
+        (or the token budget in paper/static mode), a prompt the KV pool can never hold,
+        unsupported options, or an adapter that cannot be served (docs/lora.md)."""
         book = self.core.book
         params = check_request_args(request_id, params, book.requests)
-        if lora_request is not None and self.core.lora is None:
-            raise ValueError("lora_request given but LoRA is not enabled: build the engine"
-                             " with enable_lora=True (LLM(..., enable_lora=True))")  # fmt: skip
         text, ids = self.tokenize_prompt(prompt)
         self.check_request(ids, params)
         controls = self.core.controls.prepare(params)  # bad words' ids, compiled grammar
         if lora_request is not None:  # read the adapter now: its errors are this call's
-            live = {r.lora_request.lora_int_id for r in book.requests.values()
-                    if r.lora_request is not None}  # fmt: skip
-            self.core.lora.prepare(lora_request, live)
+            prepare_request(self.core.lora, lora_request, book.requests.values())
         if params.seed is None and not params.greedy:
             # Drawn here, once, so the request's samples survive preemption unchanged.
             params = params.with_seed(int(self._rng.integers(0, MAX_SEED + 1)))
@@ -267,8 +259,7 @@ class LLMEngine:
             detokenize=self.detokenize,
         )
         self.core.controls.attach(req, controls)
-        if lora_request is not None:  # its slot at admission; its own prefix-cache keys
-            req.lora_request, req.cache_salt = lora_request, lora_request.cache_salt
+        req.lora_request = lora_request  # LoRA: its adapter slot, its prefix-cache salt
         # n > 1: only sample 0 prefills; the others fork its blocks when its prompt is done.
         book.add(req)
 
@@ -488,8 +479,7 @@ class LLMEngine:
         """Counters since the last ``reset_stats``: ``engine_stats.engine_stats`` gives
         the keys' meanings; spec_*: ``spec/decoder.py``'s ``SpecCounters``."""
         spec = self.speculator.stats() if self.speculator is not None else {}
-        if self.core.lora is not None:  # lora_*: lora_manager.LoRAManager.stats
-            spec = spec | self.core.lora.stats()
+        spec |= self.core.lora.stats() if self.core.lora is not None else {}  # lora_*
         return spec | self.core.controls.stats() | engine_stats(
             self.core, self.multi_step, forked_samples=self.outputs.num_forked,
             preemptions_recompute=self.num_preemptions_recompute,
@@ -504,9 +494,6 @@ def _reject_unbuilt_features(config: EngineConfig) -> None:
     check_buildable(config.speculative, config.model.model)
     if config.speculative is not None and config.parallel.tensor_parallel_size > 1:
         raise ValueError("speculative_config with tensor_parallel_size > 1: not built yet")
-    if config.lora is not None and (config.speculative is not None
-                                    or config.parallel.tensor_parallel_size > 1):
-        raise ValueError("enable_lora with speculative decoding or tensor_parallel_size > 1:"
-                         " not built yet (docs/lora.md)")  # fmt: skip
+    check_lora_buildable(config)
     if config.parallel.data_parallel_size > 1:  # replicas are data_parallel.py's, above
         raise ValueError("LLMEngine is one replica; data_parallel_size > 1: DataParallelEngine")

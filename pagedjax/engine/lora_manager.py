@@ -145,4 +145,25 @@ class LoRAManager:
                     lora_waits=self.waits, lora_resident=len(self.resident))  # fmt: skip
 
 
-__all__ = ["LoRAManager"]
+def check_lora_buildable(config: Any) -> None:
+    """ValueError for an EngineConfig whose LoRA section meets a feature LoRA is not
+    built with: speculative decoding, tensor parallelism (docs/lora.md)."""
+    if config.lora is not None and (config.speculative is not None
+                                    or config.parallel.tensor_parallel_size > 1):
+        raise ValueError("enable_lora with speculative decoding or tensor_parallel_size > 1:"
+                         " not built yet (docs/lora.md)")  # fmt: skip
+
+
+def prepare_request(manager: LoRAManager | None, lora: LoRARequest,
+                    requests: Iterable[Any]) -> None:  # fmt: skip
+    """``LLMEngine.add_request``'s check of a request's adapter: ValueError when LoRA is
+    off, else ``manager.prepare`` with the adapters of ``requests`` (the unfinished ones,
+    RequestStates) kept in host memory."""
+    if manager is None:
+        raise ValueError("lora_request given but LoRA is not enabled: build the engine with"
+                         " enable_lora=True (LLM(..., enable_lora=True))")  # fmt: skip
+    live = {r.lora_request.lora_int_id for r in requests if r.lora_request is not None}
+    manager.prepare(lora, live)
+
+
+__all__ = ["LoRAManager", "check_lora_buildable", "prepare_request"]

@@ -135,9 +135,8 @@ class RequestState:
     # The structured-output backend that compiled the request's constraint (None: none).
     structured_backend: str | None = None
     # LoRA (docs/lora.md): the request's adapter (a pagedjax.lora.LoRARequest; None: the
-    # base model) and the prefix cache's salt of its block hashes (block_hashes.py).
+    # base model).
     lora_request: Any = None
-    cache_salt: bytes | None = None
     # Timeline for serving metrics (time.monotonic()); see outputs.RequestMetrics.
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
@@ -175,6 +174,12 @@ class RequestState:
             )
             req.seqs.append(seq)
         return req
+
+    @property
+    def cache_salt(self) -> bytes | None:
+        """The salt of this request's prefix-cache block hashes (block_hashes.py): its
+        adapter's (the same prompt under two adapters has different KV); None: none."""
+        return None if self.lora_request is None else self.lora_request.cache_salt
 
     @property
     def finished(self) -> bool:
