@@ -282,12 +282,14 @@ POOL = 24  # blocks of 4 tokens; block 0 is the null block: 23 usable = 92 token
 @pytest.fixture(scope="module")
 def llm(tiny):
     """One engine for every tier-2 test (one set of compiled programs): two adapter slots
-    for three adapters, prefix caching on, a pool one 92-token request fills."""
+    for three adapters, prefix caching on, a pool one 92-token request fills, decode in
+    the fused 4-step loop (the adapters travel in its parameters)."""
     from pagedjax import LLM
 
     return LLM(model=str(tiny.dir / "base"), dtype="float32", block_size=4, max_model_len=96,
                max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=POOL,
-               seed=0, enable_lora=True, max_loras=2, max_lora_rank=8)  # fmt: skip
+               seed=0, enable_lora=True, max_loras=2, max_lora_rank=8,
+               num_scheduler_steps=4)  # fmt: skip  # the fused K-step loop too (GPU's default)
 
 
 def _hf_greedy(model, prompt, n):
@@ -335,6 +337,7 @@ def test_mixed_batch_equals_transformers_peft(tiny, llm):
     assert base != outs[1].outputs[0].token_ids
     stats = llm.llm_engine.stats()
     assert stats["lora_resident"] == 2 and stats["lora_waits"] == 0
+    assert stats["multi_step_iterations"] > 0  # decode ran in the fused loop
 
 
 @pytest.mark.tier2
