@@ -454,11 +454,15 @@ def test_server_serves_an_adapter_by_model_name(tiny, llm):
     want = {i: llm.generate(prompt, _greedy(), use_tqdm=False, lora_request=tiny.loras.get(i))
             [0].outputs[0].text for i in (None, 1, 2)}  # fmt: skip
     engine = AsyncLLMEngine.from_llm(llm)
-    app = build_app(engine, ["tiny"], lora_modules={"A": tiny.loras[1], "B": tiny.loras[2]})
+    b = LoRARequest("B", 2, tiny.loras[2].lora_path, base_model_name="tiny-alias")
+    app = build_app(engine, ["tiny", "tiny-alias"], lora_modules={"A": tiny.loras[1], "B": b})
     try:
         with TestClient(app) as c:
-            ids = [m["id"] for m in c.get("/v1/models").json()["data"]]
-            assert ids == ["tiny", "A", "B"]
+            models = c.get("/v1/models").json()["data"]
+            want_models = [("tiny", None), ("tiny-alias", None), ("A", "tiny"),
+                           ("B", "tiny-alias")]  # fmt: skip
+            assert [(m["id"], m["parent"]) for m in models] == want_models
+            assert models[2]["root"] == tiny.loras[1].lora_path
             for name, i in (("tiny", None), ("A", 1), ("B", 2)):
                 r = c.post("/v1/completions", json=dict(
                     model=name, prompt=prompt, max_tokens=N_NEW, temperature=0.0,

@@ -17,6 +17,8 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str = dataclasses.field(compare=False)
+    # The served model it belongs to (vLLM's field; the server's /v1/models "parent").
+    base_model_name: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:

@@ -151,7 +151,7 @@ def build_app(
                 "created": created,
                 "owned_by": "pagedjax",
                 "root": lora.lora_path,
-                "parent": served_model_names[0],
+                "parent": lora.base_model_name or served_model_names[0],
                 "max_model_len": engine.max_model_len,
             }
             for name, lora in (lora_modules or {}).items()

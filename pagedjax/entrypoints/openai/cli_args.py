@@ -417,7 +417,7 @@ def lora_requests(args: argparse.Namespace, engine: Any, served_names: list[str]
                              f" model name ({served_names})")  # fmt: skip
         arch = engine.arch
         load_peft_adapter(path, llama_module_shapes(arch), arch.num_layers, cfg.max_lora_rank)
-        out[name] = LoRARequest(name, i, path)
+        out[name] = LoRARequest(name, i, path, base_model_name=base)
     return out
 
 
