@@ -354,6 +354,39 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's ``enable_lora`` options; docs/lora.md). Present in an
+    EngineConfig only when LoRA is on.
+
+    max_loras: adapters resident on the device at once (the slot table's slots, besides
+    slot 0 = the base model); a request whose adapter finds no free slot, and no loaded
+    adapter unused by running requests to evict, waits. max_lora_rank: the largest rank
+    served; every slot is padded to it (exact: zero padding). max_cpu_loras: adapters
+    kept in host memory (LRU; those of unfinished requests always stay); None: max_loras.
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"lora.{name}",
+                   f"must be an integer >= 1, got {v!r}")  # fmt: skip
+        c = self.max_cpu_loras
+        _check(c is None or (isinstance(c, int) and not isinstance(c, bool) and c >= 1),
+               "lora.max_cpu_loras", f"must be None or an integer >= 1, got {c!r}")  # fmt: skip
+        _check(c is None or c >= self.max_loras, "lora.max_cpu_loras",
+               f"({c}) must be >= max_loras ({self.max_loras})")  # fmt: skip
+
+    @property
+    def cpu_loras(self) -> int:
+        """max_cpu_loras, None resolved to max_loras."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; the top level of an engine YAML file."""
 
@@ -365,6 +398,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # Structured outputs: the grammar backend and its options (structured_outputs_config).
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    # Multi-LoRA serving (None: off); LLM(enable_lora=True, max_loras=...) builds it.
+    lora: LoRAConfig | None = None
     attention_backend: Literal["reference", "pallas", "native_cpu", "triton", "auto"] = "auto"
     # Compile at start-up (pagedjax/engine/warmup.py): "auto" = "all" (every step
     # program; cheap with the layer loop and the persistent cache), unless the

@@ -163,8 +163,8 @@ def test_every_vllm_server_flag_is_implemented_or_refused_by_name(capsys):
     assert "[pagedjax only] decode iterations" in help_text and "vLLM 0.32.0 has no" in help_text
     # A refusal names the flag (and its canonical name for an alias) and the reason.
     cases = {
-        ("--enable-lora",): "--enable-lora, a vLLM 0.32.0 server flag, is not implemented"
-        " by pagedjax: LoRA adapters are not built",
+        ("--fully-sharded-loras",): "--fully-sharded-loras, a vLLM 0.32.0 server flag, is not"
+        " implemented by pagedjax: only --enable-lora, --lora-modules",
         ("--trust-remote-code",): "never a checkpoint's code",
         ("-pp", "2"): "-pp (--pipeline-parallel-size), a vLLM 0.32.0 server flag",
         ("--ssl-keyfile", "k.pem"): "TLS is not built",

@@ -37,8 +37,16 @@ def assign_slots(core: EngineCore) -> None:
         groups = np.zeros(n, np.int32)
         mask = np.zeros(n, bool)
         k = 0
+        waiting = []  # LoRA: requests whose adapter finds no device slot yet (lora_manager)
+        in_use = _loras_in_use(core) if core.lora is not None else set()
         while book.queue and book.free_slots:
             req, seq = book.queue.popleft()
+            if core.lora is not None:
+                if not core.lora.admit(req.lora_request, in_use):
+                    waiting.append((req, seq))
+                    continue
+                if req.lora_request is not None:
+                    in_use.add(req.lora_request.lora_int_id)
             slot = core.take_slot(req, seq)
             slot_ids[k], prompt_lens[k], max_tokens[k] = (
                 slot,
@@ -49,6 +57,7 @@ def assign_slots(core: EngineCore) -> None:
             groups[k] = req.seqs[0].arrival  # unique among live groups
             new.append(slot)
             k += 1
+        book.queue.extendleft(reversed(waiting))  # back at the head, in their order
         final = prompt_lens + max_tokens
         core.device.add_requests(
             slot_ids, prompt_lens, max_tokens, final, arrivals, mask, groups
@@ -71,6 +80,12 @@ def assign_slots(core: EngineCore) -> None:
             lookup_prefixes(core, lookup)
 
 
+def _loras_in_use(core: EngineCore) -> set[int]:
+    """Adapter ids of the requests holding scheduler slots (their adapters stay put)."""
+    return {req.lora_request.lora_int_id for req, _ in core.book.slot_owner.values()
+            if req.lora_request is not None}  # fmt: skip
+
+
 def lookup_prefixes(core: EngineCore, slots: list[int]) -> None:
     """Prefix-cache lookup for WAITING slots with empty tables (docs/engine.md):
     the host proposes hinted blocks, the device verifies, acquires and attaches them,
@@ -83,7 +98,7 @@ def lookup_prefixes(core: EngineCore, slots: list[int]) -> None:
     for k, slot in enumerate(slots):
         req, seq = core.book.owner(slot)
         ids = req.prompt_token_ids + seq.detok.ids
-        extend_hashes(seq.hashes, ids, b, len(ids) // b)
+        extend_hashes(seq.hashes, ids, b, len(ids) // b, req.cache_salt)
         hashes = seq.hashes[: len(ids) // b]
         prop = core.prefix_index.propose(hashes)
         slot_arr[k], mask[k] = slot, True
@@ -138,7 +153,8 @@ def register_blocks(core: EngineCore, batch: Any, host: dict, owners: list) -> N
         lo, hi = start // b, (start + q) // b
         if hi <= lo:
             continue
-        extend_hashes(seq.hashes, req.prompt_token_ids + seq.detok.ids, b, hi)
+        extend_hashes(seq.hashes, req.prompt_token_ids + seq.detok.ids, b, hi,
+                      req.cache_salt)
         blocks = host["tables"][int(host["seq_ids"][r])]
         core.prefix_index.record(seq.hashes[lo:hi], [int(x) for x in blocks[lo:hi]])
 

@@ -75,6 +75,8 @@ class EngineCore:
     num_steps: int = 0  # engine iterations run (one-step path and decode loop)
     # logit_controls.LogitControls: dynamic masks (min_tokens, bad_words, grammars).
     controls: Any = None
+    # lora_manager.LoRAManager when LoRA is on (None: off); params is then its params().
+    lora: Any = None
 
     def take_slot(self, req: RequestState, seq: SequenceState) -> int:
         """Bind a free slot to seq: owner, token-buffer row (prompt + any output kept for
@@ -87,6 +89,9 @@ class EngineCore:
         row[: len(ids)] = ids
         self.device.set_token_row(np.int32(slot), row)
         self.device.set_sampling_row(slot, seq.params, seq.index, len(seq.detok.ids))
+        if self.lora is not None:  # the slot's adapter (admitted: resident) for its rows
+            self.lora.bind(slot, req.lora_request)
+            self.params = self.lora.params()
         return slot
 
     def abort(self, request_ids: Iterable[str]) -> None:

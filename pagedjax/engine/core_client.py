@@ -148,6 +148,7 @@ class MPEngineClient:
         self._errors: list[tuple[str, Exception]] = []
         self._calls = itertools.count()
         self._replies: dict[int, tuple] = {}
+        self._loras_checked: dict[int, Any] = {}  # adapter id -> LoRARequest read once
 
     @property
     def num_replicas(self) -> int:
@@ -175,12 +176,16 @@ class MPEngineClient:
 
     def add_request(
         self, request_id: str, prompt: str | Sequence[int] | dict,
-        params: SamplingParams | None = None,
+        params: SamplingParams | None = None, lora_request: Any = None,
     ) -> int:  # fmt: skip
         """Validate (as LLMEngine.add_request: raises, changing nothing), route, send.
-        Returns the replica."""
+        lora_request: a pagedjax.lora.LoRARequest (the core loads it; its checkpoint is
+        checked here once per adapter id, so a bad one is this call's error). Returns
+        the replica."""
         self._check_alive()
         params = check_request_args(request_id, params, self._replica_of)
+        if lora_request is not None:
+            self._check_lora(lora_request)
         f = self._facts
         text, ids = tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
         check_request(
@@ -201,11 +206,25 @@ class MPEngineClient:
         replica = self.router.route(request_id, ids, len(ids) + out * max(params.n, 1))
         self._replica_of[request_id] = replica
         self._decoder.expect(request_id, params)
-        self._send(
-            self._cores[replica],
-            ("add", request_id, {"prompt": text, "prompt_token_ids": ids}, params),
-        )
+        msg = ("add", request_id, {"prompt": text, "prompt_token_ids": ids}, params)
+        self._send(self._cores[replica], msg if lora_request is None else (*msg, lora_request))
         return replica
+
+    def _check_lora(self, lora: Any) -> None:
+        """ValueError unless LoRA is on and ``lora``'s checkpoint is servable (read once
+        per adapter id here; the core reads it again into its own host cache)."""
+        from pagedjax.lora import LoRARequest, llama_module_shapes, load_peft_adapter
+
+        cfg = self.config.lora
+        if cfg is None:
+            raise ValueError("lora_request given but LoRA is not enabled (--enable-lora)")
+        if not isinstance(lora, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        if self._loras_checked.get(lora.lora_int_id) == lora:
+            return
+        load_peft_adapter(lora.lora_path, llama_module_shapes(self.arch), self.arch.num_layers,
+                          cfg.max_lora_rank)  # fmt: skip
+        self._loras_checked[lora.lora_int_id] = lora
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Forget the requests here and abort them in their cores (their blocks are freed

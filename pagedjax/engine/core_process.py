@@ -21,7 +21,7 @@ matches stop strings there and tells the core to stop the samples a stop string 
 in-process engine's. The core may run a step or a K-step run past such a string before
 the message arrives; those tokens are cut on the client.
 
-client -> core: ("add", rid, prompt, params) | ("abort", [rids]) |
+client -> core: ("add", rid, prompt, params[, lora_request]) | ("abort", [rids]) |
     ("stop_samples", rid, [sample indices]) |
     ("rpc", call_id, name) | ("stop",)
 core -> client: ("ready", facts) | ("out", items, counts or None) |
@@ -428,9 +428,9 @@ class CoreLoop:
         """Apply one command; True for "stop"."""
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, params = cmd
+            _, rid, prompt, params, *lora = cmd  # lora: [LoRARequest] when one is named
             try:
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_request(rid, prompt, params, *lora)
             except Exception as e:  # noqa: BLE001 - the request's error, not the core's
                 self.conn.send_bytes(dumps(("failed", rid, type(e).__name__, str(e))))
         elif kind == "abort":

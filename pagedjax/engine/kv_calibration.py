@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.attention import QuantizedPages
+from pagedjax.lora.slots import split_seq_slots
 from pagedjax.model import ModelArch, ModelInput, allocate_kv_cache
 from pagedjax.model.forward import make_forward
 
@@ -101,8 +102,10 @@ def calibrate_pool(kv: Any, host_kv: Any, arch: ModelArch, params: Any,
 def calibrate_core(core: Any, prompts: Sequence[Sequence[int]]) -> None:
     """``calibrate_pool`` on an engine core's device state (``EngineCore.kv_calibration``)."""
     core.device.transform_pools(
-        lambda kv, host: calibrate_pool(kv, host, core.runner.arch, core.params, prompts)
-    )
+        # The base model's KV (LoRA on: the parameters without the rows' adapter slots).
+        lambda kv, host: calibrate_pool(kv, host, core.runner.arch,
+                                        split_seq_slots(core.params)[0], prompts)
+    )  # fmt: skip
 
 
 __all__ = ["calibrate_core", "calibrate_pool", "prompt_amax", "scales_from_amax"]

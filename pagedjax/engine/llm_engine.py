@@ -63,6 +63,7 @@ from pagedjax.engine.kv_budget import num_kv_blocks, profile_forward
 from pagedjax.engine.kv_cache_spec import KVCacheSpec
 from pagedjax.engine.loading import load_model
 from pagedjax.engine.logit_controls import LogitControls
+from pagedjax.engine.lora_manager import LoRAManager, check_lora_buildable, prepare_request
 from pagedjax.engine.model_runner import ModelRunner
 from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
 from pagedjax.engine.output_processor import OutputProcessor, SampledRows
@@ -80,6 +81,7 @@ from pagedjax.engine.spec.decoder import build_speculator, check_buildable, load
 from pagedjax.engine.spec.verify import sampled_offsets
 from pagedjax.engine.step_record import StepObserver, notify
 from pagedjax.engine.warmup import warm_up
+from pagedjax.lora import LoRARequest
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.prefix_cache import PrefixIndex
 from pagedjax.model import ModelArch, compute_dtype
@@ -196,6 +198,9 @@ class LLMEngine:
             seq_buckets=self.seq_buckets, enable_prefix_caching=self.enable_prefix_caching,
             controls=LogitControls(arch.vocab_size, tokenizer, config.structured_outputs, eos),
         )  # fmt: skip
+        if config.lora is not None:  # adapters in the step's parameters (lora_manager.py)
+            self.core.lora = LoRAManager(config.lora, arch, params, self.max_seqs)
+            self.core.params = self.core.lora.params()
         self.outputs = OutputProcessor(self.core)  # the host half of every step
         self.reset_stats()
         self.step_observers: list[StepObserver] = []  # add_step_observer
@@ -230,17 +235,20 @@ class LLMEngine:
         request_id: str,
         prompt: str | Sequence[int] | dict,
         params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. prompt: text, token ids, or {"prompt_token_ids": [...]} /
-        {"prompt": "..."} (vLLM's TextPrompt / TokensPrompt). Raises (changing nothing)
-        on a duplicate id, bad ids, a prompt over max_model_len (or the token budget in
-        paper/static mode), a prompt the KV pool can never hold, or unsupported options.
-        """
+        {"prompt": "..."} (vLLM's TextPrompt / TokensPrompt); lora_request: its adapter.
+        Raises (changing nothing) on a duplicate id, bad ids, a prompt over max_model_len
+        (or the token budget in paper/static mode), a prompt the KV pool can never hold,
+        unsupported options, or an adapter that cannot be served (docs/lora.md)."""
         book = self.core.book
         params = check_request_args(request_id, params, book.requests)
         text, ids = self.tokenize_prompt(prompt)
         self.check_request(ids, params)
         controls = self.core.controls.prepare(params)  # bad words' ids, compiled grammar
+        if lora_request is not None:  # read the adapter now: its errors are this call's
+            prepare_request(self.core.lora, lora_request, book.requests.values())
         if params.seed is None and not params.greedy:
             # Drawn here, once, so the request's samples survive preemption unchanged.
             params = params.with_seed(int(self._rng.integers(0, MAX_SEED + 1)))
@@ -251,6 +259,7 @@ class LLMEngine:
             detokenize=self.detokenize,
         )
         self.core.controls.attach(req, controls)
+        req.lora_request = lora_request  # LoRA: its adapter slot, its prefix-cache salt
         # n > 1: only sample 0 prefills; the others fork its blocks when its prompt is done.
         book.add(req)
 
@@ -473,6 +482,7 @@ class LLMEngine:
         """Counters since the last ``reset_stats``: ``engine_stats.engine_stats`` gives
         the keys' meanings; spec_*: ``spec/decoder.py``'s ``SpecCounters``."""
         spec = self.speculator.stats() if self.speculator is not None else {}
+        spec |= self.core.lora.stats() if self.core.lora is not None else {}  # lora_*
         return spec | self.core.controls.stats() | engine_stats(
             self.core, self.multi_step, forked_samples=self.outputs.num_forked,
             preemptions_recompute=self.num_preemptions_recompute,
@@ -487,5 +497,6 @@ def _reject_unbuilt_features(config: EngineConfig) -> None:
     check_buildable(config.speculative, config.model.model)
     if config.speculative is not None and config.parallel.tensor_parallel_size > 1:
         raise ValueError("speculative_config with tensor_parallel_size > 1: not built yet")
+    check_lora_buildable(config)
     if config.parallel.data_parallel_size > 1:  # replicas are data_parallel.py's, above
         raise ValueError("LLMEngine is one replica; data_parallel_size > 1: DataParallelEngine")

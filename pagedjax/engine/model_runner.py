@@ -32,6 +32,7 @@ from jax import lax
 from pagedjax.attention import copy_blocks
 from pagedjax.engine.faults import hook_from_env
 from pagedjax.engine.program_store import describe_function
+from pagedjax.lora.slots import split_seq_slots
 from pagedjax.memory.block_table import slot_mapping
 from pagedjax.model import ModelArch, ModelInput
 from pagedjax.model.forward import forward
@@ -52,12 +53,15 @@ def build_model_input(
     num_tokens: int,
     num_seqs: int,
     block_size: int,
+    seq_lora_slots: jax.Array | None = None,
 ) -> ModelInput:
     """ModelInput padded to (T=num_tokens, S=num_seqs) from the batch's first S rows.
 
     Token i belongs to the row r with cu[r] <= i < cu[r+1]; its position is
     start_pos[r] + i - cu[r]. Tokens past the batch's total are padding (PAD_SLOT writes,
-    row S, which no kv_len covers).
+    row S, which no kv_len covers). seq_lora_slots int32[max_seqs] (LoRA on: each
+    scheduler slot's adapter slot, engine/lora_manager.py) gives each token its row's
+    adapter slot as ``lora_slots`` (padding: 0, the base model); None: no LoRA input.
     """
     seq_ids = batch.seq_ids[:num_seqs]
     q_lens = batch.q_lens[:num_seqs]
@@ -81,6 +85,7 @@ def build_model_input(
         kv_lens=jnp.where(row_ok, start + q_lens, 0),
         cu_q_lens=cu,
         logits_indices=jnp.maximum(cu[1:] - 1, 0),
+        lora_slots=None if seq_lora_slots is None else jnp.where(valid, seq_lora_slots[seq], 0),
     )
 
 
@@ -195,7 +200,9 @@ class ModelRunner:
         """The traced body of ``step`` (not jitted, not counted): also called inside the
         multi-step decode loop (``multi_step.py``), which counts its own traces."""
         tables = mem.tables.tables
-        inp = build_model_input(tokens, tables, batch, num_tokens, num_seqs, self.block_size)
+        params, seq_lora = split_seq_slots(params)  # LoRA on: the rows' adapter slots
+        inp = build_model_input(tokens, tables, batch, num_tokens, num_seqs, self.block_size,
+                                seq_lora)  # fmt: skip
         cow = mem.last_cow
         kv = apply_cow(kv, cow.src, cow.dst, cow.valid)
         last = inp.logits_indices

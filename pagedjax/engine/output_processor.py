@@ -145,7 +145,8 @@ class OutputProcessor:
         iteration's tokens are recorded: the block may end in accepted drafts)."""
         b = self.core.block_size
         hi = end // b + 1
-        extend_hashes(seq.hashes, req.prompt_token_ids + seq.detok.ids, b, hi)
+        extend_hashes(seq.hashes, req.prompt_token_ids + seq.detok.ids, b, hi,
+                      req.cache_salt)
         self.core.prefix_index.record(seq.hashes[hi - 1 : hi], [block])
 
     def fork_samples(self, owners: list, rows: list[int]) -> None:

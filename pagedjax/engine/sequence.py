@@ -134,6 +134,9 @@ class RequestState:
     bad_words_ids: list[list[int]] = field(default_factory=list)
     # The structured-output backend that compiled the request's constraint (None: none).
     structured_backend: str | None = None
+    # LoRA (docs/lora.md): the request's adapter (a pagedjax.lora.LoRARequest; None: the
+    # base model).
+    lora_request: Any = None
     # Timeline for serving metrics (time.monotonic()); see outputs.RequestMetrics.
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
@@ -171,6 +174,12 @@ class RequestState:
             )
             req.seqs.append(seq)
         return req
+
+    @property
+    def cache_salt(self) -> bytes | None:
+        """The salt of this request's prefix-cache block hashes (block_hashes.py): its
+        adapter's (the same prompt under two adapters has different KV); None: none."""
+        return None if self.lora_request is None else self.lora_request.cache_salt
 
     @property
     def finished(self) -> bool:

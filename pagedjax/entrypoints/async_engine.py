@@ -177,8 +177,10 @@ class AsyncLLMEngine:
         prompt: str | list[int] | dict,
         sampling_params: SamplingParams,
         request_id: str,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its cumulative RequestOutputs until it finishes.
+        lora_request: its adapter (a pagedjax.lora.LoRARequest; None: the base model).
 
         Several outputs that arrive while the consumer is busy are merged into the newest
         (they are cumulative). Raises the add_request error (ValueError / TypeError) if
@@ -200,7 +202,8 @@ class AsyncLLMEngine:
         stream = _Stream(request_id, asyncio.get_running_loop())
         with self._lock:
             self._pending_adds += 1
-        self._put(("add", request_id, prompt, sampling_params, stream, time.monotonic()))
+        self._put(("add", request_id, prompt, sampling_params, stream, time.monotonic(),
+                   lora_request))  # fmt: skip
         if self._dead is not None:  # died between the check above and the put
             raise self._dead
         done = False
@@ -325,13 +328,16 @@ class AsyncLLMEngine:
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, params, stream, arrival = cmd
+            _, rid, prompt, params, stream, arrival, lora = cmd
             with self._lock:
                 self._pending_adds -= 1
             try:
                 if rid in self._tracked:
                     raise ValueError(f"request id {rid!r} is already in use")
-                self.engine.add_request(rid, prompt, params)
+                if lora is None:  # engines without LoRA keep their add_request signature
+                    self.engine.add_request(rid, prompt, params)
+                else:
+                    self.engine.add_request(rid, prompt, params, lora_request=lora)
             except Exception as e:  # noqa: BLE001 - the request's error, not the engine's
                 stream.loop.call_soon_threadsafe(stream.put, e)
                 return

@@ -14,6 +14,7 @@ from pagedjax.attention import KV_CACHE_DTYPES
 from pagedjax.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -25,6 +26,7 @@ from pagedjax.engine.fronts.data_parallel import DataParallelEngine
 from pagedjax.engine.fronts.multihost import MultiHostEngine
 from pagedjax.engine.llm_engine import DEFAULT_MAX_LOGPROBS, LLMEngine
 from pagedjax.engine.outputs import RequestOutput
+from pagedjax.lora import LoRARequest
 from pagedjax.sampling import BeamSearchParams, SamplingParams
 
 PromptType = str | Sequence[int] | dict
@@ -70,6 +72,9 @@ class LLM:
     structured_outputs_config: vLLM's dict, e.g. {"backend": "auto" | "xgrammar" |
     "guidance", "disable_any_whitespace": False} (``config.StructuredOutputsConfig``;
     docs/structured_outputs.md).
+    enable_lora, max_loras, max_lora_rank, max_cpu_loras: multi-LoRA serving, vLLM's
+    names and defaults (1, 16, None = max_loras); ``generate(..., lora_request=...)``
+    picks each prompt's adapter (docs/lora.md). Llama family, one device, no speculation.
     """
 
     def __init__(
@@ -106,6 +111,10 @@ class LLM:
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None,
         enforce_eager: bool = False,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
         **unknown: Any,
     ):
         if unknown:
@@ -116,6 +125,10 @@ class LLM:
         args = {k: v for k, v in locals().items() if k not in ("self", "unknown", "__class__")}
         config = engine_config(**args)
         multi_process = jax.process_count() > 1  # after multihost.initialize
+        if enable_lora and (multi_process or data_parallel_size > 1):
+            raise ValueError("enable_lora with data_parallel_size > 1 or several processes:"
+                             " not built in LLM (the server's engine core processes serve"
+                             " LoRA with --data-parallel-size; docs/lora.md)")  # fmt: skip
         if multi_process:
             if preemption_mode == "swap":
                 raise ValueError("preemption_mode='swap' is not available over several"
@@ -140,11 +153,14 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in input order.
 
         prompts: a str, a list of token ids, a {"prompt_token_ids": ...} dict, or a list
         of these. sampling_params: one for all, or one per prompt (default SamplingParams()).
+        lora_request (``enable_lora=True``): one LoRARequest for all prompts, or one per
+        prompt (None: the base model), as vLLM's; one batch mixes adapters (docs/lora.md).
         If any prompt or option is invalid, nothing of this call is left in the engine and
         the error is raised.
         """
@@ -157,12 +173,16 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        loras = _per_prompt_loras(lora_request, len(prompts))
         engine = self.llm_engine
         ids = [f"{next(self._ids)}" for _ in prompts]
         added: list[str] = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params, strict=True):
-                engine.add_request(rid, prompt, p)
+            for rid, prompt, p, lora in zip(ids, prompts, params, loras, strict=True):
+                if lora is None:  # engines without LoRA keep their add_request signature
+                    engine.add_request(rid, prompt, p)
+                else:
+                    engine.add_request(rid, prompt, p, lora_request=lora)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)
@@ -313,6 +333,10 @@ def engine_config(
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
     structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None,
     enforce_eager: bool = False,
+    enable_lora: bool = False,
+    max_loras: int = 1,
+    max_lora_rank: int = 16,
+    max_cpu_loras: int | None = None,
     **unknown: Any,
 ) -> EngineConfig:
     """The EngineConfig of ``LLM(model, ...)``'s arguments (see ``LLM``), built without
@@ -325,6 +349,11 @@ def engine_config(
         )
     if enforce_eager:
         warmup, num_scheduler_steps = eager_settings(warmup, num_scheduler_steps)
+    if not isinstance(enable_lora, bool):
+        raise TypeError(f"enable_lora must be True or False, got {enable_lora!r}")
+    # Checked whether or not LoRA is on (a bad value is an error either way).
+    lora = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank,
+                      max_cpu_loras=max_cpu_loras)  # fmt: skip
     if preemption_mode not in (None, "recompute", "swap"):
         raise ValueError(
             f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}"
@@ -367,9 +396,26 @@ def engine_config(
         compilation_cache=compilation_cache,
         speculative=_speculative(speculative_config),
         structured_outputs=_structured_outputs(structured_outputs_config),
+        lora=lora if enable_lora else None,
     )
     _check_literals(config)
     return config
+
+
+def _per_prompt_loras(value: Any, n: int) -> list[LoRARequest | None]:
+    """generate's lora_request: None, one LoRARequest for all, or a list of n (each a
+    LoRARequest or None)."""
+    if value is None or isinstance(value, LoRARequest):
+        return [value] * n
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        loras = list(value)
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} lora_requests for {n} prompts")
+        for x in loras:
+            if x is not None and not isinstance(x, LoRARequest):
+                raise TypeError(f"lora_request entries must be LoRARequest or None, got {x!r}")
+        return loras
+    raise TypeError(f"lora_request must be a LoRARequest or a list of them, got {value!r}")
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

@@ -10,11 +10,12 @@ from pagedjax.lora.checkpoint import (
     load_peft_adapter,
 )
 from pagedjax.lora.request import LoRARequest
-from pagedjax.lora.slots import LoRASlotTable
+from pagedjax.lora.slots import LORA_SEQ_SLOTS, LoRASlotTable, split_seq_slots
 from pagedjax.model.lora_delta import benchmark_lora_delta, lora_delta, lora_delta_grouped
 
 __all__ = [
     "LLAMA_TARGET_MODULES",
+    "LORA_SEQ_SLOTS",
     "LoRAAdapter",
     "LoRARequest",
     "LoRASlotTable",
@@ -23,4 +24,5 @@ __all__ = [
     "load_peft_adapter",
     "lora_delta",
     "lora_delta_grouped",
+    "split_seq_slots",
 ]

@@ -17,6 +17,8 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str = dataclasses.field(compare=False)
+    # The served model it belongs to (vLLM's field; the server's /v1/models "parent").
+    base_model_name: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
@@ -24,6 +26,14 @@ class LoRARequest:
                              f"{self.lora_int_id!r}")  # fmt: skip
         if not self.lora_path:
             raise ValueError("lora_path must name a PEFT adapter directory")
+
+    @property
+    def cache_salt(self) -> bytes:
+        """The prefix cache's salt for this adapter's requests (``block_hashes``): the
+        same prompt under two adapters (or an adapter and the base model) has different
+        KV, so its blocks must never be shared. Id and name both, as vLLM keys on the
+        name: two handles that differ in either never share blocks."""
+        return f"lora:{self.lora_int_id}:{self.lora_name}".encode()
 
     def __hash__(self) -> int:
         return hash(self.lora_int_id)

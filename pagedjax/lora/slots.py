@@ -27,6 +27,20 @@ import numpy as np
 from pagedjax.lora.checkpoint import ATTENTION_MODULES, LoRAAdapter, load_peft_adapter
 from pagedjax.lora.request import LoRARequest
 
+# The engine's parameter tree may carry, beside the model's parameters, each scheduler
+# slot's adapter slot (int32 [max_seqs], engine/lora_manager.py) under this key; the step
+# builds ModelInput.lora_slots from it (``split_seq_slots``).
+LORA_SEQ_SLOTS = "lora_seq_slots"
+
+
+def split_seq_slots(params: Any) -> tuple[Any, jax.Array | None]:
+    """(the model's parameters, the per-scheduler-slot adapter slots or None): the tree
+    without ``LORA_SEQ_SLOTS``, so the model never sees a key it has no module for."""
+    if isinstance(params, dict) and LORA_SEQ_SLOTS in params:
+        rest = {k: v for k, v in params.items() if k != LORA_SEQ_SLOTS}
+        return rest, params[LORA_SEQ_SLOTS]
+    return params, None
+
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _set_slot(stacked: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:

@@ -125,10 +125,17 @@ class PrefixIndex:
     """Host-side hint: chained block hash -> the block id it was registered in.
 
     Never trusted on its own: ``match`` verifies every proposed block on device.
+
+    A block is hinted under the hash of its latest registration only: ``record`` drops
+    the hint an earlier content of the same block left. ``match`` compares tokens and
+    parents, not what the hash keyed beyond them (a cache salt: a LoRA adapter's id,
+    engine/block_hashes.py), so a stale hint to a block since refilled with the same
+    tokens under another salt would verify and share another adapter's KV.
     """
 
     def __init__(self) -> None:
         self._block_of: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}  # block -> the hash it is hinted under
         self.queries = 0
         self.hit_blocks = 0
         self.query_blocks = 0
@@ -148,13 +155,23 @@ class PrefixIndex:
 
     def record(self, hashes: list[int], blocks: list[int]) -> None:
         for h, b in zip(hashes, blocks, strict=False):
-            if b != NULL_BLOCK:
-                self._block_of[h] = b
+            if b == NULL_BLOCK:
+                continue
+            old = self._hash_of.get(b)
+            if old is not None and old != h and self._block_of.get(old) == b:
+                del self._block_of[old]  # the block's earlier content is gone
+            prev = self._block_of.get(h)
+            if prev is not None and prev != b and self._hash_of.get(prev) == h:
+                del self._hash_of[prev]
+            self._block_of[h] = b
+            self._hash_of[b] = h
 
     def forget(self, hashes: list[int]) -> None:
         """Drop hints that failed verification (stale: the block was reused)."""
         for h in hashes:
-            self._block_of.pop(h, None)
+            b = self._block_of.pop(h, None)
+            if b is not None and self._hash_of.get(b) == h:
+                del self._hash_of[b]
 
     def count(self, proposed_blocks: int, hit_blocks: int) -> None:
         self.queries += 1

@@ -171,7 +171,8 @@ class Linear(nn.Module):
     LoRA: when the parameters also hold ``lora_a`` [slots, in, r], ``lora_b`` [slots, r,
     out] and ``lora_scale`` [slots] (``LoRASlotTable.attach``) and the call passes
     ``lora_slots`` int32 [rows], each row adds its adapter's x @ A @ B * scale
-    (``lora_delta``) to the base output; without either the layer is the base one."""
+    (``lora_delta``) to the base output (skipped when no row has an adapter); without
+    either the layer is the base one."""
 
     features: int
     use_bias: bool = True
@@ -203,11 +204,16 @@ class Linear(nn.Module):
             y, bias = promote_dtype(y, bias, dtype=None)
             y = y + bias
         if lora_slots is not None and self.has_variable("params", "lora_a"):
-            delta = lora_delta(
-                x, lora_slots, self.get_variable("params", "lora_a"),
-                self.get_variable("params", "lora_b"), self.get_variable("params", "lora_scale"),
-            )  # fmt: skip
-            y = y + delta.astype(y.dtype)
+            a, b = self.get_variable("params", "lora_a"), self.get_variable("params", "lora_b")
+            scale = self.get_variable("params", "lora_scale")
+            # A batch without adapter rows (slot 0 everywhere: base requests on a LoRA
+            # engine) skips the gathers and matmuls instead of adding exact zeros.
+            y = jax.lax.cond(
+                jnp.any(lora_slots > 0),
+                lambda y: y + lora_delta(x, lora_slots, a, b, scale).astype(y.dtype),
+                lambda y: y,
+                y,
+            )
         return y
 
 

@@ -71,19 +71,21 @@ def build_app(
     metrics: ServerMetrics | None = None,
     limits: ServerLimits | None = None,
     shutdown_timeout_s: float = 20.0,
+    lora_modules: dict[str, Any] | None = None,
     **output_parsers: Any,
 ) -> FastAPI:
     """The FastAPI app over ``engine``. Give ``metrics`` the ServerMetrics that is the
     engine's stats sink (else a fresh one without timings is made); ``limits`` the
     per-request limits (limits.py); ``shutdown_timeout_s`` the drain of a graceful
-    shutdown (shutdown.py: ``app.state.drainer``). ``output_parsers``: OpenAIServing's
-    enable_auto_tools, tool_parser, reasoning_parser."""
+    shutdown (shutdown.py: ``app.state.drainer``). ``lora_modules``: {name: LoRARequest}
+    of the adapters served by name (an engine with LoRA on; listed in /v1/models).
+    ``output_parsers``: OpenAIServing's enable_auto_tools, tool_parser, reasoning_parser."""
     app = FastAPI(title="pagedjax OpenAI-compatible server", version=version())
     metrics = metrics or ServerMetrics(served_model_names[0])
     limits = limits or ServerLimits()
     serving = OpenAIServing(
         engine, served_model_names, chat_template=chat_template, response_role=response_role,
-        limits=limits, **output_parsers,
+        limits=limits, lora_modules=lora_modules, **output_parsers,
     )  # fmt: skip
     drainer = Drainer(engine, shutdown_timeout_s, metrics)
     app.add_middleware(DrainMiddleware, drainer=drainer)
@@ -141,6 +143,18 @@ def build_app(
                 "max_model_len": engine.max_model_len,
             }
             for name in served_model_names
+        ]
+        data += [  # vLLM's entries of LoRA modules: root = the adapter, parent = the base
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pagedjax",
+                "root": lora.lora_path,
+                "parent": lora.base_model_name or served_model_names[0],
+                "max_model_len": engine.max_model_len,
+            }
+            for name, lora in (lora_modules or {}).items()
         ]
         return {"object": "list", "data": data}
 
@@ -226,9 +240,15 @@ def build_from_args(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine]:
         build_engine_client(args), max_waiting_requests=args.max_waiting_requests,
         stats=metrics, engine_factory=factory, max_restarts=restarts,
     )  # fmt: skip
+    try:  # --lora-modules: each adapter read once now, so a bad one stops the start
+        lora_modules = cli_args.lora_requests(args, engine.engine, names)
+    except ValueError as e:
+        engine.shutdown()
+        raise SystemExit(f"error: {e}") from None
     app = build_app(
         engine,
         names,
+        lora_modules=lora_modules,
         model_path=args.model,
         api_key=args.api_key or os.environ.get("PAGEDJAX_API_KEY"),
         chat_template=chat_template,

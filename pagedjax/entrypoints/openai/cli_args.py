@@ -166,6 +166,16 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         help='speculative decoding, JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
     p.add_argument(
+        "--enable-lora", action=argparse.BooleanOptionalAction, default=None,
+        help="serve LoRA adapters (--lora-modules; requests name one as 'model'; docs/lora.md)",
+    )  # fmt: skip
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="adapters on the device at once (LLM's default: 1)")  # fmt: skip
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help="the largest adapter rank served (LLM's default: 16)")  # fmt: skip
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory (default: --max-loras)")  # fmt: skip
+    p.add_argument(
         "--kv-cache-dtype",
         default=None,
         choices=list(KV_CACHE_DTYPES),
@@ -194,6 +204,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="Jinja chat template, a file path or the template text (default: the tokenizer's)",
     )
     p.add_argument("--response-role", default="assistant")
+    p.add_argument(
+        "--lora-modules", nargs="+", type=_lora_module, default=None,
+        help="LoRA adapters served by name (with --enable-lora): name=path, or JSON"
+        ' \'{"name": ..., "path": ..., "base_model_name": ...}\'',
+    )  # fmt: skip
     add_limit_args(p)  # --max-num-queued-reqs, --request-timeout, body / field limits
     add_shutdown_args(p)  # --shutdown-timeout
     p.add_argument(
@@ -230,7 +245,8 @@ def make_parser(prog: str = "pagedjax.entrypoints.openai.api_server") -> argpars
 # Why a vLLM flag is not implemented, by the first pattern its name contains (else the
 # last entry's reason).
 REFUSAL_REASONS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("lora",), "LoRA adapters are not built"),
+    (("lora",), "only --enable-lora, --lora-modules, --max-loras, --max-lora-rank and"
+     " --max-cpu-loras are built (docs/lora.md)"),
     (("trust-remote-code", "model-impl", "model-class-overrides", "runner", "convert"),
      "pagedjax runs its own model implementations (docs/model_families.md), never a"
      " checkpoint's code"),
@@ -343,6 +359,7 @@ LLM_ARGS = (
     "quantization",
     "speculative_config",
     "enforce_eager",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
 )  # fmt: skip
 
 
@@ -351,6 +368,57 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     default is LLM's own (one place to change a default; the server cannot drift)."""
     kwargs = {k: getattr(args, k) for k in LLM_ARGS if getattr(args, k) is not None}
     return kwargs | output_llm_kwargs(args)
+
+
+def _lora_module(text: str) -> dict[str, str]:
+    """One --lora-modules value: name=path, or vLLM's JSON object with "name", "path"
+    and optionally "base_model_name"."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+        unknown = sorted(set(value) - {"name", "path", "base_model_name"}) if isinstance(
+            value, dict) else None  # fmt: skip
+        if unknown is None or unknown or not all(
+            isinstance(value.get(k), str) and value.get(k) for k in ("name", "path")
+        ):
+            raise argparse.ArgumentTypeError(
+                f'expected {{"name": ..., "path": ..., "base_model_name": ...}}, got {text!r}'
+            )
+        return value
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return {"name": name, "path": path}
+
+
+def lora_requests(args: argparse.Namespace, engine: Any, served_names: list[str]) -> dict:
+    """{name: LoRARequest} of --lora-modules (ids 1, 2, ... in order), each checkpoint
+    read once against the engine's model (``engine.arch``, ``engine.config.lora``).
+    ValueError naming the cause: modules without --enable-lora, a name given twice or
+    equal to a served model name, a base_model_name not served, a bad adapter."""
+    from pagedjax.lora import LoRARequest, llama_module_shapes, load_peft_adapter
+
+    modules = args.lora_modules or []
+    if not modules:
+        return {}
+    cfg = getattr(getattr(engine, "config", None), "lora", None)
+    if cfg is None:
+        raise ValueError("--lora-modules needs --enable-lora")
+    out: dict[str, LoRARequest] = {}
+    for i, m in enumerate(modules, start=1):
+        name, path = m["name"], m["path"]
+        if name in out or name in served_names:
+            raise ValueError(f"--lora-modules: the name {name!r} is used twice")
+        base = m.get("base_model_name")
+        if base is not None and base not in served_names:
+            raise ValueError(f"--lora-modules {name!r}: base_model_name {base!r} is not a served"
+                             f" model name ({served_names})")  # fmt: skip
+        arch = engine.arch
+        load_peft_adapter(path, llama_module_shapes(arch), arch.num_layers, cfg.max_lora_rank)
+        out[name] = LoRARequest(name, i, path, base_model_name=base)
+    return out
 
 
 def describe(args: argparse.Namespace) -> str:

@@ -52,8 +52,11 @@ class OpenAIServing:
         enable_auto_tools: bool = False,
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
+        lora_modules: dict[str, Any] | None = None,
     ):
         self.enable_auto_tools, self.tool_parser = enable_auto_tools, tool_parser
+        # LoRA adapters served by name ("model": name): {name: LoRARequest} (docs/lora.md).
+        self.lora_modules = dict(lora_modules or {})
         self.reasoning_parser = reasoning_parser
         self.engine = engine
         self.limits = limits or ServerLimits()
@@ -64,9 +67,14 @@ class OpenAIServing:
 
     # ------------------------------------------------------------- shared
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None) -> Any:
+        """The request's adapter (a LoRARequest) when ``name`` is a LoRA module's, None for
+        the base model's names (or no name); 404 as vLLM for any other name."""
+        if name is not None and name in self.lora_modules:
+            return self.lora_modules[name]
         if name is not None and name not in self.names:
             raise OpenAIError(404, f"The model `{name}` does not exist.", "model")
+        return None
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool, template: str | None,
                     template_kwargs: dict | None = None):  # fmt: skip
@@ -127,7 +135,7 @@ class OpenAIServing:
         e = self.engine
         check_body(body, self.limits)
         parsed = parse_completion(body, vocab_size=e.vocab_size, max_logprobs=e.max_logprobs)
-        self.check_model(parsed.model)
+        lora = self.check_model(parsed.model)
         parsed.params_kwargs.update(parse_constraints(body, e.vocab_size))
         jobs = []
         for p in parsed.prompts:
@@ -137,7 +145,7 @@ class OpenAIServing:
             jobs.append(({"prompt_token_ids": ids, "prompt": text}, parsed.sampling_params(mt)))
         rid = f"cmpl-{uuid.uuid4().hex}"
         view = CompletionView(self, parsed, rid)
-        return await self._respond(parsed, jobs, rid, view, request)
+        return await self._respond(parsed, jobs, rid, view, request, lora)
 
     # ------------------------------------------------------------- chat
 
@@ -145,7 +153,7 @@ class OpenAIServing:
         e = self.engine
         check_body(body, self.limits)
         parsed = parse_chat(body, vocab_size=e.vocab_size, max_logprobs=e.max_logprobs)
-        self.check_model(parsed.model)
+        lora = self.check_model(parsed.model)
         assert parsed.messages is not None
         parsed.params_kwargs.update(parse_constraints(body, e.vocab_size))
         extras = prepare_chat(body, parsed, auto_tools=self.enable_auto_tools and
@@ -161,14 +169,15 @@ class OpenAIServing:
         jobs = [({"prompt_token_ids": ids, "prompt": text}, parsed.sampling_params(mt))]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         view = ChatView(self, parsed, rid, rules)
-        return await self._respond(parsed, jobs, rid, view, request)
+        return await self._respond(parsed, jobs, rid, view, request, lora)
 
     # ------------------------------------------------------------- engine I/O
 
-    async def _respond(self, parsed, jobs, rid, view, request: Request) -> Response:
+    async def _respond(self, parsed, jobs, rid, view, request: Request,
+                       lora: Any = None) -> Response:  # fmt: skip
         n_prompts = len(jobs)
         gens = [
-            self.engine.generate(prompt, params, f"{rid}-{i}")
+            self.engine.generate(prompt, params, f"{rid}-{i}", lora_request=lora)
             for i, (prompt, params) in enumerate(jobs)
         ]
         stream = _merged(gens) if n_prompts > 1 else _single(gens[0])

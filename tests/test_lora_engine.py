@@ -1,0 +1,476 @@
+"""Multi-LoRA end to end (docs/lora.md): the engine's adapter slots, prefix caching keyed
+by adapter, ``LLM(enable_lora=True).generate(..., lora_request=...)`` against
+transformers + peft, slot pressure, refusals, and the server serving an adapter by name.
+
+Default tier: the LoRAManager's slot decisions (a Hypothesis state walk against a plain
+model of LRU-with-pins), salted block hashes, the prefix hint's one-hash-per-block rule,
+the config / CLI refusals. Tier 2: a tiny random ``LlamaForCausalLM`` (transformers) with
+two random PEFT adapters written by peft, through the real engine and server.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedjax.config import ConfigError, LoRAConfig
+from pagedjax.engine.block_hashes import extend_hashes
+from pagedjax.engine.lora_manager import LoRAManager
+from pagedjax.lora import LORA_SEQ_SLOTS, LoRARequest, llama_module_shapes
+from pagedjax.memory.prefix_cache import PrefixIndex, chain_hashes
+
+# One worker runs this module (--dist loadgroup): its engines are built once.
+pytestmark = pytest.mark.xdist_group("test_lora_engine")
+
+ARCH = SimpleNamespace(family="llama", num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
+                       hidden_size=8, intermediate_size=12, num_experts=0)  # fmt: skip
+
+
+def _write_adapter(directory, r, seed, modules=("q_proj", "v_proj", "down_proj"), arch=ARCH):
+    """A PEFT-layout adapter for ``arch`` written with numpy; its A weights by module."""
+    from safetensors.numpy import save_file
+
+    shapes = llama_module_shapes(arch)
+    rng = np.random.default_rng(seed)
+    tensors, want = {}, {}
+    for m in modules:
+        d_in, d_out = shapes[m]
+        group = "mlp" if m.endswith(("gate_proj", "up_proj", "down_proj")) else "self_attn"
+        a = rng.normal(size=(arch.num_layers, r, d_in)).astype(np.float32)
+        b = rng.normal(size=(arch.num_layers, d_out, r)).astype(np.float32)
+        for i in range(arch.num_layers):
+            key = f"base_model.model.model.layers.{i}.{group}.{m}"
+            tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a[i], b[i]
+        want[m] = a.transpose(0, 2, 1)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    cfg = dict(peft_type="LORA", r=r, lora_alpha=2 * r, target_modules=list(modules))
+    (directory / "adapter_config.json").write_text(json.dumps(cfg))
+    return want
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """Four small hand-written adapters (ids 1..4) for the manager's tests."""
+    d = tmp_path_factory.mktemp("lora_manager")
+    reqs, want = [], {}
+    for i in range(1, 5):
+        want[i] = _write_adapter(d / f"a{i}", r=1 + i % 3, seed=i)
+        reqs.append(LoRARequest(f"a{i}", i, str(d / f"a{i}")))
+    return reqs, want, d
+
+
+def _manager(max_loras, max_cpu_loras=None, max_seqs=4):
+    base = {"layers": {"self_attn": {m: {} for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                       "mlp": {m: {} for m in ("gate_proj", "up_proj", "down_proj")}}}  # fmt: skip
+    cfg = LoRAConfig(max_loras=max_loras, max_lora_rank=4, max_cpu_loras=max_cpu_loras)
+    return LoRAManager(cfg, ARCH, base, max_seqs)
+
+
+# --------------------------------------------------------------- manager (default tier)
+
+
+@settings(max_examples=20)
+@given(ops=st.lists(st.tuples(st.sampled_from(["admit", "finish"]), st.integers(0, 3)),
+                    max_size=24))  # fmt: skip
+def test_manager_lru_with_pins_matches_a_plain_model(adapters, ops):
+    """Admissions of 4 adapters into 2 slots, requests finishing in any order: the manager
+    admits exactly when a plain LRU-with-pins model does, evicts the model's victim, and
+    every slot holds its adapter's weights (zero-padded to max_lora_rank)."""
+    reqs, want, _ = adapters
+    mgr = _manager(max_loras=2, max_cpu_loras=4)
+    for r in reqs:
+        mgr.prepare(r)
+    resident: list[int] = []  # the model: LRU order, least recent first
+    running: list[int] = []  # adapter ids of admitted, unfinished requests
+    for op, k in ops:
+        i = reqs[k].lora_int_id
+        if op == "finish":
+            if i in running:
+                running.remove(i)
+            continue
+        free = [v for v in resident if v not in running]
+        expect = i in resident or len(resident) < 2 or bool(free)
+        assert mgr.admit(reqs[k], running) == expect
+        if not expect:
+            continue
+        if i in resident:
+            resident.remove(i)
+        elif len(resident) == 2:
+            resident.remove(free[0])
+        resident.append(i)
+        running.append(i)
+        assert list(mgr.resident) == resident
+    for i in resident:
+        slot = mgr.table.slot_of(i)
+        q = np.asarray(mgr.table.a["q_proj"])[:, slot]
+        r = want[i]["q_proj"].shape[-1]
+        np.testing.assert_array_equal(q[..., :r], want[i]["q_proj"])
+        assert not q[..., r:].any()
+        assert not np.asarray(mgr.table.a["k_proj"])[:, slot].any()  # not targeted
+
+
+def test_manager_binds_slots_and_refuses_bad_adapters(adapters, tmp_path):
+    reqs, _, d = adapters
+    mgr = _manager(max_loras=1, max_cpu_loras=2)
+    mgr.prepare(reqs[0])
+    assert mgr.admit(reqs[0], []) and mgr.admit(None, [1])
+    mgr.bind(2, reqs[0])
+    mgr.bind(3, None)
+    params = mgr.params()
+    np.testing.assert_array_equal(params[LORA_SEQ_SLOTS], [0, 0, 1, 0])
+    assert params["layers"]["self_attn"]["q_proj"]["lora_a"].shape == (2, 2, 8, 4)
+    mgr.prepare(reqs[1])
+    assert not mgr.admit(reqs[1], [1])  # the only slot's adapter is running: wait
+    assert mgr.admit(reqs[1], []) and mgr.stats() == dict(
+        lora_loads=2, lora_evictions=1, lora_waits=1, lora_resident=1)  # fmt: skip
+    # Host memory: the LRU beyond max_cpu_loras goes, unless a live request needs it.
+    mgr.prepare(reqs[2], live_ids=[1])
+    assert list(mgr.host) == [1, 3]
+    with pytest.raises(ValueError, match="one id per adapter"):
+        mgr.prepare(LoRARequest("other", 1, str(d / "a2")))
+    with pytest.raises(ValueError, match="missing adapter_config.json"):
+        mgr.prepare(LoRARequest("nope", 9, str(tmp_path / "nope")))
+    _write_adapter(tmp_path / "big", r=8, seed=0)
+    with pytest.raises(ValueError, match="rank 8 exceeds max_lora_rank=4"):
+        mgr.prepare(LoRARequest("big", 9, str(tmp_path / "big")))
+    _write_adapter(tmp_path / "emb", r=2, seed=0, modules=("q_proj",))
+    cfg = json.loads((tmp_path / "emb" / "adapter_config.json").read_text())
+    cfg["target_modules"] = ["q_proj", "embed_tokens"]
+    (tmp_path / "emb" / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="embed_tokens"):
+        mgr.prepare(LoRARequest("emb", 9, str(tmp_path / "emb")))
+    assert list(mgr.host) == [1, 3]  # refusals changed nothing
+    with pytest.raises(ValueError, match="Llama family"):
+        LoRAManager(LoRAConfig(), SimpleNamespace(family="opt"), {}, 4)
+
+
+# --------------------------------------------------------------- prefix cache keys
+
+
+def test_salted_hashes_differ_per_adapter_and_unsalted_are_unchanged():
+    ids = list(range(3, 40))
+    plain, a, a2, b = [], [], [], []
+    extend_hashes(plain, ids, 8, 4)
+    extend_hashes(a, ids[:20], 8, 2, LoRARequest("a", 1, "/x").cache_salt)
+    extend_hashes(a, ids, 8, 4, LoRARequest("a", 1, "/x").cache_salt)  # incremental
+    extend_hashes(a2, ids, 8, 4, LoRARequest("a", 1, "/y").cache_salt)  # same adapter
+    extend_hashes(b, ids, 8, 4, LoRARequest("b", 2, "/x").cache_salt)
+    assert plain == chain_hashes(ids, 8)
+    assert a == a2
+    assert not set(a) & set(b) and not set(a) & set(plain) and not set(b) & set(plain)
+
+
+@settings(max_examples=100)
+@given(st.lists(st.tuples(st.sampled_from(["record", "forget"]), st.integers(0, 5),
+                          st.integers(1, 4)), max_size=30))  # fmt: skip
+def test_prefix_hint_keeps_one_hash_per_block(ops):
+    """Each block is proposed under the hash of its latest registration only: a block
+    refilled (the same tokens under another adapter's salt) is never proposed for the
+    old hash, whose KV it no longer holds."""
+    index, latest = PrefixIndex(), {}  # latest: block -> hash of its newest record
+    for op, h, block in ops:
+        if op == "record":
+            index.record([h], [block])
+            latest = {b: x for b, x in latest.items() if x != h}
+            latest[block] = h
+        else:
+            index.forget([h])
+            latest = {b: x for b, x in latest.items() if x != h}
+    for h in range(6):
+        want = [b for b, x in latest.items() if x == h]
+        assert index.propose([h]) == want
+
+
+# --------------------------------------------------------------- config and CLI
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(max_loras=0), "lora.max_loras"),
+        (dict(max_lora_rank=-1), "lora.max_lora_rank"),
+        (dict(max_loras=4, max_cpu_loras=2), "must be >= max_loras"),
+        (dict(max_loras=1.5), "lora.max_loras"),
+    ],
+)
+def test_lora_options_refused_before_loading(kwargs, match):
+    from pagedjax import LLM
+
+    with pytest.raises(ConfigError, match=match):
+        LLM(model="tiny-llama", enable_lora=True, **kwargs)
+    with pytest.raises(TypeError, match="unknown keyword"):
+        LLM(model="tiny-llama", enable_lora=True, max_lora=2)
+    with pytest.raises(TypeError, match="enable_lora"):
+        LLM(model="tiny-llama", enable_lora="yes")
+
+
+def test_server_lora_flags():
+    from pagedjax.entrypoints.openai import cli_args
+
+    p = cli_args.make_parser()
+    b_json = '{"name": "b", "path": "/y", "base_model_name": "m"}'
+    args = p.parse_args(["--model", "m", "--enable-lora", "--max-loras", "2",
+                         "--max-lora-rank", "8", "--max-cpu-loras", "3", "--lora-modules",
+                         "a=/x", b_json])  # fmt: skip
+    kw = cli_args.llm_kwargs(args)
+    assert (kw["enable_lora"], kw["max_loras"], kw["max_lora_rank"], kw["max_cpu_loras"]) == (
+        True, 2, 8, 3)  # fmt: skip
+    assert args.lora_modules == [{"name": "a", "path": "/x"},
+                                 {"name": "b", "path": "/y", "base_model_name": "m"}]  # fmt: skip
+    for bad in ("nopath", '{"name": "b"}', '{"name": "b", "path": "/y", "rank": 2}'):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--model", "m", "--lora-modules", bad])
+    with pytest.raises(SystemExit):  # still refused by name: not built
+        p.parse_args(["--model", "m", "--fully-sharded-loras"])
+    off = SimpleNamespace(config=SimpleNamespace(lora=None))
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        cli_args.lora_requests(args, off, ["m"])
+    on = SimpleNamespace(config=SimpleNamespace(lora=LoRAConfig()))
+    dup = p.parse_args(["--model", "m", "--lora-modules", "m=/x"])
+    with pytest.raises(ValueError, match="used twice"):
+        cli_args.lora_requests(dup, on, ["m"])
+
+
+# --------------------------------------------------------------- the engine (tier 2)
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TIE_GAP = 1e-4
+
+
+def _peft_adapter(base, directory, seed, r, targets):
+    """A random PEFT LoRA on a copy of ``base`` (B non-zero), saved to ``directory``."""
+    import copy
+
+    import peft
+    import torch
+
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(r=r, lora_alpha=2 * r + 1, target_modules=targets,
+                          init_lora_weights=False, lora_dropout=0.0)  # fmt: skip
+    model = peft.get_peft_model(copy.deepcopy(base), cfg).eval()
+    model.save_pretrained(str(directory))
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random llama (with a byte-level tokenizer) and adapters A (rank 4, all seven
+    modules) and B (rank 2, q/v/down), written by transformers and peft."""
+    pytest.importorskip("peft")
+    from tests.model_helpers import make_tiny_hf_model, save_tiny_tokenizer
+
+    d = tmp_path_factory.mktemp("lora_engine")
+    base = make_tiny_hf_model("llama", seed=0, num_key_value_heads=2)
+    base.save_pretrained(str(d / "base"))
+    save_tiny_tokenizer(d / "base")
+    models = {None: base, 1: _peft_adapter(base, d / "a", 1, 4, ALL),
+              2: _peft_adapter(base, d / "b", 2, 2, ["q_proj", "v_proj", "down_proj"]),
+              3: _peft_adapter(base, d / "c", 3, 3, ["k_proj", "o_proj", "up_proj"])}  # fmt: skip
+    loras = {i: LoRARequest(n, i, str(d / n.lower())) for i, n in ((1, "A"), (2, "B"), (3, "C"))}
+    return SimpleNamespace(dir=d, models=models, loras=loras)
+
+
+POOL = 24  # blocks of 4 tokens; block 0 is the null block: 23 usable = 92 tokens
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    """One engine for every tier-2 test (one set of compiled programs): two adapter slots
+    for three adapters, prefix caching on, a pool one 92-token request fills, decode in
+    the fused 4-step loop (the adapters travel in its parameters)."""
+    from pagedjax import LLM
+
+    return LLM(model=str(tiny.dir / "base"), dtype="float32", block_size=4, max_model_len=96,
+               max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=POOL,
+               seed=0, enable_lora=True, max_loras=2, max_lora_rank=8,
+               num_scheduler_steps=4)  # fmt: skip  # the fused K-step loop too (GPU's default)
+
+
+def _hf_greedy(model, prompt, n):
+    """transformers(+peft) greedy ids (EOS off) and the top-2 logit gap of each step."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n,
+                             min_new_tokens=0, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)  # fmt: skip
+    gaps = [float(torch.topk(lg[0].double(), 2).values.diff().abs()) for lg in out.logits]
+    return out.sequences[0, len(prompt):].tolist(), gaps
+
+
+def _assert_greedy(tiny, prompt, lora_id, got, n):
+    ref, gaps = _hf_greedy(tiny.models[lora_id], prompt, n)
+    for i in range(n):
+        if gaps[i] < TIE_GAP:  # a near-tie may break either way in fp32
+            return
+        assert got[i] == ref[i], f"adapter {lora_id}: step {i}: {got} vs {ref}"
+
+
+N_NEW = 8
+
+
+def _greedy(n=N_NEW):
+    from pagedjax import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.tier2
+def test_mixed_batch_equals_transformers_peft(tiny, llm):
+    """Base, A, B, A in one generate call (one batch: their rows share steps) equal
+    transformers + peft greedy for each; the adapters change the outputs."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 384, size=n).tolist() for n in (6, 13, 9, 21)]
+    which = [None, 1, 2, 1]
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False,
+                        lora_request=[tiny.loras.get(i) for i in which])  # fmt: skip
+    for p, i, o in zip(prompts, which, outs, strict=True):
+        _assert_greedy(tiny, p, i, o.outputs[0].token_ids, N_NEW)
+    base = llm.generate(prompts[1], _greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    assert base != outs[1].outputs[0].token_ids
+    stats = llm.llm_engine.stats()
+    assert stats["lora_resident"] == 2 and stats["lora_waits"] == 0
+    assert stats["multi_step_iterations"] > 0  # decode ran in the fused loop
+
+
+@pytest.mark.tier2
+def test_bad_adapters_refused_and_engine_keeps_serving(tiny, llm, tmp_path):
+    prompt = [5, 6, 7, 8, 9]
+    with pytest.raises(ValueError, match="missing adapter_config.json"):
+        llm.generate([prompt, prompt], _greedy(), use_tqdm=False,
+                     lora_request=[tiny.loras[1], LoRARequest("x", 7, str(tmp_path))])  # fmt: skip
+    big = _peft_adapter(tiny.models[None], tmp_path / "big", 3, 16, ["q_proj"])
+    del big
+    with pytest.raises(ValueError, match="rank 16 exceeds max_lora_rank=8"):
+        llm.generate(prompt, _greedy(), use_tqdm=False,
+                     lora_request=LoRARequest("big", 8, str(tmp_path / "big")))  # fmt: skip
+    _write_adapter(tmp_path / "other", r=2, seed=0, modules=("q_proj",))  # hidden 8, not 64
+    with pytest.raises(ValueError, match="another base"):
+        llm.generate(prompt, _greedy(), use_tqdm=False,
+                     lora_request=LoRARequest("other", 9, str(tmp_path / "other")))  # fmt: skip
+    with pytest.raises(ValueError, match="2 lora_requests for 1 prompts"):
+        llm.generate(prompt, _greedy(), use_tqdm=False, lora_request=[None, None])
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate(prompt, _greedy(), use_tqdm=False, lora_request=tiny.loras[2])
+    _assert_greedy(tiny, prompt, 2, out[0].outputs[0].token_ids, N_NEW)
+
+
+@pytest.mark.tier2
+def test_prefix_cache_never_shares_blocks_across_adapters(tiny, llm):
+    """Prefix caching on: the same prompt under A, then B, then the base model, then A and
+    B again; each request fills the whole pool, so the next one's blocks are the previous
+    one's, refilled in place with the same tokens (the hint's stale entries verify on
+    device unless dropped). Each gets its own adapter's output."""
+    prompt = list(range(40, 124))  # 84 tokens + 8 new = 92: every usable block
+    for i in [1, 2, None, 1, 2]:
+        out = llm.generate(prompt, _greedy(), use_tqdm=False, lora_request=tiny.loras.get(i))
+        _assert_greedy(tiny, prompt, i, out[0].outputs[0].token_ids, N_NEW)
+    assert llm.llm_engine.num_free_blocks() == POOL - 1
+
+
+@pytest.mark.tier2
+def test_slot_pressure_waits_then_completes(tiny, llm):
+    """Three adapters in flight on two slots (and the base model): the third waits at
+    admission until a slot's requests finish, is loaded over the least recently used
+    adapter, and every request gets its own adapter's output."""
+    s = llm.llm_engine.stats()
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 384, size=n).tolist() for n in (5, 7, 6, 4, 9, 8)]
+    which = [1, 2, 3, None, 3, 1]
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False,
+                        lora_request=[tiny.loras.get(i) for i in which])  # fmt: skip
+    for p, i, o in zip(prompts, which, outs, strict=True):
+        _assert_greedy(tiny, p, i, o.outputs[0].token_ids, N_NEW)
+    now = llm.llm_engine.stats()
+    assert now["lora_waits"] > s["lora_waits"] and now["lora_evictions"] > s["lora_evictions"]
+    assert now["lora_resident"] == 2
+
+
+@pytest.mark.tier2
+def test_core_loop_add_carries_the_lora_request(tiny, llm):
+    """The engine core process' command loop (core_process.CoreLoop, run here on the
+    in-process engine): an "add" message with a fifth element serves that adapter."""
+    from pagedjax.engine.core_process import CoreLoop
+
+    prompt = [9, 8, 7, 6, 5, 4, 3]
+    want = llm.generate(prompt, _greedy(), use_tqdm=False, lora_request=tiny.loras[3])
+    engine = llm.llm_engine
+    CoreLoop(engine, None).apply(("add", "core-1", {"prompt_token_ids": prompt}, _greedy(),
+                                  tiny.loras[3]))  # fmt: skip
+    got = None
+    while engine.has_unfinished_requests():
+        got = [o for o in engine.step() if o.finished] or got
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+@pytest.mark.slow  # ~55 s on the loaded 2-core box (a core process starts and compiles)
+def test_engine_core_process_serves_adapters(tiny, llm, tmp_path):
+    """The server's default engine: the core in a process of its own (MPEngineClient).
+    The LoRARequest crosses the process boundary with its request; a bad adapter is
+    the add_request's ValueError in the API process, and LoRA off refuses one."""
+    from pagedjax.engine.core_client import MPEngineClient
+    from pagedjax.entrypoints.llm import engine_config
+
+    prompts = {"r-base": None, "r-a": 1, "r-c": 3}
+    prompt = [9, 8, 7, 6, 5, 4, 3]
+    want = {rid: llm.generate(prompt, _greedy(), use_tqdm=False,
+                              lora_request=tiny.loras.get(i))[0].outputs[0].token_ids
+            for rid, i in prompts.items()}  # fmt: skip
+    geometry = dict(dtype="float32", block_size=4, max_model_len=96, max_num_seqs=4,
+                    max_num_batched_tokens=32, num_gpu_blocks_override=POOL, seed=0,
+                    warmup="none")  # fmt: skip
+    mp = MPEngineClient(engine_config(model=str(tiny.dir / "base"), enable_lora=True,
+                                      max_loras=2, max_lora_rank=8, **geometry))  # fmt: skip
+    try:
+        with pytest.raises(ValueError, match="missing adapter_config.json"):
+            mp.add_request("bad", prompt, _greedy(), LoRARequest("x", 9, str(tmp_path)))
+        for rid, i in prompts.items():
+            mp.add_request(rid, prompt, _greedy(), lora_request=tiny.loras.get(i))
+        got = {}
+        while mp.has_unfinished_requests():
+            for o in mp.step():
+                if o.finished:
+                    got[o.request_id] = o.outputs[0].token_ids
+        assert got == want
+    finally:
+        mp.shutdown()
+
+
+@pytest.mark.tier2
+def test_server_serves_an_adapter_by_model_name(tiny, llm):
+    from starlette.testclient import TestClient
+
+    from pagedjax.entrypoints.async_engine import AsyncLLMEngine
+    from pagedjax.entrypoints.openai.api_server import build_app
+
+    prompt = [7, 8, 9, 10, 11, 12]
+    want = {i: llm.generate(prompt, _greedy(), use_tqdm=False, lora_request=tiny.loras.get(i))
+            [0].outputs[0].text for i in (None, 1, 2)}  # fmt: skip
+    engine = AsyncLLMEngine.from_llm(llm)
+    b = LoRARequest("B", 2, tiny.loras[2].lora_path, base_model_name="tiny-alias")
+    app = build_app(engine, ["tiny", "tiny-alias"], lora_modules={"A": tiny.loras[1], "B": b})
+    try:
+        with TestClient(app) as c:
+            models = c.get("/v1/models").json()["data"]
+            want_models = [("tiny", None), ("tiny-alias", None), ("A", "tiny"),
+                           ("B", "tiny-alias")]  # fmt: skip
+            assert [(m["id"], m["parent"]) for m in models] == want_models
+            assert models[2]["root"] == tiny.loras[1].lora_path
+            for name, i in (("tiny", None), ("A", 1), ("B", 2)):
+                r = c.post("/v1/completions", json=dict(
+                    model=name, prompt=prompt, max_tokens=N_NEW, temperature=0.0,
+                    ignore_eos=True))  # fmt: skip
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == want[i]
+            r = c.post("/v1/completions", json=dict(model="C", prompt=prompt, max_tokens=2))
+            assert r.status_code == 404
+            assert r.json()["error"]["message"] == "The model `C` does not exist."
+    finally:
+        engine.shutdown()
