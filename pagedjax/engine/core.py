@@ -75,6 +75,9 @@ class EngineCore:
     num_steps: int = 0  # engine iterations run (one-step path and decode loop)
     # logit_controls.LogitControls: dynamic masks (min_tokens, bad_words, grammars).
     controls: Any = None
+    # kv_offload.HostTier: prefix blocks evicted from the device kept on the host
+    # (kv_offloading_size > 0); None when off.
+    host_tier: Any = None
 
     def take_slot(self, req: RequestState, seq: SequenceState) -> int:
         """Bind a free slot to seq: owner, token-buffer row (prompt + any output kept for

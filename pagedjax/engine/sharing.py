@@ -8,6 +8,8 @@ The host side (hashes, the ``PrefixIndex`` hint, counters) lives in ``llm_engine
   verify the host's hinted blocks against the prompt (the token buffer row), take a
   reference to the usable hit, write it into the slot's table row and set
   ``num_computed`` to the hit length, before the jitted ``schedule`` sees the request.
+- ``attach_reloaded``: (host tier) extend those rows with fresh blocks for the part of
+  the prefix found on the host, registered as cached; the engine copies the KV in.
 - ``register_step``: after a step, mark the blocks that step filled as cached.
 - ``fork_children``: share a finished prompt's blocks with n - 1 child slots, in the
   parent's sequence group (gang-scheduled, preempted and swapped together).
@@ -81,6 +83,72 @@ def attach_hits(
         0, k, body, (mem, state.num_computed, z, z)
     )
     return state._replace(mem=mem, num_computed=num_computed), verified, used
+
+
+def attach_reloaded(
+    block_size: int,
+    state: SchedulerState,
+    tokens: jax.Array,
+    slots: jax.Array,
+    counts: jax.Array,
+    mask: jax.Array,
+) -> tuple[SchedulerState, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Give WAITING slots fresh blocks for the host-tier part of their prefix hit.
+
+    slots int32[K], counts int32[K] (blocks found on the host, continuing the row's
+    attached device hit: the row holds lengths[s] / B blocks), mask bool[K]. Each masked
+    row takes min(count, free blocks, room in its row) blocks from the pool's free list
+    (a cached block among them is evicted: its old tokens are returned so the engine
+    can keep it on the host too), appends them to its table row, registers them as
+    cached with the row's tokens and parents (the engine writes their KV from the host
+    before any program reads them), and advances lengths and num_computed.
+
+    Returns (state', new int32[K, M] block ids (first ``got`` real), got int32[K],
+    was_cached bool[K, M]: the new block held a cached block, old_tokens int32[K, M, B]:
+    its tokens then).
+    """
+    mem = state.mem
+    m = mem.tables.max_blocks_per_seq
+    blocks = _block_tokens(tokens, slots, m, block_size)
+    cols = jnp.arange(m, dtype=jnp.int32)
+
+    def body(i, carry):
+        mem, num_computed, new_all, got_all, was_all, old_all = carry
+        s, ok = slots[i], mask[i]
+        t = mem.tables
+        d = t.lengths[s] // block_size
+        n = jnp.where(ok, jnp.minimum(jnp.minimum(counts[i], mem.pool.num_free), m - d), 0)
+        pool, new = bp.pop_blocks(mem.pool, n, m)
+        valid = cols < n
+        safe = jnp.where(valid, new, 0)
+        was = valid & mem.prefix.cached[safe]
+        old = mem.prefix.tokens[safe]
+        at = jnp.where(valid, d + cols, m)  # table columns of the new blocks
+        row = t.tables[s].at[at].set(new, mode="drop")
+        parents = jnp.where(d + cols > 0, row[jnp.clip(d + cols - 1, 0, m - 1)], NULL_BLOCK)
+        toks = blocks[i][jnp.clip(d + cols, 0, m - 1)]
+        prefix = pc.register(mem.prefix, new, parents, toks, valid)
+        length = (d + n) * block_size
+        tables = t._replace(
+            tables=t.tables.at[s].set(row),
+            lengths=t.lengths.at[s].set(jnp.where(ok, length, t.lengths[s])),
+        )
+        num_computed = num_computed.at[s].set(jnp.where(ok, length, num_computed[s]))
+        mem = mem._replace(pool=pool, tables=tables, prefix=prefix)
+        return (mem, num_computed, new_all.at[i].set(new), got_all.at[i].set(n),
+                was_all.at[i].set(was), old_all.at[i].set(old))  # fmt: skip
+
+    k = slots.shape[0]
+    init = (
+        mem,
+        state.num_computed,
+        jnp.zeros((k, m), jnp.int32),
+        jnp.zeros((k,), jnp.int32),
+        jnp.zeros((k, m), bool),
+        jnp.zeros((k, m, block_size), jnp.int32),
+    )
+    mem, num_computed, new, got, was, old = jax.lax.fori_loop(0, k, body, init)
+    return state._replace(mem=mem, num_computed=num_computed), new, got, was, old
 
 
 def register_step(

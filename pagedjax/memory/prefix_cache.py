@@ -125,10 +125,13 @@ class PrefixIndex:
     """Host-side hint: chained block hash -> the block id it was registered in.
 
     Never trusted on its own: ``match`` verifies every proposed block on device.
+    ``hash_of(block)``: the hash a block was last recorded under (the host tier keys
+    an evicted block's KV by it, docs/kv_tiers.md).
     """
 
     def __init__(self) -> None:
         self._block_of: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}
         self.queries = 0
         self.hit_blocks = 0
         self.query_blocks = 0
@@ -150,11 +153,18 @@ class PrefixIndex:
         for h, b in zip(hashes, blocks, strict=False):
             if b != NULL_BLOCK:
                 self._block_of[h] = b
+                self._hash_of[b] = h
 
     def forget(self, hashes: list[int]) -> None:
         """Drop hints that failed verification (stale: the block was reused)."""
         for h in hashes:
-            self._block_of.pop(h, None)
+            b = self._block_of.pop(h, None)
+            if b is not None and self._hash_of.get(b) == h:
+                del self._hash_of[b]
+
+    def hash_of(self, block: int) -> int | None:
+        """The hash ``block`` was last recorded under (None: never, or forgotten)."""
+        return self._hash_of.get(block)
 
     def count(self, proposed_blocks: int, hit_blocks: int) -> None:
         self.queries += 1
