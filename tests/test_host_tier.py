@@ -128,6 +128,7 @@ def _brute_hit(on_dev: list[bool], on_host: list[bool], n_tokens: int, bs: int) 
     return min(d, total), total - min(d, total)
 
 
+@settings(max_examples=60)
 @given(
     rows=st.lists(
         st.tuples(st.lists(st.booleans(), min_size=6, max_size=6),
@@ -205,7 +206,8 @@ def test_options_are_vllms_and_refuse_other_backends():
 
 BS = 4
 ENGINE = dict(num_gpu_blocks_override=24, block_size=BS, max_num_seqs=2,
-              max_num_batched_tokens=32, warmup="none", swap_space=0.0)  # fmt: skip
+              max_num_batched_tokens=16, warmup="none", swap_space=0.0,
+              num_scheduler_steps=1)  # fmt: skip
 TIER_BLOCKS = 48
 
 
@@ -249,6 +251,7 @@ def _all_free(engine) -> None:
         assert int(mem.host_pool.num_free) + len(kept) == rc.shape[0] - 1
 
 
+@pytest.mark.tier2
 def test_multi_turn_outputs_equal_and_host_hits_save_prefill():
     runs, stats, sizes = {}, {}, {}
     size_gib = bpb = 0

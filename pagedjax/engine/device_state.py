@@ -103,6 +103,7 @@ class DeviceState:
         self._reloaded = jax.jit(functools.partial(sharing.attach_reloaded, bs),
                                  donate_argnums=(0,))  # fmt: skip
         self._exchange = jax.jit(_host_exchange, donate_argnums=(0,), static_argnums=(4,))
+        self._read = jax.jit(_read_blocks)
         self._rows = {
             k: np.array(v)
             for k, v in SamplingTensors.from_params([], n, vocab_size)._asdict().items()
@@ -126,6 +127,7 @@ class DeviceState:
             sharing_usage=self._usage,
             attach_reloaded=self._reloaded,
             host_exchange=self._exchange,
+            read_blocks=self._read,
         )
 
     # ------------------------------------------------------------------ scheduler state
@@ -270,14 +272,13 @@ class DeviceState:
 
     def host_exchange(self, release: np.ndarray, n: int) -> np.ndarray:
         """``host_tier.exchange`` on the host pool: drop the tier's references to
-        ``release``, take up to ``n`` blocks; returns the blocks taken (numpy). Arrays are
-        padded to powers of two (a few compiled sizes)."""
-        r = padding_bucket(max(len(release), 1), 1 << 30)
-        rel = np.zeros(r, np.int32)
+        ``release``, take up to ``n`` blocks; returns the blocks taken (numpy). Both
+        arrays are padded to one power of two >= 16 (a few compiled sizes)."""
+        k = _bucket(max(len(release), n))
+        rel = np.zeros(k, np.int32)
         rel[: len(release)] = release
-        max_n = padding_bucket(max(n, 1), 1 << 30)
         self.state, blocks, count = self._exchange(self.state, rel, np.int32(len(release)),
-                                                   np.int32(n), max_n)  # fmt: skip
+                                                   np.int32(n), k)  # fmt: skip
         blocks, count = jax.device_get((blocks, count))
         return blocks[: int(count)]
 
@@ -285,11 +286,9 @@ class DeviceState:
         """(KV pages of device blocks ``ids`` as numpy leaves [L, len(ids), ...], their
         prefix-cache tokens int32[len(ids), B]): one gather of a padding bucket."""
         n = len(ids)
-        src = np.zeros(padding_bucket(n, 1 << 30), np.int32)
+        src = np.zeros(_bucket(n), np.int32)
         src[:n] = ids
-        pages, toks = jax.device_get(
-            (gather_blocks(self.kv, src, k=src.shape[0]), self.state.mem.prefix.tokens[src])
-        )
+        pages, toks = jax.device_get(self._read(self.kv, self.state.mem.prefix.tokens, src))
         return jax.tree.map(lambda p: p[:, :n], pages), toks[:n]
 
     def write_host_blocks(self, dst: np.ndarray, pages: Any) -> None:
@@ -305,7 +304,7 @@ class DeviceState:
         """kv[:, dst] = pages (numpy leaves [L, len(dst), ...]): one upload of a padding
         bucket (padding rows write nothing), one scatter."""
         n = len(dst)
-        k = padding_bucket(n, 1 << 30)
+        k = _bucket(n)
         ids = np.zeros(k, np.int32)
         ids[:n] = dst
         padded = jax.tree.map(
@@ -361,6 +360,16 @@ def _host_exchange(state: Any, release: Any, num_release: Any, n: Any, max_n: in
     """``host_tier.exchange`` on ``state.mem.host_pool``: (state', blocks, count)."""
     pool, blocks, count = host_tier.exchange(state.mem.host_pool, release, num_release, n, max_n)
     return state._replace(mem=state.mem._replace(host_pool=pool)), blocks, count
+
+
+def _read_blocks(kv: Any, prefix_tokens: Any, src: Any) -> tuple[Any, Any]:
+    """(KV pages of blocks ``src``, their prefix-cache tokens): one program."""
+    return gather_blocks(kv, src, k=src.shape[0]), prefix_tokens[src]
+
+
+def _bucket(n: int) -> int:
+    """The host tier's copy padding: a power of two >= max(n, 16)."""
+    return padding_bucket(max(n, 16), 1 << 30)
 
 
 def padding_bucket(n: int, limit: int) -> int:
