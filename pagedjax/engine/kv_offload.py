@@ -63,6 +63,21 @@ class Pending:
     pages: Any  # numpy leaves [L, n, ...]
 
 
+def build_host_tier(config: Any, bytes_per_block: int) -> HostTier | None:
+    """The engine's host tier from an ``EngineConfig`` (None when kv_offloading_size
+    holds no block). bytes_per_block: KV bytes of one block, all layers and TP ranks."""
+    cc = config.cache
+    if (
+        cc.kv_offloading_size > 0
+        and config.speculative is not None
+        and (config.speculative.method != "ngram")
+    ):  # a draft's KV (own pool or EAGLE's) would not travel with the tier's blocks
+        raise ValueError("kv_offloading_size > 0 with a drafting speculative method: not"
+                         " built yet (the host tier keeps the target's KV only)")  # fmt: skip
+    capacity = int(cc.kv_offloading_size * (1 << 30)) // bytes_per_block
+    return HostTier(capacity, cc.block_size, bytes_per_block) if capacity > 0 else None
+
+
 class HostTier:
     """One engine's host tier. capacity: blocks (``kv_offloading_size`` / bytes per
     block); bytes_per_block: KV bytes of one block, all layers (the stats' unit)."""
@@ -84,6 +99,8 @@ class HostTier:
         """Read evicted device ``blocks`` (their KV still intact) for ``store``; their
         tokens are the device prefix cache's unless given (int32[len(blocks), B]: the
         blocks were registered again since)."""
+        if not len(blocks):
+            return None
         keep, hashes = [], []
         seen: set[int] = set()
         for j, b in enumerate(blocks.tolist()):
@@ -196,4 +213,4 @@ def _take(pages: Any, idx: np.ndarray) -> Any:
     return jax.tree.map(lambda p: p[:, idx], pages)
 
 
-__all__ = ["HostTier", "Pending", "TierCounters"]
+__all__ = ["HostTier", "Pending", "TierCounters", "build_host_tier"]

@@ -61,7 +61,7 @@ from pagedjax.engine.device_state import DeviceState, num_host_blocks, padding_b
 from pagedjax.engine.engine_stats import engine_stats
 from pagedjax.engine.kv_budget import num_kv_blocks, profile_forward
 from pagedjax.engine.kv_cache_spec import KVCacheSpec
-from pagedjax.engine.kv_offload import HostTier
+from pagedjax.engine.kv_offload import build_host_tier
 from pagedjax.engine.loading import load_model
 from pagedjax.engine.logit_controls import LogitControls
 from pagedjax.engine.model_runner import ModelRunner
@@ -161,14 +161,12 @@ class LLMEngine:
             self.max_seqs * max_blocks_per_seq,
             sc.preemption_mode,
         )
-        # The host tier (kv_offload.py) takes its blocks from the same host pool.
-        bytes_per_block = kv_per_token * self.block_size
-        offload_blocks = int(cc.kv_offloading_size * (1 << 30)) // bytes_per_block
-        self.num_host_blocks += offload_blocks
+        tier = build_host_tier(config, kv_per_token * self.block_size)  # in the host pool
+        self.num_host_blocks += tier.capacity if tier is not None else 0
         self.policy = PagedPolicy(
             self.num_blocks, self.block_size, self.max_seqs, max_blocks_per_seq,
             watermark_frac=sc.watermark, enable_prefix_caching=cc.enable_prefix_caching,
-            num_host_blocks=self.num_host_blocks, track_evictions=offload_blocks > 0,
+            num_host_blocks=self.num_host_blocks, track_evictions=tier is not None,
         )  # fmt: skip
         self.enable_prefix_caching = cc.enable_prefix_caching
         self.sched_limits = SchedulerLimits(
@@ -200,8 +198,7 @@ class LLMEngine:
             max_blocks_per_seq=max_blocks_per_seq, token_buckets=self.token_buckets,
             seq_buckets=self.seq_buckets, enable_prefix_caching=self.enable_prefix_caching,
             controls=LogitControls(arch.vocab_size, tokenizer, config.structured_outputs, eos),
-            host_tier=(HostTier(offload_blocks, self.block_size, bytes_per_block)
-                       if offload_blocks > 0 else None),
+            host_tier=tier,
         )  # fmt: skip
         self.outputs = OutputProcessor(self.core)  # the host half of every step
         self.reset_stats()
@@ -423,11 +420,8 @@ class LLMEngine:
         swapped.update(int(x) for x in out_slots)
         swapped.difference_update(int(x) for x in in_slots)
         sw, tier = batch.swap, self.core.host_tier
-        # Evicted prefix blocks: read before the swap-in copies and the forward write over
-        # them, written to the host after the swap copies (kv_offload.py).
-        pending = None
-        if tier is not None and host["evicted"].any():
-            pending = tier.gather(self.core, np.flatnonzero(host["evicted"]).astype(np.int32))
+        # Evicted prefix blocks: read now, kept on the host after the swaps (kv_offload.py).
+        pending = tier.gather(self.core, np.flatnonzero(host["evicted"])) if tier else None
         if n_out:
             self.core.device.swap_out(sw, n_out, padding_bucket(n_out, sw.out_src.shape[0]))
             self.num_swapped_out_blocks += n_out
@@ -500,11 +494,6 @@ class LLMEngine:
 def _reject_unbuilt_features(config: EngineConfig) -> None:
     check_device_count(config.parallel.tensor_parallel_size)
     check_buildable(config.speculative, config.model.model)
-    if config.speculative is not None and config.speculative.method != "ngram" and (
-        config.cache.kv_offloading_size > 0
-    ):  # a draft's KV (own pool or EAGLE's) would not travel with the host tier's blocks
-        raise ValueError("kv_offloading_size > 0 with a drafting speculative method: not"
-                         " built yet (the host tier keeps the target's KV only)")  # fmt: skip
     if config.speculative is not None and config.parallel.tensor_parallel_size > 1:
         raise ValueError("speculative_config with tensor_parallel_size > 1: not built yet")
     if config.parallel.data_parallel_size > 1:  # replicas are data_parallel.py's, above
