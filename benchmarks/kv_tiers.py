@@ -4,11 +4,13 @@
     python benchmarks/kv_tiers.py [--convs 8] [--turns 4] [--system-len 192]
         [--pool-blocks 48] [--tier-blocks 256]
 
-Closed loop: ``--convs`` users, each sends its next turn (the whole history: its own
-first message, then every reply and user message so far) when the previous reply is
-done, so conversations interleave and evict each other's prefixes from the device pool.
-One random llama (load_format="dummy") on the engine directly (no server); one warm-up
-conversation of other tokens per setting compiles the shapes before the timed ones.
+Closed loop over ``--convs`` conversations taken round robin (turn t of each, then turn
+t + 1), ``--concurrency`` requests in flight: each turn resends the whole history (the
+first message, then every reply and user message so far), so by a conversation's next
+turn the others have evicted its prefix from the device pool. TTFT at concurrency 1 is
+the prefill itself (no queueing). One random llama (load_format="dummy") on the engine
+directly (no server); a warm-up of two short conversations per setting compiles the
+shapes first (warmup "none": only the programs used).
 Greedy outputs are compared between the two settings (they must be equal).
 """
 
@@ -29,7 +31,7 @@ def run(args: argparse.Namespace, model: str, tier_gib: float) -> dict:
         model, load_format="dummy", block_size=args.block_size,
         num_gpu_blocks_override=args.pool_blocks + 1, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, swap_space=0.0,
-        kv_offloading_size=tier_gib, warmup="decode",
+        kv_offloading_size=tier_gib, warmup="none",
     )  # fmt: skip
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -43,31 +45,32 @@ def run(args: argparse.Namespace, model: str, tier_gib: float) -> dict:
         # Drawn up front: each conversation's messages do not depend on finishing order.
         hist = [tokens(args.system_len) for _ in range(convs)]
         users = [[tokens(args.user_len) for _ in range(turns)] for _ in range(convs)]
-        left = [turns] * convs
-        ttft, outs = [], {}
-        arrival: dict[str, float] = {}
-        for c in range(convs):
-            rid = f"{tag}{c}-{turns - left[c]}"
+        order = [(c, t) for t in range(turns) for c in range(convs)]  # round robin
+        ttft, outs, arrival, first = [], {}, {}, set()
+        nxt = 0
+
+        def submit() -> None:
+            nonlocal nxt
+            c, t = order[nxt]
+            nxt += 1
+            if t > 0:  # the whole history: the previous reply and a new user message
+                hist[c] = hist[c] + outs[f"{tag}{c}-{t - 1}"] + users[c][t]
+            rid = f"{tag}{c}-{t}"
             engine.add_request(rid, {"prompt_token_ids": hist[c]}, params)
             arrival[rid] = time.perf_counter()
-        first: set[str] = set()
+
+        while nxt < min(args.concurrency, len(order)):
+            submit()
         while engine.has_unfinished_requests():
             for o in engine.step():
                 now = time.perf_counter()
                 if o.request_id not in first and o.outputs[0].token_ids:
                     first.add(o.request_id)
                     ttft.append(now - arrival[o.request_id])
-                if not o.finished:
-                    continue
-                c = int(o.request_id[len(tag) :].split("-")[0])
-                out = list(o.outputs[0].token_ids)
-                outs[o.request_id] = out
-                left[c] -= 1
-                if left[c] > 0:
-                    hist[c] = hist[c] + out + users[c][left[c]]
-                    rid = f"{tag}{c}-{turns - left[c]}"
-                    engine.add_request(rid, {"prompt_token_ids": hist[c]}, params)
-                    arrival[rid] = time.perf_counter()
+                if o.finished:
+                    outs[o.request_id] = list(o.outputs[0].token_ids)
+                    if nxt < len(order):
+                        submit()
         return ttft, outs
 
     converse(2, 2, "warm")  # compiles prefill / hit shapes
@@ -93,6 +96,7 @@ def main() -> None:
     ap.add_argument("--pool-blocks", type=int, default=48)
     ap.add_argument("--tier-blocks", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
