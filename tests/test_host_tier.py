@@ -276,3 +276,33 @@ def test_multi_turn_outputs_equal_and_host_hits_save_prefill():
     computed = {g: s["prefix_cache_query_tokens"] - s["prefix_cache_hit_tokens"]
                 for g, s in stats.items()}  # fmt: skip
     assert computed[size_gib] < computed[0.0]
+
+
+def test_server_flags_and_metrics():
+    """--kv-offloading-size / --kv-offloading-backend reach LLM(...); a connector is
+    refused by name; the host tier's counters reach /metrics."""
+    from prometheus_client import generate_latest
+
+    from pagedjax.entrypoints.llm import engine_config
+    from pagedjax.entrypoints.openai import cli_args
+    from pagedjax.entrypoints.openai.metrics import ServerMetrics
+
+    p = cli_args.make_parser()
+    args = p.parse_args(["--model", "m", "--kv-offloading-size", "2",
+                         "--kv-offloading-backend", "native"])  # fmt: skip
+    kw = cli_args.llm_kwargs(args)
+    assert kw["kv_offloading_size"] == 2.0 and kw["kv_offloading_backend"] == "native"
+    assert engine_config(**kw).cache.kv_offloading_size == 2.0
+    bad = cli_args.llm_kwargs(p.parse_args(["--model", "m", "--kv-offloading-backend", "lmcache"]))
+    with pytest.raises(ConfigError, match="'lmcache' is not built"):
+        engine_config(**bad)
+    m = ServerMetrics("m")
+    stats = dict(prefix_cache_query_tokens=100, prefix_cache_hit_tokens=60,
+                 prefix_cache_host_hit_tokens=40, kv_offloaded_blocks=7, kv_reloaded_blocks=10,
+                 kv_offloaded_bytes=700, kv_reloaded_bytes=1000)  # fmt: skip
+    counts = dict(running=0, waiting=0, swapped=0)
+    m._apply(dict(counts=counts, stats=stats, usable=10, free=10, preemptions=0))
+    text = generate_latest(m.registry).decode()
+    for name, value in (("prefix_cache_host_hits", 40), ("kv_offload_blocks", 7),
+                        ("kv_reload_blocks", 10), ("kv_reload_bytes", 1000)):  # fmt: skip
+        assert f'pagedjax:{name}_total{{model_name="m"}} {float(value)}' in text
