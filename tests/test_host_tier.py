@@ -268,7 +268,11 @@ def test_multi_turn_outputs_equal_and_host_hits_save_prefill():
     assert "prefix_cache_host_hit_tokens" not in off
     assert on["kv_host_tier_capacity_blocks"] == TIER_BLOCKS
     assert on["kv_offloaded_blocks"] > 0 and on["kv_reloaded_blocks"] > 0
+    assert on["kv_relinked_blocks"] > 0  # device blocks after a host run were reused too
     assert on["prefix_cache_host_hit_tokens"] == on["kv_reloaded_blocks"] * BS > 0
+    assert on["prefix_cache_hit_tokens"] == (
+        on["prefix_cache_device_hit_tokens"] + on["prefix_cache_host_hit_tokens"]
+    )
     assert on["kv_offloaded_bytes"] == on["kv_offloaded_blocks"] * bpb
     assert max(sizes[size_gib]) <= TIER_BLOCKS
     # The same prompts were looked up; the host hits are prompt tokens not computed.

@@ -96,8 +96,9 @@ def lookup_prefixes(core: EngineCore, slots: list[int]) -> None:
     counters, tier = core.sharing, core.host_tier
     for k, (hashes, proposed, ids) in enumerate(props):
         hit = int(verified[k])
-        if hit < proposed:
-            core.prefix_index.forget(hashes[hit:proposed])
+        if hit < proposed:  # with a host tier only the failed hint: later blocks may
+            # still be cached on device after a host run (kv_offload.HostTier.plan)
+            core.prefix_index.forget(hashes[hit : hit + 1 if tier is not None else proposed])
         core.prefix_index.count(proposed, hit)
         counters.lookup_tokens += len(ids)
         counters.hit_tokens += int(used[k]) * b

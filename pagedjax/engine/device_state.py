@@ -264,10 +264,10 @@ class DeviceState:
     # ------------------------------------------------------------------ host tier
     # (docs/kv_tiers.md; the engine side is kv_offload.py)
 
-    def attach_reloaded(self, slots: Any, counts: Any, mask: Any) -> tuple[Any, ...]:
-        """``sharing.attach_reloaded``: fresh blocks for host-tier hits; returns (new,
-        got, was_cached, old_tokens) on device."""
-        self.state, *out = self._reloaded(self.state, self.tokens, slots, counts, mask)
+    def attach_reloaded(self, slots: Any, kinds: Any, cands: Any, mask: Any) -> tuple:
+        """``sharing.attach_reloaded``: the rest of a cached prefix after the device hit;
+        returns (new, got, total, was_cached, old_tokens) on device."""
+        self.state, *out = self._reloaded(self.state, self.tokens, slots, kinds, cands, mask)
         return tuple(out)
 
     def host_exchange(self, release: np.ndarray, n: int) -> np.ndarray:

@@ -42,7 +42,8 @@ class TierCounters:
     device_hit_tokens / host_hit_tokens: prefix tokens reused from each tier;
     offloaded_blocks / reloaded_blocks: blocks copied device -> host / host -> device;
     offloaded_bytes / reloaded_bytes: their KV bytes; dropped_blocks: evicted cached
-    blocks not kept (no hash recorded, or the host pool full of swapped blocks).
+    blocks not kept (no hash recorded, or the host pool full of swapped blocks);
+    relinked_blocks: device blocks attached after a host run (their parent re-linked).
     """
 
     device_hit_tokens: int = 0
@@ -52,6 +53,7 @@ class TierCounters:
     offloaded_bytes: int = 0
     reloaded_bytes: int = 0
     dropped_blocks: int = 0
+    relinked_blocks: int = 0
 
 
 @dataclass
@@ -145,45 +147,74 @@ class HostTier:
 
     # ------------------------------------------------------------------ reload
 
+    def plan(self, core: Any, hashes: list[int], ids: list[int], start: int) -> list[int]:
+        """The cached prefix continuing a device hit of ``start`` blocks: per block, a
+        host block id (> 0) or -device block id for a block still on the device after a
+        host run (the prefix hint's block whose recorded hash is this prefix's: a block
+        registered again since has another). Starts with a host block, or is empty."""
+        b, out = self.block_size, []
+        for p in range(start, len(hashes)):
+            blk = self.index.get(hashes[p], ids[p * b : (p + 1) * b])
+            if blk is not None:
+                out.append(blk)
+                continue
+            cand = core.prefix_index.propose(hashes[p : p + 1])
+            if not out or not cand or core.prefix_index.hash_of(cand[0]) != hashes[p]:
+                break
+            out.append(-cand[0])
+        return out
+
     def reload(self, core: Any, rows: list[tuple[int, list[int], list[int], int, int]]) -> None:
-        """Extend attached device hits from the host tier.
+        """Extend attached device hits with the rest of the cached prefix: host blocks
+        (loaded into fresh device blocks) and device blocks after them.
 
         rows: (slot, chained hashes of the full blocks, token ids, verified device
         blocks, attached device blocks) per looked-up slot, after ``attach_hits``.
         """
-        b, n = self.block_size, core.max_seqs
+        b, n, m = self.block_size, core.max_seqs, core.max_blocks_per_seq
         slots = np.zeros(n, np.int32)
-        counts = np.zeros(n, np.int32)
+        kinds = np.zeros((n, m), np.int32)
+        cands = np.zeros((n, m), np.int32)
         mask = np.zeros(n, bool)
-        runs: list[list[int]] = []
+        plans: list[list[int]] = []
         for k, (slot, hashes, ids, verified, used) in enumerate(rows):
-            run: list[int] = []
-            if used == verified:  # not cut: the whole prompt is not on device
-                run = self.index.run(hashes, ids, verified, len(hashes))
-            d, h = cross_tier_hit(np.array([used]), np.array([len(run)]),
-                                  np.array([len(ids)]), b)  # fmt: skip
-            runs.append(run[: int(h[0])])
-            slots[k], counts[k], mask[k] = slot, int(h[0]), h[0] > 0
+            plan = self.plan(core, hashes, ids, used) if used == verified else []
+            _, rest = cross_tier_hit(np.array([used]), np.array([len(plan)]),
+                                     np.array([len(ids)]), b)  # fmt: skip
+            plan = plan[: int(rest[0])]
+            plans.append(plan)
+            cols = slice(used, used + len(plan))
+            kinds[k, cols] = [1 if x > 0 else 2 for x in plan]
+            cands[k, cols] = [-x if x < 0 else 0 for x in plan]
+            slots[k], mask[k] = slot, bool(plan)
         if not mask.any():
             return
-        new, got, was, old = core.device.attach_reloaded(slots, counts, mask)
-        new, got, was, old = jax.device_get((new, got, was, old))
+        out = core.device.attach_reloaded(slots, kinds, cands, mask)
+        new, got, total, was, old = jax.device_get(out)
         # Evicted by this allocation: read them before the reloaded KV overwrites them.
         ev_rows, ev_cols = np.nonzero(was)
         evicted = new[ev_rows, ev_cols]
-        pending = self.gather(core, evicted, old[ev_rows, ev_cols]) if len(evicted) else None
+        pending = self.gather(core, evicted, old[ev_rows, ev_cols])
         dst, src = [], []
         for k, (_slot, hashes, _ids, _v, used) in enumerate(rows):
-            g = int(got[k])
-            if g == 0:
+            g, tot = int(got[k]), int(total[k])
+            if tot == 0:
                 continue
-            blocks = [int(x) for x in new[k, :g]]
-            dst += blocks
-            src += runs[k][:g]
-            core.prefix_index.record(hashes[used : used + g], blocks)
-            self.index.touch(hashes[used : used + g])
+            fresh = iter(new[k, :g].tolist())
+            blocks = []
+            for x in plans[k][:tot]:
+                if x > 0:
+                    blocks.append(next(fresh))
+                    dst.append(blocks[-1])
+                    src.append(x)
+                else:
+                    blocks.append(-x)
+            core.prefix_index.record(hashes[used : used + tot], blocks)
+            self.index.touch(hashes[used : used + tot])
             self.counters.host_hit_tokens += g * b
-            core.sharing.hit_tokens += g * b
+            self.counters.device_hit_tokens += (tot - g) * b
+            self.counters.relinked_blocks += tot - g
+            core.sharing.hit_tokens += tot * b
         if dst:
             pages = core.device.read_host_blocks(np.asarray(src, np.int32))
             core.device.write_blocks(np.asarray(dst, np.int32), pages)
@@ -201,6 +232,7 @@ class HostTier:
             kv_offloaded_bytes=c.offloaded_bytes,
             kv_reloaded_bytes=c.reloaded_bytes,
             kv_offload_dropped_blocks=c.dropped_blocks,
+            kv_relinked_blocks=c.relinked_blocks,
             kv_host_tier_blocks=len(self.index),
             kv_host_tier_capacity_blocks=self.capacity,
         )

@@ -145,11 +145,12 @@ def cross_tier_hit(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Blocks of each prompt to reuse from the device and from the host.
 
-    device_hit: int[K] blocks of the verified device prefix; host_run: int[K] kept host
-    blocks that continue it (blocks device_hit, device_hit + 1, ...); num_tokens: int[K]
-    the prompt's tokens. The hit is the longest cached prefix across both tiers, cut as
+    device_hit: int[K] blocks of the verified device prefix; host_run: int[K] cached
+    blocks that continue it (blocks device_hit, device_hit + 1, ...: a run that starts
+    on the host, and may go on with device blocks after it); num_tokens: int[K] the
+    prompt's tokens. The hit is the longest cached prefix across both tiers, cut as
     ``prefix_cache.usable_hit`` does: when it reaches the last token, its last block is
-    dropped (that token's logits are needed). Returns (use_device, use_host), int[K].
+    dropped (that token's logits are needed). Returns (use_device, use_rest), int[K].
     Works on numpy or jax arrays alike (no Python control flow on values).
     """
     xp = jnp if isinstance(device_hit, jax.Array) else np
