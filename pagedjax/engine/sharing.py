@@ -103,8 +103,8 @@ def attach_reloaded(
     an evicted block, so it is re-linked to the block before it, which the host found
     by the chained hash), 0 = stop. A row's attached hit ends at column d = lengths / B;
     its run continues from d while each column is a host block or a device block that is
-    cached, holds the row's tokens, was not taken by this call, and (after another
-    device block of the run) names it as parent. The host blocks of the run must fit the
+    cached, holds the row's tokens, was not taken by this call, and follows a host block
+    of the run or names the device block before it as parent. The host blocks of the run must fit the
     free blocks (after the device ones are taken off the free list); the run is cut
     there. The run's blocks are attached (host: fresh, refcount 1; device: one more
     reference), registered as cached with the row's tokens and parents, and lengths /
@@ -139,7 +139,7 @@ def attach_reloaded(
         dev_ok = (
             (cand > NULL_BLOCK) & (cand < nb) & pc_state.cached[sc] & ~fresh[sc]
             & jnp.all(pc_state.tokens[sc] == blocks[i], axis=1)
-            & jnp.where(prev_kind == 2, pc_state.parent[sc] == prev_cand, True)
+            & jnp.where(prev_kind == 2, pc_state.parent[sc] == prev_cand, prev_kind == 1)
         )  # fmt: skip
         col_ok = jnp.where(cols < d, True, (kind == 1) | ((kind == 2) & dev_ok))
         end = jnp.sum(jnp.cumprod(col_ok.astype(jnp.int32)))  # the run is [d, end)
