@@ -14,7 +14,8 @@ cross-tier hit); this module drives them from the engine (docs/kv_tiers.md):
   work between iterations, so an iteration that would evict is rolled back and rerun by
   the one-step path (``decode_loop``'s exit rule).
 - Reload. ``admission.lookup_prefixes`` attaches the verified device prefix first, then
-  calls ``reload``: the host run continuing it (tokens checked), cut by
+  calls ``reload``: the host run continuing it (tokens checked; ``plan``: with the
+  device blocks still cached after it, re-linked), cut by
   ``host_tier.cross_tier_hit``, gets fresh device blocks (``sharing.attach_reloaded``:
   counted in the pool like any held block, so the scheduler's budget sees them) and
   their KV is copied in before ``schedule`` runs, i.e. before the prefill that reads

@@ -104,9 +104,9 @@ def attach_reloaded(
     by the chained hash), 0 = stop. A row's attached hit ends at column d = lengths / B;
     its run continues from d while each column is a host block or a device block that is
     cached, holds the row's tokens, was not taken by this call, and follows a host block
-    of the run or names the device block before it as parent. The host blocks of the run must fit the
-    free blocks (after the device ones are taken off the free list); the run is cut
-    there. The run's blocks are attached (host: fresh, refcount 1; device: one more
+    of the run or names the device block before it as parent. The host blocks of the
+    run must fit the free blocks (after the device ones are taken off the free list);
+    the run is cut there. The run's blocks are attached (host: fresh, refcount 1; device: one more
     reference), registered as cached with the row's tokens and parents, and lengths /
     num_computed advance to its end.
 
