@@ -95,6 +95,11 @@ class CacheConfig:
     # fp8 only: "calibrate" sets the per-(layer, KV head) scales from the first prompts
     # (pagedjax/engine/kv_calibration.py); "default" keeps vLLM's 1.0.
     kv_scales: Literal["default", "calibrate"] = "default"
+    # The host tier (vLLM's kv_offloading_size / kv_offloading_backend, docs/kv_tiers.md):
+    # GiB of host memory (total across TP ranks) for prefix blocks evicted from the device
+    # pool, in the swap pool's allocator; 0 = off. Backend "native" only (None = native).
+    kv_offloading_size: float = 0.0
+    kv_offloading_backend: str | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -118,6 +123,22 @@ class CacheConfig:
             f"must be > 0, got {self.kv_cache_memory_bytes}",
         )
         _check(self.swap_space >= 0, "cache.swap_space", f"must be >= 0 GiB, got {self.swap_space}")
+        _check(
+            self.kv_offloading_size >= 0,
+            "cache.kv_offloading_size",
+            f"must be >= 0 GiB, got {self.kv_offloading_size}",
+        )
+        _check(
+            self.kv_offloading_backend in (None, "native"),
+            "cache.kv_offloading_backend",
+            f"{self.kv_offloading_backend!r} is not built: only 'native' (pagedjax's host"
+            " tier, docs/kv_tiers.md); connectors such as 'lmcache' are not",
+        )
+        _check(
+            self.kv_offloading_size == 0 or self.enable_prefix_caching,
+            "cache.kv_offloading_size",
+            "needs enable_prefix_caching (the host tier keeps evicted prefix-cache blocks)",
+        )
         _check(
             self.cache_dtype in CACHE_DTYPES,
             "cache.cache_dtype",

@@ -89,7 +89,9 @@ def _loras_in_use(core: EngineCore) -> set[int]:
 def lookup_prefixes(core: EngineCore, slots: list[int]) -> None:
     """Prefix-cache lookup for WAITING slots with empty tables (docs/engine.md):
     the host proposes hinted blocks, the device verifies, acquires and attaches them,
-    and sets num_computed to the hit, before ``schedule`` sees the slots."""
+    and sets num_computed to the hit, before ``schedule`` sees the slots. With a host
+    tier, the part of the prefix kept on the host is loaded back after the device hit
+    (``kv_offload.HostTier.reload``)."""
     n, m, b = core.max_seqs, core.max_blocks_per_seq, core.block_size
     slot_arr = np.zeros(n, np.int32)
     cand = np.full((n, m), NULL_BLOCK, np.int32)
@@ -103,17 +105,25 @@ def lookup_prefixes(core: EngineCore, slots: list[int]) -> None:
         prop = core.prefix_index.propose(hashes)
         slot_arr[k], mask[k] = slot, True
         cand[k, : len(prop)] = prop
-        props.append((hashes, len(prop), len(ids)))
+        props.append((hashes, len(prop), ids))
     verified, used = core.device.attach_hits(slot_arr, cand, mask)
     verified, used = jax.device_get((verified, used))
-    counters = core.sharing
-    for k, (hashes, proposed, total) in enumerate(props):
+    counters, tier = core.sharing, core.host_tier
+    for k, (hashes, proposed, ids) in enumerate(props):
         hit = int(verified[k])
-        if hit < proposed:
-            core.prefix_index.forget(hashes[hit:proposed])
+        if hit < proposed:  # with a host tier only the failed hint: later blocks may
+            # still be cached on device after a host run (kv_offload.HostTier.plan)
+            core.prefix_index.forget(hashes[hit : hit + 1 if tier is not None else proposed])
         core.prefix_index.count(proposed, hit)
-        counters.lookup_tokens += total
+        counters.lookup_tokens += len(ids)
         counters.hit_tokens += int(used[k]) * b
+    if tier is not None:
+        tier.counters.device_hit_tokens += int(used[: len(slots)].sum()) * b
+        rows = [
+            (slot, hashes, ids, int(verified[k]), int(used[k]))
+            for k, (slot, (hashes, _, ids)) in enumerate(zip(slots, props, strict=True))
+        ]
+        tier.reload(core, rows)
 
 
 def fork_samples(core: EngineCore, req: RequestState, parent: SequenceState) -> int:

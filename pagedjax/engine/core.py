@@ -77,6 +77,9 @@ class EngineCore:
     controls: Any = None
     # lora_manager.LoRAManager when LoRA is on (None: off); params is then its params().
     lora: Any = None
+    # kv_offload.HostTier: prefix blocks evicted from the device kept on the host
+    # (kv_offloading_size > 0); None when off.
+    host_tier: Any = None
 
     def take_slot(self, req: RequestState, seq: SequenceState) -> int:
         """Bind a free slot to seq: owner, token-buffer row (prompt + any output kept for

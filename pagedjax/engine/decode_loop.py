@@ -11,9 +11,9 @@ Exit rules (the loop stops before K iterations when):
 
 - EXIT_SHAPE: the next ``schedule`` is not a pure decode of sequences that were already
   RUNNING (an admission or a prefill chunk, a preemption, a rejection, more rows than the
-  compiled bucket S). That iteration is rolled back: its schedule is discarded (the state
-  before it is kept, nothing ran), and the host's next one-step ``step`` schedules it
-  again, identically.
+  compiled bucket S, with the host tier on an eviction of a cached block). That iteration
+  is rolled back: its schedule is discarded (the state before it is kept, nothing ran),
+  and the host's next one-step ``step`` schedules it again, identically.
 - EXIT_IDLE: no sequence is RUNNING any more (all finished).
 - EXIT_FINISH: a sequence finished while requests wait on the host for a slot
   (``stop_on_finish``), so the host can recycle the slot and admit them.
@@ -177,6 +177,9 @@ def decode_loop(
             & (batch.swap.num_out == 0)
             & (batch.swap.num_in == 0)
         )
+        evicted = getattr(st1.mem, "evicted", None)
+        if evicted is not None:  # host tier: evicted prefix blocks are copied by the host
+            ok = ok & ~jnp.any(evicted)  # between steps (kv_offload.py), so roll back too
         used, unshared = sharing.sharing_usage(bs, st1)
         start = batch.start_pos[:s_b]
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from pagedjax.engine import sharing
 from pagedjax.engine.model_runner import gather_blocks, jitted_update, scatter_blocks
+from pagedjax.memory import host_tier
 from pagedjax.sampling import SamplingParams, SamplingTensors
 from pagedjax.scheduler import (
     ScheduledBatch,
@@ -99,6 +100,10 @@ class DeviceState:
         self._register = jax.jit(functools.partial(sharing.register_step, bs), donate_argnums=(0,))
         self._fork = jax.jit(functools.partial(sharing.fork_children, bs), donate_argnums=(0,))
         self._usage = jax.jit(functools.partial(sharing.sharing_usage, bs))
+        self._reloaded = jax.jit(functools.partial(sharing.attach_reloaded, bs),
+                                 donate_argnums=(0,))  # fmt: skip
+        self._exchange = jax.jit(_host_exchange, donate_argnums=(0,), static_argnums=(4,))
+        self._read = jax.jit(_read_blocks)
         self._rows = {
             k: np.array(v)
             for k, v in SamplingTensors.from_params([], n, vocab_size)._asdict().items()
@@ -120,6 +125,9 @@ class DeviceState:
             register_step=self._register,
             fork=self._fork,
             sharing_usage=self._usage,
+            attach_reloaded=self._reloaded,
+            host_exchange=self._exchange,
+            read_blocks=self._read,
         )
 
     # ------------------------------------------------------------------ scheduler state
@@ -253,6 +261,57 @@ class DeviceState:
         pages = jax.tree.map(lambda h: h[:, src], self.host_kv)
         self.kv = scatter_blocks(self.kv, plan.in_dst, plan.num_in, jax.device_put(pages))
 
+    # ------------------------------------------------------------------ host tier
+    # (docs/kv_tiers.md; the engine side is kv_offload.py)
+
+    def attach_reloaded(self, slots: Any, kinds: Any, cands: Any, mask: Any) -> tuple:
+        """``sharing.attach_reloaded``: the rest of a cached prefix after the device hit;
+        returns (new, got, total, was_cached, old_tokens) on device."""
+        self.state, *out = self._reloaded(self.state, self.tokens, slots, kinds, cands, mask)
+        return tuple(out)
+
+    def host_exchange(self, release: np.ndarray, n: int) -> np.ndarray:
+        """``host_tier.exchange`` on the host pool: drop the tier's references to
+        ``release``, take up to ``n`` blocks; returns the blocks taken (numpy). Both
+        arrays are padded to one power of two >= 16 (a few compiled sizes)."""
+        k = _bucket(max(len(release), n))
+        rel = np.zeros(k, np.int32)
+        rel[: len(release)] = release
+        self.state, blocks, count = self._exchange(self.state, rel, np.int32(len(release)),
+                                                   np.int32(n), k)  # fmt: skip
+        blocks, count = jax.device_get((blocks, count))
+        return blocks[: int(count)]
+
+    def read_blocks(self, ids: np.ndarray) -> tuple[Any, np.ndarray]:
+        """(KV pages of device blocks ``ids`` as numpy leaves [L, len(ids), ...], their
+        prefix-cache tokens int32[len(ids), B]): one gather of a padding bucket."""
+        n = len(ids)
+        src = np.zeros(_bucket(n), np.int32)
+        src[:n] = ids
+        pages, toks = jax.device_get(self._read(self.kv, self.state.mem.prefix.tokens, src))
+        return jax.tree.map(lambda p: p[:, :n], pages), toks[:n]
+
+    def write_host_blocks(self, dst: np.ndarray, pages: Any) -> None:
+        """host_kv[:, dst] = pages (numpy leaves [L, len(dst), ...])."""
+        for h, g in zip(jax.tree.leaves(self.host_kv), jax.tree.leaves(pages), strict=True):
+            h[:, dst] = g[:, : len(dst)]
+
+    def read_host_blocks(self, src: np.ndarray) -> Any:
+        """A copy of host blocks ``src`` (numpy leaves [L, len(src), ...])."""
+        return jax.tree.map(lambda h: h[:, src], self.host_kv)
+
+    def write_blocks(self, dst: np.ndarray, pages: Any) -> None:
+        """kv[:, dst] = pages (numpy leaves [L, len(dst), ...]): one upload of a padding
+        bucket (padding rows write nothing), one scatter."""
+        n = len(dst)
+        k = _bucket(n)
+        ids = np.zeros(k, np.int32)
+        ids[:n] = dst
+        padded = jax.tree.map(
+            lambda p: np.concatenate([p, np.zeros((p.shape[0], k - n, *p.shape[2:]), p.dtype)],
+                                     axis=1), pages)  # fmt: skip
+        self.kv = scatter_blocks(self.kv, ids, np.int32(n), jax.device_put(padded))
+
     # ------------------------------------------------------------------ sampling rows
 
     def sampling(self) -> SamplingTensors:
@@ -295,6 +354,22 @@ class DeviceState:
         """Upload the rows again before the next use (slots were re-bound)."""
         self._rows_dev = None
         self._fields_dev.clear()
+
+
+def _host_exchange(state: Any, release: Any, num_release: Any, n: Any, max_n: int) -> tuple:
+    """``host_tier.exchange`` on ``state.mem.host_pool``: (state', blocks, count)."""
+    pool, blocks, count = host_tier.exchange(state.mem.host_pool, release, num_release, n, max_n)
+    return state._replace(mem=state.mem._replace(host_pool=pool)), blocks, count
+
+
+def _read_blocks(kv: Any, prefix_tokens: Any, src: Any) -> tuple[Any, Any]:
+    """(KV pages of blocks ``src``, their prefix-cache tokens): one program."""
+    return gather_blocks(kv, src, k=src.shape[0]), prefix_tokens[src]
+
+
+def _bucket(n: int) -> int:
+    """The host tier's copy padding: a power of two >= max(n, 16)."""
+    return padding_bucket(max(n, 16), 1 << 30)
 
 
 def padding_bucket(n: int, limit: int) -> int:

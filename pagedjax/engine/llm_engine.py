@@ -61,6 +61,7 @@ from pagedjax.engine.device_state import DeviceState, num_host_blocks, padding_b
 from pagedjax.engine.engine_stats import engine_stats
 from pagedjax.engine.kv_budget import num_kv_blocks, profile_forward
 from pagedjax.engine.kv_cache_spec import KVCacheSpec
+from pagedjax.engine.kv_offload import build_host_tier
 from pagedjax.engine.loading import load_model
 from pagedjax.engine.logit_controls import LogitControls
 from pagedjax.engine.lora_manager import LoRAManager, check_lora_buildable, prepare_request
@@ -162,10 +163,12 @@ class LLMEngine:
             self.max_seqs * max_blocks_per_seq,
             sc.preemption_mode,
         )
+        tier = build_host_tier(config, kv_per_token * self.block_size)  # in the host pool
+        self.num_host_blocks += tier.capacity if tier is not None else 0
         self.policy = PagedPolicy(
             self.num_blocks, self.block_size, self.max_seqs, max_blocks_per_seq,
             watermark_frac=sc.watermark, enable_prefix_caching=cc.enable_prefix_caching,
-            num_host_blocks=self.num_host_blocks,
+            num_host_blocks=self.num_host_blocks, track_evictions=tier is not None,
         )  # fmt: skip
         self.enable_prefix_caching = cc.enable_prefix_caching
         self.sched_limits = SchedulerLimits(
@@ -197,6 +200,7 @@ class LLMEngine:
             max_blocks_per_seq=max_blocks_per_seq, token_buckets=self.token_buckets,
             seq_buckets=self.seq_buckets, enable_prefix_caching=self.enable_prefix_caching,
             controls=LogitControls(arch.vocab_size, tokenizer, config.structured_outputs, eos),
+            host_tier=tier,
         )  # fmt: skip
         if config.lora is not None:  # adapters in the step's parameters (lora_manager.py)
             self.core.lora = LoRAManager(config.lora, arch, params, self.max_seqs)
@@ -323,6 +327,7 @@ class LLMEngine:
                 num_in=batch.swap.num_in,
                 swapped_out=batch.swap.swapped_out,
                 swapped_in=batch.swap.swapped_in,
+                evicted=dev.state.mem.evicted if core.host_tier is not None else None,
             )
         )  # fmt: skip
         host["used"], host["unshared"] = host.pop("usage")
@@ -426,13 +431,17 @@ class LLMEngine:
         swapped = self.core.book.swapped_slots
         swapped.update(int(x) for x in out_slots)
         swapped.difference_update(int(x) for x in in_slots)
-        sw = batch.swap
+        sw, tier = batch.swap, self.core.host_tier
+        # Evicted prefix blocks: read now, kept on the host after the swaps (kv_offload.py).
+        pending = tier.gather(self.core, np.flatnonzero(host["evicted"])) if tier else None
         if n_out:
             self.core.device.swap_out(sw, n_out, padding_bucket(n_out, sw.out_src.shape[0]))
             self.num_swapped_out_blocks += n_out
         if n_in:
             self.core.device.swap_in(sw, n_in, padding_bucket(n_in, sw.in_src.shape[0]))
             self.num_swapped_in_blocks += n_in
+        if tier is not None:
+            tier.store(self.core, pending)
         if self.speculator is not None:
             self.speculator.apply_swaps(sw, host)
 
@@ -477,13 +486,16 @@ class LLMEngine:
         self.num_swapped_in_blocks = 0
         self.core.prefix_index.queries = self.core.prefix_index.hit_blocks = 0
         self.core.prefix_index.query_blocks = 0
+        if self.core.host_tier is not None:
+            self.core.host_tier.reset_stats()
 
     def stats(self) -> dict[str, float | int]:
         """Counters since the last ``reset_stats``: ``engine_stats.engine_stats`` gives
         the keys' meanings; spec_*: ``spec/decoder.py``'s ``SpecCounters``."""
         spec = self.speculator.stats() if self.speculator is not None else {}
         spec |= self.core.lora.stats() if self.core.lora is not None else {}  # lora_*
-        return spec | self.core.controls.stats() | engine_stats(
+        tier = self.core.host_tier.stats() if self.core.host_tier is not None else {}
+        return spec | tier | self.core.controls.stats() | engine_stats(
             self.core, self.multi_step, forked_samples=self.outputs.num_forked,
             preemptions_recompute=self.num_preemptions_recompute,
             preemptions_swap=self.num_preemptions_swap,

@@ -8,6 +8,9 @@ The host side (hashes, the ``PrefixIndex`` hint, counters) lives in ``llm_engine
   verify the host's hinted blocks against the prompt (the token buffer row), take a
   reference to the usable hit, write it into the slot's table row and set
   ``num_computed`` to the hit length, before the jitted ``schedule`` sees the request.
+- ``attach_reloaded``: (host tier) extend those rows with the rest of their cached
+  prefix: fresh blocks for the part on the host (the engine copies the KV in) and the
+  device blocks that follow a host run, re-linked to it.
 - ``register_step``: after a step, mark the blocks that step filled as cached.
 - ``fork_children``: share a finished prompt's blocks with n - 1 child slots, in the
   parent's sequence group (gang-scheduled, preempted and swapped together).
@@ -81,6 +84,110 @@ def attach_hits(
         0, k, body, (mem, state.num_computed, z, z)
     )
     return state._replace(mem=mem, num_computed=num_computed), verified, used
+
+
+def attach_reloaded(
+    block_size: int,
+    state: SchedulerState,
+    tokens: jax.Array,
+    slots: jax.Array,
+    kinds: jax.Array,
+    cands: jax.Array,
+    mask: jax.Array,
+) -> tuple[SchedulerState, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Extend WAITING slots' attached device hits with the rest of their cached prefix.
+
+    slots int32[K], mask bool[K]; kinds int32[K, M] by table column: 1 = the block is on
+    the host (a fresh block is taken for it, the engine copies the KV in), 2 = the device
+    block ``cands[k, j]`` (a block still cached after a host run: its parent link names
+    an evicted block, so it is re-linked to the block before it, which the host found
+    by the chained hash), 0 = stop. A row's attached hit ends at column d = lengths / B;
+    its run continues from d while each column is a host block or a device block that is
+    cached, holds the row's tokens, was not taken by this call, and follows a host block
+    of the run or names the device block before it as parent. The host blocks of the
+    run must fit the free blocks (after the device ones are taken off the free list);
+    the run is cut there. The run's blocks are attached (host: fresh, refcount 1; device: one more
+    reference), registered as cached with the row's tokens and parents, and lengths /
+    num_computed advance to its end.
+
+    Returns (state', new int32[K, M]: the fresh blocks, for the run's host columns in
+    order (first ``got``), got int32[K], total int32[K]: columns attached past d,
+    was_cached bool[K, M]: a fresh block held a cached block (evicted now), old_tokens
+    int32[K, M, B]: its tokens then).
+    """
+    mem = state.mem
+    m = mem.tables.max_blocks_per_seq
+    nb = mem.prefix.cached.shape[0]
+    blocks = _block_tokens(tokens, slots, m, block_size)
+    cols = jnp.arange(m, dtype=jnp.int32)
+    null = jnp.full((1,), NULL_BLOCK, jnp.int32)
+
+    def compact(sel: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
+        idx = jnp.nonzero(sel, size=m, fill_value=0)[0]
+        return values[idx], jnp.sum(sel, dtype=jnp.int32)
+
+    def body(i, carry):
+        mem, num_computed, fresh, new_all, got_all, tot_all, was_all, old_all = carry
+        s, ok = slots[i], mask[i]
+        t, pc_state = mem.tables, mem.prefix
+        d = t.lengths[s] // block_size
+        kind = jnp.where(ok & (cols >= d), kinds[i], 0)
+        cand = cands[i]
+        sc = jnp.clip(cand, 0, nb - 1)
+        prev_kind = jnp.concatenate([jnp.zeros((1,), jnp.int32), kind[:-1]])
+        prev_cand = jnp.concatenate([null, cand[:-1]])
+        dev_ok = (
+            (cand > NULL_BLOCK) & (cand < nb) & pc_state.cached[sc] & ~fresh[sc]
+            & jnp.all(pc_state.tokens[sc] == blocks[i], axis=1)
+            & jnp.where(prev_kind == 2, pc_state.parent[sc] == prev_cand, prev_kind == 1)
+        )  # fmt: skip
+        col_ok = jnp.where(cols < d, True, (kind == 1) | ((kind == 2) & dev_ok))
+        end = jnp.sum(jnp.cumprod(col_ok.astype(jnp.int32)))  # the run is [d, end)
+        dev_sel = (cols >= d) & (cols < end) & (kind == 2)
+        dev_ids, n_dev = compact(dev_sel, cand)
+        pool = pc.acquire(mem.pool, dev_ids, n_dev)
+        # Host blocks past the free ones cut the run; device blocks past the cut go back.
+        host_sel = (cols >= d) & (cols < end) & (kind == 1)
+        over = host_sel & (jnp.cumsum(host_sel) > pool.num_free)
+        end = jnp.where(jnp.any(over), jnp.argmax(over), end).astype(jnp.int32)
+        back_ids, n_back = compact(dev_sel & (cols >= end), cand)
+        pool = bp.drop_refs(pool, back_ids, n_back)
+        host_sel = host_sel & (cols < end)
+        n = jnp.sum(host_sel, dtype=jnp.int32)
+        pool, new = bp.pop_blocks(pool, n, m)
+        valid = cols < n
+        safe = jnp.where(valid, new, 0)
+        was = valid & pc_state.cached[safe]
+        old = pc_state.tokens[safe]
+        fresh = fresh.at[jnp.where(valid, new, nb)].set(True, mode="drop")
+        run = (cols >= d) & (cols < end)
+        at_new = new[jnp.clip(jnp.cumsum(host_sel) - 1, 0, m - 1)]
+        row = jnp.where(run, jnp.where(kind == 1, at_new, cand), t.tables[s])
+        parents = jnp.concatenate([null, row[:-1]])
+        prefix = pc.register(pc_state, row, parents, blocks[i], run)
+        length = jnp.where(ok, end * block_size, t.lengths[s])
+        tables = t._replace(
+            tables=t.tables.at[s].set(row), lengths=t.lengths.at[s].set(length)
+        )
+        num_computed = num_computed.at[s].set(jnp.where(ok, length, num_computed[s]))
+        mem = mem._replace(pool=pool, tables=tables, prefix=prefix)
+        return (mem, num_computed, fresh, new_all.at[i].set(new), got_all.at[i].set(n),
+                tot_all.at[i].set(jnp.where(ok, end - d, 0)), was_all.at[i].set(was),
+                old_all.at[i].set(old))  # fmt: skip
+
+    k = slots.shape[0]
+    init = (
+        mem,
+        state.num_computed,
+        jnp.zeros((nb,), bool),
+        jnp.zeros((k, m), jnp.int32),
+        jnp.zeros((k,), jnp.int32),
+        jnp.zeros((k,), jnp.int32),
+        jnp.zeros((k, m), bool),
+        jnp.zeros((k, m, block_size), jnp.int32),
+    )
+    mem, num_computed, _, new, got, total, was, old = jax.lax.fori_loop(0, k, body, init)
+    return state._replace(mem=mem, num_computed=num_computed), new, got, total, was, old
 
 
 def register_step(

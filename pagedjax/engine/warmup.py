@@ -226,5 +226,7 @@ def _small(core: EngineCore, decoder: MultiStepDecoder, store: ProgramStore | No
         batch = _padding_batch(core)  # the engine passes the batch's (device) rows
         dev.register_step(batch.seq_ids, batch.start_pos, batch.q_lens)
         jax.device_get((verified, used))
+        if core.host_tier is not None:  # kv_offload.py's reload: a no-op attach
+            jax.device_get(dev.attach_reloaded(i32, cand, cand, f))
     dev.fork(np.int32(0), i32, f, i32, i32)
     jax.block_until_ready(dev.state)

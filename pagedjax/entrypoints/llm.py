@@ -45,7 +45,10 @@ class LLM:
     requests routed by ``data_parallel_routing`` ("least_tokens" or "prefix_affinity";
     beam search runs on the least-loaded replica). swap_space (GiB) sizes
     the host pool for preemption by swap (preemption_mode "swap", or None: swap groups of
-    several samples, recompute single sequences; docs/engine.md). Unknown keyword arguments raise
+    several samples, recompute single sequences; docs/engine.md). kv_offloading_size (GiB,
+    vLLM's name; 0 = off) adds a host tier to that pool: prefix-cache blocks evicted from
+    the device are kept there and loaded back on a hit; kv_offloading_backend: "native"
+    only (docs/kv_tiers.md). Unknown keyword arguments raise
     TypeError. On CPU the KV pool size comes from num_gpu_blocks_override or
     kv_cache_memory_bytes (else 4 GiB, at most a quarter of free memory); see docs/engine.md.
     enable_prefix_caching: automatic prefix caching, on by default as in vLLM today.
@@ -93,6 +96,8 @@ class LLM:
         num_gpu_blocks_override: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         swap_space: float = 4.0,
+        kv_offloading_size: float = 0.0,
+        kv_offloading_backend: str | None = None,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
         kv_scales: str = "default",
@@ -315,6 +320,8 @@ def engine_config(
     num_gpu_blocks_override: int | None = None,
     kv_cache_memory_bytes: int | None = None,
     swap_space: float = 4.0,
+    kv_offloading_size: float = 0.0,
+    kv_offloading_backend: str | None = None,
     enable_prefix_caching: bool = True,
     kv_cache_dtype: str = "auto",
     kv_scales: str = "default",
@@ -374,6 +381,8 @@ def engine_config(
             num_gpu_blocks_override=num_gpu_blocks_override,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             swap_space=swap_space,
+            kv_offloading_size=kv_offloading_size,
+            kv_offloading_backend=kv_offloading_backend,
             enable_prefix_caching=enable_prefix_caching,
             cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
             kv_scales=kv_scales,  # type: ignore[arg-type]

@@ -33,6 +33,10 @@ class PagedState(NamedTuple):
     on_host: jax.Array | None = None
     swap_out: SwapMap | None = None
     swap_in: SwapMap | None = None
+    # Host tier (``track_evictions``): bool[num_blocks], the cached blocks this step's
+    # allocations took (their KV is intact until the step's forward), which the engine
+    # copies to the host tier before it; cleared by ``begin_step``. None when off.
+    evicted: jax.Array | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ class PagedPolicy:
     blocks free, as vLLM's block manager does (paper_notes section 6).
     num_host_blocks: the host (CPU) swap pool's usable blocks; 0 = no swapping (the
     scheduler then preempts by recompute only). See ``swap_out`` / ``swap_in``.
+    track_evictions: (prefix caching) record in ``PagedState.evicted`` which cached
+    blocks each step's allocations evict, for the host tier (docs/kv_tiers.md).
     """
 
     num_blocks: int
@@ -53,6 +59,7 @@ class PagedPolicy:
     watermark_frac: float = 0.0
     enable_prefix_caching: bool = False
     num_host_blocks: int = 0
+    track_evictions: bool = False
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
@@ -65,6 +72,8 @@ class PagedPolicy:
             raise ValueError(f"watermark_frac must be in [0, 1), got {self.watermark_frac}")
         if self.num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
+        if self.track_evictions and not self.enable_prefix_caching:
+            raise ValueError("track_evictions needs enable_prefix_caching")
 
     @property
     def can_swap(self) -> bool:
@@ -84,7 +93,7 @@ class PagedPolicy:
 
     def init_state(self) -> PagedState:
         z = jnp.zeros((self.max_seqs,), jnp.int32)
-        return PagedState(
+        state = PagedState(
             create_block_pool(self.num_blocks),
             btm.create_block_tables(self.max_seqs, self.max_blocks_per_seq),
             CopyOnWrite(z, z, jnp.zeros((self.max_seqs,), bool)),
@@ -102,6 +111,9 @@ class PagedPolicy:
                 else ()
             ),
         )
+        if self.track_evictions:
+            state = state._replace(evicted=jnp.zeros((self.num_blocks,), bool))
+        return state
 
     def begin_step(self, state: PagedState) -> PagedState:
         """Forget the previous step's (already applied) copies."""
@@ -111,7 +123,18 @@ class PagedPolicy:
             state = state._replace(
                 swap_out=empty_map(self.num_blocks), swap_in=empty_map(self.num_blocks)
             )
+        if self.track_evictions:
+            state = state._replace(evicted=jnp.zeros((self.num_blocks,), bool))
         return state
+
+    def _forget(self, state: PagedState, blocks: jax.Array, mask: jax.Array) -> PagedState:
+        """The pool handed out ``blocks`` (where ``mask``) for new contents: they are no
+        longer cached (``prefix_cache.invalidate``); with ``track_evictions`` the cached
+        ones among them are recorded as evicted this step."""
+        prefix = invalidate(state.prefix, blocks, mask)
+        if state.evicted is not None:
+            state = state._replace(evicted=state.evicted | (state.prefix.cached & ~prefix.cached))
+        return state._replace(prefix=prefix)
 
     # -- swap preemption ------------------------------------------------------------------
     # A step moves each device block out at most once (a block freed by a swap-out may be
@@ -145,15 +168,12 @@ class PagedPolicy:
         host, pool, tables, src, dst, count, ok = move_rows(
             state.host_pool, state.pool, state.tables, mask, reserve
         )
-        prefix = state.prefix
-        if prefix is not None:  # the blocks get the swapped-in contents
-            valid = jnp.arange(dst.shape[0]) < count
-            prefix = invalidate(prefix, dst, valid)
+        if state.prefix is not None:  # the blocks get the swapped-in contents
+            state = self._forget(state, dst, jnp.arange(dst.shape[0]) < count)
         return state._replace(
             pool=pool,
             host_pool=host,
             tables=tables,
-            prefix=prefix,
             on_host=state.on_host & ~(mask & ok),
             swap_in=append_pairs(state.swap_in, src, dst, count),
         ), ok
@@ -181,13 +201,12 @@ class PagedPolicy:
             state.last_cow.dst.at[slot].set(cow.dst, mode="drop"),
             state.last_cow.valid.at[slot].set(True, mode="drop"),
         )
-        prefix = state.prefix
-        if prefix is not None:
+        if state.prefix is not None:
             # Blocks the pool just handed out get new contents: they are no longer cached.
             rows = jnp.clip(seq_ids, 0, self.max_seqs - 1)
             before, after = state.tables.tables[rows], tables.tables[rows]
-            prefix = invalidate(prefix, after.reshape(-1), (after != before).reshape(-1))
-        return state._replace(pool=pool, tables=tables, last_cow=pending, prefix=prefix), ok
+            state = self._forget(state, after.reshape(-1), (after != before).reshape(-1))
+        return state._replace(pool=pool, tables=tables, last_cow=pending), ok
 
     def release(self, state, seq_ids, mask):
         if not self.can_swap:

@@ -131,6 +131,9 @@ class PrefixIndex:
     parents, not what the hash keyed beyond them (a cache salt: a LoRA adapter's id,
     engine/block_hashes.py), so a stale hint to a block since refilled with the same
     tokens under another salt would verify and share another adapter's KV.
+
+    ``hash_of(block)``: the hash a block was last recorded under (the host tier keys
+    an evicted block's KV by it, docs/kv_tiers.md).
     """
 
     def __init__(self) -> None:
@@ -172,6 +175,10 @@ class PrefixIndex:
             b = self._block_of.pop(h, None)
             if b is not None and self._hash_of.get(b) == h:
                 del self._hash_of[b]
+
+    def hash_of(self, block: int) -> int | None:
+        """The hash ``block`` was last recorded under (None: never, or forgotten)."""
+        return self._hash_of.get(block)
 
     def count(self, proposed_blocks: int, hit_blocks: int) -> None:
         self.queries += 1

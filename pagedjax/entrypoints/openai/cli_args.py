@@ -112,6 +112,18 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         "--swap-space", type=float, default=None, help=_own("host swap pool per engine, GiB")
     )
     p.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        help="GiB of host memory for prefix-cache blocks evicted from the device (the host"
+        " tier, in the swap pool's allocator; docs/kv_tiers.md); 0 = off",
+    )
+    p.add_argument(
+        "--kv-offloading-backend",
+        default=None,
+        help="'native' (pagedjax's host tier); connectors such as 'lmcache' are refused",
+    )
+    p.add_argument(
         "--num-scheduler-steps",
         type=_int_or_auto,
         default=None,
@@ -352,6 +364,7 @@ LLM_ARGS = (
     "model", "tokenizer", "dtype", "load_format", "seed", "block_size", "max_model_len",
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
     "num_gpu_blocks_override", "kv_cache_memory_bytes", "swap_space", "enable_prefix_caching",
+    "kv_offloading_size", "kv_offloading_backend",
     "preemption_mode", "tensor_parallel_size", "data_parallel_size", "data_parallel_routing",
     "scheduling_mode", "watermark",
     "attention_backend", "max_logprobs", "num_scheduler_steps", "warmup", "compilation_cache",

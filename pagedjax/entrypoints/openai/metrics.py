@@ -101,6 +101,23 @@ class ServerMetrics:
         self.spec_accepted = counter(
             "spec_decode_num_accepted_tokens", "Draft tokens accepted."
         ).labels(model_name)
+        # The host tier (pagedjax's own names; zero without kv_offloading_size):
+        # docs/kv_tiers.md. Host hits are also counted in prefix_cache_hits.
+        self.host_hits = counter(
+            "prefix_cache_host_hits", "Prefix cache hits loaded from the host tier, in tokens."
+        ).labels(model_name)
+        self.offloaded = counter(
+            "kv_offload_blocks", "KV blocks copied device -> host tier."
+        ).labels(model_name)
+        self.reloaded = counter(
+            "kv_reload_blocks", "KV blocks copied host tier -> device."
+        ).labels(model_name)
+        self.offloaded_bytes = counter(
+            "kv_offload_bytes", "KV bytes copied device -> host tier."
+        ).labels(model_name)
+        self.reloaded_bytes = counter(
+            "kv_reload_bytes", "KV bytes copied host tier -> device."
+        ).labels(model_name)
         # Requests refused before the engine (pagedjax's own: vLLM has no such counter):
         # queue_full (--max-num-queued-reqs), shutting_down, too_large, engine_restarting.
         self.request_rejected = counter(
@@ -115,7 +132,8 @@ class ServerMetrics:
         )
         # Last engine counter values seen (engine counters -> Prometheus deltas).
         self._seen = dict(
-            preemptions=0, queries=0, hits=0, spec_drafts=0, spec_draft_tokens=0, spec_accepted=0
+            preemptions=0, queries=0, hits=0, spec_drafts=0, spec_draft_tokens=0, spec_accepted=0,
+            host_hits=0, offloaded=0, reloaded=0, offloaded_bytes=0, reloaded_bytes=0,
         )
 
     # ------------------------------------------------------------- StatsSink
@@ -178,6 +196,11 @@ class ServerMetrics:
             ("spec_drafts", self.spec_drafts),
             ("spec_draft_tokens", self.spec_draft_tokens),
             ("spec_accepted", self.spec_accepted),
+            ("host_hits", self.host_hits),
+            ("offloaded", self.offloaded),
+            ("reloaded", self.reloaded),
+            ("offloaded_bytes", self.offloaded_bytes),
+            ("reloaded_bytes", self.reloaded_bytes),
         ):
             delta = snap[key] - self._seen[key]
             if delta < 0:  # the engine's stats were reset: count from there
@@ -201,4 +224,9 @@ def _flatten(snap: dict[str, Any]) -> dict[str, Any]:
         spec_draft_tokens=int(stats.get("spec_proposed_tokens", 0)),
         spec_accepted=int(stats.get("spec_accepted_tokens", 0)),
         compilations=int(stats.get("compilations", 0)),
+        host_hits=int(stats.get("prefix_cache_host_hit_tokens", 0)),
+        offloaded=int(stats.get("kv_offloaded_blocks", 0)),
+        reloaded=int(stats.get("kv_reloaded_blocks", 0)),
+        offloaded_bytes=int(stats.get("kv_offloaded_bytes", 0)),
+        reloaded_bytes=int(stats.get("kv_reloaded_bytes", 0)),
     )

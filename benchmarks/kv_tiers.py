@@ -1,0 +1,141 @@
+"""The host tier on a multi-turn workload: TTFT p50 / p90 and prompt tokens computed,
+``kv_offloading_size`` off vs on, the device pool capped so the working set is ~4x it.
+
+    python benchmarks/kv_tiers.py [--convs 8] [--turns 4] [--system-len 192]
+        [--pool-blocks 48] [--tier-blocks 256]
+
+Closed loop over ``--convs`` conversations taken round robin (turn t of each, then turn
+t + 1), ``--concurrency`` requests in flight: each turn resends the whole history (the
+first message, then every reply and user message so far), so by a conversation's next
+turn the others have evicted its prefix from the device pool. TTFT at concurrency 1 is
+the prefill itself (no queueing). One random llama (load_format="dummy") on the engine
+directly (no server); a warm-up pass of the same workload with other tokens compiles
+every shape first (warmup "none": only the programs used), then the timed pass.
+Greedy outputs are compared between the two settings (they must be equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+from serving_common import dummy_model_dir  # benchmarks/ is on sys.path
+
+from pagedjax import LLM, SamplingParams
+
+
+def run(args: argparse.Namespace, model: str, tier_gib: float) -> dict:
+    llm = LLM(
+        model, load_format="dummy", block_size=args.block_size,
+        num_gpu_blocks_override=args.pool_blocks + 1, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, swap_space=0.0,
+        kv_offloading_size=tier_gib, warmup="none",
+    )  # fmt: skip
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    vocab = engine.arch.vocab_size
+
+    def tokens(n: int) -> list[int]:
+        return rng.integers(3, vocab, n).tolist()
+
+    first_turn: list[bool] = []
+
+    def converse(convs: int, turns: int, tag: str) -> tuple[list[float], dict]:
+        # Drawn up front: each conversation's messages do not depend on finishing order.
+        hist = [tokens(args.system_len) for _ in range(convs)]
+        users = [[tokens(args.user_len) for _ in range(turns)] for _ in range(convs)]
+        order = [(c, t) for t in range(turns) for c in range(convs)]  # round robin
+        ttft, outs, arrival, first = [], {}, {}, set()
+        first_turn.clear()
+        nxt = 0
+
+        def submit() -> None:
+            nonlocal nxt
+            c, t = order[nxt]
+            nxt += 1
+            if t > 0:  # the whole history: the previous reply and a new user message
+                hist[c] = hist[c] + outs[f"{tag}{c}-{t - 1}"] + users[c][t]
+            rid = f"{tag}{c}-{t}"
+            engine.add_request(rid, {"prompt_token_ids": hist[c]}, params)
+            arrival[rid] = time.perf_counter()
+
+        while nxt < min(args.concurrency, len(order)):
+            submit()
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                now = time.perf_counter()
+                if o.request_id not in first and o.outputs[0].token_ids:
+                    first.add(o.request_id)
+                    ttft.append(now - arrival[o.request_id])
+                    first_turn.append(o.request_id.endswith("-0"))
+                if o.finished:
+                    outs[o.request_id] = list(o.outputs[0].token_ids)
+                    if nxt < len(order):
+                        submit()
+        return ttft, outs
+
+    converse(args.convs, args.turns, "warm")  # the same shapes, other tokens: compiles
+    engine.reset_stats()
+    compiled = engine.stats()["compilations"]
+    t0 = time.perf_counter()
+    ttft, outs = converse(args.convs, args.turns, "c")
+    wall = time.perf_counter() - t0
+    s = engine.stats()
+    return dict(
+        ttft=np.array(ttft), first_turn=np.array(first_turn), outs=outs, wall=wall, stats=s,
+        computed=s["prefix_cache_query_tokens"] - s["prefix_cache_hit_tokens"],
+        compiled=s["compilations"] - compiled,
+    )  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--convs", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--system-len", type=int, default=192)
+    ap.add_argument("--user-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--pool-blocks", type=int, default=48)
+    ap.add_argument("--tier-blocks", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    args = ap.parse_args()
+
+    model = dummy_model_dir(args.hidden, args.layers, args.heads)
+    per_block = 2 * args.layers * args.hidden * args.block_size * 4  # K and V, float32
+    final = args.system_len + (args.turns - 1) * (args.output_len + args.user_len)
+    working = args.convs * -(-final // args.block_size)
+    print(f"working set {working} blocks (final histories), device pool {args.pool_blocks}"
+          f" ({working / args.pool_blocks:.1f}x), host tier {args.tier_blocks} blocks;"
+          f" load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    res = {}
+    for name, gib in (("off", 0.0), ("on", (args.tier_blocks + 0.5) * per_block / (1 << 30))):
+        r = res[name] = run(args, model, gib)
+        t = r["ttft"] * 1e3
+        s = r["stats"]
+        dev_hits = s.get("prefix_cache_device_hit_tokens", s["prefix_cache_hit_tokens"])
+        print(f"tier {name:3s}: TTFT p50 {np.percentile(t, 50):7.1f} ms  p90"
+              f" {np.percentile(t, 90):7.1f} ms  prompt tokens computed {r['computed']:6d}"
+              f"  hits device {dev_hits}"
+              f" host {s.get('prefix_cache_host_hit_tokens', 0)}  offloaded"
+              f" {s.get('kv_offloaded_blocks', 0)} reloaded {s.get('kv_reloaded_blocks', 0)}"
+              f" blocks ({s.get('kv_reloaded_bytes', 0) / 1e6:.1f} MB back)  wall {r['wall']:.1f} s"
+              f"  compiled while timed {r['compiled']}  load {os.getloadavg()[0]:.2f}")  # fmt: skip
+        later = t[~r["first_turn"]]
+        print(f"          turns >= 2 only: TTFT p50 {np.percentile(later, 50):7.1f} ms  p90"
+              f" {np.percentile(later, 90):7.1f} ms; first turns p50"
+              f" {np.percentile(t[r['first_turn']], 50):7.1f} ms")  # fmt: skip
+    same = res["on"]["outs"] == res["off"]["outs"]
+    print(f"greedy outputs equal: {same}")
+
+
+if __name__ == "__main__":
+    main()
