@@ -65,6 +65,8 @@ from pagedjax.engine.loading import load_model
 from pagedjax.engine.logit_controls import LogitControls
 from pagedjax.engine.model_runner import ModelRunner
 from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
+from pagedjax.engine.multimodal import MultiModalRunner, VisionModel, load_multimodal_model
+from pagedjax.engine.multimodal import check_engine as check_multimodal_engine
 from pagedjax.engine.output_processor import OutputProcessor, SampledRows
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.parallel import DevicePlacement, check_device_count
@@ -83,6 +85,7 @@ from pagedjax.engine.warmup import warm_up
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.prefix_cache import PrefixIndex
 from pagedjax.model import ModelArch, compute_dtype
+from pagedjax.model.vision.llava import is_llava_checkpoint
 from pagedjax.sampling import SamplingParams
 from pagedjax.sampling.params import MAX_SEED
 from pagedjax.scheduler import ScheduledBatch, SchedulerLimits
@@ -113,8 +116,11 @@ class LLMEngine:
         kv_fill_value: float = 0.0,
         devices: Sequence[Any] | None = None,
         detokenize: bool = True,
+        vision: VisionModel | None = None,
     ):
         _reject_unbuilt_features(config)
+        if vision is not None:
+            check_multimodal_engine(config, arch)
         self.detokenize = detokenize
         compile_cache.enable(config.compilation_cache)  # idempotent
         cc, sc, par = config.cache, config.scheduler, config.parallel  # par: TP (parallel.py)
@@ -197,6 +203,9 @@ class LLMEngine:
             controls=LogitControls(arch.vocab_size, tokenizer, config.structured_outputs, eos),
         )  # fmt: skip
         self.outputs = OutputProcessor(self.core)  # the host half of every step
+        # Images (multimodal.py): None for a text-only model, which refuses them.
+        self.mm = (MultiModalRunner(vision, config.multimodal, budget, arch.hidden_size)
+                   if vision is not None else None)  # fmt: skip
         self.reset_stats()
         self.step_observers: list[StepObserver] = []  # add_step_observer
         self._rng = np.random.default_rng(config.model.seed)
@@ -213,6 +222,9 @@ class LLMEngine:
         """Load config.model (directory or preset; compilation cache on first), build."""
         _reject_unbuilt_features(config)  # before spending time on loading weights
         compile_cache.enable(config.compilation_cache)
+        if is_llava_checkpoint(config.model.model):
+            arch, params, tokenizer, vision = load_multimodal_model(config.model)
+            return cls(arch, params, tokenizer, config, vision=vision, **kwargs)
         arch, params, tokenizer, _ = load_model(config.model)
         return cls(arch, params, tokenizer, config, **kwargs)
 
@@ -232,13 +244,27 @@ class LLMEngine:
         params: SamplingParams | None = None,
     ) -> None:
         """Queue a request. prompt: text, token ids, or {"prompt_token_ids": [...]} /
-        {"prompt": "..."} (vLLM's TextPrompt / TokensPrompt). Raises (changing nothing)
-        on a duplicate id, bad ids, a prompt over max_model_len (or the token budget in
-        paper/static mode), a prompt the KV pool can never hold, or unsupported options.
+        {"prompt": "..."} (vLLM's TextPrompt / TokensPrompt), optionally with
+        "multi_modal_data": {"image": img or [img, ...]} (multimodal.py). Raises
+        (changing nothing) on a duplicate id, bad ids, a prompt over max_model_len (or the
+        token budget in paper/static mode), a prompt the KV pool can never hold,
+        unsupported options, or images the model or the prompt cannot take.
         """
         book = self.core.book
         params = check_request_args(request_id, params, book.requests)
+        mm_data = None
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            prompt = dict(prompt)
+            mm_data = prompt.pop("multi_modal_data")
+            if self.mm is None and mm_data:
+                raise ValueError("this model takes no images (multi_modal_data given to a"
+                                 " text-only model)")  # fmt: skip
         text, ids = self.tokenize_prompt(prompt)
+        mm = self.mm.prepare(ids, mm_data) if self.mm is not None else None
+        if mm is not None:
+            ids = mm.token_ids  # checked as real ids; stored as identity ids below
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs with images is not built yet")
         self.check_request(ids, params)
         controls = self.core.controls.prepare(params)  # bad words' ids, compiled grammar
         if params.seed is None and not params.greedy:
@@ -247,9 +273,10 @@ class LLMEngine:
         max_tokens = params.max_tokens or (self.max_model_len - len(ids))
         target = max(1, min(max_tokens, self.max_model_len - len(ids)))
         req = RequestState.new(
-            request_id, text, ids, params, target, self.tokenizer, book.next_arrival,
-            detokenize=self.detokenize,
+            request_id, text, ids if mm is None else mm.cache_ids, params, target,
+            self.tokenizer, book.next_arrival, detokenize=self.detokenize,
         )
+        req.multi_modal = mm
         self.core.controls.attach(req, controls)
         # n > 1: only sample 0 prefills; the others fork its blocks when its prompt is done.
         book.add(req)
@@ -361,11 +388,13 @@ class LLMEngine:
         plp = None
         if verified is None:
             padded_tokens, padded_seqs = self._buckets(int(host["num_tokens"]))
+            # Rows prefilling image positions: encoder-cache rows replace their inputs.
+            mm = self.mm.step_inputs(host, owners, padded_tokens) if self.mm is not None else None
             sampled, plp = dev.run_program(
                 self.runner.run, core.params, dev.state.mem,
                 batch._replace(swap=None),  # applied by _apply_swaps; one pytree with warmup
                 dev.sampling(), dev.state.prompt_len, dev.state.output_len,
-                num_tokens=padded_tokens, num_seqs=padded_seqs, all_logits=all_logits,
+                num_tokens=padded_tokens, num_seqs=padded_seqs, all_logits=all_logits, mm=mm,
             )  # fmt: skip
         else:
             sampled, acc_dev = verified
@@ -465,11 +494,14 @@ class LLMEngine:
         self.num_swapped_in_blocks = 0
         self.core.prefix_index.queries = self.core.prefix_index.hit_blocks = 0
         self.core.prefix_index.query_blocks = 0
+        if self.mm is not None:
+            self.mm.reset_stats()
 
     def stats(self) -> dict[str, float | int]:
         """Counters since the last ``reset_stats``: ``engine_stats.engine_stats`` gives
         the keys' meanings; spec_*: ``spec/decoder.py``'s ``SpecCounters``."""
         spec = self.speculator.stats() if self.speculator is not None else {}
+        spec |= self.mm.stats() if self.mm is not None else {}
         return spec | self.core.controls.stats() | engine_stats(
             self.core, self.multi_step, forked_samples=self.outputs.num_forked,
             preemptions_recompute=self.num_preemptions_recompute,

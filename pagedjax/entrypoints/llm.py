@@ -15,6 +15,7 @@ from pagedjax.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    MultiModalConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -70,6 +71,10 @@ class LLM:
     structured_outputs_config: vLLM's dict, e.g. {"backend": "auto" | "xgrammar" |
     "guidance", "disable_any_whitespace": False} (``config.StructuredOutputsConfig``;
     docs/structured_outputs.md).
+    limit_mm_per_prompt: vLLM's dict, most images per prompt ({"image": 2}; default 999);
+    mm_encoder_cache_size (pagedjax's own): image-embedding rows the encoder cache keeps
+    (``config.MultiModalConfig``; docs/multimodal.md). A LLaVA checkpoint directory
+    takes prompts {"prompt": ..., "multi_modal_data": {"image": img or [imgs]}}.
     """
 
     def __init__(
@@ -106,6 +111,8 @@ class LLM:
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None,
         enforce_eager: bool = False,
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        mm_encoder_cache_size: int | None = None,
         **unknown: Any,
     ):
         if unknown:
@@ -313,6 +320,8 @@ def engine_config(
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
     structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None,
     enforce_eager: bool = False,
+    limit_mm_per_prompt: dict[str, int] | None = None,
+    mm_encoder_cache_size: int | None = None,
     **unknown: Any,
 ) -> EngineConfig:
     """The EngineConfig of ``LLM(model, ...)``'s arguments (see ``LLM``), built without
@@ -367,6 +376,8 @@ def engine_config(
         compilation_cache=compilation_cache,
         speculative=_speculative(speculative_config),
         structured_outputs=_structured_outputs(structured_outputs_config),
+        multimodal=MultiModalConfig(limit_mm_per_prompt=dict(limit_mm_per_prompt or {}),
+                                    encoder_cache_size=mm_encoder_cache_size),
     )
     _check_literals(config)
     return config

@@ -1,0 +1,200 @@
+"""Images through the engine end to end (engine/multimodal.py): ``LLM(model=<LLaVA dir>)
+.generate({"prompt": ..., "multi_modal_data": {"image": ...}})`` against transformers'
+LlavaProcessor + LlavaForConditionalGeneration.generate (greedy), on a tiny random
+checkpoint written by transformers; with chunked prefill splitting images and an encoder
+cache too small to keep them; prefix caching that never shares one image's KV with
+another; and the refusals (text-only model, limit_mm_per_prompt, placeholder counts)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedjax import LLM, SamplingParams
+from pagedjax.engine.multimodal import expand_placeholders, identity_ids
+from tests.model_helpers import save_tiny_hf_model, save_tiny_tokenizer
+
+pytestmark = pytest.mark.xdist_group("test_multimodal_engine")
+
+IMAGE = 259  # "<image>": the byte-level tiny tokenizer's ids end at 258
+N = 16  # image tokens: (32 / 8)^2 patches, CLS dropped ("default")
+BS = 8  # block size
+PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
+# 31 tokens (<s> + 30 bytes) before the image: its first 3 blocks are text only.
+LONG = "A chat between friends. USER: <image>\nDescribe it. ASSISTANT:"
+ARGS = dict(block_size=BS, num_gpu_blocks_override=64, max_num_seqs=4, max_model_len=128,
+            warmup="none")  # fmt: skip
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+def _image(seed: int, size=(40, 30)):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (*size[::-1], 3), np.uint8))
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    """(directory, torch model, LlavaProcessor) of a tiny random LLaVA: CLIP 32 px / patch
+    8, 2 layers; Llama text model, hidden 32, 1 layer; the byte tokenizer + "<image>"."""
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    d = tmp_path_factory.mktemp("llava_engine")
+    tok = save_tiny_tokenizer(d, chat_template=None)
+    tok.add_tokens(["<image>"], special_tokens=True)
+    assert tok.convert_tokens_to_ids("<image>") == IMAGE
+    tok.save_pretrained(str(d))
+    proc = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    proc.save_pretrained(str(d))
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=2, num_attention_heads=2,
+                              initializer_range=0.15)  # fmt: skip
+    text = LlamaConfig(vocab_size=272, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                       bos_token_id=1, eos_token_id=2, initializer_range=0.15)  # fmt: skip
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE,
+                      vision_feature_layer=-2, vision_feature_select_strategy="default")
+    model = LlavaForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # image features on the text embeddings' scale, random biases
+        for name, p in model.named_parameters():
+            if "multi_modal_projector" in name and p.ndim > 1:
+                p.normal_(0.0, 0.3)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(str(d))
+    processor = LlavaProcessor(image_processor=proc, tokenizer=tok, patch_size=8,
+                               vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1)  # fmt: skip
+    return d, model, processor
+
+
+def _hf_greedy(llava, prompt: str, images: list, max_tokens: int = 6) -> list[int]:
+    """transformers' processor (expansion, pixels) and greedy generate, one prompt."""
+    _, model, processor = llava
+    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def _mm(prompt: str, images: list) -> dict:
+    return {"prompt": prompt, "multi_modal_data": {"image": images}}
+
+
+def test_generate_with_images_equals_transformers_and_prefix_cache(llava):
+    """A batch of two different images under one text, a text-only prompt and a
+    two-image prompt gives transformers' greedy tokens; then a new image under the same
+    text hits the prefix cache only for the text blocks before the image, and the same
+    image + text again hits every full block but the last token's."""
+    d = llava[0]
+    llm = LLM(model=str(d), **ARGS)
+    a, b, c = _image(1), _image(2), _image(3)
+    two = "USER: <image> and <image>\nCompare. ASSISTANT:"
+    reqs = [(LONG, [a]), (LONG, [b]), ("USER: hello there ASSISTANT:", []), (two, [c, a])]
+    outs = llm.generate([_mm(p, im) if im else p for p, im in reqs], GREEDY, use_tqdm=False)
+    want = [_hf_greedy(llava, p, im) for p, im in reqs]
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == want
+    assert got[0] != got[1]  # the image matters (else the comparison proves little)
+    # Outputs report the real (expanded) prompt ids, not the identity ids.
+    ids = outs[0].prompt_token_ids
+    assert ids.count(IMAGE) == N and min(ids) >= 0
+    engine = llm.llm_engine
+    assert engine.stats()["mm_images_encoded"] == 3  # a, b, c: a once for two requests
+
+    # A new image under the same text: only the text blocks before the image hit.
+    # (Not image a again here: a and b were prefilled together, so the host hint keeps
+    # b's copies of the shared text blocks and a's image blocks' parent link fails
+    # verification: a limit of the hint, docs/multimodal.md.)
+    d_img = _image(4)
+    engine.reset_stats()
+    new = llm.generate([_mm(LONG, [d_img])], GREEDY, use_tqdm=False)[0]
+    offset = ids.index(IMAGE)
+    assert engine.stats()["prefix_cache_hit_tokens"] == offset // BS * BS == 24
+    assert new.outputs[0].token_ids == _hf_greedy(llava, LONG, [d_img])
+    # The same image and text again: every full block hits but the last token's.
+    engine.reset_stats()
+    again = llm.generate([_mm(LONG, [d_img])], GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == new.outputs[0].token_ids
+    s = engine.stats()
+    assert s["prefix_cache_hit_tokens"] == (len(ids) - 1) // BS * BS == 64
+    assert s["mm_images_encoded"] == 0  # the image's positions were all cached KV
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.tier2
+def test_chunked_prefill_splits_images_and_evicted_features_are_recomputed(llava):
+    """Chunks of 8 tokens cut every 16-token image across steps, and an encoder cache of
+    one image (16 rows) evicts one request's image while the other's chunk runs: the
+    features are encoded again from the kept pixels, and the tokens stay transformers'."""
+    d = llava[0]
+    llm = LLM(model=str(d), max_num_batched_tokens=8, mm_encoder_cache_size=N,
+              enable_prefix_caching=False, **ARGS)  # fmt: skip
+    a, b = _image(5), _image(6)
+    reqs = [(PROMPT, [a]), (PROMPT, [b]), ("USER: <image> <image> ASSISTANT:", [b, a])]
+    outs = llm.generate([_mm(p, im) for p, im in reqs], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(llava, p, im) for p, im in reqs]
+    s = llm.llm_engine.stats()
+    assert s["mm_encoder_cache_images"] >= 1
+    assert s["mm_images_encoded"] > 2  # evicted images came back through the encoder
+
+
+def test_refusals_leave_the_engine_usable(llava, tmp_path):
+    d = llava[0]
+    llm = LLM(model=str(d), limit_mm_per_prompt={"image": 1}, **ARGS)
+    engine = llm.llm_engine
+    a = _image(7)
+    with pytest.raises(ValueError, match="limit_mm_per_prompt allows 1"):
+        llm.generate([_mm("<image><image>", [a, a])], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="2 image placeholder token"):
+        llm.generate(["USER: hi ASSISTANT:", _mm("USER: <image><image> hi", [a])], GREEDY,
+                     use_tqdm=False)  # fmt: skip
+    with pytest.raises(ValueError, match="1 image placeholder token.*for 0 image"):
+        llm.generate(PROMPT, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="modality 'video'"):
+        llm.generate({"prompt": PROMPT, "multi_modal_data": {"video": [a]}}, use_tqdm=False)
+    with pytest.raises(ValueError, match="cannot decode"):
+        llm.generate(_mm(PROMPT, [b"not an image"]), GREEDY, use_tqdm=False)
+    assert not engine.has_unfinished_requests()  # the batch's valid prompt was withdrawn
+    # A prompt already expanded (token ids) is taken as it is.
+    ids = llava[2](text=PROMPT, images=[a], return_tensors="np")["input_ids"][0].tolist()
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": a}}, GREEDY,
+                       use_tqdm=False)[0]  # fmt: skip
+    assert out.outputs[0].token_ids == _hf_greedy(llava, PROMPT, [a])
+
+    text_dir = tmp_path / "text"
+    save_tiny_hf_model("llama", text_dir)
+    save_tiny_tokenizer(text_dir)
+    text_llm = LLM(model=str(text_dir), **ARGS)
+    with pytest.raises(ValueError, match="takes no images"):
+        text_llm.generate(_mm(PROMPT, [a]), GREEDY, use_tqdm=False)
+    assert not text_llm.llm_engine.has_unfinished_requests()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 5), max_size=10), st.integers(1, 4))
+def test_expansion_and_identity_ids_properties(prompt, n):
+    """One placeholder (3) per image expands to n copies; an expanded prompt passes
+    unchanged; identity ids are negative, never -1, and differ between keys."""
+    k = prompt.count(3)
+    ids = expand_placeholders(prompt, 3, n, k)
+    assert len(ids) == len(prompt) + k * (n - 1)
+    if k:
+        assert expand_placeholders(ids, 3, n, k) == ids
+        with pytest.raises(ValueError, match="placeholder"):
+            expand_placeholders(prompt, 3, n, k + 1)
+    x, y = identity_ids(12345, 64), identity_ids(12346, 64)
+    assert (x <= -2).all() and (x >= -(2**31 - 1)).all()
+    assert (x != y).all() and len(set(x.tolist())) == 64
