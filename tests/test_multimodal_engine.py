@@ -1,11 +1,13 @@
 """Images through the engine end to end (engine/multimodal.py): ``LLM(model=<LLaVA dir>)
 .generate({"prompt": ..., "multi_modal_data": {"image": ...}})`` against transformers'
 LlavaProcessor + LlavaForConditionalGeneration.generate (greedy), on a tiny random
-checkpoint written by transformers; with chunked prefill splitting images and an encoder
+checkpoint written by transformers, with chunked prefill cutting images and an encoder
 cache too small to keep them; prefix caching that never shares one image's KV with
 another; and the refusals (text-only model, limit_mm_per_prompt, placeholder counts)."""
 
 from __future__ import annotations
+
+import io
 
 import numpy as np
 import pytest
@@ -25,7 +27,7 @@ BS = 8  # block size
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 # 31 tokens (<s> + 30 bytes) before the image: its first 3 blocks are text only.
 LONG = "A chat between friends. USER: <image>\nDescribe it. ASSISTANT:"
-ARGS = dict(block_size=BS, num_gpu_blocks_override=64, max_num_seqs=4, max_model_len=128,
+ARGS = dict(block_size=BS, num_gpu_blocks_override=64, max_num_seqs=2, max_model_len=128,
             warmup="none")  # fmt: skip
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 
@@ -93,13 +95,23 @@ def _mm(prompt: str, images: list) -> dict:
     return {"prompt": prompt, "multi_modal_data": {"image": images}}
 
 
-def test_generate_with_images_equals_transformers_and_prefix_cache(llava):
+@pytest.fixture(scope="module")
+def llm(llava):
+    """One engine for the module (compiles are the cost): 16-token steps, so chunked
+    prefill cuts 16-token images; an encoder cache of one image, so images are evicted
+    between the chunks of their prompts and encoded again; at most 2 images a prompt."""
+    return LLM(model=str(llava[0]), max_num_batched_tokens=16, mm_encoder_cache_size=N,
+               limit_mm_per_prompt={"image": 2}, **ARGS)  # fmt: skip
+
+
+def test_generate_with_images_equals_transformers_and_prefix_cache(llava, llm):
     """A batch of two different images under one text, a text-only prompt and a
-    two-image prompt gives transformers' greedy tokens; then a new image under the same
-    text hits the prefix cache only for the text blocks before the image, and the same
-    image + text again hits every full block but the last token's."""
-    d = llava[0]
-    llm = LLM(model=str(d), **ARGS)
+    two-image prompt gives transformers' greedy tokens, with images cut across steps and
+    evicted from the encoder cache between them; then a new image under the same text
+    hits the prefix cache only for the text blocks before the image, and the same image
+    and text again hits every full block but the last token's."""
+    engine = llm.llm_engine
+    engine.reset_stats()
     a, b, c = _image(1), _image(2), _image(3)
     two = "USER: <image> and <image>\nCompare. ASSISTANT:"
     reqs = [(LONG, [a]), (LONG, [b]), ("USER: hello there ASSISTANT:", []), (two, [c, a])]
@@ -108,11 +120,12 @@ def test_generate_with_images_equals_transformers_and_prefix_cache(llava):
     got = [o.outputs[0].token_ids for o in outs]
     assert got == want
     assert got[0] != got[1]  # the image matters (else the comparison proves little)
+    s = engine.stats()
+    assert s["mm_split_image_slices"] > 0  # chunked prefill did cut images
+    assert s["mm_encoder_cache_evictions"] > 0 and s["mm_images_encoded"] > 3  # a again
     # Outputs report the real (expanded) prompt ids, not the identity ids.
     ids = outs[0].prompt_token_ids
     assert ids.count(IMAGE) == N and min(ids) >= 0
-    engine = llm.llm_engine
-    assert engine.stats()["mm_images_encoded"] == 3  # a, b, c: a once for two requests
 
     # A new image under the same text: only the text blocks before the image hit.
     # (Not image a again here: a and b were prefilled together, so the host hint keeps
@@ -134,30 +147,11 @@ def test_generate_with_images_equals_transformers_and_prefix_cache(llava):
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.tier2
-def test_chunked_prefill_splits_images_and_evicted_features_are_recomputed(llava):
-    """Chunks of 8 tokens cut every 16-token image across steps, and an encoder cache of
-    one image (16 rows) evicts one request's image while the other's chunk runs: the
-    features are encoded again from the kept pixels, and the tokens stay transformers'."""
-    d = llava[0]
-    llm = LLM(model=str(d), max_num_batched_tokens=8, mm_encoder_cache_size=N,
-              enable_prefix_caching=False, **ARGS)  # fmt: skip
-    a, b = _image(5), _image(6)
-    reqs = [(PROMPT, [a]), (PROMPT, [b]), ("USER: <image> <image> ASSISTANT:", [b, a])]
-    outs = llm.generate([_mm(p, im) for p, im in reqs], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(llava, p, im) for p, im in reqs]
-    s = llm.llm_engine.stats()
-    assert s["mm_encoder_cache_images"] >= 1
-    assert s["mm_images_encoded"] > 2  # evicted images came back through the encoder
-
-
-def test_refusals_leave_the_engine_usable(llava, tmp_path):
-    d = llava[0]
-    llm = LLM(model=str(d), limit_mm_per_prompt={"image": 1}, **ARGS)
+def test_refusals_leave_the_engine_usable(llava, llm, tmp_path):
     engine = llm.llm_engine
     a = _image(7)
-    with pytest.raises(ValueError, match="limit_mm_per_prompt allows 1"):
-        llm.generate([_mm("<image><image>", [a, a])], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="limit_mm_per_prompt allows 2"):
+        llm.generate([_mm("<image><image><image>", [a, a, a])], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="2 image placeholder token"):
         llm.generate(["USER: hi ASSISTANT:", _mm("USER: <image><image> hi", [a])], GREEDY,
                      use_tqdm=False)  # fmt: skip
@@ -167,11 +161,15 @@ def test_refusals_leave_the_engine_usable(llava, tmp_path):
         llm.generate({"prompt": PROMPT, "multi_modal_data": {"video": [a]}}, use_tqdm=False)
     with pytest.raises(ValueError, match="cannot decode"):
         llm.generate(_mm(PROMPT, [b"not an image"]), GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs with images"):
+        llm.generate(_mm(PROMPT, [a]), SamplingParams(prompt_logprobs=1), use_tqdm=False)
     assert not engine.has_unfinished_requests()  # the batch's valid prompt was withdrawn
-    # A prompt already expanded (token ids) is taken as it is.
+    # A prompt already expanded (token ids), with the image as encoded bytes, is taken.
     ids = llava[2](text=PROMPT, images=[a], return_tensors="np")["input_ids"][0].tolist()
-    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": a}}, GREEDY,
-                       use_tqdm=False)[0]  # fmt: skip
+    buf = io.BytesIO()
+    a.save(buf, format="PNG")
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": buf.getvalue()}},
+                       GREEDY, use_tqdm=False)[0]  # fmt: skip
     assert out.outputs[0].token_ids == _hf_greedy(llava, PROMPT, [a])
 
     text_dir = tmp_path / "text"
@@ -183,7 +181,7 @@ def test_refusals_leave_the_engine_usable(llava, tmp_path):
     assert not text_llm.llm_engine.has_unfinished_requests()
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(st.lists(st.integers(0, 5), max_size=10), st.integers(1, 4))
 def test_expansion_and_identity_ids_properties(prompt, n):
     """One placeholder (3) per image expands to n copies; an expanded prompt passes
@@ -198,3 +196,4 @@ def test_expansion_and_identity_ids_properties(prompt, n):
     x, y = identity_ids(12345, 64), identity_ids(12346, 64)
     assert (x <= -2).all() and (x >= -(2**31 - 1)).all()
     assert (x != y).all() and len(set(x.tolist())) == 64
+

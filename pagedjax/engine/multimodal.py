@@ -326,6 +326,7 @@ class MultiModalRunner:
         n = vision.num_image_tokens
         rows = config.encoder_cache_size or max(token_budget, n)
         self.encoder_cache = EncoderCache(max(1, rows // n), n, hidden, vision.dtype)
+        self.split_slices = 0  # steps' slices of an image shorter than the image (chunking)
 
     @property
     def image_token_id(self) -> int:
@@ -374,6 +375,7 @@ class MultiModalRunner:
             cu += q
         if not segments:
             return None
+        self.split_slices += sum(count < img.length for _, img, _, count in segments)
         slots = self.encoder_cache.ensure([s[1] for s in segments], self.vision)
         image_slot = np.full(num_tokens, -1, np.int32)
         image_row = np.zeros(num_tokens, np.int32)
@@ -385,13 +387,17 @@ class MultiModalRunner:
     def stats(self) -> dict[str, float | int]:
         """mm_images_encoded: encoder runs' images; mm_encoder_cache_hits: images a step
         found cached; mm_encoder_cache_evictions; mm_encoder_seconds: encoder wall time
-        (synchronized); mm_encoder_cache_images: the cache's capacity now."""
+        (synchronized); mm_encoder_cache_images: the cache's capacity now;
+        mm_split_image_slices: a step's part of an image that was not the whole image
+        (chunked prefill cut the image)."""
         c = self.encoder_cache
         return dict(mm_images_encoded=c.encoded, mm_encoder_cache_hits=c.hits,
                     mm_encoder_cache_evictions=c.evicted, mm_encoder_seconds=c.encoder_seconds,
-                    mm_encoder_cache_images=c.capacity)  # fmt: skip
+                    mm_encoder_cache_images=c.capacity,
+                    mm_split_image_slices=self.split_slices)  # fmt: skip
 
     def reset_stats(self) -> None:
+        self.split_slices = 0
         c = self.encoder_cache
         c.hits = c.encoded = c.evicted = c.grown = 0
         c.encoder_seconds = 0.0
