@@ -166,6 +166,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         help='speculative decoding, JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
     p.add_argument(
+        "--limit-mm-per-prompt",
+        type=_json_object,
+        default=None,
+        help='most images per prompt, JSON: \'{"image": 2}\' (default 999; a LLaVA model)',
+    )
+    p.add_argument(
         "--kv-cache-dtype",
         default=None,
         choices=list(KV_CACHE_DTYPES),
@@ -343,6 +349,7 @@ LLM_ARGS = (
     "quantization",
     "speculative_config",
     "enforce_eager",
+    "limit_mm_per_prompt",
 )  # fmt: skip
 
 

@@ -286,3 +286,23 @@ def merge_cached_rows(
     row = jnp.clip(image_row, 0, cache.shape[1] - 1)
     rows = cache[slot, row].astype(text_embeds.dtype)
     return jnp.where((image_slot >= 0)[:, None], rows, text_embeds)
+
+
+def image_prompt_info(directory: str | Path, tokenizer: Any) -> tuple[str, int] | None:
+    """(placeholder text, image tokens per image) of a LLaVA checkpoint directory, for a
+    front end that writes placeholders into chat text and budgets prompt lengths without
+    loading the model (an API process); None for any other model. tokenizer: the
+    model's (pagedjax.tokenizer), whose special token for image_token_id is the text."""
+    if not is_llava_checkpoint(directory):
+        return None
+    config = json.loads((Path(directory) / "config.json").read_text())
+    config["vision_config"] = complete_sub_config(config.get("vision_config", {}),
+                                                  "clip_vision_model")
+    config.setdefault("text_config", {}).setdefault("hidden_size", 0)
+    arch = LlavaArch.from_hf(config)
+    hf = getattr(tokenizer, "hf_tokenizer", None)
+    if hf is not None:
+        text = hf.convert_ids_to_tokens(arch.image_token_id)
+    else:
+        text = tokenizer.decode([arch.image_token_id], skip_special_tokens=False)
+    return text, arch.num_image_tokens
