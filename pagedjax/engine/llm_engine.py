@@ -61,12 +61,10 @@ from pagedjax.engine.device_state import DeviceState, num_host_blocks, padding_b
 from pagedjax.engine.engine_stats import engine_stats
 from pagedjax.engine.kv_budget import num_kv_blocks, profile_forward
 from pagedjax.engine.kv_cache_spec import KVCacheSpec
-from pagedjax.engine.loading import load_model
 from pagedjax.engine.logit_controls import LogitControls
 from pagedjax.engine.model_runner import ModelRunner
 from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
-from pagedjax.engine.multimodal import MultiModalRunner, VisionModel, load_multimodal_model
-from pagedjax.engine.multimodal import check_engine as check_multimodal_engine
+from pagedjax.engine.multimodal import MultiModalRunner, VisionModel, load_engine_model, split_mm
 from pagedjax.engine.output_processor import OutputProcessor, SampledRows
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.parallel import DevicePlacement, check_device_count
@@ -85,7 +83,6 @@ from pagedjax.engine.warmup import warm_up
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.prefix_cache import PrefixIndex
 from pagedjax.model import ModelArch, compute_dtype
-from pagedjax.model.vision.llava import is_llava_checkpoint
 from pagedjax.sampling import SamplingParams
 from pagedjax.sampling.params import MAX_SEED
 from pagedjax.scheduler import ScheduledBatch, SchedulerLimits
@@ -119,8 +116,7 @@ class LLMEngine:
         vision: VisionModel | None = None,
     ):
         _reject_unbuilt_features(config)
-        if vision is not None:
-            check_multimodal_engine(config, arch)
+        self.mm = MultiModalRunner.build(vision, config, arch)  # images (None: refused)
         self.detokenize = detokenize
         compile_cache.enable(config.compilation_cache)  # idempotent
         cc, sc, par = config.cache, config.scheduler, config.parallel  # par: TP (parallel.py)
@@ -203,9 +199,6 @@ class LLMEngine:
             controls=LogitControls(arch.vocab_size, tokenizer, config.structured_outputs, eos),
         )  # fmt: skip
         self.outputs = OutputProcessor(self.core)  # the host half of every step
-        # Images (multimodal.py): None for a text-only model, which refuses them.
-        self.mm = (MultiModalRunner(vision, config.multimodal, budget, arch.hidden_size)
-                   if vision is not None else None)  # fmt: skip
         self.reset_stats()
         self.step_observers: list[StepObserver] = []  # add_step_observer
         self._rng = np.random.default_rng(config.model.seed)
@@ -222,11 +215,8 @@ class LLMEngine:
         """Load config.model (directory or preset; compilation cache on first), build."""
         _reject_unbuilt_features(config)  # before spending time on loading weights
         compile_cache.enable(config.compilation_cache)
-        if is_llava_checkpoint(config.model.model):
-            arch, params, tokenizer, vision = load_multimodal_model(config.model)
-            return cls(arch, params, tokenizer, config, vision=vision, **kwargs)
-        arch, params, tokenizer, _ = load_model(config.model)
-        return cls(arch, params, tokenizer, config, **kwargs)
+        arch, params, tokenizer, vision = load_engine_model(config.model)  # vision: LLaVA
+        return cls(arch, params, tokenizer, config, vision=vision, **kwargs)
 
     # Views of the core's state (core.py): one copy of each, the old names kept.
     params = CoreView("params", "The model parameters (replaceable between steps).")
@@ -244,27 +234,17 @@ class LLMEngine:
         params: SamplingParams | None = None,
     ) -> None:
         """Queue a request. prompt: text, token ids, or {"prompt_token_ids": [...]} /
-        {"prompt": "..."} (vLLM's TextPrompt / TokensPrompt), optionally with
-        "multi_modal_data": {"image": img or [img, ...]} (multimodal.py). Raises
-        (changing nothing) on a duplicate id, bad ids, a prompt over max_model_len (or the
-        token budget in paper/static mode), a prompt the KV pool can never hold,
-        unsupported options, or images the model or the prompt cannot take.
+        {"prompt": "..."} (vLLM's TextPrompt / TokensPrompt; "multi_modal_data": images,
+        multimodal.py). Raises (changing nothing) on a duplicate id, bad ids, a prompt over
+        max_model_len (or the token budget in paper/static mode), a prompt the KV pool can
+        never hold, unsupported options, or images the model or prompt cannot take.
         """
         book = self.core.book
         params = check_request_args(request_id, params, book.requests)
-        mm_data = None
-        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
-            prompt = dict(prompt)
-            mm_data = prompt.pop("multi_modal_data")
-            if self.mm is None and mm_data:
-                raise ValueError("this model takes no images (multi_modal_data given to a"
-                                 " text-only model)")  # fmt: skip
+        prompt, mm_data = split_mm(prompt, self.mm)  # refuses images to a text-only model
         text, ids = self.tokenize_prompt(prompt)
-        mm = self.mm.prepare(ids, mm_data) if self.mm is not None else None
-        if mm is not None:
-            ids = mm.token_ids  # checked as real ids; stored as identity ids below
-            if params.prompt_logprobs is not None:
-                raise ValueError("prompt_logprobs with images is not built yet")
+        mm = self.mm.prepare(ids, mm_data, params) if self.mm is not None else None
+        ids = ids if mm is None else mm.token_ids  # checked as real ids, kept as identity ids
         self.check_request(ids, params)
         controls = self.core.controls.prepare(params)  # bad words' ids, compiled grammar
         if params.seed is None and not params.greedy:
@@ -388,7 +368,6 @@ class LLMEngine:
         plp = None
         if verified is None:
             padded_tokens, padded_seqs = self._buckets(int(host["num_tokens"]))
-            # Rows prefilling image positions: encoder-cache rows replace their inputs.
             mm = self.mm.step_inputs(host, owners, padded_tokens) if self.mm is not None else None
             sampled, plp = dev.run_program(
                 self.runner.run, core.params, dev.state.mem,

@@ -52,9 +52,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.config import ModelConfig, MultiModalConfig
-from pagedjax.engine.loading import resolve_dtype
+from pagedjax.engine.loading import load_model, resolve_dtype
 from pagedjax.model import ModelArch
-from pagedjax.model.vision.llava import LlavaArch, image_features, load_llava_checkpoint
+from pagedjax.model.vision.llava import (
+    LlavaArch,
+    image_features,
+    is_llava_checkpoint,
+    load_llava_checkpoint,
+)
 from pagedjax.model.vision.preprocess import load_image
 from pagedjax.tokenizer import Tokenizer, load_tokenizer
 
@@ -234,6 +239,29 @@ def load_multimodal_model(mc: ModelConfig) -> tuple[ModelArch, Params, Tokenizer
     return arch, params, tokenizer, VisionModel(larch, vision, projector, processor)
 
 
+def load_engine_model(mc: ModelConfig) -> tuple[ModelArch, Params, Tokenizer, VisionModel | None]:
+    """``LLMEngine.from_config``'s loader: a LLaVA directory through
+    ``load_multimodal_model``, any other model through ``loading.load_model`` (no
+    vision model)."""
+    if is_llava_checkpoint(mc.model):
+        return load_multimodal_model(mc)
+    arch, params, tokenizer, _ = load_model(mc)
+    return arch, params, tokenizer, None
+
+
+def split_mm(prompt: Any, runner: MultiModalRunner | None) -> tuple[Any, Any]:
+    """(prompt without "multi_modal_data", that data or None). ValueError for images
+    sent to a text-only model (runner None)."""
+    if not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
+        return prompt, None
+    prompt = dict(prompt)
+    data = prompt.pop("multi_modal_data")
+    if runner is None and data:
+        raise ValueError("this model takes no images (multi_modal_data given to a text-only"
+                         " model)")  # fmt: skip
+    return prompt, data
+
+
 def check_engine(config: Any, arch: ModelArch) -> None:
     """ValueError for engine options not built together with images."""
     if arch.family != "llama":
@@ -328,15 +356,27 @@ class MultiModalRunner:
         self.encoder_cache = EncoderCache(max(1, rows // n), n, hidden, vision.dtype)
         self.split_slices = 0  # steps' slices of an image shorter than the image (chunking)
 
+    @classmethod
+    def build(cls, vision: VisionModel | None, config: Any, arch: ModelArch
+              ) -> MultiModalRunner | None:  # fmt: skip
+        """The engine's runner (None without a vision model), after refusing the engine
+        options not built with images (``check_engine``). config: the EngineConfig."""
+        if vision is None:
+            return None
+        check_engine(config, arch)
+        return cls(vision, config.multimodal, config.scheduler.max_num_batched_tokens,
+                   arch.hidden_size)  # fmt: skip
+
     @property
     def image_token_id(self) -> int:
         return self.vision.arch.image_token_id
 
-    def prepare(self, ids: list[int], multi_modal_data: Any) -> MultiModalPrompt | None:
+    def prepare(self, ids: list[int], multi_modal_data: Any, params: Any = None
+                ) -> MultiModalPrompt | None:  # fmt: skip
         """The request's MultiModalPrompt (None for a prompt without images or
         placeholders). Raises ValueError, changing nothing, on more images than
-        limit_mm_per_prompt, a placeholder count that does not match the images, or
-        images that do not decode."""
+        limit_mm_per_prompt, a placeholder count that does not match the images,
+        images that do not decode, or prompt_logprobs (params) with images."""
         images = images_of(multi_modal_data) if multi_modal_data is not None else []
         limit = self.config.limit("image")
         if len(images) > limit:
@@ -346,6 +386,8 @@ class MultiModalRunner:
         if not images and tok not in ids:
             return None
         expanded = expand_placeholders(ids, tok, n, len(images))
+        if params is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs with images is not built yet")
         pixels = self.vision.preprocess(images) if images else []
         cache_ids = np.asarray(expanded, np.int64)
         # Image k owns placeholders k * n .. (k + 1) * n - 1 in order (adjacent images
@@ -414,5 +456,7 @@ __all__ = [
     "identity_ids",
     "image_key",
     "images_of",
+    "load_engine_model",
     "load_multimodal_model",
+    "split_mm",
 ]
