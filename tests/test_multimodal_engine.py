@@ -199,6 +199,65 @@ def test_expansion_and_identity_ids_properties(prompt, n):
 
 
 
+@pytest.mark.tier2
+def test_engine_core_process_serves_chat_images(llava):
+    """Through the engine core process protocol (MPEngineClient: the API process sends
+    the image bytes, the core expands and encodes): the chat answer's tokens are
+    transformers' greedy tokens for the same ids (chat text is tokenized without <s>)."""
+    import asyncio
+    import base64
+
+    import httpx
+
+    from pagedjax.engine.core_client import MPEngineClient
+    from pagedjax.entrypoints.async_engine import AsyncLLMEngine
+    from pagedjax.entrypoints.llm import engine_config
+    from pagedjax.entrypoints.openai.api_server import build_app
+    from tests.model_helpers import TINY_CHAT_TEMPLATE
+
+    a = _image(9)
+    buf = io.BytesIO()
+    a.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    rendered = "<|user|><image>\nWhat is this?\n<|assistant|>"
+    _, model, processor = llava
+    inputs = processor(text=rendered, images=[a], return_tensors="pt", add_special_tokens=False)
+    assert inputs["input_ids"][0, 0] != 1  # no <s>, as the server's chat tokenization
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    want = ref[0, inputs["input_ids"].shape[1]:].tolist()
+
+    client = MPEngineClient(engine_config(model=str(llava[0]), **ARGS))
+    engine = AsyncLLMEngine(client)
+    app = build_app(engine, ["m"], model_path=str(llava[0]), chat_template=TINY_CHAT_TEMPLATE)
+    parts = [{"type": "image_url", "image_url": {"url": url}},
+             {"type": "text", "text": "What is this?"}]  # fmt: skip
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 6,
+            "temperature": 0.0, "logprobs": True}  # fmt: skip
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t", timeout=300) as c:  # fmt: skip
+            r = await c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+
+    try:
+        choice = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    # transformers' tokens as pagedjax's detokenizer renders them (the byte-level tiny
+    # tokenizer's random bytes are not valid UTF-8: a plain decode differs).
+    from pagedjax.engine.detokenizer import IncrementalDetokenizer
+    from pagedjax.tokenizer import load_tokenizer
+
+    detok = IncrementalDetokenizer(load_tokenizer(llava[0]), [])
+    for t in want:
+        detok.append(t)
+    assert choice["message"]["content"] == detok.text
+    assert len(choice["logprobs"]["content"]) == len(want)
+
+
 def test_server_chat_with_data_url_image_equals_generate(llava, llm):
     """The OpenAI chat endpoint (in process, over this module's engine: it runs last)
     takes an image_url part with a data: URL and answers the text LLM.generate gives for
