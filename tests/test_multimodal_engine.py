@@ -199,6 +199,35 @@ def test_expansion_and_identity_ids_properties(prompt, n):
 
 
 
+def test_llm_chat_with_image_parts_equals_generate(llm):
+    """LLM.chat takes vLLM's image parts (a data: URL and a PIL image): each message's
+    images become placeholders before its text, and the reply is generate's on the
+    rendered ids; an http URL is a ValueError."""
+    import base64
+
+    from tests.model_helpers import TINY_CHAT_TEMPLATE
+
+    a, b = _image(10), _image(11)
+    buf = io.BytesIO()
+    a.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    parts = [{"type": "image_url", "image_url": {"url": url}},
+             {"type": "image_pil", "image_pil": b}, {"type": "text", "text": "Compare."}]
+    got = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False,
+                   chat_template=TINY_CHAT_TEMPLATE)[0]  # fmt: skip
+    rendered = "<|user|><image>\n<image>\nCompare.\n<|assistant|>"
+    ids = llm.get_tokenizer().encode(rendered, add_special_tokens=False)
+    want = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [a, b]}},
+                        GREEDY, use_tqdm=False)[0]  # fmt: skip
+    assert got.prompt == rendered
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    parts[0] = {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}
+    with pytest.raises(ValueError, match="not fetched"):
+        llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False,
+                 chat_template=TINY_CHAT_TEMPLATE)  # fmt: skip
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 @pytest.mark.tier2
 def test_engine_core_process_serves_chat_images(llava):
     """Through the engine core process protocol (MPEngineClient: the API process sends

@@ -207,6 +207,7 @@ class LLM:
             )
         prompts = []
         for conversation in conversations:
+            conversation, images = self._chat_images(conversation)
             text = tokenizer.apply_chat_template(
                 conversation,
                 chat_template=chat_template,
@@ -215,8 +216,51 @@ class LLM:
                 **(chat_template_kwargs or {}),
             )
             ids = tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompt: dict = {"prompt": text, "prompt_token_ids": ids}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_images(self, conversation: list[ChatMessage]) -> tuple[list[ChatMessage], list]:
+        """Messages whose content is a list of parts (``{"type": "text", "text": ...}``,
+        ``{"type": "image_url", "image_url": {"url": "data:..."}}`` or ``{"type":
+        "image_pil", "image_pil": <PIL image>}``, vLLM's chat forms) become text led by
+        the model's image placeholder per image (as the server does); returns them and
+        the images in order. ValueError for images to a text-only model, another part
+        type, or a URL that is not a data: URL (nothing is fetched)."""
+        from pagedjax.entrypoints.openai.protocol import OpenAIError, image_url_bytes
+        from pagedjax.model.vision.llava import image_prompt_info
+
+        out, images = [], []
+        for i, m in enumerate(conversation):
+            parts = m.get("content")
+            if not isinstance(parts, list):
+                out.append(m)
+                continue
+            texts, found = [], []
+            for part in parts:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text":
+                    texts.append(part["text"])
+                elif kind == "image_pil":
+                    found.append(part["image_pil"])
+                elif kind == "image_url":
+                    try:
+                        found.append(image_url_bytes(part.get("image_url"), i))
+                    except OpenAIError as e:
+                        raise ValueError(e.message) from None
+                else:
+                    raise ValueError(f"messages[{i}]: unsupported content part {part!r}")
+            info = None
+            if found:
+                info = image_prompt_info(self.llm_engine.config.model.model, self.get_tokenizer())
+                if info is None:
+                    raise ValueError("this model takes no images (image content parts)")
+            marks = [info[0]] * len(found) if info else []
+            out.append({**m, "content": "\n".join(marks + texts)})
+            images.extend(found)
+        return out, images
 
     def beam_search(
         self,
