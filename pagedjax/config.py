@@ -408,6 +408,36 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class MultiModalConfig:
+    """Multi-modal input (images; docs/multimodal.md). Read only when the model has a
+    vision tower (a LLaVA checkpoint); a text-only model refuses every image.
+
+    limit_mm_per_prompt: vLLM's option, most items per prompt by modality, e.g.
+    {"image": 2}; a modality not named allows vLLM V1's default, 999. Only "image" is
+    built. encoder_cache_size: embedding rows (image tokens) the encoder cache keeps
+    on device between steps (vLLM's encoder cache, sized in tokens); None: the larger
+    of max_num_batched_tokens and one image's tokens. A step that needs more images at
+    once than fit grows the cache (logged) rather than fail.
+    """
+
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    encoder_cache_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for k, v in self.limit_mm_per_prompt.items():
+            _check(k == "image", "multimodal.limit_mm_per_prompt",
+                   f"modality {k!r} is not built; only 'image'")  # fmt: skip
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            _check(ok, "multimodal.limit_mm_per_prompt", f"{k}: must be an integer >= 0, got {v!r}")
+        _check(self.encoder_cache_size is None or self.encoder_cache_size >= 1,
+               "multimodal.encoder_cache_size", f"must be >= 1, got {self.encoder_cache_size}")
+
+    def limit(self, modality: str) -> int:
+        """Most items of ``modality`` one prompt may carry."""
+        return self.limit_mm_per_prompt.get(modality, 999)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; the top level of an engine YAML file."""
 
@@ -421,6 +451,8 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # Multi-LoRA serving (None: off); LLM(enable_lora=True, max_loras=...) builds it.
     lora: LoRAConfig | None = None
+    # Images (limit_mm_per_prompt, the encoder cache); docs/multimodal.md.
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
     attention_backend: Literal["reference", "pallas", "native_cpu", "triton", "auto"] = "auto"
     # Compile at start-up (pagedjax/engine/warmup.py): "auto" = "all" (every step
     # program; cheap with the layer loop and the persistent cache), unless the

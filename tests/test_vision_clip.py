@@ -60,9 +60,11 @@ def _make(tmp_path, strategy: str, layer):
     return model, LlavaArch.from_hf(config), tensors
 
 
-# "full" (CLS kept) and a multi-layer feature list run in the second tier.
+# All in the second tier: building a transformers LLaVA is most of this module's time,
+# and the default tier checks the same tower end to end instead (greedy tokens of
+# tests/test_multimodal_engine.py equal LlavaForConditionalGeneration.generate's).
 @pytest.fixture(scope="module", params=[
-    ("default", -2),
+    pytest.param(("default", -2), marks=pytest.mark.tier2),
     pytest.param(("full", -1), marks=pytest.mark.tier2),
     pytest.param(("default", [-3, -1]), marks=pytest.mark.tier2),
 ])

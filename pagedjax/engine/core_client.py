@@ -206,7 +206,12 @@ class MPEngineClient:
         replica = self.router.route(request_id, ids, len(ids) + out * max(params.n, 1))
         self._replica_of[request_id] = replica
         self._decoder.expect(request_id, params)
-        msg = ("add", request_id, {"prompt": text, "prompt_token_ids": ids}, params)
+        sent = {"prompt": text, "prompt_token_ids": ids}
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            # Images travel as given (encoded bytes from the server); the core expands the
+            # placeholders and refuses what does not fit (multimodal.py).
+            sent["multi_modal_data"] = prompt["multi_modal_data"]
+        msg = ("add", request_id, sent, params)
         self._send(self._cores[replica], msg if lora_request is None else (*msg, lora_request))
         return replica
 

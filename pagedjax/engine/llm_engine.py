@@ -62,11 +62,11 @@ from pagedjax.engine.engine_stats import engine_stats
 from pagedjax.engine.kv_budget import num_kv_blocks, profile_forward
 from pagedjax.engine.kv_cache_spec import KVCacheSpec
 from pagedjax.engine.kv_offload import build_host_tier
-from pagedjax.engine.loading import load_model
 from pagedjax.engine.logit_controls import LogitControls
 from pagedjax.engine.lora_manager import LoRAManager, check_lora_buildable, prepare_request
 from pagedjax.engine.model_runner import ModelRunner
 from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
+from pagedjax.engine.multimodal import MultiModalRunner, VisionModel, load_engine_model, split_mm
 from pagedjax.engine.output_processor import OutputProcessor, SampledRows
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.parallel import DevicePlacement, check_device_count
@@ -116,8 +116,10 @@ class LLMEngine:
         kv_fill_value: float = 0.0,
         devices: Sequence[Any] | None = None,
         detokenize: bool = True,
+        vision: VisionModel | None = None,
     ):
         _reject_unbuilt_features(config)
+        self.mm = MultiModalRunner.build(vision, config, arch)  # images (None: refused)
         self.detokenize = detokenize
         compile_cache.enable(config.compilation_cache)  # idempotent
         cc, sc, par = config.cache, config.scheduler, config.parallel  # par: TP (parallel.py)
@@ -222,8 +224,8 @@ class LLMEngine:
         """Load config.model (directory or preset; compilation cache on first), build."""
         _reject_unbuilt_features(config)  # before spending time on loading weights
         compile_cache.enable(config.compilation_cache)
-        arch, params, tokenizer, _ = load_model(config.model)
-        return cls(arch, params, tokenizer, config, **kwargs)
+        arch, params, tokenizer, vision = load_engine_model(config.model)  # vision: LLaVA
+        return cls(arch, params, tokenizer, config, vision=vision, **kwargs)
 
     # Views of the core's state (core.py): one copy of each, the old names kept.
     params = CoreView("params", "The model parameters (replaceable between steps).")
@@ -242,13 +244,17 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. prompt: text, token ids, or {"prompt_token_ids": [...]} /
-        {"prompt": "..."} (vLLM's TextPrompt / TokensPrompt); lora_request: its adapter.
-        Raises (changing nothing) on a duplicate id, bad ids, a prompt over max_model_len
-        (or the token budget in paper/static mode), a prompt the KV pool can never hold,
-        unsupported options, or an adapter that cannot be served (docs/lora.md)."""
+        {"prompt": "..."} (vLLM's TextPrompt / TokensPrompt; "multi_modal_data": images,
+        multimodal.py); lora_request: its adapter (docs/lora.md). Raises (changing nothing)
+        on a duplicate id, bad ids, a prompt over max_model_len (or the token budget in
+        paper/static mode), a prompt the KV pool can never hold, unsupported options, an
+        adapter that cannot be served, or images the model or prompt cannot take."""
         book = self.core.book
         params = check_request_args(request_id, params, book.requests)
+        prompt, mm_data = split_mm(prompt, self.mm)  # refuses images to a text-only model
         text, ids = self.tokenize_prompt(prompt)
+        mm = self.mm.prepare(ids, mm_data, params) if self.mm is not None else None
+        ids = ids if mm is None else mm.token_ids  # checked as real ids, kept as identity ids
         self.check_request(ids, params)
         controls = self.core.controls.prepare(params)  # bad words' ids, compiled grammar
         if lora_request is not None:  # read the adapter now: its errors are this call's
@@ -259,9 +265,10 @@ class LLMEngine:
         max_tokens = params.max_tokens or (self.max_model_len - len(ids))
         target = max(1, min(max_tokens, self.max_model_len - len(ids)))
         req = RequestState.new(
-            request_id, text, ids, params, target, self.tokenizer, book.next_arrival,
-            detokenize=self.detokenize,
+            request_id, text, ids if mm is None else mm.cache_ids, params, target,
+            self.tokenizer, book.next_arrival, detokenize=self.detokenize,
         )
+        req.multi_modal = mm
         self.core.controls.attach(req, controls)
         req.lora_request = lora_request  # LoRA: its adapter slot, its prefix-cache salt
         # n > 1: only sample 0 prefills; the others fork its blocks when its prompt is done.
@@ -375,11 +382,12 @@ class LLMEngine:
         plp = None
         if verified is None:
             padded_tokens, padded_seqs = self._buckets(int(host["num_tokens"]))
+            mm = self.mm.step_inputs(host, owners, padded_tokens) if self.mm is not None else None
             sampled, plp = dev.run_program(
                 self.runner.run, core.params, dev.state.mem,
                 batch._replace(swap=None),  # applied by _apply_swaps; one pytree with warmup
                 dev.sampling(), dev.state.prompt_len, dev.state.output_len,
-                num_tokens=padded_tokens, num_seqs=padded_seqs, all_logits=all_logits,
+                num_tokens=padded_tokens, num_seqs=padded_seqs, all_logits=all_logits, mm=mm,
             )  # fmt: skip
         else:
             sampled, acc_dev = verified
@@ -488,12 +496,15 @@ class LLMEngine:
         self.core.prefix_index.query_blocks = 0
         if self.core.host_tier is not None:
             self.core.host_tier.reset_stats()
+        if self.mm is not None:
+            self.mm.reset_stats()
 
     def stats(self) -> dict[str, float | int]:
         """Counters since the last ``reset_stats``: ``engine_stats.engine_stats`` gives
         the keys' meanings; spec_*: ``spec/decoder.py``'s ``SpecCounters``."""
         spec = self.speculator.stats() if self.speculator is not None else {}
         spec |= self.core.lora.stats() if self.core.lora is not None else {}  # lora_*
+        spec |= self.mm.stats() if self.mm is not None else {}
         tier = self.core.host_tier.stats() if self.core.host_tier is not None else {}
         return spec | tier | self.core.controls.stats() | engine_stats(
             self.core, self.multi_step, forked_samples=self.outputs.num_forked,

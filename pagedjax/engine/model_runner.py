@@ -35,7 +35,8 @@ from pagedjax.engine.program_store import describe_function
 from pagedjax.lora.slots import split_seq_slots
 from pagedjax.memory.block_table import slot_mapping
 from pagedjax.model import ModelArch, ModelInput
-from pagedjax.model.forward import forward
+from pagedjax.model.forward import forward, text_embeddings
+from pagedjax.model.vision.llava import merge_cached_rows
 from pagedjax.sampling import (
     PromptLogprobs,
     SamplingTensors,
@@ -150,11 +151,16 @@ class ModelRunner:
         return repr((self.arch, self.block_size, describe_function(self._attention_fn),
                      self.max_logprobs, self.native_matmul))  # fmt: skip
 
-    def run(self, *args: Any, num_tokens: int, num_seqs: int, all_logits: bool = False) -> Any:
+    def run(self, *args: Any, num_tokens: int, num_seqs: int, all_logits: bool = False,
+            mm: Any = None) -> Any:  # fmt: skip
         """``step(*args, ...)``, through a compiled program of ``programs`` when there is one
-        for these static arguments (the same executable ``step`` would run)."""
+        for these static arguments (the same executable ``step`` would run). mm: a step
+        that prefills image positions (``forward_sample``); its own jit specialization."""
         if self.fault is not None:
             self.fault.check()
+        if mm is not None:
+            return self.step(*args, num_tokens=num_tokens, num_seqs=num_seqs,
+                             all_logits=all_logits, mm=mm)  # fmt: skip
         program = self.programs.get((num_tokens, num_seqs, all_logits))
         if program is not None:
             return program(*args)
@@ -174,12 +180,15 @@ class ModelRunner:
         num_tokens: int,
         num_seqs: int,
         all_logits: bool = False,
+        mm: Any = None,
     ) -> tuple[Any, jax.Array, Any, PromptLogprobs | None]:
         key = (num_tokens, num_seqs) if not all_logits else (num_tokens, num_seqs, "all_logits")
+        if mm is not None:
+            key = (*key, "mm")
         self.trace_count[key] = self.trace_count.get(key, 0) + 1  # runs at trace time only
         return self.forward_sample(
             params, kv, tokens, mem, batch, slot_sampling, prompt_len, output_len,
-            num_tokens=num_tokens, num_seqs=num_seqs, all_logits=all_logits,
+            num_tokens=num_tokens, num_seqs=num_seqs, all_logits=all_logits, mm=mm,
         )  # fmt: skip
 
     def forward_sample(
@@ -196,9 +205,15 @@ class ModelRunner:
         num_tokens: int,
         num_seqs: int,
         all_logits: bool = False,
+        mm: Any = None,
     ) -> tuple[Any, jax.Array, Any, PromptLogprobs | None]:
         """The traced body of ``step`` (not jitted, not counted): also called inside the
-        multi-step decode loop (``multi_step.py``), which counts its own traces."""
+        multi-step decode loop (``multi_step.py``), which counts its own traces.
+
+        mm: None, or (cache [C, N, H], image_slot int32[T], image_row int32[T]) for a step
+        that prefills image placeholder positions (engine/multimodal.py): those tokens'
+        inputs are the encoder cache's rows instead of their (negative identity) ids'
+        embeddings."""
         tables = mem.tables.tables
         params, seq_lora = split_seq_slots(params)  # LoRA on: the rows' adapter slots
         inp = build_model_input(tokens, tables, batch, num_tokens, num_seqs, self.block_size,
@@ -208,8 +223,13 @@ class ModelRunner:
         last = inp.logits_indices
         if all_logits:  # prompt logprobs: logits at every token, not only each row's last
             inp = inp._replace(logits_indices=jnp.arange(num_tokens, dtype=jnp.int32))
+        embeds = None
+        if mm is not None:
+            cache, image_slot, image_row = mm
+            text = text_embeddings(params, self.arch, jnp.maximum(inp.tokens, 0))
+            embeds = merge_cached_rows(text, cache, image_slot, image_row)
         kv, logits = forward(params, kv, inp, arch=self.arch, attention_fn=self._attention_fn,
-                             native_matmul=self.native_matmul)  # fmt: skip
+                             native_matmul=self.native_matmul, inputs_embeds=embeds)  # fmt: skip
         plp = None
         if all_logits:
             plp = prompt_logprobs(

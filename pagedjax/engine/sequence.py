@@ -139,6 +139,10 @@ class RequestState:
     lora_request: Any = None
     # Timeline for serving metrics (time.monotonic()); see outputs.RequestMetrics.
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    # Images (engine/multimodal.py's MultiModalPrompt): prompt_token_ids then hold
+    # identity ids (negative, from each image's content hash) at placeholder positions,
+    # for the token buffer and the prefix-cache hashes; outputs show the real ids.
+    multi_modal: Any = None
 
     @classmethod
     def new(
@@ -193,7 +197,8 @@ class RequestState:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
+            prompt_token_ids=list(self.prompt_token_ids if self.multi_modal is None
+                                  else self.multi_modal.token_ids),
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs else None,
             outputs=[s.completion() for s in self.seqs],
             finished=self.finished,

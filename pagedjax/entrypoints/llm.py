@@ -16,6 +16,7 @@ from pagedjax.config import (
     EngineConfig,
     LoRAConfig,
     ModelConfig,
+    MultiModalConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -78,6 +79,10 @@ class LLM:
     enable_lora, max_loras, max_lora_rank, max_cpu_loras: multi-LoRA serving, vLLM's
     names and defaults (1, 16, None = max_loras); ``generate(..., lora_request=...)``
     picks each prompt's adapter (docs/lora.md). Llama family, one device, no speculation.
+    limit_mm_per_prompt: vLLM's dict, most images per prompt ({"image": 2}; default 999);
+    mm_encoder_cache_size (pagedjax's own): image-embedding rows the encoder cache keeps
+    (``config.MultiModalConfig``; docs/multimodal.md). A LLaVA checkpoint directory
+    takes prompts {"prompt": ..., "multi_modal_data": {"image": img or [imgs]}}.
     """
 
     def __init__(
@@ -120,6 +125,8 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        mm_encoder_cache_size: int | None = None,
         **unknown: Any,
     ):
         if unknown:
@@ -225,6 +232,7 @@ class LLM:
             )
         prompts = []
         for conversation in conversations:
+            conversation, images = self._chat_images(conversation)
             text = tokenizer.apply_chat_template(
                 conversation,
                 chat_template=chat_template,
@@ -233,8 +241,51 @@ class LLM:
                 **(chat_template_kwargs or {}),
             )
             ids = tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompt: dict = {"prompt": text, "prompt_token_ids": ids}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_images(self, conversation: list[ChatMessage]) -> tuple[list[ChatMessage], list]:
+        """Messages whose content is a list of parts (``{"type": "text", "text": ...}``,
+        ``{"type": "image_url", "image_url": {"url": "data:..."}}`` or ``{"type":
+        "image_pil", "image_pil": <PIL image>}``, vLLM's chat forms) become text led by
+        the model's image placeholder per image (as the server does); returns them and
+        the images in order. ValueError for images to a text-only model, another part
+        type, or a URL that is not a data: URL (nothing is fetched)."""
+        from pagedjax.entrypoints.openai.protocol import OpenAIError, image_url_bytes
+        from pagedjax.model.vision.llava import image_prompt_info
+
+        out, images = [], []
+        for i, m in enumerate(conversation):
+            parts = m.get("content")
+            if not isinstance(parts, list):
+                out.append(m)
+                continue
+            texts, found = [], []
+            for part in parts:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text":
+                    texts.append(part["text"])
+                elif kind == "image_pil":
+                    found.append(part["image_pil"])
+                elif kind == "image_url":
+                    try:
+                        found.append(image_url_bytes(part.get("image_url"), i))
+                    except OpenAIError as e:
+                        raise ValueError(e.message) from None
+                else:
+                    raise ValueError(f"messages[{i}]: unsupported content part {part!r}")
+            info = None
+            if found:
+                info = image_prompt_info(self.llm_engine.config.model.model, self.get_tokenizer())
+                if info is None:
+                    raise ValueError("this model takes no images (image content parts)")
+            marks = [info[0]] * len(found) if info else []
+            out.append({**m, "content": "\n".join(marks + texts)})
+            images.extend(found)
+        return out, images
 
     def beam_search(
         self,
@@ -344,6 +395,8 @@ def engine_config(
     max_loras: int = 1,
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
+    limit_mm_per_prompt: dict[str, int] | None = None,
+    mm_encoder_cache_size: int | None = None,
     **unknown: Any,
 ) -> EngineConfig:
     """The EngineConfig of ``LLM(model, ...)``'s arguments (see ``LLM``), built without
@@ -406,6 +459,8 @@ def engine_config(
         speculative=_speculative(speculative_config),
         structured_outputs=_structured_outputs(structured_outputs_config),
         lora=lora if enable_lora else None,
+        multimodal=MultiModalConfig(limit_mm_per_prompt=dict(limit_mm_per_prompt or {}),
+                                    encoder_cache_size=mm_encoder_cache_size),
     )
     _check_literals(config)
     return config

@@ -18,6 +18,7 @@ from pagedjax.model.kv_cache import KVCache
 from pagedjax.model.layers import AttentionFn
 from pagedjax.model.llama import LlamaForCausalLM
 from pagedjax.model.opt import OPTForCausalLM
+from pagedjax.model.quant.weight import QuantizedWeight, compute_dtype, embedding_rows
 
 Params = Any  # nested dict of arrays, as Flax's "params" collection
 
@@ -81,6 +82,18 @@ def forward(
     if tuple(inputs_embeds.shape) != want:
         raise ValueError(f"inputs_embeds must be {list(want)}, got {inputs_embeds.shape}")
     return module.apply({"params": params}, kv_cache, batch, inputs_embeds)
+
+
+def text_embeddings(params: Params, arch: ModelArch, ids: jax.Array) -> jax.Array:
+    """The Llama family's token embeddings of ids [T] (before Gemma's embed_scale, which
+    ``forward`` applies to inputs_embeds too): what ``forward`` would embed itself, for
+    callers that replace some rows (image features) and pass ``inputs_embeds``."""
+    if arch.family != "llama":
+        raise ValueError(f"text_embeddings is for the llama family, not {arch.family!r}")
+    table = params["embed_tokens"]["embedding"]
+    if isinstance(table, QuantizedWeight):
+        return embedding_rows(table, ids, compute_dtype(params))
+    return jnp.take(table, ids, axis=0)
 
 
 @functools.cache

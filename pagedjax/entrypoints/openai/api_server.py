@@ -83,9 +83,15 @@ def build_app(
     app = FastAPI(title="pagedjax OpenAI-compatible server", version=version())
     metrics = metrics or ServerMetrics(served_model_names[0])
     limits = limits or ServerLimits()
+    # A LLaVA directory: chat image parts become its placeholder (None: images refused).
+    images = None
+    if model_path:
+        from pagedjax.model.vision.llava import image_prompt_info
+
+        images = image_prompt_info(model_path, engine.tokenizer)
     serving = OpenAIServing(
         engine, served_model_names, chat_template=chat_template, response_role=response_role,
-        limits=limits, lora_modules=lora_modules, **output_parsers,
+        limits=limits, lora_modules=lora_modules, image_prompt=images, **output_parsers,
     )  # fmt: skip
     drainer = Drainer(engine, shutdown_timeout_s, metrics)
     app.add_middleware(DrainMiddleware, drainer=drainer)

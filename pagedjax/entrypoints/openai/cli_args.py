@@ -188,6 +188,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory (default: --max-loras)")  # fmt: skip
     p.add_argument(
+        "--limit-mm-per-prompt",
+        type=_json_object,
+        default=None,
+        help='most images per prompt, JSON: \'{"image": 2}\' (default 999; a LLaVA model)',
+    )
+    p.add_argument(
         "--kv-cache-dtype",
         default=None,
         choices=list(KV_CACHE_DTYPES),
@@ -373,6 +379,7 @@ LLM_ARGS = (
     "speculative_config",
     "enforce_eager",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+    "limit_mm_per_prompt",
 )  # fmt: skip
 
 

@@ -18,6 +18,8 @@ Errors are ``{"error": {"message", "type", "param", "code"}}`` with vLLM's type 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import math
 from dataclasses import dataclass, field
@@ -331,13 +333,17 @@ def parse_messages(v: Any) -> list[dict]:
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
-        if isinstance(content, list):  # content parts: text only
+        images: list[bytes] = []
+        if isinstance(content, list):  # content parts: text, and images as data: URLs
             texts = []
             for part in content:
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    images.append(image_url_bytes(part.get("image_url"), i))
+                    continue
                 if not isinstance(part, dict) or part.get("type") != "text":
                     kind = part.get("type") if isinstance(part, dict) else _type_name(part)
-                    raise bad(f"messages[{i}].content: only 'text' parts are supported, got"
-                              f" {kind!r}", "messages")  # fmt: skip
+                    raise bad(f"messages[{i}].content: only 'text' and 'image_url' parts are"
+                              f" supported, got {kind!r}", "messages")  # fmt: skip
                 if not isinstance(part.get("text"), str):
                     raise bad(f"messages[{i}].content text part needs a string 'text'",
                               "messages")  # fmt: skip
@@ -349,8 +355,33 @@ def parse_messages(v: Any) -> list[dict]:
         msg = {"role": role, "content": content}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        if images:  # the server writes the model's placeholders (serving.chat)
+            msg["images"] = images
         out.append(msg)
     return out
+
+
+def image_url_bytes(value: Any, i: int) -> bytes:
+    """An ``image_url`` part's image bytes: only ``data:`` URLs (base64). This server
+    fetches nothing: http(s) and file URLs are a 400 naming the rule (docs/security.md).
+    The bytes are decoded later (serving.chat): corrupt ones are a 400 there."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise bad(f"messages[{i}].content image_url part needs a string 'url'", "messages")
+    scheme = url.split(":", 1)[0].lower()
+    if scheme in ("http", "https", "file"):
+        raise bad(f"messages[{i}]: {scheme} image URLs are not fetched by this server (no"
+                  " network or file access); send the image inline as a data: URL"
+                  " (data:image/png;base64,...)", "messages")  # fmt: skip
+    head, sep, payload = url.partition(",")
+    if scheme != "data" or not sep or not head.endswith(";base64"):
+        raise bad(f"messages[{i}]: an image URL must be data:<type>;base64,<data>",
+                  "messages")  # fmt: skip
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise bad(f"messages[{i}]: the image data URL is not valid base64: {e}",
+                  "messages") from None  # fmt: skip
 
 
 def parse_chat(body: Any, *, vocab_size: int, max_logprobs: int) -> ParsedRequest:

@@ -35,6 +35,7 @@ from pagedjax.entrypoints.openai.protocol import (
 )
 from pagedjax.entrypoints.openai.structured import parse_constraints
 from pagedjax.entrypoints.openai.views import ChatView, CompletionView
+from pagedjax.model.vision.preprocess import load_image
 
 
 class OpenAIServing:
@@ -53,7 +54,10 @@ class OpenAIServing:
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
         lora_modules: dict[str, Any] | None = None,
+        image_prompt: tuple[str, int] | None = None,
     ):
+        # (placeholder text, image tokens per image) of a multi-modal model, else None.
+        self.image_prompt = image_prompt
         self.enable_auto_tools, self.tool_parser = enable_auto_tools, tool_parser
         # LoRA adapters served by name ("model": name): {name: LoRARequest} (docs/lora.md).
         self.lora_modules = dict(lora_modules or {})
@@ -158,6 +162,7 @@ class OpenAIServing:
         parsed.params_kwargs.update(parse_constraints(body, e.vocab_size))
         extras = prepare_chat(body, parsed, auto_tools=self.enable_auto_tools and
                               self.tool_parser is not None)  # fmt: skip
+        images = self._chat_images(parsed.messages)
         text = self.render_chat(
             parsed.messages, parsed.add_generation_prompt, parsed.chat_template,
             extras.template_kwargs,
@@ -165,11 +170,38 @@ class OpenAIServing:
         rules = build_rules(extras, tool_parser=self.tool_parser,
                             reasoning_parser=self.reasoning_parser, prompt=text)  # fmt: skip
         ids = self.tokenize(text, parsed.add_special_tokens)
-        mt = self._max_tokens(parsed, len(ids), "messages")
-        jobs = [({"prompt_token_ids": ids, "prompt": text}, parsed.sampling_params(mt))]
+        # Each placeholder becomes the image's tokens in the engine (multimodal.py).
+        extra = len(images) * (self.image_prompt[1] - 1) if images else 0
+        mt = self._max_tokens(parsed, len(ids) + extra, "messages")
+        prompt: dict = {"prompt_token_ids": ids, "prompt": text}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        jobs = [(prompt, parsed.sampling_params(mt))]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         view = ChatView(self, parsed, rid, rules)
         return await self._respond(parsed, jobs, rid, view, request, lora)
+
+    def _chat_images(self, messages: list[dict]) -> list[bytes]:
+        """The messages' images in order (protocol.parse_messages kept them as bytes),
+        each message's content then led by one placeholder per image (vLLM's placement
+        for a chat template over string content). 400 for images to a text-only model
+        or bytes that do not decode as an image."""
+        images: list[bytes] = []
+        for m in messages:
+            found = m.pop("images", None)
+            if not found:
+                continue
+            if self.image_prompt is None:
+                raise bad("this model takes no images (image_url content parts)", "messages")
+            for data in found:
+                try:
+                    load_image(data)
+                except ValueError as e:
+                    raise bad(f"image_url: {e}", "messages") from None
+            m["content"] = "\n".join([self.image_prompt[0]] * len(found) +
+                                     ([m["content"]] if m["content"] else []))  # fmt: skip
+            images.extend(found)
+        return images
 
     # ------------------------------------------------------------- engine I/O
 

@@ -11,13 +11,16 @@ embeddings and the features in prompt order.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax.model.config import ModelArch, arch_from_hf_config
 from pagedjax.model.vision.clip import (
     CLIPVisionArch,
     clip_hidden_states,
@@ -217,3 +220,89 @@ def merge_image_embeddings(
     gathered = jnp.take(image_embeds.astype(inputs_embeds.dtype),
                         jnp.clip(idx, 0, image_embeds.shape[0] - 1), axis=0)
     return jnp.where(mask[:, None], gathered, inputs_embeds)
+
+
+def complete_sub_config(sub: dict[str, Any], default_type: str) -> dict[str, Any]:
+    """A LLaVA config's ``text_config`` / ``vision_config`` with transformers' defaults
+    filled in: llava-hf checkpoints store only the keys that differ from the default
+    config class (e.g. a text_config of just model_type, vocab_size and
+    max_position_embeddings), which transformers completes when it loads them."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = sub.get("model_type", default_type)
+    return CONFIG_MAPPING[model_type](**{k: v for k, v in sub.items() if k != "model_type"}
+                                      ).to_dict()
+
+
+def is_llava_checkpoint(directory: str | Path) -> bool:
+    """True for a directory whose config.json is a LlavaConfig (model_type "llava")."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        return False
+    return json.loads(path.read_text()).get("model_type") == "llava"
+
+
+def load_llava_checkpoint(
+    directory: str | Path, dtype: Any = jnp.float32
+) -> tuple[ModelArch, Params, LlavaArch, Params, Params]:
+    """A LlavaForConditionalGeneration checkpoint directory (config.json + safetensors,
+    as transformers' save_pretrained writes it) -> (text ModelArch, text params, LlavaArch,
+    vision params, projector params), every tensor used exactly once (missing, mis-shaped
+    or unexpected tensors raise ValueError, as the text loader does). The language model
+    must be of the Llama family (the only one with ``inputs_embeds``)."""
+    from pagedjax.model.loader import checkpoint_files, convert_hf_tensors
+    from pagedjax.model.safetensors_io import load_tensors
+
+    directory = Path(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config = dict(config)
+    config["text_config"] = complete_sub_config(config.get("text_config", {}), "llama")
+    config["vision_config"] = complete_sub_config(config.get("vision_config", {}),
+                                                  "clip_vision_model")
+    arch = LlavaArch.from_hf(config)
+    text_arch = arch_from_hf_config(config["text_config"])
+    if text_arch.family != "llama":
+        raise ValueError(f"LLaVA over a {text_arch.model_type!r} language model is not built"
+                         " (inputs_embeds: Llama family only)")
+    if text_arch.hidden_size != arch.text_hidden_size:
+        raise ValueError("text_config.hidden_size disagrees with the projector's output")
+    tensors: dict[str, np.ndarray] = {}
+    for f in checkpoint_files(directory):
+        tensors.update(load_tensors(f))
+    vision, projector, text = load_llava_vision(arch, tensors, dtype)
+    return text_arch, convert_hf_tensors(text_arch, text, dtype), arch, vision, projector
+
+
+def merge_cached_rows(
+    text_embeds: jax.Array, cache: jax.Array, image_slot: jax.Array, image_row: jax.Array
+) -> jax.Array:
+    """The paged engine's merge for one step: text_embeds [T, H]; cache [C, N, H], the
+    encoder cache's features (C images of N rows); image_slot int32[T], the cache entry
+    whose row ``image_row[t]`` goes to token t, -1 for text tokens. A step holds any
+    slice of an image's placeholder run (chunked prefill), so the host names the row of
+    each token rather than counting placeholders here. Jittable; [T, H] in text_embeds'
+    dtype."""
+    slot = jnp.clip(image_slot, 0, cache.shape[0] - 1)
+    row = jnp.clip(image_row, 0, cache.shape[1] - 1)
+    rows = cache[slot, row].astype(text_embeds.dtype)
+    return jnp.where((image_slot >= 0)[:, None], rows, text_embeds)
+
+
+def image_prompt_info(directory: str | Path, tokenizer: Any) -> tuple[str, int] | None:
+    """(placeholder text, image tokens per image) of a LLaVA checkpoint directory, for a
+    front end that writes placeholders into chat text and budgets prompt lengths without
+    loading the model (an API process); None for any other model. tokenizer: the
+    model's (pagedjax.tokenizer), whose special token for image_token_id is the text."""
+    if not is_llava_checkpoint(directory):
+        return None
+    config = json.loads((Path(directory) / "config.json").read_text())
+    config["vision_config"] = complete_sub_config(config.get("vision_config", {}),
+                                                  "clip_vision_model")
+    config.setdefault("text_config", {}).setdefault("hidden_size", 0)
+    arch = LlavaArch.from_hf(config)
+    hf = getattr(tokenizer, "hf_tokenizer", None)
+    if hf is not None:
+        text = hf.convert_ids_to_tokens(arch.image_token_id)
+    else:
+        text = tokenizer.decode([arch.image_token_id], skip_special_tokens=False)
+    return text, arch.num_image_tokens

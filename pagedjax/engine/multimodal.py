@@ -1,0 +1,462 @@
+"""Images through the engine (LLaVA): prompt expansion, identity ids, the encoder cache.
+
+vLLM's input form, ``{"prompt": "USER: <image>\\n... ASSISTANT:", "multi_modal_data":
+{"image": img or [img, ...]}}``, becomes a request in three host steps at add_request
+(``MultiModalRunner.prepare``) and one per model step (``MultiModalRunner.step_inputs``);
+docs/multimodal.md gives the design and what is not built.
+
+1. **Expansion.** Each image placeholder token of the tokenized prompt becomes the
+   image's ``num_image_tokens`` copies (what transformers' ``LlavaProcessor`` does to the
+   text), so every later length (max_model_len, blocks, the scheduler's budget) sees the
+   final count. A prompt already expanded (token ids from a client that expanded it) is
+   accepted as it is. The count must match the images given: ValueError otherwise, as
+   for more images than ``limit_mm_per_prompt`` or images sent to a text-only model.
+2. **Identity ids.** The placeholder copies are the same id for every image, so the
+   prefix cache (host hashes and the device's stored-token verification,
+   memory/prefix_cache.py) would hand one image's KV to another. The request's
+   ``prompt_token_ids`` therefore hold, at placeholder positions, negative ids derived
+   from the image's content hash and the position inside the image (``identity_ids``):
+   never a vocabulary id, equal only for equal pixels. The token buffer, the chained
+   block hashes and the device verification see them unchanged (no change to the
+   prefix cache or engine/block_hashes.py); outputs report the real ids.
+3. **Preprocessing and hashing.** Images go through the checkpoint's CLIPImageProcessor
+   (PIL backend) once; the key of an image is blake2b-64 of its pixel_values, so two
+   encodings of the same pixels share features and KV.
+4. **Per step.** The rows of the step's batch that prefill image positions (any slice
+   of an image: chunked prefill may split it) name, per token, an encoder-cache entry
+   and a row of it; images not in the cache are encoded first, batched (count padded
+   to a power of two, so few programs compile). The model step gathers those rows in
+   place of the identity ids' embeddings (model_runner.forward_sample's ``mm``).
+
+Encoder cache (``EncoderCache``): a device array [C, N, H] of C images' projected
+features plus a host LRU map key -> entry. It is a cache, never the only copy: a request
+keeps its pixel_values until it finishes, so an image evicted between two chunks of its
+prompt, or needed again by a recompute after preemption, is encoded again. C comes from
+``MultiModalConfig.encoder_cache_size`` (rows, vLLM's unit); a step that needs more
+images at once than fit grows the array (logged) instead of failing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pagedjax.config import ModelConfig, MultiModalConfig
+from pagedjax.engine.loading import load_model, resolve_dtype
+from pagedjax.model import ModelArch
+from pagedjax.model.vision.llava import (
+    LlavaArch,
+    image_features,
+    is_llava_checkpoint,
+    load_llava_checkpoint,
+)
+from pagedjax.model.vision.preprocess import load_image
+from pagedjax.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+Params = Any
+
+# Identity ids lie in [-(2**31 - 1), -2]: negative (never a vocabulary id) and never -1,
+# the prefix cache's and the token buffer's padding value.
+_ID_SPAN = 2**31 - 2
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One image of a prompt: key (64-bit content hash of its pixel_values), its
+    placeholder run [offset, offset + length) in the expanded prompt, and its
+    preprocessed pixel_values float32 [3, S, S] (kept until the request finishes)."""
+
+    key: int
+    offset: int
+    length: int
+    pixel_values: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MultiModalPrompt:
+    """A prompt with images: token_ids, the real expanded ids (what outputs report);
+    cache_ids, the same with identity ids at placeholder positions (what the engine
+    stores, hashes and verifies); images in prompt order."""
+
+    token_ids: list[int]
+    cache_ids: list[int]
+    images: tuple[ImageInput, ...]
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer over uint64 (wrapping arithmetic): a bijection that spreads
+    every input bit over the output, so consecutive offsets give unrelated ids."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def identity_ids(key: int, length: int) -> np.ndarray:
+    """int64[length]: the identity ids of an image's placeholder positions 0..length-1,
+    in [-(2**31 - 1), -2] (int32-safe). Position i's id mixes the 64-bit key with i, so
+    a block of 16 positions carries ~16 x 31 bits of the key (the device verification
+    compares them all), not 31."""
+    with np.errstate(over="ignore"):
+        x = np.uint64(key) + np.arange(length, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    return -(2 + (_mix64(x) % np.uint64(_ID_SPAN)).astype(np.int64))
+
+
+def image_key(pixel_values: np.ndarray) -> int:
+    """64-bit content hash of one image's preprocessed pixels (shape and bytes)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr(pixel_values.shape).encode())
+    h.update(np.ascontiguousarray(pixel_values, np.float32).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def images_of(multi_modal_data: Any) -> list[Any]:
+    """vLLM's ``multi_modal_data`` -> RGB PIL images. {"image": a PIL image, encoded
+    bytes, or a list of them}; ValueError for another modality, another item type, or
+    bytes that do not decode (preprocess.load_image)."""
+    from PIL import Image
+
+    if not isinstance(multi_modal_data, dict):
+        raise ValueError(f"multi_modal_data must be a dict like {{'image': img}}, got"
+                         f" {type(multi_modal_data).__name__}")  # fmt: skip
+    other = sorted(set(multi_modal_data) - {"image"})
+    if other:
+        raise ValueError(f"multi_modal_data: modality {other[0]!r} is not supported (images only)")
+    items = multi_modal_data.get("image", [])
+    if not isinstance(items, list | tuple):
+        items = [items]
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, bytes | bytearray):
+            item = load_image(bytes(item))
+        if not isinstance(item, Image.Image):
+            raise ValueError(f"multi_modal_data['image'][{i}]: expected a PIL image or image"
+                             f" bytes, got {type(item).__name__}")  # fmt: skip
+        out.append(item.convert("RGB"))
+    return out
+
+
+def expand_placeholders(ids: Sequence[int], token: int, n: int, num_images: int) -> list[int]:
+    """ids with each image placeholder ``token`` repeated ``n`` times (LlavaProcessor's
+    expansion), or ids unchanged when they are already expanded (num_images * n
+    placeholders in runs of multiples of n). ValueError when they match neither form."""
+    ids = [int(t) for t in ids]
+    count = sum(t == token for t in ids)
+    if count == num_images:
+        out: list[int] = []
+        for t in ids:
+            out.extend([t] * n if t == token else [t])
+        return out
+    runs, run = [], 0
+    for t in [*ids, None]:
+        if t == token:
+            run += 1
+        elif run:
+            runs.append(run)
+            run = 0
+    # Adjacent images make one run of k * n placeholders.
+    if num_images and count == num_images * n and all(r % n == 0 for r in runs):
+        return ids
+    raise ValueError(
+        f"the prompt has {count} image placeholder token(s) (id {token}) for {num_images}"
+        f" image(s): write one placeholder per image"
+    )
+
+
+class VisionModel:
+    """LLaVA's vision side for the engine: the CLIP tower and projector params, the
+    checkpoint's image processor, and the encoder jitted per image-count bucket."""
+
+    def __init__(self, arch: LlavaArch, vision: Params, projector: Params, processor: Any):
+        self.arch, self.vision, self.projector, self.processor = arch, vision, projector, processor
+        self.dtype = jax.tree.leaves(projector)[0].dtype
+        self._encode = jax.jit(image_features, static_argnames=("arch",))
+
+    @property
+    def num_image_tokens(self) -> int:
+        return self.arch.num_image_tokens
+
+    def preprocess(self, images: list[Any]) -> np.ndarray:
+        """RGB PIL images -> float32 pixel_values [B, 3, S, S] (the image processor)."""
+        out = self.processor(images=images, return_tensors="np")
+        pixels = np.asarray(out["pixel_values"], np.float32)
+        s = self.arch.vision.image_size
+        if pixels.shape[1:] != (3, s, s):
+            raise ValueError(f"the image processor gave pixel_values {pixels.shape[1:]}, the"
+                             f" vision tower takes (3, {s}, {s})")  # fmt: skip
+        return pixels
+
+    def encode(self, pixels: np.ndarray) -> jax.Array:
+        """pixel_values [B, 3, S, S] -> projected features [B', N, H] (B' >= B: the count
+        padded to a power of two; rows past B are padding)."""
+        b = pixels.shape[0]
+        padded = 1 << max(0, (b - 1).bit_length())
+        if padded > b:
+            pixels = np.concatenate([pixels, np.zeros((padded - b, *pixels.shape[1:]),
+                                                      pixels.dtype)])  # fmt: skip
+        return self._encode(self.vision, self.projector, jnp.asarray(pixels), arch=self.arch)
+
+
+def load_image_processor(directory: Path, arch: LlavaArch) -> Any:
+    """The checkpoint's CLIPImageProcessor (preprocessor_config.json), else one for the
+    tower's image size with CLIP's default mean / std (logged: the checkpoint should
+    ship its processor)."""
+    from transformers import CLIPImageProcessor
+
+    if (directory / "preprocessor_config.json").is_file():
+        return CLIPImageProcessor.from_pretrained(str(directory))
+    s = arch.vision.image_size
+    log.warning("%s has no preprocessor_config.json: CLIP's default preprocessing at %d px",
+                directory, s)
+    return CLIPImageProcessor(size={"shortest_edge": s}, crop_size={"height": s, "width": s})
+
+
+def load_multimodal_model(mc: ModelConfig) -> tuple[ModelArch, Params, Tokenizer, VisionModel]:
+    """(text arch, text params, tokenizer, VisionModel) of a LLaVA checkpoint directory
+    (``model_type`` "llava", LlavaForConditionalGeneration's layout). Random weights
+    (load_format "dummy") and quantization are not built for it: ValueError."""
+    path = Path(mc.model)
+    if mc.load_format == "dummy":
+        raise ValueError("load_format='dummy' is not built for LLaVA checkpoints")
+    if mc.quantization is not None:
+        raise ValueError(f"quantization={mc.quantization!r} is not built for LLaVA checkpoints")
+    dtype = resolve_dtype(mc.dtype, path, jax.devices()[0].platform)
+    arch, params, larch, vision, projector = load_llava_checkpoint(path, dtype)
+    tokenizer = load_tokenizer(mc.tokenizer or path)
+    processor = load_image_processor(path, larch)
+    return arch, params, tokenizer, VisionModel(larch, vision, projector, processor)
+
+
+def load_engine_model(mc: ModelConfig) -> tuple[ModelArch, Params, Tokenizer, VisionModel | None]:
+    """``LLMEngine.from_config``'s loader: a LLaVA directory through
+    ``load_multimodal_model``, any other model through ``loading.load_model`` (no
+    vision model)."""
+    if is_llava_checkpoint(mc.model):
+        return load_multimodal_model(mc)
+    arch, params, tokenizer, _ = load_model(mc)
+    return arch, params, tokenizer, None
+
+
+def split_mm(prompt: Any, runner: MultiModalRunner | None) -> tuple[Any, Any]:
+    """(prompt without "multi_modal_data", that data or None). ValueError for images
+    sent to a text-only model (runner None)."""
+    if not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
+        return prompt, None
+    prompt = dict(prompt)
+    data = prompt.pop("multi_modal_data")
+    if runner is None and data:
+        raise ValueError("this model takes no images (multi_modal_data given to a text-only"
+                         " model)")  # fmt: skip
+    return prompt, data
+
+
+def check_engine(config: Any, arch: ModelArch) -> None:
+    """ValueError for engine options not built together with images."""
+    if arch.family != "llama":
+        raise ValueError(f"images need a Llama-family language model, not {arch.family!r}")
+    if config.speculative is not None:
+        raise ValueError("speculative decoding with a multi-modal model is not built yet")
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError("tensor_parallel_size > 1 with a multi-modal model is not built yet")
+    if config.cache.kv_scales == "calibrate":
+        raise ValueError("kv_scales='calibrate' with a multi-modal model is not built yet")
+
+
+@jax.jit
+def _write_rows(cache: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
+    """cache[slots[i]] := rows[i]; slots past the cache (padding) write nothing."""
+    return cache.at[slots].set(rows.astype(cache.dtype), mode="drop")
+
+
+class EncoderCache:
+    """Projected image features on device, by image key, least recently used evicted
+    (see the module docstring). ``cache``: [C, N, H] in the model dtype."""
+
+    def __init__(self, capacity: int, num_rows: int, hidden: int, dtype: Any):
+        self.cache = jnp.zeros((capacity, num_rows, hidden), dtype)
+        self._slot_of: OrderedDict[int, int] = OrderedDict()  # key -> slot, LRU first
+        self._free = list(range(capacity))
+        self.hits = self.encoded = self.evicted = self.grown = 0
+        self.encoder_seconds = 0.0
+
+    @property
+    def capacity(self) -> int:
+        return int(self.cache.shape[0])
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._slot_of
+
+    def ensure(self, images: Sequence[ImageInput], vision: VisionModel) -> dict[int, int]:
+        """Entry slot of each image's key, encoding those not cached (one batched call);
+        entries the images need are never evicted to make room for each other."""
+        wanted: dict[int, ImageInput] = {}
+        for img in images:
+            wanted.setdefault(img.key, img)
+        missing = []
+        for key, img in wanted.items():
+            if key in self._slot_of:
+                self._slot_of.move_to_end(key)
+                self.hits += 1
+            else:
+                missing.append(img)
+        if missing:
+            self._make_room(len(missing), set(wanted))
+            slots = [self._free.pop() for _ in missing]
+            t0 = time.perf_counter()
+            feats = vision.encode(np.stack([img.pixel_values for img in missing]))
+            idx = np.full(feats.shape[0], self.capacity, np.int32)  # padding: dropped
+            idx[: len(slots)] = slots
+            self.cache = _write_rows(self.cache, jnp.asarray(idx), feats)
+            self.cache.block_until_ready()  # the encoder's time, not the next step's
+            self.encoder_seconds += time.perf_counter() - t0
+            self.encoded += len(missing)
+            for img, slot in zip(missing, slots, strict=True):
+                self._slot_of[img.key] = slot
+        return {key: self._slot_of[key] for key in wanted}
+
+    def _make_room(self, n: int, keep: set[int]) -> None:
+        for key in list(self._slot_of):
+            if len(self._free) >= n:
+                return
+            if key not in keep:
+                self._free.append(self._slot_of.pop(key))
+                self.evicted += 1
+        if len(self._free) < n:  # this step needs more images at once than fit: grow
+            extra = n - len(self._free)
+            c = self.capacity
+            log.warning("encoder cache grows from %d to %d images (one step needs them all)",
+                        c, c + extra)
+            pad = jnp.zeros((extra, *self.cache.shape[1:]), self.cache.dtype)
+            self.cache = jnp.concatenate([self.cache, pad])
+            self._free.extend(range(c, c + extra))
+            self.grown += 1
+
+
+class MultiModalRunner:
+    """The engine's image path (module docstring): ``prepare`` at add_request,
+    ``step_inputs`` per model step, ``stats`` for ``LLMEngine.stats``."""
+
+    def __init__(self, vision: VisionModel, config: MultiModalConfig, token_budget: int,
+                 hidden: int):  # fmt: skip
+        self.vision, self.config = vision, config
+        n = vision.num_image_tokens
+        rows = config.encoder_cache_size or max(token_budget, n)
+        self.encoder_cache = EncoderCache(max(1, rows // n), n, hidden, vision.dtype)
+        self.split_slices = 0  # steps' slices of an image shorter than the image (chunking)
+
+    @classmethod
+    def build(cls, vision: VisionModel | None, config: Any, arch: ModelArch
+              ) -> MultiModalRunner | None:  # fmt: skip
+        """The engine's runner (None without a vision model), after refusing the engine
+        options not built with images (``check_engine``). config: the EngineConfig."""
+        if vision is None:
+            return None
+        check_engine(config, arch)
+        return cls(vision, config.multimodal, config.scheduler.max_num_batched_tokens,
+                   arch.hidden_size)  # fmt: skip
+
+    @property
+    def image_token_id(self) -> int:
+        return self.vision.arch.image_token_id
+
+    def prepare(self, ids: list[int], multi_modal_data: Any, params: Any = None
+                ) -> MultiModalPrompt | None:  # fmt: skip
+        """The request's MultiModalPrompt (None for a prompt without images or
+        placeholders). Raises ValueError, changing nothing, on more images than
+        limit_mm_per_prompt, a placeholder count that does not match the images,
+        images that do not decode, or prompt_logprobs (params) with images."""
+        images = images_of(multi_modal_data) if multi_modal_data is not None else []
+        limit = self.config.limit("image")
+        if len(images) > limit:
+            raise ValueError(f"{len(images)} images in one prompt; limit_mm_per_prompt"
+                             f" allows {limit}")  # fmt: skip
+        tok, n = self.image_token_id, self.vision.num_image_tokens
+        if not images and tok not in ids:
+            return None
+        expanded = expand_placeholders(ids, tok, n, len(images))
+        if params is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs with images is not built yet")
+        pixels = self.vision.preprocess(images) if images else []
+        cache_ids = np.asarray(expanded, np.int64)
+        # Image k owns placeholders k * n .. (k + 1) * n - 1 in order (adjacent images
+        # make one run of k * n, as in transformers' merge).
+        starts = [i for i, t in enumerate(expanded) if t == tok][::n]
+        inputs = []
+        for start, px in zip(starts, pixels, strict=True):
+            key = image_key(px)
+            cache_ids[start : start + n] = identity_ids(key, n)
+            inputs.append(ImageInput(key, start, n, px))
+        return MultiModalPrompt(expanded, cache_ids.tolist(), tuple(inputs))
+
+    def step_inputs(self, host: dict, owners: list, num_tokens: int) -> tuple | None:
+        """The model step's ``mm`` argument (encoder cache, image_slot int32[T], image_row
+        int32[T]) when the step prefills image positions, else None. host: the step's
+        read-back batch (q_lens, start_pos per row); owners[r]: row r's (request,
+        sequence); num_tokens: the step's padded token count T."""
+        segments = []
+        cu = 0
+        for r, (req, _) in enumerate(owners):
+            start, q = int(host["start_pos"][r]), int(host["q_lens"][r])
+            mm = req.multi_modal
+            for img in mm.images if mm is not None else ():
+                lo, hi = max(start, img.offset), min(start + q, img.offset + img.length)
+                if lo < hi:
+                    segments.append((cu + lo - start, img, lo - img.offset, hi - lo))
+            cu += q
+        if not segments:
+            return None
+        self.split_slices += sum(count < img.length for _, img, _, count in segments)
+        slots = self.encoder_cache.ensure([s[1] for s in segments], self.vision)
+        image_slot = np.full(num_tokens, -1, np.int32)
+        image_row = np.zeros(num_tokens, np.int32)
+        for flat, img, first, count in segments:
+            image_slot[flat : flat + count] = slots[img.key]
+            image_row[flat : flat + count] = np.arange(first, first + count)
+        return self.encoder_cache.cache, jnp.asarray(image_slot), jnp.asarray(image_row)
+
+    def stats(self) -> dict[str, float | int]:
+        """mm_images_encoded: encoder runs' images; mm_encoder_cache_hits: images a step
+        found cached; mm_encoder_cache_evictions; mm_encoder_seconds: encoder wall time
+        (synchronized); mm_encoder_cache_images: the cache's capacity now;
+        mm_split_image_slices: a step's part of an image that was not the whole image
+        (chunked prefill cut the image)."""
+        c = self.encoder_cache
+        return dict(mm_images_encoded=c.encoded, mm_encoder_cache_hits=c.hits,
+                    mm_encoder_cache_evictions=c.evicted, mm_encoder_seconds=c.encoder_seconds,
+                    mm_encoder_cache_images=c.capacity,
+                    mm_split_image_slices=self.split_slices)  # fmt: skip
+
+    def reset_stats(self) -> None:
+        self.split_slices = 0
+        c = self.encoder_cache
+        c.hits = c.encoded = c.evicted = c.grown = 0
+        c.encoder_seconds = 0.0
+
+
+__all__ = [
+    "EncoderCache",
+    "ImageInput",
+    "MultiModalPrompt",
+    "MultiModalRunner",
+    "VisionModel",
+    "check_engine",
+    "expand_placeholders",
+    "identity_ids",
+    "image_key",
+    "images_of",
+    "load_engine_model",
+    "load_multimodal_model",
+    "split_mm",
+]
