@@ -9,7 +9,7 @@ One step, whatever runs on the device (docs/engine.md, docs/architecture.md):
    the n-gram drafts (``spec/decoder.py``).
 3. device: ``schedule`` (jitted) picks rows, budgets their tokens (drafts included)
    and grows their blocks; host: read back the batch's sizes and rows (one sync) to
-   pick the bucket (T, S); swap copies the schedule decided (``_apply_swaps``).
+   pick the bucket (T, S); swap copies the schedule decided (``swap_copies.py``).
 4. device: one program for (T, S): the ModelRunner step (ragged input from the device
    token buffer, copy-on-write copies, forward with the KV donated, sample, append the
    ids), or, when rows have drafts, the verification program.
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -57,19 +58,19 @@ from pagedjax.config import EngineConfig
 from pagedjax.engine import admission
 from pagedjax.engine.buckets import pick, seq_buckets_for, seqs_for_tokens, step_buckets
 from pagedjax.engine.core import CoreView, EngineCore
-from pagedjax.engine.device_state import DeviceState, num_host_blocks, padding_bucket
+from pagedjax.engine.device_state import DeviceState, num_host_blocks
 from pagedjax.engine.engine_stats import engine_stats
 from pagedjax.engine.kv_budget import num_kv_blocks, profile_forward
 from pagedjax.engine.kv_cache_spec import KVCacheSpec
 from pagedjax.engine.kv_offload import build_host_tier
 from pagedjax.engine.logit_controls import LogitControls
-from pagedjax.engine.lora_manager import LoRAManager, check_lora_buildable, prepare_request
+from pagedjax.engine.lora_manager import LoRAManager, prepare_request
 from pagedjax.engine.model_runner import ModelRunner
 from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
 from pagedjax.engine.multimodal import MultiModalRunner, VisionModel, load_engine_model, split_mm
 from pagedjax.engine.output_processor import OutputProcessor, SampledRows
 from pagedjax.engine.outputs import RequestOutput
-from pagedjax.engine.parallel import DevicePlacement, check_device_count
+from pagedjax.engine.parallel import DevicePlacement
 from pagedjax.engine.prompts import (
     check_request,
     check_request_args,
@@ -78,9 +79,11 @@ from pagedjax.engine.prompts import (
 )
 from pagedjax.engine.request_book import RequestBook
 from pagedjax.engine.sequence import RequestState
-from pagedjax.engine.spec.decoder import build_speculator, check_buildable, load_draft
+from pagedjax.engine.spec.decoder import build_speculator, load_draft
 from pagedjax.engine.spec.verify import sampled_offsets
 from pagedjax.engine.step_record import StepObserver, notify
+from pagedjax.engine.swap_copies import apply_swap_copies
+from pagedjax.engine.unbuilt import reject_unbuilt_features
 from pagedjax.engine.warmup import warm_up
 from pagedjax.lora import LoRARequest
 from pagedjax.memory.paged_policy import PagedPolicy
@@ -88,7 +91,7 @@ from pagedjax.memory.prefix_cache import PrefixIndex
 from pagedjax.model import ModelArch, compute_dtype
 from pagedjax.sampling import SamplingParams
 from pagedjax.sampling.params import MAX_SEED
-from pagedjax.scheduler import ScheduledBatch, SchedulerLimits
+from pagedjax.scheduler import SchedulerLimits
 from pagedjax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -118,7 +121,7 @@ class LLMEngine:
         detokenize: bool = True,
         vision: VisionModel | None = None,
     ):
-        _reject_unbuilt_features(config)
+        reject_unbuilt_features(config)
         self.mm = MultiModalRunner.build(vision, config, arch)  # images (None: refused)
         self.detokenize = detokenize
         compile_cache.enable(config.compilation_cache)  # idempotent
@@ -222,7 +225,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> LLMEngine:
         """Load config.model (directory or preset; compilation cache on first), build."""
-        _reject_unbuilt_features(config)  # before spending time on loading weights
+        reject_unbuilt_features(config)  # before spending time on loading weights
         compile_cache.enable(config.compilation_cache)
         arch, params, tokenizer, vision = load_engine_model(config.model)  # vision: LLaVA
         return cls(arch, params, tokenizer, config, vision=vision, **kwargs)
@@ -341,7 +344,11 @@ class LLMEngine:
         self.multi_step.note_step(core, host)
         self.num_preemptions += int(host["preempted"].sum())
         core.num_steps += 1
-        self._apply_swaps(batch, host)
+        c = apply_swap_copies(core, self.speculator, batch, host)  # before the forward
+        self.num_preemptions_swap += c.preempted_swap
+        self.num_preemptions_recompute += c.preempted_recompute
+        self.num_swapped_out_blocks += c.blocks_out
+        self.num_swapped_in_blocks += c.blocks_in
         core.sharing.record_usage(int(host["used"]), int(host["unshared"]))
         if self.enable_prefix_caching:
             book.relookup.difference_update(int(x) for x in host["seq_ids"][: host["num_seqs"]])
@@ -385,7 +392,7 @@ class LLMEngine:
             mm = self.mm.step_inputs(host, owners, padded_tokens) if self.mm is not None else None
             sampled, plp = dev.run_program(
                 self.runner.run, core.params, dev.state.mem,
-                batch._replace(swap=None),  # applied by _apply_swaps; one pytree with warmup
+                batch._replace(swap=None),  # applied by apply_swap_copies; one pytree with warmup
                 dev.sampling(), dev.state.prompt_len, dev.state.output_len,
                 num_tokens=padded_tokens, num_seqs=padded_seqs, all_logits=all_logits, mm=mm,
             )  # fmt: skip
@@ -426,33 +433,6 @@ class LLMEngine:
         self.outputs.fork_samples(owners, rows)
         return acc
 
-    def _apply_swaps(self, batch: ScheduledBatch, host: dict) -> None:
-        """Copy this step's swapped blocks: out (device -> host) first, while the freed
-        device blocks still hold the group's KV (this step's forward and copy-on-write may
-        overwrite them), then in (host -> device) into the fresh blocks, before any forward
-        reads them (a separate speculative draft's pool too, spec_draft_model.py)."""
-        n_out, n_in = int(host["num_out"]), int(host["num_in"])
-        out_slots = np.flatnonzero(host["swapped_out"])
-        in_slots = np.flatnonzero(host["swapped_in"])
-        self.num_preemptions_swap += len(out_slots)
-        self.num_preemptions_recompute += int(host["preempted"].sum()) - len(out_slots)
-        swapped = self.core.book.swapped_slots
-        swapped.update(int(x) for x in out_slots)
-        swapped.difference_update(int(x) for x in in_slots)
-        sw, tier = batch.swap, self.core.host_tier
-        # Evicted prefix blocks: read now, kept on the host after the swaps (kv_offload.py).
-        pending = tier.gather(self.core, np.flatnonzero(host["evicted"])) if tier else None
-        if n_out:
-            self.core.device.swap_out(sw, n_out, padding_bucket(n_out, sw.out_src.shape[0]))
-            self.num_swapped_out_blocks += n_out
-        if n_in:
-            self.core.device.swap_in(sw, n_in, padding_bucket(n_in, sw.in_src.shape[0]))
-            self.num_swapped_in_blocks += n_in
-        if tier is not None:
-            tier.store(self.core, pending)
-        if self.speculator is not None:
-            self.speculator.apply_swaps(sw, host)
-
     def assign_slots(self) -> None:
         """Give queued sequences free slots (FCFS) and attach cached prefixes
         (``admission.assign_slots``); ``step`` starts with it."""
@@ -481,32 +461,30 @@ class LLMEngine:
         host = self.state.mem.host_pool
         return int(host.num_free) if host is not None else 0
 
+    def _counted(self) -> list[Any]:
+        """The optional parts that keep counters of their own (stats / reset_stats)."""
+        parts = (self.speculator, self.core.lora, self.mm, self.core.host_tier)
+        return [p for p in parts if p is not None]
+
     def reset_stats(self) -> None:
         """Zero the counters ``stats()`` reports (the prefix cache's contents stay)."""
         self.core.sharing = type(self.core.sharing)()
         self.outputs.num_forked = 0
         self.multi_step.reset_stats()
-        if self.speculator is not None:
-            self.speculator.reset_stats()
+        for part in self._counted():
+            part.reset_stats()
         self.num_preemptions_recompute = 0
         self.num_preemptions_swap = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
         self.core.prefix_index.queries = self.core.prefix_index.hit_blocks = 0
         self.core.prefix_index.query_blocks = 0
-        if self.core.host_tier is not None:
-            self.core.host_tier.reset_stats()
-        if self.mm is not None:
-            self.mm.reset_stats()
 
     def stats(self) -> dict[str, float | int]:
         """Counters since the last ``reset_stats``: ``engine_stats.engine_stats`` gives
         the keys' meanings; spec_*: ``spec/decoder.py``'s ``SpecCounters``."""
-        spec = self.speculator.stats() if self.speculator is not None else {}
-        spec |= self.core.lora.stats() if self.core.lora is not None else {}  # lora_*
-        spec |= self.mm.stats() if self.mm is not None else {}
-        tier = self.core.host_tier.stats() if self.core.host_tier is not None else {}
-        return spec | tier | self.core.controls.stats() | engine_stats(
+        own = [part.stats() for part in self._counted()]  # spec_*, lora_*, mm_*, tier
+        return functools.reduce(operator.or_, own, {}) | self.core.controls.stats() | engine_stats(
             self.core, self.multi_step, forked_samples=self.outputs.num_forked,
             preemptions_recompute=self.num_preemptions_recompute,
             preemptions_swap=self.num_preemptions_swap,
@@ -514,12 +492,3 @@ class LLMEngine:
             swapped_in_blocks=self.num_swapped_in_blocks,
         )  # fmt: skip
 
-
-def _reject_unbuilt_features(config: EngineConfig) -> None:
-    check_device_count(config.parallel.tensor_parallel_size)
-    check_buildable(config.speculative, config.model.model)
-    if config.speculative is not None and config.parallel.tensor_parallel_size > 1:
-        raise ValueError("speculative_config with tensor_parallel_size > 1: not built yet")
-    check_lora_buildable(config)
-    if config.parallel.data_parallel_size > 1:  # replicas are data_parallel.py's, above
-        raise ValueError("LLMEngine is one replica; data_parallel_size > 1: DataParallelEngine")

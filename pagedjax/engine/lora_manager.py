@@ -144,6 +144,10 @@ class LoRAManager:
         return dict(lora_loads=self.loads, lora_evictions=self.evictions,
                     lora_waits=self.waits, lora_resident=len(self.resident))  # fmt: skip
 
+    def reset_stats(self) -> None:
+        """Zero the counters ``stats()`` reports (what is resident stays)."""
+        self.loads = self.evictions = self.waits = 0
+
 
 def check_lora_buildable(config: Any) -> None:
     """ValueError for an EngineConfig whose LoRA section meets a feature LoRA is not

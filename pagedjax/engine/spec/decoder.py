@@ -197,7 +197,7 @@ class SpeculativeDecoder:
 
     def apply_swaps(self, plan: Any, host: dict) -> None:
         """The step's swap copies on a separate draft's or the eagle head's pool
-        (``LLMEngine._apply_swaps``; draft_pool.py)."""
+        (``swap_copies.apply_swap_copies``; draft_pool.py)."""
         if self.separate is not None:
             self.separate.apply_swaps(plan, host)
         if self.eagle is not None:

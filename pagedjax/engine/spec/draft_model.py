@@ -266,7 +266,7 @@ class SeparateDraft:
         return q
 
     def apply_swaps(self, plan: Any, host: dict) -> None:
-        """Mirror the step's swap copies (``LLMEngine._apply_swaps``) on the draft pool:
+        """Mirror the step's swap copies (``swap_copies.apply_swap_copies``) on the draft pool:
         device -> host blocks of groups swapped out, then host -> device of groups
         swapped in, with the target's plan (same block ids on both sides). Called before
         the draft writes anything in the step, so freed device blocks still hold the

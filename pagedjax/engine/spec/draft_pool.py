@@ -3,7 +3,7 @@
 A separate draft checkpoint (``spec_draft_model.py``) and an EAGLE head (``spec_eagle.py``)
 each keep a paged pool whose block b belongs to whoever owns the target's block b, so the
 target's block tables, allocator and scheduler serve both pools. When the target's
-schedule swaps a group out or in (``LLMEngine._apply_swaps``), the same block copies must
+schedule swaps a group out or in (``swap_copies.apply_swap_copies``), the same block copies must
 happen on the draft's pool, else a swapped-in sequence's draft reads the rows of whatever
 last held its new blocks: the outputs stay right (verification sees to that), but the
 drafts, and so the acceptance, silently degrade.
