@@ -234,3 +234,18 @@ def save_tiny_tokenizer(directory: str | Path, chat_template: str | None = TINY_
     )
     fast.save_pretrained(str(directory))
     return fast
+
+
+def peft_adapter(base, directory, seed, r, targets):
+    """A random PEFT LoRA on a copy of ``base`` (B non-zero), saved to ``directory``."""
+    import copy
+
+    import peft
+    import torch
+
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(r=r, lora_alpha=2 * r + 1, target_modules=targets,
+                          init_lora_weights=False, lora_dropout=0.0)  # fmt: skip
+    model = peft.get_peft_model(copy.deepcopy(base), cfg).eval()
+    model.save_pretrained(str(directory))
+    return model

@@ -161,21 +161,6 @@ def test_slot_table_pads_and_tracks_ids(tmp_path):
 # --- the model forward against transformers + peft -------------------------------------
 
 
-def _peft_adapter(base, directory, seed, r, targets):
-    """A random PEFT LoRA on a copy of ``base`` (B non-zero), saved to ``directory``."""
-    import copy
-
-    import peft
-    import torch
-
-    torch.manual_seed(seed)
-    cfg = peft.LoraConfig(r=r, lora_alpha=2 * r + 1, target_modules=targets,
-                          init_lora_weights=False, lora_dropout=0.0)  # fmt: skip
-    model = peft.get_peft_model(copy.deepcopy(base), cfg).eval()
-    model.save_pretrained(str(directory))
-    return model
-
-
 def _prefill_batch(seqs, slot_of_seq, block_size, max_blocks):
     """One prefill step of every sequence (own contiguous pages), every token's logits."""
     tokens, pos, slots, lora, bt, cu = [], [], [], [], [], [0]
@@ -203,7 +188,7 @@ def _prefill_batch(seqs, slot_of_seq, block_size, max_blocks):
 @pytest.mark.tier2
 def test_forward_matches_transformers_peft_mixed_batch(tmp_path):
     pytest.importorskip("peft")
-    from model_helpers import hf_logits, make_tiny_hf_model
+    from model_helpers import hf_logits, make_tiny_hf_model, peft_adapter
 
     from pagedjax.model.loader import load_hf_checkpoint
 
@@ -212,8 +197,8 @@ def test_forward_matches_transformers_peft_mixed_batch(tmp_path):
     arch, params = load_hf_checkpoint(tmp_path / "base")
     attn_mlp = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     peft_models = [
-        _peft_adapter(base, tmp_path / "a1", 1, 4, attn_mlp),
-        _peft_adapter(base, tmp_path / "a2", 2, 2, ["q_proj", "v_proj", "down_proj"]),
+        peft_adapter(base, tmp_path / "a1", 1, 4, attn_mlp),
+        peft_adapter(base, tmp_path / "a2", 2, 2, ["q_proj", "v_proj", "down_proj"]),
     ]
     table = LoRASlotTable(llama_module_shapes(arch), arch.num_layers, max_loras=3,
                           max_lora_rank=8)  # fmt: skip

@@ -243,35 +243,20 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 TIE_GAP = 1e-4
 
 
-def _peft_adapter(base, directory, seed, r, targets):
-    """A random PEFT LoRA on a copy of ``base`` (B non-zero), saved to ``directory``."""
-    import copy
-
-    import peft
-    import torch
-
-    torch.manual_seed(seed)
-    cfg = peft.LoraConfig(r=r, lora_alpha=2 * r + 1, target_modules=targets,
-                          init_lora_weights=False, lora_dropout=0.0)  # fmt: skip
-    model = peft.get_peft_model(copy.deepcopy(base), cfg).eval()
-    model.save_pretrained(str(directory))
-    return model
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random llama (with a byte-level tokenizer) and adapters A (rank 4, all seven
     modules) and B (rank 2, q/v/down), written by transformers and peft."""
     pytest.importorskip("peft")
-    from tests.model_helpers import make_tiny_hf_model, save_tiny_tokenizer
+    from tests.model_helpers import make_tiny_hf_model, peft_adapter, save_tiny_tokenizer
 
     d = tmp_path_factory.mktemp("lora_engine")
     base = make_tiny_hf_model("llama", seed=0, num_key_value_heads=2)
     base.save_pretrained(str(d / "base"))
     save_tiny_tokenizer(d / "base")
-    models = {None: base, 1: _peft_adapter(base, d / "a", 1, 4, ALL),
-              2: _peft_adapter(base, d / "b", 2, 2, ["q_proj", "v_proj", "down_proj"]),
-              3: _peft_adapter(base, d / "c", 3, 3, ["k_proj", "o_proj", "up_proj"])}  # fmt: skip
+    models = {None: base, 1: peft_adapter(base, d / "a", 1, 4, ALL),
+              2: peft_adapter(base, d / "b", 2, 2, ["q_proj", "v_proj", "down_proj"]),
+              3: peft_adapter(base, d / "c", 3, 3, ["k_proj", "o_proj", "up_proj"])}  # fmt: skip
     loras = {i: LoRARequest(n, i, str(d / n.lower())) for i, n in ((1, "A"), (2, "B"), (3, "C"))}
     return SimpleNamespace(dir=d, models=models, loras=loras)
 
@@ -342,11 +327,13 @@ def test_mixed_batch_equals_transformers_peft(tiny, llm):
 
 @pytest.mark.tier2
 def test_bad_adapters_refused_and_engine_keeps_serving(tiny, llm, tmp_path):
+    from tests.model_helpers import peft_adapter
+
     prompt = [5, 6, 7, 8, 9]
     with pytest.raises(ValueError, match="missing adapter_config.json"):
         llm.generate([prompt, prompt], _greedy(), use_tqdm=False,
                      lora_request=[tiny.loras[1], LoRARequest("x", 7, str(tmp_path))])  # fmt: skip
-    big = _peft_adapter(tiny.models[None], tmp_path / "big", 3, 16, ["q_proj"])
+    big = peft_adapter(tiny.models[None], tmp_path / "big", 3, 16, ["q_proj"])
     del big
     with pytest.raises(ValueError, match="rank 16 exceeds max_lora_rank=8"):
         llm.generate(prompt, _greedy(), use_tqdm=False,
