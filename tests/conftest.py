@@ -17,7 +17,10 @@ another directory, ``off`` for none: a cold run).
 Also the session fixture that fetches the real test model (smollm2_gguf).
 """
 
+import faulthandler
+import gc
 import os
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -66,6 +69,52 @@ compile_cache.enable()
 def pytest_sessionstart(session):
     if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or a run without xdist)
         compile_cache.prune()
+    # xgrammar's tvm_ffi installs, when it loads, a SIGSEGV handler that unwinds the stack
+    # inside the handler; a crash in the unwinder then deadlocks and the worker hangs
+    # instead of dying. Load it now and put Python's faulthandler back in front, so a crash
+    # prints the Python stacks and fails the run at once (docs/testing.md).
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError:
+        pass
+    faulthandler.disable()
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
+
+
+def _count_lines(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return None
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530  # Linux's default
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """At a module boundary, drop JAX's compiled programs once the process holds more than
+    half the kernel's memory-map limit. XLA:CPU maps each loaded executable's code in many
+    regions (test_engine's programs alone hold ~5,200 maps), Linux refuses mmap past
+    ``vm.max_map_count`` (65,530 by default), and a worker running half the suite reaches
+    ~57,000 near its end; the next executable it loads then fails inside XLA and the
+    process dies with SIGSEGV (docs/testing.md). A finished module's engines are garbage by
+    then; clearing the caches frees their executables (6,161 -> 960 maps after test_engine)."""
+    yield
+    if nextitem is not None and getattr(nextitem, "module", None) is getattr(item, "module", None):
+        return
+    maps = _count_lines(f"/proc/{os.getpid()}/maps")
+    if maps is not None and maps > _max_map_count() // 2:
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")

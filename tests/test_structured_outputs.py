@@ -295,3 +295,20 @@ def test_min_tokens_yields_to_the_grammar_end() -> None:
                        structured_outputs=SO(regex="ab"))  # fmt: skip
     out = drain(_engine(), [("mt", "x", p)])["mt"].outputs[0]
     assert out.token_ids == [ord("a"), ord("b"), EOS] and out.finish_reason == "stop"
+
+
+def test_a_crash_after_loading_xgrammar_kills_the_process() -> None:
+    """tvm_ffi's SIGSEGV handler (loaded with xgrammar) can deadlock in the unwinder; after
+    import_xgrammar the default action is back, so a crash ends the process at once."""
+    import subprocess
+    import sys
+
+    code = (
+        "import ctypes\n"
+        "from pagedjax.structured.backend_xgrammar import import_xgrammar\n"
+        "import_xgrammar()\n"
+        "ctypes.string_at(0)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -11, (r.returncode, r.stderr[-2000:])  # SIGSEGV, default action
+    assert "Segfault encountered" not in r.stderr  # tvm_ffi's handler did not run

@@ -12,13 +12,39 @@ accepts termination.
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
+import sys
+import threading
 from typing import Any
 
 import numpy as np
 
 from pagedjax.sampling.params import StructuredOutputsParams
 from pagedjax.structured import spec
+
+
+def import_xgrammar() -> Any:
+    """The xgrammar module, imported so that the process keeps its own SIGSEGV handling.
+
+    xgrammar loads tvm_ffi, whose library constructor installs a SIGSEGV handler that
+    unwinds the stack inside the handler. When the crash is itself in the unwinder, that
+    handler deadlocks on the unwinder's lock, and an engine process that should die (and be
+    reported dead) hangs instead (seen in CI; docs/testing.md). After the first load the
+    handler before it comes back: Python's faulthandler if it was on, else the default
+    action. Only the main thread may set a signal handler; elsewhere tvm_ffi's stays.
+    """
+    first = "tvm_ffi" not in sys.modules
+    import xgrammar  # the manager turns an ImportError into its install hint
+
+    if first and threading.current_thread() is threading.main_thread():
+        if faulthandler.is_enabled():
+            faulthandler.disable()  # puts back the handler faulthandler replaced
+            faulthandler.enable(all_threads=True)  # and takes SIGSEGV from tvm_ffi again
+        else:
+            signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+    return xgrammar
 
 
 def tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, eos_ids: list[int]) -> Any:
@@ -69,8 +95,7 @@ class XgrammarBackend:
     name = "xgrammar"
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int], max_rollback: int):
-        import xgrammar as xgr  # the manager turns an ImportError into its install hint
-
+        xgr = import_xgrammar()
         self._xgr = xgr
         info = tokenizer_info(xgr, tokenizer, vocab_size, eos_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
