@@ -297,6 +297,7 @@ def test_min_tokens_yields_to_the_grammar_end() -> None:
     assert out.token_ids == [ord("a"), ord("b"), EOS] and out.finish_reason == "stop"
 
 
+@pytest.mark.tier2  # a subprocess that imports jax and xgrammar: ~7 s alone, ~18 s loaded
 def test_a_crash_after_loading_xgrammar_kills_the_process() -> None:
     """tvm_ffi's SIGSEGV handler (loaded with xgrammar) can deadlock in the unwinder; after
     import_xgrammar the default action is back, so a crash ends the process at once."""
