@@ -63,6 +63,16 @@ class PrefixIndex(Protocol):
     def depth(self, block: int) -> int: ...
 
 
+def check_insert(parent: int, block: int, cached: object) -> None:
+    """``PrefixIndex.insert``'s refusals, shared by every index: ValueError unless
+    ``parent`` is the null block or cached, and ``block`` is neither (``cached``: any
+    container of the index's cached block ids)."""
+    if parent != NULL_BLOCK and parent not in cached:
+        raise ValueError(f"parent block {parent} is not cached")
+    if block == NULL_BLOCK or block in cached:
+        raise ValueError(f"block {block} is the null block or already cached")
+
+
 def check_block_tokens(tokens: Sequence[int], block_size: int) -> tuple[int, ...]:
     """``tokens`` as a tuple of ints, refused unless it is exactly one full block."""
     t = tuple(int(x) for x in tokens)
@@ -111,10 +121,7 @@ class HashChainIndex:
 
     def insert(self, parent: int, tokens: Sequence[int], block: int) -> int:
         t = check_block_tokens(tokens, self.block_size)
-        if parent != NULL_BLOCK and parent not in self._hash:
-            raise ValueError(f"parent block {parent} is not cached")
-        if block == NULL_BLOCK or block in self._hash:
-            raise ValueError(f"block {block} is the null block or already cached")
+        check_insert(parent, block, self._hash)
         h = chain_hash(self._hash.get(parent), t)
         have = self.hint.propose([h])
         if have:

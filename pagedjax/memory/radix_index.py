@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from pagedjax.memory.block_pool import NULL_BLOCK
-from pagedjax.memory.prefix_index import check_block_tokens
+from pagedjax.memory.prefix_index import check_block_tokens, check_insert
 
 
 @dataclass(eq=False)
@@ -72,10 +72,7 @@ class RadixIndex:
 
     def insert(self, parent: int, tokens: Sequence[int], block: int) -> int:
         t = check_block_tokens(tokens, self.block_size)
-        if parent != NULL_BLOCK and parent not in self._node:
-            raise ValueError(f"parent block {parent} is not cached")
-        if block == NULL_BLOCK or block in self._node:
-            raise ValueError(f"block {block} is the null block or already cached")
+        check_insert(parent, block, self._node)
         if parent == NULL_BLOCK:
             node = self._root
         else:
