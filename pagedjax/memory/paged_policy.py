@@ -108,8 +108,8 @@ class PagedPolicy:
                 (
                     create_block_pool(self.num_host_blocks + 1),
                     jax.device_put(np.zeros((self.max_seqs,), bool), may_alias=False),
-                    empty_map(self.num_blocks),
-                    empty_map(self.num_blocks),
+                    _host_empty_map(self.num_blocks),
+                    _host_empty_map(self.num_blocks),
                 )
                 if self.can_swap
                 else ()
@@ -264,3 +264,10 @@ def paged_usage(held_lens, lens, final_lens, live, block_size: int, capacity: in
     internal = jnp.sum(f * jnp.clip(held - final, 0))
     cap = jnp.asarray(capacity, jnp.float32)
     return MemoryUsage(tokens, reserved, internal, cap - tokens - reserved - internal, cap)
+
+
+def _host_empty_map(k: int) -> SwapMap:
+    """``empty_map(k)`` built with numpy (init_state runs outside jit; ``empty_map`` also
+    runs traced, in ``begin_step``, so it keeps its jnp)."""
+    z, count = jax.device_put((np.zeros((k,), np.int32), np.int32(0)), may_alias=False)
+    return SwapMap(z, z, count)
