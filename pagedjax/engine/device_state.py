@@ -31,10 +31,10 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.engine import sharing
+from pagedjax.engine.host_arrays import upload
 from pagedjax.engine.model_runner import gather_blocks, jitted_update, scatter_blocks
 from pagedjax.memory import host_tier
 from pagedjax.sampling import SamplingParams, SamplingTensors
@@ -73,7 +73,7 @@ class DeviceState:
         self.block_size = bs = policy.block_size
         self.state = init_state(policy, n)
         self.kv = kv
-        self.tokens = jnp.zeros((n, max_model_len), jnp.int32)
+        self.tokens = upload(np.zeros((n, max_model_len), np.int32))  # host_arrays.py
         self.host_kv = jax.tree.map(
             lambda p: np.zeros((p.shape[0], num_host_blocks + 1, *p.shape[2:]), p.dtype), kv
         )
@@ -319,7 +319,7 @@ class DeviceState:
         if self._rows_dev is None:
             for k, v in self._rows.items():
                 if k not in self._fields_dev:
-                    self._fields_dev[k] = jnp.asarray(v)
+                    self._fields_dev[k] = upload(v)  # a copy: the mirror changes in place
             self._rows_dev = SamplingTensors(**self._fields_dev)
         return self._rows_dev
 

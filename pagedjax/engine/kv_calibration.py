@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.attention import QuantizedPages
+from pagedjax.engine.host_arrays import upload
 from pagedjax.lora.slots import split_seq_slots
 from pagedjax.model import ModelArch, ModelInput, allocate_kv_cache
 from pagedjax.model.forward import make_forward
@@ -54,15 +55,15 @@ def prompt_amax(
         positions.append(pos)
         slots.append(ids[pos // bs] * bs + pos % bs)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    batch = ModelInput(
-        tokens=jnp.asarray(np.concatenate([np.asarray(p, np.int32) for p in prompts])),
-        positions=jnp.asarray(np.concatenate(positions)),
-        slot_mapping=jnp.asarray(np.concatenate(slots).astype(np.int32)),
-        block_tables=jnp.asarray(tables),
-        kv_lens=jnp.asarray(lens, jnp.int32),
-        cu_q_lens=jnp.asarray(cu),
-        logits_indices=jnp.asarray(cu[1:] - 1),
-    )
+    batch = upload(ModelInput(  # numpy, one transfer (host_arrays.py)
+        tokens=np.concatenate([np.asarray(p, np.int32) for p in prompts]),
+        positions=np.concatenate(positions),
+        slot_mapping=np.concatenate(slots).astype(np.int32),
+        block_tables=tables,
+        kv_lens=np.asarray(lens, np.int32),
+        cu_q_lens=cu,
+        logits_indices=cu[1:] - 1,
+    ))  # fmt: skip
     (k, v), _ = make_forward(arch, donate=False)(params, kv, batch)  # no padding tokens
     amax = lambda x: np.asarray(jnp.max(jnp.abs(x), axis=(1, 3, 4)), np.float64)  # noqa: E731
     return amax(k), amax(v)

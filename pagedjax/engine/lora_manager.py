@@ -31,10 +31,10 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.config import LoRAConfig
+from pagedjax.engine.host_arrays import upload
 from pagedjax.lora import (
     LoRAAdapter,
     LoRARequest,
@@ -134,7 +134,7 @@ class LoRAManager:
         (the adapter arrays are shared with the table, not copied)."""
         if self._params is None:
             self._params = {**self.table.attach(self.base),
-                            LORA_SEQ_SLOTS: jnp.asarray(self.seq_slots)}  # fmt: skip
+                            LORA_SEQ_SLOTS: upload(self.seq_slots)}  # fmt: skip
         return self._params
 
     def stats(self) -> dict[str, int]:

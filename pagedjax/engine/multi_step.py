@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.engine.buckets import pick
 from pagedjax.engine.core import EngineCore
 from pagedjax.engine.decode_loop import EXIT_DONE, EXIT_NAMES, LoopOutput, LoopSpec, decode_loop
+from pagedjax.engine.host_arrays import upload
 from pagedjax.engine.logit_controls import needs_host
 from pagedjax.engine.output_processor import OutputProcessor, SampledRows
 from pagedjax.engine.outputs import RequestOutput
@@ -192,7 +192,7 @@ class MultiStepDecoder:
             arr = np.full((core.max_seqs, MAX_STOP_IDS), -1, np.int32)
             for slot, ids in key:
                 arr[slot, : min(len(ids), MAX_STOP_IDS)] = ids[:MAX_STOP_IDS]  # more: ineligible
-            self._stop_cache = (key, jnp.asarray(arr))
+            self._stop_cache = (key, upload(arr))
         return self._stop_cache[1]
 
     def step(self, core: EngineCore, outputs: OutputProcessor) -> list[RequestOutput] | None:

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.config import ModelConfig, MultiModalConfig
+from pagedjax.engine.host_arrays import upload
 from pagedjax.engine.loading import load_model, resolve_dtype
 from pagedjax.model import ModelArch
 from pagedjax.model.vision.llava import (
@@ -206,7 +207,7 @@ class VisionModel:
         if padded > b:
             pixels = np.concatenate([pixels, np.zeros((padded - b, *pixels.shape[1:]),
                                                       pixels.dtype)])  # fmt: skip
-        return self._encode(self.vision, self.projector, jnp.asarray(pixels), arch=self.arch)
+        return self._encode(self.vision, self.projector, upload(pixels), arch=self.arch)
 
 
 def load_image_processor(directory: Path, arch: LlavaArch) -> Any:
@@ -318,7 +319,7 @@ class EncoderCache:
             feats = vision.encode(np.stack([img.pixel_values for img in missing]))
             idx = np.full(feats.shape[0], self.capacity, np.int32)  # padding: dropped
             idx[: len(slots)] = slots
-            self.cache = _write_rows(self.cache, jnp.asarray(idx), feats)
+            self.cache = _write_rows(self.cache, upload(idx), feats)
             self.cache.block_until_ready()  # the encoder's time, not the next step's
             self.encoder_seconds += time.perf_counter() - t0
             self.encoded += len(missing)
@@ -424,7 +425,7 @@ class MultiModalRunner:
         for flat, img, first, count in segments:
             image_slot[flat : flat + count] = slots[img.key]
             image_row[flat : flat + count] = np.arange(first, first + count)
-        return self.encoder_cache.cache, jnp.asarray(image_slot), jnp.asarray(image_row)
+        return self.encoder_cache.cache, *upload((image_slot, image_row))
 
     def stats(self) -> dict[str, float | int]:
         """mm_images_encoded: encoder runs' images; mm_encoder_cache_hits: images a step

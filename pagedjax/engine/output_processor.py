@@ -28,12 +28,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.engine import admission
 from pagedjax.engine.block_hashes import extend_hashes
 from pagedjax.engine.core import EngineCore
+from pagedjax.engine.host_arrays import upload
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.sequence import RequestState, SequenceState
 from pagedjax.scheduler import REASON_CAPACITY, REASON_TOO_LONG
@@ -134,7 +134,7 @@ class OutputProcessor:
         if not self.core.enable_prefix_caching:
             return
         if q_lens is not None:
-            batch = batch._replace(q_lens=jnp.asarray(q_lens, jnp.int32))  # as scheduled
+            batch = batch._replace(q_lens=upload(np.asarray(q_lens, np.int32)))  # as scheduled
             host = {**host, "q_lens": q_lens}
         admission.register_blocks(self.core, batch, host, owners)
 

@@ -39,13 +39,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pagedjax import compile_cache
 from pagedjax.attention import native_cpu
 from pagedjax.engine.buckets import seqs_for_tokens
 from pagedjax.engine.core import EngineCore
+from pagedjax.engine.host_arrays import filled_like, zeros_like_tree
 from pagedjax.engine.multi_step import MultiStepDecoder, loop_buckets
 from pagedjax.engine.program_store import ProgramStore, describe_function
 from pagedjax.model import native_matmul
@@ -140,8 +140,8 @@ def _padding_batch(core: EngineCore) -> ScheduledBatch:
     another copy). The engine's own schedule gives the structure; its rows are zeroed
     (seq_ids -1), so nothing runs, whatever is queued."""
     _, batch = core.device.preview_schedule()  # not donated: the state is unchanged
-    batch = jax.tree.map(jnp.zeros_like, batch)
-    return batch._replace(seq_ids=jnp.full_like(batch.seq_ids, -1))
+    batch = zeros_like_tree(batch)  # host-built (host_arrays.py), same placement
+    return batch._replace(seq_ids=filled_like(batch.seq_ids, -1))
 
 
 def _runner(
@@ -156,7 +156,7 @@ def _runner(
     mem = dev.state.mem
     # No copy-on-write; zeros_like keeps the state's placement (a tensor-parallel mesh
     # commits it there), so this compiles the signature real steps use.
-    mem = mem._replace(last_cow=mem.last_cow._replace(valid=jnp.zeros_like(mem.last_cow.valid)))
+    mem = mem._replace(last_cow=mem.last_cow._replace(valid=filled_like(mem.last_cow.valid, 0)))
     st = dev.state
     args = (core.params, dev.kv, dev.tokens, mem,
             _padding_batch(core)._replace(swap=None),  # as LLMEngine.step passes it

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NULL_BLOCK = 0
 
@@ -61,19 +62,20 @@ def create_block_pool(num_blocks: int) -> BlockPool:
         )
     n = num_blocks
     sentinel = n
-    ids = jnp.arange(n + 2, dtype=jnp.int32)
+    # Built with numpy and moved in one device_put: called outside jit, each jnp op here
+    # dispatched (and, cold, compiled) an XLA program of its own.
+    ids = np.arange(n + 2, dtype=np.int32)
     # List order: sentinel -> 1 -> 2 -> ... -> n-1 -> sentinel. Block 0 is not linked.
-    next_free = jnp.where(ids == sentinel, 1, ids + 1)
-    next_free = next_free.at[n - 1].set(sentinel)
-    prev_free = jnp.where(ids == 1, sentinel, ids - 1)
-    prev_free = prev_free.at[sentinel].set(n - 1)
-    prev_free = prev_free.at[0].set(0)
-    next_free = next_free.at[0].set(0)
+    next_free = np.where(ids == sentinel, 1, ids + 1).astype(np.int32)
+    next_free[n - 1] = sentinel
+    prev_free = np.where(ids == 1, sentinel, ids - 1).astype(np.int32)
+    prev_free[sentinel] = n - 1
+    prev_free[0] = 0
+    next_free[0] = 0
     return BlockPool(
-        refcount=jnp.zeros((n,), jnp.int32),
-        next_free=next_free.astype(jnp.int32),
-        prev_free=prev_free.astype(jnp.int32),
-        num_free=jnp.asarray(n - 1, jnp.int32),
+        *jax.device_put(
+            (np.zeros((n,), np.int32), next_free, prev_free, np.int32(n - 1)), may_alias=False
+        )
     )
 
 

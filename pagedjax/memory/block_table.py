@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pagedjax.memory import block_pool as bp
 from pagedjax.memory.block_pool import NULL_BLOCK, BlockPool
@@ -52,10 +53,11 @@ def create_block_tables(max_seqs: int, max_blocks_per_seq: int) -> BlockTables:
         raise ValueError(
             f"max_seqs and max_blocks_per_seq must be >= 1, got {max_seqs}, {max_blocks_per_seq}"
         )
-    return BlockTables(
-        tables=jnp.full((max_seqs, max_blocks_per_seq), NULL_BLOCK, jnp.int32),
-        lengths=jnp.zeros((max_seqs,), jnp.int32),
-    )
+    # numpy, one device_put: no op-by-op XLA programs outside jit (create_block_pool)
+    return BlockTables(*jax.device_put((
+        np.full((max_seqs, max_blocks_per_seq), NULL_BLOCK, np.int32),
+        np.zeros((max_seqs,), np.int32),
+    ), may_alias=False))  # fmt: skip
 
 
 def blocks_for(length: jax.Array, block_size: int) -> jax.Array:

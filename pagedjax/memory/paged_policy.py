@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pagedjax.memory import block_table as btm
 from pagedjax.memory.block_pool import BlockPool, create_block_pool
@@ -92,27 +93,32 @@ class PagedPolicy:
         return int(self.watermark_frac * self.num_blocks)
 
     def init_state(self) -> PagedState:
-        z = jnp.zeros((self.max_seqs,), jnp.int32)
+        # Called outside jit: numpy and device_put, not one XLA program per jnp op
+        # (may_alias=False: on a CPU device_put may share a numpy buffer; these are donated)
+        z, no = jax.device_put((np.zeros((self.max_seqs,), np.int32),
+                                np.zeros((self.max_seqs,), bool)), may_alias=False)  # fmt: skip
         state = PagedState(
             create_block_pool(self.num_blocks),
             btm.create_block_tables(self.max_seqs, self.max_blocks_per_seq),
-            CopyOnWrite(z, z, jnp.zeros((self.max_seqs,), bool)),
+            CopyOnWrite(z, z, no),
             create_prefix_cache(self.num_blocks, self.block_size)
             if self.enable_prefix_caching
             else None,
             *(
                 (
                     create_block_pool(self.num_host_blocks + 1),
-                    jnp.zeros((self.max_seqs,), bool),
-                    empty_map(self.num_blocks),
-                    empty_map(self.num_blocks),
+                    jax.device_put(np.zeros((self.max_seqs,), bool), may_alias=False),
+                    _host_empty_map(self.num_blocks),
+                    _host_empty_map(self.num_blocks),
                 )
                 if self.can_swap
                 else ()
             ),
         )
         if self.track_evictions:
-            state = state._replace(evicted=jnp.zeros((self.num_blocks,), bool))
+            state = state._replace(
+                evicted=jax.device_put(np.zeros((self.num_blocks,), bool), may_alias=False)
+            )
         return state
 
     def begin_step(self, state: PagedState) -> PagedState:
@@ -258,3 +264,10 @@ def paged_usage(held_lens, lens, final_lens, live, block_size: int, capacity: in
     internal = jnp.sum(f * jnp.clip(held - final, 0))
     cap = jnp.asarray(capacity, jnp.float32)
     return MemoryUsage(tokens, reserved, internal, cap - tokens - reserved - internal, cap)
+
+
+def _host_empty_map(k: int) -> SwapMap:
+    """``empty_map(k)`` built with numpy (init_state runs outside jit; ``empty_map`` also
+    runs traced, in ``begin_step``, so it keeps its jnp)."""
+    z, count = jax.device_put((np.zeros((k,), np.int32), np.int32(0)), may_alias=False)
+    return SwapMap(z, z, count)

@@ -38,11 +38,12 @@ class PrefixCacheState(NamedTuple):
 
 
 def create_prefix_cache(num_blocks: int, block_size: int) -> PrefixCacheState:
-    return PrefixCacheState(
-        tokens=jnp.full((num_blocks, block_size), -1, jnp.int32),
-        parent=jnp.zeros((num_blocks,), jnp.int32),
-        cached=jnp.zeros((num_blocks,), bool),
-    )
+    # numpy, one device_put: no op-by-op XLA programs outside jit (create_block_pool)
+    return PrefixCacheState(*jax.device_put((
+        np.full((num_blocks, block_size), -1, np.int32),
+        np.zeros((num_blocks,), np.int32),
+        np.zeros((num_blocks,), bool),
+    ), may_alias=False))  # fmt: skip
 
 
 def register(

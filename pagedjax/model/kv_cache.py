@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -63,6 +64,14 @@ def allocate_kv_cache(
             for _ in range(2)
         )
     dtype = plain_dtype(kv_cache_dtype, dtype)
+    return _filled_pair(tuple(shape), fill_value, dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _filled_pair(shape: tuple[int, ...], fill_value: float, dtype: Any) -> tuple[Any, Any]:
+    """(K, V) filled on device in one program: the two eager ``jnp.full`` calls this
+    replaces compiled two op-by-op programs (a ``stage`` of the fill value and a
+    ``broadcast_in_dim``) per pool shape; a pool is too large to build on the host."""
     return jnp.full(shape, fill_value, dtype), jnp.full(shape, fill_value, dtype)
 
 

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # status
 FREE = 0  # slot unused
@@ -72,7 +73,12 @@ def init_state(policy: Any, max_seqs: int) -> SchedulerState:
         raise ValueError(f"max_seqs must be an int >= 1, got {max_seqs!r}")
     if policy.max_seqs != max_seqs:
         raise ValueError(f"policy.max_seqs ({policy.max_seqs}) != max_seqs ({max_seqs})")
-    z = jnp.zeros((max_seqs,), jnp.int32)
+    # numpy, one device_put: outside jit each jnp op was an XLA program of its own
+    # (may_alias=False: on a CPU device_put may share a numpy buffer; the state is donated)
+    z, group, step = jax.device_put(
+        (np.zeros((max_seqs,), np.int32), np.arange(max_seqs, dtype=np.int32), np.int32(0)),
+        may_alias=False,
+    )
     return SchedulerState(
         status=z,
         finish_reason=z,
@@ -83,9 +89,9 @@ def init_state(policy: Any, max_seqs: int) -> SchedulerState:
         final_len=z,
         num_computed=z,
         num_preemptions=z,
-        group=jnp.arange(max_seqs, dtype=jnp.int32),
+        group=group,
         mem=policy.init_state(),
-        step=jnp.zeros((), jnp.int32),
+        step=step,
     )
 
 

@@ -46,6 +46,7 @@ import numpy as np
 
 from pagedjax.config import SpeculativeConfig
 from pagedjax.engine.buckets import pick, seqs_for_tokens
+from pagedjax.engine.host_arrays import filled_like, upload, zeros_like_tree
 from pagedjax.engine.logit_controls import needs_host
 from pagedjax.engine.spec.draft_model import (
     DraftCheckpoint,
@@ -217,15 +218,15 @@ class SpeculativeDecoder:
         dev, n = core.device, core.max_seqs
         i32, f = np.zeros(n, np.int32), np.zeros(n, bool)
         _, batch = dev.preview_schedule()  # the pytree schedule returns, zeroed: padding
-        batch = jax.tree.map(jnp.zeros_like, batch)
-        batch = batch._replace(seq_ids=jnp.full_like(batch.seq_ids, -1), swap=None)
+        batch = zeros_like_tree(batch)  # host-built (host_arrays.py), same placement
+        batch = batch._replace(seq_ids=filled_like(batch.seq_ids, -1), swap=None)
         dev.write_tokens(self._write, np.full(n, -1, np.int32), i32,
                          np.full((n, self.k), -1, np.int32))  # fmt: skip
         if self.eagle is not None:
             self.eagle.ensure(core)
         for t, s in pairs:
             mem = dev.state.mem
-            mem = mem._replace(last_cow=mem.last_cow._replace(valid=jnp.asarray(f)))
+            mem = mem._replace(last_cow=mem.last_cow._replace(valid=upload(f)))
             if self.eagle is not None:
                 self._eagle_propose(core, mem, i32, i32, i32, s)
             if self.draft is not None:
@@ -234,7 +235,7 @@ class SpeculativeDecoder:
                                 num_seqs=s)  # fmt: skip
             if self.separate is not None:
                 self.separate.run(core, batch, i32, t, s, mem=mem, num_drafts=self._q_k)
-            out = self._verify(core, mem, batch, jnp.asarray(i32), t, s, self._no_q(s))
+            out = self._verify(core, mem, batch, upload(i32), t, s, self._no_q(s))
         jax.block_until_ready((dev.state, out))
 
     @property
@@ -255,7 +256,8 @@ class SpeculativeDecoder:
         if not self.probabilistic:
             return None
         if num_seqs not in self._zero_q:
-            self._zero_q[num_seqs] = jnp.zeros((num_seqs, self.k, self.vocab_size), jnp.float32)
+            zeros = np.zeros((num_seqs, self.k, self.vocab_size), np.float32)
+            self._zero_q[num_seqs] = upload(zeros)
         return self._zero_q[num_seqs]
 
     # ------------------------------------------------------------------ planning
@@ -425,7 +427,7 @@ class SpeculativeDecoder:
                 q = self._eagle_propose(core, dev.state.mem, sid, start + 1, spec, padded_seqs)
         if q is None:
             q = self._no_q(padded_seqs)
-        return self._verify(core, dev.state.mem, batch._replace(swap=None), jnp.asarray(spec),
+        return self._verify(core, dev.state.mem, batch._replace(swap=None), upload(spec),
                             padded_tokens, padded_seqs, q)  # fmt: skip
 
     def count(self, spec_lens: np.ndarray, accepted: np.ndarray, recorded: np.ndarray) -> None:

@@ -65,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.config import ModelConfig, SpeculativeConfig
+from pagedjax.engine.host_arrays import upload
 from pagedjax.engine.loading import load_model
 from pagedjax.engine.model_runner import apply_cow, build_model_input
 from pagedjax.engine.spec.draft_pool import host_pool, mirror_swaps
@@ -257,7 +258,7 @@ class SeparateDraft:
         def propose(tokens: Any) -> tuple[Any, Any]:
             kv, tokens, *q = self.propose(
                 self.params, self.kv, tokens, mem, batch._replace(swap=None),
-                jnp.asarray(counts, jnp.int32), *extra, num_tokens=num_tokens,
+                upload(np.asarray(counts, np.int32)), *extra, num_tokens=num_tokens,
                 num_seqs=num_seqs, **kw,
             )  # fmt: skip
             return tokens, (kv, q[0] if q else None)

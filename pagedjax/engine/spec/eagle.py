@@ -67,7 +67,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from pagedjax.engine.host_arrays import upload
 from pagedjax.engine.model_runner import apply_cow
 from pagedjax.engine.spec.draft_pool import host_pool, mirror_swaps
 from pagedjax.engine.spec.draft_sampling import draft_drawer, store
@@ -174,7 +176,7 @@ class EagleDraft:
         kv = core.device.kv
         check_eagle(self.arch, core.params, kv)
         if self.draft_vocab is not None:
-            ids = jnp.asarray(self.draft_vocab)
+            ids = upload(self.draft_vocab)
             emb = core.params["embed_tokens"]["embedding"]
             tied = self.arch.tie_word_embeddings
             w = emb[ids] if tied else core.params["lm_head"]["kernel"][:, ids].T
@@ -184,7 +186,7 @@ class EagleDraft:
         shape = (1, nb, a.num_kv_heads, b, a.head_dim)
         self.kv = (jnp.zeros(shape, kv[0].dtype), jnp.zeros(shape, kv[1].dtype))
         self.host_kv = host_pool(self.kv, jax.tree.leaves(core.device.host_kv)[0].shape[1] - 1)
-        self.feature = jnp.zeros((core.max_seqs, a.hidden_size), jnp.float32)
+        self.feature = upload(np.zeros((core.max_seqs, a.hidden_size), np.float32))
 
     def apply_swaps(self, plan: Any, host: dict) -> None:
         """The step's swap copies on the head's pool (``draft_pool.mirror_swaps``); nothing
