@@ -377,6 +377,7 @@ def test_invalid_requests_raise_and_engine_keeps_serving():
     _assert_idle(engine)
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 17 s cold: its own pool geometry
 def test_requests_that_can_never_fit_the_pool():
     config = EngineConfig(
         model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN),

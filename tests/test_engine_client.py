@@ -143,6 +143,7 @@ def test_encoder_decoder_round_trip_with_stop_truncation():
     assert not enc.sent and not dec.requests  # finished requests are forgotten
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 22 s cold
 def test_client_side_detokenization_equals_in_process(llm):
     """The core's engine does not detokenize; the client's decoder detokenizes, matches
     stop strings (cutting tokens the core ran past them, e.g. in a K-step run), and its
@@ -340,6 +341,7 @@ def test_idle_core_does_not_spin(mp):
     assert used < 0.1, f"idle engine core used {used:.3f} CPU s in 1 s"
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 18 s cold; outputs_equal_in_process stays
 def test_http_streams_and_metrics_through_the_core(mp, llm):
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     want = llm.generate("Hello, world", greedy, use_tqdm=False)

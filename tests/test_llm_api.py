@@ -89,6 +89,7 @@ def test_greedy_matches_transformers_generate(llm, hf_dir):
     assert cut <= 1  # near-ties are rare at initializer_range 0.15
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 18 s cold: its own batch shapes
 def test_outputs_in_input_order_with_vllm_fields(llm):
     prompts = ["hello", [5, 6, 7], {"prompt_token_ids": [9, 10]}, "a longer prompt, chunked"]
     params = [

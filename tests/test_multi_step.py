@@ -193,6 +193,7 @@ def test_k_steps_equal_one_step(caching: bool):
     _assert_idle(engine)
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 40 s cold (own engine)
 def test_abort_while_a_loop_is_in_flight():
     """A request aborted while its loop's results are unread: they are dropped, its slot
     is reused at once, the other request's output is unchanged."""

@@ -199,6 +199,7 @@ def test_expansion_and_identity_ids_properties(prompt, n):
 
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 29 s cold; generate with images stays
 def test_llm_chat_with_image_parts_equals_generate(llm):
     """LLM.chat takes vLLM's image parts (a data: URL and a PIL image): each message's
     images become placeholders before its text, and the reply is generate's on the

@@ -284,6 +284,7 @@ def _base_tensors():
     return _hf_tensors(random_params(ARCH, 0, jnp.float32, std=0.05), ARCH)
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 15 s cold; GPTQ and compressed-tensors stay
 def test_awq_checkpoint_loads_exactly(tmp_path):
     rng = np.random.default_rng(4)
     tensors, known, group = _base_tensors(), {}, 32

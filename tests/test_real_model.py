@@ -93,17 +93,25 @@ def test_chat_template_equals_transformers(llm, hf):
     )
 
 
-def test_greedy_answers_equal_transformers(llm, hf):
+@pytest.mark.parametrize(
+    "num_questions, max_tokens",
+    [
+        pytest.param(2, 16, id="2x16"),  # the default tier's smallest check
+        pytest.param(6, 32, id="6x32", marks=pytest.mark.tier2),
+    ],
+)
+def test_greedy_answers_equal_transformers(llm, hf, num_questions, max_tokens):
     model, tok = hf
-    questions = QUESTIONS[:6]
-    ref = hf_greedy_answers(model, tok, questions, max_tokens=32)
-    ours = engine_greedy_answers(llm, questions, max_tokens=32)
+    questions = QUESTIONS[:num_questions]
+    ref = hf_greedy_answers(model, tok, questions, max_tokens=max_tokens)
+    ours = engine_greedy_answers(llm, questions, max_tokens=max_tokens)
     result = compare_answers(ref, ours)
     assert result["mismatched"] == [], result
     assert result["equal"] + len(result["tie_stopped"]) == len(questions)
-    assert result["equal"] >= 5, result  # a tie is rare; several would hide a bug
-    # A real model stops on its own: at least one answer ended with EOS before 32 tokens.
-    assert any(a[-1] == tok.eos_token_id and len(a) < 32 for a in ours)
+    assert result["equal"] >= num_questions - 1, result  # a tie is rare; several would hide a bug
+    if max_tokens >= 32:
+        # A real model stops on its own: at least one answer ended with EOS before 32 tokens.
+        assert any(a[-1] == tok.eos_token_id and len(a) < max_tokens for a in ours)
 
 
 @pytest.mark.tier2  # second tier (docs/testing.md): subprocesses / extra compiles

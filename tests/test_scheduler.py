@@ -252,6 +252,7 @@ def test_abort_and_recycle() -> None:
     assert np.asarray(state.status[:2]).tolist() == [RUNNING, FREE]
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 17 s cold + 10 s teardown
 def test_schedule_vmaps_over_independent_states() -> None:
     """The simulator sweeps configurations with vmap: each lane decides as if alone."""
     policy = CountingPolicy(N, 16, unit=4)

@@ -417,14 +417,26 @@ def run_trace(
     return counts
 
 
-@pytest.mark.parametrize("case", sorted(set(CASES) - set(ORACLE_ONLY) - set(GROUP_CASES)))
+# Second tier (docs/testing.md): each case compiles its own scheduler (5-15 s cold); the
+# default tier keeps the counting-policy cases and the paged policy's default config.
+SECOND_TIER_CASES = {"paged_paper", "paged_swap_tiny_host", "paged_swap_paper_default",
+                     "orca_pow2_default", "orca_max_static"}  # fmt: skip
+
+
+def _tiered(cases) -> list:
+    """The cases in order, the expensive ones marked for the second tier."""
+    return [pytest.param(c, marks=pytest.mark.tier2) if c in SECOND_TIER_CASES else c
+            for c in cases]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", _tiered(sorted(set(CASES) - set(ORACLE_ONLY) - set(GROUP_CASES))))
 @settings(max_examples=_EXAMPLES)
 @given(reqs=requests)
 def test_jitted_matches_reference(case: str, reqs: list[tuple]) -> None:
     run_trace(case, reqs)
 
 
-@pytest.mark.parametrize("case", ["paged_default", "paged_swap_paper_default"])
+@pytest.mark.parametrize("case", _tiered(["paged_default", "paged_swap_paper_default"]))
 @settings(max_examples=max(3, _EXAMPLES // 2))
 @given(reqs=group_requests, seed=st.integers(0, 2**16))
 def test_speculative_lookahead_matches_reference(case: str, reqs: list[tuple], seed: int):
@@ -435,6 +447,7 @@ def test_speculative_lookahead_matches_reference(case: str, reqs: list[tuple], s
     run_trace(case, reqs, spec_seed=seed)
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 17 s cold
 def test_speculative_traces_schedule_drafts():
     """The speculative traces above really schedule drafts, and under preemption."""
     reqs = [(0, 8, 24, 23, None, k % 2 == 1) for k in range(6)]
@@ -442,7 +455,7 @@ def test_speculative_traces_schedule_drafts():
     assert got["drafts"] > 0 and got["preempted"] > 0
 
 
-@pytest.mark.parametrize("case", GROUP_CASES)
+@pytest.mark.parametrize("case", _tiered(GROUP_CASES))
 @settings(max_examples=_EXAMPLES)
 @given(reqs=group_requests)
 def test_groups_and_swap_match_reference(case: str, reqs: list[tuple]) -> None:
@@ -485,7 +498,7 @@ def test_swapped_group_needing_nearly_the_whole_pool_comes_back():
     assert got["swapped_out"] == got["swapped_in"] == 2
 
 
-@pytest.mark.parametrize("case", ["paged_default", "paged_paper", *ORACLE_ONLY])
+@pytest.mark.parametrize("case", _tiered(["paged_default", "paged_paper", *ORACLE_ONLY]))
 @settings(max_examples=max(3, _EXAMPLES // 4))
 @given(reqs=requests)
 def test_jitted_matches_reference_calling_the_policy(case: str, reqs: list[tuple]) -> None:

@@ -206,6 +206,7 @@ def test_fuzz_malformed_requests_asgi(app_engine):
     assert engine.engine.get_num_unfinished_requests() == 0
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 21 s cold; test_server_robust stays
 def test_fuzz_live_socket_sample(app_engine):
     """A smaller sample through uvicorn's HTTP parser and a real socket."""
     import uvicorn

@@ -180,6 +180,7 @@ def test_every_disconnect_aborts(served):
 # ------------------------------------------------------------------ faults
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 19 s cold
 def test_step_fault_fails_its_batch_only(served):
     s = served
 

@@ -148,6 +148,7 @@ def test_evicted_prefix_is_recomputed_correctly():
     _assert_idle(engine)
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 14 s cold
 def test_waiting_hits_give_way_to_running_requests():
     """Found 2026-12-01: a request preempted by recompute waits holding its re-attached
     prefix hit, and the running request, short of blocks with nobody behind it to

@@ -146,6 +146,7 @@ def test_sampled_drafts_of_eagle_and_a_separate_draft(kind):
     assert drain(_engine(kind), [("g", PROMPT, greedy)])["g"].outputs[0].token_ids == ref
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 17 s cold; the distribution test stays
 def test_greedy_requests_keep_sample_and_compare_and_seeds_reproduce():
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     ref = drain(_engine(False), [("g", PROMPT, greedy)])["g"].outputs[0].token_ids

@@ -324,6 +324,7 @@ def test_seeded_sampling_equals_plain():
     assert engine.stats()["spec_accepted_tokens"] > 0
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 22 s cold: its own fused program
 @pytest.mark.parametrize("seeded", [False, True])
 def test_ngram_fused_in_the_k_step_program_equals_plain(seeded):
     """With num_scheduler_steps = 4 the n-gram method drafts, schedules and verifies
@@ -359,6 +360,7 @@ def test_ngram_fused_in_the_k_step_program_equals_plain(seeded):
     assert engine.num_free_blocks() == engine.num_usable_blocks()
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 17 s cold: compiles every bucket
 def test_compiles_once_per_bucket_and_warm_up_covers_them():
     """A warmed-up speculative engine compiles nothing while generating; a second run
     compiles nothing either, and every verification program was traced once."""
@@ -551,6 +553,7 @@ def test_separate_draft_greedy_equals_plain(draft_dirs, draft):
                                  BLOCK)  # fmt: skip
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 24-28 s cold
 @pytest.mark.parametrize("preemption", ["swap", pytest.param("recompute", marks=pytest.mark.slow)])
 def test_draft_equal_to_target_accepts_everything(draft_dirs, preemption):
     """The target's own directory as its draft: every draft is accepted, through

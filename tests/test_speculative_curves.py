@@ -22,6 +22,7 @@ NOTHING = sc.Setting("nothing", "k=4, nothing accepted", 4, 1.0, 0.0, "ngram", "
 ALL = sc.Setting("all", "k=4, all accepted", 4, 5.0, 1.0, "ngram", "test")
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 13 s cold
 def test_nothing_accepted_is_never_faster_and_all_accepted_is_faster_at_low_load():
     rows = sc.curves(SERVER, "sharegpt", RATES, 5.0, 0, [NONE, NOTHING, ALL], [0.5])
     lat = {(r["setting"], r["rate"]): r["norm_latency_s_per_token"] for r in rows}

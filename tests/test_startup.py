@@ -47,6 +47,7 @@ def test_default_engine_has_few_step_programs():
         assert s == min(t, engine.max_seqs)
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 30 s cold: the whole warm-up
 def test_default_start_up_compiles_everything_generate_needs(monkeypatch):
     """warmup="auto" (the default) compiles every step program at start-up: a mixed
     workload afterwards (prefill, chunked prefill, decode, n > 1) compiles nothing."""

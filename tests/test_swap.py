@@ -334,6 +334,7 @@ def test_policy_release_of_a_swapped_row_frees_host_blocks():
     assert not np.asarray(state.on_host).any()
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 12 s cold
 def test_simulator_runs_swap_preemption():
     """The simulator drives the same scheduler: with a host pool and mode "swap" a tight
     pool preempts (by swap: single sequences, mode "swap") and every request still

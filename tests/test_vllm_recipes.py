@@ -112,6 +112,7 @@ def _quantized(llm: LLM) -> list[QuantizedWeight]:
     return [x for x in jax.tree.leaves(llm.llm_engine.params, is_leaf=is_q) if is_q(x)]
 
 
+@pytest.mark.tier2  # second tier (docs/testing.md): 24 s cold; the flag-list test stays
 def test_python_api_recipe_and_fp8(model_dir, caplog):
     """LLM(model=DIR, tensor_parallel_size=1, max_model_len=8192, quantization=None) and
     quantization="fp8": the alias runs fp8_per_tensor in flight, with vLLM's warning."""
