@@ -14,7 +14,7 @@ weights.
   and KV pool (every model layer's pages, read from its stage's slot); bytes per device
   from the arrays' addressable shards equal a count made here from the unsharded
   parameters (layers / PP, embedding and head / PP, the final norm whole) and are about
-  1 / PP of one device's.
+  1 / PP of one device's; the Pallas backend is refused under PP by name.
 - ``engine-pp<N>[-tp<M>][-k<K>][-part<a_b>][-layers<L>]``: tests/parallel_cases.py's mixed
   workload (chunked prefill, decode, preemption by recompute and by swap, a prefix hit,
   n = 2 seeded samples, then beam search) on an engine at PP N (x TP M, K-step decode
@@ -47,6 +47,7 @@ from pagedjax.config import (  # noqa: E402
     SchedulerConfig,
 )
 from pagedjax.engine.llm_engine import LLMEngine  # noqa: E402
+from pagedjax.engine.parallel import DevicePlacement  # noqa: E402
 from pagedjax.model import ModelInput, abstract_params, arch_from_hf_config, forward  # noqa: E402
 from pagedjax.model.pipeline import make_pipeline, place_params  # noqa: E402
 from pagedjax.tokenizer import ByteTokenizer  # noqa: E402
@@ -161,6 +162,15 @@ def case_forward(pp: int) -> dict:
     worst = max(got_params[d] + got_kv[d] for d in got_params)
     ratio = worst / one_total
     assert abs(ratio - 1 / pp) < 0.01, ratio  # only the final norm is replicated
+    # The GPU kernels are refused under PP (never run inside the ring), by name.
+    place = DevicePlacement(arch, 1, pp=pp)
+    place.check_attention_backend("native_cpu")
+    try:
+        place.check_attention_backend("pallas")
+    except ValueError as e:
+        assert f"attention_backend='pallas' with pipeline_parallel_size={pp}" in str(e), e
+    else:
+        raise AssertionError("pallas accepted under PP")
     return dict(max_logit_diff=max(diffs), params_per_device=expected,
                 kv_per_device=got_kv[0], one_device_total=one_total, ratio=ratio)  # fmt: skip
 

@@ -143,6 +143,7 @@ class LLMEngine:
         backend = select_attention_backend(config.attention_backend)
         log.info("attention backend: %s (%s)", backend.name, backend.reason)
         self.attention_backend = backend.name  # "native_cpu", "reference", "pallas" or "triton"
+        place.check_attention_backend(backend.name)  # PP: the GPU kernels are not tested
         attention = place.attention(backend.ragged_paged_attention)
         self.runner = ModelRunner(arch, self.block_size, attention, max_logprobs,
                                   place.num_devices == 1, place.layer_stack)  # fmt: skip

@@ -104,6 +104,15 @@ class DevicePlacement:
             return place_params(params, self.pipeline)
         return shard_params(params, self.layout)
 
+    def check_attention_backend(self, name: str) -> None:
+        """ValueError for a backend not run under pipeline parallelism yet: the GPU kernels
+        (Pallas, Triton) inside the stage ring are untested (no multi-GPU run), so they are
+        refused rather than trusted; "native_cpu" and "reference" are tested."""
+        if self.pipeline is not None and name not in ("native_cpu", "reference"):
+            raise ValueError(f"attention_backend={name!r} with pipeline_parallel_size="
+                             f"{self.pipeline.size}: not tested yet; use"
+                             " attention_backend='reference' (docs/parallelism.md)")  # fmt: skip
+
     def attention(self, fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
         # A single device needs no shard_map: keep the backend's own function (and its
         # identity: forward caches by it).
