@@ -15,6 +15,8 @@ weights.
   from the arrays' addressable shards equal a count made here from the unsharded
   parameters (layers / PP, embedding and head / PP, the final norm whole) and are about
   1 / PP of one device's; the Pallas backend is refused under PP by name.
+  ``forward-pp2-opt`` / ``forward-pp2-gpt_neox``: the same for a 2-layer OPT and GPT-NeoX
+  (the other families on the layer loop).
 - ``engine-pp<N>[-tp<M>][-k<K>][-part<a_b>][-layers<L>]``: tests/parallel_cases.py's mixed
   workload (chunked prefill, decode, preemption by recompute and by swap, a prefix hit,
   n = 2 seeded samples, then beam search) on an engine at PP N (x TP M, K-step decode
@@ -48,7 +50,13 @@ from pagedjax.config import (  # noqa: E402
 )
 from pagedjax.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedjax.engine.parallel import DevicePlacement  # noqa: E402
-from pagedjax.model import ModelInput, abstract_params, arch_from_hf_config, forward  # noqa: E402
+from pagedjax.model import (  # noqa: E402
+    ModelInput,
+    abstract_params,
+    arch_from_hf_config,
+    forward,
+    preset_arch,
+)
 from pagedjax.model.pipeline import make_pipeline, place_params  # noqa: E402
 from pagedjax.tokenizer import ByteTokenizer  # noqa: E402
 from tests.parallel_cases import (  # noqa: E402
@@ -74,15 +82,36 @@ def tiny_llama(layers: int):
                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
                hidden_act="silu", rope_theta=10000.0)  # fmt: skip
-    arch = arch_from_hf_config(cfg)
+    return numpy_params(arch_from_hf_config(cfg))
+
+
+def numpy_params(arch):
+    """(arch, fp32 params) drawn with numpy: normal(0.15) matrices and embeddings, norm
+    gains 1 (RMSNorm "weight", LayerNorm "scale"), biases 0."""
     rng = np.random.default_rng(0)
 
     def draw(path, s):
-        if str(getattr(path[-1], "key", "")) == "weight":  # RMSNorm gains
+        name = str(getattr(path[-1], "key", ""))
+        if name in ("weight", "scale"):
             return jnp.ones(s.shape, jnp.float32)
+        if name == "bias":
+            return jnp.zeros(s.shape, jnp.float32)
         return jnp.asarray(rng.normal(0.0, 0.15, s.shape), jnp.float32)
 
     return arch, jax.tree_util.tree_map_with_path(draw, abstract_params(arch))
+
+
+@functools.cache
+def family_model(family: str):
+    """A 2-layer OPT (8 heads: biases, learned positions) or GPT-NeoX (3 heads, partial
+    rotary, parallel residual; tests/model_helpers.py's config) with numpy weights."""
+    if family == "opt":
+        return numpy_params(preset_arch("tiny-opt-tp"))
+    from tests.model_helpers import TINY_HF_CONFIGS
+
+    cfg = dict(TINY_HF_CONFIGS["gpt_neox"][1], model_type="gpt_neox",
+               architectures=["GPTNeoXForCausalLM"])  # fmt: skip
+    return numpy_params(arch_from_hf_config(cfg))
 
 
 def shard_bytes(tree) -> dict[int, int]:
@@ -122,8 +151,8 @@ def _batches(vocab: int) -> list[ModelInput]:
     return [prefill, decode]
 
 
-def case_forward(pp: int) -> dict:
-    arch, params = tiny_llama(4)
+def case_forward(pp: int, family: str = "llama") -> dict:
+    arch, params = tiny_llama(4) if family == "llama" else family_model(family)
     layout = make_pipeline(arch, pp)
     shape = (arch.num_layers, 4, arch.num_kv_heads, BLOCK, arch.head_dim)
     one_kv = (jnp.zeros(shape), jnp.zeros(shape))
@@ -150,7 +179,8 @@ def case_forward(pp: int) -> dict:
     expected = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         names = [str(getattr(k, "key", k)) for k in path]
-        if names[0] == "layers" or names[0] in ("embed_tokens", "lm_head"):
+        vocab = names[0] in ("embed_tokens", "lm_head", "embed_in", "embed_out")
+        if names[0] == "layers" or (vocab and arch.vocab_size % pp == 0):
             expected += leaf.nbytes // pp
         else:
             expected += leaf.nbytes
@@ -161,7 +191,8 @@ def case_forward(pp: int) -> dict:
     assert all(b * pp == 2 * one_kv[0].nbytes for b in got_kv.values()), got_kv
     worst = max(got_params[d] + got_kv[d] for d in got_params)
     ratio = worst / one_total
-    assert abs(ratio - 1 / pp) < 0.01, ratio  # only the final norm is replicated
+    if family == "llama":
+        assert abs(ratio - 1 / pp) < 0.01, ratio  # only the final norm is replicated
     # The GPU kernels are refused under PP (never run inside the ring), by name.
     place = DevicePlacement(arch, 1, pp=pp)
     place.check_attention_backend("native_cpu")
@@ -230,8 +261,9 @@ def case_engine(pp: int, tp: int, k: int, partition, layers: int) -> dict:
 
 
 def run(name: str) -> dict:
-    if name.startswith("forward-pp"):
-        return case_forward(int(name.removeprefix("forward-pp")))
+    if name.startswith("forward-pp"):  # forward-pp2, forward-pp2-opt, forward-pp2-gpt_neox
+        pp, *family = name.removeprefix("forward-pp").split("-")
+        return case_forward(int(pp), *family)
     if name.startswith("engine-"):
         opts = dict(pp=1, tp=1, k=1, partition=None, layers=4)
         for part in name.split("-")[1:]:

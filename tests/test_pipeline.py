@@ -139,6 +139,16 @@ def test_pp2_forward_equals_one_device_and_splits_the_bytes():
     assert abs(out["ratio"] - 0.5) < 0.01
 
 
+@pytest.mark.slow  # ~50 s at load 8: three subprocess cases of two compilations each
+def test_pp_forward_other_families_and_pp4():
+    """The model function of OPT (learned positions, replicated) and GPT-NeoX (parallel
+    residual, partial rotary) at PP 2, and the Llama at PP 4, equal one device's logits
+    and KV pages; bytes per device as the case counts them."""
+    out = _cases("forward-pp2-opt", "forward-pp2-gpt_neox", "forward-pp4")
+    assert all(c["max_logit_diff"] < 1e-5 for c in out.values())
+    assert abs(out["forward-pp4"]["ratio"] - 0.25) < 0.01
+
+
 @pytest.mark.tier2
 def test_pp2_tp2_engine_equals_one_device():
     """The mixed workload (chunked prefill, decode, preemption by recompute and swap, a

@@ -133,6 +133,7 @@ class LLMEngine:
                                                  par.pipeline_parallel_size,
                                                  par.pipeline_layer_partition)  # fmt: skip
         params = place.params(params, self.kv_spec)  # refuses what is not sharded yet
+        log.info("devices: %s", place.describe())
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's"
