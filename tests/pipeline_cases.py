@@ -218,11 +218,13 @@ def config(pp: int, tp: int, k: int, partition, swap_space: float = 0.01) -> Eng
     )  # fmt: skip
 
 
-def engine(layers: int, pp: int, tp: int = 1, k: int = 1, partition=None) -> LLMEngine:
+def engine(layers: int, pp: int, tp: int = 1, k: int = 1, partition=None,
+           swap_space: float = 0.01) -> LLMEngine:  # fmt: skip
     arch, params = tiny_llama(layers)
     tok = ByteTokenizer(eos_token_id=arch.eos_token_id, bos_token_id=arch.bos_token_id)
     # NaN pages: a read of a slot a sequence does not own poisons its logits.
-    return LLMEngine(arch, params, tok, config(pp, tp, k, partition), kv_fill_value=float("nan"))
+    return LLMEngine(arch, params, tok, config(pp, tp, k, partition, swap_space),
+                     kv_fill_value=float("nan"))  # fmt: skip
 
 
 @functools.cache

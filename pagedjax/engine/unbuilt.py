@@ -35,7 +35,7 @@ def reject_unbuilt_pipeline(config: EngineConfig) -> None:
     LoRA (adapter slots are not laid out in stage slots) and data parallelism (replicas
     are split by tensor_parallel_size devices). The 8-bit KV cache is refused where the
     pool is placed (``parallel.DevicePlacement.params``), a multi-modal model in
-    ``multimodal.py``, several processes in ``LLM``."""
+    ``multimodal.py``."""
     pp = config.parallel.pipeline_parallel_size
     if pp == 1:
         return

@@ -154,9 +154,6 @@ class LLM:
                                  " processes (multihost.py): use 'recompute'")  # fmt: skip
             if data_parallel_size > 1:
                 raise ValueError("data_parallel_size > 1 over several processes is not built")
-            if pipeline_parallel_size > 1:
-                raise ValueError("pipeline_parallel_size > 1 over several processes is not"
-                                 " built (docs/parallelism.md)")  # fmt: skip
             # KV blocks of other processes cannot be read to this host: no swap pool.
             config = dataclasses.replace(
                 config, cache=dataclasses.replace(config.cache, swap_space=0.0)

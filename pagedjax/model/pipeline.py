@@ -35,8 +35,9 @@ Contract (docs/parallelism.md, "Pipeline parallelism"):
   not speed. Several batches in flight (one per stage, vLLM's way) are not built.
 
 Refusals (``engine/unbuilt.py``, ``engine/parallel.py``): speculative decoding, LoRA,
-multi-modal models, an 8-bit KV cache, data parallelism and several processes under
-PP > 1 raise ValueError naming the combination.
+multi-modal models, an 8-bit KV cache, data parallelism and the GPU attention kernels
+under PP > 1 raise ValueError naming the combination. Several processes work as under TP
+(the mesh spans them; tests/test_multihost.py runs PP 2 x TP 2, one stage per process).
 """
 
 from __future__ import annotations
