@@ -63,7 +63,7 @@ def test_tp4_across_two_processes_equals_one_device():
 def test_pp2_tp2_across_two_processes_equals_one_device():
     """Pipeline parallelism across processes: PP 2 x TP 2, stage 0 on process 0's two
     devices and stage 1 on process 1's (activations sent over gloo), equals one device
-    over the mixed workload (swap off). ~2 min at load 8."""
+    over the mixed workload (swap off). 91 s at load 6."""
     port = _port()
     procs = [_start(0, port, "--pp2"), _start(1, port, "--pp2")]
     try:
