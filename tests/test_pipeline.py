@@ -160,7 +160,7 @@ def test_pp2_tp2_engine_equals_one_device():
     assert case["ranges"] == [[0, 2], [2, 4]]
 
 
-@pytest.mark.slow  # ~4 min on the loaded 2-core box: one reference and one engine each
+@pytest.mark.slow  # 281 s at load 9 on the 2-core box: one reference and one engine each
 def test_pp2_pp4_uneven_and_kstep_engines_equal_one_device():
     """The same workload at PP 2, PP 4, PP 2 over 3 layers (vLLM's default 2,1 and an
     explicit 1,2 partition) and PP 2 under the fused K-step decode loop (K = 4) equals
