@@ -203,16 +203,27 @@ class SchedulerConfig:
 class ParallelConfig:
     """tensor_parallel_size: devices one model is split over (docs/parallelism.md);
     data_parallel_size: engine replicas; data_parallel_routing: how requests pick a replica
-    ("least_tokens" or "prefix_affinity", pagedjax/engine/fronts/router.py)."""
+    ("least_tokens" or "prefix_affinity", pagedjax/engine/fronts/router.py);
+    pipeline_parallel_size: stages the layers are split into, each on tensor_parallel_size
+    devices (pagedjax/model/pipeline.py); pipeline_layer_partition: layers per stage
+    (None: vLLM's even split; ``LLM`` reads ``PAGEDJAX_PP_LAYER_PARTITION``)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_routing: Literal["least_tokens", "prefix_affinity"] = "least_tokens"
+    pipeline_parallel_size: int = 1
+    pipeline_layer_partition: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
             v = getattr(self, name)
             _check(v >= 1, f"parallel.{name}", f"must be >= 1, got {v}")
+        part = self.pipeline_layer_partition
+        if part is not None:
+            _check(len(part) == self.pipeline_parallel_size and all(
+                isinstance(n, int) and n >= 1 for n in part), "parallel.pipeline_layer_partition",
+                f"must be pipeline_parallel_size={self.pipeline_parallel_size} layer counts"
+                f" >= 1, got {part!r}")  # fmt: skip
         routes = ("least_tokens", "prefix_affinity")
         _check(
             self.data_parallel_routing in routes,

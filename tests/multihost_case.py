@@ -1,6 +1,6 @@
 """One process of a two-process run on localhost (tests/test_multihost.py starts two).
 
-    python tests/multihost_case.py PROCESS_ID PORT [--die-after N]
+    python tests/multihost_case.py PROCESS_ID PORT [--die-after N | --pp2]
 
 Each process sees 2 CPU devices; after ``multihost.initialize`` the mesh spans all 4, and
 TP 4 runs across both processes (CPU collectives over gloo). Process 0 leads: it adds the
@@ -8,7 +8,9 @@ mixed workload of tests/parallel_cases.py (swap off: multi-process engines preem
 recompute) through ``MultiHostEngine``, process 1 follows. After ``shutdown`` the leader
 runs the same workload on one local device and prints one JSON line comparing them.
 ``--die-after N``: the follower kills itself (SIGKILL) after N steps, so the leader's
-failure path can be timed.
+failure path can be timed. ``--pp2``: pipeline parallelism across the processes instead
+(PP 2 x TP 2 on tests/pipeline_cases.py's 4-layer Llama: stage 0 on process 0's devices,
+stage 1 on process 1's, the activations passed between them by ``ppermute`` over gloo).
 """
 
 from __future__ import annotations
@@ -39,7 +41,15 @@ def main() -> None:
     import parallel_cases as pc
 
     assert len(jax.devices()) == 4 and len(jax.local_devices()) == 2
-    eng = multihost.MultiHostEngine(pc.engine("tiny-llama-tp", 4, swap_space=0.0))
+    pp2 = "--pp2" in sys.argv
+    if pp2:
+        import pipeline_cases as ppc
+
+        build = lambda n: ppc.engine(4, pp=2 if n > 1 else 1, tp=2 if n > 1 else 1,  # noqa: E731
+                                     swap_space=0.0)
+    else:
+        build = lambda n: pc.engine("tiny-llama-tp", n, swap_space=0.0)  # noqa: E731
+    eng = multihost.MultiHostEngine(build(4))
     if pid != 0:
         if die_after is not None:
             eng.follow(max_steps=die_after)
@@ -50,10 +60,14 @@ def main() -> None:
         return
     outs, _ = pc.drain(eng, pc.workload(eng.arch.vocab_size))
     eng.shutdown()
-    ref, _ = pc.drain(pc.engine("tiny-llama-tp", 1, swap_space=0.0),
-                      pc.workload(eng.arch.vocab_size))  # fmt: skip
+    ref, _ = pc.drain(build(1), pc.workload(eng.arch.vocab_size))
     stats = eng.stats()
+    stages = None
+    if pp2:  # each stage's devices belong to one process
+        stages = [sorted({d.process_index for d in row.flat})
+                  for row in eng.placement.pipeline.tp.mesh.devices]  # fmt: skip
     print(json.dumps({"process": 0, "equal": outs == ref, "outs": outs, "ref": ref,
+                      "stage_processes": stages,
                       "preemptions": stats["preemptions_recompute"],
                       "prefix_hits": stats["prefix_cache_hit_tokens"]}), flush=True)  # fmt: skip
 

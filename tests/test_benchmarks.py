@@ -24,6 +24,7 @@ CASES = [
     ("attention_cpu.py", ["--only", "1", "--reps", "1"], "ms_decode_256"),
     ("kv_capacity.py", [], "fp8_capacity_gain"),
     ("tp_capacity.py", [], "kv_tokens_70b_tp8"),
+    ("pp_capacity.py", [], "pp_bubble_1_in_flight_pp4"),
 ]
 
 

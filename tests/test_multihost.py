@@ -60,6 +60,26 @@ def test_tp4_across_two_processes_equals_one_device():
     assert follower["steps"] > 0
 
 
+def test_pp2_tp2_across_two_processes_equals_one_device():
+    """Pipeline parallelism across processes: PP 2 x TP 2, stage 0 on process 0's two
+    devices and stage 1 on process 1's (activations sent over gloo), equals one device
+    over the mixed workload (swap off). 91 s at load 6."""
+    port = _port()
+    procs = [_start(0, port, "--pp2"), _start(1, port, "--pp2")]
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-2000:] + err[-4000:]
+    leader = _json_lines(outs[0][0])[-1]
+    assert leader["equal"], (leader["outs"], leader["ref"])
+    assert leader["stage_processes"] == [[0], [1]]
+    assert leader["preemptions"] > 0 and leader["prefix_hits"] > 0
+    assert _json_lines(outs[1][0])[-1]["steps"] > 0
+
+
 def test_a_dead_process_stops_the_other_within_the_heartbeat_bound():
     port = _port()
     leader, follower = _start(0, port), _start(1, port, "--die-after", "1")

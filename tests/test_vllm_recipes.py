@@ -167,7 +167,7 @@ def test_every_vllm_server_flag_is_implemented_or_refused_by_name(capsys):
         ("--fully-sharded-loras",): "--fully-sharded-loras, a vLLM 0.32.0 server flag, is not"
         " implemented by pagedjax: only --enable-lora, --lora-modules",
         ("--trust-remote-code",): "never a checkpoint's code",
-        ("-pp", "2"): "-pp (--pipeline-parallel-size), a vLLM 0.32.0 server flag",
+        ("-n", "2"): "-n (--nnodes), a vLLM 0.32.0 server flag",
         ("--ssl-keyfile", "k.pem"): "TLS is not built",
         ("--compilation-config", '{"level": 3}'): "pagedjax's compile options",
     }
@@ -184,4 +184,6 @@ def test_every_vllm_server_flag_is_implemented_or_refused_by_name(capsys):
     kw = cli_args.llm_kwargs(args)
     assert kw["enforce_eager"] is True and kw["max_model_len"] == 8192
     assert kw["gpu_memory_utilization"] == 0.9 and kw["speculative_config"] == {"method": "ngram"}
+    assert cli_args.llm_kwargs(p.parse_args(["--model", "m", "-pp", "2"]))[
+        "pipeline_parallel_size"] == 2  # implemented now (docs/parallelism.md)
     assert not any(k.startswith("refused") for k in vars(args))

@@ -340,7 +340,8 @@ def run_core(config: Any, max_logprobs: int, conn: Any, replica: int = 0,
     report ("ready", facts), then serve the connection until "stop" or EOF."""
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s core{replica}: %(message)s")
-    tp = config.parallel.tensor_parallel_size
+    # One replica's devices: a tensor-parallel group per pipeline stage.
+    tp = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
     _visible_devices(replica, tp, num_replicas)
     try:
         import jax

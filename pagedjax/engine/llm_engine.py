@@ -129,8 +129,11 @@ class LLMEngine:
         self.arch, self.tokenizer, self.config = arch, tokenizer, config
         dtype = compute_dtype(params)  # not a quantized weight's int codes
         self.kv_spec = KVCacheSpec.resolve(arch, dtype, cc.cache_dtype, kv_dtype, cc.kv_scales)
-        self.placement = place = DevicePlacement(arch, par.tensor_parallel_size, devices)
+        self.placement = place = DevicePlacement(arch, par.tensor_parallel_size, devices,
+                                                 par.pipeline_parallel_size,
+                                                 par.pipeline_layer_partition)  # fmt: skip
         params = place.params(params, self.kv_spec)  # refuses what is not sharded yet
+        log.info("devices: %s", place.describe())
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's"
@@ -141,8 +144,10 @@ class LLMEngine:
         backend = select_attention_backend(config.attention_backend)
         log.info("attention backend: %s (%s)", backend.name, backend.reason)
         self.attention_backend = backend.name  # "native_cpu", "reference", "pallas" or "triton"
+        place.check_attention_backend(backend.name)  # PP: the GPU kernels are not tested
         attention = place.attention(backend.ragged_paged_attention)
-        self.runner = ModelRunner(arch, self.block_size, attention, max_logprobs, place.size == 1)
+        self.runner = ModelRunner(arch, self.block_size, attention, max_logprobs,
+                                  place.num_devices == 1, place.layer_stack)  # fmt: skip
         self.max_logprobs, self.max_blocks_per_seq = max_logprobs, max_blocks_per_seq
         budget = sc.max_num_batched_tokens
         self.token_buckets = step_buckets(budget, smallest=min(16, budget))
@@ -150,14 +155,16 @@ class LLMEngine:
         draft, kv_per_token = load_draft(config.speculative, config.model.model, arch, tokenizer,
                                          self.kv_spec, self.max_model_len, config.model.seed)
         self.num_blocks = num_kv_blocks(  # per device: its share of each block
-            kv_bytes_per_token=kv_per_token // place.kv_shards,
+            kv_bytes_per_token=place.kv_share(kv_per_token),
             block_size=self.block_size,
             max_blocks_needed=self.max_seqs * max_blocks_per_seq,
             num_gpu_blocks_override=cc.num_gpu_blocks_override,
             kv_cache_memory_bytes=cc.kv_cache_memory_bytes,
             gpu_memory_utilization=cc.gpu_memory_utilization,
             device=place.device,
-            profile=functools.partial(
+            # Under PP the profile's unpipelined forward would gather every stage's
+            # weights: skipped (the peak is then the weights alone; docs/parallelism.md).
+            profile=None if place.pipeline else functools.partial(
                 profile_forward, arch, params, self.kv_spec, self.block_size, budget,
                 self.max_seqs, max_blocks_per_seq,
             ),
@@ -188,7 +195,7 @@ class LLMEngine:
                                    num_host_blocks=self.num_host_blocks)  # fmt: skip
         place.place_state(device_state)
         self.speculator = build_speculator(config.speculative, arch, self.block_size, attention,
-                                           max_logprobs, self.policy, draft, place.size == 1)
+                                           max_logprobs, self.policy, draft, place.num_devices == 1)
         k = resolve_num_steps(sc.num_multi_steps, place.device.platform)  # multi_step.py
         spec = self.speculator
         # Speculation with a drafting model runs one step at a time (its proposals are

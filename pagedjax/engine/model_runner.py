@@ -129,9 +129,11 @@ class ModelRunner:
         attention_fn: Callable[..., jax.Array],
         max_logprobs: int,
         native_matmul: bool = False,
+        layer_stack: Any = None,
     ):
         self.arch = arch
         self.native_matmul = native_matmul  # model/native_matmul.py (one device, CPU)
+        self.layer_stack = layer_stack  # pipeline parallelism (model/pipeline.py), or None
         self.block_size = block_size
         self.max_logprobs = max_logprobs
         self.trace_count: dict[tuple[int, int], int] = {}
@@ -148,8 +150,10 @@ class ModelRunner:
 
     def describe(self) -> str:
         """What the step's trace depends on beyond its arguments (program_store.py's key)."""
-        return repr((self.arch, self.block_size, describe_function(self._attention_fn),
-                     self.max_logprobs, self.native_matmul))  # fmt: skip
+        parts = (self.arch, self.block_size, describe_function(self._attention_fn),
+                 self.max_logprobs, self.native_matmul)  # fmt: skip
+        # Without a pipeline the key is what it was (stored programs stay valid).
+        return repr(parts if self.layer_stack is None else (*parts, self.layer_stack))
 
     def run(self, *args: Any, num_tokens: int, num_seqs: int, all_logits: bool = False,
             mm: Any = None) -> Any:  # fmt: skip
@@ -229,7 +233,8 @@ class ModelRunner:
             text = text_embeddings(params, self.arch, jnp.maximum(inp.tokens, 0))
             embeds = merge_cached_rows(text, cache, image_slot, image_row)
         kv, logits = forward(params, kv, inp, arch=self.arch, attention_fn=self._attention_fn,
-                             native_matmul=self.native_matmul, inputs_embeds=embeds)  # fmt: skip
+                             native_matmul=self.native_matmul, inputs_embeds=embeds,
+                             layer_stack=self.layer_stack)  # fmt: skip
         plp = None
         if all_logits:
             plp = prompt_logprobs(

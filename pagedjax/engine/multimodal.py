@@ -271,6 +271,8 @@ def check_engine(config: Any, arch: ModelArch) -> None:
         raise ValueError("speculative decoding with a multi-modal model is not built yet")
     if config.parallel.tensor_parallel_size > 1:
         raise ValueError("tensor_parallel_size > 1 with a multi-modal model is not built yet")
+    if config.parallel.pipeline_parallel_size > 1:
+        raise ValueError("pipeline_parallel_size > 1 with a multi-modal model is not built yet")
     if config.cache.kv_scales == "calibrate":
         raise ValueError("kv_scales='calibrate' with a multi-modal model is not built yet")
 

@@ -1,4 +1,5 @@
-"""The engine's devices: one, or a tensor-parallel mesh (``pagedjax/model/sharding.py``).
+"""The engine's devices: one, a tensor-parallel mesh (``pagedjax/model/sharding.py``), or
+pipeline stages of tensor-parallel groups (``pagedjax/model/pipeline.py``).
 
 ``DevicePlacement`` is what ``LLMEngine`` asks where things go: the parameters (Megatron
 shardings), the attention backend (wrapped in ``shard_map``), the KV pool (allocated
@@ -9,7 +10,10 @@ one device holds (the KV budget is per device, as vLLM's ``gpu_memory_utilizatio
 With one device and no explicit device list it changes nothing: the engine runs exactly
 as before (arrays uncommitted on the default device). An explicit list (a data-parallel
 replica on its own devices, ``data_parallel.py``) or N > 1 builds a mesh and commits
-every array to it.
+every array to it. PP > 1 builds the pipeline's mesh (stages x TP): the parameters'
+layer stacks and the pool are laid out in layer slots and split over the stages, the
+model's layer loop becomes the pipeline's (``layer_stack``), and the KV budget counts
+the layers one device holds.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import jax.numpy as jnp
 
 from pagedjax.model import ModelArch
 from pagedjax.model.kv_cache import kv_cache_shape
+from pagedjax.model.pipeline import PipelineLayout, PipelineStack, make_pipeline, place_params
 from pagedjax.model.sharding import (
     TPLayout,
     make_layout,
@@ -34,16 +39,32 @@ from pagedjax.model.sharding import (
 
 class DevicePlacement:
     """Where one engine's arrays live. ``size``: tensor_parallel_size; ``devices``: the
-    devices to use (default: the first ``size`` of ``jax.devices()``). Raises ValueError
-    (naming both numbers) when ``size`` does not divide the model's heads, or the devices
-    are too few."""
+    devices to use (default: the first ``size`` x ``pp`` of ``jax.devices()``); ``pp``:
+    pipeline_parallel_size, ``partition``: layers per stage (None: vLLM's even split).
+    Raises ValueError (naming the numbers) when ``size`` does not divide the model's
+    heads, the partition does not fit the layers, or the devices are too few."""
 
-    def __init__(self, arch: ModelArch, size: int, devices: Sequence[Any] | None = None):
+    def __init__(self, arch: ModelArch, size: int, devices: Sequence[Any] | None = None,
+                 pp: int = 1, partition: Sequence[int] | None = None):  # fmt: skip
         self.arch = arch
         self.size = size
         self.layout: TPLayout | None = None
-        if size > 1 or devices is not None:
+        self.pipeline: PipelineLayout | None = None
+        if pp > 1:
+            self.pipeline = make_pipeline(arch, pp, size, partition, devices)
+            self.layout = self.pipeline.tp  # the whole mesh; TP rules inside a stage
+        elif size > 1 or devices is not None:
             self.layout = make_layout(arch, size, devices)
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the engine spans (TP x PP)."""
+        return len(self.layout.devices) if self.layout else 1
+
+    @property
+    def layer_stack(self) -> PipelineStack | None:
+        """The model's layer loop under PP (``forward``'s ``layer_stack``), else None."""
+        return self.pipeline.stack() if self.pipeline else None
 
     @property
     def device(self) -> Any:
@@ -55,9 +76,17 @@ class DevicePlacement:
         """Ways the KV heads are split: 1 / kv_shards of the pool lives on each device."""
         return self.layout.kv_shards if self.layout else 1
 
+    def kv_share(self, kv_bytes_per_token: int) -> int:
+        """Of ``kv_bytes_per_token`` (all layers, K and V), the bytes one device holds:
+        its KV heads' share, and under PP its stage's layer slots (slots / num_layers)."""
+        per = kv_bytes_per_token // self.kv_shards
+        if self.pipeline is None:
+            return per
+        return per // self.arch.num_layers * self.pipeline.slots  # bytes per layer x slots
+
     def kv_bytes_per_token(self, dtype: Any) -> int:
         """KV bytes (all layers, K and V) one device holds per token."""
-        return self.arch.kv_bytes_per_token(dtype) // self.kv_shards
+        return self.kv_share(self.arch.kv_bytes_per_token(dtype))
 
     def params(self, params: Any, kv_spec: Any = None) -> Any:
         """``params`` placed on the mesh (quantized weights split at group boundaries,
@@ -67,9 +96,22 @@ class DevicePlacement:
         if self.layout is None:
             return params
         if kv_spec is not None and kv_spec.quantized:
-            raise ValueError(f"kv_cache_dtype={kv_spec.cache_dtype!r} with tensor_parallel_size="
-                             f"{self.size}: an 8-bit KV cache is not sharded yet")  # fmt: skip
+            what = (f"pipeline_parallel_size={self.pipeline.size}" if self.pipeline
+                    else f"tensor_parallel_size={self.size}")  # fmt: skip
+            raise ValueError(f"kv_cache_dtype={kv_spec.cache_dtype!r} with {what}: an 8-bit KV"
+                             " cache is not sharded yet")  # fmt: skip
+        if self.pipeline is not None:
+            return place_params(params, self.pipeline)
         return shard_params(params, self.layout)
+
+    def check_attention_backend(self, name: str) -> None:
+        """ValueError for a backend not run under pipeline parallelism yet: the GPU kernels
+        (Pallas, Triton) inside the stage ring are untested (no multi-GPU run), so they are
+        refused rather than trusted; "native_cpu" and "reference" are tested."""
+        if self.pipeline is not None and name not in ("native_cpu", "reference"):
+            raise ValueError(f"attention_backend={name!r} with pipeline_parallel_size="
+                             f"{self.pipeline.size}: not tested yet; use"
+                             " attention_backend='reference' (docs/parallelism.md)")  # fmt: skip
 
     def attention(self, fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
         # A single device needs no shard_map: keep the backend's own function (and its
@@ -89,9 +131,12 @@ class DevicePlacement:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block) and"
                              f" block_size >= 1, got {num_blocks} and {block_size}")  # fmt: skip
         shape = kv_cache_shape(self.arch, num_blocks, block_size)
+        sharding = self.layout.kv_sharding
+        if self.pipeline is not None:  # layer slots over the stages (pipeline.py)
+            shape, sharding = (self.pipeline.pool_layers, *shape[1:]), self.pipeline.kv_sharding
         make = jax.jit(
             lambda: tuple(jnp.full(shape, fill_value, dtype) for _ in range(2)),
-            out_shardings=(self.layout.kv_sharding,) * 2,
+            out_shardings=(sharding,) * 2,
         )
         return make()
 
@@ -106,6 +151,10 @@ class DevicePlacement:
         if self.layout is None:
             return "one device"
         lay = self.layout
+        if self.pipeline is not None:
+            return (f"pipeline_parallel_size={self.pipeline.size} x tensor_parallel_size="
+                    f"{lay.size} on {[str(d) for d in lay.devices]}: layers per stage"
+                    f" {[b - a for a, b in self.pipeline.ranges]}")  # fmt: skip
         return (
             f"tensor_parallel_size={lay.size} on {[str(d) for d in lay.devices]}: KV heads"
             f" {self.arch.num_kv_heads} split {lay.kv_shards} ways, each replicated"
@@ -113,15 +162,19 @@ class DevicePlacement:
         )
 
 
-def check_device_count(tensor_parallel_size: int, data_parallel_size: int = 1) -> None:
+def check_device_count(tensor_parallel_size: int, data_parallel_size: int = 1,
+                       pipeline_parallel_size: int = 1) -> None:  # fmt: skip
     """ValueError, before any weights are loaded, when JAX sees fewer devices than
-    tensor_parallel_size x data_parallel_size (the heads are checked once the model's
-    shape is known, ``sharding.check_tp``)."""
-    need, have = tensor_parallel_size * data_parallel_size, len(jax.devices())
+    tensor_parallel_size x data_parallel_size (x pipeline_parallel_size) (the heads are
+    checked once the model's shape is known, ``sharding.check_tp``)."""
+    need = tensor_parallel_size * data_parallel_size * pipeline_parallel_size
+    have = len(jax.devices())
     if need > have:
+        pp = (f" x pipeline_parallel_size={pipeline_parallel_size}"
+              if pipeline_parallel_size > 1 else "")  # fmt: skip
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size="
-            f"{data_parallel_size} needs {need} devices; jax sees {have}"
+            f"{data_parallel_size}{pp} needs {need} devices; jax sees {have}"
             f" ({jax.devices()[0].platform}; on a CPU, XLA_FLAGS="
             f"--xla_force_host_platform_device_count={need} simulates them)"
         )

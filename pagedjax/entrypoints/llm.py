@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from pagedjax.engine.fronts.multihost import MultiHostEngine
 from pagedjax.engine.llm_engine import DEFAULT_MAX_LOGPROBS, LLMEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.lora import LoRARequest
+from pagedjax.model.pipeline import PARTITION_ENV, parse_partition
 from pagedjax.sampling import BeamSearchParams, SamplingParams
 
 PromptType = str | Sequence[int] | dict
@@ -44,7 +46,11 @@ class LLM:
     tensor_parallel_size: devices one model is split over (Megatron layout, KV pool by KV
     head; docs/parallelism.md); data_parallel_size: engine replicas over M x N devices,
     requests routed by ``data_parallel_routing`` ("least_tokens" or "prefix_affinity";
-    beam search runs on the least-loaded replica). swap_space (GiB) sizes
+    beam search runs on the least-loaded replica). pipeline_parallel_size: stages the
+    decoder layers are split into, each on tensor_parallel_size devices (its layers'
+    weights and KV pool only; one batch in flight), layers per stage from
+    ``PAGEDJAX_PP_LAYER_PARTITION`` ("2,1", as vLLM's VLLM_PP_LAYER_PARTITION) or vLLM's
+    even split (docs/parallelism.md). swap_space (GiB) sizes
     the host pool for preemption by swap (preemption_mode "swap", or None: swap groups of
     several samples, recompute single sequences; docs/engine.md). kv_offloading_size (GiB,
     vLLM's name; 0 = off) adds a host tier to that pool: prefix-cache blocks evicted from
@@ -110,6 +116,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         data_parallel_routing: str = "least_tokens",
+    pipeline_parallel_size: int = 1,
         scheduling_mode: str = "default",
         watermark: float = 0.01,
         attention_backend: str = "auto",
@@ -380,6 +387,7 @@ def engine_config(
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
     data_parallel_routing: str = "least_tokens",
+    pipeline_parallel_size: int = 1,
     scheduling_mode: str = "default",
     watermark: float = 0.01,
     attention_backend: str = "auto",
@@ -452,6 +460,9 @@ def engine_config(
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
             data_parallel_routing=data_parallel_routing,  # type: ignore[arg-type]
+            pipeline_parallel_size=pipeline_parallel_size,
+            pipeline_layer_partition=(parse_partition(os.environ.get(PARTITION_ENV))
+                                      if pipeline_parallel_size > 1 else None),
         ),
         attention_backend=attention_backend,  # type: ignore[arg-type]
         warmup=warmup,  # type: ignore[arg-type]

@@ -28,27 +28,31 @@ def build_module(
     param_dtype: Any = jnp.float32,
     attention_fn: AttentionFn = ragged_paged_attention,
     native_matmul: bool = False,
+    layer_stack: Any = None,
 ) -> nn.Module:
     """The Flax module of arch's family (param_dtype only matters for init; native_matmul:
-    dense layers may run the CPU kernel for stacked weights, model/native_matmul.py)."""
+    dense layers may run the CPU kernel for stacked weights, model/native_matmul.py;
+    layer_stack: a pipeline's layer runner, model/pipeline.py)."""
     cls = {
         "llama": LlamaForCausalLM,
         "opt": OPTForCausalLM,
         "gpt_neox": GPTNeoXForCausalLM,
     }[arch.family]
     return cls(
-        arch, param_dtype=param_dtype, attention_fn=attention_fn, native_matmul=native_matmul
-    )
+        arch, param_dtype=param_dtype, attention_fn=attention_fn, native_matmul=native_matmul,
+        layer_stack=layer_stack,
+    )  # fmt: skip
 
 
-def _check_cache(arch: ModelArch, kv_cache: KVCache) -> None:
+def _check_cache(arch: ModelArch, kv_cache: KVCache, layers: int) -> None:
+    """layers: the pool's leading axis (num_layers; a pipeline's PP x slots)."""
     if not isinstance(kv_cache, tuple | list) or len(kv_cache) != 2:
         raise ValueError("kv_cache must be (k, v), each [num_layers, num_blocks, ...]")
     k, v = kv_cache
-    want = (arch.num_layers, arch.num_kv_heads, arch.head_dim)
+    want = (layers, arch.num_kv_heads, arch.head_dim)
     if k.ndim != 5 or k.shape != v.shape or (k.shape[0], k.shape[2], k.shape[4]) != want:
         raise ValueError(
-            f"kv_cache must be (k, v), each [{arch.num_layers}, num_blocks, "
+            f"kv_cache must be (k, v), each [{layers}, num_blocks, "
             f"{arch.num_kv_heads}, block_size, {arch.head_dim}], got k {k.shape}, v {v.shape}"
         )
 
@@ -62,6 +66,7 @@ def forward(
     attention_fn: AttentionFn = ragged_paged_attention,
     native_matmul: bool = False,
     inputs_embeds: jax.Array | None = None,
+    layer_stack: Any = None,
 ) -> tuple[KVCache, jax.Array]:
     """One step over a ragged batch (prefill, chunked prefill and decode mixed).
 
@@ -71,9 +76,15 @@ def forward(
     inputs_embeds [T, hidden] (optional, Llama family only): the input rows instead of
     embedding batch.tokens, for multi-modal prompts whose image features are merged into
     the text embeddings (model/vision/llava.py). Padding rows are arbitrary.
+
+    layer_stack (pipeline parallelism, model/pipeline.py's ``PipelineStack``): runs the
+    decoder layers stage by stage; params' layer stacks and the pool then have its
+    ``pool_layers`` (PP x slots) leading rows instead of num_layers.
     """
-    _check_cache(arch, kv_cache)
-    module = build_module(arch, attention_fn=attention_fn, native_matmul=native_matmul)
+    _check_cache(arch, kv_cache, arch.num_layers if layer_stack is None
+                 else layer_stack.pool_layers)  # fmt: skip
+    module = build_module(arch, attention_fn=attention_fn, native_matmul=native_matmul,
+                          layer_stack=layer_stack)  # fmt: skip
     if inputs_embeds is None:
         return module.apply({"params": params}, kv_cache, batch)
     if arch.family != "llama":

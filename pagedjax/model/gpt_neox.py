@@ -84,6 +84,7 @@ class GPTNeoXForCausalLM(nn.Module):
     param_dtype: Any = jnp.float32
     attention_fn: AttentionFn = ragged_paged_attention
     native_matmul: bool = False  # the CPU kernel for stacked weights (native_matmul.py)
+    layer_stack: Any = None  # a pipeline's layer runner (model/pipeline.py), or None
 
     @nn.compact
     def __call__(self, kv_cache: KVPool, batch: ModelInput):
@@ -91,7 +92,8 @@ class GPTNeoXForCausalLM(nn.Module):
         embed = nn.Embed(a.vocab_size, a.hidden_size, name="embed_in", param_dtype=pd)
         x = embed(batch.tokens)
         inputs, uniform = layer_inputs(a.layer_windows)
-        layers = loop_layers(GPTNeoXDecoderLayer, a.num_layers, self.native_matmul)(
+        layers = loop_layers(GPTNeoXDecoderLayer, a.num_layers, self.native_matmul,
+                             self.layer_stack)(
             a, pd, self.attention_fn, uniform, name="layers"
         )
         (x, k_pool, v_pool), _ = layers((x, *kv_cache), inputs, batch)

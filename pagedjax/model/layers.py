@@ -99,12 +99,18 @@ class LayerLoop(nn.Module):
     (the stacked array and the layer index) instead of slices, so a matmul may read them in
     place (``native_matmul``: the CPU kernel when ``native``); everything else is sliced
     per layer as before. Init builds the stacked parameters with one key per layer (vmap).
+
+    ``stack`` (pipeline parallelism, ``model/pipeline.py``'s ``PipelineStack``): when set,
+    the loop is handed to it as ``run_layers`` (a pure function) with the stacked
+    parameters, the carry, the inputs and the batch, and it decides which device runs
+    which layers; None (default): all layers here, in order.
     """
 
     layer_cls: type[nn.Module]
     num_layers: int
     layer_args: tuple[Any, ...]
     native: bool = False
+    stack: Any = None
 
     def _layer(self) -> nn.Module:
         return self.layer_cls(*self.layer_args, parent=None)
@@ -118,22 +124,44 @@ class LayerLoop(nn.Module):
             for name, value in stacked.items():
                 self.param(name, lambda _rng, v=value: v)
         params = self.variables["params"]
+        run = functools.partial(run_layers, self.layer_cls, self.layer_args, self.native)
+        if self.stack is not None and not self.is_initializing():
+            return self.stack(run, params, carry, inputs, batch), None
+        return run(params, carry, inputs, self.num_layers, batch), None
 
-        def body(i: jax.Array, c: Any) -> Any:
-            view = layer_view(params, i, self.native)
-            inp = jax.tree.map(lambda a: a[i], inputs)
-            c, _ = self._layer().apply({"params": view}, c, inp, batch)
-            return c
 
-        return jax.lax.fori_loop(0, self.num_layers, body, carry), None
+def run_layers(
+    layer_cls: type[nn.Module],
+    layer_args: tuple[Any, ...],
+    native: bool,
+    params: Any,
+    carry: Any,
+    inputs: LayerInputs,
+    count: int | jax.Array,
+    batch: ModelInput,
+) -> Any:
+    """The first ``count`` layers of the stacked ``params`` (leading axis = layer) over
+    ``carry``, layer i with ``inputs[i]``: LayerLoop's loop as a pure function (no module
+    state), so a pipeline can run it inside ``shard_map`` on a stage's own layers. A
+    Python int count is a static trip count (a scan, as before); a traced one a while loop."""
+
+    def body(i: jax.Array, c: Any) -> Any:
+        view = layer_view(params, i, native)
+        inp = jax.tree.map(lambda a: a[i], inputs)
+        c, _ = layer_cls(*layer_args, parent=None).apply({"params": view}, c, inp, batch)
+        return c
+
+    return jax.lax.fori_loop(0, count, body, carry)
 
 
 def loop_layers(
-    layer_cls: type[nn.Module], num_layers: int, native: bool = False
+    layer_cls: type[nn.Module], num_layers: int, native: bool = False, stack: Any = None
 ) -> Callable[..., LayerLoop]:
     """A constructor ``(*layer_args, name=...) -> LayerLoop``: ``layer_cls`` applied
-    num_layers times under one loop (``LayerLoop``; native: the CPU matmul may run)."""
-    return lambda *args, name: LayerLoop(layer_cls, num_layers, tuple(args), native, name=name)
+    num_layers times under one loop (``LayerLoop``; native: the CPU matmul may run;
+    stack: a pipeline's layer runner, or None)."""
+    return lambda *args, name: LayerLoop(layer_cls, num_layers, tuple(args), native, stack,
+                                         name=name)  # fmt: skip
 
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {

@@ -132,6 +132,7 @@ class LlamaForCausalLM(nn.Module):
     param_dtype: Any = jnp.float32
     attention_fn: AttentionFn = ragged_paged_attention
     native_matmul: bool = False  # the CPU kernel for stacked weights (native_matmul.py)
+    layer_stack: Any = None  # a pipeline's layer runner (model/pipeline.py), or None
 
     @nn.compact
     def __call__(self, kv_cache: KVPool, batch: ModelInput, inputs_embeds: jax.Array | None = None):
@@ -143,7 +144,8 @@ class LlamaForCausalLM(nn.Module):
         if a.embed_scale:  # Gemma: sqrt(hidden) rounded to the compute dtype first, as HF
             x = x * jnp.asarray(a.hidden_size**0.5, x.dtype)
         inputs, uniform = layer_inputs(a.layer_windows)
-        layers = loop_layers(LlamaDecoderLayer, a.num_layers, self.native_matmul)(
+        layers = loop_layers(LlamaDecoderLayer, a.num_layers, self.native_matmul,
+                             self.layer_stack)(
             a, pd, self.attention_fn, uniform, name="layers"
         )
         (x, k_pool, v_pool), _ = layers((x, *kv_cache), inputs, batch)

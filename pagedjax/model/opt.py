@@ -102,6 +102,7 @@ class OPTForCausalLM(nn.Module):
     param_dtype: Any = jnp.float32
     attention_fn: AttentionFn = ragged_paged_attention
     native_matmul: bool = False  # the CPU kernel for stacked weights (native_matmul.py)
+    layer_stack: Any = None  # a pipeline's layer runner (model/pipeline.py), or None
 
     @nn.compact
     def __call__(self, kv_cache: KVPool, batch: ModelInput):
@@ -117,7 +118,8 @@ class OPTForCausalLM(nn.Module):
         )  # fmt: skip
         x = x + positions(batch.positions + POSITION_OFFSET)
         inputs, _ = layer_inputs(a.layer_windows)
-        layers = loop_layers(OPTDecoderLayer, a.num_layers, self.native_matmul)(
+        layers = loop_layers(OPTDecoderLayer, a.num_layers, self.native_matmul,
+                             self.layer_stack)(
             a, pd, self.attention_fn, name="layers"
         )
         (x, k_pool, v_pool), _ = layers((x, *kv_cache), inputs, batch)

@@ -311,11 +311,18 @@ def shard_attention(attention_fn: Callable[..., jax.Array], layout: TPLayout) ->
             kw = dict(zip(names, extra, strict=True))
             return attention_fn(q, kp, vp, bt, kl, cu, **kw, **static)
 
+        # Inside a pipeline stage (model/pipeline.py) the context mesh has "pp" manual
+        # already; shard_map must then be given that (abstract) mesh, not the concrete one.
+        ctx = jax.sharding.get_abstract_mesh()
+        mesh = ctx if not ctx.empty and ctx.manual_axes else layout.mesh
         fn = jax.shard_map(
             body,
-            mesh=layout.mesh,
+            mesh=mesh,
             in_specs=(q_spec, pool_spec, pool_spec, rep, rep, rep, *([rep] * len(names))),
             out_specs=q_spec,
+            # Manual over the TP axes only: every axis of a TP mesh; inside a pipeline
+            # stage (model/pipeline.py, its "pp" axis already manual) the stage's group.
+            axis_names=frozenset(TP),
             check_vma=False,  # custom calls carry no replication rule
         )
         return fn(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *traced.values())

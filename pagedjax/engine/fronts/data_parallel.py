@@ -55,6 +55,9 @@ class DataParallelEngine:
     ):
         par = config.parallel
         m, n = par.data_parallel_size, par.tensor_parallel_size
+        if par.pipeline_parallel_size > 1:  # replicas split tensor_parallel_size devices
+            raise ValueError(f"data_parallel_size={m} with pipeline_parallel_size="
+                             f"{par.pipeline_parallel_size}: not built (docs/parallelism.md)")
         devices = list(devices) if devices is not None else jax.devices()
         if len(devices) < m * n:
             raise ValueError(

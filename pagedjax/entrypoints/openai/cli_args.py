@@ -102,6 +102,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     p.add_argument("--max-logprobs", type=int, default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=None)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
     p.add_argument(
         "--data-parallel-routing",
         default=None,
@@ -292,8 +293,8 @@ REFUSAL_REASONS: tuple[tuple[tuple[str, ...], str], ...] = (
       "nnodes", "node-rank", "master-", "data-parallel-", "dp-", "distributed", "ray-",
       "all2all", "dbo", "ubatch", "headless", "api-server-count", "nccl", "custom-all-reduce",
       "hc-sp", "numa", "device-ids", "worker", "fault-tolerance"),
-     "only tensor (--tensor-parallel-size) and data (--data-parallel-size) parallelism on"
-     " one host are built (docs/parallelism.md)"),
+     "only tensor (--tensor-parallel-size), pipeline (--pipeline-parallel-size) and data"
+     " (--data-parallel-size) parallelism on one host are built (docs/parallelism.md)"),
     (("mamba", "replayssm", "swa-"), "state-space (Mamba) models are not built"),
     (("kv-transfer", "kv-events", "ec-", "offload", "kv-sharing"),
      "KV transfer, events and offloading are not built (the host swap pool: --swap-space)"),
@@ -372,7 +373,7 @@ LLM_ARGS = (
     "num_gpu_blocks_override", "kv_cache_memory_bytes", "swap_space", "enable_prefix_caching",
     "kv_offloading_size", "kv_offloading_backend",
     "preemption_mode", "tensor_parallel_size", "data_parallel_size", "data_parallel_routing",
-    "scheduling_mode", "watermark",
+    "pipeline_parallel_size", "scheduling_mode", "watermark",
     "attention_backend", "max_logprobs", "num_scheduler_steps", "warmup", "compilation_cache",
     "kv_cache_dtype",
     "quantization",

@@ -1,0 +1,198 @@
+"""Pipeline parallelism (pagedjax/model/pipeline.py, docs/parallelism.md).
+
+In process: the stage split (vLLM's rule, as properties, with Hypothesis), the partition's
+checks and its environment variable, the refusals. In a subprocess with 8 host CPU
+devices (``tests/pipeline_cases.py`` says what each case asserts): the pipelined model
+function equals one device's and each device holds 1 / PP of the bytes (default tier), and
+engines at PP 2, PP 4, PP 2 x TP 2, an uneven split and the K-step loop equal one device
+over the mixed workload (second tier and slow).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedjax.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
+from pagedjax.model.pipeline import parse_partition, stage_layer_ranges
+from tests.engine_helpers import xla_flags_with_devices
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cases(*names: str, timeout: float = 900) -> dict[str, dict]:
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(8),
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "pipeline_cases.py"), *names],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["case"]: r for r in rows}
+
+
+# ------------------------------------------------------------------ the stage split
+
+
+@settings(max_examples=50, deadline=None)
+@given(layers=st.integers(1, 200), pp=st.integers(1, 16))
+def test_default_split_is_vllms_rule(layers: int, pp: int):
+    """vLLM's get_pp_indices: L // PP layers per stage, the remainder r one layer each on
+    the r stages just before the last (the last stage runs the final norm and head; the
+    first the embedding), contiguous, covering every layer once."""
+    if layers < pp:
+        with pytest.raises(ValueError, match=f"pipeline_parallel_size={pp} exceeds"):
+            stage_layer_ranges(layers, pp)
+        return
+    ranges = stage_layer_ranges(layers, pp)
+    sizes = [b - a for a, b in ranges]
+    assert len(ranges) == pp and ranges[0][0] == 0 and ranges[-1][1] == layers
+    assert all(ranges[i][1] == ranges[i + 1][0] for i in range(pp - 1))
+    base, r = divmod(layers, pp)
+    bigger = [i for i, n in enumerate(sizes) if n == base + 1]
+    assert sorted(set(sizes)) == sorted({base, base + 1} if r else {base})
+    assert bigger == list(range(pp - 1 - r, pp - 1))  # just before the last stage
+    assert sizes[-1] == base
+
+
+@settings(max_examples=50, deadline=None)
+@given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=8))
+def test_explicit_partition_is_kept(sizes: list[int]):
+    ranges = stage_layer_ranges(sum(sizes), len(sizes), sizes)
+    assert [b - a for a, b in ranges] == sizes
+    assert ranges[0][0] == 0
+    assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(sizes) - 1))
+
+
+def test_examples_and_refusals():
+    assert stage_layer_ranges(3, 2) == ((0, 2), (2, 3))  # the brief's "2,1"
+    assert stage_layer_ranges(10, 4) == ((0, 2), (2, 5), (5, 8), (8, 10))  # 2,3,3,2
+    with pytest.raises(ValueError, match=r"has 3 stages, not pipeline_parallel_size=2"):
+        stage_layer_ranges(4, 2, (1, 1, 2))
+    with pytest.raises(ValueError, match="sums to 3, not the model's 4 layers"):
+        stage_layer_ranges(4, 2, (1, 2))
+    with pytest.raises(ValueError, match="at least one layer"):
+        stage_layer_ranges(4, 2, (0, 4))
+    with pytest.raises(ValueError, match="must be >= 1"):
+        stage_layer_ranges(4, 0)
+    assert parse_partition("2,1") == (2, 1) and parse_partition(None) is None
+    with pytest.raises(ValueError, match="PAGEDJAX_PP_LAYER_PARTITION='2;1'"):
+        parse_partition("2;1")
+    with pytest.raises(ConfigError, match="pipeline_layer_partition"):
+        ParallelConfig(pipeline_parallel_size=2, pipeline_layer_partition=(3,))
+
+
+def test_env_partition_reaches_the_config(monkeypatch):
+    from pagedjax.entrypoints.llm import engine_config
+
+    monkeypatch.setenv("PAGEDJAX_PP_LAYER_PARTITION", "1,3")
+    par = engine_config("tiny-llama-tp", pipeline_parallel_size=2).parallel
+    assert (par.pipeline_parallel_size, par.pipeline_layer_partition) == (2, (1, 3))
+    assert engine_config("tiny-llama-tp").parallel.pipeline_layer_partition is None  # PP 1
+
+
+def test_unbuilt_combinations_are_refused_by_name():
+    from pagedjax.config import LoRAConfig, SpeculativeConfig
+    from pagedjax.engine.unbuilt import reject_unbuilt_pipeline
+
+    base = EngineConfig(model=ModelConfig(model="tiny-llama-tp"),
+                        parallel=ParallelConfig(pipeline_parallel_size=2))  # fmt: skip
+    reject_unbuilt_pipeline(base)  # PP alone: fine
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
+    for cfg, name in (
+        (EngineConfig(model=base.model, parallel=base.parallel, speculative=spec),
+         "speculative_config"),
+        (EngineConfig(model=base.model, parallel=base.parallel, lora=LoRAConfig()),
+         "enable_lora"),
+        (EngineConfig(model=base.model, parallel=ParallelConfig(
+            pipeline_parallel_size=2, data_parallel_size=2)), "data_parallel_size=2"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{name} with pipeline_parallel_size=2: not built"):
+            reject_unbuilt_pipeline(cfg)
+
+
+def test_llm_counts_the_stages_devices_before_loading():
+    from pagedjax import LLM
+
+    with pytest.raises(ValueError, match=r"x pipeline_parallel_size=2 needs 2 devices"):
+        LLM("no-such-model", pipeline_parallel_size=2)
+
+
+# ------------------------------------------------------------------ simulated devices
+
+
+def test_pp2_forward_equals_one_device_and_splits_the_bytes():
+    """The model function at PP 2 (4 layers, 2 per stage) on 2 simulated devices: logits
+    and every layer's KV pages equal one device's over a prefill and a decode step; each
+    device holds half the layers' weights and pool (addressable shards), about 1 / 2 of
+    one device's bytes."""
+    out = _cases("forward-pp2")["forward-pp2"]
+    assert out["max_logit_diff"] < 1e-5
+    assert abs(out["ratio"] - 0.5) < 0.01
+
+
+@pytest.mark.slow  # ~50 s at load 8: three subprocess cases of two compilations each
+def test_pp_forward_other_families_and_pp4():
+    """The model function of OPT (learned positions, replicated) and GPT-NeoX (parallel
+    residual, partial rotary) at PP 2, and the Llama at PP 4, equal one device's logits
+    and KV pages; bytes per device as the case counts them."""
+    out = _cases("forward-pp2-opt", "forward-pp2-gpt_neox", "forward-pp4")
+    assert all(c["max_logit_diff"] < 1e-5 for c in out.values())
+    assert abs(out["forward-pp4"]["ratio"] - 0.25) < 0.01
+
+
+@pytest.mark.tier2
+def test_pp2_tp2_engine_equals_one_device():
+    """The mixed workload (chunked prefill, decode, preemption by recompute and swap, a
+    prefix hit, n = 2 seeded samples, beam search) at PP 2 x TP 2 on 4 devices (the
+    attention's shard_map nested in the stage's) equals one device token for token; each
+    device holds 1 / 4 of the pool (2 stages x 2 KV-head shards). 30-62 s at load 5."""
+    case = _cases("engine-pp2-tp2")["engine-pp2-tp2"]
+    assert case["kv_per_device"] * 4 == case["kv_total"]
+    assert case["ranges"] == [[0, 2], [2, 4]]
+
+
+@pytest.mark.slow  # 281 s at load 9 on the 2-core box: one reference and one engine each
+def test_pp2_pp4_uneven_and_kstep_engines_equal_one_device():
+    """The same workload at PP 2, PP 4, PP 2 over 3 layers (vLLM's default 2,1 and an
+    explicit 1,2 partition) and PP 2 under the fused K-step decode loop (K = 4) equals
+    one device; KV bytes per device 1 / PP of the pool, parameters shrink with PP."""
+    out = _cases("engine-pp2", "engine-pp4", "engine-pp2-layers3",
+                 "engine-pp2-layers3-part1_2", "engine-pp2-k4", timeout=1800)  # fmt: skip
+    for pp in (2, 4):
+        case = out[f"engine-pp{pp}"]
+        assert case["kv_per_device"] * pp == case["kv_total"]
+    assert out["engine-pp4"]["params_per_device"] < out["engine-pp2"]["params_per_device"]
+    assert out["engine-pp2-layers3"]["ranges"] == [[0, 2], [2, 3]]
+    assert out["engine-pp2-layers3-part1_2"]["ranges"] == [[0, 1], [1, 3]]
+    assert out["engine-pp2-k4"]["multi_step_loops"] > 0  # the fused loop ran under PP
+
+
+def test_simulator_prices_stages_transfers_and_the_bubble():
+    """PP 1 is the roofline itself; PP 2 runs half the layers per stage (plus the head,
+    so more than half the time), sends [tokens, hidden] once per hop at the link's
+    bandwidth, and idles half the time with one batch in flight, none with two."""
+    from pagedjax.simulator.cost_model import roofline
+    from pagedjax.simulator.pipeline import pipeline_step, stage_layers
+
+    cost = roofline("H100-80GB", "llama-3-70b", tp=4)
+    work = (0, 64, 64 * 1024)  # 64 decoding sequences of 1,024-token contexts
+    one = pipeline_step(cost, 1, *work)
+    assert one.latency() == pytest.approx(float(cost(*work)), rel=1e-6)
+    two = pipeline_step(cost, 2, *work, link="internode")
+    assert one.stage_s / 2 < two.stage_s < one.stage_s
+    assert two.transfer_s == pytest.approx(64 * 8192 * 2 / (0.7 * 50e9) + 30e-6)
+    assert two.latency() == pytest.approx(2 * two.stage_s + two.transfer_s + 2e-3)
+    assert (two.bubble(1), two.bubble(2)) == (0.5, 0.0)
+    assert two.throughput_steps_per_s(2) > two.throughput_steps_per_s(1)
+    assert stage_layers(80, 3) == 27
+    with pytest.raises(ValueError, match="in_flight"):
+        two.bubble(3)
