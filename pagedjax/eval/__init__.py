@@ -11,7 +11,7 @@ from pagedjax.eval.chat import (
     hf_prompt_ids,
 )
 from pagedjax.eval.compare import compare, score_text, tokenize_text
-from pagedjax.eval.hf_reference import load_hf_gguf
+from pagedjax.eval.hf_reference import load_hf_gguf, load_hf_gguf_tokenizer
 from pagedjax.eval.metrics import binned_kl, quality_report, top1_agreement
 from pagedjax.eval.scoring import EngineScorer, HFScorer, TokenScores, as_scorer, windows
 from pagedjax.eval.texts import TEXTS, load_text, text_source
@@ -30,6 +30,7 @@ __all__ = [
     "hf_greedy_answers",
     "hf_prompt_ids",
     "load_hf_gguf",
+    "load_hf_gguf_tokenizer",
     "load_text",
     "quality_report",
     "score_text",
