@@ -57,7 +57,17 @@ class HFTokenizer:
             from transformers import AutoTokenizer as cls
 
         kwargs = {} if gguf_file is None else {"gguf_file": gguf_file}
-        self._tok = cls.from_pretrained(str(directory), local_files_only=True, **kwargs)
+        self._adopt(cls.from_pretrained(str(directory), local_files_only=True, **kwargs))
+
+    @classmethod
+    def wrapping(cls, tok: Any) -> HFTokenizer:
+        """An HFTokenizer around a transformers tokenizer built elsewhere."""
+        self = cls.__new__(cls)
+        self._adopt(tok)
+        return self
+
+    def _adopt(self, tok: Any) -> None:
+        self._tok = tok
         self._raw_decode = _backend_decode(self._tok)
         self.eos_token_id: int | None = self._tok.eos_token_id
         self.bos_token_id: int | None = self._tok.bos_token_id
@@ -128,12 +138,83 @@ def _backend_decode(tok: Any) -> Any:
     return backend.decode
 
 
-def gguf_tokenizer(path: str | Path) -> HFTokenizer:
-    """The tokenizer and chat template stored in a GGUF file's metadata."""
+def gguf_tokenizer(path: str | Path, metadata: dict[str, Any] | None = None) -> HFTokenizer:
+    """The tokenizer and chat template stored in a GGUF file's metadata.
+
+    metadata: the file's metadata as ``pagedjax.model.gguf_file.parse_gguf(path).metadata``
+    when the caller has parsed it already (the engine's loader: one parse per build),
+    else parsed here. Built from it as transformers builds it (``gguf_metadata_tokenizer``)
+    where that is exactly what ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` would
+    give, else through AutoTokenizer itself (a directory that also holds tokenizer files,
+    another architecture, a transformers without the GGUF tokenizer API)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    if metadata is None:
+        from pagedjax.model.gguf_file import parse_gguf
+
+        metadata = parse_gguf(path).metadata
+    tok = gguf_metadata_tokenizer(path, metadata)
+    if tok is not None:
+        return HFTokenizer.wrapping(tok)
     return HFTokenizer(path.parent, gguf_file=path.name)
+
+
+# GGUF architectures whose AutoTokenizer class is the generic TokenizersBackend (transformers'
+# TOKENIZER_MAPPING_NAMES has no "llama" entry). Not looked up at run time: importing that
+# table imports torch (~5 s); the tests compare with AutoTokenizer instead.
+_BACKEND_ARCHITECTURES = ("llama",)
+# transformers' get_gguf_tokenizer: special-token attribute -> its id key in the metadata.
+_SPECIAL_TOKEN_IDS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+
+
+def gguf_metadata_tokenizer(path: Path, metadata: dict[str, Any]) -> Any | None:
+    """The transformers tokenizer ``AutoTokenizer.from_pretrained(path.parent,
+    gguf_file=path.name)`` builds, made from already parsed metadata; None where that
+    equivalence is not established (see gguf_tokenizer).
+
+    Why: AutoTokenizer parses the file twice more for it (its config through gguf-py's
+    GGUFReader, ~8-10 s on SmolLM2's vocabulary plus importing torch; the vocabulary and
+    merges again with its own reader, ~1 s), then converts the vocabulary and merges to a
+    ``tokenizers`` BPE (~0.4 s). The conversion is transformers' own
+    (``convert_gguf_tokenizer``); what is repeated here is get_gguf_tokenizer's selection
+    of keys (its GGUF_TOKENIZER_MAPPING table, the llama / gemma4 add_bos defaults, the
+    special tokens by id), pinned by tests against AutoTokenizer (tests/test_gguf_file.py,
+    and on the real file)."""
+    arch = metadata.get("general.architecture")
+    if arch not in _BACKEND_ARCHITECTURES:
+        return None
+    if any((path.parent / f).is_file() for f in TOKENIZER_FILES):
+        return None  # AutoTokenizer would read those files too
+    try:
+        from transformers import TokenizersBackend
+        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError:  # another transformers: its AutoTokenizer decides
+        return None
+    grouped = {
+        group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
+                if f"tokenizer.{key}" in metadata}
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }  # fmt: skip
+    tokenizer_dict, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if "tokens" not in tokenizer_dict:
+        return None
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        config.setdefault("add_bos_token", True)  # llama.cpp's default for SentencePiece
+    elif tokenizer_dict.get("tokenizer_type") == "gemma4":
+        config["add_bos_token"] = False
+    for name, key in _SPECIAL_TOKEN_IDS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
+    return TokenizersBackend(
+        tokenizer_object=backend, name_or_path=str(path.parent), **config, **extra
+    )
 
 
 class ByteTokenizer:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,10 +36,11 @@ import numpy as np
 from pagedjax.model.config import ModelArch
 from pagedjax.model.forward import Params
 from pagedjax.model.gguf_loader import (
+    GGUFSource,
     arch_from_gguf_metadata,
-    gguf_metadata,
-    gguf_reader,
+    gguf_dequantize,
     hf_tensor_name,
+    open_gguf,
     unpermute_rotary_rows,
 )
 from pagedjax.model.hf_keys import canonical_tensors
@@ -139,37 +139,39 @@ def _type_size(qtype: str) -> int:
     return GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
 
 
-def load_gguf_packed(path: str | Path, dtype: Any = np.float32) -> tuple[ModelArch, Params]:
-    """(arch, params) of a GGUF file with its decoder linears kept packed where the
-    table above holds their type and every layer of the role shares it."""
-    from gguf.quants import dequantize as gguf_dequantize
+def load_gguf_packed(source: GGUFSource, dtype: Any = np.float32) -> tuple[ModelArch, Params]:
+    """(arch, params) of a GGUF file (a path or a parsed ``GGUFFile``) with its decoder
+    linears kept packed where the table above holds their type and every layer of the
+    role shares it."""
+    from gguf.constants import GGMLQuantizationType
 
-    reader = gguf_reader(path)
-    meta = gguf_metadata(reader)
-    arch = arch_from_gguf_metadata(meta, {t.name for t in reader.tensors})
+    to_float = gguf_dequantize()
+    gf = open_gguf(source)
+    arch = arch_from_gguf_metadata(gf.metadata, gf.tensor_names)
     dense: dict[str, np.ndarray] = {}
     packed: dict[str, QuantizedWeight] = {}
     roles: dict[str, set[str]] = defaultdict(set)
     role = lambda gguf_name: gguf_name.split(".", 2)[-1] if gguf_name.startswith("blk.") \
         else gguf_name  # fmt: skip
-    for t in reader.tensors:
-        roles[role(t.name)].add(t.tensor_type.name)
-    for t in reader.tensors:
+    for t in gf.tensors:
+        roles[role(t.name)].add(t.type_name)
+    for t in gf.tensors:
         name = hf_tensor_name(t.name)
-        shape = tuple(int(d) for d in reversed(t.shape))  # torch [out, in]
+        shape = tuple(reversed(t.dims))  # torch [out, in]
         heads = arch.num_heads if ".q_proj." in name else arch.num_kv_heads
         rotary = ".q_proj." in name or ".k_proj." in name
-        role_types, qtype = roles[role(t.name)], t.tensor_type.name
+        role_types, qtype = roles[role(t.name)], t.type_name
         if len(shape) == 2 and len(role_types) == 1 and qtype in PACKED_TYPES:
             perm = None
             if rotary:
                 perm = unpermute_rotary_rows(np.arange(shape[0]), heads)
             (key,) = canonical_tensors(arch, {name: np.zeros(0)})
-            packed[key] = packed_weight(qtype, t.data, shape[0], shape[1], perm)
+            packed[key] = packed_weight(qtype, gf.tensor_data(t), shape[0], shape[1], perm)
             continue
         if len(role_types) > 1 and qtype in PACKED_TYPES:
             log.info("GGUF %s: layers mix %s; dequantized", t.name, sorted(role_types))
-        w = np.asarray(gguf_dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+        data = gf.tensor_data(t)
+        w = np.asarray(to_float(data, GGMLQuantizationType(t.type_id)), np.float32).reshape(shape)
         if rotary:
             w = unpermute_rotary_rows(w, heads)
         dense[name] = w
