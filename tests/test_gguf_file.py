@@ -141,6 +141,25 @@ def test_metadata_and_tensor_table_equal_gguf_py(kvs, tensors, big_endian, align
         assert_equals_gguf_py(gf, path)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_dequantize_blocks_equals_gguf_py(qtype):
+    """gguf_blocks.dequantize_blocks (what read_gguf uses for these types) is bit for bit
+    gguf-py's dequantize on random blocks, float16 fields any finite value."""
+    from pagedjax.model.quant.gguf_blocks import dequantize_blocks
+
+    rng = np.random.default_rng(1)
+    block, size = gguf.GGML_QUANT_SIZES[QT[qtype]]
+    raw = rng.integers(0, 256, (8, size), dtype=np.uint8)
+    # Every block size is even and every float16 field (d, dmin / m) sits at an even
+    # offset: viewing the bytes as float16 and replacing inf / nan keeps them all finite.
+    f16 = raw.view(np.float16)
+    f16[~np.isfinite(f16)] = np.float16(0.5)
+    want = gguf.quants.dequantize(raw, QT[qtype]).reshape(-1)
+    got = dequantize_blocks(qtype, raw)
+    assert got.dtype == np.float32 and got.shape == (8 * block,)
+    np.testing.assert_array_equal(got, want)
+
+
 def _raw_file(kv_bytes: bytes, kv_count: int, version: int = 3) -> bytes:
     return b"GGUF" + struct.pack("<IQQ", version, 0, kv_count) + kv_bytes
 

@@ -8,8 +8,10 @@ pagedjax knows GGUF. ``load_gguf_checkpoint(path, dtype)`` does both steps.
 
 Supported: ``general.architecture == "llama"`` (Llama 2/3 style models such as
 SmolLM2), tensors of any type ``gguf.quants.dequantize`` reads (F32, F16, BF16, Q4_0,
-Q4_1, Q8_0, K-quants...). Quantized weights are dequantized at load: the model then
-runs in ``dtype`` like any HF checkpoint (about 4x the file size in fp32).
+Q4_1, Q8_0, K-quants...); the six types of quant/gguf_blocks.py are dequantized
+there (the same values, whole tensors at once: ~2.5x faster). Quantized weights are
+dequantized at load: the model then runs in ``dtype`` like any HF checkpoint (about 4x
+the file size in fp32).
 
 Why the Q/K un-permutation: llama.cpp's converter reorders the rows of q_proj and
 k_proj per head from HF's rotate-half layout (pairs i, i + d/2) to its interleaved
@@ -38,6 +40,7 @@ from pagedjax.model.config import ModelArch
 from pagedjax.model.forward import Params
 from pagedjax.model.gguf_file import GGUFFile, parse_gguf
 from pagedjax.model.loader import convert_hf_tensors
+from pagedjax.model.quant.gguf_blocks import PACKED_TYPES, dequantize_blocks
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -165,7 +168,10 @@ def read_gguf(source: GGUFSource) -> tuple[ModelArch, dict[str, np.ndarray], dic
     for t in gf.tensors:
         name = hf_tensor_name(t.name)
         data = gf.tensor_data(t)
-        w = np.asarray(dequantize(data, GGMLQuantizationType(t.type_id)), dtype=np.float32)
+        if t.type_name in PACKED_TYPES:  # whole-tensor numpy, bit-identical to gguf-py's
+            w = dequantize_blocks(t.type_name, data)
+        else:
+            w = np.asarray(dequantize(data, GGMLQuantizationType(t.type_id)), dtype=np.float32)
         # GGUF lists dims innermost first; numpy data is already [out, in] like torch.
         w = w.reshape(tuple(reversed(t.dims)))
         if ".q_proj." in name:
