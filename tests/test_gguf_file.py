@@ -295,23 +295,44 @@ _TEXTS = ["hello world", " hello  world\n", "héllo wörld ✓", "<|im_start|>he
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_gguf_tokenizer_equals_auto_tokenizer(tmp_path, kind):
+def test_gguf_tokenizer_equals_auto_tokenizer(tmp_path, monkeypatch, kind):
     """gguf_tokenizer (from parse_gguf's metadata) is the tokenizer AutoTokenizer builds from
     the same file: the same backend (vocabulary, merges, pre-tokenizer, added tokens), special
-    tokens, chat template, encodings and decodings."""
+    tokens, chat template, encodings and decodings; converted once, then (a second build)
+    from the tokenizer cache without converting, and still the same."""
     from transformers import AutoTokenizer
 
-    from pagedjax.tokenizer import gguf_tokenizer
+    import pagedjax.tokenizer as tokenizer_mod
 
-    path = tmp_path / f"{kind}.gguf"
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(tokenizer_mod.TOKENIZER_CACHE_ENV, str(cache))
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    path = model_dir / f"{kind}.gguf"
     _tokenizer_gguf(path, kind)
-    ours = gguf_tokenizer(path, parse_gguf(path).metadata)
-    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name, local_files_only=True)
-    assert_same_tokenizer(ours.hf_tokenizer, ref)
+    meta = parse_gguf(path).metadata
+    ref = AutoTokenizer.from_pretrained(str(model_dir), gguf_file=path.name, local_files_only=True)
     conversation = [{"role": "user", "content": "hello"}]
-    assert ours.apply_chat_template(conversation) == ref.apply_chat_template(
-        conversation, add_generation_prompt=True, tokenize=False
-    )
+    want_prompt = ref.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+
+    converted = tokenizer_mod.gguf_tokenizer(path, meta)
+    assert len(list(cache.glob("gguf-*.json"))) == 1  # the conversion was kept
+
+    def no_conversion(*args):
+        raise AssertionError("a cached tokenizer was converted again")
+
+    monkeypatch.setattr(tokenizer_mod, "_convert_gguf_tokenizer", no_conversion)
+    cached = tokenizer_mod.gguf_tokenizer(path, meta)
+    for ours in (converted, cached):
+        assert_same_tokenizer(ours.hf_tokenizer, ref)
+        assert ours.apply_chat_template(conversation) == want_prompt
+    # Other tokenizer metadata (here: the chat template) is another cache entry.
+    monkeypatch.undo()
+    monkeypatch.setenv(tokenizer_mod.TOKENIZER_CACHE_ENV, str(cache))
+    template = "{{ messages[0]['content'] }}"
+    other = {**meta, "tokenizer.chat_template": template}
+    assert tokenizer_mod.gguf_tokenizer(path, other).chat_template == template
+    assert len(list(cache.glob("gguf-*.json"))) == 2
 
 
 def assert_same_tokenizer(tok, ref, texts=_TEXTS) -> None:
@@ -341,10 +362,11 @@ def test_gguf_tokenizer_defers_to_auto_tokenizer_beside_tokenizer_files(tmp_path
     path = tmp_path / "gpt2.gguf"
     _tokenizer_gguf(path, "gpt2")
     meta = parse_gguf(path).metadata
-    assert gguf_metadata_tokenizer(path, meta) is not None
+    assert gguf_metadata_tokenizer(path, meta, cache_dir=None) is not None
     (tmp_path / "tokenizer_config.json").write_text("{}")
-    assert gguf_metadata_tokenizer(path, meta) is None
-    assert gguf_metadata_tokenizer(path, {**meta, "general.architecture": "qwen2"}) is None
+    assert gguf_metadata_tokenizer(path, meta, cache_dir=None) is None
+    other_arch = {**meta, "general.architecture": "qwen2"}
+    assert gguf_metadata_tokenizer(path, other_arch, cache_dir=None) is None
 
 
 # --- the real file -------------------------------------------------------------------------
@@ -361,21 +383,24 @@ def cached_smollm2() -> Path:
 
 
 @pytest.mark.tier2
-def test_real_file_equals_gguf_py_and_auto_tokenizer(cached_smollm2):
+def test_real_file_equals_gguf_py_and_auto_tokenizer(cached_smollm2, tmp_path):
     """SmolLM2-135M-Instruct's GGUF: every field (49k tokens, 48k merges) and the tensor
-    table as gguf-py reads them, and its tokenizer as transformers builds it from the file.
-    The reference is TokenizersBackend.from_pretrained, the class AutoTokenizer picks for a
-    llama GGUF (the tiny-file test above checks that pick): AutoTokenizer itself would also
-    run gguf-py's reader over the file again for its config (~10 s more)."""
+    table as gguf-py reads them, and its tokenizer, converted and then from the tokenizer
+    cache, as transformers builds it from the file. The reference is
+    TokenizersBackend.from_pretrained, the class AutoTokenizer picks for a llama GGUF (the
+    tiny-file test above checks that pick): AutoTokenizer itself would also run gguf-py's
+    reader over the file again for its config (~10 s more)."""
     from transformers import TokenizersBackend
 
-    from pagedjax.tokenizer import gguf_tokenizer
+    from pagedjax.tokenizer import gguf_metadata_tokenizer
 
     gf = parse_gguf(cached_smollm2)
     assert_equals_gguf_py(gf, cached_smollm2)
-    ours = gguf_tokenizer(cached_smollm2, gf.metadata)
     ref = TokenizersBackend.from_pretrained(
         str(cached_smollm2.parent), gguf_file=cached_smollm2.name, local_files_only=True
     )
     texts = [*_TEXTS, "The capital of France is Paris. 1234567 tokens!\n\tdef f(x): return x"]
-    assert_same_tokenizer(ours.hf_tokenizer, ref, texts)
+    for _ in ("converted", "cached"):
+        ours = gguf_metadata_tokenizer(cached_smollm2, gf.metadata, cache_dir=tmp_path)
+        assert_same_tokenizer(ours, ref, texts)
+    assert len(list(tmp_path.glob("gguf-*.json"))) == 1
