@@ -1,9 +1,10 @@
 """GGUF tensors kept packed: llama.cpp's block formats -> ``QuantizedWeight``.
 
 Each GGUF block covers consecutive values of one row of a torch-layout [out, in] weight,
-so a block is a group along our input axis. Formats held as they are (codes repacked into
-weight.py's layout, scales and offsets computed in float32 exactly as
-``gguf.quants.dequantize`` computes them, so the dequantized weights are bit-identical):
+so a block is a group along our input axis. Formats held as they are (blocks decoded by
+gguf_blocks.py, codes repacked into weight.py's layout, scales and offsets computed in
+float32 exactly as ``gguf.quants.dequantize`` computes them, so the dequantized weights
+are bit-identical):
 
 =======  ==========  ==========================================  ============
 type     group       value                                       codes kept
