@@ -4,9 +4,14 @@ models, presets). Chat templates are rendered by the tokenizer that carries them
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 from pathlib import Path
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 # Any of these in a checkpoint directory means it ships a Hugging Face tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -57,7 +62,17 @@ class HFTokenizer:
             from transformers import AutoTokenizer as cls
 
         kwargs = {} if gguf_file is None else {"gguf_file": gguf_file}
-        self._tok = cls.from_pretrained(str(directory), local_files_only=True, **kwargs)
+        self._adopt(cls.from_pretrained(str(directory), local_files_only=True, **kwargs))
+
+    @classmethod
+    def wrapping(cls, tok: Any) -> HFTokenizer:
+        """An HFTokenizer around a transformers tokenizer built elsewhere."""
+        self = cls.__new__(cls)
+        self._adopt(tok)
+        return self
+
+    def _adopt(self, tok: Any) -> None:
+        self._tok = tok
         self._raw_decode = _backend_decode(self._tok)
         self.eos_token_id: int | None = self._tok.eos_token_id
         self.bos_token_id: int | None = self._tok.bos_token_id
@@ -128,12 +143,150 @@ def _backend_decode(tok: Any) -> Any:
     return backend.decode
 
 
-def gguf_tokenizer(path: str | Path) -> HFTokenizer:
-    """The tokenizer and chat template stored in a GGUF file's metadata."""
+def gguf_tokenizer(path: str | Path, metadata: dict[str, Any] | None = None) -> HFTokenizer:
+    """The tokenizer and chat template stored in a GGUF file's metadata.
+
+    metadata: the file's metadata as ``pagedjax.model.gguf_file.parse_gguf(path).metadata``
+    when the caller has parsed it already (the engine's loader: one parse per build),
+    else parsed here. Built from it as transformers builds it (``gguf_metadata_tokenizer``)
+    where that is exactly what ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` would
+    give, else through AutoTokenizer itself (a directory that also holds tokenizer files,
+    another architecture, a transformers without the GGUF tokenizer API)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    if metadata is None:
+        from pagedjax.model.gguf_file import parse_gguf
+
+        metadata = parse_gguf(path).metadata
+    tok = gguf_metadata_tokenizer(path, metadata)
+    if tok is not None:
+        return HFTokenizer.wrapping(tok)
     return HFTokenizer(path.parent, gguf_file=path.name)
+
+
+# GGUF architectures whose AutoTokenizer class is the generic TokenizersBackend (transformers'
+# TOKENIZER_MAPPING_NAMES has no "llama" entry). Not looked up at run time: importing that
+# table imports torch (~5 s); the tests compare with AutoTokenizer instead.
+_BACKEND_ARCHITECTURES = ("llama",)
+# transformers' get_gguf_tokenizer: special-token attribute -> its id key in the metadata.
+_SPECIAL_TOKEN_IDS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+
+
+TOKENIZER_CACHE_ENV = "PAGEDJAX_TOKENIZER_CACHE"
+_CACHE_OFF = {"", "0", "off", "none", "false", "no"}
+_CACHE_FORMAT = 1  # bump when what a cache file holds, or how it is built, changes
+
+
+def tokenizer_cache_dir() -> Path | None:
+    """Where converted GGUF tokenizers are kept: ``$PAGEDJAX_TOKENIZER_CACHE`` (an "off"
+    value disables the cache), else ``$XDG_CACHE_HOME/pagedjax/tokenizers``."""
+    env = os.environ.get(TOKENIZER_CACHE_ENV)
+    if env is not None:
+        return None if env.strip().lower() in _CACHE_OFF else Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pagedjax" / "tokenizers"
+
+
+def gguf_metadata_tokenizer(
+    path: Path, metadata: dict[str, Any], cache_dir: Path | None | bool = True
+) -> Any | None:
+    """The transformers tokenizer ``AutoTokenizer.from_pretrained(path.parent,
+    gguf_file=path.name)`` builds, made from already parsed metadata; None where that
+    equivalence is not established (see gguf_tokenizer). cache_dir: True for
+    ``tokenizer_cache_dir()``, a directory, or None / False for no cache.
+
+    Why: AutoTokenizer parses the file twice more for it (its config through gguf-py's
+    GGUFReader, ~8-10 s on SmolLM2's vocabulary plus importing torch; the vocabulary and
+    merges again with its own reader, ~1 s), then converts the vocabulary and merges to a
+    ``tokenizers`` BPE. The conversion is transformers' own (``convert_gguf_tokenizer``);
+    what is repeated here is get_gguf_tokenizer's selection of keys (its
+    GGUF_TOKENIZER_MAPPING table, the llama / gemma4 add_bos defaults, the special tokens
+    by id), pinned by tests against AutoTokenizer (tests/test_gguf_file.py, and on the
+    real file).
+
+    The cache: importing transformers' GGUF converter (it imports five model families'
+    tokenizer modules) and converting cost ~2-3 s of a start under load, against ~0.9 s to
+    rebuild the same backend from its JSON. So the converted backend (``to_str()``, the
+    ``tokenizers`` library's own serialization) and the constructor's arguments are kept
+    in one JSON file named by a SHA-256 of the metadata's ``tokenizer.*`` values, the
+    architecture, the transformers and tokenizers versions and a format number; a hit
+    builds the same ``TokenizersBackend(tokenizer_object=..., **arguments)`` call from
+    them. An unreadable or unwritable cache is skipped (the conversion runs)."""
+    arch = metadata.get("general.architecture")
+    if arch not in _BACKEND_ARCHITECTURES or "tokenizer.ggml.tokens" not in metadata:
+        return None
+    if any((path.parent / f).is_file() for f in TOKENIZER_FILES):
+        return None  # AutoTokenizer would read those files too
+    try:
+        import tokenizers
+        import transformers
+        from transformers import TokenizersBackend
+    except ImportError:  # pragma: no cover - both are dependencies of the real extra
+        return None
+    if cache_dir is True:
+        cache_dir = tokenizer_cache_dir()
+    cache_file = None
+    if cache_dir:
+        key = json.dumps(
+            [_CACHE_FORMAT, transformers.__version__, tokenizers.__version__, arch,
+             {k: v for k, v in sorted(metadata.items()) if k.startswith("tokenizer.")}],
+            ensure_ascii=False,
+        )  # fmt: skip
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+        cache_file = Path(cache_dir) / f"gguf-{digest[:32]}.json"
+        try:
+            cached = json.loads(cache_file.read_text(encoding="utf-8"))
+            backend = tokenizers.Tokenizer.from_str(cached["backend"])
+            return TokenizersBackend(
+                tokenizer_object=backend, name_or_path=str(path.parent), **cached["arguments"]
+            )
+        except Exception:  # noqa: BLE001 - absent, unreadable or stale: convert instead
+            pass
+    converted = _convert_gguf_tokenizer(arch, metadata)
+    if converted is None:
+        return None
+    backend, arguments = converted
+    if cache_file is not None:
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+            text = json.dumps({"backend": backend.to_str(), "arguments": arguments})
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, cache_file)  # atomic: a reader never sees half a file
+        except (OSError, TypeError, ValueError) as e:
+            log.info("GGUF tokenizer cache not written (%s): %s", cache_file, e)
+    return TokenizersBackend(tokenizer_object=backend, name_or_path=str(path.parent), **arguments)
+
+
+def _convert_gguf_tokenizer(arch: str, metadata: dict[str, Any]) -> tuple[Any, dict] | None:
+    """(the ``tokenizers`` backend transformers converts the metadata to, the keyword
+    arguments of TokenizersBackend), as transformers' get_gguf_tokenizer +
+    convert_gguf_tokenizer; None for a transformers without that API."""
+    try:
+        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError:  # another transformers: its AutoTokenizer decides
+        return None
+    grouped = {
+        group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
+                if f"tokenizer.{key}" in metadata}
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }  # fmt: skip
+    tokenizer_dict, arguments = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        arguments.setdefault("add_bos_token", True)  # llama.cpp's default for SentencePiece
+    elif tokenizer_dict.get("tokenizer_type") == "gemma4":
+        arguments["add_bos_token"] = False
+    for name, key in _SPECIAL_TOKEN_IDS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        arguments[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
+    return backend, {**arguments, **extra}
 
 
 class ByteTokenizer:

@@ -16,6 +16,7 @@ from pagedjax.config import ModelConfig
 from pagedjax.model import PRESETS, ModelArch, load_arch, load_hf_checkpoint, preset_arch
 from pagedjax.model import random_params as make_random_params
 from pagedjax.model.catalog import CATALOG, fetch_model
+from pagedjax.model.gguf_file import parse_gguf
 from pagedjax.model.gguf_loader import load_gguf_arch, load_gguf_checkpoint
 from pagedjax.model.quant.gguf_packed import load_gguf_packed
 from pagedjax.model.quant.inflight import INFLIGHT_MODES, quantize_params
@@ -72,14 +73,18 @@ def load_model(mc: ModelConfig) -> tuple[ModelArch, Any, Tokenizer, Any]:
             raise ValueError(f"{mc.model!r} is a GGUF model, not a {mc.quantization} checkpoint")
         gguf_path = fetch_model(mc.model) if mc.model in CATALOG else path
         dtype = resolve_dtype(mc.dtype, None, platform)
+        gf = parse_gguf(gguf_path)  # once: the weights and the tokenizer read this header
         if mc.load_format == "dummy":  # the file's shapes and tokenizer, random weights
-            arch = load_gguf_arch(gguf_path)
+            arch = load_gguf_arch(gf)
             params = make_random_params(arch, mc.seed, dtype)
         elif mc.quantization == "gguf":  # the file's quantized linears kept packed
-            arch, params = load_gguf_packed(gguf_path, dtype)
+            arch, params = load_gguf_packed(gf, dtype)
         else:
-            arch, params = load_gguf_checkpoint(gguf_path, dtype)
-        tokenizer = load_tokenizer(mc.tokenizer) if mc.tokenizer else gguf_tokenizer(gguf_path)
+            arch, params = load_gguf_checkpoint(gf, dtype)
+        if mc.tokenizer:
+            tokenizer = load_tokenizer(mc.tokenizer)
+        else:
+            tokenizer = gguf_tokenizer(gguf_path, gf.metadata)
         return arch, _in_flight(params, mc.quantization), tokenizer, dtype
     method = mc.quantization
     if path.is_dir():
