@@ -146,7 +146,7 @@ def _backend_decode(tok: Any) -> Any:
 def gguf_tokenizer(path: str | Path, metadata: dict[str, Any] | None = None) -> HFTokenizer:
     """The tokenizer and chat template stored in a GGUF file's metadata.
 
-    metadata: the file's metadata as ``pagedjax.model.gguf_file.parse_gguf(path).metadata``
+    metadata: the file's metadata as ``pagedjax.gguf_file.parse_gguf(path).metadata``
     when the caller has parsed it already (the engine's loader: one parse per build),
     else parsed here. Built from it as transformers builds it (``gguf_metadata_tokenizer``)
     where that is exactly what ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` would
@@ -156,7 +156,7 @@ def gguf_tokenizer(path: str | Path, metadata: dict[str, Any] | None = None) -> 
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     if metadata is None:
-        from pagedjax.model.gguf_file import parse_gguf
+        from pagedjax.gguf_file import parse_gguf
 
         metadata = parse_gguf(path).metadata
     tok = gguf_metadata_tokenizer(path, metadata)

@@ -1,4 +1,4 @@
-"""pagedjax's GGUF header reader (pagedjax/model/gguf_file.py) against gguf-py's own
+"""pagedjax's GGUF header reader (pagedjax/gguf_file.py) against gguf-py's own
 reader, on files gguf-py's writer made: every metadata value type, nested arrays, both
 byte orders, the tensor table and the tensor views; refusals; and the GGUF tokenizer
 built from the parsed metadata against transformers' AutoTokenizer on the same file.
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 gguf = pytest.importorskip("gguf")
 
-from pagedjax.model.gguf_file import GGUFFile, parse_gguf  # noqa: E402
+from pagedjax.gguf_file import GGUFFile, parse_gguf  # noqa: E402
 
 VT = gguf.GGUFValueType
 QT = gguf.GGMLQuantizationType
@@ -215,7 +215,7 @@ def test_refusals(tmp_path):
 
 def test_long_header_is_read_past_the_first_chunk(tmp_path, monkeypatch):
     """A header longer than the first read (lowered here to 64 bytes) is read again whole."""
-    import pagedjax.model.gguf_file as gguf_file
+    import pagedjax.gguf_file as gguf_file
 
     monkeypatch.setattr(gguf_file, "_FIRST_READ", 64)
     path = tmp_path / "long.gguf"

@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedjax.native_build",),  # compiles the native CPU kernels (attention, matmul)
     ("pagedjax.workloads", "pagedjax.config", "pagedjax.tokenizer", "pagedjax.machine",
      "pagedjax.compile_cache"),  # fmt: skip
+    ("pagedjax.gguf_file",),  # GGUF's header, metadata and tensor table (numpy only)
     ("pallas_kernels",),  # the leaf: imports nothing from pagedjax (pallas_kernels.triton too)
 ]
 WALKED = ("pagedjax", "pallas_kernels", "experiments", "benchmarks", "examples")

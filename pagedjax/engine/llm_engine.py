@@ -129,9 +129,9 @@ class LLMEngine:
         self.arch, self.tokenizer, self.config = arch, tokenizer, config
         dtype = compute_dtype(params)  # not a quantized weight's int codes
         self.kv_spec = KVCacheSpec.resolve(arch, dtype, cc.cache_dtype, kv_dtype, cc.kv_scales)
-        self.placement = place = DevicePlacement(arch, par.tensor_parallel_size, devices,
-                                                 par.pipeline_parallel_size,
-                                                 par.pipeline_layer_partition)  # fmt: skip
+        self.placement = place = DevicePlacement(
+            arch, par.tensor_parallel_size, devices, par.pipeline_parallel_size,
+            par.pipeline_layer_partition)  # fmt: skip
         params = place.params(params, self.kv_spec)  # refuses what is not sharded yet
         log.info("devices: %s", place.describe())
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
@@ -162,8 +162,7 @@ class LLMEngine:
             kv_cache_memory_bytes=cc.kv_cache_memory_bytes,
             gpu_memory_utilization=cc.gpu_memory_utilization,
             device=place.device,
-            # Under PP the profile's unpipelined forward would gather every stage's
-            # weights: skipped (the peak is then the weights alone; docs/parallelism.md).
+            # PP: an unpipelined profile would gather every stage's weights (docs/parallelism.md)
             profile=None if place.pipeline else functools.partial(
                 profile_forward, arch, params, self.kv_spec, self.block_size, budget,
                 self.max_seqs, max_blocks_per_seq,

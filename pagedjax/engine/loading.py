@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 
 from pagedjax.config import ModelConfig
+from pagedjax.gguf_file import parse_gguf
 from pagedjax.model import PRESETS, ModelArch, load_arch, load_hf_checkpoint, preset_arch
 from pagedjax.model import random_params as make_random_params
 from pagedjax.model.catalog import CATALOG, fetch_model
-from pagedjax.model.gguf_file import parse_gguf
 from pagedjax.model.gguf_loader import load_gguf_arch, load_gguf_checkpoint
 from pagedjax.model.quant.gguf_packed import load_gguf_packed
 from pagedjax.model.quant.inflight import INFLIGHT_MODES, quantize_params

@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from pagedjax.gguf_file import GGUFFile, parse_gguf
 from pagedjax.model.config import ModelArch
 from pagedjax.model.forward import Params
-from pagedjax.model.gguf_file import GGUFFile, parse_gguf
 from pagedjax.model.loader import convert_hf_tensors
 from pagedjax.model.quant.gguf_blocks import PACKED_TYPES, dequantize_blocks
 
