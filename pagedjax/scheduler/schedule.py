@@ -179,6 +179,34 @@ def _preempt_group(policy, config, mem, gm, alone):
     return _tree_where(use, swapped_mem, released), use
 
 
+def _grow_masked(policy, mem, args: tuple, mask: jax.Array, wm: jax.Array) -> tuple:
+    """``policy.grow(mem, *args, mask, wm)``; an empty mask skips the call (a policy's
+    batched call costs O(B) even when nothing is masked) and changes nothing, as the
+    policy contract says of unmasked entries. Returns (mem', ok bool[N])."""
+    n = mask.shape[0]
+    return lax.cond(
+        jnp.any(mask),
+        lambda: policy.grow(mem, *args, mask, wm),
+        lambda: (mem, jnp.ones((n,), bool)),
+    )
+
+
+# Stages of the running pass's loop (``_run_running``).
+_R_ALL, _R_PREFIX, _R_GROUP, _R_DONE = 0, 1, 2, 3
+
+
+class _RunCarry(NamedTuple):
+    mem: Any
+    stage: jax.Array  # int32[]: one of _R_*
+    grow: jax.Array  # bool[N] by position: the next iteration's grow mask
+    i: jax.Array  # int32[]: first position of the group to grow (stages PREFIX, GROUP)
+    j: jax.Array  # int32[]: positions [j, n_run) were preempted (stage GROUP)
+    pre: jax.Array  # bool[N] by slot: preempted (recompute or swap)
+    swp: jax.Array  # bool[N] by slot: of those, swapped out
+    cap: jax.Array  # bool[N] by slot: finished for capacity
+    rel: jax.Array  # bool[N] by slot: holds released
+
+
 def _run_running(policy, config, state, mem, order, want, new_lens, finals, caps, n_run, holds):
     """Grow the running sequences (positions in a group-contiguous ``order``); preempt
     whole groups from the back.
@@ -188,6 +216,14 @@ def _run_running(policy, config, state, mem, order, want, new_lens, finals, caps
     running group is preempted or finished for capacity: a waiting request never keeps
     memory from a running one (vLLM holds no blocks for waiting requests).
 
+    One ``lax.while_loop`` whose body calls ``policy.grow`` once, so the policy is traced
+    once here (XLA inlines every call site: each traced copy is compiled on its own).
+    Its stages: ALL grows every wanted position at once, kept when all succeed (the
+    common case: one iteration). Otherwise PREFIX grows the groups before the failing
+    one's (exactly as the batched call did), the holds are released, and GROUP retries
+    the groups one at a time from there: a group grows whole (one batched call over its
+    members, all or nothing) or the lowest-priority group not yet visited is preempted.
+
     Returns (mem', preempted, swapped, capacity, released), each bool[N] by slot:
     preempted (by recompute or swap), of those the swapped ones, groups finished for
     capacity, and the holds released.
@@ -195,79 +231,141 @@ def _run_running(policy, config, state, mem, order, want, new_lens, finals, caps
     n = order.shape[0]
     pos = jnp.arange(n, dtype=jnp.int32)
     no_wm = jnp.zeros((n,), bool)
-    mem_all, ok_all = policy.grow(mem, order, new_lens, finals, caps, want, no_wm)
-    f = _first_false(ok_all, want)
-    z = jnp.zeros((n,), bool)
+    start, end = _group_bounds(order, state.group, n_run)
+    running = state.status == RUNNING
+    args = (order, new_lens, finals, caps)
 
-    def fast() -> tuple:
-        return mem_all, z, z, z, z
+    def members(i: jax.Array) -> jax.Array:  # the wanted positions of i's group
+        return want & (pos >= i) & (pos < end[jnp.minimum(i, n - 1)])
 
-    def slow() -> tuple:
-        start, end = _group_bounds(order, state.group, n_run)
-        g0 = start[jnp.minimum(f, n - 1)]
-        # Every group before the failing one grows exactly as in the batched call.
-        m, _ = policy.grow(mem, order, new_lens, finals, caps, want & (pos < g0), no_wm)
-        running = state.status == RUNNING
-        f1 = jnp.zeros((1,), bool)
+    def body(c: _RunCarry) -> _RunCarry:
+        m_g, ok = _grow_masked(policy, c.mem, args, c.grow, no_wm)
+        good = jnp.all(ok | ~c.grow)
 
-        def grow_one(k, c):
-            m, ok = c
-            w = want[k] & ok
-            m2, ok1 = policy.grow(
-                m, order[k][None], new_lens[k][None], finals[k][None], caps[k][None], w[None], f1
+        def batched() -> _RunCarry:
+            # The batched call is exact up to its first failure: the groups before the
+            # failing one's grow again alone (later entries may have taken memory).
+            f = _first_false(ok, want)
+            g0 = start[jnp.minimum(f, n - 1)]
+            return c._replace(
+                mem=_tree_where(good, m_g, c.mem),
+                stage=jnp.where(good, _R_DONE, _R_PREFIX).astype(jnp.int32),
+                grow=want & (pos < g0),
+                i=g0,
             )
-            return m2, ok & (ok1[0] | ~w)
 
-        # Group g0 fails (the batched call is exact): the waiting holds go first, then
-        # g0 is retried, sequentially, as below.
-        m = policy.release(m, pos, holds)
+        def prefix() -> _RunCarry:
+            # Group g0 fails: the waiting holds go first, then g0 is retried, group by group.
+            return c._replace(
+                mem=policy.release(m_g, pos, holds),
+                stage=jnp.int32(_R_GROUP),
+                grow=members(c.i),
+                rel=holds,
+            )
 
-        def body(c):
-            m, i, j, pre, swp, cap = c
+        def group() -> _RunCarry:
+            i, j = c.i, c.j
             e = end[i]
-            # The group's members grow one by one; all or nothing for the group.
-            m_try, ok = lax.fori_loop(i, e, grow_one, (m, jnp.asarray(True)))
             other = j > e  # a lower-priority group remains
             vs = jnp.where(other, start[jnp.maximum(j - 1, 0)], i)  # the victim's first position
             gm = running & (state.group == state.group[order[vs]])
             alone = ~other & (i == 0)
 
             def victim():
-                return _preempt_group(policy, config, m, gm, alone)
+                return _preempt_group(policy, config, c.mem, gm, alone)
 
-            m_pre, swapped = lax.cond(ok, lambda: (m, jnp.asarray(False)), victim)
-            m = _tree_where(ok, m_try, m_pre)
-            hit = ~ok & gm
-            pre = pre | (hit & ~alone)
-            swp = swp | (hit & swapped)
-            cap = cap | (hit & alone)
-            return m, jnp.where(ok, e, i), jnp.where(ok, j, vs), pre, swp, cap
+            m_pre, swapped = lax.cond(good, lambda: (c.mem, jnp.asarray(False)), victim)
+            hit = ~good & gm
+            i2, j2 = jnp.where(good, e, i), jnp.where(good, j, vs)
+            return c._replace(
+                mem=_tree_where(good, m_g, m_pre),
+                stage=jnp.where(i2 < j2, _R_GROUP, _R_DONE).astype(jnp.int32),
+                grow=members(i2),
+                i=i2,
+                j=j2,
+                pre=c.pre | (hit & ~alone),
+                swp=c.swp | (hit & swapped),
+                cap=c.cap | (hit & alone),
+            )
 
-        m, _, _, pre, swp, cap = lax.while_loop(
-            lambda c: c[1] < c[2], body, (m, g0, n_run, z, z, z)
-        )
-        return m, pre, swp, cap, holds
+        return lax.switch(c.stage, (batched, prefix, group))
 
-    return lax.cond(f >= n, fast, slow)
+    z = jnp.zeros((n,), bool)
+    init = _RunCarry(mem, jnp.int32(_R_ALL), want, jnp.int32(0), n_run, z, z, z, z)
+    c = lax.while_loop(lambda c: c.stage != _R_DONE, body, init)
+    return c.mem, c.pre, c.swp, c.cap, c.rel
 
 
-def _admit(policy, mem, grow_w, cand) -> tuple:
+# Stages of the admission loop (``_admit``).
+_A_ALL, _A_PREFIX, _A_RETRY, _A_DONE = 0, 1, 2, 3
+
+
+class _AdmitCarry(NamedTuple):
+    mem: Any
+    stage: jax.Array  # int32[]: one of _A_*
+    grow: jax.Array  # bool[N] by position: the next iteration's grow mask
+    adm: jax.Array  # bool[N] by position: admitted
+    f: jax.Array  # int32[]: the refused position, or N
+    dropped: jax.Array  # bool[N] by position: holds released
+
+
+def _admit(policy, mem, grow_w, cand, drop) -> tuple:
     """Admit the candidates (bool[N] by position) in order up to the first the policy
-    refuses (with the watermark). Returns (mem', admitted bool[N] by position, the
-    refused position or N). One batched grow; a refusal costs a second one over the
-    prefix, so the result equals growing one at a time for any policy."""
+    refuses (with the watermark). On a refusal, the holds behind the refused position
+    (``drop``: bool[N] by position, the slots that may give theirs) are released and it
+    is retried, alone.
+
+    One ``lax.while_loop`` whose body calls ``policy.grow`` once (traced once). ALL grows
+    every candidate at once, kept when all are admitted; at a refusal PREFIX grows the
+    admitted prefix again (so the result equals growing one at a time, for any policy),
+    then releases the holds behind it, and RETRY grows the refused one.
+    Returns (mem', admitted bool[N] by position, the refused position or N, released
+    bool[N] by position)."""
     n = cand.shape[0]
     pos = jnp.arange(n, dtype=jnp.int32)
-    # Policies' batched calls cost O(B) even when nothing is masked: skip idle ones.
-    mem_a, ok_a = lax.cond(
-        jnp.any(cand),
-        lambda: policy.grow(mem, *grow_w, cand, cand),
-        lambda: (mem, jnp.ones((n,), bool)),
-    )
-    f = _first_false(ok_a, cand)
-    adm = cand & (pos < f)
-    mem = lax.cond(f >= n, lambda: mem_a, lambda: policy.grow(mem, *grow_w, adm, adm)[0])
-    return mem, adm, f
+
+    def body(c: _AdmitCarry) -> _AdmitCarry:
+        m_g, ok = _grow_masked(policy, c.mem, grow_w, c.grow, c.grow)
+
+        def batched() -> _AdmitCarry:
+            f = _first_false(ok, cand)
+            good = f >= n
+            adm = cand & (pos < f)
+            return c._replace(
+                mem=_tree_where(good, m_g, c.mem),
+                stage=jnp.where(good, _A_DONE, _A_PREFIX).astype(jnp.int32),
+                grow=adm,
+                adm=adm,
+                f=f,
+            )
+
+        def prefix() -> _AdmitCarry:
+            d = drop & (pos > c.f)
+            any_d = jnp.any(d)
+            slots = jnp.zeros((n,), bool).at[grow_w[0]].set(d)
+            m = lax.cond(any_d, lambda: policy.release(m_g, pos, slots), lambda: m_g)
+            return c._replace(
+                mem=m,
+                stage=jnp.where(any_d, _A_RETRY, _A_DONE).astype(jnp.int32),
+                grow=pos == c.f,
+                dropped=d,
+            )
+
+        def retry() -> _AdmitCarry:
+            ok_f = ok[c.f]
+            return c._replace(
+                mem=m_g,
+                stage=jnp.int32(_A_DONE),
+                adm=c.adm | ((pos == c.f) & ok_f),
+                f=jnp.where(ok_f, n, c.f),
+            )
+
+        return lax.switch(c.stage, (batched, prefix, retry))
+
+    z = jnp.zeros((n,), bool)
+    init = _AdmitCarry(mem, jnp.int32(_A_ALL), cand, z, jnp.int32(n), z)
+    c = lax.while_loop(lambda c: c.stage != _A_DONE, body, init)
+    return c.mem, c.adm, c.f, c.dropped
 
 
 def _swap_in(policy, config, state, mem, seq_cap, n_running):
@@ -419,19 +517,11 @@ def schedule(
         state.final_len[order_w],
         caps_all[order_w],
     )
-    mem, adm, f = _admit(policy, mem, grow_w, cand)
     # Refused while later waiting slots hold memory: release those holds (vLLM's waiting
     # requests hold nothing) and retry the refused one; admission then ends for the step
     # (the released slots are behind it and wait for their new lookup anyway).
-    drop_w = holds[order_w] & ~released[order_w] & (pos > f) & (f < n)
-
-    def retry() -> tuple:
-        m = policy.release(mem, pos, jnp.zeros((n,), bool).at[order_w].set(drop_w))
-        one = pos == f
-        m, ok = policy.grow(m, *grow_w, one, one)
-        return m, adm | (one & ok), jnp.where(ok[f], n, f)
-
-    mem, adm, f = lax.cond(jnp.any(drop_w), retry, lambda: (mem, adm, f))
+    drop = holds[order_w] & ~released[order_w]
+    mem, adm, f, drop_w = _admit(policy, mem, grow_w, cand, drop)
     released = released | jnp.zeros((n,), bool).at[order_w].set(drop_w)
     # Refused with nothing else holding memory: it can never fit.
     cap_w_pos = (pos == 0) & (f == 0) & (n_run_after == 0)
