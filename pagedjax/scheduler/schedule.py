@@ -30,8 +30,18 @@ Rules (docs/scheduler.md gives the reasons; ``reference.py`` states them sequent
    step); the refusal that remains stops admission, and if nothing runs the refused
    request can never fit (REASON_CAPACITY). Rejected slots release their holds.
 
-The common case (no preemption, no refusal, nothing swapped) costs a few batched policy
-calls; the sequential preemption and swap-in loops only run when needed.
+The common case (no preemption, no refusal, nothing swapped) costs two batched grows
+(running, admission); the group-by-group preemption pass and swap-in only run when needed.
+
+One loop: every ``policy.grow`` and ``policy.release`` of a step is the same call site,
+in the body of one ``lax.while_loop`` whose stages (``_START`` .. ``_DONE``) walk the
+rules above: each iteration runs (at ``_MID``) swap-in and the admission set-up, then
+one grow over the stage's mask (skipped when empty), the stage's transition, then one
+release of what the transition gave up. XLA inlines every call site of a traced
+function, so each site is compiled on its own: with the running pass, its preemption
+retries and admission each calling ``grow`` (six sites, ~700 StableHLO lines each for
+the paged policy), ``schedule`` took 5,000 lines and ~5.5 CPU s to compile; one site
+per method makes it several times smaller (docs/scheduler.md, "Compile cost").
 """
 
 from __future__ import annotations
@@ -162,21 +172,24 @@ def _group_bounds(order: jax.Array, group: jax.Array, n_members: jax.Array) -> t
     return start, end
 
 
-def _preempt_group(policy, config, mem, gm, alone):
-    """Preempt the running members ``gm`` (bool[N]) of one group: swap them out if the
-    mode asks for it and the host pool takes them all, else release (recompute). A group
-    that cannot fit even alone (``alone``) is released. Returns (mem', swapped bool[])."""
-    n = gm.shape[0]
-    released = policy.release(mem, jnp.arange(n, dtype=jnp.int32), gm)
+def _victim(policy, config, mem, gm, alone, fail):
+    """The preemption of a failed group grow (``fail``): the running members ``gm``
+    (bool[N]) of the victim group are swapped out if the mode asks for it and the host
+    pool takes them all, else they are to be released (recompute); a group that cannot
+    fit even alone (``alone``) is released. Returns (mem', swapped bool[], to_release
+    bool[N] by slot): the release is the loop's (``schedule``), at the iteration's end."""
     if not getattr(policy, "can_swap", False) or config.preemption_mode == "recompute":
-        return released, jnp.asarray(False)
+        return mem, jnp.asarray(False), fail & gm
     if config.preemption_mode == "swap":
         want = ~alone
     else:  # the paper's default: swap groups with several running sequences
         want = ~alone & (jnp.sum(gm, dtype=jnp.int32) > 1)
-    swapped_mem, ok = policy.swap_out(mem, gm)
-    use = want & ok
-    return _tree_where(use, swapped_mem, released), use
+    try_swap = fail & want
+    swapped_mem, ok = lax.cond(
+        try_swap, lambda: policy.swap_out(mem, gm), lambda: (mem, jnp.asarray(False))
+    )
+    use = try_swap & ok
+    return _tree_where(use, swapped_mem, mem), use, fail & ~use & gm
 
 
 def _grow_masked(policy, mem, args: tuple, mask: jax.Array, wm: jax.Array) -> tuple:
@@ -189,183 +202,6 @@ def _grow_masked(policy, mem, args: tuple, mask: jax.Array, wm: jax.Array) -> tu
         lambda: policy.grow(mem, *args, mask, wm),
         lambda: (mem, jnp.ones((n,), bool)),
     )
-
-
-# Stages of the running pass's loop (``_run_running``).
-_R_ALL, _R_PREFIX, _R_GROUP, _R_DONE = 0, 1, 2, 3
-
-
-class _RunCarry(NamedTuple):
-    mem: Any
-    stage: jax.Array  # int32[]: one of _R_*
-    grow: jax.Array  # bool[N] by position: the next iteration's grow mask
-    i: jax.Array  # int32[]: first position of the group to grow (stages PREFIX, GROUP)
-    j: jax.Array  # int32[]: positions [j, n_run) were preempted (stage GROUP)
-    pre: jax.Array  # bool[N] by slot: preempted (recompute or swap)
-    swp: jax.Array  # bool[N] by slot: of those, swapped out
-    cap: jax.Array  # bool[N] by slot: finished for capacity
-    rel: jax.Array  # bool[N] by slot: holds released
-
-
-def _run_running(policy, config, state, mem, order, want, new_lens, finals, caps, n_run, holds):
-    """Grow the running sequences (positions in a group-contiguous ``order``); preempt
-    whole groups from the back.
-
-    holds: bool[N] by slot, WAITING slots holding memory (attached prefix-cache hits).
-    At the first failed grow they are all released and the grow is retried, before any
-    running group is preempted or finished for capacity: a waiting request never keeps
-    memory from a running one (vLLM holds no blocks for waiting requests).
-
-    One ``lax.while_loop`` whose body calls ``policy.grow`` once, so the policy is traced
-    once here (XLA inlines every call site: each traced copy is compiled on its own).
-    Its stages: ALL grows every wanted position at once, kept when all succeed (the
-    common case: one iteration). Otherwise PREFIX grows the groups before the failing
-    one's (exactly as the batched call did), the holds are released, and GROUP retries
-    the groups one at a time from there: a group grows whole (one batched call over its
-    members, all or nothing) or the lowest-priority group not yet visited is preempted.
-
-    Returns (mem', preempted, swapped, capacity, released), each bool[N] by slot:
-    preempted (by recompute or swap), of those the swapped ones, groups finished for
-    capacity, and the holds released.
-    """
-    n = order.shape[0]
-    pos = jnp.arange(n, dtype=jnp.int32)
-    no_wm = jnp.zeros((n,), bool)
-    start, end = _group_bounds(order, state.group, n_run)
-    running = state.status == RUNNING
-    args = (order, new_lens, finals, caps)
-
-    def members(i: jax.Array) -> jax.Array:  # the wanted positions of i's group
-        return want & (pos >= i) & (pos < end[jnp.minimum(i, n - 1)])
-
-    def body(c: _RunCarry) -> _RunCarry:
-        m_g, ok = _grow_masked(policy, c.mem, args, c.grow, no_wm)
-        good = jnp.all(ok | ~c.grow)
-
-        def batched() -> _RunCarry:
-            # The batched call is exact up to its first failure: the groups before the
-            # failing one's grow again alone (later entries may have taken memory).
-            f = _first_false(ok, want)
-            g0 = start[jnp.minimum(f, n - 1)]
-            return c._replace(
-                mem=_tree_where(good, m_g, c.mem),
-                stage=jnp.where(good, _R_DONE, _R_PREFIX).astype(jnp.int32),
-                grow=want & (pos < g0),
-                i=g0,
-            )
-
-        def prefix() -> _RunCarry:
-            # Group g0 fails: the waiting holds go first, then g0 is retried, group by group.
-            return c._replace(
-                mem=policy.release(m_g, pos, holds),
-                stage=jnp.int32(_R_GROUP),
-                grow=members(c.i),
-                rel=holds,
-            )
-
-        def group() -> _RunCarry:
-            i, j = c.i, c.j
-            e = end[i]
-            other = j > e  # a lower-priority group remains
-            vs = jnp.where(other, start[jnp.maximum(j - 1, 0)], i)  # the victim's first position
-            gm = running & (state.group == state.group[order[vs]])
-            alone = ~other & (i == 0)
-
-            def victim():
-                return _preempt_group(policy, config, c.mem, gm, alone)
-
-            m_pre, swapped = lax.cond(good, lambda: (c.mem, jnp.asarray(False)), victim)
-            hit = ~good & gm
-            i2, j2 = jnp.where(good, e, i), jnp.where(good, j, vs)
-            return c._replace(
-                mem=_tree_where(good, m_g, m_pre),
-                stage=jnp.where(i2 < j2, _R_GROUP, _R_DONE).astype(jnp.int32),
-                grow=members(i2),
-                i=i2,
-                j=j2,
-                pre=c.pre | (hit & ~alone),
-                swp=c.swp | (hit & swapped),
-                cap=c.cap | (hit & alone),
-            )
-
-        return lax.switch(c.stage, (batched, prefix, group))
-
-    z = jnp.zeros((n,), bool)
-    init = _RunCarry(mem, jnp.int32(_R_ALL), want, jnp.int32(0), n_run, z, z, z, z)
-    c = lax.while_loop(lambda c: c.stage != _R_DONE, body, init)
-    return c.mem, c.pre, c.swp, c.cap, c.rel
-
-
-# Stages of the admission loop (``_admit``).
-_A_ALL, _A_PREFIX, _A_RETRY, _A_DONE = 0, 1, 2, 3
-
-
-class _AdmitCarry(NamedTuple):
-    mem: Any
-    stage: jax.Array  # int32[]: one of _A_*
-    grow: jax.Array  # bool[N] by position: the next iteration's grow mask
-    adm: jax.Array  # bool[N] by position: admitted
-    f: jax.Array  # int32[]: the refused position, or N
-    dropped: jax.Array  # bool[N] by position: holds released
-
-
-def _admit(policy, mem, grow_w, cand, drop) -> tuple:
-    """Admit the candidates (bool[N] by position) in order up to the first the policy
-    refuses (with the watermark). On a refusal, the holds behind the refused position
-    (``drop``: bool[N] by position, the slots that may give theirs) are released and it
-    is retried, alone.
-
-    One ``lax.while_loop`` whose body calls ``policy.grow`` once (traced once). ALL grows
-    every candidate at once, kept when all are admitted; at a refusal PREFIX grows the
-    admitted prefix again (so the result equals growing one at a time, for any policy),
-    then releases the holds behind it, and RETRY grows the refused one.
-    Returns (mem', admitted bool[N] by position, the refused position or N, released
-    bool[N] by position)."""
-    n = cand.shape[0]
-    pos = jnp.arange(n, dtype=jnp.int32)
-
-    def body(c: _AdmitCarry) -> _AdmitCarry:
-        m_g, ok = _grow_masked(policy, c.mem, grow_w, c.grow, c.grow)
-
-        def batched() -> _AdmitCarry:
-            f = _first_false(ok, cand)
-            good = f >= n
-            adm = cand & (pos < f)
-            return c._replace(
-                mem=_tree_where(good, m_g, c.mem),
-                stage=jnp.where(good, _A_DONE, _A_PREFIX).astype(jnp.int32),
-                grow=adm,
-                adm=adm,
-                f=f,
-            )
-
-        def prefix() -> _AdmitCarry:
-            d = drop & (pos > c.f)
-            any_d = jnp.any(d)
-            slots = jnp.zeros((n,), bool).at[grow_w[0]].set(d)
-            m = lax.cond(any_d, lambda: policy.release(m_g, pos, slots), lambda: m_g)
-            return c._replace(
-                mem=m,
-                stage=jnp.where(any_d, _A_RETRY, _A_DONE).astype(jnp.int32),
-                grow=pos == c.f,
-                dropped=d,
-            )
-
-        def retry() -> _AdmitCarry:
-            ok_f = ok[c.f]
-            return c._replace(
-                mem=m_g,
-                stage=jnp.int32(_A_DONE),
-                adm=c.adm | ((pos == c.f) & ok_f),
-                f=jnp.where(ok_f, n, c.f),
-            )
-
-        return lax.switch(c.stage, (batched, prefix, retry))
-
-    z = jnp.zeros((n,), bool)
-    init = _AdmitCarry(mem, jnp.int32(_A_ALL), cand, z, jnp.int32(n), z)
-    c = lax.while_loop(lambda c: c.stage != _A_DONE, body, init)
-    return c.mem, c.adm, c.f, c.dropped
 
 
 def _swap_in(policy, config, state, mem, seq_cap, n_running):
@@ -407,6 +243,48 @@ def _swap_maps(mem: Any) -> tuple:
     return out.src, out.dst, out.count, inn.src, inn.dst, inn.count
 
 
+# The stages of ``schedule``'s loop, in the order a step goes through them (module
+# docstring, "One loop"). _MID is the swap-in and the admission set-up, at the start of
+# the iteration whose grow is admission's first.
+(
+    _START,
+    _RUN_ALL,
+    _RUN_PREFIX,
+    _RUN_GROUP,
+    _MID,
+    _ADMIT_ALL,
+    _ADMIT_PREFIX,
+    _ADMIT_RETRY,
+    _DONE,
+) = range(9)
+_NUM_STAGES = 9
+
+
+class _Carry(NamedTuple):
+    """``schedule``'s loop state. By slot: bool[N] indexed by slot id; by position: in
+    the order of the phase's grow arguments (running: ``order_r``, admission: ``order_w``)."""
+
+    mem: Any
+    stage: jax.Array  # int32[]: one of the stages above
+    release: jax.Array  # bool[N] by slot: released at the end of this iteration
+    grow: jax.Array  # bool[N] by position: the next iteration's grow mask
+    wm: jax.Array  # bool[N] by position: its use_watermark
+    args: tuple  # (seq_ids, new_lens, final_lens, max_lens), int32[N] each: its arguments
+    i: jax.Array  # int32[]: running pass, first position of the group to grow
+    j: jax.Array  # int32[]: running pass, positions [j, n_run) are preempted
+    pre: jax.Array  # bool[N] by slot: preempted (recompute or swap)
+    swp: jax.Array  # bool[N] by slot: of those, swapped out
+    cap: jax.Array  # bool[N] by slot: running groups finished for capacity
+    rel: jax.Array  # bool[N] by slot: holds released by the running pass
+    swapped_in: jax.Array  # bool[N] by slot
+    n_run_after: jax.Array  # int32[]: running after the running pass and swap-in
+    q_w: jax.Array  # int32[N] by position: admission's tokens per candidate
+    cand: jax.Array  # bool[N] by position: admission candidates
+    adm: jax.Array  # bool[N] by position: admitted
+    f: jax.Array  # int32[]: the refused admission position, or N
+    dropped: jax.Array  # bool[N] by position: holds released by admission
+
+
 def schedule(
     policy: Any,
     config: SchedulerLimits,
@@ -446,11 +324,6 @@ def schedule(
     waiting = waiting & ~too_long
     # A WAITING slot with computed tokens holds memory: its attached prefix-cache hit.
     holding = (state.status == WAITING) & (state.num_computed > 0)
-    mem = lax.cond(
-        jnp.any(too_long & holding),
-        lambda: policy.release(state.mem, pos, too_long & holding),
-        lambda: state.mem,
-    )
     holds = holding & ~too_long
 
     # 2. Running sequences, group by group.
@@ -463,75 +336,237 @@ def schedule(
     rem_r = jnp.where(pos < n_run, base_r, 0)
     q_r = _budget_prefix(rem_r, budget)
     want_r = q_r > 0
-    mem, preempted, swapped_out, cap_run, released = _run_running(
-        policy,
-        config,
-        state,
-        mem,
+    grow_r = (
         order_r,
-        want_r,
         state.num_computed[order_r] + q_r,
         state.final_len[order_r],
         caps_all[order_r],
-        n_run,
-        holds,
     )
-    sched_r = want_r & ~(preempted | cap_run)[order_r]
-    n_run_after = n_run - jnp.sum(preempted | cap_run, dtype=jnp.int32)
+    start_r, end_r = _group_bounds(order_r, state.group, n_run)
     seq_cap = config.max_num_seqs
     if config.mode == "static":
         seq_cap = min(config.static_batch_size, config.max_num_seqs)
-
-    # 3. Swapped groups come back before anything new is admitted (not in a step that
-    # preempted); they run from the next step.
-    swapped_in = jnp.zeros((n,), bool)
-    if getattr(policy, "can_swap", False):
-        any_out = jnp.any(state.status == SWAPPED)
-        mem, swapped_in, n_in = lax.cond(
-            ~jnp.any(preempted) & any_out,
-            lambda: _swap_in(policy, config, state, mem, seq_cap, n_run_after),
-            lambda: (mem, swapped_in, jnp.int32(0)),
-        )
-        n_run_after = n_run_after + n_in
-    still_out = ((state.status == SWAPPED) & ~swapped_in) | swapped_out
-
-    # 4. Admissions: none in a step that preempted, none while a group is swapped out.
-    allow = ~jnp.any(preempted) & ~jnp.any(still_out)
-    if config.mode == "static":
-        allow = allow & (n_run_after == 0)
     n_wait = jnp.sum(waiting, dtype=jnp.int32)
     order_w = priority_order(state, config, waiting)
     need_w = jnp.where(pos < n_wait, (total - state.num_computed)[order_w], 0)
-    budget_left = budget - jnp.sum(jnp.where(sched_r, q_r, 0))
-    if config.chunked_prefill:
-        q_w = _budget_prefix(need_w, budget_left)
-    else:
-        q_w = jnp.where(jnp.cumsum(need_w) <= budget_left, need_w, 0)
-    # A slot whose hold was released this step waits for the engine's new lookup; strict
-    # order keeps everything behind it waiting too.
-    stop = _first_false(~released[order_w], pos < n_wait)
-    cand = allow & (q_w > 0) & (pos < seq_cap - n_run_after) & (pos < stop)
-    grow_w = (
-        order_w,
-        state.num_computed[order_w] + q_w,
-        state.final_len[order_w],
-        caps_all[order_w],
+    z = jnp.zeros((n,), bool)
+
+    def members(i: jax.Array) -> jax.Array:  # the wanted positions of i's running group
+        return want_r & (pos >= i) & (pos < end_r[jnp.minimum(i, n - 1)])
+
+    def slots_of(by_pos: jax.Array) -> jax.Array:  # admission positions -> bool[N] by slot
+        return jnp.zeros((n,), bool).at[order_w].set(by_pos)
+
+    def capacity_w(c: _Carry) -> jax.Array:
+        """Admission refused the head with nothing running: it can never fit (by slot)."""
+        return slots_of((pos == 0) & (c.f == 0) & (c.n_run_after == 0))
+
+    # Stage transitions. Each gets the carry and the result of the iteration's grow
+    # (m_g, ok: the grow of c.grow over c.args; mem unchanged, ok all True, when c.grow
+    # was empty) and returns the next carry. None calls a policy method except
+    # ``_victim``'s swap_out: grow and release are the loop body's, once each.
+    def run_all(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
+        # Every wanted running position at once: kept when all fit (the common case).
+        # Otherwise the call is exact up to its first failure f: the groups before f's
+        # group (from g0) grow again alone, since later entries may have taken memory.
+        f = _first_false(ok, want_r)
+        good = f >= n
+        g0 = start_r[jnp.minimum(f, n - 1)]
+        return c._replace(
+            mem=_tree_where(good, m_g, c.mem),
+            stage=jnp.where(good, _MID, _RUN_PREFIX).astype(jnp.int32),
+            grow=jnp.where(good, z, want_r & (pos < g0)),
+            i=g0,
+        )
+
+    def run_prefix(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
+        # Group g0 fails: every waiting hold goes first (released at the iteration's
+        # end), then the groups from g0 on grow one at a time.
+        del ok  # a prefix of the batched call: it fits
+        return c._replace(
+            mem=m_g, stage=jnp.int32(_RUN_GROUP), release=holds, grow=members(c.i), rel=holds
+        )
+
+    def run_group(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
+        # Group i grew whole (all its members, one call), or the lowest-priority group
+        # not yet visited (positions [vs, j)) is preempted; if that is group i itself,
+        # the pass ends, and if group i is alone (everything else preempted, every hold
+        # released) it can never fit: finished for capacity.
+        i, j = c.i, c.j
+        good = jnp.all(ok | ~c.grow)
+        e = end_r[i]
+        other = j > e  # a lower-priority group remains
+        vs = jnp.where(other, start_r[jnp.maximum(j - 1, 0)], i)  # the victim's first position
+        gm = running & (state.group == state.group[order_r[vs]])
+        alone = ~other & (i == 0)
+        m_v, swapped, to_release = _victim(policy, config, c.mem, gm, alone, ~good)
+        hit = ~good & gm
+        i2, j2 = jnp.where(good, e, i), jnp.where(good, j, vs)
+        more = i2 < j2
+        return c._replace(
+            mem=_tree_where(good, m_g, m_v),
+            stage=jnp.where(more, _RUN_GROUP, _MID).astype(jnp.int32),
+            release=to_release,
+            grow=jnp.where(more, members(i2), z),
+            i=i2,
+            j=j2,
+            pre=c.pre | (hit & ~alone),
+            swp=c.swp | (hit & swapped),
+            cap=c.cap | (hit & alone),
+        )
+
+    def admit_all(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
+        # Every candidate at once (with the watermark): kept when all are admitted. At
+        # the first refusal f the admitted prefix grows again alone.
+        f = _first_false(ok, c.cand)
+        good = f >= n
+        adm = c.cand & (pos < f)
+        return c._replace(
+            mem=_tree_where(good, m_g, c.mem),
+            stage=jnp.where(good, _DONE, _ADMIT_PREFIX).astype(jnp.int32),
+            grow=jnp.where(good, z, adm),
+            wm=adm,
+            adm=adm,
+            f=f,
+        )
+
+    def admit_prefix(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
+        # Refused while later waiting slots hold memory: those holds are released (vLLM's
+        # waiting requests hold nothing) and the refused one is retried alone; admission
+        # then ends for the step (the released slots are behind it and wait for their
+        # new lookup anyway).
+        del ok  # the admitted prefix: it fits
+        drop = holds[order_w] & ~c.rel[order_w] & (pos > c.f)
+        retry = jnp.any(drop)
+        one = (pos == c.f) & retry
+        return c._replace(
+            mem=m_g,
+            stage=jnp.where(retry, _ADMIT_RETRY, _DONE).astype(jnp.int32),
+            release=slots_of(drop),
+            grow=one,
+            wm=one,
+            dropped=drop,
+        )
+
+    def admit_retry(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
+        ok_f = ok[c.f]
+        return c._replace(
+            mem=m_g,
+            stage=jnp.int32(_DONE),
+            grow=z,
+            adm=c.adm | ((pos == c.f) & ok_f),
+            f=jnp.where(ok_f, n, c.f),
+        )
+
+    def idle(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
+        del m_g, ok
+        return c
+
+    def mid(c: _Carry) -> _Carry:
+        """Between the running pass and admission (no policy grow): swap-in, then the
+        admission candidates, whose grow is the same iteration's."""
+        gone = c.pre | c.cap
+        sched_r = want_r & ~gone[order_r]
+        n_run_after = n_run - jnp.sum(gone, dtype=jnp.int32)
+        mem, swapped_in = c.mem, z
+        # 3. Swapped groups come back before anything new is admitted (not in a step
+        # that preempted); they run from the next step.
+        if getattr(policy, "can_swap", False):
+            any_out = jnp.any(state.status == SWAPPED)
+            mem, swapped_in, n_in = lax.cond(
+                ~jnp.any(c.pre) & any_out,
+                lambda: _swap_in(policy, config, state, c.mem, seq_cap, n_run_after),
+                lambda: (c.mem, z, jnp.int32(0)),
+            )
+            n_run_after = n_run_after + n_in
+        still_out = ((state.status == SWAPPED) & ~swapped_in) | c.swp
+        # 4. Admissions: none in a step that preempted, none while a group is swapped out.
+        allow = ~jnp.any(c.pre) & ~jnp.any(still_out)
+        if config.mode == "static":
+            allow = allow & (n_run_after == 0)
+        budget_left = budget - jnp.sum(jnp.where(sched_r, q_r, 0))
+        if config.chunked_prefill:
+            q_w = _budget_prefix(need_w, budget_left)
+        else:
+            q_w = jnp.where(jnp.cumsum(need_w) <= budget_left, need_w, 0)
+        # A slot whose hold was released this step waits for the engine's new lookup;
+        # strict order keeps everything behind it waiting too.
+        stop = _first_false(~c.rel[order_w], pos < n_wait)
+        cand = allow & (q_w > 0) & (pos < seq_cap - n_run_after) & (pos < stop)
+        grow_w = (
+            order_w,
+            state.num_computed[order_w] + q_w,
+            state.final_len[order_w],
+            caps_all[order_w],
+        )
+        return c._replace(
+            mem=mem,
+            stage=jnp.where(jnp.any(cand), _ADMIT_ALL, _DONE).astype(jnp.int32),
+            grow=cand,
+            wm=cand,
+            args=grow_w,
+            swapped_in=swapped_in,
+            n_run_after=n_run_after,
+            q_w=q_w,
+            cand=cand,
+        )
+
+    # Rejected slots' holds go before anything grows: a first, idle iteration releases
+    # them (only in a step that has some).
+    first_release = jnp.any(too_long & holding)
+
+    def begin(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
+        del m_g, ok
+        return c._replace(stage=jnp.int32(_RUN_ALL), release=too_long & holding, grow=want_r)
+
+    branches = [idle] * _NUM_STAGES
+    branches[_START] = begin
+    branches[_RUN_ALL], branches[_RUN_PREFIX], branches[_RUN_GROUP] = run_all, run_prefix, run_group
+    branches[_ADMIT_ALL], branches[_ADMIT_PREFIX] = admit_all, admit_prefix
+    branches[_ADMIT_RETRY] = admit_retry
+
+    def body(c: _Carry) -> _Carry:
+        c = lax.cond(c.stage == _MID, mid, lambda c: c, c)
+        m_g, ok = _grow_masked(policy, c.mem, c.args, c.grow, c.wm)
+        nxt = lax.switch(c.stage, branches, c, m_g, ok)
+        # Admission just ended: a refused head with nothing running can never fit; its
+        # hold goes (rule 4).
+        ended = (nxt.stage == _DONE) & (c.stage != _DONE)
+        release = nxt.release | (ended & capacity_w(nxt) & holds)
+        mem = lax.cond(
+            jnp.any(release), lambda: policy.release(nxt.mem, pos, release), lambda: nxt.mem
+        )
+        return nxt._replace(mem=mem, release=z)
+
+    i0 = jnp.int32(0)
+    init = _Carry(
+        mem=state.mem,
+        stage=jnp.where(first_release, _START, _RUN_ALL).astype(jnp.int32),
+        release=z,
+        grow=jnp.where(first_release, z, want_r),
+        wm=z,
+        args=grow_r,
+        i=i0,
+        j=n_run,
+        pre=z,
+        swp=z,
+        cap=z,
+        rel=z,
+        swapped_in=z,
+        n_run_after=i0,
+        q_w=jnp.zeros((n,), jnp.int32),
+        cand=z,
+        adm=z,
+        f=jnp.int32(n),
+        dropped=z,
     )
-    # Refused while later waiting slots hold memory: release those holds (vLLM's waiting
-    # requests hold nothing) and retry the refused one; admission then ends for the step
-    # (the released slots are behind it and wait for their new lookup anyway).
-    drop = holds[order_w] & ~released[order_w]
-    mem, adm, f, drop_w = _admit(policy, mem, grow_w, cand, drop)
-    released = released | jnp.zeros((n,), bool).at[order_w].set(drop_w)
-    # Refused with nothing else holding memory: it can never fit.
-    cap_w_pos = (pos == 0) & (f == 0) & (n_run_after == 0)
-    cap_wait = jnp.zeros((n,), bool).at[order_w].set(cap_w_pos)
-    admitted = jnp.zeros((n,), bool).at[order_w].set(adm)
-    mem = lax.cond(
-        jnp.any(cap_wait & holds),
-        lambda: policy.release(mem, pos, cap_wait & holds),
-        lambda: mem,
-    )
+    c = lax.while_loop(lambda c: c.stage != _DONE, body, init)
+    mem, preempted, swapped_out, cap_run, swapped_in = c.mem, c.pre, c.swp, c.cap, c.swapped_in
+    sched_r = want_r & ~(preempted | cap_run)[order_r]
+    adm, q_w = c.adm, c.q_w
+    released = c.rel | slots_of(c.dropped)
+    cap_wait = capacity_w(c)
+    admitted = slots_of(adm)
 
     # Batch: running rows then admitted rows, compacted.
     ids2 = jnp.concatenate([order_r, order_w])
