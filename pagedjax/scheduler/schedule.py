@@ -31,17 +31,22 @@ Rules (docs/scheduler.md gives the reasons; ``reference.py`` states them sequent
    request can never fit (REASON_CAPACITY). Rejected slots release their holds.
 
 The common case (no preemption, no refusal, nothing swapped) costs two batched grows
-(running, admission); the group-by-group preemption pass and swap-in only run when needed.
+(running, admission). Rule 2 is batched too: the wanted running positions not yet
+settled grow at once; at a failure the groups before the failing one grow again alone
+(the batched call is exact up to its first failure, later entries may have taken
+memory), the holds go or a victim is preempted, and the rest is tried again at once. A
+preemption costs two batched grows, not a grow per sequence of every group after it.
 
 One loop: every ``policy.grow`` and ``policy.release`` of a step is the same call site,
 in the body of one ``lax.while_loop`` whose stages (``_START`` .. ``_DONE``) walk the
 rules above: each iteration runs (at ``_MID``) swap-in and the admission set-up, then
-one grow over the stage's mask (skipped when empty), the stage's transition, then one
-release of what the transition gave up. XLA inlines every call site of a traced
-function, so each site is compiled on its own: with the running pass, its preemption
-retries and admission each calling ``grow`` (six sites, ~700 StableHLO lines each for
-the paged policy), ``schedule`` took 5,000 lines and ~5.5 CPU s to compile; one site
-per method makes it several times smaller (docs/scheduler.md, "Compile cost").
+one grow over the stage's mask (skipped when empty), the stage's transition (the
+victim's swap-out, if any), then one release of what the transition gave up. XLA
+inlines every call site of a traced function and compiles each copy on its own: with
+the running pass, its preemption retries and admission each calling ``grow`` (six
+sites, ~700 StableHLO lines each for the paged policy) and ``release`` at five sites,
+``schedule`` took 5,000 lines and 5-6 CPU s to compile on the tests' geometry; see
+docs/scheduler.md ("Each policy method traced once") for what one site per method saves.
 """
 
 from __future__ import annotations
@@ -250,14 +255,13 @@ def _swap_maps(mem: Any) -> tuple:
     _START,
     _RUN_ALL,
     _RUN_PREFIX,
-    _RUN_GROUP,
     _MID,
     _ADMIT_ALL,
     _ADMIT_PREFIX,
     _ADMIT_RETRY,
     _DONE,
-) = range(9)
-_NUM_STAGES = 9
+) = range(8)
+_NUM_STAGES = 8
 
 
 class _Carry(NamedTuple):
@@ -270,8 +274,9 @@ class _Carry(NamedTuple):
     grow: jax.Array  # bool[N] by position: the next iteration's grow mask
     wm: jax.Array  # bool[N] by position: its use_watermark
     args: tuple  # (seq_ids, new_lens, final_lens, max_lens), int32[N] each: its arguments
-    i: jax.Array  # int32[]: running pass, first position of the group to grow
+    i: jax.Array  # int32[]: running pass, positions [i, j) are still to grow
     j: jax.Array  # int32[]: running pass, positions [j, n_run) are preempted
+    freed: jax.Array  # bool[]: running pass, the waiting holds were released
     pre: jax.Array  # bool[N] by slot: preempted (recompute or swap)
     swp: jax.Array  # bool[N] by slot: of those, swapped out
     cap: jax.Array  # bool[N] by slot: running groups finished for capacity
@@ -351,9 +356,6 @@ def schedule(
     need_w = jnp.where(pos < n_wait, (total - state.num_computed)[order_w], 0)
     z = jnp.zeros((n,), bool)
 
-    def members(i: jax.Array) -> jax.Array:  # the wanted positions of i's running group
-        return want_r & (pos >= i) & (pos < end_r[jnp.minimum(i, n - 1)])
-
     def slots_of(by_pos: jax.Array) -> jax.Array:  # admission positions -> bool[N] by slot
         return jnp.zeros((n,), bool).at[order_w].set(by_pos)
 
@@ -366,53 +368,51 @@ def schedule(
     # was empty) and returns the next carry. None calls a policy method except
     # ``_victim``'s swap_out: grow and release are the loop body's, once each.
     def run_all(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
-        # Every wanted running position at once: kept when all fit (the common case).
-        # Otherwise the call is exact up to its first failure f: the groups before f's
-        # group (from g0) grow again alone, since later entries may have taken memory.
-        f = _first_false(ok, want_r)
+        # The wanted running positions [i, j) at once (at first all of them): kept when
+        # all fit (the common case). Otherwise the call is exact up to its first failure:
+        # the groups before the failing one's (from g) grow again alone, since later
+        # entries may have taken memory, and group g failed.
+        f = _first_false(ok, c.grow)
         good = f >= n
-        g0 = start_r[jnp.minimum(f, n - 1)]
+        g = start_r[jnp.minimum(f, n - 1)]
         return c._replace(
             mem=_tree_where(good, m_g, c.mem),
             stage=jnp.where(good, _MID, _RUN_PREFIX).astype(jnp.int32),
-            grow=jnp.where(good, z, want_r & (pos < g0)),
-            i=g0,
+            grow=jnp.where(good, z, c.grow & (pos < g)),
+            i=jnp.where(good, c.i, g),
         )
 
     def run_prefix(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
-        # Group g0 fails: every waiting hold goes first (released at the iteration's
-        # end), then the groups from g0 on grow one at a time.
+        # m_g: the groups before group i grew (exactly as in the batched call, or none);
+        # group i does not fit. At the step's first failure every waiting hold goes
+        # (released at the iteration's end); later, the lowest-priority group not yet
+        # visited (positions [vs, j)) is preempted; if that is group i itself, the pass
+        # ends, and if group i is alone (everything else preempted, every hold released)
+        # it can never fit: finished for capacity. Then [i, j) is tried again at once.
         del ok  # a prefix of the batched call: it fits
-        return c._replace(
-            mem=m_g, stage=jnp.int32(_RUN_GROUP), release=holds, grow=members(c.i), rel=holds
-        )
-
-    def run_group(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
-        # Group i grew whole (all its members, one call), or the lowest-priority group
-        # not yet visited (positions [vs, j)) is preempted; if that is group i itself,
-        # the pass ends, and if group i is alone (everything else preempted, every hold
-        # released) it can never fit: finished for capacity.
         i, j = c.i, c.j
-        good = jnp.all(ok | ~c.grow)
+        fail = c.freed
         e = end_r[i]
         other = j > e  # a lower-priority group remains
         vs = jnp.where(other, start_r[jnp.maximum(j - 1, 0)], i)  # the victim's first position
         gm = running & (state.group == state.group[order_r[vs]])
         alone = ~other & (i == 0)
-        m_v, swapped, to_release = _victim(policy, config, c.mem, gm, alone, ~good)
-        hit = ~good & gm
-        i2, j2 = jnp.where(good, e, i), jnp.where(good, j, vs)
-        more = i2 < j2
+        m_v, swapped, to_release = _victim(policy, config, m_g, gm, alone, fail)
+        hit = fail & gm
+        j2 = jnp.where(fail, vs, j)
+        more = i < j2
+        first = holds & ~fail
         return c._replace(
-            mem=_tree_where(good, m_g, m_v),
-            stage=jnp.where(more, _RUN_GROUP, _MID).astype(jnp.int32),
-            release=to_release,
-            grow=jnp.where(more, members(i2), z),
-            i=i2,
+            mem=m_v,
+            stage=jnp.where(more, _RUN_ALL, _MID).astype(jnp.int32),
+            release=first | to_release,
+            grow=want_r & (pos >= i) & (pos < j2),
             j=j2,
+            freed=jnp.asarray(True),
             pre=c.pre | (hit & ~alone),
             swp=c.swp | (hit & swapped),
             cap=c.cap | (hit & alone),
+            rel=c.rel | first,
         )
 
     def admit_all(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
@@ -521,7 +521,7 @@ def schedule(
 
     branches = [idle] * _NUM_STAGES
     branches[_START] = begin
-    branches[_RUN_ALL], branches[_RUN_PREFIX], branches[_RUN_GROUP] = run_all, run_prefix, run_group
+    branches[_RUN_ALL], branches[_RUN_PREFIX] = run_all, run_prefix
     branches[_ADMIT_ALL], branches[_ADMIT_PREFIX] = admit_all, admit_prefix
     branches[_ADMIT_RETRY] = admit_retry
 
@@ -559,6 +559,7 @@ def schedule(
         adm=z,
         f=jnp.int32(n),
         dropped=z,
+        freed=jnp.asarray(False),
     )
     c = lax.while_loop(lambda c: c.stage != _DONE, body, init)
     mem, preempted, swapped_out, cap_run, swapped_in = c.mem, c.pre, c.swp, c.cap, c.swapped_in
