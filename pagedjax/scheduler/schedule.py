@@ -288,6 +288,10 @@ class _Carry(NamedTuple):
     adm: jax.Array  # bool[N] by position: admitted
     f: jax.Array  # int32[]: the refused admission position, or N
     dropped: jax.Array  # bool[N] by position: holds released by admission
+    # Set by a stage transition for the loop body (which holds every policy call):
+    keep: jax.Array  # bool[]: the iteration's grow result is the new memory state
+    victim: jax.Array  # bool[N] by slot: the running group to preempt (all False: none)
+    alone: jax.Array  # bool[]: that group is the only one left (capacity verdict)
 
 
 def schedule(
@@ -363,11 +367,13 @@ def schedule(
         """Admission refused the head with nothing running: it can never fit (by slot)."""
         return slots_of((pos == 0) & (c.f == 0) & (c.n_run_after == 0))
 
-    # Stage transitions. Each gets the carry and the result of the iteration's grow
-    # (m_g, ok: the grow of c.grow over c.args; mem unchanged, ok all True, when c.grow
-    # was empty) and returns the next carry. None calls a policy method except
-    # ``_victim``'s swap_out: grow and release are the loop body's, once each.
-    def run_all(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
+    # Stage transitions. Each gets the carry without its memory state (``mem`` None: what
+    # a ``lax.switch`` returns is copied at run time, every iteration) and ``ok``, the
+    # result of the iteration's grow (of c.grow over c.args; all True when c.grow was
+    # empty), and returns the next carry: whether the grow's state is kept (``keep``),
+    # what to release, which group to preempt (``victim``). None calls a policy method:
+    # the loop body does, each method at one call site.
+    def run_all(c: _Carry, ok: jax.Array) -> _Carry:
         # The wanted running positions [i, j) at once (at first all of them): kept when
         # all fit (the common case). Otherwise the call is exact up to its first failure:
         # the groups before the failing one's (from g) grow again alone, since later
@@ -376,14 +382,14 @@ def schedule(
         good = f >= n
         g = start_r[jnp.minimum(f, n - 1)]
         return c._replace(
-            mem=_tree_where(good, m_g, c.mem),
+            keep=good,
             stage=jnp.where(good, _MID, _RUN_PREFIX).astype(jnp.int32),
             grow=jnp.where(good, z, c.grow & (pos < g)),
             i=jnp.where(good, c.i, g),
         )
 
-    def run_prefix(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
-        # m_g: the groups before group i grew (exactly as in the batched call, or none);
+    def run_prefix(c: _Carry, ok: jax.Array) -> _Carry:
+        # The grow: the groups before group i grew (exactly as in the batched call, or none);
         # group i does not fit. At the step's first failure every waiting hold goes
         # (released at the iteration's end); later, the lowest-priority group not yet
         # visited (positions [vs, j)) is preempted; if that is group i itself, the pass
@@ -397,32 +403,32 @@ def schedule(
         vs = jnp.where(other, start_r[jnp.maximum(j - 1, 0)], i)  # the victim's first position
         gm = running & (state.group == state.group[order_r[vs]])
         alone = ~other & (i == 0)
-        m_v, swapped, to_release = _victim(policy, config, m_g, gm, alone, fail)
         hit = fail & gm
         j2 = jnp.where(fail, vs, j)
         more = i < j2
         first = holds & ~fail
         return c._replace(
-            mem=m_v,
+            keep=True,
+            victim=hit,
+            alone=alone,
             stage=jnp.where(more, _RUN_ALL, _MID).astype(jnp.int32),
-            release=first | to_release,
+            release=first,
             grow=want_r & (pos >= i) & (pos < j2),
             j=j2,
             freed=jnp.asarray(True),
             pre=c.pre | (hit & ~alone),
-            swp=c.swp | (hit & swapped),
             cap=c.cap | (hit & alone),
             rel=c.rel | first,
         )
 
-    def admit_all(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
+    def admit_all(c: _Carry, ok: jax.Array) -> _Carry:
         # Every candidate at once (with the watermark): kept when all are admitted. At
         # the first refusal f the admitted prefix grows again alone.
         f = _first_false(ok, c.cand)
         good = f >= n
         adm = c.cand & (pos < f)
         return c._replace(
-            mem=_tree_where(good, m_g, c.mem),
+            keep=good,
             stage=jnp.where(good, _DONE, _ADMIT_PREFIX).astype(jnp.int32),
             grow=jnp.where(good, z, adm),
             wm=adm,
@@ -430,7 +436,7 @@ def schedule(
             f=f,
         )
 
-    def admit_prefix(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
+    def admit_prefix(c: _Carry, ok: jax.Array) -> _Carry:
         # Refused while later waiting slots hold memory: those holds are released (vLLM's
         # waiting requests hold nothing) and the refused one is retried alone; admission
         # then ends for the step (the released slots are behind it and wait for their
@@ -440,7 +446,7 @@ def schedule(
         retry = jnp.any(drop)
         one = (pos == c.f) & retry
         return c._replace(
-            mem=m_g,
+            keep=True,
             stage=jnp.where(retry, _ADMIT_RETRY, _DONE).astype(jnp.int32),
             release=slots_of(drop),
             grow=one,
@@ -448,37 +454,24 @@ def schedule(
             dropped=drop,
         )
 
-    def admit_retry(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
+    def admit_retry(c: _Carry, ok: jax.Array) -> _Carry:
         ok_f = ok[c.f]
         return c._replace(
-            mem=m_g,
+            keep=True,
             stage=jnp.int32(_DONE),
             grow=z,
             adm=c.adm | ((pos == c.f) & ok_f),
             f=jnp.where(ok_f, n, c.f),
         )
 
-    def idle(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
-        del m_g, ok
+    def idle(c: _Carry, ok: jax.Array) -> _Carry:
+        del ok
         return c
 
-    def mid(c: _Carry) -> _Carry:
-        """Between the running pass and admission (no policy grow): swap-in, then the
+    def mid(c: _Carry, swapped_in: jax.Array, n_run_after: jax.Array) -> _Carry:
+        """Between the running pass and admission, after swap-in (the loop body's): the
         admission candidates, whose grow is the same iteration's."""
-        gone = c.pre | c.cap
-        sched_r = want_r & ~gone[order_r]
-        n_run_after = n_run - jnp.sum(gone, dtype=jnp.int32)
-        mem, swapped_in = c.mem, z
-        # 3. Swapped groups come back before anything new is admitted (not in a step
-        # that preempted); they run from the next step.
-        if getattr(policy, "can_swap", False):
-            any_out = jnp.any(state.status == SWAPPED)
-            mem, swapped_in, n_in = lax.cond(
-                ~jnp.any(c.pre) & any_out,
-                lambda: _swap_in(policy, config, state, c.mem, seq_cap, n_run_after),
-                lambda: (c.mem, z, jnp.int32(0)),
-            )
-            n_run_after = n_run_after + n_in
+        sched_r = want_r & ~(c.pre | c.cap)[order_r]
         still_out = ((state.status == SWAPPED) & ~swapped_in) | c.swp
         # 4. Admissions: none in a step that preempted, none while a group is swapped out.
         allow = ~jnp.any(c.pre) & ~jnp.any(still_out)
@@ -500,7 +493,6 @@ def schedule(
             caps_all[order_w],
         )
         return c._replace(
-            mem=mem,
             stage=jnp.where(jnp.any(cand), _ADMIT_ALL, _DONE).astype(jnp.int32),
             grow=cand,
             wm=cand,
@@ -515,8 +507,8 @@ def schedule(
     # them (only in a step that has some).
     first_release = jnp.any(too_long & holding)
 
-    def begin(c: _Carry, m_g: Any, ok: jax.Array) -> _Carry:
-        del m_g, ok
+    def begin(c: _Carry, ok: jax.Array) -> _Carry:
+        del ok
         return c._replace(stage=jnp.int32(_RUN_ALL), release=too_long & holding, grow=want_r)
 
     branches = [idle] * _NUM_STAGES
@@ -525,18 +517,36 @@ def schedule(
     branches[_ADMIT_ALL], branches[_ADMIT_PREFIX] = admit_all, admit_prefix
     branches[_ADMIT_RETRY] = admit_retry
 
+    any_out = jnp.any(state.status == SWAPPED)
+
     def body(c: _Carry) -> _Carry:
-        c = lax.cond(c.stage == _MID, mid, lambda c: c, c)
-        m_g, ok = _grow_masked(policy, c.mem, c.args, c.grow, c.wm)
-        nxt = lax.switch(c.stage, branches, c, m_g, ok)
+        mem = c.mem
+        f0 = jnp.asarray(False)
+        ctl = c._replace(mem=None, keep=f0, victim=z, alone=f0)
+        at_mid = c.stage == _MID
+        n_run_after = n_run - jnp.sum(c.pre | c.cap, dtype=jnp.int32)
+        swapped_in = z
+        # 3. Swapped groups come back before anything new is admitted (not in a step
+        # that preempted); they run from the next step.
+        if getattr(policy, "can_swap", False):
+            mem, swapped_in, n_in = lax.cond(
+                at_mid & ~jnp.any(c.pre) & any_out,
+                lambda: _swap_in(policy, config, state, c.mem, seq_cap, n_run_after),
+                lambda: (c.mem, z, jnp.int32(0)),
+            )
+            n_run_after = n_run_after + n_in
+        ctl = lax.cond(at_mid, lambda s: mid(s, swapped_in, n_run_after), lambda s: s, ctl)
+        m_g, ok = _grow_masked(policy, mem, ctl.args, ctl.grow, ctl.wm)
+        nxt = lax.switch(ctl.stage, branches, ctl, ok)
+        mem = _tree_where(nxt.keep, m_g, mem)
+        fail = jnp.any(nxt.victim)
+        mem, swapped, to_release = _victim(policy, config, mem, nxt.victim, nxt.alone, fail)
         # Admission just ended: a refused head with nothing running can never fit; its
         # hold goes (rule 4).
-        ended = (nxt.stage == _DONE) & (c.stage != _DONE)
-        release = nxt.release | (ended & capacity_w(nxt) & holds)
-        mem = lax.cond(
-            jnp.any(release), lambda: policy.release(nxt.mem, pos, release), lambda: nxt.mem
-        )
-        return nxt._replace(mem=mem, release=z)
+        ended = (nxt.stage == _DONE) & (ctl.stage != _DONE)
+        release = nxt.release | to_release | (ended & capacity_w(nxt) & holds)
+        new = lax.cond(jnp.any(release), lambda: policy.release(mem, pos, release), lambda: mem)
+        return nxt._replace(mem=new, release=z, swp=nxt.swp | (nxt.victim & swapped))
 
     i0 = jnp.int32(0)
     init = _Carry(
@@ -560,6 +570,9 @@ def schedule(
         f=jnp.int32(n),
         dropped=z,
         freed=jnp.asarray(False),
+        keep=jnp.asarray(False),
+        victim=z,
+        alone=jnp.asarray(False),
     )
     c = lax.while_loop(lambda c: c.stage != _DONE, body, init)
     mem, preempted, swapped_out, cap_run, swapped_in = c.mem, c.pre, c.swp, c.cap, c.swapped_in
