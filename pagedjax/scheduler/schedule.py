@@ -30,8 +30,23 @@ Rules (docs/scheduler.md gives the reasons; ``reference.py`` states them sequent
    step); the refusal that remains stops admission, and if nothing runs the refused
    request can never fit (REASON_CAPACITY). Rejected slots release their holds.
 
-The common case (no preemption, no refusal, nothing swapped) costs a few batched policy
-calls; the sequential preemption and swap-in loops only run when needed.
+The common case (no preemption, no refusal, nothing swapped) costs two batched grows
+(running, admission). Rule 2 is batched too: the wanted running positions not yet
+settled grow at once; at a failure the groups before the failing one grow again alone
+(the batched call is exact up to its first failure, later entries may have taken
+memory), the holds go or a victim is preempted, and the rest is tried again at once. A
+preemption costs two batched grows, not a grow per sequence of every group after it.
+
+One loop: every ``policy.grow`` and ``policy.release`` of a step is the same call site,
+in the body of one ``lax.while_loop`` whose stages (``_START`` .. ``_DONE``) walk the
+rules above: each iteration runs (at ``_MID``) swap-in and the admission set-up, then
+one grow over the stage's mask (skipped when empty), the stage's transition (the
+victim's swap-out, if any), then one release of what the transition gave up. XLA
+inlines every call site of a traced function and compiles each copy on its own: with
+the running pass, its preemption retries and admission each calling ``grow`` (six
+sites, ~700 StableHLO lines each for the paged policy) and ``release`` at five sites,
+``schedule`` took 5,000 lines and 5-6 CPU s to compile on the tests' geometry; see
+docs/scheduler.md ("Each policy method traced once") for what one site per method saves.
 """
 
 from __future__ import annotations
@@ -162,112 +177,36 @@ def _group_bounds(order: jax.Array, group: jax.Array, n_members: jax.Array) -> t
     return start, end
 
 
-def _preempt_group(policy, config, mem, gm, alone):
-    """Preempt the running members ``gm`` (bool[N]) of one group: swap them out if the
-    mode asks for it and the host pool takes them all, else release (recompute). A group
-    that cannot fit even alone (``alone``) is released. Returns (mem', swapped bool[])."""
-    n = gm.shape[0]
-    released = policy.release(mem, jnp.arange(n, dtype=jnp.int32), gm)
+def _victim(policy, config, mem, gm, alone, fail):
+    """The preemption of a failed group grow (``fail``): the running members ``gm``
+    (bool[N]) of the victim group are swapped out if the mode asks for it and the host
+    pool takes them all, else they are to be released (recompute); a group that cannot
+    fit even alone (``alone``) is released. Returns (mem', swapped bool[], to_release
+    bool[N] by slot): the release is the loop's (``schedule``), at the iteration's end."""
     if not getattr(policy, "can_swap", False) or config.preemption_mode == "recompute":
-        return released, jnp.asarray(False)
+        return mem, jnp.asarray(False), fail & gm
     if config.preemption_mode == "swap":
         want = ~alone
     else:  # the paper's default: swap groups with several running sequences
         want = ~alone & (jnp.sum(gm, dtype=jnp.int32) > 1)
-    swapped_mem, ok = policy.swap_out(mem, gm)
-    use = want & ok
-    return _tree_where(use, swapped_mem, released), use
+    try_swap = fail & want
+    swapped_mem, ok = lax.cond(
+        try_swap, lambda: policy.swap_out(mem, gm), lambda: (mem, jnp.asarray(False))
+    )
+    use = try_swap & ok
+    return _tree_where(use, swapped_mem, mem), use, fail & ~use & gm
 
 
-def _run_running(policy, config, state, mem, order, want, new_lens, finals, caps, n_run, holds):
-    """Grow the running sequences (positions in a group-contiguous ``order``); preempt
-    whole groups from the back.
-
-    holds: bool[N] by slot, WAITING slots holding memory (attached prefix-cache hits).
-    At the first failed grow they are all released and the grow is retried, before any
-    running group is preempted or finished for capacity: a waiting request never keeps
-    memory from a running one (vLLM holds no blocks for waiting requests).
-
-    Returns (mem', preempted, swapped, capacity, released), each bool[N] by slot:
-    preempted (by recompute or swap), of those the swapped ones, groups finished for
-    capacity, and the holds released.
-    """
-    n = order.shape[0]
-    pos = jnp.arange(n, dtype=jnp.int32)
-    no_wm = jnp.zeros((n,), bool)
-    mem_all, ok_all = policy.grow(mem, order, new_lens, finals, caps, want, no_wm)
-    f = _first_false(ok_all, want)
-    z = jnp.zeros((n,), bool)
-
-    def fast() -> tuple:
-        return mem_all, z, z, z, z
-
-    def slow() -> tuple:
-        start, end = _group_bounds(order, state.group, n_run)
-        g0 = start[jnp.minimum(f, n - 1)]
-        # Every group before the failing one grows exactly as in the batched call.
-        m, _ = policy.grow(mem, order, new_lens, finals, caps, want & (pos < g0), no_wm)
-        running = state.status == RUNNING
-        f1 = jnp.zeros((1,), bool)
-
-        def grow_one(k, c):
-            m, ok = c
-            w = want[k] & ok
-            m2, ok1 = policy.grow(
-                m, order[k][None], new_lens[k][None], finals[k][None], caps[k][None], w[None], f1
-            )
-            return m2, ok & (ok1[0] | ~w)
-
-        # Group g0 fails (the batched call is exact): the waiting holds go first, then
-        # g0 is retried, sequentially, as below.
-        m = policy.release(m, pos, holds)
-
-        def body(c):
-            m, i, j, pre, swp, cap = c
-            e = end[i]
-            # The group's members grow one by one; all or nothing for the group.
-            m_try, ok = lax.fori_loop(i, e, grow_one, (m, jnp.asarray(True)))
-            other = j > e  # a lower-priority group remains
-            vs = jnp.where(other, start[jnp.maximum(j - 1, 0)], i)  # the victim's first position
-            gm = running & (state.group == state.group[order[vs]])
-            alone = ~other & (i == 0)
-
-            def victim():
-                return _preempt_group(policy, config, m, gm, alone)
-
-            m_pre, swapped = lax.cond(ok, lambda: (m, jnp.asarray(False)), victim)
-            m = _tree_where(ok, m_try, m_pre)
-            hit = ~ok & gm
-            pre = pre | (hit & ~alone)
-            swp = swp | (hit & swapped)
-            cap = cap | (hit & alone)
-            return m, jnp.where(ok, e, i), jnp.where(ok, j, vs), pre, swp, cap
-
-        m, _, _, pre, swp, cap = lax.while_loop(
-            lambda c: c[1] < c[2], body, (m, g0, n_run, z, z, z)
-        )
-        return m, pre, swp, cap, holds
-
-    return lax.cond(f >= n, fast, slow)
-
-
-def _admit(policy, mem, grow_w, cand) -> tuple:
-    """Admit the candidates (bool[N] by position) in order up to the first the policy
-    refuses (with the watermark). Returns (mem', admitted bool[N] by position, the
-    refused position or N). One batched grow; a refusal costs a second one over the
-    prefix, so the result equals growing one at a time for any policy."""
-    n = cand.shape[0]
-    pos = jnp.arange(n, dtype=jnp.int32)
-    # Policies' batched calls cost O(B) even when nothing is masked: skip idle ones.
-    mem_a, ok_a = lax.cond(
-        jnp.any(cand),
-        lambda: policy.grow(mem, *grow_w, cand, cand),
+def _grow_masked(policy, mem, args: tuple, mask: jax.Array, wm: jax.Array) -> tuple:
+    """``policy.grow(mem, *args, mask, wm)``; an empty mask skips the call (a policy's
+    batched call costs O(B) even when nothing is masked) and changes nothing, as the
+    policy contract says of unmasked entries. Returns (mem', ok bool[N])."""
+    n = mask.shape[0]
+    return lax.cond(
+        jnp.any(mask),
+        lambda: policy.grow(mem, *args, mask, wm),
         lambda: (mem, jnp.ones((n,), bool)),
     )
-    f = _first_false(ok_a, cand)
-    adm = cand & (pos < f)
-    mem = lax.cond(f >= n, lambda: mem_a, lambda: policy.grow(mem, *grow_w, adm, adm)[0])
-    return mem, adm, f
 
 
 def _swap_in(policy, config, state, mem, seq_cap, n_running):
@@ -309,6 +248,52 @@ def _swap_maps(mem: Any) -> tuple:
     return out.src, out.dst, out.count, inn.src, inn.dst, inn.count
 
 
+# The stages of ``schedule``'s loop, in the order a step goes through them (module
+# docstring, "One loop"). _MID is the swap-in and the admission set-up, at the start of
+# the iteration whose grow is admission's first.
+(
+    _START,
+    _RUN_ALL,
+    _RUN_PREFIX,
+    _MID,
+    _ADMIT_ALL,
+    _ADMIT_PREFIX,
+    _ADMIT_RETRY,
+    _DONE,
+) = range(8)
+_NUM_STAGES = 8
+
+
+class _Carry(NamedTuple):
+    """``schedule``'s loop state. By slot: bool[N] indexed by slot id; by position: in
+    the order of the phase's grow arguments (running: ``order_r``, admission: ``order_w``)."""
+
+    mem: Any
+    stage: jax.Array  # int32[]: one of the stages above
+    release: jax.Array  # bool[N] by slot: released at the end of this iteration
+    grow: jax.Array  # bool[N] by position: the next iteration's grow mask
+    wm: jax.Array  # bool[N] by position: its use_watermark
+    args: tuple  # (seq_ids, new_lens, final_lens, max_lens), int32[N] each: its arguments
+    i: jax.Array  # int32[]: running pass, positions [i, j) are still to grow
+    j: jax.Array  # int32[]: running pass, positions [j, n_run) are preempted
+    freed: jax.Array  # bool[]: running pass, the waiting holds were released
+    pre: jax.Array  # bool[N] by slot: preempted (recompute or swap)
+    swp: jax.Array  # bool[N] by slot: of those, swapped out
+    cap: jax.Array  # bool[N] by slot: running groups finished for capacity
+    rel: jax.Array  # bool[N] by slot: holds released by the running pass
+    swapped_in: jax.Array  # bool[N] by slot
+    n_run_after: jax.Array  # int32[]: running after the running pass and swap-in
+    q_w: jax.Array  # int32[N] by position: admission's tokens per candidate
+    cand: jax.Array  # bool[N] by position: admission candidates
+    adm: jax.Array  # bool[N] by position: admitted
+    f: jax.Array  # int32[]: the refused admission position, or N
+    dropped: jax.Array  # bool[N] by position: holds released by admission
+    # Set by a stage transition for the loop body (which holds every policy call):
+    keep: jax.Array  # bool[]: the iteration's grow result is the new memory state
+    victim: jax.Array  # bool[N] by slot: the running group to preempt (all False: none)
+    alone: jax.Array  # bool[]: that group is the only one left (capacity verdict)
+
+
 def schedule(
     policy: Any,
     config: SchedulerLimits,
@@ -348,11 +333,6 @@ def schedule(
     waiting = waiting & ~too_long
     # A WAITING slot with computed tokens holds memory: its attached prefix-cache hit.
     holding = (state.status == WAITING) & (state.num_computed > 0)
-    mem = lax.cond(
-        jnp.any(too_long & holding),
-        lambda: policy.release(state.mem, pos, too_long & holding),
-        lambda: state.mem,
-    )
     holds = holding & ~too_long
 
     # 2. Running sequences, group by group.
@@ -365,83 +345,242 @@ def schedule(
     rem_r = jnp.where(pos < n_run, base_r, 0)
     q_r = _budget_prefix(rem_r, budget)
     want_r = q_r > 0
-    mem, preempted, swapped_out, cap_run, released = _run_running(
-        policy,
-        config,
-        state,
-        mem,
+    grow_r = (
         order_r,
-        want_r,
         state.num_computed[order_r] + q_r,
         state.final_len[order_r],
         caps_all[order_r],
-        n_run,
-        holds,
     )
-    sched_r = want_r & ~(preempted | cap_run)[order_r]
-    n_run_after = n_run - jnp.sum(preempted | cap_run, dtype=jnp.int32)
+    start_r, end_r = _group_bounds(order_r, state.group, n_run)
     seq_cap = config.max_num_seqs
     if config.mode == "static":
         seq_cap = min(config.static_batch_size, config.max_num_seqs)
-
-    # 3. Swapped groups come back before anything new is admitted (not in a step that
-    # preempted); they run from the next step.
-    swapped_in = jnp.zeros((n,), bool)
-    if getattr(policy, "can_swap", False):
-        any_out = jnp.any(state.status == SWAPPED)
-        mem, swapped_in, n_in = lax.cond(
-            ~jnp.any(preempted) & any_out,
-            lambda: _swap_in(policy, config, state, mem, seq_cap, n_run_after),
-            lambda: (mem, swapped_in, jnp.int32(0)),
-        )
-        n_run_after = n_run_after + n_in
-    still_out = ((state.status == SWAPPED) & ~swapped_in) | swapped_out
-
-    # 4. Admissions: none in a step that preempted, none while a group is swapped out.
-    allow = ~jnp.any(preempted) & ~jnp.any(still_out)
-    if config.mode == "static":
-        allow = allow & (n_run_after == 0)
     n_wait = jnp.sum(waiting, dtype=jnp.int32)
     order_w = priority_order(state, config, waiting)
     need_w = jnp.where(pos < n_wait, (total - state.num_computed)[order_w], 0)
-    budget_left = budget - jnp.sum(jnp.where(sched_r, q_r, 0))
-    if config.chunked_prefill:
-        q_w = _budget_prefix(need_w, budget_left)
-    else:
-        q_w = jnp.where(jnp.cumsum(need_w) <= budget_left, need_w, 0)
-    # A slot whose hold was released this step waits for the engine's new lookup; strict
-    # order keeps everything behind it waiting too.
-    stop = _first_false(~released[order_w], pos < n_wait)
-    cand = allow & (q_w > 0) & (pos < seq_cap - n_run_after) & (pos < stop)
-    grow_w = (
-        order_w,
-        state.num_computed[order_w] + q_w,
-        state.final_len[order_w],
-        caps_all[order_w],
-    )
-    mem, adm, f = _admit(policy, mem, grow_w, cand)
-    # Refused while later waiting slots hold memory: release those holds (vLLM's waiting
-    # requests hold nothing) and retry the refused one; admission then ends for the step
-    # (the released slots are behind it and wait for their new lookup anyway).
-    drop_w = holds[order_w] & ~released[order_w] & (pos > f) & (f < n)
+    z = jnp.zeros((n,), bool)
 
-    def retry() -> tuple:
-        m = policy.release(mem, pos, jnp.zeros((n,), bool).at[order_w].set(drop_w))
-        one = pos == f
-        m, ok = policy.grow(m, *grow_w, one, one)
-        return m, adm | (one & ok), jnp.where(ok[f], n, f)
+    def slots_of(by_pos: jax.Array) -> jax.Array:  # admission positions -> bool[N] by slot
+        return jnp.zeros((n,), bool).at[order_w].set(by_pos)
 
-    mem, adm, f = lax.cond(jnp.any(drop_w), retry, lambda: (mem, adm, f))
-    released = released | jnp.zeros((n,), bool).at[order_w].set(drop_w)
-    # Refused with nothing else holding memory: it can never fit.
-    cap_w_pos = (pos == 0) & (f == 0) & (n_run_after == 0)
-    cap_wait = jnp.zeros((n,), bool).at[order_w].set(cap_w_pos)
-    admitted = jnp.zeros((n,), bool).at[order_w].set(adm)
-    mem = lax.cond(
-        jnp.any(cap_wait & holds),
-        lambda: policy.release(mem, pos, cap_wait & holds),
-        lambda: mem,
+    def capacity_w(c: _Carry) -> jax.Array:
+        """Admission refused the head with nothing running: it can never fit (by slot)."""
+        return slots_of((pos == 0) & (c.f == 0) & (c.n_run_after == 0))
+
+    # Stage transitions. Each gets the carry without its memory state (``mem`` None: what
+    # a ``lax.switch`` returns is copied at run time, every iteration) and ``ok``, the
+    # result of the iteration's grow (of c.grow over c.args; all True when c.grow was
+    # empty), and returns the next carry: whether the grow's state is kept (``keep``),
+    # what to release, which group to preempt (``victim``). None calls a policy method:
+    # the loop body does, each method at one call site.
+    def run_all(c: _Carry, ok: jax.Array) -> _Carry:
+        # The wanted running positions [i, j) at once (at first all of them): kept when
+        # all fit (the common case). Otherwise the call is exact up to its first failure:
+        # the groups before the failing one's (from g) grow again alone, since later
+        # entries may have taken memory, and group g failed.
+        f = _first_false(ok, c.grow)
+        good = f >= n
+        g = start_r[jnp.minimum(f, n - 1)]
+        return c._replace(
+            keep=good,
+            stage=jnp.where(good, _MID, _RUN_PREFIX).astype(jnp.int32),
+            grow=jnp.where(good, z, c.grow & (pos < g)),
+            i=jnp.where(good, c.i, g),
+        )
+
+    def run_prefix(c: _Carry, ok: jax.Array) -> _Carry:
+        # The grow: the groups before group i grew (exactly as in the batched call, or none);
+        # group i does not fit. At the step's first failure every waiting hold goes
+        # (released at the iteration's end); later, the lowest-priority group not yet
+        # visited (positions [vs, j)) is preempted; if that is group i itself, the pass
+        # ends, and if group i is alone (everything else preempted, every hold released)
+        # it can never fit: finished for capacity. Then [i, j) is tried again at once.
+        del ok  # a prefix of the batched call: it fits
+        i, j = c.i, c.j
+        fail = c.freed
+        e = end_r[i]
+        other = j > e  # a lower-priority group remains
+        vs = jnp.where(other, start_r[jnp.maximum(j - 1, 0)], i)  # the victim's first position
+        gm = running & (state.group == state.group[order_r[vs]])
+        alone = ~other & (i == 0)
+        hit = fail & gm
+        j2 = jnp.where(fail, vs, j)
+        more = i < j2
+        first = holds & ~fail
+        return c._replace(
+            keep=True,
+            victim=hit,
+            alone=alone,
+            stage=jnp.where(more, _RUN_ALL, _MID).astype(jnp.int32),
+            release=first,
+            grow=want_r & (pos >= i) & (pos < j2),
+            j=j2,
+            freed=jnp.asarray(True),
+            pre=c.pre | (hit & ~alone),
+            cap=c.cap | (hit & alone),
+            rel=c.rel | first,
+        )
+
+    def admit_all(c: _Carry, ok: jax.Array) -> _Carry:
+        # Every candidate at once (with the watermark): kept when all are admitted. At
+        # the first refusal f the admitted prefix grows again alone.
+        f = _first_false(ok, c.cand)
+        good = f >= n
+        adm = c.cand & (pos < f)
+        return c._replace(
+            keep=good,
+            stage=jnp.where(good, _DONE, _ADMIT_PREFIX).astype(jnp.int32),
+            grow=jnp.where(good, z, adm),
+            wm=adm,
+            adm=adm,
+            f=f,
+        )
+
+    def admit_prefix(c: _Carry, ok: jax.Array) -> _Carry:
+        # Refused while later waiting slots hold memory: those holds are released (vLLM's
+        # waiting requests hold nothing) and the refused one is retried alone; admission
+        # then ends for the step (the released slots are behind it and wait for their
+        # new lookup anyway).
+        del ok  # the admitted prefix: it fits
+        drop = holds[order_w] & ~c.rel[order_w] & (pos > c.f)
+        retry = jnp.any(drop)
+        one = (pos == c.f) & retry
+        return c._replace(
+            keep=True,
+            stage=jnp.where(retry, _ADMIT_RETRY, _DONE).astype(jnp.int32),
+            release=slots_of(drop),
+            grow=one,
+            wm=one,
+            dropped=drop,
+        )
+
+    def admit_retry(c: _Carry, ok: jax.Array) -> _Carry:
+        ok_f = ok[c.f]
+        return c._replace(
+            keep=True,
+            stage=jnp.int32(_DONE),
+            grow=z,
+            adm=c.adm | ((pos == c.f) & ok_f),
+            f=jnp.where(ok_f, n, c.f),
+        )
+
+    def idle(c: _Carry, ok: jax.Array) -> _Carry:
+        del ok
+        return c
+
+    def mid(c: _Carry, swapped_in: jax.Array, n_run_after: jax.Array) -> _Carry:
+        """Between the running pass and admission, after swap-in (the loop body's): the
+        admission candidates, whose grow is the same iteration's."""
+        sched_r = want_r & ~(c.pre | c.cap)[order_r]
+        still_out = ((state.status == SWAPPED) & ~swapped_in) | c.swp
+        # 4. Admissions: none in a step that preempted, none while a group is swapped out.
+        allow = ~jnp.any(c.pre) & ~jnp.any(still_out)
+        if config.mode == "static":
+            allow = allow & (n_run_after == 0)
+        budget_left = budget - jnp.sum(jnp.where(sched_r, q_r, 0))
+        if config.chunked_prefill:
+            q_w = _budget_prefix(need_w, budget_left)
+        else:
+            q_w = jnp.where(jnp.cumsum(need_w) <= budget_left, need_w, 0)
+        # A slot whose hold was released this step waits for the engine's new lookup;
+        # strict order keeps everything behind it waiting too.
+        stop = _first_false(~c.rel[order_w], pos < n_wait)
+        cand = allow & (q_w > 0) & (pos < seq_cap - n_run_after) & (pos < stop)
+        grow_w = (
+            order_w,
+            state.num_computed[order_w] + q_w,
+            state.final_len[order_w],
+            caps_all[order_w],
+        )
+        return c._replace(
+            stage=jnp.where(jnp.any(cand), _ADMIT_ALL, _DONE).astype(jnp.int32),
+            grow=cand,
+            wm=cand,
+            args=grow_w,
+            swapped_in=swapped_in,
+            n_run_after=n_run_after,
+            q_w=q_w,
+            cand=cand,
+        )
+
+    # Rejected slots' holds go before anything grows: a first, idle iteration releases
+    # them (only in a step that has some).
+    first_release = jnp.any(too_long & holding)
+
+    def begin(c: _Carry, ok: jax.Array) -> _Carry:
+        del ok
+        return c._replace(stage=jnp.int32(_RUN_ALL), release=too_long & holding, grow=want_r)
+
+    branches = [idle] * _NUM_STAGES
+    branches[_START] = begin
+    branches[_RUN_ALL], branches[_RUN_PREFIX] = run_all, run_prefix
+    branches[_ADMIT_ALL], branches[_ADMIT_PREFIX] = admit_all, admit_prefix
+    branches[_ADMIT_RETRY] = admit_retry
+
+    any_out = jnp.any(state.status == SWAPPED)
+
+    def body(c: _Carry) -> _Carry:
+        mem = c.mem
+        f0 = jnp.asarray(False)
+        ctl = c._replace(mem=None, keep=f0, victim=z, alone=f0)
+        at_mid = c.stage == _MID
+        n_run_after = n_run - jnp.sum(c.pre | c.cap, dtype=jnp.int32)
+        swapped_in = z
+        # 3. Swapped groups come back before anything new is admitted (not in a step
+        # that preempted); they run from the next step.
+        if getattr(policy, "can_swap", False):
+            mem, swapped_in, n_in = lax.cond(
+                at_mid & ~jnp.any(c.pre) & any_out,
+                lambda: _swap_in(policy, config, state, c.mem, seq_cap, n_run_after),
+                lambda: (c.mem, z, jnp.int32(0)),
+            )
+            n_run_after = n_run_after + n_in
+        ctl = lax.cond(at_mid, lambda s: mid(s, swapped_in, n_run_after), lambda s: s, ctl)
+        m_g, ok = _grow_masked(policy, mem, ctl.args, ctl.grow, ctl.wm)
+        nxt = lax.switch(ctl.stage, branches, ctl, ok)
+        mem = _tree_where(nxt.keep, m_g, mem)
+        fail = jnp.any(nxt.victim)
+        mem, swapped, to_release = _victim(policy, config, mem, nxt.victim, nxt.alone, fail)
+        # Admission just ended: a refused head with nothing running can never fit; its
+        # hold goes (rule 4).
+        ended = (nxt.stage == _DONE) & (ctl.stage != _DONE)
+        release = nxt.release | to_release | (ended & capacity_w(nxt) & holds)
+        new = lax.cond(jnp.any(release), lambda: policy.release(mem, pos, release), lambda: mem)
+        return nxt._replace(mem=new, release=z, swp=nxt.swp | (nxt.victim & swapped))
+
+    i0 = jnp.int32(0)
+    init = _Carry(
+        mem=state.mem,
+        stage=jnp.where(first_release, _START, _RUN_ALL).astype(jnp.int32),
+        release=z,
+        grow=jnp.where(first_release, z, want_r),
+        wm=z,
+        args=grow_r,
+        i=i0,
+        j=n_run,
+        pre=z,
+        swp=z,
+        cap=z,
+        rel=z,
+        swapped_in=z,
+        n_run_after=i0,
+        q_w=jnp.zeros((n,), jnp.int32),
+        cand=z,
+        adm=z,
+        f=jnp.int32(n),
+        dropped=z,
+        freed=jnp.asarray(False),
+        keep=jnp.asarray(False),
+        victim=z,
+        alone=jnp.asarray(False),
     )
+    c = lax.while_loop(lambda c: c.stage != _DONE, body, init)
+    mem, preempted, swapped_out, cap_run, swapped_in = c.mem, c.pre, c.swp, c.cap, c.swapped_in
+    sched_r = want_r & ~(preempted | cap_run)[order_r]
+    adm, q_w = c.adm, c.q_w
+    released = c.rel | slots_of(c.dropped)
+    cap_wait = capacity_w(c)
+    admitted = slots_of(adm)
 
     # Batch: running rows then admitted rows, compacted.
     ids2 = jnp.concatenate([order_r, order_w])
