@@ -237,8 +237,16 @@ def test_queue_bound_503_retry_after(served):
 def test_request_timeout_504(served):
     s = served
     app = build_app(s.engine, [NAME], limits=ServerLimits(request_timeout_s=0.3))
+    untimed = build_app(s.engine, [NAME])
 
     async def main():
+        # The stream's first token must come within 0.3 s: compile this prompt's step
+        # programs first, without a timeout (the test is about the timeout, not a cold
+        # compile; it would otherwise depend on which test of the module ran before it).
+        warm = httpx.ASGITransport(app=untimed)
+        async with httpx.AsyncClient(transport=warm, base_url="http://t", timeout=120) as c:
+            status, _ = await _read_all(c, _body("slow", 2, True))
+            assert status == 200
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
             r = await c.post("/v1/completions", json=_body("slow", LONG, False))
