@@ -117,6 +117,17 @@ def pytest_runtest_teardown(item, nextitem):
         gc.collect()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests tests/tiers.py moves (before ``-m`` deselects by marker)."""
+    from tests.tiers import tier_of
+
+    for item in items:
+        move = tier_of(item.nodeid)
+        if move is not None:
+            item.add_marker(getattr(pytest.mark, move[0]))
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     """The real SmolLM2-135M-Instruct GGUF, fetched once per machine into the user's cache

@@ -1,0 +1,45 @@
+"""tests/tiers.py names real tests: a renamed or deleted test must not leave a stale move
+behind (it would silently stop moving anything, or move a new test of the old name)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.tiers import MOVES, tier_of
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _names(path: Path) -> set[str]:
+    """Module-level test functions and classes of a test module."""
+    tree = ast.parse(path.read_text())
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)} | {
+        t.id
+        for n in tree.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+
+
+@pytest.mark.parametrize("key", sorted(MOVES))
+def test_every_move_names_an_existing_test(key):
+    tier, why = MOVES[key]
+    assert tier in ("tier2", "slow"), f"{key}: unknown tier {tier!r}"
+    assert why, f"{key}: say why it moved"
+    path, _, rest = key.partition("::")
+    assert (ROOT / path).is_file(), f"{key}: no such file"
+    if rest:
+        name = rest.split("[")[0].split("::")[0]
+        assert name in _names(ROOT / path), f"{key}: {path} has no {name}"
+
+
+def test_the_most_specific_move_wins():
+    key = "tests/test_model_parity.py::test_logits_match_transformers_fp32[mistral]"
+    assert tier_of(key) == MOVES[key]
+    assert tier_of("tests/test_model_parity.py::test_logits_match_transformers_fp32[llama]") is None
+    assert tier_of("tests/kernels/test_bench.py::test_bench_tiny_interpret") == MOVES[
+        "tests/kernels/test_bench.py"]
+    # a prefix of a name is not a match
+    assert tier_of("tests/test_engine.py::test_batched_greedy_equals_alone_x") is None
