@@ -2,15 +2,15 @@
 behind (it would silently stop moving anything, or move a new test of the old name)."""
 
 import ast
+import functools
 from pathlib import Path
-
-import pytest
 
 from tests.tiers import MOVES, tier_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@functools.cache
 def _names(path: Path) -> set[str]:
     """Module-level test functions and classes of a test module."""
     tree = ast.parse(path.read_text())
@@ -23,16 +23,19 @@ def _names(path: Path) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("key", sorted(MOVES))
-def test_every_move_names_an_existing_test(key):
-    tier, why = MOVES[key]
-    assert tier in ("tier2", "slow"), f"{key}: unknown tier {tier!r}"
-    assert why, f"{key}: say why it moved"
-    path, _, rest = key.partition("::")
-    assert (ROOT / path).is_file(), f"{key}: no such file"
-    if rest:
-        name = rest.split("[")[0].split("::")[0]
-        assert name in _names(ROOT / path), f"{key}: {path} has no {name}"
+def test_every_move_names_an_existing_test():
+    wrong = []
+    for key, (tier, why) in sorted(MOVES.items()):
+        path, _, rest = key.partition("::")
+        if tier not in ("tier2", "slow"):
+            wrong.append(f"{key}: unknown tier {tier!r}")
+        elif not why:
+            wrong.append(f"{key}: say why it moved")
+        elif not (ROOT / path).is_file():
+            wrong.append(f"{key}: no such file")
+        elif rest and rest.split("[")[0].split("::")[0] not in _names(ROOT / path):
+            wrong.append(f"{key}: {path} has no {rest.split('[')[0]}")
+    assert wrong == []
 
 
 def test_the_most_specific_move_wins():
