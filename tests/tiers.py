@@ -317,6 +317,15 @@ MOVES: dict[str, tuple[str, str]] = {
     "tests/test_sharing.py::test_waiting_hits_give_way_to_running_requests": (
         "slow", "second-tier case"),
     "tests/test_llm_api.py::test_outputs_in_input_order_with_vllm_fields": ("slow", "16.9 s"),
+    "tests/test_server_fuzz.py::test_fuzz_malformed_requests_asgi": (
+        "slow", "80.5 s; test_server's bad requests and test_server_robust's limits stay"),
+    "tests/test_scheduler.py::test_schedule_vmaps_over_independent_states": ("slow", "25.0 s"),
+    "tests/test_scheduler_reference.py::test_jitted_matches_reference_calling_the_policy[orca_max_static]": (  # noqa: E501
+        "slow", "30.5 s"),
+    "tests/test_scheduler_reference.py::test_jitted_matches_reference_calling_the_policy[orca_pow2_default]": (  # noqa: E501
+        "slow", "23.9 s"),
+    "tests/test_lora.py::test_forward_matches_transformers_peft_mixed_batch": (
+        "slow", "21.9 s; the engine's mixed batch against peft stays in the second tier"),
 }
 
 
