@@ -26,9 +26,6 @@ from pagedjax.engine.beams import BeamSearchOutOfStep
 from pagedjax.scheduler import FREE
 from tests.model_helpers import save_tiny_hf_model
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
-pytestmark = pytest.mark.xdist_group("test_beam_search")
-
 torch = pytest.importorskip("torch")
 
 VOCAB = 384  # tests/model_helpers.py's tiny Llama

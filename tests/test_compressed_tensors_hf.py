@@ -59,9 +59,8 @@ from pagedjax import LLM, SamplingParams  # noqa: E402
 from pagedjax.model.quant.weight import QuantizedWeight, dequantize  # noqa: E402
 from tests.model_helpers import make_tiny_hf_model  # noqa: E402
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
 # Second tier (docs/testing.md): subprocesses and extra compiles.
-pytestmark = [pytest.mark.xdist_group("test_compressed_tensors_hf"), pytest.mark.tier2]
+pytestmark = [pytest.mark.tier2]
 
 # Hidden 128 / intermediate 256 (GQA 8 / 2 heads), so a group of 32 splits every input.
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8,

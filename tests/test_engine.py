@@ -35,9 +35,6 @@ from pagedjax.scheduler import FREE
 from pagedjax.tokenizer import ByteTokenizer
 from tests.engine_helpers import drain
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
-pytestmark = pytest.mark.xdist_group("test_engine")
-
 ARCH = preset_arch("tiny-llama")  # vocab 512, 2 layers, 4 q / 2 kv heads, head_dim 16
 BLOCK = 4
 MAX_LEN = 64

@@ -24,8 +24,6 @@ from pagedjax.memory import block_pool as bp
 from pagedjax.memory.host_tier import HostTierIndex, cross_tier_hit, exchange, leading_run
 from pagedjax.memory.prefix_cache import chain_hashes
 
-pytestmark = pytest.mark.xdist_group("test_host_tier")
-
 MAX_N = 8
 _exchange = jax.jit(exchange, static_argnums=(4,))
 _allocate = jax.jit(bp.allocate, static_argnums=(2,))

@@ -21,9 +21,6 @@ from pagedjax.tokenizer import ByteTokenizer
 from tests.test_engine import ARCH, _params
 from tests.test_swap import GREEDY, PROMPT_A, PROMPT_B, SAMPLED, SHORT, _alone, _assert_idle
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
-pytestmark = pytest.mark.xdist_group("test_kv_quant_engine")
-
 BLOCK, MAX_LEN, MAX_SEQS, BUDGET = 4, 64, 4, 16
 
 

@@ -16,9 +16,6 @@ import pagedjax
 from pagedjax import LLM, BeamSearchParams, CompletionOutput, RequestOutput, SamplingParams
 from tests.model_helpers import save_tiny_hf_model
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
-pytestmark = pytest.mark.xdist_group("test_llm_api")
-
 MAX_LEN = 64
 TIE_GAP = 1e-4
 

@@ -24,9 +24,6 @@ from pagedjax.engine.lora_manager import LoRAManager
 from pagedjax.lora import LORA_SEQ_SLOTS, LoRARequest, llama_module_shapes
 from pagedjax.memory.prefix_cache import PrefixIndex, chain_hashes
 
-# One worker runs this module (--dist loadgroup): its engines are built once.
-pytestmark = pytest.mark.xdist_group("test_lora_engine")
-
 ARCH = SimpleNamespace(family="llama", num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
                        hidden_size=8, intermediate_size=12, num_experts=0)  # fmt: skip
 

@@ -24,9 +24,6 @@ from pagedjax.model import (
 from pagedjax.model.config import ARCHITECTURES
 from pagedjax.model.safetensors_io import load_tensors
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
-pytestmark = pytest.mark.xdist_group("test_model_families")
-
 torch = pytest.importorskip("torch")
 torch.set_num_threads(1)  # tiny models (test_model_parity.py says why)
 

@@ -33,9 +33,6 @@ from pagedjax.scheduler import FREE
 from pagedjax.tokenizer import ByteTokenizer
 from tests.engine_helpers import drain
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
-pytestmark = pytest.mark.xdist_group("test_multi_step")
-
 ARCH = dataclasses.replace(preset_arch("tiny-llama"), num_layers=1)
 BLOCK = 4
 MAX_LEN = 64

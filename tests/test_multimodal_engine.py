@@ -19,8 +19,6 @@ from pagedjax import LLM, SamplingParams
 from pagedjax.engine.multimodal import expand_placeholders, identity_ids
 from tests.model_helpers import save_tiny_hf_model, save_tiny_tokenizer
 
-pytestmark = pytest.mark.xdist_group("test_multimodal_engine")
-
 IMAGE = 259  # "<image>": the byte-level tiny tokenizer's ids end at 258
 N = 16  # image tokens: (32 / 8)^2 patches, CLS dropped ("default")
 BS = 8  # block size

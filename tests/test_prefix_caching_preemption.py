@@ -14,9 +14,6 @@ import pytest
 
 from pagedjax import LLM, SamplingParams
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
-pytestmark = pytest.mark.xdist_group("test_prefix_caching_preemption")
-
 ARGS = dict(
     num_gpu_blocks_override=20, block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
     warmup="none",

@@ -15,9 +15,6 @@ from pagedjax.engine.engine_stats import (
 from pagedjax.model.quant.weight import QuantizedWeight
 from pagedjax.sampling import BeamSearchParams
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
-pytestmark = pytest.mark.xdist_group("test_quantization_engine")
-
 ARGS = dict(
     max_model_len=64, block_size=4, num_gpu_blocks_override=20, max_num_seqs=2,
     max_num_batched_tokens=16, num_scheduler_steps=4, warmup="all", watermark=0.0,

@@ -26,9 +26,6 @@ from pagedjax.eval import (  # noqa: E402
     load_text,
 )
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
-pytestmark = pytest.mark.xdist_group("test_real_model")
-
 # Small limits keep the number of compiled step shapes (and CI time) down: one window
 # of 512 tokens + 1 output fits max_model_len; 16 slots hold the concurrent test.
 ENGINE_ARGS = dict(

@@ -31,9 +31,6 @@ from pagedjax.entrypoints.openai.api_server import build_app
 from pagedjax.entrypoints.openai.metrics import ServerMetrics
 from tests.model_helpers import save_tiny_hf_model, save_tiny_tokenizer
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
-pytestmark = pytest.mark.xdist_group("test_server")
-
 NAME = "tiny-chat"
 MAX_LEN = 128
 PROMPTS = ["Hello, world", "The quick brown fox", "a"]

@@ -30,8 +30,6 @@ from pagedjax import LLM
 from pagedjax.entrypoints.async_engine import AsyncLLMEngine
 from pagedjax.entrypoints.openai.api_server import build_app
 
-pytestmark = pytest.mark.xdist_group("test_server_fuzz")
-
 NAME = "tiny-llama"
 MIN_EXAMPLES = 1000
 COUNT = {"asgi": 0, "live": 0}

@@ -32,8 +32,6 @@ from pagedjax.entrypoints.openai.api_server import build_app
 from pagedjax.entrypoints.openai.limits import ServerLimits
 from pagedjax.entrypoints.openai.metrics import ServerMetrics
 
-pytestmark = pytest.mark.xdist_group("test_server_robust")
-
 NAME = "tiny-llama"
 LONG = 1000  # tokens of a request that holds the only slot: long enough to outlast a check
 

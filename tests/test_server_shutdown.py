@@ -26,7 +26,7 @@ import time
 import httpx
 import pytest
 
-pytestmark = [pytest.mark.tier2, pytest.mark.xdist_group("test_server_shutdown")]
+pytestmark = [pytest.mark.tier2]
 
 NAME = "tiny-llama"
 

@@ -24,8 +24,6 @@ from pagedjax.tokenizer import HFTokenizer
 from tests.model_helpers import save_tiny_tokenizer
 from tests.test_server import _serve
 
-pytestmark = pytest.mark.xdist_group("test_server_tools")
-
 # A template that shows the tools, as Hermes / Qwen templates do.
 TOOLS_TEMPLATE = (
     "{% if tools %}<|tools|>{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"

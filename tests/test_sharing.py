@@ -26,9 +26,6 @@ from pagedjax.tokenizer import ByteTokenizer
 from tests.engine_helpers import drain
 from tests.test_engine import ARCH, _params
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
-pytestmark = pytest.mark.xdist_group("test_sharing")
-
 BLOCK, MAX_LEN, MAX_SEQS, BUDGET = 4, 64, 4, 16
 NUM_BLOCKS = 24  # 23 usable: four 40-token sequences (10 blocks each) must preempt
 OUT = 12

@@ -52,9 +52,6 @@ from tests.test_speculative import (
     check_memory,
 )
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
-pytestmark = pytest.mark.xdist_group("test_spec_eagle")
-
 
 @functools.cache
 def _head_dir(tmp: str) -> str:

@@ -33,8 +33,6 @@ from tests.test_speculative import (
     check_memory,
 )
 
-pytestmark = pytest.mark.xdist_group("test_speculative")  # shares its module's engines
-
 
 def _reference_k(table, b: int, kmax: int) -> int:
     """vLLM's rule read directly: the last range starting at or below b decides (inside

@@ -40,9 +40,6 @@ from pagedjax.scheduler import RUNNING
 from pagedjax.tokenizer import ByteTokenizer
 from tests.engine_helpers import drain
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
-pytestmark = pytest.mark.xdist_group("test_speculative")
-
 ARCH = preset_arch("tiny-llama")  # vocab 512, 2 layers
 BLOCK = 4
 NUM_BLOCKS = 24  # 23 usable: four sequences of up to 16 blocks must preempt

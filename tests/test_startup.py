@@ -23,9 +23,6 @@ from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.multi_step import loop_buckets
 from pagedjax.engine.warmup import bucket_pairs
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
-pytestmark = pytest.mark.xdist_group("test_startup")
-
 ROOT = Path(__file__).resolve().parents[1]
 MAX_STEP_PROGRAMS = 20  # one-step programs of a default engine (issue 13's bound)
 MAX_LOOP_PROGRAMS = 8  # K-step decode loop programs

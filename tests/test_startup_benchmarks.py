@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
 # Second tier (docs/testing.md): subprocesses and extra compiles.
-pytestmark = [pytest.mark.xdist_group("test_startup_benchmarks"), pytest.mark.tier2]
+pytestmark = [pytest.mark.tier2]
 
 ROOT = Path(__file__).resolve().parents[1]
 

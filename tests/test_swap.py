@@ -32,9 +32,6 @@ from pagedjax.scheduler import FREE, RUNNING, SWAPPED, WAITING
 from pagedjax.tokenizer import ByteTokenizer
 from tests.test_engine import ARCH, _params
 
-# One worker runs this module (--dist loadgroup): its engines / module fixtures are built once.
-pytestmark = pytest.mark.xdist_group("test_swap")
-
 BLOCK, MAX_LEN, MAX_SEQS, BUDGET = 4, 64, 4, 16
 NUM_BLOCKS = 12  # 11 usable: the two requests below cannot both finish on device
 BYTES_PER_BLOCK = ARCH.kv_bytes_per_token(jnp.float32) * BLOCK

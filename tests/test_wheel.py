@@ -27,7 +27,7 @@ import pytest
 
 from pagedjax import native_build
 
-pytestmark = [pytest.mark.tier2, pytest.mark.xdist_group("wheel")]
+pytestmark = [pytest.mark.tier2]
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ("pyproject.toml", "README.md", "pagedjax", "pallas_kernels")
