@@ -150,6 +150,38 @@ def test_manager_binds_slots_and_refuses_bad_adapters(adapters, tmp_path):
         LoRAManager(LoRAConfig(), SimpleNamespace(family="opt"), {}, 4)
 
 
+def test_manager_remove_defers_while_requests_use_the_adapter(adapters):
+    """remove (vLLM's remove_lora, the server's unload): an adapter a live request uses
+    keeps its host copy and slot (weights intact) until released; then its slot is zeroed
+    and free for the next adapter (no eviction); named again, it is live again."""
+    reqs, want, _ = adapters
+    mgr = _manager(max_loras=2, max_cpu_loras=4)
+    for r in reqs[:3]:
+        mgr.prepare(r)
+    assert mgr.admit(reqs[0], []) and mgr.admit(reqs[1], [1])
+    slot = mgr.table.slot_of(1)
+    r1 = want[1]["q_proj"].shape[-1]
+    assert mgr.remove(1, live_ids=[1, 2])  # a request of adapter 1 is unfinished: deferred
+    assert mgr.held_ids() == {2, 3} and 1 in mgr.resident and 1 in mgr.host
+    np.testing.assert_array_equal(np.asarray(mgr.table.a["q_proj"])[:, slot, :, :r1],
+                                  want[1]["q_proj"])  # fmt: skip
+    mgr.release_retired(live_ids=[1])  # still in use: nothing happens
+    assert 1 in mgr.resident
+    mgr.release_retired(live_ids=[2])  # finished: freed
+    assert 1 not in mgr.resident and 1 not in mgr.host and not mgr.retired
+    assert not np.asarray(mgr.table.a["q_proj"])[:, slot].any()
+    assert mgr.admit(reqs[2], [2]) and mgr.table.slot_of(3) == slot
+    assert mgr.stats()["lora_evictions"] == 0
+    assert mgr.remove(3, live_ids=[]) and 3 not in mgr.resident  # unused: freed at once
+    assert not mgr.remove(3, live_ids=[])  # no longer held
+    assert mgr.remove(2, live_ids=[2])
+    mgr.prepare(reqs[1])  # named again before its requests finished: live again
+    mgr.release_retired(live_ids=[])
+    assert 2 in mgr.held_ids() and 2 in mgr.resident
+    mgr.prepare(reqs[0])  # removed, then named again: read from its path
+    assert mgr.held_ids() == {1, 2}
+
+
 # --------------------------------------------------------------- prefix cache keys
 
 
@@ -397,6 +429,54 @@ def test_core_loop_add_carries_the_lora_request(tiny, llm):
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
 
+@pytest.mark.tier2
+def test_remove_lora_defers_until_its_requests_finish(tiny, llm):
+    """LLMEngine.add_lora / remove_lora (what the server's load / unload call): an
+    adapter removed while one request of it runs and another waits in the queue serves
+    both to the end, correct; the next admission pass frees it."""
+    engine, c = llm.llm_engine, tiny.loras[3]
+    prompts = {"rm-run": [9, 8, 7, 6, 5, 4, 3], "rm-queued": [3, 4, 5, 6, 7]}
+    want = {rid: llm.generate(p, _greedy(), use_tqdm=False, lora_request=c)[0]
+            .outputs[0].token_ids for rid, p in prompts.items()}  # fmt: skip
+    engine.remove_lora(3)
+    assert engine.add_lora(c) and 3 in engine.list_loras()
+    engine.add_request("rm-run", prompts["rm-run"], _greedy(), lora_request=c)
+    engine.step()  # admitted: C in a device slot, its request running
+    engine.add_request("rm-queued", prompts["rm-queued"], _greedy(), lora_request=c)
+    assert engine.remove_lora(3) and 3 not in engine.list_loras()
+    assert 3 in engine.core.lora.resident  # not freed under its requests
+    got = {}
+    while engine.has_unfinished_requests():
+        got.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert got == want
+    _assert_greedy(tiny, prompts["rm-run"], 3, got["rm-run"], N_NEW)
+    llm.generate([5, 5, 5], _greedy(1), use_tqdm=False)  # one more admission pass
+    assert 3 not in engine.core.lora.resident and 3 not in engine.core.lora.host
+    assert not engine.remove_lora(3)
+
+
+@pytest.mark.tier2
+def test_core_loop_rpcs_load_and_remove_adapters(tiny, llm, tmp_path):
+    """The core process' named RPCs with an argument (add_lora / remove_lora /
+    list_loras, on the in-process engine): a bad adapter comes back with its type."""
+    import pickle
+
+    from pagedjax.engine.core_process import CoreLoop
+
+    sent = []
+    conn = SimpleNamespace(send_bytes=lambda b: sent.append(pickle.loads(b)))
+    loop = CoreLoop(llm.llm_engine, conn)
+    loop.apply(("rpc", 1, "add_lora", LoRARequest("x", 11, str(tmp_path / "nope"))))
+    loop.apply(("rpc", 2, "add_lora", tiny.loras[3]))
+    loop.apply(("rpc", 3, "list_loras"))
+    loop.apply(("rpc", 4, "remove_lora", 3))
+    loop.apply(("rpc", 5, "list_loras"))
+    assert sent[0][:3] == ("rpc", 1, False) and sent[0][4] == "ValueError"
+    assert "missing adapter_config.json" in sent[0][3]
+    assert sent[1] == ("rpc", 2, True, True) and 3 in sent[2][3]
+    assert sent[3] == ("rpc", 4, True, True) and 3 not in sent[4][3]
+
+
 @pytest.mark.slow  # ~55 s on the loaded 2-core box (a core process starts and compiles)
 def test_engine_core_process_serves_adapters(tiny, llm, tmp_path):
     """The server's default engine: the core in a process of its own (MPEngineClient).
@@ -404,6 +484,7 @@ def test_engine_core_process_serves_adapters(tiny, llm, tmp_path):
     the add_request's ValueError in the API process, and LoRA off refuses one."""
     from pagedjax.engine.core_client import MPEngineClient
     from pagedjax.entrypoints.llm import engine_config
+    from tests.model_helpers import peft_adapter
 
     prompts = {"r-base": None, "r-a": 1, "r-c": 3}
     prompt = [9, 8, 7, 6, 5, 4, 3]
@@ -426,6 +507,13 @@ def test_engine_core_process_serves_adapters(tiny, llm, tmp_path):
                 if o.finished:
                     got[o.request_id] = o.outputs[0].token_ids
         assert got == want
+        # Runtime adapters through the client protocol (the server's load / unload).
+        with pytest.raises(ValueError, match="rank 16 exceeds"):
+            peft_adapter(tiny.models[None], tmp_path / "big", 3, 16, ["q_proj"])
+            mp.add_lora(LoRARequest("big", 12, str(tmp_path / "big")))
+        assert mp.add_lora(tiny.loras[3]) and 3 in mp.list_loras()
+        assert mp.remove_lora(3) and 3 not in mp.list_loras()
+        assert not mp.remove_lora(3)
     finally:
         mp.shutdown()
 
@@ -460,4 +548,117 @@ def test_server_serves_an_adapter_by_model_name(tiny, llm):
             assert r.status_code == 404
             assert r.json()["error"]["message"] == "The model `C` does not exist."
     finally:
+        engine.shutdown()
+
+
+def _serve(app):
+    """``app`` on uvicorn, a free localhost port, in a thread: (server, thread, url)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.tier2
+def test_server_loads_and_unloads_adapters_at_run_time(tiny, llm, tmp_path, monkeypatch):
+    """The issue's acceptance with the official ``openai`` client: the server serves A and
+    B by name, loads C at run time (PAGEDJAX_ALLOW_RUNTIME_LORA_UPDATING=true) whose
+    greedy output equals ``LLM.generate(..., lora_request=C)``, refuses bad loads with a
+    400 naming the cause while serving on, and unloads C while a stream of C runs: the
+    stream ends with C's output, later requests for C are vLLM's 404."""
+    import openai
+    from starlette.testclient import TestClient
+
+    from pagedjax.entrypoints.async_engine import AsyncLLMEngine
+    from pagedjax.entrypoints.openai.api_server import build_app
+    from pagedjax.entrypoints.openai.lora_adapters import RUNTIME_LORA_ENV
+    from tests.model_helpers import peft_adapter
+
+    prompt, n_long = [7, 8, 9, 10, 11, 12], 48
+    want = {i: llm.generate(prompt, _greedy(), use_tqdm=False, lora_request=tiny.loras.get(i))
+            [0].outputs[0].text for i in (1, 2, 3)}  # fmt: skip
+    want_long = llm.generate(prompt, _greedy(n_long), use_tqdm=False,
+                             lora_request=tiny.loras[3])[0].outputs[0].text  # fmt: skip
+    peft_adapter(tiny.models[None], tmp_path / "big", 3, 16, ["q_proj"])  # rank 16 > 8
+    _write_adapter(tmp_path / "other", r=2, seed=0, modules=("q_proj",))  # hidden 8, not 64
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "adapter_config.json").write_text(json.dumps(
+        dict(peft_type="LORA", r=2, lora_alpha=4, target_modules=["q_proj"])))  # fmt: skip
+    (tmp_path / "corrupt" / "adapter_model.safetensors").write_bytes(b"\x10\x00garbage")
+    engine = AsyncLLMEngine.from_llm(llm)
+    loras = {"A": tiny.loras[1], "B": tiny.loras[2]}
+    monkeypatch.delenv(RUNTIME_LORA_ENV, raising=False)
+    with TestClient(build_app(engine, ["tiny"], lora_modules=loras)) as off:
+        r = off.post("/v1/load_lora_adapter", json={"lora_name": "C", "lora_path": "/x"})
+        assert r.status_code == 404 and RUNTIME_LORA_ENV in r.json()["error"]["message"]
+    monkeypatch.setenv(RUNTIME_LORA_ENV, "true")
+    server, thread, url = _serve(build_app(engine, ["tiny"], lora_modules=loras))
+    client = openai.OpenAI(api_key="unused", base_url=url + "/v1", timeout=120, max_retries=0)
+
+    def complete(model: str) -> str:
+        return client.completions.create(model=model, prompt=prompt, max_tokens=N_NEW,
+                                         temperature=0.0, extra_body={"ignore_eos": True}
+                                         ).choices[0].text  # fmt: skip
+
+    def load(name: str, path: str) -> str:
+        return client.post("/load_lora_adapter", body={"lora_name": name, "lora_path": path},
+                           cast_to=str)  # fmt: skip
+
+    try:
+        assert [m.id for m in client.models.list()] == ["tiny", "A", "B"]
+        assert complete("A") == want[1] and complete("B") == want[2]
+        with pytest.raises(openai.NotFoundError, match="The model `C` does not exist"):
+            complete("C")
+        assert load("C", tiny.loras[3].lora_path) == "Success: LoRA adapter 'C' added successfully."
+        cards = {m.id: m for m in client.models.list()}
+        assert list(cards) == ["tiny", "A", "B", "C"] and cards["C"].root == tiny.loras[3].lora_path
+        assert complete("C") == want[3]
+        for name, path, match in [
+            ("C", tiny.loras[3].lora_path, "'C' has already been loaded"),
+            ("tiny", tiny.loras[3].lora_path, "served base model name"),
+            ("D", "", "Both 'lora_name' and 'lora_path' must be provided"),
+            ("D", str(tmp_path / "nope"), "missing adapter_config.json"),
+            ("D", str(tmp_path / "corrupt"), "corrupt adapter_model.safetensors"),
+            ("D", str(tmp_path / "big"), "rank 16 exceeds max_lora_rank=8"),
+            ("D", str(tmp_path / "other"), "another base"),
+        ]:  # fmt: skip
+            with pytest.raises(openai.BadRequestError, match=match):
+                load(name, path)
+        with pytest.raises(openai.NotFoundError, match="The lora adapter 'D' cannot be found"):
+            client.post("/unload_lora_adapter", body={"lora_name": "D"}, cast_to=str)
+        assert [m.id for m in client.models.list()] == ["tiny", "A", "B", "C"]
+        assert complete("B") == want[2]  # serving on
+        # Unload C while a stream of C is running: the stream ends with C's own output.
+        stream = client.completions.create(model="C", prompt=prompt, max_tokens=n_long,
+                                           temperature=0.0, stream=True,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        chunks = iter(stream)
+        text = next(chunks).choices[0].text
+        done = client.post("/unload_lora_adapter", body={"lora_name": "C"}, cast_to=str)
+        assert done == "Success: LoRA adapter 'C' removed successfully."
+        text += "".join(ch.choices[0].text for ch in chunks)
+        assert text == want_long
+        with pytest.raises(openai.NotFoundError, match="The model `C` does not exist"):
+            complete("C")
+        assert [m.id for m in client.models.list()] == ["tiny", "A", "B"]
+        assert complete("A") == want[1]  # an admission pass: C's slot and copy are freed
+        held = engine.call_future(lambda e: e.list_loras()).result(60)
+        assert 3 not in held and 1 in held
+    finally:
+        server.should_exit = True
+        thread.join(30)
         engine.shutdown()
