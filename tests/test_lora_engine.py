@@ -182,6 +182,70 @@ def test_manager_remove_defers_while_requests_use_the_adapter(adapters):
     assert mgr.held_ids() == {1, 2}
 
 
+# --------------------------------------------------------------- unified LoRA memory
+
+
+@pytest.mark.tier2  # ~3 s: each drawn shape allocates (compiles) its own zeros
+@settings(max_examples=8, deadline=None)
+@given(layers=st.integers(1, 3), loras=st.integers(1, 4), rank=st.integers(1, 6),
+       modules=st.lists(st.sampled_from(["q_proj", "k_proj", "o_proj", "up_proj"]),
+                        min_size=1, max_size=4, unique=True))  # fmt: skip
+def test_slot_table_bytes_equal_the_allocated_arrays(layers, loras, rank, modules):
+    """slot_table_bytes (what unified memory takes out of the KV budget) is exactly the
+    bytes of the arrays a LoRASlotTable allocates and its attach adds."""
+    from pagedjax.lora import LoRASlotTable, slot_table_bytes
+
+    shapes = {m: llama_module_shapes(ARCH)[m] for m in modules}
+    table = LoRASlotTable(shapes, layers, loras, rank)
+    base = {"layers": {"self_attn": {m: {} for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                       "mlp": {m: {} for m in ("gate_proj", "up_proj", "down_proj")}}}  # fmt: skip
+    tree = table.attach(base)["layers"]
+    attached = sum(tree[g][m]["lora_scale"].nbytes for g in tree for m in tree[g]
+                   if "lora_scale" in tree[g][m])  # fmt: skip
+    arrays = sum(x.nbytes for x in (*table.a.values(), *table.b.values(), table.scale))
+    assert slot_table_bytes(shapes, layers, loras, rank) == arrays + attached
+
+
+def test_unified_lora_memory_shares_the_kv_budget():
+    """Unified: the table's bytes come out of every byte budget (the explicit one, a
+    GPU's profiled free memory, the CPU default), never out of a block-count override;
+    separate: the full budget. Bad values are refused by name."""
+    import jax
+
+    from pagedjax.engine.kv_budget import cpu_default_kv_bytes, num_kv_blocks
+    from pagedjax.engine.lora_manager import lora_reserved_bytes
+    from pagedjax.lora import slot_table_bytes
+
+    unified = LoRAConfig(max_loras=4, max_lora_rank=8)
+    table = slot_table_bytes(llama_module_shapes(ARCH), ARCH.num_layers, 4, 8)
+    # L=2 layers x 5 slots x r=8 x 4 bytes x (in + out) of q k v o gate up down, the
+    # attached [L, slots] scales of the seven modules, the [slots] scale.
+    assert lora_reserved_bytes(unified, ARCH) == table == 2 * 5 * 8 * 4 * (
+        16 + 12 + 12 + 16 + 20 + 20 + 20) + 2 * 5 * 4 * 7 + 5 * 4  # fmt: skip
+    assert lora_reserved_bytes(LoRAConfig(max_loras=4, max_lora_rank=8, memory="separate"),
+                               ARCH) == 0 and lora_reserved_bytes(None, ARCH) == 0  # fmt: skip
+    kw = dict(kv_bytes_per_token=64, block_size=4, max_blocks_needed=10**9,
+              gpu_memory_utilization=0.5, num_gpu_blocks_override=None,
+              reserved_bytes=table, reserved_for="LoRA slots")  # fmt: skip
+    cpu = jax.devices("cpu")[0]
+    budget = 1 << 20
+    assert num_kv_blocks(kv_cache_memory_bytes=budget, device=cpu, **kw) == (budget - table) // 256
+    assert num_kv_blocks(kv_cache_memory_bytes=budget, device=cpu, **(kw | {"reserved_bytes": 0})
+                         ) == budget // 256  # fmt: skip
+    assert num_kv_blocks(kv_cache_memory_bytes=None, device=cpu, **kw) == (
+        cpu_default_kv_bytes()[0] - table) // 256  # fmt: skip
+    assert num_kv_blocks(kv_cache_memory_bytes=None, device=cpu,
+                         **(kw | {"num_gpu_blocks_override": 7})) == 7  # fmt: skip
+    gpu = SimpleNamespace(platform="gpu", memory_stats=lambda: dict(
+        bytes_limit=8 << 20, peak_bytes_in_use=1 << 20))  # fmt: skip
+    assert num_kv_blocks(kv_cache_memory_bytes=None, device=gpu, **kw) == (
+        (4 << 20) - (1 << 20) - table) // 256  # fmt: skip
+    with pytest.raises(ValueError, match="LoRA slots"):
+        num_kv_blocks(kv_cache_memory_bytes=table + 300, device=cpu, **kw)
+    with pytest.raises(ConfigError, match="lora.memory"):
+        LoRAConfig(memory="shared")
+
+
 # --------------------------------------------------------------- prefix cache keys
 
 
@@ -249,10 +313,12 @@ def test_server_lora_flags():
     b_json = '{"name": "b", "path": "/y", "base_model_name": "m"}'
     args = p.parse_args(["--model", "m", "--enable-lora", "--max-loras", "2",
                          "--max-lora-rank", "8", "--max-cpu-loras", "3", "--lora-modules",
-                         "a=/x", b_json])  # fmt: skip
+                         "a=/x", b_json, "--lora-memory", "separate"])  # fmt: skip
     kw = cli_args.llm_kwargs(args)
-    assert (kw["enable_lora"], kw["max_loras"], kw["max_lora_rank"], kw["max_cpu_loras"]) == (
-        True, 2, 8, 3)  # fmt: skip
+    assert (kw["enable_lora"], kw["max_loras"], kw["max_lora_rank"], kw["max_cpu_loras"],
+            kw["lora_memory"]) == (True, 2, 8, 3, "separate")  # fmt: skip
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "m", "--lora-memory", "paged"])
     assert args.lora_modules == [{"name": "a", "path": "/x"},
                                  {"name": "b", "path": "/y", "base_model_name": "m"}]  # fmt: skip
     for bad in ("nopath", '{"name": "b"}', '{"name": "b", "path": "/y", "rank": 2}'):
@@ -453,6 +519,28 @@ def test_remove_lora_defers_until_its_requests_finish(tiny, llm):
     llm.generate([5, 5, 5], _greedy(1), use_tqdm=False)  # one more admission pass
     assert 3 not in engine.core.lora.resident and 3 not in engine.core.lora.host
     assert not engine.remove_lora(3)
+
+
+@pytest.mark.tier2
+def test_engine_pool_shrinks_by_the_slot_table_under_unified_memory(tiny):
+    """The engine's pool under one kv_cache_memory_bytes: unified LoRA memory gives
+    (budget - table bytes) // block bytes blocks, separate the whole budget's; the table
+    the engine then allocates is exactly the bytes taken out."""
+    from pagedjax import LLM
+    from pagedjax.lora import slot_table_bytes
+
+    budget, got = 1 << 20, {}
+    for memory in ("unified", "separate"):
+        e = LLM(model=str(tiny.dir / "base"), dtype="float32", block_size=4, max_model_len=96,
+                max_num_seqs=64, kv_cache_memory_bytes=budget, seed=0, enable_lora=True,
+                max_loras=4, max_lora_rank=8, lora_memory=memory, warmup="none").llm_engine
+        per_block = e.kv_spec.bytes_per_token * e.block_size
+        table = e.core.lora.table
+        got[memory] = e.num_blocks
+        allocated = sum(x.nbytes for x in (*table.a.values(), *table.b.values(), table.scale))
+        allocated += table.num_layers * table.num_slots * 4 * len(table.a)  # attached scales
+        assert allocated == slot_table_bytes(table.module_shapes, table.num_layers, 4, 8)
+    assert got == {"unified": (budget - allocated) // per_block, "separate": budget // per_block}
 
 
 @pytest.mark.tier2

@@ -64,7 +64,12 @@ from pagedjax.engine.kv_budget import num_kv_blocks, profile_forward
 from pagedjax.engine.kv_cache_spec import KVCacheSpec
 from pagedjax.engine.kv_offload import build_host_tier
 from pagedjax.engine.logit_controls import LogitControls
-from pagedjax.engine.lora_manager import LoRAManager, prepare_request, remove_adapter
+from pagedjax.engine.lora_manager import (
+    LoRAManager,
+    lora_reserved_bytes,
+    prepare_request,
+    remove_adapter,
+)
 from pagedjax.engine.model_runner import ModelRunner
 from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
 from pagedjax.engine.multimodal import MultiModalRunner, VisionModel, load_engine_model, split_mm
@@ -167,6 +172,8 @@ class LLMEngine:
                 profile_forward, arch, params, self.kv_spec, self.block_size, budget,
                 self.max_seqs, max_blocks_per_seq,
             ),
+            # LoRA's unified memory: the adapter slots share the KV budget (lora_manager.py)
+            reserved_bytes=lora_reserved_bytes(config.lora, arch), reserved_for="LoRA slots",
         )
         self.num_host_blocks = num_host_blocks(
             cc.swap_space,

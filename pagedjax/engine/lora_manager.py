@@ -50,6 +50,7 @@ from pagedjax.lora import (
     LoRASlotTable,
     llama_module_shapes,
     load_peft_adapter,
+    slot_table_bytes,
 )
 from pagedjax.lora.slots import LORA_SEQ_SLOTS
 
@@ -198,6 +199,16 @@ def check_lora_buildable(config: Any) -> None:
                          " not built yet (docs/lora.md)")  # fmt: skip
 
 
+def lora_reserved_bytes(config: LoRAConfig | None, arch: Any) -> int:
+    """Bytes the slot table takes out of the KV budget: its whole size with
+    ``config.memory == "unified"`` (the table ``LoRAManager`` allocates for ``arch``),
+    0 when LoRA is off, "separate", or the model is not a Llama (refused later)."""
+    if config is None or config.memory != "unified" or arch.family != "llama":
+        return 0
+    return slot_table_bytes(llama_module_shapes(arch), arch.num_layers, config.max_loras,
+                            config.max_lora_rank)  # fmt: skip
+
+
 def live_lora_ids(requests: Iterable[Any]) -> set[int]:
     """Adapter ids of ``requests`` (RequestStates: the unfinished ones)."""
     return {r.lora_request.lora_int_id for r in requests if r.lora_request is not None}
@@ -228,5 +239,5 @@ def remove_adapter(manager: LoRAManager | None, lora_int_id: int,
     return _require(manager).remove(lora_int_id, live_lora_ids(requests))
 
 
-__all__ = ["LoRAManager", "check_lora_buildable", "live_lora_ids", "prepare_request",
-           "remove_adapter"]
+__all__ = ["LoRAManager", "check_lora_buildable", "live_lora_ids", "lora_reserved_bytes",
+           "prepare_request", "remove_adapter"]

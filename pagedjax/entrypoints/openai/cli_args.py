@@ -188,6 +188,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
                    help="the largest adapter rank served (LLM's default: 16)")  # fmt: skip
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory (default: --max-loras)")  # fmt: skip
+    p.add_argument("--lora-memory", choices=("unified", "separate"), default=None,
+                   help="adapter slots inside the KV budget (unified, the default) or beside"
+                        " it (separate: the ablation; docs/lora.md)")  # fmt: skip
     p.add_argument(
         "--limit-mm-per-prompt",
         type=_json_object,
@@ -379,7 +382,7 @@ LLM_ARGS = (
     "quantization",
     "speculative_config",
     "enforce_eager",
-    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_memory",
     "limit_mm_per_prompt",
 )  # fmt: skip
 
