@@ -668,6 +668,9 @@ def test_server_loads_and_unloads_adapters_at_run_time(tiny, llm, tmp_path, monk
     greedy output equals ``LLM.generate(..., lora_request=C)``, refuses bad loads with a
     400 naming the cause while serving on, and unloads C while a stream of C runs: the
     stream ends with C's output, later requests for C are vLLM's 404."""
+    import threading
+    import time
+
     import openai
     from starlette.testclient import TestClient
 
@@ -694,7 +697,8 @@ def test_server_loads_and_unloads_adapters_at_run_time(tiny, llm, tmp_path, monk
         r = off.post("/v1/load_lora_adapter", json={"lora_name": "C", "lora_path": "/x"})
         assert r.status_code == 404 and RUNTIME_LORA_ENV in r.json()["error"]["message"]
     monkeypatch.setenv(RUNTIME_LORA_ENV, "true")
-    server, thread, url = _serve(build_app(engine, ["tiny"], lora_modules=loras))
+    app = build_app(engine, ["tiny"], lora_modules=loras)
+    server, thread, url = _serve(app)
     client = openai.OpenAI(api_key="unused", base_url=url + "/v1", timeout=120, max_retries=0)
 
     def complete(model: str) -> str:
@@ -730,11 +734,44 @@ def test_server_loads_and_unloads_adapters_at_run_time(tiny, llm, tmp_path, monk
             client.post("/unload_lora_adapter", body={"lora_name": "D"}, cast_to=str)
         assert [m.id for m in client.models.list()] == ["tiny", "A", "B", "C"]
         assert complete("B") == want[2]  # serving on
-        # Unload C while a stream of C is running: the stream ends with C's own output.
-        stream = client.completions.create(model="C", prompt=prompt, max_tokens=n_long,
-                                           temperature=0.0, stream=True,
-                                           extra_body={"ignore_eos": True})  # fmt: skip
-        chunks = iter(stream)
+        # Unload C while a request of C waits in the engine, deterministically: the engine
+        # thread is parked on a call, the request's add and then the unload's removal
+        # queue behind it and are applied together, so the removal finds it unfinished.
+        gate, got = threading.Event(), {}
+        engine.call_future(lambda e: gate.wait(60))
+
+        def in_thread(key, fn):
+            t = threading.Thread(target=lambda: got.__setitem__(key, fn()), daemon=True)
+            t.start()
+            return t
+
+        def until(cond):
+            deadline = time.monotonic() + 60
+            while not cond():
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+
+        waiting = in_thread("text", lambda: "".join(ch.choices[0].text for ch in
+                            client.completions.create(model="C", prompt=prompt,
+                                                      max_tokens=n_long, temperature=0.0,
+                                                      stream=True,
+                                                      extra_body={"ignore_eos": True})))
+        until(lambda: engine.num_in_flight >= 1)  # its add is queued behind the gate
+        unload = in_thread("unload", lambda: client.post(
+            "/unload_lora_adapter", body={"lora_name": "C"}, cast_to=str))  # fmt: skip
+        until(lambda: "C" not in app.state.serving.loras.modules)  # its removal is queued
+        gate.set()
+        waiting.join(60)
+        unload.join(60)
+        assert got["unload"] == "Success: LoRA adapter 'C' removed successfully."
+        assert got["text"] == want_long  # served with C to the end
+        # Loaded again (a new id), unloaded while a stream of it runs (no parking here:
+        # the stream is usually still running, else the removal is immediate).
+        assert load("C", tiny.loras[3].lora_path).startswith("Success")
+        assert complete("C") == want[3]
+        chunks = iter(client.completions.create(model="C", prompt=prompt, max_tokens=n_long,
+                                                temperature=0.0, stream=True,
+                                                extra_body={"ignore_eos": True}))  # fmt: skip
         text = next(chunks).choices[0].text
         done = client.post("/unload_lora_adapter", body={"lora_name": "C"}, cast_to=str)
         assert done == "Success: LoRA adapter 'C' removed successfully."
@@ -745,7 +782,7 @@ def test_server_loads_and_unloads_adapters_at_run_time(tiny, llm, tmp_path, monk
         assert [m.id for m in client.models.list()] == ["tiny", "A", "B"]
         assert complete("A") == want[1]  # an admission pass: C's slot and copy are freed
         held = engine.call_future(lambda e: e.list_loras()).result(60)
-        assert 3 not in held and 1 in held
+        assert not held & {3, 4} and 1 in held
     finally:
         server.should_exit = True
         thread.join(30)
