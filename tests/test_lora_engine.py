@@ -150,6 +150,41 @@ def test_manager_binds_slots_and_refuses_bad_adapters(adapters, tmp_path):
         LoRAManager(LoRAConfig(), SimpleNamespace(family="opt"), {}, 4)
 
 
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "finish", "remove"]), st.integers(0, 2)),
+                    max_size=24))  # fmt: skip
+def test_manager_removals_never_touch_a_running_adapter(adapters, ops):
+    """Walks of add (prepare + admit, as add_request then admission), finish (then the
+    next admission pass's release) and remove over three adapters and two slots, against
+    a model: an adapter a running request uses stays resident with its own weights
+    whatever is removed; a removed adapter no request uses is held nowhere."""
+    reqs, want, _ = adapters
+    mgr = _manager(max_loras=2, max_cpu_loras=4)
+    running: list[int] = []
+    removed: set[int] = set()  # the model: removed and not named again
+    for op, k in ops:
+        i = reqs[k].lora_int_id
+        if op == "add":
+            mgr.prepare(reqs[k], running)
+            removed.discard(i)
+            if mgr.admit(reqs[k], running):
+                running.append(i)
+        elif op == "finish":
+            if i in running:
+                running.remove(i)
+            mgr.release_retired(running)
+        else:
+            mgr.remove(i, running)
+            removed.add(i)
+        for j in running:
+            slot = mgr.table.slot_of(j)
+            q = np.asarray(mgr.table.a["q_proj"])[:, slot]
+            np.testing.assert_array_equal(q[..., : want[j]["q_proj"].shape[-1]], want[j]["q_proj"])
+        gone = removed - set(running)
+        assert not gone & mgr.held_ids() and not gone & set(mgr.resident)
+        assert not gone & set(mgr.host)
+
+
 def test_manager_remove_defers_while_requests_use_the_adapter(adapters):
     """remove (vLLM's remove_lora, the server's unload): an adapter a live request uses
     keeps its host copy and slot (weights intact) until released; then its slot is zeroed
