@@ -14,6 +14,14 @@ request, capped at --max-num-seqs). Nothing is run on a device: the numbers are 
 sizing, not a throughput measurement.
 
     python benchmarks/lora_memory.py [--llama8b] [--kv-gib 1] [--dtype float32]
+
+``--engine``: the same trade-off on real engines at small scale: a tiny random Llama
+(hidden 64, 2 layers; transformers), one random PEFT adapter of rank 8 (peft), a 2 MiB
+KV budget (``kv_cache_memory_bytes``), 64 greedy requests of 32 + 32 tokens all with the
+adapter, for "separate" and for "unified" at max_loras 1 / 8 / 24 (``--engine-loras``):
+the engine's pool, how many requests fit whole in it (usable blocks // 4), and the run's
+preemptions, engine steps and wall time (compilation included: each pool size is a new
+program; this is about memory, not speed).
 """
 
 from __future__ import annotations
@@ -39,7 +47,11 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--ranks", default="8,64")
     ap.add_argument("--loras", default="1,4,16,64")
+    ap.add_argument("--engine", action="store_true", help="real tiny engines (module doc)")
+    ap.add_argument("--engine-loras", default="1,8,24")
     args = ap.parse_args()
+    if args.engine:
+        return engine_runs([int(x) for x in args.engine_loras.split(",")])
 
     import jax
     import jax.numpy as jnp
@@ -86,6 +98,54 @@ def main() -> None:
                 unified = "does not fit | 0 | -"
             print(f"| {rank} | {n} | {mib(table)} | {unified} | {base} | {batch(base)} |"
                   f" {mib(base * per_token * args.block_size + table)} |")  # fmt: skip
+
+
+def engine_runs(loras: list[int]) -> None:
+    """The --engine table (module docstring)."""
+    import copy
+    import os
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import numpy as np
+    import peft
+    from lora_mixed import _model
+
+    from pagedjax import LLM, SamplingParams
+    from pagedjax.lora import LoRARequest
+
+    d = Path(tempfile.mkdtemp(prefix="lora_memory_"))
+    base = _model(tiny=True)
+    base.save_pretrained(str(d / "base"))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    peft.get_peft_model(copy.deepcopy(base), cfg).save_pretrained(str(d / "a"))
+    lora = LoRARequest("a", 1, str(d / "a"))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 384, 32).tolist() for _ in range(64)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    print(f"load average {os.getloadavg()[0]:.1f}; tiny Llama, 2 MiB KV budget, 64 requests"
+          f" of 32 + 32 tokens (blocks of 16: 4 each), adapter rank 8")  # fmt: skip
+    print("| memory | max_loras | pool blocks | requests that fit whole | preemptions |"
+          " steps | wall s |")
+    print("|---|---|---|---|---|---|---|")
+    for memory, n in [("separate", max(loras))] + [("unified", n) for n in loras]:
+        llm = LLM(model=str(d / "base"), dtype="float32", block_size=16, max_model_len=128,
+                  max_num_seqs=64, max_num_batched_tokens=256, kv_cache_memory_bytes=2 << 20,
+                  enable_prefix_caching=False, warmup="none", seed=0, enable_lora=True,
+                  max_loras=n, max_lora_rank=8, lora_memory=memory)  # fmt: skip
+        e = llm.llm_engine
+        t = time.perf_counter()
+        for i, p in enumerate(prompts):
+            e.add_request(f"r{i}", p, params, lora_request=lora)
+        steps = 0
+        while e.has_unfinished_requests():
+            e.step()
+            steps += 1
+        fit = min(64, (e.num_blocks - 1) // 4)
+        print(f"| {memory} | {n} | {e.num_blocks} | {fit} | {e.num_preemptions} | {steps} |"
+              f" {time.perf_counter() - t:.1f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
