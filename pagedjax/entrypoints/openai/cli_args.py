@@ -43,6 +43,7 @@ PAGEDJAX_ONLY = (
     "--data-parallel-routing",  # vLLM balances DP replicas by load only
     "--disable-log-requests",  # vLLM 0.32 has --enable-log-requests instead
     "--disable-frontend-multiprocessing",  # vLLM V0's; here the engine thread (debugging)
+    "--lora-memory",  # adapter slots inside the KV budget or beside it (docs/lora.md)
 )
 
 
@@ -189,8 +190,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory (default: --max-loras)")  # fmt: skip
     p.add_argument("--lora-memory", choices=("unified", "separate"), default=None,
-                   help="adapter slots inside the KV budget (unified, the default) or beside"
-                        " it (separate: the ablation; docs/lora.md)")  # fmt: skip
+                   help=_own("adapter slots inside the KV budget (unified, the default) or"
+                             " beside it (separate: the ablation; docs/lora.md)"))  # fmt: skip
     p.add_argument(
         "--limit-mm-per-prompt",
         type=_json_object,
