@@ -147,6 +147,137 @@ def test_manager_binds_slots_and_refuses_bad_adapters(adapters, tmp_path):
         LoRAManager(LoRAConfig(), SimpleNamespace(family="opt"), {}, 4)
 
 
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "finish", "remove"]), st.integers(0, 2)),
+                    max_size=24))  # fmt: skip
+def test_manager_removals_never_touch_a_running_adapter(adapters, ops):
+    """Walks of add (prepare + admit, as add_request then admission), finish (then the
+    next admission pass's release) and remove over three adapters and two slots, against
+    a model: an adapter a running request uses stays resident with its own weights
+    whatever is removed; a removed adapter no request uses is held nowhere."""
+    reqs, want, _ = adapters
+    mgr = _manager(max_loras=2, max_cpu_loras=4)
+    running: list[int] = []
+    removed: set[int] = set()  # the model: removed and not named again
+    for op, k in ops:
+        i = reqs[k].lora_int_id
+        if op == "add":
+            mgr.prepare(reqs[k], running)
+            removed.discard(i)
+            if mgr.admit(reqs[k], running):
+                running.append(i)
+        elif op == "finish":
+            if i in running:
+                running.remove(i)
+            mgr.release_retired(running)
+        else:
+            mgr.remove(i, running)
+            removed.add(i)
+        for j in running:
+            slot = mgr.table.slot_of(j)
+            q = np.asarray(mgr.table.a["q_proj"])[:, slot]
+            np.testing.assert_array_equal(q[..., : want[j]["q_proj"].shape[-1]], want[j]["q_proj"])
+        gone = removed - set(running)
+        assert not gone & mgr.held_ids() and not gone & set(mgr.resident)
+        assert not gone & set(mgr.host)
+
+
+def test_manager_remove_defers_while_requests_use_the_adapter(adapters):
+    """remove (vLLM's remove_lora, the server's unload): an adapter a live request uses
+    keeps its host copy and slot (weights intact) until released; then its slot is zeroed
+    and free for the next adapter (no eviction); named again, it is live again."""
+    reqs, want, _ = adapters
+    mgr = _manager(max_loras=2, max_cpu_loras=4)
+    for r in reqs[:3]:
+        mgr.prepare(r)
+    assert mgr.admit(reqs[0], []) and mgr.admit(reqs[1], [1])
+    slot = mgr.table.slot_of(1)
+    r1 = want[1]["q_proj"].shape[-1]
+    assert mgr.remove(1, live_ids=[1, 2])  # a request of adapter 1 is unfinished: deferred
+    assert mgr.held_ids() == {2, 3} and 1 in mgr.resident and 1 in mgr.host
+    np.testing.assert_array_equal(np.asarray(mgr.table.a["q_proj"])[:, slot, :, :r1],
+                                  want[1]["q_proj"])  # fmt: skip
+    mgr.release_retired(live_ids=[1])  # still in use: nothing happens
+    assert 1 in mgr.resident
+    mgr.release_retired(live_ids=[2])  # finished: freed
+    assert 1 not in mgr.resident and 1 not in mgr.host and not mgr.retired
+    assert not np.asarray(mgr.table.a["q_proj"])[:, slot].any()
+    assert mgr.admit(reqs[2], [2]) and mgr.table.slot_of(3) == slot
+    assert mgr.stats()["lora_evictions"] == 0
+    assert mgr.remove(3, live_ids=[]) and 3 not in mgr.resident  # unused: freed at once
+    assert not mgr.remove(3, live_ids=[])  # no longer held
+    assert mgr.remove(2, live_ids=[2])
+    mgr.prepare(reqs[1])  # named again before its requests finished: live again
+    mgr.release_retired(live_ids=[])
+    assert 2 in mgr.held_ids() and 2 in mgr.resident
+    mgr.prepare(reqs[0])  # removed, then named again: read from its path
+    assert mgr.held_ids() == {1, 2}
+
+
+# --------------------------------------------------------------- unified LoRA memory
+
+
+@pytest.mark.tier2  # ~3 s: each drawn shape allocates (compiles) its own zeros
+@settings(max_examples=8, deadline=None)
+@given(layers=st.integers(1, 3), loras=st.integers(1, 4), rank=st.integers(1, 6),
+       modules=st.lists(st.sampled_from(["q_proj", "k_proj", "o_proj", "up_proj"]),
+                        min_size=1, max_size=4, unique=True))  # fmt: skip
+def test_slot_table_bytes_equal_the_allocated_arrays(layers, loras, rank, modules):
+    """slot_table_bytes (what unified memory takes out of the KV budget) is exactly the
+    bytes of the arrays a LoRASlotTable allocates and its attach adds."""
+    from pagedjax.lora import LoRASlotTable, slot_table_bytes
+
+    shapes = {m: llama_module_shapes(ARCH)[m] for m in modules}
+    table = LoRASlotTable(shapes, layers, loras, rank)
+    base = {"layers": {"self_attn": {m: {} for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                       "mlp": {m: {} for m in ("gate_proj", "up_proj", "down_proj")}}}  # fmt: skip
+    tree = table.attach(base)["layers"]
+    attached = sum(tree[g][m]["lora_scale"].nbytes for g in tree for m in tree[g]
+                   if "lora_scale" in tree[g][m])  # fmt: skip
+    arrays = sum(x.nbytes for x in (*table.a.values(), *table.b.values(), table.scale))
+    assert slot_table_bytes(shapes, layers, loras, rank) == arrays + attached
+
+
+def test_unified_lora_memory_shares_the_kv_budget():
+    """Unified: the table's bytes come out of every byte budget (the explicit one, a
+    GPU's profiled free memory, the CPU default), never out of a block-count override;
+    separate: the full budget. Bad values are refused by name."""
+    import jax
+
+    from pagedjax.engine.kv_budget import cpu_default_kv_bytes, num_kv_blocks
+    from pagedjax.engine.lora_manager import lora_reserved_bytes
+    from pagedjax.lora import slot_table_bytes
+
+    unified = LoRAConfig(max_loras=4, max_lora_rank=8)
+    table = slot_table_bytes(llama_module_shapes(ARCH), ARCH.num_layers, 4, 8)
+    # L=2 layers x 5 slots x r=8 x 4 bytes x (in + out) of q k v o gate up down, the
+    # attached [L, slots] scales of the seven modules, the [slots] scale.
+    assert lora_reserved_bytes(unified, ARCH) == table == 2 * 5 * 8 * 4 * (
+        16 + 12 + 12 + 16 + 20 + 20 + 20) + 2 * 5 * 4 * 7 + 5 * 4  # fmt: skip
+    assert lora_reserved_bytes(LoRAConfig(max_loras=4, max_lora_rank=8, memory="separate"),
+                               ARCH) == 0 and lora_reserved_bytes(None, ARCH) == 0  # fmt: skip
+    kw = dict(kv_bytes_per_token=64, block_size=4, max_blocks_needed=10**9,
+              gpu_memory_utilization=0.5, num_gpu_blocks_override=None,
+              reserved_bytes=table, reserved_for="LoRA slots")  # fmt: skip
+    cpu = jax.devices("cpu")[0]
+    budget = 1 << 20
+    assert num_kv_blocks(kv_cache_memory_bytes=budget, device=cpu, **kw) == (budget - table) // 256
+    assert num_kv_blocks(kv_cache_memory_bytes=budget, device=cpu, **(kw | {"reserved_bytes": 0})
+                         ) == budget // 256  # fmt: skip
+    assert num_kv_blocks(kv_cache_memory_bytes=None, device=cpu, **kw) == (
+        cpu_default_kv_bytes()[0] - table) // 256  # fmt: skip
+    assert num_kv_blocks(kv_cache_memory_bytes=None, device=cpu,
+                         **(kw | {"num_gpu_blocks_override": 7})) == 7  # fmt: skip
+    gpu = SimpleNamespace(platform="gpu", memory_stats=lambda: dict(
+        bytes_limit=8 << 20, peak_bytes_in_use=1 << 20))  # fmt: skip
+    assert num_kv_blocks(kv_cache_memory_bytes=None, device=gpu, **kw) == (
+        (4 << 20) - (1 << 20) - table) // 256  # fmt: skip
+    with pytest.raises(ValueError, match="LoRA slots"):
+        num_kv_blocks(kv_cache_memory_bytes=table + 300, device=cpu, **kw)
+    with pytest.raises(ConfigError, match="lora.memory"):
+        LoRAConfig(memory="shared")
+
+
 # --------------------------------------------------------------- prefix cache keys
 
 
@@ -214,10 +345,12 @@ def test_server_lora_flags():
     b_json = '{"name": "b", "path": "/y", "base_model_name": "m"}'
     args = p.parse_args(["--model", "m", "--enable-lora", "--max-loras", "2",
                          "--max-lora-rank", "8", "--max-cpu-loras", "3", "--lora-modules",
-                         "a=/x", b_json])  # fmt: skip
+                         "a=/x", b_json, "--lora-memory", "separate"])  # fmt: skip
     kw = cli_args.llm_kwargs(args)
-    assert (kw["enable_lora"], kw["max_loras"], kw["max_lora_rank"], kw["max_cpu_loras"]) == (
-        True, 2, 8, 3)  # fmt: skip
+    assert (kw["enable_lora"], kw["max_loras"], kw["max_lora_rank"], kw["max_cpu_loras"],
+            kw["lora_memory"]) == (True, 2, 8, 3, "separate")  # fmt: skip
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "m", "--lora-memory", "paged"])
     assert args.lora_modules == [{"name": "a", "path": "/x"},
                                  {"name": "b", "path": "/y", "base_model_name": "m"}]  # fmt: skip
     for bad in ("nopath", '{"name": "b"}', '{"name": "b", "path": "/y", "rank": 2}'):
@@ -394,6 +527,76 @@ def test_core_loop_add_carries_the_lora_request(tiny, llm):
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
 
+@pytest.mark.tier2
+def test_remove_lora_defers_until_its_requests_finish(tiny, llm):
+    """LLMEngine.add_lora / remove_lora (what the server's load / unload call): an
+    adapter removed while one request of it runs and another waits in the queue serves
+    both to the end, correct; the next admission pass frees it."""
+    engine, c = llm.llm_engine, tiny.loras[3]
+    prompts = {"rm-run": [9, 8, 7, 6, 5, 4, 3], "rm-queued": [3, 4, 5, 6, 7]}
+    want = {rid: llm.generate(p, _greedy(), use_tqdm=False, lora_request=c)[0]
+            .outputs[0].token_ids for rid, p in prompts.items()}  # fmt: skip
+    engine.remove_lora(3)
+    assert engine.add_lora(c) and 3 in engine.list_loras()
+    engine.add_request("rm-run", prompts["rm-run"], _greedy(), lora_request=c)
+    engine.step()  # admitted: C in a device slot, its request running
+    engine.add_request("rm-queued", prompts["rm-queued"], _greedy(), lora_request=c)
+    assert engine.remove_lora(3) and 3 not in engine.list_loras()
+    assert 3 in engine.core.lora.resident  # not freed under its requests
+    got = {}
+    while engine.has_unfinished_requests():
+        got.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert got == want
+    _assert_greedy(tiny, prompts["rm-run"], 3, got["rm-run"], N_NEW)
+    llm.generate([5, 5, 5], _greedy(1), use_tqdm=False)  # one more admission pass
+    assert 3 not in engine.core.lora.resident and 3 not in engine.core.lora.host
+    assert not engine.remove_lora(3)
+
+
+@pytest.mark.tier2
+def test_engine_pool_shrinks_by_the_slot_table_under_unified_memory(tiny):
+    """The engine's pool under one kv_cache_memory_bytes: unified LoRA memory gives
+    (budget - table bytes) // block bytes blocks, separate the whole budget's; the table
+    the engine then allocates is exactly the bytes taken out."""
+    from pagedjax import LLM
+    from pagedjax.lora import slot_table_bytes
+
+    budget, got = 1 << 20, {}
+    for memory in ("unified", "separate"):
+        e = LLM(model=str(tiny.dir / "base"), dtype="float32", block_size=4, max_model_len=96,
+                max_num_seqs=64, kv_cache_memory_bytes=budget, seed=0, enable_lora=True,
+                max_loras=4, max_lora_rank=8, lora_memory=memory, warmup="none").llm_engine
+        per_block = e.kv_spec.bytes_per_token * e.block_size
+        table = e.core.lora.table
+        got[memory] = e.num_blocks
+        allocated = sum(x.nbytes for x in (*table.a.values(), *table.b.values(), table.scale))
+        allocated += table.num_layers * table.num_slots * 4 * len(table.a)  # attached scales
+        assert allocated == slot_table_bytes(table.module_shapes, table.num_layers, 4, 8)
+    assert got == {"unified": (budget - allocated) // per_block, "separate": budget // per_block}
+
+
+@pytest.mark.tier2
+def test_core_loop_rpcs_load_and_remove_adapters(tiny, llm, tmp_path):
+    """The core process' named RPCs with an argument (add_lora / remove_lora /
+    list_loras, on the in-process engine): a bad adapter comes back with its type."""
+    import pickle
+
+    from pagedjax.engine.core_process import CoreLoop
+
+    sent = []
+    conn = SimpleNamespace(send_bytes=lambda b: sent.append(pickle.loads(b)))
+    loop = CoreLoop(llm.llm_engine, conn)
+    loop.apply(("rpc", 1, "add_lora", LoRARequest("x", 11, str(tmp_path / "nope"))))
+    loop.apply(("rpc", 2, "add_lora", tiny.loras[3]))
+    loop.apply(("rpc", 3, "list_loras"))
+    loop.apply(("rpc", 4, "remove_lora", 3))
+    loop.apply(("rpc", 5, "list_loras"))
+    assert sent[0][:3] == ("rpc", 1, False) and sent[0][4] == "ValueError"
+    assert "missing adapter_config.json" in sent[0][3]
+    assert sent[1] == ("rpc", 2, True, True) and 3 in sent[2][3]
+    assert sent[3] == ("rpc", 4, True, True) and 3 not in sent[4][3]
+
+
 @pytest.mark.slow  # ~55 s on the loaded 2-core box (a core process starts and compiles)
 def test_engine_core_process_serves_adapters(tiny, llm, tmp_path):
     """The server's default engine: the core in a process of its own (MPEngineClient).
@@ -401,6 +604,7 @@ def test_engine_core_process_serves_adapters(tiny, llm, tmp_path):
     the add_request's ValueError in the API process, and LoRA off refuses one."""
     from pagedjax.engine.core_client import MPEngineClient
     from pagedjax.entrypoints.llm import engine_config
+    from tests.model_helpers import peft_adapter
 
     prompts = {"r-base": None, "r-a": 1, "r-c": 3}
     prompt = [9, 8, 7, 6, 5, 4, 3]
@@ -423,6 +627,13 @@ def test_engine_core_process_serves_adapters(tiny, llm, tmp_path):
                 if o.finished:
                     got[o.request_id] = o.outputs[0].token_ids
         assert got == want
+        # Runtime adapters through the client protocol (the server's load / unload).
+        with pytest.raises(ValueError, match="rank 16 exceeds"):
+            peft_adapter(tiny.models[None], tmp_path / "big", 3, 16, ["q_proj"])
+            mp.add_lora(LoRARequest("big", 12, str(tmp_path / "big")))
+        assert mp.add_lora(tiny.loras[3]) and 3 in mp.list_loras()
+        assert mp.remove_lora(3) and 3 not in mp.list_loras()
+        assert not mp.remove_lora(3)
     finally:
         mp.shutdown()
 
@@ -457,4 +668,154 @@ def test_server_serves_an_adapter_by_model_name(tiny, llm):
             assert r.status_code == 404
             assert r.json()["error"]["message"] == "The model `C` does not exist."
     finally:
+        engine.shutdown()
+
+
+def _serve(app):
+    """``app`` on uvicorn, a free localhost port, in a thread: (server, thread, url)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.tier2
+def test_server_loads_and_unloads_adapters_at_run_time(tiny, llm, tmp_path, monkeypatch):
+    """The issue's acceptance with the official ``openai`` client: the server serves A and
+    B by name, loads C at run time (PAGEDJAX_ALLOW_RUNTIME_LORA_UPDATING=true) whose
+    greedy output equals ``LLM.generate(..., lora_request=C)``, refuses bad loads with a
+    400 naming the cause while serving on, and unloads C while a stream of C runs: the
+    stream ends with C's output, later requests for C are vLLM's 404."""
+    import threading
+    import time
+
+    import openai
+    from starlette.testclient import TestClient
+
+    from pagedjax.entrypoints.async_engine import AsyncLLMEngine
+    from pagedjax.entrypoints.openai.api_server import build_app
+    from pagedjax.entrypoints.openai.lora_adapters import RUNTIME_LORA_ENV
+    from tests.model_helpers import peft_adapter
+
+    prompt, n_long = [7, 8, 9, 10, 11, 12], 48
+    want = {i: llm.generate(prompt, _greedy(), use_tqdm=False, lora_request=tiny.loras.get(i))
+            [0].outputs[0].text for i in (1, 2, 3)}  # fmt: skip
+    want_long = llm.generate(prompt, _greedy(n_long), use_tqdm=False,
+                             lora_request=tiny.loras[3])[0].outputs[0].text  # fmt: skip
+    peft_adapter(tiny.models[None], tmp_path / "big", 3, 16, ["q_proj"])  # rank 16 > 8
+    _write_adapter(tmp_path / "other", r=2, seed=0, modules=("q_proj",))  # hidden 8, not 64
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "adapter_config.json").write_text(json.dumps(
+        dict(peft_type="LORA", r=2, lora_alpha=4, target_modules=["q_proj"])))  # fmt: skip
+    (tmp_path / "corrupt" / "adapter_model.safetensors").write_bytes(b"\x10\x00garbage")
+    engine = AsyncLLMEngine.from_llm(llm)
+    loras = {"A": tiny.loras[1], "B": tiny.loras[2]}
+    monkeypatch.delenv(RUNTIME_LORA_ENV, raising=False)
+    with TestClient(build_app(engine, ["tiny"], lora_modules=loras)) as off:
+        r = off.post("/v1/load_lora_adapter", json={"lora_name": "C", "lora_path": "/x"})
+        assert r.status_code == 404 and RUNTIME_LORA_ENV in r.json()["error"]["message"]
+    monkeypatch.setenv(RUNTIME_LORA_ENV, "true")
+    app = build_app(engine, ["tiny"], lora_modules=loras)
+    server, thread, url = _serve(app)
+    client = openai.OpenAI(api_key="unused", base_url=url + "/v1", timeout=120, max_retries=0)
+
+    def complete(model: str) -> str:
+        return client.completions.create(model=model, prompt=prompt, max_tokens=N_NEW,
+                                         temperature=0.0, extra_body={"ignore_eos": True}
+                                         ).choices[0].text  # fmt: skip
+
+    def load(name: str, path: str) -> str:
+        return client.post("/load_lora_adapter", body={"lora_name": name, "lora_path": path},
+                           cast_to=str)  # fmt: skip
+
+    try:
+        assert [m.id for m in client.models.list()] == ["tiny", "A", "B"]
+        assert complete("A") == want[1] and complete("B") == want[2]
+        with pytest.raises(openai.NotFoundError, match="The model `C` does not exist"):
+            complete("C")
+        assert load("C", tiny.loras[3].lora_path) == "Success: LoRA adapter 'C' added successfully."
+        cards = {m.id: m for m in client.models.list()}
+        assert list(cards) == ["tiny", "A", "B", "C"] and cards["C"].root == tiny.loras[3].lora_path
+        assert complete("C") == want[3]
+        for name, path, match in [
+            ("C", tiny.loras[3].lora_path, "'C' has already been loaded"),
+            ("tiny", tiny.loras[3].lora_path, "served base model name"),
+            ("D", "", "Both 'lora_name' and 'lora_path' must be provided"),
+            ("D", str(tmp_path / "nope"), "missing adapter_config.json"),
+            ("D", str(tmp_path / "corrupt"), "corrupt adapter_model.safetensors"),
+            ("D", str(tmp_path / "big"), "rank 16 exceeds max_lora_rank=8"),
+            ("D", str(tmp_path / "other"), "another base"),
+        ]:  # fmt: skip
+            with pytest.raises(openai.BadRequestError, match=match):
+                load(name, path)
+        with pytest.raises(openai.NotFoundError, match="The lora adapter 'D' cannot be found"):
+            client.post("/unload_lora_adapter", body={"lora_name": "D"}, cast_to=str)
+        assert [m.id for m in client.models.list()] == ["tiny", "A", "B", "C"]
+        assert complete("B") == want[2]  # serving on
+        # Unload C while a request of C waits in the engine, deterministically: the engine
+        # thread is parked on a call, the request's add and then the unload's removal
+        # queue behind it and are applied together, so the removal finds it unfinished.
+        gate, got = threading.Event(), {}
+        engine.call_future(lambda e: gate.wait(60))
+
+        def in_thread(key, fn):
+            t = threading.Thread(target=lambda: got.__setitem__(key, fn()), daemon=True)
+            t.start()
+            return t
+
+        def until(cond):
+            deadline = time.monotonic() + 60
+            while not cond():
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+
+        waiting = in_thread("text", lambda: "".join(ch.choices[0].text for ch in
+                            client.completions.create(model="C", prompt=prompt,
+                                                      max_tokens=n_long, temperature=0.0,
+                                                      stream=True,
+                                                      extra_body={"ignore_eos": True})))
+        until(lambda: engine.num_in_flight >= 1)  # its add is queued behind the gate
+        unload = in_thread("unload", lambda: client.post(
+            "/unload_lora_adapter", body={"lora_name": "C"}, cast_to=str))  # fmt: skip
+        until(lambda: "C" not in app.state.serving.loras.modules)  # its removal is queued
+        gate.set()
+        waiting.join(60)
+        unload.join(60)
+        assert got["unload"] == "Success: LoRA adapter 'C' removed successfully."
+        assert got["text"] == want_long  # served with C to the end
+        # Loaded again (a new id), unloaded while a stream of it runs (no parking here:
+        # the stream is usually still running, else the removal is immediate).
+        assert load("C", tiny.loras[3].lora_path).startswith("Success")
+        assert complete("C") == want[3]
+        chunks = iter(client.completions.create(model="C", prompt=prompt, max_tokens=n_long,
+                                                temperature=0.0, stream=True,
+                                                extra_body={"ignore_eos": True}))  # fmt: skip
+        text = next(chunks).choices[0].text
+        done = client.post("/unload_lora_adapter", body={"lora_name": "C"}, cast_to=str)
+        assert done == "Success: LoRA adapter 'C' removed successfully."
+        text += "".join(ch.choices[0].text for ch in chunks)
+        assert text == want_long
+        with pytest.raises(openai.NotFoundError, match="The model `C` does not exist"):
+            complete("C")
+        assert [m.id for m in client.models.list()] == ["tiny", "A", "B"]
+        assert complete("A") == want[1]  # an admission pass: C's slot and copy are freed
+        held = engine.call_future(lambda e: e.list_loras()).result(60)
+        assert not held & {3, 4} and 1 in held
+    finally:
+        server.should_exit = True
+        thread.join(30)
         engine.shutdown()

@@ -15,6 +15,7 @@ import numpy as np
 
 from pagedjax.engine.block_hashes import extend_hashes
 from pagedjax.engine.core import EngineCore
+from pagedjax.engine.lora_manager import live_lora_ids
 from pagedjax.engine.sequence import RequestState, SequenceState
 from pagedjax.memory.block_pool import NULL_BLOCK
 
@@ -28,6 +29,8 @@ def assign_slots(core: EngineCore) -> None:
     if core.kv_calibration is not None and book.queue:  # before any KV is written
         core.kv_calibration(core, [req.prompt_token_ids for req, _ in book.queue])
         core.kv_calibration = None
+    if core.lora is not None and core.lora.retired:  # unloaded adapters no request uses
+        core.lora.release_retired(live_lora_ids(book.requests.values()))
     if book.queue and book.free_slots:
         n = core.max_seqs
         slot_ids = np.zeros(n, np.int32)

@@ -359,14 +359,16 @@ class MPEngineClient:
 
     # ------------------------------------------------------------------ RPCs
 
-    def _rpc(self, name: str) -> list[Any]:
-        """Call a named engine method (core_process.RPCS) on every core; their results."""
+    def _rpc(self, name: str, *args: Any) -> list[Any]:
+        """Call a named engine method (core_process.RPCS) with ``args`` on every core;
+        their results. A ValueError / TypeError in a core is raised as such (the text
+        names the core's exception), anything else as RuntimeError."""
         self._check_alive()
         calls = {}
         for core in self._cores:
             call_id = next(self._calls)
             calls[call_id] = core
-            self._send(core, ("rpc", call_id, name))
+            self._send(core, ("rpc", call_id, name, *args))
         conns = {c.conn: c for c in calls.values()}
         sentinels = {c.proc.sentinel: c for c in calls.values()}
         while not all(i in self._replies for i in calls):
@@ -377,11 +379,30 @@ class MPEngineClient:
                     self._died(core)
         results = []
         for call_id in calls:
-            ok, value = self._replies.pop(call_id)
+            ok, value, *etype = self._replies.pop(call_id)
             if not ok:
-                raise RuntimeError(f"engine core RPC {name}: {value}")
+                cls = {"ValueError": ValueError, "TypeError": TypeError}.get(
+                    etype[0] if etype else "", RuntimeError)  # fmt: skip
+                raise cls(f"engine core RPC {name}: {value}")
             results.append(value)
         return results
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """vLLM's add_lora on every core (``LLMEngine.add_lora``): the checkpoint is
+        checked here first, so a bad adapter is this call's ValueError before any core
+        sees it."""
+        self._check_lora(lora_request)
+        return all(self._rpc("add_lora", lora_request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's remove_lora on every core (deferred there while requests use it)."""
+        self._loras_checked.pop(lora_id, None)
+        return any(self._rpc("remove_lora", lora_id))
+
+    def list_loras(self) -> set[int]:
+        return set().union(*self._rpc("list_loras"))
 
     def request_counts(self) -> dict[str, int]:
         """Unfinished requests by where they are, as of each core's last iteration."""

@@ -23,9 +23,10 @@ the message arrives; those tokens are cut on the client.
 
 client -> core: ("add", rid, prompt, params[, lora_request]) | ("abort", [rids]) |
     ("stop_samples", rid, [sample indices]) |
-    ("rpc", call_id, name) | ("stop",)
+    ("rpc", call_id, name, *args) | ("stop",)
 core -> client: ("ready", facts) | ("out", items, counts or None) |
-    ("rpc", call_id, ok, value) | ("failed", rid, error type, message) | ("error", message)
+    ("rpc", call_id, ok, value[, error type]) | ("failed", rid, error type, message) |
+    ("error", message)
 """
 
 from __future__ import annotations
@@ -53,8 +54,11 @@ from pagedjax.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 # The engine methods a client may call by name (nothing else runs in the core on request).
+# add_lora / remove_lora take one argument (a LoRARequest / an adapter id): the server's
+# runtime adapter loading (docs/lora.md).
 RPCS = ("snapshot", "stats", "request_counts", "num_free_blocks", "num_usable_blocks",
-        "get_num_unfinished_requests", "reset_stats")  # fmt: skip
+        "get_num_unfinished_requests", "reset_stats", "add_lora", "remove_lora",
+        "list_loras")  # fmt: skip
 
 # Exit codes of the core (besides a signal's negative code).
 EXIT_STEP_FAILED = 3
@@ -443,17 +447,19 @@ class CoreLoop:
             if rid not in self.engine.core.book.requests:
                 self.encoder.forget([rid])
         elif kind == "rpc":
-            _, call_id, name = cmd
+            _, call_id, name, *args = cmd
             try:
                 if name not in RPCS:
                     raise AttributeError(f"{name!r} is not an engine core RPC ({RPCS})")
                 if name == "snapshot":
                     value = metrics_snapshot(self.engine)
                 else:
-                    value = getattr(self.engine, name)()
+                    value = getattr(self.engine, name)(*args)
                 reply = ("rpc", call_id, True, value)
             except Exception as e:  # noqa: BLE001 - handed to the caller
-                reply = ("rpc", call_id, False, f"{type(e).__name__}: {e}")
+                # The type's name too: the client raises a ValueError / TypeError as such
+                # (a bad adapter is the caller's 400, not an engine failure).
+                reply = ("rpc", call_id, False, f"{type(e).__name__}: {e}", type(e).__name__)
             self.conn.send_bytes(dumps(reply))
         elif kind == "stop":
             return True

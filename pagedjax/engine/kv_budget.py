@@ -81,19 +81,26 @@ def num_kv_blocks(
     gpu_memory_utilization: float,
     device: Any,
     profile: Callable[[], None] | None = None,
+    reserved_bytes: int = 0,
+    reserved_for: str = "",
 ) -> int:
     """Blocks in the pool, counting the null block (so usable = result - 1).
 
     profile: runs the largest forward once (GPU path only), so its peak is measured.
-    Raises ValueError when the memory left cannot hold one block.
+    reserved_bytes: other device data that shares the KV budget (LoRA's unified memory:
+    the adapter slot table, ``reserved_for`` names it in the log), taken out of every
+    byte budget (kv_cache_memory_bytes, the GPU's free memory, the CPU default), never
+    out of num_gpu_blocks_override (a block count). Raises ValueError when the memory
+    left cannot hold one block.
     """
     per_block = block_bytes(kv_bytes_per_token, block_size)
     cap = max_blocks_needed + 1
+    less = f" - {reserved_bytes} bytes of {reserved_for}" if reserved_bytes else ""
     if num_gpu_blocks_override is not None:
         n, why = num_gpu_blocks_override, "num_gpu_blocks_override"
     elif kv_cache_memory_bytes is not None:
-        n = min(kv_cache_memory_bytes // per_block, cap)
-        why = f"kv_cache_memory_bytes={kv_cache_memory_bytes}"
+        n = min(max(kv_cache_memory_bytes - reserved_bytes, 0) // per_block, cap)
+        why = f"kv_cache_memory_bytes={kv_cache_memory_bytes}{less}"
     else:
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         if stats and "bytes_limit" in stats:
@@ -102,21 +109,24 @@ def num_kv_blocks(
                 stats = device.memory_stats()
             limit = stats["bytes_limit"]
             peak = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
-            free = int(limit * gpu_memory_utilization) - peak
-            n = free // per_block
+            free = int(limit * gpu_memory_utilization) - peak - reserved_bytes
+            n = max(free, 0) // per_block
             why = (
                 f"{device.platform}: limit {limit / 2**30:.2f} GiB x {gpu_memory_utilization}"
-                f" - profiled peak {peak / 2**30:.2f} GiB"
+                f" - profiled peak {peak / 2**30:.2f} GiB{less}"
             )
         else:
             default, why = cpu_default_kv_bytes()
-            n = default // per_block
+            n = max(default - reserved_bytes, 0) // per_block
+            why += less
         n = min(n, cap)
     if n < 2:
         raise ValueError(
             f"KV cache too small: {why} gives {n} blocks of {per_block} bytes; need >= 2"
             " (block 0 is the null block). Raise gpu_memory_utilization or"
-            " kv_cache_memory_bytes, or lower max_num_batched_tokens."
+            " kv_cache_memory_bytes, or lower max_num_batched_tokens"
+            + (" (or the reserved part: for LoRA slots, max_loras or max_lora_rank, or"
+               " lora_memory='separate')." if reserved_bytes else ".")
         )
     log.info("KV cache: %d blocks of %d tokens (%s)", n, block_size, why)
     return n

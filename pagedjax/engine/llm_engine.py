@@ -64,7 +64,12 @@ from pagedjax.engine.kv_budget import num_kv_blocks, profile_forward
 from pagedjax.engine.kv_cache_spec import KVCacheSpec
 from pagedjax.engine.kv_offload import build_host_tier
 from pagedjax.engine.logit_controls import LogitControls
-from pagedjax.engine.lora_manager import LoRAManager, prepare_request
+from pagedjax.engine.lora_manager import (
+    LoRAManager,
+    lora_reserved_bytes,
+    prepare_request,
+    remove_adapter,
+)
 from pagedjax.engine.model_runner import ModelRunner
 from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
 from pagedjax.engine.multimodal import MultiModalRunner, VisionModel, load_engine_model, split_mm
@@ -167,6 +172,8 @@ class LLMEngine:
                 profile_forward, arch, params, self.kv_spec, self.block_size, budget,
                 self.max_seqs, max_blocks_per_seq,
             ),
+            # LoRA's unified memory: the adapter slots share the KV budget (lora_manager.py)
+            reserved_bytes=lora_reserved_bytes(config.lora, arch), reserved_for="LoRA slots",
         )
         self.num_host_blocks = num_host_blocks(
             cc.swap_space,
@@ -287,6 +294,23 @@ class LLMEngine:
         """Drop requests now: their blocks return to the pool at once. Unknown ids are
         ignored (as vLLM: the request may have finished in the meantime)."""
         self.core.abort([request_id] if isinstance(request_id, str) else list(request_id))
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's ``add_lora``: read and check the adapter now (into host memory; its
+        device slot is taken when its first request is admitted). ValueError, changing
+        nothing, for a bad adapter or with LoRA off (docs/lora.md). True."""
+        prepare_request(self.core.lora, lora_request, self.core.book.requests.values())
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's ``remove_lora``: forget adapter ``lora_id``; freed at once when no
+        unfinished request uses it, else when they have finished (they keep it until
+        then, lora_manager.py). False for an adapter the engine does not hold."""
+        return remove_adapter(self.core.lora, lora_id, self.core.book.requests.values())
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters the engine holds (empty with LoRA off)."""
+        return set() if self.core.lora is None else self.core.lora.held_ids()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.core.book.requests)

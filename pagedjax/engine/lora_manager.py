@@ -23,6 +23,15 @@ decisions around it, on the host, between steps (docs/lora.md):
 
 A sequence keeps its scheduler slot from admission to its end (preemption keeps it), so
 its adapter stays resident for as long as the sequence lives.
+
+Runtime loading (vLLM's ``add_lora`` / ``remove_lora``, the server's
+``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``): adding is ``prepare`` (read
+and check now, so a bad adapter is the call's ValueError; the device slot is taken at
+its first request's admission, as for any adapter). ``remove`` retires an adapter: its
+host copy and device slot are freed at once when no unfinished request uses it, else
+*deferred* (vLLM's unload does not touch running requests either): the requests already
+added finish with it, and ``release_retired`` (each admission pass) frees it once none is
+left. A retired id named again (``prepare``) is simply live again.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from pagedjax.lora import (
     LoRASlotTable,
     llama_module_shapes,
     load_peft_adapter,
+    slot_table_bytes,
 )
 from pagedjax.lora.slots import LORA_SEQ_SLOTS
 
@@ -62,6 +72,7 @@ class LoRAManager:
         self.resident: OrderedDict[int, None] = OrderedDict()  # loaded ids, LRU first
         self.seq_slots = np.zeros(max_seqs, np.int32)
         self.loads = self.evictions = self.waits = 0
+        self.retired: set[int] = set()  # removed while in use: freed when no longer used
         self._params: Any = None
 
     # ------------------------------------------------------------------ host memory
@@ -82,15 +93,45 @@ class LoRAManager:
                     f"({lora.lora_path}): one id per adapter"
                 )
             self.host.move_to_end(lora.lora_int_id)
+            self.retired.discard(lora.lora_int_id)
             return
         adapter = load_peft_adapter(lora.lora_path, self.shapes, self.num_layers,
                                     self.config.max_lora_rank)  # fmt: skip
         self.host[lora.lora_int_id] = (lora, adapter)
+        self.retired.discard(lora.lora_int_id)
         keep = set(live_ids) | {lora.lora_int_id}
         for i in [i for i in self.host if i not in keep]:  # LRU first
             if len(self.host) <= self.config.cpu_loras:
                 break
             del self.host[i]
+
+    def remove(self, lora_int_id: int, live_ids: Iterable[int]) -> bool:
+        """Retire adapter ``lora_int_id`` (vLLM's remove_lora): its host copy and device
+        slot are freed now when no unfinished request uses it (live_ids: their adapter
+        ids), else once they have finished (``release_retired``), so no running or queued
+        request loses its adapter. False for an id this manager does not hold."""
+        if lora_int_id not in self.host and lora_int_id not in self.resident:
+            return False
+        self.retired.add(lora_int_id)
+        self.release_retired(live_ids)
+        return True
+
+    def release_retired(self, live_ids: Iterable[int]) -> None:
+        """Free the retired adapters no unfinished request (live_ids) uses: host copy
+        dropped, device slot zeroed and free (a request holding a scheduler slot is live,
+        so no bound row reads a freed slot)."""
+        live = set(live_ids)
+        for i in [i for i in self.retired if i not in live]:
+            self.retired.discard(i)
+            self.host.pop(i, None)
+            if i in self.resident:
+                self.table.remove(i)
+                del self.resident[i]
+                self._params = None
+
+    def held_ids(self) -> set[int]:
+        """Ids of the adapters held (host memory or a device slot), retired ones aside."""
+        return (set(self.host) | set(self.resident)) - self.retired
 
     # ------------------------------------------------------------------ device slots
 
@@ -158,16 +199,45 @@ def check_lora_buildable(config: Any) -> None:
                          " not built yet (docs/lora.md)")  # fmt: skip
 
 
-def prepare_request(manager: LoRAManager | None, lora: LoRARequest,
-                    requests: Iterable[Any]) -> None:  # fmt: skip
-    """``LLMEngine.add_request``'s check of a request's adapter: ValueError when LoRA is
-    off, else ``manager.prepare`` with the adapters of ``requests`` (the unfinished ones,
-    RequestStates) kept in host memory."""
+def lora_reserved_bytes(config: LoRAConfig | None, arch: Any) -> int:
+    """Bytes the slot table takes out of the KV budget: its whole size with
+    ``config.memory == "unified"`` (the table ``LoRAManager`` allocates for ``arch``),
+    0 when LoRA is off, "separate", or the model is not a Llama (refused later)."""
+    if config is None or config.memory != "unified" or arch.family != "llama":
+        return 0
+    return slot_table_bytes(llama_module_shapes(arch), arch.num_layers, config.max_loras,
+                            config.max_lora_rank)  # fmt: skip
+
+
+def live_lora_ids(requests: Iterable[Any]) -> set[int]:
+    """Adapter ids of ``requests`` (RequestStates: the unfinished ones)."""
+    return {r.lora_request.lora_int_id for r in requests if r.lora_request is not None}
+
+
+def _require(manager: LoRAManager | None) -> LoRAManager:
     if manager is None:
         raise ValueError("lora_request given but LoRA is not enabled: build the engine with"
-                         " enable_lora=True (LLM(..., enable_lora=True))")  # fmt: skip
-    live = {r.lora_request.lora_int_id for r in requests if r.lora_request is not None}
-    manager.prepare(lora, live)
+                         " enable_lora=True (LLM(..., enable_lora=True); the server:"
+                         " --enable-lora)")  # fmt: skip
+    return manager
 
 
-__all__ = ["LoRAManager", "check_lora_buildable", "prepare_request"]
+def prepare_request(manager: LoRAManager | None, lora: LoRARequest,
+                    requests: Iterable[Any]) -> None:  # fmt: skip
+    """``LLMEngine.add_request``'s (and ``add_lora``'s) check of an adapter: ValueError
+    when LoRA is off, else ``manager.prepare`` with the adapters of ``requests`` (the
+    unfinished ones, RequestStates) kept in host memory."""
+    _require(manager).prepare(lora, live_lora_ids(requests))
+
+
+def remove_adapter(manager: LoRAManager | None, lora_int_id: int,
+                   requests: Iterable[Any]) -> bool:  # fmt: skip
+    """``LLMEngine.remove_lora``: ``manager.remove`` with the unfinished ``requests``'
+    adapters deferred; ValueError when LoRA is off."""
+    if not isinstance(lora_int_id, int) or isinstance(lora_int_id, bool) or lora_int_id < 1:
+        raise ValueError(f"lora_int_id must be an int >= 1, got {lora_int_id!r}")
+    return _require(manager).remove(lora_int_id, live_lora_ids(requests))
+
+
+__all__ = ["LoRAManager", "check_lora_buildable", "live_lora_ids", "lora_reserved_bytes",
+           "prepare_request", "remove_adapter"]

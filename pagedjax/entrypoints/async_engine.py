@@ -245,6 +245,15 @@ class AsyncLLMEngine:
         """Run ``fn(engine)`` on the engine thread between steps; returns its result."""
         return await asyncio.wrap_future(self.call_future(fn))
 
+    async def add_lora(self, lora_request: Any) -> bool:
+        """The engine's ``add_lora`` (read and check an adapter now) on the engine thread;
+        ValueError for a bad adapter or an engine that serves none."""
+        return await self.call(lambda e: _lora_call(e, "add_lora", lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """The engine's ``remove_lora`` (deferred while requests use the adapter)."""
+        return await self.call(lambda e: _lora_call(e, "remove_lora", lora_id))
+
     def call_future(self, fn: Callable[[EngineClient], Any]) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._dead is not None:
@@ -463,6 +472,16 @@ class AsyncLLMEngine:
                 _fail(cmd[2], error)
             elif cmd[0] == "fail_all":
                 _fail(cmd[2], error)
+
+
+def _lora_call(engine: Any, name: str, arg: Any) -> Any:
+    """engine.<name>(arg); ValueError for an engine without runtime adapters (the
+    in-process data-parallel and multi-host fronts)."""
+    fn = getattr(engine, name, None)
+    if fn is None:
+        raise ValueError(f"this engine ({type(engine).__name__}) does not load LoRA adapters"
+                         f" at run time")  # fmt: skip
+    return fn(arg)
 
 
 def _call_soon(stream: _Stream, item: Any) -> None:

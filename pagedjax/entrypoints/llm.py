@@ -83,7 +83,9 @@ class LLM:
     "guidance", "disable_any_whitespace": False} (``config.StructuredOutputsConfig``;
     docs/structured_outputs.md).
     enable_lora, max_loras, max_lora_rank, max_cpu_loras: multi-LoRA serving, vLLM's
-    names and defaults (1, 16, None = max_loras); ``generate(..., lora_request=...)``
+    names and defaults (1, 16, None = max_loras); lora_memory: "unified" (the adapter
+    slots' bytes come out of the KV budget) or "separate" (beside it, the ablation);
+    ``generate(..., lora_request=...)``
     picks each prompt's adapter (docs/lora.md). Llama family, one device, no speculation.
     limit_mm_per_prompt: vLLM's dict, most images per prompt ({"image": 2}; default 999);
     mm_encoder_cache_size (pagedjax's own): image-embedding rows the encoder cache keeps
@@ -132,6 +134,7 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        lora_memory: str = "unified",
         limit_mm_per_prompt: dict[str, int] | None = None,
         mm_encoder_cache_size: int | None = None,
         **unknown: Any,
@@ -403,6 +406,7 @@ def engine_config(
     max_loras: int = 1,
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
+    lora_memory: str = "unified",
     limit_mm_per_prompt: dict[str, int] | None = None,
     mm_encoder_cache_size: int | None = None,
     **unknown: Any,
@@ -421,7 +425,7 @@ def engine_config(
         raise TypeError(f"enable_lora must be True or False, got {enable_lora!r}")
     # Checked whether or not LoRA is on (a bad value is an error either way).
     lora = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank,
-                      max_cpu_loras=max_cpu_loras)  # fmt: skip
+                      max_cpu_loras=max_cpu_loras, memory=lora_memory)  # fmt: skip
     if preemption_mode not in (None, "recompute", "swap"):
         raise ValueError(
             f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}"

@@ -10,7 +10,7 @@ from pagedjax.lora.checkpoint import (
     load_peft_adapter,
 )
 from pagedjax.lora.request import LoRARequest
-from pagedjax.lora.slots import LORA_SEQ_SLOTS, LoRASlotTable, split_seq_slots
+from pagedjax.lora.slots import LORA_SEQ_SLOTS, LoRASlotTable, slot_table_bytes, split_seq_slots
 from pagedjax.model.lora_delta import benchmark_lora_delta, lora_delta, lora_delta_grouped
 
 __all__ = [
@@ -24,5 +24,6 @@ __all__ = [
     "load_peft_adapter",
     "lora_delta",
     "lora_delta_grouped",
+    "slot_table_bytes",
     "split_seq_slots",
 ]

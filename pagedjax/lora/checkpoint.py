@@ -70,7 +70,8 @@ def llama_module_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
 def _read_config(path: Path) -> dict:
     cfg_path = path / CONFIG_FILE
     if not cfg_path.is_file():
-        raise ValueError(f"LoRA adapter {str(path)!r}: missing {CONFIG_FILE}")
+        why = "" if path.is_dir() else " (no such directory)"
+        raise ValueError(f"LoRA adapter {str(path)!r}: missing {CONFIG_FILE}{why}")
     try:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -42,6 +42,20 @@ def split_seq_slots(params: Any) -> tuple[Any, jax.Array | None]:
     return params, None
 
 
+def slot_table_bytes(module_shapes: dict[str, tuple[int, int]], num_layers: int,
+                     max_loras: int, max_lora_rank: int, itemsize: int = 4) -> int:  # fmt: skip
+    """Device bytes of a ``LoRASlotTable`` of these sizes and its ``attach``: per module
+    A [L, slots, in, r] and B [L, slots, r, out] of ``itemsize`` bytes (float32: 4) and the
+    [L, slots] float32 scale ``attach`` broadcasts beside them, plus the [slots] scale;
+    slots = max_loras + 1. What the engine's unified LoRA memory takes out of the KV
+    budget (config.LoRAConfig.memory). Independent of which adapters are loaded: the
+    shapes are fixed (module docstring)."""
+    slots, r = max_loras + 1, max_lora_rank
+    per_module = sum(num_layers * slots * (i + o) * r * itemsize + num_layers * slots * 4
+                     for i, o in module_shapes.values())  # fmt: skip
+    return per_module + slots * 4
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _set_slot(stacked: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
     """stacked [L, slots, ...] with [:, slot] = value [L, ...]; slot traced: one program

@@ -3,7 +3,8 @@
     python -m pagedjax.entrypoints.openai.api_server --model DIR_OR_PRESET --port 8000
     pagedjax serve DIR_OR_PRESET --port 8000            # the same flags
 
-Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET
+Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize,
+/v1/load_lora_adapter, /v1/unload_lora_adapter (lora_adapters.py); GET
 /v1/models, /health, /version, /metrics. ``build_app(engine, ...)`` makes the app over
 an AsyncLLMEngine (tests run it in-process); ``run_server(args)`` loads the model and
 serves until interrupted. docs/serving.md gives the design and the measurements.
@@ -23,7 +24,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from pagedjax.engine.protocol import EngineClient
 from pagedjax.entrypoints.async_engine import AsyncLLMEngine
@@ -72,13 +73,16 @@ def build_app(
     limits: ServerLimits | None = None,
     shutdown_timeout_s: float = 20.0,
     lora_modules: dict[str, Any] | None = None,
+    allow_runtime_lora_updating: bool | None = None,
     **output_parsers: Any,
 ) -> FastAPI:
     """The FastAPI app over ``engine``. Give ``metrics`` the ServerMetrics that is the
     engine's stats sink (else a fresh one without timings is made); ``limits`` the
     per-request limits (limits.py); ``shutdown_timeout_s`` the drain of a graceful
     shutdown (shutdown.py: ``app.state.drainer``). ``lora_modules``: {name: LoRARequest}
-    of the adapters served by name (an engine with LoRA on; listed in /v1/models).
+    of the adapters served by name (an engine with LoRA on; listed in /v1/models);
+    ``allow_runtime_lora_updating``: /v1/load_lora_adapter and /v1/unload_lora_adapter
+    on (None: the PAGEDJAX_ALLOW_RUNTIME_LORA_UPDATING variable, lora_adapters.py).
     ``output_parsers``: OpenAIServing's enable_auto_tools, tool_parser, reasoning_parser."""
     app = FastAPI(title="pagedjax OpenAI-compatible server", version=version())
     metrics = metrics or ServerMetrics(served_model_names[0])
@@ -91,7 +95,8 @@ def build_app(
         images = image_prompt_info(model_path, engine.tokenizer)
     serving = OpenAIServing(
         engine, served_model_names, chat_template=chat_template, response_role=response_role,
-        limits=limits, lora_modules=lora_modules, image_prompt=images, **output_parsers,
+        limits=limits, lora_modules=lora_modules, image_prompt=images,
+        allow_runtime_lora_updating=allow_runtime_lora_updating, **output_parsers,
     )  # fmt: skip
     drainer = Drainer(engine, shutdown_timeout_s, metrics)
     app.add_middleware(DrainMiddleware, drainer=drainer)
@@ -160,9 +165,17 @@ def build_app(
                 "parent": lora.base_model_name or served_model_names[0],
                 "max_model_len": engine.max_model_len,
             }
-            for name, lora in (lora_modules or {}).items()
+            for name, lora in serving.loras.modules.items()  # --lora-modules, then loaded
         ]
         return {"object": "list", "data": data}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        return PlainTextResponse(await serving.loras.load(await _json_body(request)))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        return PlainTextResponse(await serving.loras.unload(await _json_body(request)))
 
     @app.get("/metrics")
     async def get_metrics() -> Response:

@@ -43,6 +43,7 @@ PAGEDJAX_ONLY = (
     "--data-parallel-routing",  # vLLM balances DP replicas by load only
     "--disable-log-requests",  # vLLM 0.32 has --enable-log-requests instead
     "--disable-frontend-multiprocessing",  # vLLM V0's; here the engine thread (debugging)
+    "--lora-memory",  # adapter slots inside the KV budget or beside it (docs/lora.md)
 )
 
 
@@ -188,6 +189,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
                    help="the largest adapter rank served (LLM's default: 16)")  # fmt: skip
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory (default: --max-loras)")  # fmt: skip
+    p.add_argument("--lora-memory", choices=("unified", "separate"), default=None,
+                   help=_own("adapter slots inside the KV budget (unified, the default) or"
+                             " beside it (separate: the ablation; docs/lora.md)"))  # fmt: skip
     p.add_argument(
         "--limit-mm-per-prompt",
         type=_json_object,
@@ -379,7 +383,7 @@ LLM_ARGS = (
     "quantization",
     "speculative_config",
     "enforce_eager",
-    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_memory",
     "limit_mm_per_prompt",
 )  # fmt: skip
 

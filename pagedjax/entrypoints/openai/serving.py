@@ -26,6 +26,7 @@ from pagedjax.engine.outputs import RequestOutput
 from pagedjax.entrypoints.async_engine import AsyncLLMEngine
 from pagedjax.entrypoints.openai.chat_output import build_rules, prepare_chat
 from pagedjax.entrypoints.openai.limits import ServerLimits, check_body, error_for, with_deadline
+from pagedjax.entrypoints.openai.lora_adapters import LoRAAdapters
 from pagedjax.entrypoints.openai.protocol import (
     OpenAIError,
     ParsedRequest,
@@ -54,13 +55,16 @@ class OpenAIServing:
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
         lora_modules: dict[str, Any] | None = None,
+        allow_runtime_lora_updating: bool | None = None,
         image_prompt: tuple[str, int] | None = None,
     ):
         # (placeholder text, image tokens per image) of a multi-modal model, else None.
         self.image_prompt = image_prompt
         self.enable_auto_tools, self.tool_parser = enable_auto_tools, tool_parser
-        # LoRA adapters served by name ("model": name): {name: LoRARequest} (docs/lora.md).
-        self.lora_modules = dict(lora_modules or {})
+        # LoRA adapters served by name ("model": name), static and loaded at run time
+        # (lora_adapters.py, docs/lora.md).
+        self.loras = LoRAAdapters(engine, served_model_names, lora_modules,
+                                  allow_runtime_lora_updating)  # fmt: skip
         self.reasoning_parser = reasoning_parser
         self.engine = engine
         self.limits = limits or ServerLimits()
@@ -74,8 +78,9 @@ class OpenAIServing:
     def check_model(self, name: str | None) -> Any:
         """The request's adapter (a LoRARequest) when ``name`` is a LoRA module's, None for
         the base model's names (or no name); 404 as vLLM for any other name."""
-        if name is not None and name in self.lora_modules:
-            return self.lora_modules[name]
+        lora = self.loras.get(name)
+        if lora is not None:
+            return lora
         if name is not None and name not in self.names:
             raise OpenAIError(404, f"The model `{name}` does not exist.", "model")
         return None
