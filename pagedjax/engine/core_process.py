@@ -36,7 +36,8 @@ import os
 import pickle
 import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
@@ -59,6 +60,7 @@ RPCS = ("snapshot", "stats", "request_counts", "num_free_blocks", "num_usable_bl
 # Exit codes of the core (besides a signal's negative code).
 EXIT_STEP_FAILED = 3
 EXIT_START_FAILED = 4
+EXIT_NODE_LOST = 5  # a follower node was lost (multinode.py)
 
 
 def dumps(msg: Any) -> bytes:
@@ -335,25 +337,46 @@ def _die_with_parent() -> None:
 
 
 def run_core(config: Any, max_logprobs: int, conn: Any, replica: int = 0,
-             num_replicas: int = 1) -> None:  # fmt: skip
+             num_replicas: int = 1, node: Any = None) -> None:  # fmt: skip
     """The core process' main: build the engine from ``config`` (data_parallel_size 1),
-    report ("ready", facts), then serve the connection until "stop" or EOF."""
+    report ("ready", facts), then serve the connection until "stop" or EOF.
+    ``node``: a ``multinode.NodeConfig`` of several nodes: this process is JAX process 0
+    and leads the followers (``MultiHostEngine``; multinode.py), keeps them alive while
+    idle, and exits with EXIT_NODE_LOST, after an "error" naming the node, when one is
+    lost."""
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s core{replica}: %(message)s")
     # One replica's devices: a tensor-parallel group per pipeline stage.
     tp = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
     _visible_devices(replica, tp, num_replicas)
+    watch = None
+    if node is not None:
+        conn = _SerialConn(conn)  # the node watch's thread reports on it too
     try:
+        if node is not None:
+            from pagedjax.engine.fronts import multinode
+
+            # The followers first (their hellos are checked before JAX starts), then
+            # jax.distributed (it waits for every process).
+            watch = multinode.LeaderWatch(node, multinode.fingerprint(config, max_logprobs))
+            watch.start(lambda message: _node_lost(conn, message))
+            multinode.initialize(node)
         import jax
 
         from pagedjax.engine.llm_engine import LLMEngine
 
         devices = jax.devices()
-        if len(devices) >= (replica + 1) * tp:  # a CPU with forced devices: one each
+        if node is not None:
+            devices = multinode.mesh_devices(config, node)
+        elif len(devices) >= (replica + 1) * tp:  # a CPU with forced devices: one each
             devices = devices[replica * tp : (replica + 1) * tp]
         engine = LLMEngine.from_config(
             config, max_logprobs=max_logprobs, devices=devices[:tp], detokenize=False
         )
+        if node is not None:
+            from pagedjax.engine.fronts.multihost import MultiHostEngine
+
+            engine = MultiHostEngine(engine)
         facts = dict(
             max_model_len=engine.max_model_len, max_logprobs=engine.max_logprobs,
             arch=engine.arch, block_size=engine.block_size,
@@ -365,9 +388,49 @@ def run_core(config: Any, max_logprobs: int, conn: Any, replica: int = 0,
         _send_quietly(conn, ("error", f"engine core failed to start: {type(e).__name__}: {e}"))
         sys.exit(EXIT_START_FAILED)
     conn.send_bytes(dumps(("ready", facts)))
-    code = CoreLoop(engine, conn).run()
+    if watch is None:
+        code = CoreLoop(engine, conn).run()
+    else:
+        from pagedjax.engine.fronts.multinode import KEEPALIVE_S
+
+        loop = CoreLoop(engine, conn, idle=engine.keepalive, idle_s=KEEPALIVE_S,
+                        before_fatal=lambda: watch.wait_lost(3.0))  # fmt: skip
+        code = loop.run()
+        if code == 0:  # stopped on purpose: release the followers
+            watch.close()
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - a follower gone meanwhile: exiting anyway
+                log.exception("releasing the follower nodes failed")
     conn.close()
     sys.exit(code)
+
+
+class _SerialConn:
+    """The connection of a multi-node core, which two threads send on (the loop, and
+    the node watch reporting a lost node): one send at a time."""
+
+    def __init__(self, conn: Any):
+        self._conn, self._lock = conn, threading.Lock()
+
+    def send_bytes(self, data: bytes) -> None:
+        with self._lock:
+            self._conn.send_bytes(data)
+
+    def __getattr__(self, name: str) -> Any:  # recv_bytes, poll, close
+        return getattr(self._conn, name)
+
+
+def _node_lost(conn: Any, message: str) -> None:
+    """The node watch's verdict: tell the client (at most 2 s: the loop may hold the
+    connection), then exit at once; the main thread may be stuck in a collective with
+    the lost node, so nothing else would end it."""
+    log.error("%s", message)
+    t = threading.Thread(target=_send_quietly, args=(conn, ("error", message)), daemon=True)
+    t.start()
+    t.join(2.0)
+    logging.shutdown()
+    os._exit(EXIT_NODE_LOST)
 
 
 def _send_quietly(conn: Any, msg: tuple) -> None:
@@ -380,17 +443,36 @@ def _send_quietly(conn: Any, msg: tuple) -> None:
 class CoreLoop:
     """Commands between steps, one step, its outputs out (module docstring)."""
 
-    def __init__(self, engine: Any, conn: Any):
+    def __init__(self, engine: Any, conn: Any, *, idle: Callable[[], None] | None = None,
+                 idle_s: float = 1.0,
+                 before_fatal: Callable[[], Any] | None = None):  # fmt: skip
+        """idle: called every ``idle_s`` while no request is unfinished (a multi-node
+        leader's keep-alive). before_fatal: given, every failed step (or idle call) is
+        fatal (the nodes may have diverged) and this runs first (a multi-node leader
+        waits for its node watch, which exits naming a lost node)."""
         self.engine, self.conn = engine, conn
         self.encoder = OutputEncoder()
         self.counts: dict[str, int] | None = None
         self.failures = FailureBudget()
+        self.idle, self.idle_s, self.before_fatal = idle, idle_s, before_fatal
+
+    def _fatal(self, e: BaseException) -> int:
+        log.exception("engine step failed")
+        if self.before_fatal is not None:
+            self.before_fatal()
+        _send_quietly(self.conn, ("error", f"engine step failed: {type(e).__name__}: {e}"))
+        return EXIT_STEP_FAILED
 
     def run(self) -> int:
         engine, conn = self.engine, self.conn
         while True:
             try:
                 if not engine.has_unfinished_requests():
+                    while self.idle is not None and not conn.poll(self.idle_s):
+                        try:
+                            self.idle()
+                        except Exception as e:  # noqa: BLE001 - a collective failed
+                            return self._fatal(e)
                     if self.apply(pickle.loads(conn.recv_bytes())):  # idle: wait for work
                         return 0
                 while conn.poll():
@@ -404,6 +486,8 @@ class CoreLoop:
                     outputs = engine.step()
                     self.failures.ok()
                 except Exception as e:  # noqa: BLE001 - the batch's failure (faults.py)
+                    if self.before_fatal is not None:
+                        return self._fatal(e)
                     log.exception("engine step failed")
                     if self.failures.failed():  # failing again and again: give up
                         _send_quietly(conn, ("error", f"engine step failed {self.failures.run}"
@@ -439,7 +523,9 @@ class CoreLoop:
             self.encoder.forget(cmd[1])
         elif kind == "stop_samples":
             _, rid, indices = cmd
-            self.engine.core.stop_samples(rid, indices)
+            # A multi-node leader's own stop_samples tells its followers too.
+            stop = getattr(self.engine, "stop_samples", None) or self.engine.core.stop_samples
+            stop(rid, indices)
             if rid not in self.engine.core.book.requests:
                 self.encoder.forget([rid])
         elif kind == "rpc":
