@@ -222,8 +222,14 @@ def two_nodes(tmp_path_factory):
     ]  # fmt: skip
     url = f"http://127.0.0.1:{http}"
     try:
+        # The one-device reference while the nodes start (its programs are test_server.py's).
+        from pagedjax import LLM, SamplingParams
+
+        llm = LLM(model=str(d), **GEOMETRY)
+        greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+        want = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
         _wait_health(url, procs, logs, 300)
-        yield dict(url=url, dir=d, leader=procs[0], follower=procs[1], logs=logs)
+        yield dict(url=url, want=want, leader=procs[0], follower=procs[1], logs=logs)
     finally:
         procs[0].send_signal(signal.SIGTERM)
         try:
@@ -238,17 +244,13 @@ def two_nodes(tmp_path_factory):
 def test_openai_client_over_two_nodes_equals_one_device(two_nodes):
     from openai import OpenAI
 
-    from pagedjax import LLM, SamplingParams
-
-    llm = LLM(model=str(two_nodes["dir"]), **GEOMETRY)
-    greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-    want = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    want = two_nodes["want"]
     client = OpenAI(api_key="unused", base_url=two_nodes["url"] + "/v1", timeout=120,
                     max_retries=0)  # fmt: skip
     kw = dict(model=NAME, max_tokens=TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
     got = client.completions.create(prompt=PROMPTS, **kw)
     assert sorted((c.index, c.text) for c in got.choices) == list(enumerate(want))
-    time.sleep(2.5)  # idle: node 0's core keeps node 1 alive with empty exchanges
+    time.sleep(1.5)  # idle: node 0's core keeps node 1 alive with empty exchanges
     stream = client.completions.create(prompt=PROMPTS[1], stream=True, **kw)
     assert "".join(c.choices[0].text for c in stream) == want[1]
     assert httpx.get(two_nodes["url"] + "/health", timeout=10).status_code == 200
