@@ -445,11 +445,12 @@ class CoreLoop:
 
     def __init__(self, engine: Any, conn: Any, *, idle: Callable[[], None] | None = None,
                  idle_s: float = 1.0,
-                 before_fatal: Callable[[], Any] | None = None):  # fmt: skip
+                 before_fatal: Callable[[], str | None] | None = None):  # fmt: skip
         """idle: called every ``idle_s`` while no request is unfinished (a multi-node
         leader's keep-alive). before_fatal: given, every failed step (or idle call) is
-        fatal (the nodes may have diverged) and this runs first (a multi-node leader
-        waits for its node watch, which exits naming a lost node)."""
+        fatal (the nodes may have diverged) and this runs first: a multi-node leader
+        waits for its node watch and gets the lost node's description (or None), which
+        is then the reported error."""
         self.engine, self.conn = engine, conn
         self.encoder = OutputEncoder()
         self.counts: dict[str, int] | None = None
@@ -457,9 +458,13 @@ class CoreLoop:
         self.idle, self.idle_s, self.before_fatal = idle, idle_s, before_fatal
 
     def _fatal(self, e: BaseException) -> int:
+        """A fatal step: report it, or the lost node that caused it (a step with a dead
+        node fails in its collective about when the node watch sees the death)."""
         log.exception("engine step failed")
-        if self.before_fatal is not None:
-            self.before_fatal()
+        lost = self.before_fatal() if self.before_fatal is not None else None
+        if lost:
+            _send_quietly(self.conn, ("error", lost))
+            return EXIT_NODE_LOST
         _send_quietly(self.conn, ("error", f"engine step failed: {type(e).__name__}: {e}"))
         return EXIT_STEP_FAILED
 
