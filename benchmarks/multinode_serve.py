@@ -7,7 +7,9 @@ nodes"). Each mode starts both processes afresh and prints what it measured.
 MODE: ``shutdown`` (SIGTERM to node 0 after a request: both exit codes and the time),
 ``idlekill`` (SIGKILL node 1 while idle: time until /health fails, its message, a later
 request's answer), ``flightkill`` (SIGKILL node 1 under a streaming request: time until
-the stream's error event, the event), ``leaderkill`` (SIGKILL node 0's API process: time
+the stream's error event, the event), ``hang`` (SIGSTOP node 1 under a streaming
+request: a hung host, whose sockets stay open; time until the stream's error event),
+``leaderkill`` (SIGKILL node 0's API process: time
 until node 1 exits, its exit code), ``mismatch`` (node 1 with another
 --num-gpu-blocks-override: both refuse to start; exit codes). The model is a tiny random
 Llama (tests/model_helpers.py) in a temporary directory, test_server.py's geometry.
@@ -32,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from tests.model_helpers import save_tiny_hf_model, save_tiny_tokenizer  # noqa: E402
 from tests.test_multinode_serve import GEOMETRY, _ports  # noqa: E402
 
-MODES = ("shutdown", "idlekill", "flightkill", "leaderkill", "mismatch")
+MODES = ("shutdown", "idlekill", "flightkill", "hang", "leaderkill", "mismatch")
 
 
 def main() -> None:
@@ -109,7 +111,7 @@ def _run(mode: str, url: str, p0: subprocess.Popen, p1: subprocess.Popen, t0: fl
         print(f"a later request: {r.status_code}")
         p0.send_signal(signal.SIGTERM)
         print(f"node 0 exit code {p0.wait(60)}")
-    elif mode == "flightkill":
+    elif mode in ("flightkill", "hang"):
         stream = dict(model="m", prompt="doomed", max_tokens=110, ignore_eos=True, stream=True)
         with httpx.Client(base_url=url, timeout=60) as c, c.stream(
             "POST", "/v1/completions", json=stream
@@ -118,11 +120,11 @@ def _run(mode: str, url: str, p0: subprocess.Popen, p1: subprocess.Popen, t0: fl
             for line in lines:
                 if line.startswith("data: {"):
                     break
-            p1.send_signal(signal.SIGKILL)
+            p1.send_signal(signal.SIGSTOP if mode == "hang" else signal.SIGKILL)
             t = time.monotonic()
             rest = list(lines)
         errors = [x for x in rest if x.startswith('data: {"error"')]
-        print(f"stream ended {time.monotonic() - t:.2f} s after the kill: {errors[:1]}")
+        print(f"stream ended {time.monotonic() - t:.2f} s after the {mode}: {errors[:1]}")
         p0.send_signal(signal.SIGTERM)
         print(f"node 0 exit code {p0.wait(60)}")
     elif mode == "leaderkill":
