@@ -246,7 +246,14 @@ def build_engine_client(args: argparse.Namespace) -> EngineClient:
     from pagedjax.engine.core_client import MPEngineClient
 
     config, max_logprobs, node = _core_config(args)
-    return MPEngineClient(config, max_logprobs=max_logprobs, node=node)
+    try:
+        return MPEngineClient(config, max_logprobs=max_logprobs, node=node)
+    except (RuntimeError, TimeoutError) as e:
+        if node is None:
+            raise
+        # A node refused or missing (its configuration differs, it never connected):
+        # the cause is the message, as for the headless side (run_headless).
+        raise SystemExit(f"error: {e}") from None
 
 
 def run_headless(args: argparse.Namespace) -> None:
