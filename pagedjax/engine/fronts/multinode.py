@@ -376,7 +376,7 @@ class FollowerLink:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"node 0's control channel at {where[0]}:{where[1]} did"
                                        f" not answer in {timeout_s:.0f} s: {e}") from None
-                time.sleep(0.5)
+                time.sleep(0.2)
         _send_line(self.sock, {"rank": node.node_rank, "pid": os.getpid(),
                                "host": socket.gethostname(), "config": mine})  # fmt: skip
         reply = _read_line(self.sock, timeout_s)
