@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.model_helpers import save_tiny_hf_model, save_tiny_tokenizer  # noqa: E402
-from tests.test_multinode_serve import GEOMETRY, _ports  # noqa: E402
+from tests.test_multinode_serve import GEOMETRY, port_pair  # noqa: E402
 
 MODES = ("shutdown", "idlekill", "flightkill", "hang", "leaderkill", "mismatch")
 
@@ -44,7 +44,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="pagedjax_multinode_"))
     save_tiny_hf_model("llama", tmp)
     save_tiny_tokenizer(tmp)
-    port, http = _ports(), _ports()
+    port, http = port_pair(), port_pair()
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     env.setdefault("PAGEDJAX_WARMUP", "none")
     common = [sys.executable, "-m", "pagedjax.entrypoints.cli", "serve", str(tmp),

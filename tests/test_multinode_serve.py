@@ -44,7 +44,7 @@ PROMPTS = ["Hello, world", "The quick brown fox"]
 TOKENS = 12
 
 
-def _ports() -> int:
+def port_pair() -> int:
     """A port p with p + 1 free too (the coordinator and the control channel)."""
     for _ in range(50):
         with socket.socket() as a:
@@ -144,7 +144,7 @@ def test_control_channel_refuses_a_different_configuration():
     a = multinode.fingerprint(engine_config("tiny-llama", pipeline_parallel_size=2), 20)
     b = multinode.fingerprint(
         engine_config("tiny-llama", pipeline_parallel_size=2, num_gpu_blocks_override=7), 20)
-    got = _pair(a, b, _ports())
+    got = _pair(a, b, port_pair())
     for key in ("watch_error", "link_error"):
         assert "node rank 1's engine configuration differs" in got[key], got
         assert "cache.num_gpu_blocks_override: None (node 0) vs 7" in got[key], got
@@ -152,7 +152,7 @@ def test_control_channel_refuses_a_different_configuration():
 
 def test_control_channel_reports_a_lost_node_by_rank():
     fp = {"model": "'m'"}
-    got = _pair(fp, fp, _ports())
+    got = _pair(fp, fp, port_pair())
     watch, link = got["watch"], got["link"]
     lost: list[tuple[float, str]] = []
     watch.start(lambda m: lost.append((time.monotonic(), m)))
@@ -166,7 +166,7 @@ def test_control_channel_reports_a_lost_node_by_rank():
     assert lost[0][0] - t0 < 2.0
     # Node 0 gone without "bye": the follower is told; after "bye" it is not.
     leader_lost: list[str] = []
-    got = _pair(fp, fp, _ports())
+    got = _pair(fp, fp, port_pair())
     got["link"].start(leader_lost.append)
     for p in got["watch"].peers.values():
         p.sock.close()
@@ -174,7 +174,7 @@ def test_control_channel_reports_a_lost_node_by_rank():
     while not leader_lost and time.monotonic() < deadline:
         time.sleep(0.05)
     assert leader_lost and "closed the control connection without stopping" in leader_lost[0]
-    got = _pair(fp, fp, _ports())
+    got = _pair(fp, fp, port_pair())
     calm: list[str] = []
     got["link"].start(calm.append)
     got["watch"].close()
@@ -206,7 +206,7 @@ def two_nodes(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_chat_multinode")
     save_tiny_hf_model("llama", d)
     save_tiny_tokenizer(d)
-    port, http = _ports(), _ports()
+    port, http = port_pair(), port_pair()
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", PAGEDJAX_WARMUP="none")
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in GEOMETRY.items()]
     common = [sys.executable, "-m", "pagedjax.entrypoints.cli", "serve", str(d), *flags,

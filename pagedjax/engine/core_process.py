@@ -36,7 +36,6 @@ import os
 import pickle
 import signal
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -339,28 +338,19 @@ def _die_with_parent() -> None:
 def run_core(config: Any, max_logprobs: int, conn: Any, replica: int = 0,
              num_replicas: int = 1, node: Any = None) -> None:  # fmt: skip
     """The core process' main: build the engine from ``config`` (data_parallel_size 1),
-    report ("ready", facts), then serve the connection until "stop" or EOF.
-    ``node``: a ``multinode.NodeConfig`` of several nodes: this process is JAX process 0
-    and leads the followers (``MultiHostEngine``; multinode.py), keeps them alive while
-    idle, and exits with EXIT_NODE_LOST, after an "error" naming the node, when one is
-    lost."""
+    report ("ready", facts), then serve the connection until "stop" or EOF. ``node``
+    (several nodes, multinode.py): lead the other nodes' engines as JAX process 0."""
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s core{replica}: %(message)s")
     # One replica's devices: a tensor-parallel group per pipeline stage.
     tp = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
     _visible_devices(replica, tp, num_replicas)
     watch = None
-    if node is not None:
-        conn = _SerialConn(conn)  # the node watch's thread reports on it too
     try:
-        if node is not None:
+        if node is not None:  # the followers, then jax.distributed (multinode.py)
             from pagedjax.engine.fronts import multinode
 
-            # The followers first (their hellos are checked before JAX starts), then
-            # jax.distributed (it waits for every process).
-            watch = multinode.LeaderWatch(node, multinode.fingerprint(config, max_logprobs))
-            watch.start(lambda message: _node_lost(conn, message))
-            multinode.initialize(node)
+            conn, watch = multinode.lead(conn, node, config, max_logprobs, EXIT_NODE_LOST)
         import jax
 
         from pagedjax.engine.llm_engine import LLMEngine
@@ -374,9 +364,7 @@ def run_core(config: Any, max_logprobs: int, conn: Any, replica: int = 0,
             config, max_logprobs=max_logprobs, devices=devices[:tp], detokenize=False
         )
         if node is not None:
-            from pagedjax.engine.fronts.multihost import MultiHostEngine
-
-            engine = MultiHostEngine(engine)
+            engine = watch.wrap(engine)  # MultiHostEngine: node 0 leads
         facts = dict(
             max_model_len=engine.max_model_len, max_logprobs=engine.max_logprobs,
             arch=engine.arch, block_size=engine.block_size,
@@ -388,49 +376,12 @@ def run_core(config: Any, max_logprobs: int, conn: Any, replica: int = 0,
         _send_quietly(conn, ("error", f"engine core failed to start: {type(e).__name__}: {e}"))
         sys.exit(EXIT_START_FAILED)
     conn.send_bytes(dumps(("ready", facts)))
-    if watch is None:
-        code = CoreLoop(engine, conn).run()
-    else:
-        from pagedjax.engine.fronts.multinode import KEEPALIVE_S
-
-        loop = CoreLoop(engine, conn, idle=engine.keepalive, idle_s=KEEPALIVE_S,
-                        before_fatal=lambda: watch.wait_lost(3.0))  # fmt: skip
-        code = loop.run()
-        if code == 0:  # stopped on purpose: release the followers
-            watch.close()
-            try:
-                engine.shutdown()
-            except Exception:  # noqa: BLE001 - a follower gone meanwhile: exiting anyway
-                log.exception("releasing the follower nodes failed")
+    hooks = {} if watch is None else watch.loop_hooks(engine)  # keep-alive, fatal steps
+    code = CoreLoop(engine, conn, **hooks).run()
+    if watch is not None and code == 0:
+        watch.release(engine)  # stopped on purpose: "bye" and the stop to the followers
     conn.close()
     sys.exit(code)
-
-
-class _SerialConn:
-    """The connection of a multi-node core, which two threads send on (the loop, and
-    the node watch reporting a lost node): one send at a time."""
-
-    def __init__(self, conn: Any):
-        self._conn, self._lock = conn, threading.Lock()
-
-    def send_bytes(self, data: bytes) -> None:
-        with self._lock:
-            self._conn.send_bytes(data)
-
-    def __getattr__(self, name: str) -> Any:  # recv_bytes, poll, close
-        return getattr(self._conn, name)
-
-
-def _node_lost(conn: Any, message: str) -> None:
-    """The node watch's verdict: tell the client (at most 2 s: the loop may hold the
-    connection), then exit at once; the main thread may be stuck in a collective with
-    the lost node, so nothing else would end it."""
-    log.error("%s", message)
-    t = threading.Thread(target=_send_quietly, args=(conn, ("error", message)), daemon=True)
-    t.start()
-    t.join(2.0)
-    logging.shutdown()
-    os._exit(EXIT_NODE_LOST)
 
 
 def _send_quietly(conn: Any, msg: tuple) -> None:
@@ -444,13 +395,9 @@ class CoreLoop:
     """Commands between steps, one step, its outputs out (module docstring)."""
 
     def __init__(self, engine: Any, conn: Any, *, idle: Callable[[], None] | None = None,
-                 idle_s: float = 1.0,
-                 before_fatal: Callable[[], str | None] | None = None):  # fmt: skip
-        """idle: called every ``idle_s`` while no request is unfinished (a multi-node
-        leader's keep-alive). before_fatal: given, every failed step (or idle call) is
-        fatal (the nodes may have diverged) and this runs first: a multi-node leader
-        waits for its node watch and gets the lost node's description (or None), which
-        is then the reported error."""
+                 idle_s: float = 1.0, before_fatal: Callable[[], str | None] | None = None):
+        """idle: called every ``idle_s`` while idle; before_fatal: given, a failed step
+        is fatal and reports what this returns, if anything (``LeaderWatch.loop_hooks``)."""
         self.engine, self.conn = engine, conn
         self.encoder = OutputEncoder()
         self.counts: dict[str, int] | None = None
@@ -458,8 +405,6 @@ class CoreLoop:
         self.idle, self.idle_s, self.before_fatal = idle, idle_s, before_fatal
 
     def _fatal(self, e: BaseException) -> int:
-        """A fatal step: report it, or the lost node that caused it (a step with a dead
-        node fails in its collective about when the node watch sees the death)."""
         log.exception("engine step failed")
         lost = self.before_fatal() if self.before_fatal is not None else None
         if lost:
@@ -528,7 +473,6 @@ class CoreLoop:
             self.encoder.forget(cmd[1])
         elif kind == "stop_samples":
             _, rid, indices = cmd
-            # A multi-node leader's own stop_samples tells its followers too.
             stop = getattr(self.engine, "stop_samples", None) or self.engine.core.stop_samples
             stop(rid, indices)
             if rid not in self.engine.core.book.requests:

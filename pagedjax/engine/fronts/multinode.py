@@ -48,6 +48,7 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import selectors
 import socket
 import threading
@@ -169,6 +170,39 @@ def _differences(a: dict[str, str], b: dict[str, str]) -> list[str]:
             if a.get(k) != b.get(k)]  # fmt: skip
 
 
+def lead(conn: Any, node: NodeConfig, config: Any, max_logprobs: int,
+         exit_code: int) -> tuple[SerialConn, LeaderWatch]:  # fmt: skip
+    """Node 0's engine core: accept the followers (``LeaderWatch``, checking their
+    ``fingerprint`` against this one's), watch them, then start ``jax.distributed`` as
+    process 0. Returns the core's connection made safe for
+    the watch's thread and the watch. A lost node: the watch sends ("error", message)
+    on the connection (core_process.py's message; at most 2 s, the loop may be sending)
+    and exits the process with ``exit_code`` at once: the main thread may be stuck in a
+    collective with the lost node."""
+    conn = SerialConn(conn)
+    watch = LeaderWatch(node, fingerprint(config, max_logprobs))
+
+    def lost(message: str) -> None:
+        log.error("%s", message)
+        data = pickle.dumps(("error", message), protocol=pickle.HIGHEST_PROTOCOL)
+        t = threading.Thread(target=_send_quietly, args=(conn, data), daemon=True)
+        t.start()
+        t.join(2.0)
+        logging.shutdown()
+        os._exit(exit_code)
+
+    watch.start(lost)
+    initialize(node)
+    return conn, watch
+
+
+def _send_quietly(conn: Any, data: bytes) -> None:
+    try:
+        conn.send_bytes(data)
+    except (OSError, ValueError):
+        pass
+
+
 def initialize(node: NodeConfig) -> None:
     """``jax.distributed`` as process ``node.node_rank`` of ``node.nnodes`` (gloo on CPU)."""
     from pagedjax.engine.fronts import multihost
@@ -225,6 +259,21 @@ class _Peer:
 
     def describe(self) -> str:
         return f"node rank {self.rank} (pid {self.pid} on {self.host})"
+
+
+class SerialConn:
+    """A connection two threads send on (node 0's core: its loop, and the node watch
+    reporting a lost node): one send at a time; everything else passes through."""
+
+    def __init__(self, conn: Any):
+        self.conn, self.lock = conn, threading.Lock()
+
+    def send_bytes(self, data: bytes) -> None:
+        with self.lock:
+            self.conn.send_bytes(data)
+
+    def __getattr__(self, name: str) -> Any:  # recv_bytes, poll, close
+        return getattr(self.conn, name)
 
 
 class LeaderWatch:
@@ -336,6 +385,29 @@ class LeaderWatch:
                 self._lost_event.set()
                 on_lost(self.lost)
                 return
+
+    def wrap(self, engine: Any) -> Any:
+        """Node 0's LLMEngine as the followers' leader (``MultiHostEngine``: its
+        requests, aborts and stopped samples broadcast before each step)."""
+        from pagedjax.engine.fronts.multihost import MultiHostEngine
+
+        return MultiHostEngine(engine)
+
+    def loop_hooks(self, engine: Any) -> dict[str, Any]:
+        """``CoreLoop``'s keyword arguments for node 0's core over ``engine`` (a
+        MultiHostEngine): the idle keep-alive, and fatal steps reported as the lost node
+        when one is (a step with a dead node fails in its collective about when this
+        watch sees the death)."""
+        return dict(idle=engine.keepalive, idle_s=KEEPALIVE_S,
+                    before_fatal=lambda: self.wait_lost(3.0))  # fmt: skip
+
+    def release(self, engine: Any) -> None:
+        """Node 0 stops on purpose: ``close()``, then the stop to the followers."""
+        self.close()
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - a follower gone meanwhile: exiting anyway
+            log.exception("releasing the follower nodes failed")
 
     def wait_lost(self, timeout: float) -> str | None:
         """The loss message if a node is (or within ``timeout`` becomes) lost."""
@@ -457,8 +529,10 @@ __all__ = [
     "KEEPALIVE_S",
     "LeaderWatch",
     "NodeConfig",
+    "SerialConn",
     "fingerprint",
     "initialize",
+    "lead",
     "mesh_devices",
     "node_engine_config",
     "run_follower",
