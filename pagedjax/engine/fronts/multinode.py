@@ -29,8 +29,8 @@ host and engine configuration: node 0 refuses a follower whose configuration dif
 naming the fields, since different programs on the nodes would deadlock), then sends a
 ping every ``PING_S``. Node 0's ``LeaderWatch`` thread watches every connection: EOF
 (the kernel closes a dead process's sockets at once) or ``SILENCE_S`` without a ping
-means the node is lost; the core process then reports "node rank R ... was lost" to the
-API process and exits, so ``/health`` fails and requests in flight end with a 500
+means the node is lost; the core process (``lead``) then reports "node rank R ... was
+lost" to the API process and exits, so ``/health`` fails and requests in flight end with a 500
 naming the rank, whether the core was idle, stepping or stuck in a collective with the
 dead node. Why our own channel rather than JAX's: JAX's coordination service notices a
 dead task only after its heartbeat timeout (100 s by default) and then aborts the
