@@ -174,11 +174,11 @@ def lead(conn: Any, node: NodeConfig, config: Any, max_logprobs: int,
          exit_code: int) -> tuple[SerialConn, LeaderWatch]:  # fmt: skip
     """Node 0's engine core: accept the followers (``LeaderWatch``, checking their
     ``fingerprint`` against this one's), watch them, then start ``jax.distributed`` as
-    process 0. Returns the core's connection made safe for
-    the watch's thread and the watch. A lost node: the watch sends ("error", message)
-    on the connection (core_process.py's message; at most 2 s, the loop may be sending)
-    and exits the process with ``exit_code`` at once: the main thread may be stuck in a
-    collective with the lost node."""
+    process 0. Returns the core's connection made safe for the watch's thread, and the
+    watch. A lost node: the watch sends ("error", message) on the connection
+    (core_process.py's message; at most 2 s, the loop may be sending) and exits the
+    process with ``exit_code`` at once: the main thread may be stuck in a collective
+    with the lost node."""
     conn = SerialConn(conn)
     watch = LeaderWatch(node, fingerprint(config, max_logprobs))
 
