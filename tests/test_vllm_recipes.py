@@ -167,7 +167,7 @@ def test_every_vllm_server_flag_is_implemented_or_refused_by_name(capsys):
         ("--fully-sharded-loras",): "--fully-sharded-loras, a vLLM 0.32.0 server flag, is not"
         " implemented by pagedjax: only --enable-lora, --lora-modules",
         ("--trust-remote-code",): "never a checkpoint's code",
-        ("-n", "2"): "-n (--nnodes), a vLLM 0.32.0 server flag",
+        ("-dpa", "h"): "-dpa (--data-parallel-address), a vLLM 0.32.0 server flag",
         ("--ssl-keyfile", "k.pem"): "TLS is not built",
         ("--compilation-config", '{"level": 3}'): "pagedjax's compile options",
     }

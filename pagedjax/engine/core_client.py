@@ -88,6 +88,9 @@ class MPEngineClient:
     to replica r's; on a CPU with forced host devices, device r). tokenizer: the API
     process' tokenizer (default: loaded from config.model, as the core loads its own).
     start_timeout_s: how long to wait for the cores to load and report ready.
+    node: a ``multinode.NodeConfig`` of several nodes (one replica): the core is node
+    0's engine, leading the headless nodes' (pagedjax/engine/fronts/multinode.py); a
+    node lost makes the core exit, and this client reports it as the core's death.
     """
 
     def __init__(
@@ -97,9 +100,12 @@ class MPEngineClient:
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         tokenizer: Any = None,
         start_timeout_s: float = START_TIMEOUT_S,
+        node: Any = None,
     ):
         par = config.parallel
         m = par.data_parallel_size
+        if node is not None and m > 1:
+            raise ValueError("several nodes serve one replica: data_parallel_size must be 1")
         self.config = config
         self._controls: LogitControls | None = None  # add_request's constraint checks
         core_config = dataclasses.replace(
@@ -117,7 +123,7 @@ class MPEngineClient:
         for r in range(m):
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(
-                target=run_core, args=(core_config, max_logprobs, child, r, m),
+                target=run_core, args=(core_config, max_logprobs, child, r, m, node),
                 name=f"pagedjax-core-{r}", daemon=True,
             )  # fmt: skip
             proc.start()

@@ -37,7 +37,7 @@ import os
 import pickle
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
@@ -63,6 +63,7 @@ RPCS = ("snapshot", "stats", "request_counts", "num_free_blocks", "num_usable_bl
 # Exit codes of the core (besides a signal's negative code).
 EXIT_STEP_FAILED = 3
 EXIT_START_FAILED = 4
+EXIT_NODE_LOST = 5  # a follower node was lost (multinode.py)
 
 
 def dumps(msg: Any) -> bytes:
@@ -339,25 +340,35 @@ def _die_with_parent() -> None:
 
 
 def run_core(config: Any, max_logprobs: int, conn: Any, replica: int = 0,
-             num_replicas: int = 1) -> None:  # fmt: skip
+             num_replicas: int = 1, node: Any = None) -> None:  # fmt: skip
     """The core process' main: build the engine from ``config`` (data_parallel_size 1),
-    report ("ready", facts), then serve the connection until "stop" or EOF."""
+    report ("ready", facts), then serve the connection until "stop" or EOF. ``node``
+    (several nodes, multinode.py): lead the other nodes' engines as JAX process 0."""
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s core{replica}: %(message)s")
     # One replica's devices: a tensor-parallel group per pipeline stage.
     tp = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
     _visible_devices(replica, tp, num_replicas)
+    watch = None
     try:
+        if node is not None:  # the followers, then jax.distributed (multinode.py)
+            from pagedjax.engine.fronts import multinode
+
+            conn, watch = multinode.lead(conn, node, config, max_logprobs, EXIT_NODE_LOST)
         import jax
 
         from pagedjax.engine.llm_engine import LLMEngine
 
         devices = jax.devices()
-        if len(devices) >= (replica + 1) * tp:  # a CPU with forced devices: one each
+        if node is not None:
+            devices = multinode.mesh_devices(config, node)
+        elif len(devices) >= (replica + 1) * tp:  # a CPU with forced devices: one each
             devices = devices[replica * tp : (replica + 1) * tp]
         engine = LLMEngine.from_config(
             config, max_logprobs=max_logprobs, devices=devices[:tp], detokenize=False
         )
+        if node is not None:
+            engine = watch.wrap(engine)  # MultiHostEngine: node 0 leads
         facts = dict(
             max_model_len=engine.max_model_len, max_logprobs=engine.max_logprobs,
             arch=engine.arch, block_size=engine.block_size,
@@ -369,7 +380,10 @@ def run_core(config: Any, max_logprobs: int, conn: Any, replica: int = 0,
         _send_quietly(conn, ("error", f"engine core failed to start: {type(e).__name__}: {e}"))
         sys.exit(EXIT_START_FAILED)
     conn.send_bytes(dumps(("ready", facts)))
-    code = CoreLoop(engine, conn).run()
+    hooks = {} if watch is None else watch.loop_hooks(engine)  # keep-alive, fatal steps
+    code = CoreLoop(engine, conn, **hooks).run()
+    if watch is not None and code == 0:
+        watch.release(engine)  # stopped on purpose: "bye" and the stop to the followers
     conn.close()
     sys.exit(code)
 
@@ -384,17 +398,35 @@ def _send_quietly(conn: Any, msg: tuple) -> None:
 class CoreLoop:
     """Commands between steps, one step, its outputs out (module docstring)."""
 
-    def __init__(self, engine: Any, conn: Any):
+    def __init__(self, engine: Any, conn: Any, *, idle: Callable[[], None] | None = None,
+                 idle_s: float = 1.0, before_fatal: Callable[[], str | None] | None = None):
+        """idle: called every ``idle_s`` while idle; before_fatal: given, a failed step
+        is fatal and reports what this returns, if anything (``LeaderWatch.loop_hooks``)."""
         self.engine, self.conn = engine, conn
         self.encoder = OutputEncoder()
         self.counts: dict[str, int] | None = None
         self.failures = FailureBudget()
+        self.idle, self.idle_s, self.before_fatal = idle, idle_s, before_fatal
+
+    def _fatal(self, e: BaseException) -> int:
+        log.exception("engine step failed")
+        lost = self.before_fatal() if self.before_fatal is not None else None
+        if lost:
+            _send_quietly(self.conn, ("error", lost))
+            return EXIT_NODE_LOST
+        _send_quietly(self.conn, ("error", f"engine step failed: {type(e).__name__}: {e}"))
+        return EXIT_STEP_FAILED
 
     def run(self) -> int:
         engine, conn = self.engine, self.conn
         while True:
             try:
                 if not engine.has_unfinished_requests():
+                    while self.idle is not None and not conn.poll(self.idle_s):
+                        try:
+                            self.idle()
+                        except Exception as e:  # noqa: BLE001 - a collective failed
+                            return self._fatal(e)
                     if self.apply(pickle.loads(conn.recv_bytes())):  # idle: wait for work
                         return 0
                 while conn.poll():
@@ -408,6 +440,8 @@ class CoreLoop:
                     outputs = engine.step()
                     self.failures.ok()
                 except Exception as e:  # noqa: BLE001 - the batch's failure (faults.py)
+                    if self.before_fatal is not None:
+                        return self._fatal(e)
                     log.exception("engine step failed")
                     if self.failures.failed():  # failing again and again: give up
                         _send_quietly(conn, ("error", f"engine step failed {self.failures.run}"
@@ -443,7 +477,8 @@ class CoreLoop:
             self.encoder.forget(cmd[1])
         elif kind == "stop_samples":
             _, rid, indices = cmd
-            self.engine.core.stop_samples(rid, indices)
+            stop = getattr(self.engine, "stop_samples", None) or self.engine.core.stop_samples
+            stop(rid, indices)
             if rid not in self.engine.core.book.requests:
                 self.encoder.forget([rid])
         elif kind == "rpc":

@@ -1,2 +1,3 @@
 """Engines made of engines: data-parallel replicas behind one router
-(``data_parallel``, ``router``) and one engine spread over hosts (``multihost``)."""
+(``data_parallel``, ``router``), one engine spread over hosts (``multihost``), and the
+server over several nodes (``multinode``)."""

@@ -11,6 +11,9 @@ transport of ours); the followers apply them and step (``follow``). Only the lea
 outputs; a follower's copies are dropped. Arrays the host reads are replicated, so each
 process reads its local copy (JAX allows that for replicated global arrays).
 
+Idle: a leader with nothing to run may call ``keepalive()`` (an exchange whose followers
+do not step); the server's core loop does so every second (multinode.py).
+
 Failure: ``initialize`` sets JAX's heartbeat timeout (``heartbeat_timeout_s``, 100 s in
 JAX by default). When a process dies, the next collective of the others fails (gloo reports
 the closed connection) or, if they are idle in one, the coordination service declares the
@@ -116,12 +119,29 @@ class MultiHostEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.engine.get_num_unfinished_requests()
 
+    def stop_samples(self, request_id: str, indices: Iterable[int]) -> None:
+        """End these samples now (``EngineCore.stop_samples``: the engine core process's
+        client matched a stop string); the followers do the same before their next step."""
+        self._leader_only("stop_samples")
+        indices = list(indices)
+        self.engine.core.stop_samples(request_id, indices)
+        self._pending.append(("stop_samples", request_id, indices))
+
     def step(self) -> list[RequestOutput]:
         """Broadcast this step's events, then one engine step on every process."""
         self._leader_only("step")
         events, self._pending = self._pending, []
         self._exchange(events)
         return self.engine.step()
+
+    def keepalive(self) -> None:
+        """An exchange without a step, for a leader with nothing to run (the server's
+        idle core loop calls it every second): the followers apply the events queued
+        meanwhile and come out of the collective they wait in, so none waits inside one
+        for longer than the interval (a transport may time out) and a stop reaches them."""
+        self._leader_only("keepalive")
+        events, self._pending = self._pending, []
+        self._exchange([*events, ("idle",)])
 
     def shutdown(self) -> None:
         """Release the followers (their ``follow()`` returns). Idempotent."""
@@ -139,13 +159,20 @@ class MultiHostEngine:
         steps = 0
         while max_steps is None or steps < max_steps:
             events = self._exchange(None)
+            idle = False
             for ev in events:
                 if ev[0] == "add":
                     self.engine.add_request(*ev[1:])
                 elif ev[0] == "abort":
                     self.engine.abort_request(ev[1])
+                elif ev[0] == "stop_samples":
+                    self.engine.core.stop_samples(*ev[1:])
+                elif ev[0] == "idle":  # the leader's keep-alive: no step
+                    idle = True
                 elif ev[0] == "stop":
                     return steps
+            if idle:
+                continue
             self.engine.step()  # the leader stepped too: same state, same decision
             steps += 1
         return steps

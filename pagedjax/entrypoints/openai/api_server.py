@@ -227,22 +227,63 @@ def build_app(
     return app
 
 
+def _core_config(args: argparse.Namespace) -> tuple[Any, int, Any]:
+    """(EngineConfig, max_logprobs, NodeConfig or None) of an engine core, node 0's or a
+    headless node's: the same function on every node, so their engines match.
+    SystemExit naming what several nodes cannot run."""
+    from pagedjax.engine.core_client import DEFAULT_MAX_LOGPROBS
+    from pagedjax.engine.fronts.multinode import node_engine_config
+    from pagedjax.entrypoints.llm import engine_config
+
+    node = cli_args.node_config(args)
+    kwargs = cli_args.llm_kwargs(args)
+    max_logprobs = kwargs.pop("max_logprobs", DEFAULT_MAX_LOGPROBS)
+    config = engine_config(**kwargs)
+    if node is not None:
+        try:
+            config = node_engine_config(config, node)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+    return config, max_logprobs, node
+
+
 def build_engine_client(args: argparse.Namespace) -> EngineClient:
     """The engine the flags name: engine core processes (``MPEngineClient``, one per
-    data-parallel replica), or with --disable-frontend-multiprocessing the LLM's engine
-    in this process (one thread steps it, replicas one after another)."""
-    from pagedjax.entrypoints.llm import LLM, engine_config
+    data-parallel replica; with --nnodes > 1 node 0's core, leading the headless nodes),
+    or with --disable-frontend-multiprocessing the LLM's engine in this process (one
+    thread steps it, replicas one after another)."""
+    from pagedjax.entrypoints.llm import LLM
 
-    kwargs = cli_args.llm_kwargs(args)
     if args.disable_frontend_multiprocessing:
-        return LLM(**kwargs).llm_engine
+        return LLM(**cli_args.llm_kwargs(args)).llm_engine
     from pagedjax.engine.core_client import MPEngineClient
 
-    max_logprobs = kwargs.pop("max_logprobs", None)
-    config = engine_config(**kwargs)
-    if max_logprobs is None:
-        return MPEngineClient(config)
-    return MPEngineClient(config, max_logprobs=max_logprobs)
+    config, max_logprobs, node = _core_config(args)
+    try:
+        return MPEngineClient(config, max_logprobs=max_logprobs, node=node)
+    except (RuntimeError, TimeoutError) as e:
+        if node is None:
+            raise
+        # A node refused or missing (its configuration differs, it never connected):
+        # the cause is the message, as for the headless side (run_headless).
+        raise SystemExit(f"error: {e}") from None
+
+
+def run_headless(args: argparse.Namespace) -> None:
+    """A node other than 0 (``--headless --node-rank R``): no HTTP server; this process
+    runs its share of the engine, following node 0, until node 0 stops (exit status 0)
+    or dies (multinode.EXIT_LEADER_LOST)."""
+    from pagedjax.engine.fronts.multinode import run_follower
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cli_args.reject_unbuilt(args)
+    config, max_logprobs, node = _core_config(args)
+    log.info("headless node %d of %d, node 0 at %s", node.node_rank, node.nnodes,
+             node.coordinator)  # fmt: skip
+    try:
+        run_follower(config, node, max_logprobs)
+    except RuntimeError as e:  # refused by node 0, or node 0 never answered
+        raise SystemExit(f"error: {e}") from None
 
 
 def build_from_args(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine]:
@@ -284,9 +325,12 @@ def build_from_args(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine]:
 
 def run_server(args: argparse.Namespace) -> None:
     """Serve until SIGTERM / SIGINT, then drain (shutdown.py), log the final counters,
-    stop the engine and return (exit status 0)."""
+    stop the engine and return (exit status 0). With --headless: ``run_headless``."""
     import uvicorn
 
+    if args.headless:
+        run_headless(args)
+        return
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
     log.info("args: %s", cli_args.describe(args))

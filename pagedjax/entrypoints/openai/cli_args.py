@@ -104,6 +104,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=None)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
+    add_node_args(p)
     p.add_argument(
         "--data-parallel-routing",
         default=None,
@@ -207,6 +208,47 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     )
 
 
+def add_node_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's multi-node flags: TP and PP across nodes (engine/fronts/multinode.py)."""
+    p.add_argument("--nnodes", "-n", type=int, default=1,
+                   help="nodes serving one model together (TP x PP devices spread evenly);"
+                   " run the same command on each, with its --node-rank")  # fmt: skip
+    p.add_argument("--node-rank", "-r", type=int, default=0,
+                   help="this node's rank, 0 .. nnodes - 1; node 0 serves HTTP")
+    p.add_argument(
+        "--master-addr", default=None,
+        help="node 0's address (needed with --nnodes > 1): the JAX coordinator listens at"
+        " --master-port, the nodes' control channel at the next port",
+    )  # fmt: skip
+    p.add_argument("--master-port", type=int, default=None,
+                   help="the coordinator's port on node 0 (default 29501, vLLM's)")
+    p.add_argument("--headless", action="store_true",
+                   help="ranks > 0: run this node's share of the engine, no HTTP server")
+
+
+def node_config(args: argparse.Namespace) -> Any:
+    """The multi-node flags as a ``multinode.NodeConfig`` (None for one node);
+    SystemExit naming an inconsistent combination."""
+    from pagedjax.engine.fronts.multinode import NodeConfig
+
+    try:
+        node = NodeConfig(nnodes=args.nnodes, node_rank=args.node_rank,
+                          master_addr=args.master_addr, master_port=args.master_port,
+                          headless=args.headless)  # fmt: skip
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if node.nnodes == 1:
+        return None
+    if args.disable_frontend_multiprocessing:
+        raise SystemExit("error: --nnodes > 1 with --disable-frontend-multiprocessing: node"
+                         " 0's engine runs in an engine core process (a lost node ends that"
+                         " process, and the API process reports it)")  # fmt: skip
+    if args.max_engine_restarts > 0:
+        raise SystemExit("error: --max-engine-restarts with --nnodes > 1: a restarted engine"
+                         " would need every node restarted too")  # fmt: skip
+    return node
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="bind address (default: all interfaces)")
     p.add_argument("--port", type=int, default=8000)
@@ -294,11 +336,12 @@ REFUSAL_REASONS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("cudagraph", "cuda-graph"), "CUDA graphs do not exist under XLA, which compiles whole"
      " programs (--enforce-eager has pagedjax's meaning: docs/serving.md)"),
     (("pipeline-parallel", "context-parallel", "dcp-", "cp-kv", "expert", "eplb", "ep-",
-      "nnodes", "node-rank", "master-", "data-parallel-", "dp-", "distributed", "ray-",
-      "all2all", "dbo", "ubatch", "headless", "api-server-count", "nccl", "custom-all-reduce",
+      "data-parallel-", "dp-", "distributed", "ray-",
+      "all2all", "dbo", "ubatch", "api-server-count", "nccl", "custom-all-reduce",
       "hc-sp", "numa", "device-ids", "worker", "fault-tolerance"),
      "only tensor (--tensor-parallel-size), pipeline (--pipeline-parallel-size) and data"
-     " (--data-parallel-size) parallelism on one host are built (docs/parallelism.md)"),
+     " (--data-parallel-size) parallelism are built, TP and PP across nodes with --nnodes,"
+     " --node-rank, --master-addr, --master-port and --headless (docs/parallelism.md)"),
     (("mamba", "replayssm", "swa-"), "state-space (Mamba) models are not built"),
     (("kv-transfer", "kv-events", "ec-", "offload", "kv-sharing"),
      "KV transfer, events and offloading are not built (the host swap pool: --swap-space)"),
@@ -359,6 +402,7 @@ def reject_unbuilt(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --max-num-queued-reqs (--max-waiting-requests) must be >= 0,"
                          f" got {n}")  # fmt: skip
     check_output_args(args)
+    node_config(args)  # the multi-node flags' combination
     for flag in ("max_engine_restarts", "shutdown_timeout"):
         if getattr(args, flag) < 0:
             raise SystemExit(f"error: --{flag.replace('_', '-')} must be >= 0")
