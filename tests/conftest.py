@@ -120,12 +120,13 @@ def pytest_runtest_teardown(item, nextitem):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Mark the tests tests/tiers.py moves (before ``-m`` deselects by marker)."""
-    from tests.tiers import tier_of
+    from tests.tiers import module_rank, tier_of
 
     for item in items:
         move = tier_of(item.nodeid)
         if move is not None:
             item.add_marker(getattr(pytest.mark, move[0]))
+    items.sort(key=lambda item: module_rank(item.nodeid))  # stable: within a module, as written
 
 
 @pytest.fixture(scope="session")

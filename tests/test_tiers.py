@@ -5,7 +5,7 @@ import ast
 import functools
 from pathlib import Path
 
-from tests.tiers import MOVES, tier_of
+from tests.tiers import MOVES, START_FIRST, tier_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,3 +46,7 @@ def test_the_most_specific_move_wins():
         "tests/kernels/test_bench.py"]
     # a prefix of a name is not a match
     assert tier_of("tests/test_engine.py::test_batched_greedy_equals_alone_x") is None
+
+
+def test_modules_started_first_exist():
+    assert [m for m in START_FIRST if not (ROOT / m).is_file()] == []
