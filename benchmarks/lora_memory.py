@@ -110,13 +110,13 @@ def engine_runs(loras: list[int]) -> None:
 
     import numpy as np
     import peft
-    from lora_mixed import _model
+    from lora_mixed import base_model
 
     from pagedjax import LLM, SamplingParams
     from pagedjax.lora import LoRARequest
 
     d = Path(tempfile.mkdtemp(prefix="lora_memory_"))
-    base = _model(tiny=True)
+    base = base_model(tiny=True)
     base.save_pretrained(str(d / "base"))
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)

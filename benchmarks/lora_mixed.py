@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 
-def _model(tiny: bool):
+def base_model(tiny: bool):
     import torch
     import transformers
 
@@ -55,7 +55,7 @@ def main() -> None:
     from pagedjax.lora import LoRARequest
 
     d = Path(tempfile.mkdtemp(prefix="lora_mixed_"))
-    base = _model(args.tiny)
+    base = base_model(args.tiny)
     base.save_pretrained(str(d / "base"))
     loras = []
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

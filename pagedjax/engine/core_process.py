@@ -22,11 +22,9 @@ in-process engine's. The core may run a step or a K-step run past such a string 
 the message arrives; those tokens are cut on the client.
 
 client -> core: ("add", rid, prompt, params[, lora_request]) | ("abort", [rids]) |
-    ("stop_samples", rid, [sample indices]) |
-    ("rpc", call_id, name, *args) | ("stop",)
-core -> client: ("ready", facts) | ("out", items, counts or None) |
-    ("rpc", call_id, ok, value[, error type]) | ("failed", rid, error type, message) |
-    ("error", message)
+    ("stop_samples", rid, [sample indices]) | ("rpc", call_id, name, *args) | ("stop",)
+core -> client: ("ready", facts) | ("out", items, counts or None) | ("error", message) |
+    ("rpc", call_id, ok, value[, error type]) | ("failed", rid, error type, message)
 """
 
 from __future__ import annotations
@@ -42,20 +40,14 @@ from typing import Any
 
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.faults import FailureBudget, fail_batch
-from pagedjax.engine.outputs import (
-    CompletionOutput,
-    Logprob,
-    RequestMetrics,
-    RequestOutput,
-)
+from pagedjax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedjax.engine.protocol import metrics_snapshot
 from pagedjax.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# The engine methods a client may call by name (nothing else runs in the core on request).
-# add_lora / remove_lora take one argument (a LoRARequest / an adapter id): the server's
-# runtime adapter loading (docs/lora.md).
+# The engine methods a client may call by name (nothing else runs in the core on request);
+# add_lora / remove_lora take a LoRARequest / an adapter id (runtime loading, docs/lora.md).
 RPCS = ("snapshot", "stats", "request_counts", "num_free_blocks", "num_usable_blocks",
         "get_num_unfinished_requests", "reset_stats", "add_lora", "remove_lora",
         "list_loras")  # fmt: skip

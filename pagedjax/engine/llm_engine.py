@@ -56,6 +56,7 @@ from pagedjax.attention import select_attention_backend
 from pagedjax.compile_cache import CompileCounter
 from pagedjax.config import EngineConfig
 from pagedjax.engine import admission
+from pagedjax.engine import lora_manager as lora
 from pagedjax.engine.buckets import pick, seq_buckets_for, seqs_for_tokens, step_buckets
 from pagedjax.engine.core import CoreView, EngineCore
 from pagedjax.engine.device_state import DeviceState, num_host_blocks
@@ -64,12 +65,6 @@ from pagedjax.engine.kv_budget import num_kv_blocks, profile_forward
 from pagedjax.engine.kv_cache_spec import KVCacheSpec
 from pagedjax.engine.kv_offload import build_host_tier
 from pagedjax.engine.logit_controls import LogitControls
-from pagedjax.engine.lora_manager import (
-    LoRAManager,
-    lora_reserved_bytes,
-    prepare_request,
-    remove_adapter,
-)
 from pagedjax.engine.model_runner import ModelRunner
 from pagedjax.engine.multi_step import MultiStepDecoder, resolve_num_steps
 from pagedjax.engine.multimodal import MultiModalRunner, VisionModel, load_engine_model, split_mm
@@ -83,6 +78,7 @@ from pagedjax.engine.prompts import (
     tokenize_prompt,
 )
 from pagedjax.engine.request_book import RequestBook
+from pagedjax.engine.schedule_readback import read_schedule
 from pagedjax.engine.sequence import RequestState
 from pagedjax.engine.spec.decoder import build_speculator, load_draft
 from pagedjax.engine.spec.verify import sampled_offsets
@@ -173,7 +169,7 @@ class LLMEngine:
                 self.max_seqs, max_blocks_per_seq,
             ),
             # LoRA's unified memory: the adapter slots share the KV budget (lora_manager.py)
-            reserved_bytes=lora_reserved_bytes(config.lora, arch), reserved_for="LoRA slots",
+            reserved_bytes=lora.lora_reserved_bytes(config.lora, arch), reserved_for="LoRA slots",
         )
         self.num_host_blocks = num_host_blocks(
             cc.swap_space,
@@ -221,7 +217,7 @@ class LLMEngine:
             host_tier=tier,
         )  # fmt: skip
         if config.lora is not None:  # adapters in the step's parameters (lora_manager.py)
-            self.core.lora = LoRAManager(config.lora, arch, params, self.max_seqs)
+            self.core.lora = lora.LoRAManager(config.lora, arch, params, self.max_seqs)
             self.core.params = self.core.lora.params()
         self.outputs = OutputProcessor(self.core)  # the host half of every step
         self.reset_stats()
@@ -274,7 +270,7 @@ class LLMEngine:
         self.check_request(ids, params)
         controls = self.core.controls.prepare(params)  # bad words' ids, compiled grammar
         if lora_request is not None:  # read the adapter now: its errors are this call's
-            prepare_request(self.core.lora, lora_request, book.requests.values())
+            lora.prepare_request(self.core.lora, lora_request, book.requests.values())
         if params.seed is None and not params.greedy:
             # Drawn here, once, so the request's samples survive preemption unchanged.
             params = params.with_seed(int(self._rng.integers(0, MAX_SEED + 1)))
@@ -296,17 +292,13 @@ class LLMEngine:
         self.core.abort([request_id] if isinstance(request_id, str) else list(request_id))
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """vLLM's ``add_lora``: read and check the adapter now (into host memory; its
-        device slot is taken when its first request is admitted). ValueError, changing
-        nothing, for a bad adapter or with LoRA off (docs/lora.md). True."""
-        prepare_request(self.core.lora, lora_request, self.core.book.requests.values())
+        """vLLM's: read and check the adapter now (ValueError, nothing changed, if bad)."""
+        lora.prepare_request(self.core.lora, lora_request, self.core.book.requests.values())
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
-        """vLLM's ``remove_lora``: forget adapter ``lora_id``; freed at once when no
-        unfinished request uses it, else when they have finished (they keep it until
-        then, lora_manager.py). False for an adapter the engine does not hold."""
-        return remove_adapter(self.core.lora, lora_id, self.core.book.requests.values())
+        """vLLM's: forget it, freed when its requests finish; False if not held."""
+        return lora.remove_adapter(self.core.lora, lora_id, self.core.book.requests.values())
 
     def list_loras(self) -> set[int]:
         """Ids of the adapters the engine holds (empty with LoRA off)."""
@@ -354,23 +346,7 @@ class LLMEngine:
         spec = self.speculator
         lookahead, drafts = spec.plan(core) if spec is not None else (None, None)
         batch = dev.schedule(lookahead)
-        host = jax.device_get(
-            dict(
-                num_tokens=batch.num_tokens, num_seqs=batch.num_seqs, seq_ids=batch.seq_ids,
-                q_lens=batch.q_lens, start_pos=batch.start_pos, emits=batch.emits,
-                spec_lens=batch.spec_lens,
-                rejected=batch.rejected, preempted=batch.preempted, released=batch.released,
-                reason=dev.state.finish_reason,
-                usage=dev.usage(),
-                tables=dev.state.mem.tables.tables if self.enable_prefix_caching else None,
-                num_out=batch.swap.num_out,
-                num_in=batch.swap.num_in,
-                swapped_out=batch.swap.swapped_out,
-                swapped_in=batch.swap.swapped_in,
-                evicted=dev.state.mem.evicted if core.host_tier is not None else None,
-            )
-        )  # fmt: skip
-        host["used"], host["unshared"] = host.pop("usage")
+        host = read_schedule(core, batch)  # the one sync after schedule
         self.multi_step.note_step(core, host)
         self.num_preemptions += int(host["preempted"].sum())
         core.num_steps += 1
