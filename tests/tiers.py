@@ -43,7 +43,7 @@ MOVES: dict[str, tuple[str, str]] = {
         "slow", "9.2 s"),
     # -- quantized weights: the default tier keeps every format's matmul and error bound,
     #    one in-flight model (int4) and one compressed-tensors checkpoint (w4a16_group).
-    "tests/test_quantization.py::test_gptq_checkpoint_loads_exactly": ("tier2", "11.4 s"),
+    "tests/test_quantization.py::test_gptq_checkpoint_loads_exactly": ("slow", "11.4 s"),
     "tests/test_quantization.py::test_compressed_tensors_checkpoint_loads_exactly[fp8_channel]": (
         "slow", "9.0 s"),
     "tests/test_quantization.py::test_compressed_tensors_checkpoint_loads_exactly[w4a16_actorder]": (  # noqa: E501
@@ -160,7 +160,7 @@ MOVES: dict[str, tuple[str, str]] = {
         "tier2", "14.3 s"),
     "tests/test_spec_sampled_drafts.py": ("slow", "16.0 s"),
     "tests/test_spec_k_schedule.py::test_batch_size_table_greedy_equals_plain_one_program_per_bucket": (  # noqa: E501
-        "tier2", "8.9 s"),
+        "slow", "8.9 s"),
     "tests/test_speculative_curves.py": ("slow", "9.7 s (a script)"),
     # -- 8-bit KV: the round trips and one attention case stay.
     "tests/test_kv_quant.py::test_attention_over_8bit_pages[mqa_bs16_window_cap-fp8_e5m2]": (
@@ -194,19 +194,19 @@ MOVES: dict[str, tuple[str, str]] = {
     #    subsystems whose default-tier check was one expensive engine test move whole;
     #    what covers them by default is named.
     "tests/test_multi_step.py": (
-        "tier2", "25.2 s for the rest of the module (the K-step loop's own engine, warm-up "
+        "slow", "25.2 s for the rest of the module (the K-step loop's own engine, warm-up "
         "'all'); the default tier has no fused K-step test left (K is 1 on a CPU by "
         "default)"),
     "tests/test_llm_api.py::test_greedy_matches_transformers_generate": (
         "slow", "19.7 s; the real model and test_model_parity compare greedy with "
         "transformers"),
     "tests/test_multimodal_engine.py::test_generate_with_images_equals_transformers_and_prefix_cache": (  # noqa: E501
-        "tier2", "15.1 s; the vision tower and the merge stay (test_vision_clip)"),
+        "slow", "15.1 s; the vision tower and the merge stay (test_vision_clip)"),
     "tests/test_beam_search.py": ("slow", "13.4 s for what stayed after the first round"),
     "tests/triton_attention/test_triton_kv8.py::test_triton_backend_equals_xla_reference_on_the_same_8bit_pool": (  # noqa: E501
         "slow", "12.0 s (fp8_e4m3); the launcher on 8-bit pages stays"),
     "tests/test_swap.py": (
-        "tier2", "15.0 s; the reference scheduler's preemption trace stays"),
+        "slow", "15.0 s; the reference scheduler's preemption trace stays"),
     "tests/test_sharing.py::test_prefix_caching_keeps_greedy_outputs": (
         "tier2", "11.8 s; the prefix cache's hit and revive tests stay (test_prefix_cache)"),
     "tests/triton_attention/test_triton_binding.py::test_single_split_call_layout_and_numerics": (
@@ -359,7 +359,7 @@ MOVES: dict[str, tuple[str, str]] = {
     "tests/test_scheduler_reference.py::test_prefix_hits_match_reference[counting_swap]": (
         "tier2", "paged_default's prefix case stays"),
     "tests/test_llm_api.py::test_invalid_inputs_raise_and_engine_keeps_serving": (
-        "tier2", "11.2 s (its engine's compile); the option refusals stay"),
+        "slow", "11.2 s (its engine's compile); the option refusals stay"),
     "tests/test_quantization.py::test_in_flight_model_runs_every_linear_quantized[int4]": (
         "tier2", "3.2 s; every format's matmul and error bound stay"),
     "tests/test_quantization.py::test_compressed_tensors_checkpoint_loads_exactly[w4a16_group]": (  # noqa: E501
@@ -374,6 +374,58 @@ MOVES: dict[str, tuple[str, str]] = {
         "slow", "13.1 s in the second tier; compressed-tensors loading stays (test_quantization)"),
     "tests/test_quantization.py::test_awq_checkpoint_loads_exactly": (
         "slow", "9.8 s in the second tier"),
+    # -- fifth round: the default tier measured 333 s on a cold clean clone (689 tests, load
+    #    2.4-2.6); these go to the second tier (times from the cold default-tier runs).
+    "tests/test_speculative.py::test_ngram_greedy_equals_plain_with_chunking_and_stats": (
+        "slow", "6.7-17.9 s (the speculating engine's compile); the proposer and config "
+        "tests stay, and test_rejection's sampler property"),
+    "tests/test_speculative.py::test_oracle_greedy_equals_plain_with_preemption": (
+        "slow", "the speculating engine (above)"),
+    "tests/test_speculative.py::test_stops_and_max_tokens_inside_accepted_runs": (
+        "slow", "the speculating engine (above)"),
+    "tests/test_speculative.py::test_n_gt_1_and_prefix_hits_no_rejected_token_cached": (
+        "slow", "the speculating engine (above)"),
+    "tests/test_speculative.py::test_seeded_sampling_equals_plain": (
+        "slow", "the speculating engine (above)"),
+    "tests/test_structured_outputs.py::test_n_samples_have_their_own_matchers": (
+        "tier2", "up to 21.9 s (its own engine); valid outputs per backend stay"),
+    "tests/test_model_parity.py::test_greedy_matches_transformers_generate[mistral]": (
+        "tier2", "its fp32 logits moved in the first round; Llama's stay"),
+    "tests/test_model_parity.py::test_greedy_matches_transformers_generate[qwen2]": (
+        "tier2", "its fp32 logits moved in the first round; Llama's stay"),
+    "tests/test_model_parity.py::test_greedy_matches_transformers_generate[llama3]": (
+        "tier2", "its fp32 logits moved in the first round; Llama's stay"),
+    "tests/test_model_parity.py::test_greedy_matches_transformers_generate[opt_post_ln]": (
+        "tier2", "its fp32 logits moved in the first round; OPT's stay"),
+    "tests/test_attention.py::test_bf16_inputs_accumulate_in_fp32": ("tier2", "1.5 s"),
+    "tests/test_attention.py::test_small_tiles_match_dense_attention[2page_3items]": (
+        "tier2", "1.2 s"),
+    "tests/test_attention.py::test_decode_only_batch_matches_dense_attention[gqa_window_softcap]": (  # noqa: E501
+        "tier2", "1.1 s"),
+    "tests/test_attention.py::test_matches_dense_attention_fp32[mqa_window]": ("tier2", "1.1 s"),
+    "tests/test_attention.py::test_result_of_a_sequence_does_not_depend_on_its_neighbours": (
+        "tier2", "1.1 s"),
+    "tests/test_loader.py::test_random_params_run_and_arch_json_round_trip": ("tier2", "4.8 s"),
+    "tests/test_loader.py::test_orbax_round_trip": ("tier2", "2.9 s"),
+    "tests/test_kv_quant.py::test_layer_loop_never_copies_an_8bit_pool_or_a_layer_of_it": (
+        "tier2", "2.1 s"),
+    "tests/test_kv_quant.py::test_block_copy_moves_scales_with_values": ("tier2", "1.6 s"),
+    "tests/test_moe.py::test_batched_equals_solo": ("tier2", "4.7 s; dispatch agreement stays"),
+    "tests/test_sampling.py::test_processed_probs_match_spec": ("tier2", "3.1 s"),
+    "tests/test_sampling.py::test_penalties_on_fixed_logits": ("tier2", "2.4 s"),
+    # -- sixth round: the second tier measured 378 s on the same clean clone (126 tests, load
+    #    2.7-3.5) and had to take the fifth round's moves too; these leave CI. Among them are
+    #    acceptance tests of open issues (30: speculation fused in the K-step program; 38: a
+    #    server over two nodes; 39: LoRA against peft in the engine): run by hand with
+    #    `-m slow` until the tiers have room for them again.
+    "tests/test_speculative.py::test_ngram_fused_in_the_k_step_program_equals_plain[True]": (
+        "slow", "25.9 s in the second tier"),
+    "tests/test_multinode_serve.py::test_openai_client_over_two_nodes_equals_one_device": (
+        "slow", "45.3 s in the second tier (19.7 s setup): two processes compile everything"),
+    "tests/test_multinode_serve.py::test_killed_follower_fails_health_and_requests_naming_its_rank": (  # noqa: E501
+        "slow", "two processes; the control channel's lost-node unit test stays by default"),
+    "tests/test_lora_engine.py::test_mixed_batch_equals_transformers_peft": (
+        "slow", "30.0 s in the second tier"),
 }
 
 # Modules each tier starts first (pytest-xdist's loadfile scheduler hands modules out in
@@ -382,9 +434,6 @@ MOVES: dict[str, tuple[str, str]] = {
 START_FIRST = (
     "tests/test_wheel.py",  # the second tier's longest
     "tests/test_vllm_recipes.py",
-    "tests/test_lora_engine.py",
-    "tests/test_multinode_serve.py",
-    "tests/test_multi_step.py",
     "tests/test_real_model.py",
     "tests/test_parallel.py",
     "tests/test_model_parity.py",
