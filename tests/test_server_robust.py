@@ -213,10 +213,7 @@ def test_queue_bound_503_retry_after(served):
         async def main():
             async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
                 before = s.scrape("pagedjax:request_rejected_total", reason="queue_full")
-                # Long enough (~1 s warm) that it is still running when the third request
-                # arrives: with 30 tokens it could finish, and the second be admitted, in
-                # between (a 200 instead of the 503, seen once the programs were warm).
-                first = asyncio.create_task(_read_all(c, _body("a", 400, False)))
+                first = asyncio.create_task(_read_all(c, _body("a", 30, False)))
                 await asyncio.to_thread(_wait, lambda: s.counts()["running"] == 1, "running")
                 second = asyncio.create_task(_read_all(c, _body("b", 3, False)))
                 await asyncio.to_thread(_wait, lambda: s.counts()["waiting"] == 1, "queued")

@@ -338,8 +338,6 @@ class AsyncLLMEngine:
         kind = cmd[0]
         if kind == "add":
             _, rid, prompt, params, stream, arrival, lora = cmd
-            with self._lock:
-                self._pending_adds -= 1
             try:
                 if rid in self._tracked:
                     raise ValueError(f"request id {rid!r} is already in use")
@@ -348,8 +346,15 @@ class AsyncLLMEngine:
                 else:
                     self.engine.add_request(rid, prompt, params, lora_request=lora)
             except Exception as e:  # noqa: BLE001 - the request's error, not the engine's
+                with self._lock:
+                    self._pending_adds -= 1
                 stream.loop.call_soon_threadsafe(stream.put, e)
                 return
+            # Counted as waiting before it stops counting as pending: the queue bound always
+            # sees it in one of the two (the step publishes the exact count after).
+            with self._lock:
+                self._waiting += 1
+                self._pending_adds -= 1
             self._tracked[rid] = Tracked(stream, arrival)
         elif kind == "abort":
             rid = cmd[1]
