@@ -6,11 +6,16 @@ list: all at step 0), calls ``on_step(engine)`` after every step, and returns
 ``{request_id: final RequestOutput}``. Each request must finish exactly once, within
 ``max_steps`` steps (else a hang or starvation fails the test).
 ``xla_flags_with_devices(n)``: XLA_FLAGS for a subprocess with ``n`` simulated devices.
+``serve_in_thread(app)``: an ASGI app on a free loopback port, served by uvicorn in a daemon
+thread; returns ``(server, thread, url)`` once it accepts connections.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,4 +54,23 @@ def drain(
     return done
 
 
-__all__ = ["drain", "xla_flags_with_devices"]
+def serve_in_thread(app: Any, **config: Any) -> tuple[Any, threading.Thread, str]:
+    """Serve ``app`` on 127.0.0.1 (a free port) in a daemon thread; ``config``: more
+    ``uvicorn.Config`` options. Fails the test if uvicorn has not started within 30 s."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", **config))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+__all__ = ["drain", "serve_in_thread", "xla_flags_with_devices"]

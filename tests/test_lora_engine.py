@@ -23,6 +23,7 @@ from pagedjax.engine.block_hashes import extend_hashes
 from pagedjax.engine.lora_manager import LoRAManager
 from pagedjax.lora import LORA_SEQ_SLOTS, LoRARequest, llama_module_shapes
 from pagedjax.memory.prefix_cache import PrefixIndex, chain_hashes
+from tests.engine_helpers import serve_in_thread
 
 ARCH = SimpleNamespace(family="llama", num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
                        hidden_size=8, intermediate_size=12, num_experts=0)  # fmt: skip
@@ -672,25 +673,7 @@ def test_server_serves_an_adapter_by_model_name(tiny, llm):
 
 
 def _serve(app):
-    """``app`` on uvicorn, a free localhost port, in a thread: (server, thread, url)."""
-    import socket
-    import threading
-    import time
-
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))  # fmt: skip
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{port}"
+    return serve_in_thread(app)
 
 
 @pytest.mark.tier2

@@ -29,6 +29,7 @@ from pagedjax.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedjax.entrypoints.openai import cli_args
 from pagedjax.entrypoints.openai.api_server import build_app
 from pagedjax.entrypoints.openai.metrics import ServerMetrics
+from tests.engine_helpers import serve_in_thread
 from tests.model_helpers import save_tiny_hf_model, save_tiny_tokenizer
 
 NAME = "tiny-chat"
@@ -57,19 +58,7 @@ def _free_port() -> int:
 
 
 def _serve(app) -> tuple[Any, threading.Thread, str]:
-    import uvicorn
-
-    port = _free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", backlog=1024)
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{port}"
+    return serve_in_thread(app, backlog=1024)
 
 
 @pytest.fixture(scope="module")
