@@ -8,15 +8,19 @@ list: all at step 0), calls ``on_step(engine)`` after every step, and returns
 ``xla_flags_with_devices(n)``: XLA_FLAGS for a subprocess with ``n`` simulated devices.
 ``serve_in_thread(app)``: an ASGI app on a free loopback port, served by uvicorn in a daemon
 thread; returns ``(server, thread, url)`` once it accepts connections.
+``free_port()``: a loopback port free now. ``wait_healthy(url, procs, timeout, log)``: poll a
+server subprocess's ``/health`` until it answers 200; fail at once, with ``log()``, when one
+of ``procs`` has exited, or at the timeout.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -54,14 +58,44 @@ def drain(
     return done
 
 
+def free_port() -> int:
+    """A loopback port that is free now (the OS picks it; a later bind may still race)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(
+    url: str,
+    procs: Sequence[subprocess.Popen],
+    timeout: float,
+    log: Callable[[], str] = lambda: "",
+    interval: float = 0.3,
+) -> None:
+    """Poll ``url + "/health"`` until it answers 200. Fails (AssertionError carrying
+    ``log()``, e.g. the server's log tail) as soon as any of ``procs`` has exited, so a
+    server that died at start-up fails the test at once instead of at the timeout."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        exited = [p.returncode for p in procs if p.poll() is not None]
+        assert not exited, f"server process exited ({exited}) before /health answered:\n{log()}"
+        assert time.monotonic() < deadline, f"/health not 200 within {timeout} s:\n{log()}"
+        time.sleep(interval)
+
+
 def serve_in_thread(app: Any, **config: Any) -> tuple[Any, threading.Thread, str]:
     """Serve ``app`` on 127.0.0.1 (a free port) in a daemon thread; ``config``: more
     ``uvicorn.Config`` options. Fails the test if uvicorn has not started within 30 s."""
     import uvicorn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", **config))  # fmt: skip
     thread = threading.Thread(target=server.run, daemon=True)
@@ -73,4 +107,4 @@ def serve_in_thread(app: Any, **config: Any) -> tuple[Any, threading.Thread, str
     return server, thread, f"http://127.0.0.1:{port}"
 
 
-__all__ = ["drain", "serve_in_thread", "xla_flags_with_devices"]
+__all__ = ["drain", "free_port", "serve_in_thread", "wait_healthy", "xla_flags_with_devices"]

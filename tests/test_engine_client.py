@@ -43,9 +43,9 @@ from pagedjax.entrypoints.async_engine import AsyncLLMEngine
 from pagedjax.entrypoints.llm import engine_config
 from pagedjax.entrypoints.openai.api_server import build_app
 from pagedjax.entrypoints.openai.metrics import ServerMetrics
-from tests.engine_helpers import xla_flags_with_devices
+from tests.engine_helpers import free_port, wait_healthy, xla_flags_with_devices
 from tests.model_helpers import save_tiny_hf_model, save_tiny_tokenizer
-from tests.test_server import _free_port, _serve
+from tests.test_server import _serve
 
 NAME = "tiny-chat"
 # test_server.py's geometry: the same compiled programs.
@@ -413,7 +413,7 @@ def test_serve_data_parallel_2_with_ngram_speculation(model_dir, llm, tmp_path):
     """`pagedjax serve --data-parallel-size 2 --speculative-config ngram`: two core
     processes (one simulated CPU device each); concurrent greedy streams equal a single
     engine's outputs and speculation ran; SIGTERM leaves no process behind."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(2),
                JAX_PLATFORMS="cpu")  # fmt: skip
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in GEOMETRY.items()]
@@ -426,16 +426,7 @@ def test_serve_data_parallel_2_with_ngram_speculation(model_dir, llm, tmp_path):
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(1)
+        wait_healthy(url, [proc], 600, lambda: (tmp_path / "server.log").read_text())
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 2  # the core processes (and multiprocessing's helpers)
         prompts = [f"{w} {w} {w} and {i}" for i, w in enumerate(

@@ -33,6 +33,7 @@ import pytest
 
 from pagedjax.engine.fronts import multinode
 from pagedjax.entrypoints.openai import cli_args
+from tests.engine_helpers import wait_healthy
 from tests.model_helpers import save_tiny_hf_model, save_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,20 +188,6 @@ def test_control_channel_reports_a_lost_node_by_rank():
 # ------------------------------------------------------------------ two processes (tier 2)
 
 
-def _wait_health(url: str, procs: list[subprocess.Popen], logs: list[Path], timeout: float):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        for p, log in zip(procs, logs, strict=True):
-            assert p.poll() is None, log.read_text()[-4000:]
-        assert time.monotonic() < deadline, "the two-node server did not become healthy"
-        time.sleep(0.3)
-
-
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_chat_multinode")
@@ -228,7 +215,7 @@ def two_nodes(tmp_path_factory):
         llm = LLM(model=str(d), **GEOMETRY)
         greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
         want = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
-        _wait_health(url, procs, logs, 300)
+        wait_healthy(url, procs, 300, lambda: "\n".join(g.read_text()[-4000:] for g in logs))
         yield dict(url=url, want=want, leader=procs[0], follower=procs[1], logs=logs)
     finally:
         procs[0].send_signal(signal.SIGTERM)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from pagedjax.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedjax.entrypoints.openai import cli_args
 from pagedjax.entrypoints.openai.api_server import build_app
 from pagedjax.entrypoints.openai.metrics import ServerMetrics
-from tests.engine_helpers import serve_in_thread
+from tests.engine_helpers import free_port, serve_in_thread, wait_healthy
 from tests.model_helpers import save_tiny_hf_model, save_tiny_tokenizer
 
 NAME = "tiny-chat"
@@ -49,12 +48,6 @@ class Served:
 
     def engine_call(self, fn):
         return self.engine.call_future(fn).result(timeout=60)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(app) -> tuple[Any, threading.Thread, str]:
@@ -647,7 +640,7 @@ def test_python_m_api_server_subprocess(tmp_path):
                           "--model", "tiny-llama", "--quantization", "awq"],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert bad.returncode != 0 and "needs a checkpoint quantized with it" in bad.stderr
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedjax.entrypoints.openai.api_server", "--model",
          "tiny-llama", "--port", str(port), "--tensor-parallel-size", "1",
@@ -657,15 +650,7 @@ def test_python_m_api_server_subprocess(tmp_path):
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
-            time.sleep(1)
+        wait_healthy(url, [proc], 300)
         r = httpx.post(url + "/v1/completions", timeout=300, json={
             "model": "tiny-llama", "prompt": "Hello, world", "max_tokens": 50})  # fmt: skip
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1

@@ -17,8 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
-import threading
 import time
 from typing import Any
 
@@ -31,6 +29,7 @@ from pagedjax.entrypoints.async_engine import AsyncLLMEngine
 from pagedjax.entrypoints.openai.api_server import build_app
 from pagedjax.entrypoints.openai.limits import ServerLimits
 from pagedjax.entrypoints.openai.metrics import ServerMetrics
+from tests.engine_helpers import serve_in_thread
 
 NAME = "tiny-llama"
 LONG = 1000  # tokens of a request that holds the only slot: long enough to outlast a check
@@ -61,16 +60,8 @@ class Served:
         return self.scrape("pagedjax:request_success_total", finished_reason="abort")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    import uvicorn
-
     fault_file = str(tmp_path_factory.mktemp("faults") / "raise")
     os.environ[FAULT_ENV] = f"raise:{fault_file}"  # read once, when the runner is built
     try:
@@ -82,16 +73,8 @@ def served(tmp_path_factory):
     metrics = ServerMetrics(NAME)
     engine = AsyncLLMEngine.from_llm(llm, stats=metrics)
     app = build_app(engine, [NAME], metrics=metrics)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))  # fmt: skip
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    yield Served(f"http://127.0.0.1:{port}", app, engine, fault_file)
+    server, thread, url = serve_in_thread(app)
+    yield Served(url, app, engine, fault_file)
     server.should_exit = True
     thread.join(30)
     engine.shutdown()

@@ -18,36 +18,17 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
+from tests.engine_helpers import free_port, wait_healthy
+
 pytestmark = [pytest.mark.tier2]
 
 NAME = "tiny-llama"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_health(url: str, proc: subprocess.Popen, timeout: float, log_path) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, open(log_path).read()[-3000:]
-        assert time.monotonic() < deadline, "the server did not become healthy"
-        time.sleep(0.2)
 
 
 async def _stream(c: httpx.AsyncClient, max_tokens: int, started: asyncio.Event) -> list:
@@ -67,7 +48,7 @@ async def _stream(c: httpx.AsyncClient, max_tokens: int, started: asyncio.Event)
 
 
 def test_engine_kill_restart_then_sigterm_drains(tmp_path):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     kill_file, raise_file = tmp_path / "kill", tmp_path / "raise"
     log_path = tmp_path / "server.log"
@@ -81,7 +62,7 @@ def test_engine_kill_restart_then_sigterm_drains(tmp_path):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        _wait_health(url, proc, 300, log_path)
+        wait_healthy(url, [proc], 300, lambda: open(log_path).read()[-3000:])
 
         async def fault_mid_stream(trigger) -> dict:
             async with httpx.AsyncClient(base_url=url, timeout=120) as c:
@@ -104,7 +85,7 @@ def test_engine_kill_restart_then_sigterm_drains(tmp_path):
         # The core killed: the stream fails naming the signal, a new core starts.
         err = asyncio.run(fault_mid_stream(kill_file))
         assert "SIGKILL" in err["message"] and "restarting" in err["message"], err
-        _wait_health(url, proc, 300, log_path)
+        wait_healthy(url, [proc], 300, lambda: open(log_path).read()[-3000:])
         r = httpx.post(url + "/v1/completions", timeout=120,
                        json={"model": NAME, "prompt": "again", "max_tokens": 3})  # fmt: skip
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -28,7 +26,7 @@ from pagedjax import LLM, SamplingParams
 from pagedjax.entrypoints.openai import cli_args
 from pagedjax.entrypoints.openai.vllm_flags import VLLM_SERVER_FLAGS
 from pagedjax.model.quant.weight import QuantizedWeight
-from tests.engine_helpers import xla_flags_with_devices
+from tests.engine_helpers import free_port, wait_healthy, xla_flags_with_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ["--max-model-len", "8192", "--gpu-memory-utilization", "0.9", "--enforce-eager"]
@@ -54,15 +52,9 @@ def model_dir(tmp_path_factory) -> Path:
     return d
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve_one_completion(model_dir: Path, extra: list[str], devices: int = 1) -> None:
     """Start the recipe's server in a subprocess, wait for /health, one completion."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     if devices > 1:
         env["XLA_FLAGS"] = xla_flags_with_devices(devices)
@@ -72,17 +64,8 @@ def _serve_one_completion(model_dir: Path, extra: list[str], devices: int = 1) -
                             text=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"server did not start: {proc.communicate()[1][-3000:]}")
-            time.sleep(0.5)
+        # On failure: stop the server, then its stderr (a pipe: readable once it exited).
+        wait_healthy(url, [proc], 300, lambda: (proc.kill(), proc.communicate()[1][-3000:])[1])
         r = httpx.post(url + "/v1/completions", timeout=300, json={
             "model": str(model_dir), "prompt": "Hello, world", "max_tokens": 8,
             "temperature": 0})  # fmt: skip
