@@ -89,6 +89,7 @@ from pagedjax.engine.warmup import warm_up
 from pagedjax.lora import LoRARequest
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.prefix_cache import PrefixIndex
+from pagedjax.memory.radix_hint import RadixHint
 from pagedjax.model import ModelArch, compute_dtype
 from pagedjax.sampling import SamplingParams
 from pagedjax.sampling.params import MAX_SEED
@@ -208,7 +209,9 @@ class LLMEngine:
         eos = {i for i in (*arch.eos_token_ids, tokenizer.eos_token_id) if i is not None}
         self.core = EngineCore(
             params=params, runner=self.runner, device=device_state,
-            book=RequestBook(self.max_seqs, eos), prefix_index=PrefixIndex(),
+            book=RequestBook(self.max_seqs, eos),
+            prefix_index=(RadixHint(self.block_size) if cc.prefix_index == "radix"
+                          else PrefixIndex()),  # fmt: skip
             block_size=self.block_size, max_seqs=self.max_seqs, max_model_len=self.max_model_len,
             kv_calibration=self.kv_spec.calibrator(),
             max_blocks_per_seq=max_blocks_per_seq, token_buckets=self.token_buckets,
