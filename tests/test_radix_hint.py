@@ -211,3 +211,25 @@ def test_engine_radix_and_hash_hints_give_equal_outputs_and_hits():
         assert st_r[key] == st_h[key], key
     assert st_h["prefix_cache_hit_tokens"] > 0
     assert engine.num_preemptions > 0
+
+
+@pytest.mark.tier2
+def test_blocks_filled_inside_a_k_step_loop_are_hinted():
+    """The K-step decoder records the blocks its loop filled one by one
+    (``output_processor.record_filled``): with the radix hint, a prompt that is an
+    earlier request's prompt + output hits all its full blocks, as with the hash hint
+    (tests/test_multi_step.py's engine and check)."""
+    from tests.test_multi_step import BLOCK, _assert_idle, _drain, _engine, _greedy, _prompt
+
+    engine = _engine(True)
+    saved, engine.core.prefix_index = engine.core.prefix_index, RadixHint(BLOCK)
+    try:
+        prompt = _prompt(np.random.default_rng(5), 5)  # 1 full block after prefill
+        first = _drain(engine, {0: [("a", prompt, _greedy(16))]})["a"].outputs[0].token_ids
+        assert engine.multi_step.stats.iterations >= 8  # most of its decode ran in loops
+        hits0 = engine.stats()["prefix_cache_hit_tokens"]
+        _drain(engine, {0: [("b", prompt + first[:14], _greedy(2))]})  # 4 full blocks
+        assert engine.stats()["prefix_cache_hit_tokens"] - hits0 == 4 * BLOCK
+        _assert_idle(engine)
+    finally:
+        engine.core.prefix_index = saved
