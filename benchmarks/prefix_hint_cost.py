@@ -45,7 +45,8 @@ def run(hint, prompts: list[list[int]], hashes: list[list[int]], chunk: int) -> 
             blocks = list(range(fresh, fresh + hi - lo))
             fresh += len(blocks)
             if radix:
-                hint.record(hs[lo:hi], blocks, tokens=toks, start=lo)
+                hint.record(hs[lo:hi], blocks, tokens=toks, start=lo,
+                            parent_hash=hs[lo - 1] if lo else None)  # as the engine
             else:
                 hint.record(hs[lo:hi], blocks)
             lo = hi

@@ -54,20 +54,26 @@ class _Reference:
             out.append(blk)
         return out
 
+    def _unhint(self, blocks) -> None:  # refilled blocks past a break lose their hints
+        for blk in blocks:
+            for k in [x for x, v in self.d.items() if v == blk]:
+                if k in self.d:
+                    self._drop(k)
+
     def record(self, tokens, salt, start, blocks) -> None:
         if start > 0 and self.key(tokens, salt, start) not in self.d:
-            return
+            return self._unhint(blocks)
         for i, blk in enumerate(blocks, start):
             k = self.key(tokens, salt, i + 1)
             if blk == 0 or len(k[-1]) < B:
-                return
+                return self._unhint(blocks[i - start :])
             if self.d.get(k) == blk:
                 continue
             old = [x for x, v in self.d.items() if v == blk]
             if old:
                 self._drop(old[0])
                 if i > 0 and k[:-1] not in self.d:
-                    return
+                    return self._unhint(blocks[i - start :])
             if k in self.d:
                 self._drop(k)
             self.d[k] = blk
@@ -81,7 +87,8 @@ class _Reference:
 _seq = st.lists(st.integers(0, 1), min_size=0, max_size=9)
 _op = st.one_of(
     st.tuples(st.just("record"), st.integers(0, 3), st.integers(0, 1), st.integers(0, 4),
-              st.lists(st.integers(0, 7), min_size=1, max_size=4)),  # fmt: skip
+              st.tuples(st.lists(st.integers(0, 7), min_size=1, max_size=4), st.booleans())),
+
     st.tuples(st.just("forget"), st.integers(0, 3), st.integers(0, 1), st.integers(0, 4),
               st.integers(1, 3)),  # fmt: skip
 )
@@ -101,10 +108,10 @@ def test_radix_hint_is_the_pruned_hash_hint(seqs, ops):
             n = len(hs) - start
             if n <= 0:
                 continue
-            blocks = arg[:n]
+            blocks, by_hash = arg[0][:n], arg[1]  # by_hash: the parent found by its hash
             hint.record(hs[start : start + len(blocks)], blocks)
             radix.record(hs[start : start + len(blocks)], blocks, tokens=toks, start=start,
-                         salt=salt)  # fmt: skip
+                         salt=salt, parent_hash=hs[start - 1] if by_hash and start else None)
             ref.record(toks, salt, start, blocks)
         else:
             if start >= len(hs):
@@ -138,7 +145,8 @@ def test_lookup_then_record_gives_equal_proposals(work):
             hi = min(len(hs), lo + chunk)
             blocks = [next(fresh) for _ in range(lo, hi)]
             hint.record(hs[lo:hi], blocks)
-            radix.record(hs[lo:hi], blocks, tokens=toks, start=lo, salt=salt)
+            radix.record(hs[lo:hi], blocks, tokens=toks, start=lo, salt=salt,
+                         parent_hash=hs[lo - 1] if lo else None)  # fmt: skip
             lo = hi
         assert radix.propose(hs, tokens=toks, salt=salt) == hint.propose(hs)
         assert len(radix.propose(hs, tokens=toks, salt=salt)) == len(hs)

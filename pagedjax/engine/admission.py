@@ -171,7 +171,8 @@ def register_blocks(core: EngineCore, batch: Any, host: dict, owners: list) -> N
         extend_hashes(seq.hashes, ids, b, hi, req.cache_salt)
         blocks = host["tables"][int(host["seq_ids"][r])]
         core.prefix_index.record(seq.hashes[lo:hi], [int(x) for x in blocks[lo:hi]],
-                                 tokens=ids, start=lo, salt=req.cache_salt)  # fmt: skip
+                                 tokens=ids, start=lo, salt=req.cache_salt,
+                                 parent_hash=seq.hashes[lo - 1] if lo else None)  # fmt: skip
 
 
 __all__ = ["assign_slots", "fork_samples", "lookup_prefixes", "register_blocks"]

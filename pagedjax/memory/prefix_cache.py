@@ -149,7 +149,7 @@ class PrefixIndex:
 
     def propose(self, hashes: list[int], **_context: object) -> list[int]:
         """Hinted block ids for the leading run of known hashes. ``_context``: the
-        keywords ``radix_hint.RadixHint`` needs (tokens, start, salt); the hashes
+        keywords ``radix_hint.RadixHint`` needs (tokens, start, salt, parent_hash); the hashes
         already cover them."""
         out = []
         for h in hashes:

@@ -46,6 +46,11 @@ class RadixHint:
         self.block_size = block_size
         self._trees: dict[bytes | None, RadixIndex] = {}
         self._salt_of: dict[int, bytes | None] = {}
+        # Each hinted block's chained hash and back: ``record`` finds the parent of block
+        # ``start`` by the caller's ``parent_hash`` in O(1) instead of walking the tree
+        # from the root (O(prefix blocks) per call, paid by every decode block).
+        self._hash_of: dict[int, int] = {}
+        self._block_of: dict[int, int] = {}
         self.queries = 0
         self.hit_blocks = 0
         self.query_blocks = 0
@@ -65,38 +70,49 @@ class RadixHint:
 
     def record(
         self, hashes: Sequence[int], blocks: Sequence[int], *, tokens: Sequence[int],
-        start: int = 0, salt: bytes | None = None,
+        start: int = 0, salt: bytes | None = None, parent_hash: int | None = None,
     ) -> None:  # fmt: skip
         """Hint ``blocks`` as holding full blocks ``start``, ``start + 1``, ... of
-        ``tokens`` (as many as ``hashes`` and ``blocks`` both have). The latest record of
-        a prefix wins (the hash hint's rule); a block hinted elsewhere before is dropped
-        with what hangs below it. Stops where the chain breaks: the block before
-        ``start`` is not hinted (nothing could verify below it), or a null block."""
+        ``tokens`` (as many as ``hashes`` and ``blocks`` both have; ``hashes``: their
+        chained hashes). The latest record of a prefix wins (the hash hint's rule); a
+        block hinted elsewhere before is dropped with what hangs below it. Stops where
+        the chain breaks: the block before ``start`` is not hinted (nothing could verify
+        below it), or a null block; the blocks past the break still lose their earlier
+        hints (their content changed). ``parent_hash``: the chained hash of block
+        ``start - 1``, if the caller has it (found in O(1), else by a walk from the
+        root); the tree is checked to hold it at that prefix's depth."""
         b = self.block_size
         tree = self._trees.setdefault(salt, RadixIndex(b))
+        pairs = list(zip(hashes, blocks, strict=False))
         parent = NULL_BLOCK
         if start > 0:
-            path = tree.match(tokens[: start * b])
-            if len(path) < start:
-                return
-            parent = path[-1]
-        for i, blk in enumerate(blocks[: len(hashes)], start):
+            found = None if parent_hash is None else self._block_of.get(parent_hash)
+            if found is not None and found in tree and tree.depth(found) == start - 1:
+                parent = found
+            else:
+                path = tree.match(tokens[: start * b])
+                if len(path) < start:
+                    return self._unhint([blk for _, blk in pairs])
+                parent = path[-1]
+        for i, (h, blk) in enumerate(pairs, start):
             key = tokens[i * b : (i + 1) * b]
             if blk == NULL_BLOCK or len(key) < b:
-                return
+                return self._unhint([x for _, x in pairs[i - start :]])
             cur = tree.child(parent, key)
             if cur == blk:  # recorded again with the same content: keep it
                 parent = blk
                 continue
             if blk in self._salt_of:  # the block's earlier content is gone
                 self._prune(blk)
-                if parent != NULL_BLOCK and parent not in tree:
-                    return  # the chain was below it
+                if parent != NULL_BLOCK and parent not in tree:  # the chain was below it
+                    return self._unhint([x for _, x in pairs[i - start :]])
                 cur = tree.child(parent, key)
             if cur is not None:  # latest wins: its subtree had the old block as parent
                 self._prune(cur)
             tree.insert(parent, key, blk)
             self._salt_of[blk] = salt
+            self._hash_of[blk] = h
+            self._block_of[h] = blk
             parent = blk
 
     def forget(
@@ -118,9 +134,18 @@ class RadixHint:
         self.query_blocks += proposed_blocks
         self.hit_blocks += hit_blocks
 
+    def _unhint(self, blocks: list[int]) -> None:
+        """Drop the hints of ``blocks`` (refilled past a break in the chain) and below."""
+        for x in blocks:
+            if x in self._salt_of:
+                self._prune(x)
+
     def _prune(self, block: int) -> None:
         """Drop ``block`` and every hinted block below it (leaves first)."""
         tree = self._trees[self._salt_of[block]]
         for x in reversed(tree.subtree(block)):
             tree.remove(x)
             del self._salt_of[x]
+            h = self._hash_of.pop(x)
+            if self._block_of.get(h) == x:
+                del self._block_of[h]
