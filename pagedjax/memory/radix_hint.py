@@ -10,8 +10,10 @@ stale proposal only shortens a hit.
 Keys: the hash hint keys a block by its chained hash; this one walks the tree by the
 block's token tuple (``tokens``: the sequence's token ids from position 0, ``start``:
 the index of the first block of the call), one tree per cache salt (LoRA adapters salt
-their blocks, engine/block_hashes.py), so two salts never share a proposal. The
-``hashes`` argument is kept so both hints take the same calls; only its length is used.
+their blocks, engine/block_hashes.py), so two salts never share a proposal. Lookups
+use only the length of ``hashes``; ``record`` keeps each hinted block's chained hash so
+the caller's ``parent_hash`` finds the block before ``start`` in O(1) (checked against
+the tree's depth; else a walk from the root): a decode records one block per call.
 
 Why a tree: it is prefix-closed, so what the hash dict leaves dangling (a block hinted
 under a prefix whose earlier block was forgotten or re-hinted elsewhere) is pruned here:
