@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pagedjax.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from pagedjax.engine.block_hashes import extend_hashes
 from pagedjax.memory.prefix_cache import PrefixIndex
-from pagedjax.memory.radix_hint import RadixHint
+from pagedjax.memory.radix_hint import RadixHint, prefix_hint
 
 B = 2  # block size of the host-side tests: short token tuples collide often
 SALTS = (None, b"adapter-1")
@@ -170,6 +170,10 @@ def test_prefix_index_option_is_checked():
         CacheConfig(prefix_index="trie")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="cache.prefix_index.*kv_offloading_size"):
         CacheConfig(prefix_index="radix", kv_offloading_size=0.5)
+    assert isinstance(prefix_hint("radix", 4), RadixHint)
+    assert isinstance(prefix_hint("hash", 4), PrefixIndex)
+    with pytest.raises(ValueError, match="'trie'"):
+        prefix_hint("trie", 4)
 
 
 # -- the engine: tests/test_sharing.py's geometry (block 4, max_len 64, 4 seqs, budget 16,

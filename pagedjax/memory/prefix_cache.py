@@ -188,6 +188,9 @@ class PrefixIndex:
         self.query_blocks += proposed_blocks
         self.hit_blocks += hit_blocks
 
+    def reset_counters(self) -> None:
+        self.queries = self.hit_blocks = self.query_blocks = 0
+
 
 def usable_hit(hit_blocks: int, prompt_len: int, block_size: int) -> int:
     """Blocks of a verified hit to reuse: when the whole prompt is cached up to a block

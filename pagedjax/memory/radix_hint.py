@@ -33,7 +33,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedjax.memory.block_pool import NULL_BLOCK
+from pagedjax.memory.prefix_cache import PrefixIndex
 from pagedjax.memory.radix_index import RadixIndex
+
+
+def prefix_hint(kind: str, block_size: int) -> PrefixIndex | RadixHint:
+    """The engine's host hint for ``CacheConfig.prefix_index`` (``"hash"`` or
+    ``"radix"``; anything else ``ValueError``, though the config refuses it first)."""
+    if kind == "hash":
+        return PrefixIndex()
+    if kind == "radix":
+        return RadixHint(block_size)
+    raise ValueError(f"prefix_index must be 'hash' or 'radix', got {kind!r}")
 
 
 class RadixHint:
@@ -135,6 +146,9 @@ class RadixHint:
         self.queries += 1
         self.query_blocks += proposed_blocks
         self.hit_blocks += hit_blocks
+
+    def reset_counters(self) -> None:
+        self.queries = self.hit_blocks = self.query_blocks = 0
 
     def _unhint(self, blocks: list[int]) -> None:
         """Drop the hints of ``blocks`` (refilled past a break in the chain) and below."""
