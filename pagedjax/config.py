@@ -100,6 +100,10 @@ class CacheConfig:
     # pool, in the swap pool's allocator; 0 = off. Backend "native" only (None = native).
     kv_offloading_size: float = 0.0
     kv_offloading_backend: str | None = None
+    # The prefix cache's host hint (docs/kv_tiers.md): "hash" (chained block hash -> block,
+    # memory/prefix_cache.py) or "radix" (SGLang's radix tree, memory/radix_hint.py); the
+    # device verifies either's proposals, so greedy outputs do not depend on it.
+    prefix_index: Literal["hash", "radix"] = "hash"
 
     def __post_init__(self) -> None:
         _check(
@@ -138,6 +142,17 @@ class CacheConfig:
             self.kv_offloading_size == 0 or self.enable_prefix_caching,
             "cache.kv_offloading_size",
             "needs enable_prefix_caching (the host tier keeps evicted prefix-cache blocks)",
+        )
+        _check(
+            self.prefix_index in ("hash", "radix"),
+            "cache.prefix_index",
+            f"must be 'hash' or 'radix', got {self.prefix_index!r}",
+        )
+        _check(
+            self.prefix_index == "hash" or self.kv_offloading_size == 0,
+            "cache.prefix_index",
+            "'radix' with kv_offloading_size > 0 is not built: the host tier looks blocks"
+            " up by chained hash (docs/kv_tiers.md); use prefix_index='hash'",
         )
         _check(
             self.cache_dtype in CACHE_DTYPES,

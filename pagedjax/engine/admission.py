@@ -105,18 +105,19 @@ def lookup_prefixes(core: EngineCore, slots: list[int]) -> None:
         ids = req.prompt_token_ids + seq.detok.ids
         extend_hashes(seq.hashes, ids, b, len(ids) // b, req.cache_salt)
         hashes = seq.hashes[: len(ids) // b]
-        prop = core.prefix_index.propose(hashes)
+        prop = core.prefix_index.propose(hashes, tokens=ids, salt=req.cache_salt)
         slot_arr[k], mask[k] = slot, True
         cand[k, : len(prop)] = prop
-        props.append((hashes, len(prop), ids))
+        props.append((hashes, len(prop), ids, req.cache_salt))
     verified, used = core.device.attach_hits(slot_arr, cand, mask)
     verified, used = jax.device_get((verified, used))
     counters, tier = core.sharing, core.host_tier
-    for k, (hashes, proposed, ids) in enumerate(props):
+    for k, (hashes, proposed, ids, salt) in enumerate(props):
         hit = int(verified[k])
         if hit < proposed:  # with a host tier only the failed hint: later blocks may
             # still be cached on device after a host run (kv_offload.HostTier.plan)
-            core.prefix_index.forget(hashes[hit : hit + 1 if tier is not None else proposed])
+            core.prefix_index.forget(hashes[hit : hit + 1 if tier is not None else proposed],
+                                     tokens=ids, start=hit, salt=salt)  # fmt: skip
         core.prefix_index.count(proposed, hit)
         counters.lookup_tokens += len(ids)
         counters.hit_tokens += int(used[k]) * b
@@ -124,7 +125,7 @@ def lookup_prefixes(core: EngineCore, slots: list[int]) -> None:
         tier.counters.device_hit_tokens += int(used[: len(slots)].sum()) * b
         rows = [
             (slot, hashes, ids, int(verified[k]), int(used[k]))
-            for k, (slot, (hashes, _, ids)) in enumerate(zip(slots, props, strict=True))
+            for k, (slot, (hashes, _, ids, _)) in enumerate(zip(slots, props, strict=True))
         ]
         tier.reload(core, rows)
 
@@ -166,10 +167,12 @@ def register_blocks(core: EngineCore, batch: Any, host: dict, owners: list) -> N
         lo, hi = start // b, (start + q) // b
         if hi <= lo:
             continue
-        extend_hashes(seq.hashes, req.prompt_token_ids + seq.detok.ids, b, hi,
-                      req.cache_salt)
+        ids = req.prompt_token_ids + seq.detok.ids
+        extend_hashes(seq.hashes, ids, b, hi, req.cache_salt)
         blocks = host["tables"][int(host["seq_ids"][r])]
-        core.prefix_index.record(seq.hashes[lo:hi], [int(x) for x in blocks[lo:hi]])
+        core.prefix_index.record(seq.hashes[lo:hi], [int(x) for x in blocks[lo:hi]],
+                                 tokens=ids, start=lo, salt=req.cache_salt,
+                                 parent_hash=seq.hashes[lo - 1] if lo else None)  # fmt: skip
 
 
 __all__ = ["assign_slots", "fork_samples", "lookup_prefixes", "register_blocks"]

@@ -24,6 +24,7 @@ from pagedjax.engine.device_state import DeviceState
 from pagedjax.engine.request_book import RequestBook
 from pagedjax.engine.sequence import RequestState, SequenceState
 from pagedjax.memory.prefix_cache import PrefixIndex
+from pagedjax.memory.radix_hint import RadixHint
 
 
 @dataclass
@@ -60,7 +61,7 @@ class EngineCore:
     runner: Any  # model_runner.ModelRunner
     device: DeviceState
     book: RequestBook
-    prefix_index: PrefixIndex
+    prefix_index: PrefixIndex | RadixHint  # CacheConfig.prefix_index
     block_size: int
     max_seqs: int  # scheduler slots = most sequences in one step (max_num_seqs)
     max_model_len: int

@@ -88,7 +88,7 @@ from pagedjax.engine.unbuilt import reject_unbuilt_features
 from pagedjax.engine.warmup import warm_up
 from pagedjax.lora import LoRARequest
 from pagedjax.memory.paged_policy import PagedPolicy
-from pagedjax.memory.prefix_cache import PrefixIndex
+from pagedjax.memory.radix_hint import prefix_hint
 from pagedjax.model import ModelArch, compute_dtype
 from pagedjax.sampling import SamplingParams
 from pagedjax.sampling.params import MAX_SEED
@@ -208,7 +208,8 @@ class LLMEngine:
         eos = {i for i in (*arch.eos_token_ids, tokenizer.eos_token_id) if i is not None}
         self.core = EngineCore(
             params=params, runner=self.runner, device=device_state,
-            book=RequestBook(self.max_seqs, eos), prefix_index=PrefixIndex(),
+            book=RequestBook(self.max_seqs, eos),
+            prefix_index=prefix_hint(cc.prefix_index, self.block_size),
             block_size=self.block_size, max_seqs=self.max_seqs, max_model_len=self.max_model_len,
             kv_calibration=self.kv_spec.calibrator(),
             max_blocks_per_seq=max_blocks_per_seq, token_buckets=self.token_buckets,
@@ -483,8 +484,7 @@ class LLMEngine:
         self.num_preemptions_swap = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
-        self.core.prefix_index.queries = self.core.prefix_index.hit_blocks = 0
-        self.core.prefix_index.query_blocks = 0
+        self.core.prefix_index.reset_counters()
 
     def stats(self) -> dict[str, float | int]:
         """Counters since the last ``reset_stats``: ``engine_stats.engine_stats`` gives

@@ -145,9 +145,11 @@ class OutputProcessor:
         iteration's tokens are recorded: the block may end in accepted drafts)."""
         b = self.core.block_size
         hi = end // b + 1
-        extend_hashes(seq.hashes, req.prompt_token_ids + seq.detok.ids, b, hi,
-                      req.cache_salt)
-        self.core.prefix_index.record(seq.hashes[hi - 1 : hi], [block])
+        ids = req.prompt_token_ids + seq.detok.ids
+        extend_hashes(seq.hashes, ids, b, hi, req.cache_salt)
+        self.core.prefix_index.record(seq.hashes[hi - 1 : hi], [block], tokens=ids,
+                                      start=hi - 1, salt=req.cache_salt,
+                                      parent_hash=seq.hashes[hi - 2] if hi > 1 else None)
 
     def fork_samples(self, owners: list, rows: list[int]) -> None:
         """Rows whose sample 0 has just its first token fork samples 1..n-1."""

@@ -147,8 +147,10 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._block_of)
 
-    def propose(self, hashes: list[int]) -> list[int]:
-        """Hinted block ids for the leading run of known hashes."""
+    def propose(self, hashes: list[int], **_context: object) -> list[int]:
+        """Hinted block ids for the leading run of known hashes. ``_context``: the
+        keywords ``radix_hint.RadixHint`` needs (tokens, start, salt, parent_hash); the hashes
+        already cover them."""
         out = []
         for h in hashes:
             b = self._block_of.get(h)
@@ -157,7 +159,7 @@ class PrefixIndex:
             out.append(b)
         return out
 
-    def record(self, hashes: list[int], blocks: list[int]) -> None:
+    def record(self, hashes: list[int], blocks: list[int], **_context: object) -> None:
         for h, b in zip(hashes, blocks, strict=False):
             if b == NULL_BLOCK:
                 continue
@@ -170,7 +172,7 @@ class PrefixIndex:
             self._block_of[h] = b
             self._hash_of[b] = h
 
-    def forget(self, hashes: list[int]) -> None:
+    def forget(self, hashes: list[int], **_context: object) -> None:
         """Drop hints that failed verification (stale: the block was reused)."""
         for h in hashes:
             b = self._block_of.pop(h, None)
@@ -185,6 +187,9 @@ class PrefixIndex:
         self.queries += 1
         self.query_blocks += proposed_blocks
         self.hit_blocks += hit_blocks
+
+    def reset_counters(self) -> None:
+        self.queries = self.hit_blocks = self.query_blocks = 0
 
 
 def usable_hit(hit_blocks: int, prompt_len: int, block_size: int) -> int:

@@ -130,6 +130,38 @@ class RadixIndex:
             for b in only.blocks:
                 self._node[b] = parent
 
+    def child(self, parent: int, tokens: Sequence[int]) -> int | None:
+        """The cached block holding ``tokens`` right after ``parent`` (``NULL_BLOCK``: a
+        first block), or None. Refused (``ValueError``) when ``parent`` is not cached."""
+        t = tuple(int(x) for x in tokens)
+        if parent == NULL_BLOCK:
+            node = self._root
+        else:
+            node = self._node.get(parent)
+            if node is None:
+                raise ValueError(f"parent block {parent} is not cached")
+            i = node.blocks.index(parent)
+            if i + 1 < len(node.blocks):
+                return node.blocks[i + 1] if node.keys[i + 1] == t else None
+        c = node.children.get(t)
+        return None if c is None else c.blocks[0]
+
+    def subtree(self, block: int) -> list[int]:
+        """``block`` and every cached block after it in its prefixes, in pre-order (a
+        block before the blocks below it): removing them in reverse order never removes
+        a block that still has a cached child. Refused (``ValueError``) when ``block``
+        is not cached."""
+        node = self._node.get(block)
+        if node is None:
+            raise ValueError(f"block {block} is not cached")
+        out = node.blocks[node.blocks.index(block) :]
+        stack = list(node.children.values())
+        while stack:
+            n = stack.pop()
+            out += n.blocks
+            stack.extend(n.children.values())
+        return out
+
     def _nodes(self) -> Iterator[_Node]:
         stack = list(self._root.children.values())
         while stack:
