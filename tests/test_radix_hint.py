@@ -176,6 +176,23 @@ def test_prefix_index_option_is_checked():
         prefix_hint("trie", 4)
 
 
+def test_prefix_index_reaches_the_config_from_llm_and_the_server_flag():
+    """``LLM(prefix_index=...)`` and ``--prefix-index`` set CacheConfig.prefix_index; a
+    value the flag does not know exits with argparse's usage error (status 2)."""
+    from pagedjax.entrypoints.llm import engine_config
+    from pagedjax.entrypoints.openai import cli_args
+
+    assert engine_config(model="tiny-llama").cache.prefix_index == "hash"
+    assert engine_config(model="tiny-llama", prefix_index="radix").cache.prefix_index == "radix"
+    parser = cli_args.make_parser()
+    kwargs = cli_args.llm_kwargs(parser.parse_args(["--model", "m", "--prefix-index", "radix"]))
+    assert kwargs["prefix_index"] == "radix"
+    assert "prefix_index" not in cli_args.llm_kwargs(parser.parse_args(["--model", "m"]))
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--model", "m", "--prefix-index", "trie"])
+    assert exit_info.value.code == 2
+
+
 # -- the engine: tests/test_sharing.py's geometry (block 4, max_len 64, 4 seqs, budget 16,
 #    24 blocks) built with prefix_index="radix".
 

@@ -59,6 +59,9 @@ class LLM:
     TypeError. On CPU the KV pool size comes from num_gpu_blocks_override or
     kv_cache_memory_bytes (else 4 GiB, at most a quarter of free memory); see docs/engine.md.
     enable_prefix_caching: automatic prefix caching, on by default as in vLLM today.
+    prefix_index (pagedjax's own): the host hint that proposes cached blocks, "hash" (the
+    chained block hashes, default) or "radix" (SGLang's radix tree); the device verifies
+    either's proposals, so outputs are the same (docs/kv_tiers.md).
     kv_cache_dtype: the KV pool's storage, vLLM's names: "auto" (the model's dtype),
     "float32" / "bfloat16" / "float16", or 8-bit: "fp8" (= "fp8_e4m3"), "fp8_e5m2",
     "int8_per_token_head" (docs/kv_quantization.md): about twice the blocks of a 16-bit
@@ -112,6 +115,7 @@ class LLM:
         kv_offloading_size: float = 0.0,
         kv_offloading_backend: str | None = None,
         enable_prefix_caching: bool = True,
+        prefix_index: str = "hash",
         kv_cache_dtype: str = "auto",
         kv_scales: str = "default",
         preemption_mode: str | None = None,
@@ -384,6 +388,7 @@ def engine_config(
     kv_offloading_size: float = 0.0,
     kv_offloading_backend: str | None = None,
     enable_prefix_caching: bool = True,
+    prefix_index: str = "hash",
     kv_cache_dtype: str = "auto",
     kv_scales: str = "default",
     preemption_mode: str | None = None,
@@ -449,6 +454,7 @@ def engine_config(
             kv_offloading_size=kv_offloading_size,
             kv_offloading_backend=kv_offloading_backend,
             enable_prefix_caching=enable_prefix_caching,
+            prefix_index=prefix_index,  # type: ignore[arg-type]
             cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
             kv_scales=kv_scales,  # type: ignore[arg-type]
         ),

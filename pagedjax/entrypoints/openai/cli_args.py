@@ -44,6 +44,7 @@ PAGEDJAX_ONLY = (
     "--disable-log-requests",  # vLLM 0.32 has --enable-log-requests instead
     "--disable-frontend-multiprocessing",  # vLLM V0's; here the engine thread (debugging)
     "--lora-memory",  # adapter slots inside the KV budget or beside it (docs/lora.md)
+    "--prefix-index",  # the prefix cache's host hint: hash chain or radix tree (kv_tiers.md)
 )
 
 
@@ -120,6 +121,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         default=None,
         help="GiB of host memory for prefix-cache blocks evicted from the device (the host"
         " tier, in the swap pool's allocator; docs/kv_tiers.md); 0 = off",
+    )
+    p.add_argument(
+        "--prefix-index",
+        choices=("hash", "radix"),
+        default=None,
+        help=_own("the prefix cache's host hint: chained block hashes or a radix tree"),
     )
     p.add_argument(
         "--kv-offloading-backend",
@@ -419,7 +426,7 @@ LLM_ARGS = (
     "model", "tokenizer", "dtype", "load_format", "seed", "block_size", "max_model_len",
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
     "num_gpu_blocks_override", "kv_cache_memory_bytes", "swap_space", "enable_prefix_caching",
-    "kv_offloading_size", "kv_offloading_backend",
+    "kv_offloading_size", "kv_offloading_backend", "prefix_index",
     "preemption_mode", "tensor_parallel_size", "data_parallel_size", "data_parallel_routing",
     "pipeline_parallel_size", "scheduling_mode", "watermark",
     "attention_backend", "max_logprobs", "num_scheduler_steps", "warmup", "compilation_cache",
