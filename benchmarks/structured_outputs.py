@@ -24,9 +24,13 @@ import json
 import os
 import re
 import time
+from typing import TYPE_CHECKING
 
-from pagedjax import LLM
-from pagedjax.sampling import SamplingParams, StructuredOutputsParams
+if TYPE_CHECKING:
+    from pagedjax import LLM
+
+# pagedjax is imported inside the functions that run it: CASES and valid() are imported
+# by benchmarks/structured_vs_vllm.py's children in vLLM's venv, which has no pagedjax.
 
 PERSON = {
     "type": "object",
@@ -137,7 +141,7 @@ CASES: list[tuple[str, dict]] = (
 PROMPT = "Answer in the requested format. Describe a person, a color or a city: "
 
 
-def _valid(kind: str, spec: dict, text: str) -> bool:
+def valid(kind: str, spec: dict, text: str) -> bool:
     """Whether ``text`` satisfies the case: the full schema with ``jsonschema`` where it
     is installed (not a pagedjax dependency), else parsing plus the required keys."""
     if kind == "regex":
@@ -157,17 +161,21 @@ def _valid(kind: str, spec: dict, text: str) -> bool:
 
 
 def validity(llm: LLM, max_tokens: int) -> float:
+    from pagedjax.sampling import SamplingParams, StructuredOutputsParams
+
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens,
                              structured_outputs=StructuredOutputsParams(**spec))
               for _, spec in CASES]  # fmt: skip
     outs = llm.generate([PROMPT] * len(CASES), params, use_tqdm=False)
-    ok = [_valid(k, s, o.outputs[0].text) and o.outputs[0].finish_reason == "stop"
+    ok = [valid(k, s, o.outputs[0].text) and o.outputs[0].finish_reason == "stop"
           for (k, s), o in zip(CASES, outs, strict=True)]  # fmt: skip
     return sum(ok) / len(ok)
 
 
 def step_time(llm: LLM, batch: int, max_tokens: int, constrained: bool) -> float:
     """Seconds per engine step over ``batch`` requests, one run."""
+    from pagedjax.sampling import SamplingParams, StructuredOutputsParams
+
     engine = llm.llm_engine
     # Every row runs exactly max_tokens steps either way (a constrained row finishing
     # early would leave fewer rows per step): a regex longer than any output, EOS ignored.
@@ -203,6 +211,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timed pairs")
     args = ap.parse_args()
+    from pagedjax import LLM
+
     model = "tiny-llama" if args.tiny else args.model
     print(f"load before: {os.getloadavg()}")
     ratio = 0.0
