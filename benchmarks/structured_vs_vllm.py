@@ -3,13 +3,15 @@
     python benchmarks/structured_vs_vllm.py --venv /work/vllm311
         [--backends xgrammar guidance] [--max-tokens 96] [--timing-backends xgrammar]
         [--timing-rows 64] [--timing-tokens 16] [--rounds 2] [--tie-tol 0.001]
+        [--structured-outputs-config '{"disable_additional_properties": true}']
 
 One run, both engines, each in its own child process (``out_of_box.run_child``; vLLM's in
 its own venv, ``--venv`` or ``$PAGEDJAX_VLLM_VENV``: vLLM is never a pagedjax dependency),
 one child per engine and backend (vLLM picks the backend per engine, not per request),
 never two at once. Model: SmolLM2-135M-Instruct in float32, the Hugging Face directory
 ``serve_vs_vllm.ensure_model`` makes from the catalog's GGUF, loaded by both engines
-(``dtype="float32"``, ``max_model_len`` 512, ``seed`` 0, the same KV pool size).
+(``dtype="float32"``, ``max_model_len`` 512, ``seed`` 0, the same KV pool size), each
+with ``structured_outputs_config`` = {"backend": B} plus --structured-outputs-config.
 
 Requests: ``structured_outputs.CASES`` (issue 33's set: 30 JSON schemas, 10 regexes, 10
 choice lists) with ``structured_outputs.PROMPT``, greedy, ``max_tokens`` --max-tokens,
@@ -82,7 +84,7 @@ def _engine(side: str, spec: dict[str, Any], res: dict[str, Any]) -> tuple[Any, 
         max_model_len=spec["max_model_len"],
         max_num_seqs=spec["max_num_seqs"],
         seed=0,
-        structured_outputs_config={"backend": spec["backend"]},
+        structured_outputs_config={**spec["so_config"], "backend": spec["backend"]},
         **extra,
     )
     res["construct_s"] = time.perf_counter() - t
@@ -250,6 +252,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--timing-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tie-tol", type=float, default=1e-3, help="nats (= logit units)")
+    ap.add_argument(
+        "--structured-outputs-config",
+        type=json.loads,
+        default={},
+        help="more keys of both engines' structured_outputs_config (JSON), vLLM's names",
+    )
     ap.add_argument("--kv-gib", type=int, default=2, help="each engine's KV pool, GiB")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--timeout", type=float, default=900, help="seconds per child")
@@ -272,6 +280,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         max_num_seqs=max(args.timing_rows, len(cases)),
         kv_gib=args.kv_gib,
+        so_config=args.structured_outputs_config,
         timing_rows=args.timing_rows,
         timing_tokens=args.timing_tokens,
         rounds=args.rounds,
