@@ -242,10 +242,12 @@ def run_child(
     workdir: Path,
     timeout_s: float,
     label: str,
+    script: Path | None = None,
 ) -> dict[str, Any]:
     """Runs one engine (``spec["side"]``) in a fresh process of ``python``; returns its
     result dict plus ``wall_s`` (spawn to exit). The child's stdout/stderr go to
-    ``workdir/<label>.log`` (vLLM logs a lot).
+    ``workdir/<label>.log`` (vLLM logs a lot). ``script`` (default: this module) is run
+    as ``python script SPEC.json``; it must write ``spec["result"]`` as JSON.
 
     The child writes its result file before it tears its engine down; a child still alive
     60 s after that (a hung shutdown) is killed with its process group, and its result
@@ -262,7 +264,7 @@ def run_child(
     t0 = time.monotonic()
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [str(python), str(Path(__file__).resolve()), str(spec_path)],
+            [str(python), str(script or Path(__file__).resolve()), str(spec_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

@@ -3,12 +3,12 @@
     python benchmarks/structured_outputs.py [--model smollm2-135m-instruct | --tiny]
         [--backends xgrammar guidance] [--batch-sizes 1 16] [--max-tokens 48]
 
-A skeleton of issue 33's benchmark (docs/structured_outputs.md): a fixed set of JSON
-schemas, regexes and choice lists (``CASES``; the issue asks for 30 / 10 / 10, this holds
-fewer), greedy. For each backend: every case once, the share of outputs that are valid
-(JSON parsing plus the schema's required keys, checked here without jsonschema;
-regexes with ``re.fullmatch``; choices by membership; an output cut by max_tokens counts
-as invalid). Then, per batch size B, B requests under a regex no output can finish vs
+Issue 33's benchmark (docs/structured_outputs.md): a fixed set of JSON schemas,
+regexes and choice lists (``CASES``: the issue's 30 / 10 / 10), greedy. For each
+backend: every case once, the share of outputs that are valid (JSON parsing plus the
+schema: ``jsonschema`` where installed, else the required keys; regexes with
+``re.fullmatch``; choices by membership; an output cut by max_tokens counts as
+invalid). Then, per batch size B, B requests under a regex no output can finish vs
 B unconstrained requests, all running exactly max_tokens steps, stepped to completion
 once to compile, then ``--rounds`` interleaved pairs; the fastest wall time per engine
 step of each is reported (the box is shared).
@@ -24,9 +24,13 @@ import json
 import os
 import re
 import time
+from typing import TYPE_CHECKING
 
-from pagedjax import LLM
-from pagedjax.sampling import SamplingParams, StructuredOutputsParams
+if TYPE_CHECKING:
+    from pagedjax import LLM
+
+# pagedjax is imported inside the functions that run it: CASES and valid() are imported
+# by benchmarks/structured_vs_vllm.py's children in vLLM's venv, which has no pagedjax.
 
 PERSON = {
     "type": "object",
@@ -34,26 +38,112 @@ PERSON = {
                    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
     "required": ["name", "age"],
 }  # fmt: skip
-CASES: list[tuple[str, dict]] = [
-    ("json", {"json": PERSON}),
-    ("json", {"json": {"type": "object", "properties": {"ok": {"type": "boolean"}},
-                       "required": ["ok"]}}),  # fmt: skip
-    ("json", {"json": {"type": "object", "properties": {"color": {"enum": ["red", "green",
-              "blue"]}}, "required": ["color"]}}),  # fmt: skip
-    ("json", {"json": {"type": "object", "properties": {"tags": {"type": "array", "items":
-              {"enum": ["a", "b"]}, "maxItems": 3}}, "required": ["tags"]}}),  # fmt: skip
-    ("json", {"json": {"$defs": {"p": PERSON}, "type": "object",
-                       "properties": {"owner": {"$ref": "#/$defs/p"}}, "required": ["owner"]}}),
-    ("regex", {"regex": r"\d{3}-\d{4}"}),
-    ("regex", {"regex": r"(yes|no), because [a-z ]{1,20}\."}),
-    ("regex", {"regex": r"[A-Z][a-z]{2,8}"}),
-    ("choice", {"choice": ["positive", "negative", "neutral"]}),
-    ("choice", {"choice": ["Paris", "London", "Rome", "Madrid"]}),
+_ADDRESS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12},
+                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+    "required": ["city", "zip"],
+}  # fmt: skip
+
+
+def _obj(props: dict, required: list[str] | None = None, **extra: object) -> dict:
+    """An object schema: ``required`` defaults to every property."""
+    return {"type": "object", "properties": props,
+            "required": list(props) if required is None else required, **extra}  # fmt: skip
+
+
+_STR8 = {"type": "string", "maxLength": 8}
+# Issue 33's set: 30 JSON schemas (nested objects, arrays, enums, pattern, numeric
+# ranges, $defs / $ref, optional fields), 10 regexes, 10 choice lists. Strings and
+# arrays are bounded so a valid output fits in the benchmarks' max_tokens.
+# fmt: off
+JSON_SCHEMAS: list[dict] = [
+    PERSON,
+    _obj({"ok": {"type": "boolean"}}),
+    _obj({"color": {"enum": ["red", "green", "blue"]}}),
+    _obj({"tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}),
+    {"$defs": {"p": PERSON}, **_obj({"owner": {"$ref": "#/$defs/p"}})},
+    _obj({"id": {"type": "integer", "minimum": 1, "maximum": 999}}),
+    _obj({"price": {"type": "number", "minimum": 0, "maximum": 100}}),
+    _obj({"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}),
+    _obj({"date": {"type": "string", "pattern": "^2026-[01][0-9]-[0-3][0-9]$"}}),
+    _obj({"name": _STR8, "nick": _STR8}, required=["name"]),
+    _obj({"address": _ADDRESS}),
+    _obj({"user": PERSON, "admin": {"type": "boolean"}}),
+    _obj({"scores": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                 "maximum": 10}, "minItems": 1,
+                     "maxItems": 4}}),  # fmt: skip
+    _obj({"point": _obj({"x": {"type": "integer", "minimum": -9, "maximum": 9},
+                         "y": {"type": "integer", "minimum": -9, "maximum": 9}})}),
+    _obj({"size": {"enum": ["S", "M", "L", "XL"]}, "qty": {"type": "integer", "minimum": 1,
+                                                          "maximum": 9}}),  # fmt: skip
+    _obj({"status": {"enum": ["open", "closed"]}, "note": _STR8}, required=["status"]),
+    {"$defs": {"a": _ADDRESS}, **_obj({"home": {"$ref": "#/$defs/a"},
+                                       "work": {"$ref": "#/$defs/a"}}, required=["home"])},
+    _obj({"items": {"type": "array", "items": _obj({"sku": {"type": "string",
+                                                             "pattern": "^[a-z]{2}[0-9]{2}$"},
+                                                     "n": {"type": "integer", "minimum": 1,
+                                                           "maximum": 5}}),
+                    "maxItems": 2}}),  # fmt: skip
+    _obj({"answer": {"enum": ["yes", "no"]}, "confidence": {"type": "number", "minimum": 0,
+                                                            "maximum": 1}}),  # fmt: skip
+    _obj({"title": {"type": "string", "minLength": 1, "maxLength": 16}}),
+    _obj({"temp": {"type": "integer", "minimum": -40, "maximum": 50},
+          "unit": {"enum": ["C", "F"]}}),
+    _obj({"words": {"type": "array", "items": _STR8, "minItems": 2, "maxItems": 3}}),
+    _obj({"flag": {"type": "boolean"}, "count": {"type": "integer", "minimum": 0,
+                                                 "maximum": 3}}, required=["flag"]),  # fmt: skip
+    _obj({"meta": _obj({"version": {"type": "integer", "minimum": 1, "maximum": 9},
+                        "stable": {"type": "boolean"}})}),
+    {"$defs": {"leaf": _obj({"v": {"type": "integer", "minimum": 0, "maximum": 9}})},
+     **_obj({"left": {"$ref": "#/$defs/leaf"}, "right": {"$ref": "#/$defs/leaf"}})},
+    _obj({"hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"}}),
+    _obj({"lang": {"enum": ["en", "fr", "de", "es"]}, "text": _STR8}),
+    _obj({"rating": {"type": "integer", "minimum": 1, "maximum": 5},
+          "comment": {"type": "string", "maxLength": 20}}, required=["rating"]),
+    _obj({"pair": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                              "maximum": 99}, "minItems": 2,
+                   "maxItems": 2}}),  # fmt: skip
+    _obj({"event": _obj({"name": _STR8, "when": {"type": "string",
+                                                 "pattern": "^[0-2][0-9]:[0-5][0-9]$"}}),
+          "attendees": {"type": "integer", "minimum": 0, "maximum": 50}}),
 ]
+# fmt: on
+REGEXES: list[str] = [
+    r"\d{3}-\d{4}",
+    r"(yes|no), because [a-z ]{1,20}\.",
+    r"[A-Z][a-z]{2,8}",
+    r"[a-z]+@[a-z]+\.(com|org)",
+    r"(0|[1-9][0-9]?)\.[0-9]{2}",
+    r"#[0-9a-f]{6}",
+    r"(Mon|Tue|Wed|Thu|Fri), [0-2][0-9]:[0-5][0-9]",
+    r"[A-Z]{2}-[0-9]{3}",
+    r"The answer is (true|false)\.",
+    r"\((-?[0-9]), (-?[0-9])\)",
+]
+CHOICES: list[list[str]] = [
+    ["positive", "negative", "neutral"],
+    ["Paris", "London", "Rome", "Madrid"],
+    ["yes", "no"],
+    ["red", "green", "blue", "yellow"],
+    ["cat", "dog", "bird"],
+    ["low", "medium", "high"],
+    ["north", "south", "east", "west"],
+    ["1", "2", "3", "4", "5"],
+    ["spring", "summer", "autumn", "winter"],
+    ["Python", "Rust", "Go", "C++", "Java"],
+]
+CASES: list[tuple[str, dict]] = (
+    [("json", {"json": s}) for s in JSON_SCHEMAS]
+    + [("regex", {"regex": r}) for r in REGEXES]
+    + [("choice", {"choice": c}) for c in CHOICES]
+)
 PROMPT = "Answer in the requested format. Describe a person, a color or a city: "
 
 
-def _valid(kind: str, spec: dict, text: str) -> bool:
+def valid(kind: str, spec: dict, text: str) -> bool:
+    """Whether ``text`` satisfies the case: the full schema with ``jsonschema`` where it
+    is installed (not a pagedjax dependency), else parsing plus the required keys."""
     if kind == "regex":
         return re.fullmatch(spec["regex"], text) is not None
     if kind == "choice":
@@ -63,21 +153,29 @@ def _valid(kind: str, spec: dict, text: str) -> bool:
     except ValueError:
         return False
     schema = spec["json"]
-    return isinstance(doc, dict) and all(k in doc for k in schema.get("required", []))
+    try:
+        import jsonschema
+    except ImportError:
+        return isinstance(doc, dict) and all(k in doc for k in schema.get("required", []))
+    return jsonschema.Draft202012Validator(schema).is_valid(doc)
 
 
 def validity(llm: LLM, max_tokens: int) -> float:
+    from pagedjax.sampling import SamplingParams, StructuredOutputsParams
+
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens,
                              structured_outputs=StructuredOutputsParams(**spec))
               for _, spec in CASES]  # fmt: skip
     outs = llm.generate([PROMPT] * len(CASES), params, use_tqdm=False)
-    ok = [_valid(k, s, o.outputs[0].text) and o.outputs[0].finish_reason == "stop"
+    ok = [valid(k, s, o.outputs[0].text) and o.outputs[0].finish_reason == "stop"
           for (k, s), o in zip(CASES, outs, strict=True)]  # fmt: skip
     return sum(ok) / len(ok)
 
 
 def step_time(llm: LLM, batch: int, max_tokens: int, constrained: bool) -> float:
     """Seconds per engine step over ``batch`` requests, one run."""
+    from pagedjax.sampling import SamplingParams, StructuredOutputsParams
+
     engine = llm.llm_engine
     # Every row runs exactly max_tokens steps either way (a constrained row finishing
     # early would leave fewer rows per step): a regex longer than any output, EOS ignored.
@@ -113,6 +211,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timed pairs")
     args = ap.parse_args()
+    from pagedjax import LLM
+
     model = "tiny-llama" if args.tiny else args.model
     print(f"load before: {os.getloadavg()}")
     ratio = 0.0
