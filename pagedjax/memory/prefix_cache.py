@@ -122,7 +122,26 @@ def chain_hashes(token_ids: list[int] | np.ndarray, block_size: int) -> list[int
     return out
 
 
-class PrefixIndex:
+class HintCounters:
+    """How well a host hint's proposals held up on device, for stats and ``/metrics``:
+    ``queries`` (admissions that asked), ``query_blocks`` (blocks proposed), ``hit_blocks``
+    (blocks the device verified). Shared by every hint (``PrefixIndex``,
+    ``radix_hint.RadixHint``) so the engine reads one set of names."""
+
+    queries: int = 0
+    query_blocks: int = 0
+    hit_blocks: int = 0
+
+    def count(self, proposed_blocks: int, hit_blocks: int) -> None:
+        self.queries += 1
+        self.query_blocks += proposed_blocks
+        self.hit_blocks += hit_blocks
+
+    def reset_counters(self) -> None:
+        self.queries = self.hit_blocks = self.query_blocks = 0
+
+
+class PrefixIndex(HintCounters):
     """Host-side hint: chained block hash -> the block id it was registered in.
 
     Never trusted on its own: ``match`` verifies every proposed block on device.
@@ -140,9 +159,6 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._block_of: dict[int, int] = {}
         self._hash_of: dict[int, int] = {}  # block -> the hash it is hinted under
-        self.queries = 0
-        self.hit_blocks = 0
-        self.query_blocks = 0
 
     def __len__(self) -> int:
         return len(self._block_of)
@@ -182,15 +198,6 @@ class PrefixIndex:
     def hash_of(self, block: int) -> int | None:
         """The hash ``block`` was last recorded under (None: never, or forgotten)."""
         return self._hash_of.get(block)
-
-    def count(self, proposed_blocks: int, hit_blocks: int) -> None:
-        self.queries += 1
-        self.query_blocks += proposed_blocks
-        self.hit_blocks += hit_blocks
-
-    def reset_counters(self) -> None:
-        self.queries = self.hit_blocks = self.query_blocks = 0
-
 
 def usable_hit(hit_blocks: int, prompt_len: int, block_size: int) -> int:
     """Blocks of a verified hit to reuse: when the whole prompt is cached up to a block

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedjax.memory.block_pool import NULL_BLOCK
-from pagedjax.memory.prefix_cache import PrefixIndex
+from pagedjax.memory.prefix_cache import HintCounters, PrefixIndex
 from pagedjax.memory.radix_index import RadixIndex
 
 
@@ -47,7 +47,7 @@ def prefix_hint(kind: str, block_size: int) -> PrefixIndex | RadixHint:
     raise ValueError(f"prefix_index must be 'hash' or 'radix', got {kind!r}")
 
 
-class RadixHint:
+class RadixHint(HintCounters):
     """Radix-tree prefix hint with ``prefix_cache.PrefixIndex``'s calls (module docstring).
 
     State: one ``RadixIndex`` per salt, and each hinted block's salt (a physical block
@@ -64,9 +64,6 @@ class RadixHint:
         # from the root (O(prefix blocks) per call, paid by every decode block).
         self._hash_of: dict[int, int] = {}
         self._block_of: dict[int, int] = {}
-        self.queries = 0
-        self.hit_blocks = 0
-        self.query_blocks = 0
 
     def __len__(self) -> int:
         return len(self._salt_of)
@@ -141,14 +138,6 @@ class RadixHint:
         path = tree.match(tokens[: (start + 1) * self.block_size])
         if len(path) == start + 1:
             self._prune(path[start])
-
-    def count(self, proposed_blocks: int, hit_blocks: int) -> None:
-        self.queries += 1
-        self.query_blocks += proposed_blocks
-        self.hit_blocks += hit_blocks
-
-    def reset_counters(self) -> None:
-        self.queries = self.hit_blocks = self.query_blocks = 0
 
     def _unhint(self, blocks: list[int]) -> None:
         """Drop the hints of ``blocks`` (refilled past a break in the chain) and below."""
