@@ -1,14 +1,16 @@
 """One GPU check of the paged attention kernels and the engine, writing one dated report.
 
-    python -m pagedjax.gpu_check                          # one CUDA GPU, < 8 minutes
+    python -m pagedjax.gpu_check --group kernels          # one CUDA GPU, < 10 minutes
+    python -m pagedjax.gpu_check --group engine           # the 7B engine, < 10 minutes
+    python -m pagedjax.gpu_check                          # both (about 20 minutes)
     python -m pagedjax.gpu_check --dry-run --out r.md     # CPU, every part tiny
 
 Parts, each in its own process under its own timeout (a hung compile or kernel loses that
 part only; the output printed before a timeout is kept):
 
 1. environment: versions (jax, jaxlib, triton and its ptxas, jax-triton, torch), device.
-2. parity: every attention backend this GPU runs (XLA reference; Mosaic GPU kernels on
-   Hopper; Triton through jax-triton; Triton through torch where torch has CUDA) against
+2. parity (three parts: the XLA reference with the Mosaic GPU kernels on Hopper; Triton
+   through jax-triton; Triton through torch where torch has CUDA): every backend against
    the dense-gather reference on NaN-poisoned cases in bf16 and fp16.
 3. kernel bench: decode and prefill shapes (Llama-3-8B heads); time of both kernel
    families, JAX's own Pallas paged-attention op, the XLA reference and dense attention;
@@ -16,8 +18,8 @@ part only; the output printed before a timeout is kept):
 4. engine roofline: ``pagedjax/tools/host_overhead.py`` (decode-step device time over
    weights + KV bytes at the copy bandwidth, host overhead share) on a Llama-2-7B-shaped
    bf16 model.
-5. end to end: ``pagedjax/tools/offline_throughput.py``, generated tokens per second of
-   ``LLM.generate`` on the same model, per attention backend.
+5. end to end (one part per attention backend): ``pagedjax/tools/offline_throughput.py``,
+   generated tokens per second of ``LLM.generate`` on the same model.
 
 The report (``docs/gpu_check_<date>.md`` unless ``--out``) sets nothing "verified": a
 person reads it, then commits ``parity.H200_PARITY_VERIFIED`` / ``parity.TRITON_PARITY_REPORTS``.
@@ -70,7 +72,20 @@ def _is_hopper() -> bool:
     return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
 
 
+# The parts of each group; the two groups fit the device tool's 10-minute command each
+# (``--group``). A part is one process, so a hang or a slow compile loses that part only.
+GROUPS = {
+    "kernels": ["environment", "parity-mosaic", "parity-triton-jax", "parity-triton-torch",
+                "bench"],
+    "engine": ["environment", "roofline", "e2e-triton", "e2e-reference", "e2e-pallas"],
+}  # fmt: skip
+
+
 def plan_parts(dry_run: bool, on_gpu: bool, hopper: bool) -> list[Part]:
+    """Every part this host runs, in order. Timeouts on a GPU: the parity parts took 71,
+    50 and 51 s, the bench 81 s, an e2e backend 54 s on the first H200 run (2026-12-04,
+    docs/gpu_check_2026-12-04.md); each gets 1.7-2.4x that, the roofline (which did not
+    finish in 100 s there) 200 s, so each group stays under 600 s."""
     py = sys.executable
     me = [py, "-m", "pagedjax.gpu_check"]
     dry = ["--dry-run"] if dry_run else []
@@ -79,36 +94,43 @@ def plan_parts(dry_run: bool, on_gpu: bool, hopper: bool) -> list[Part]:
         roofline = [py, "-m", "pagedjax.tools.host_overhead", "--model", "tiny-llama", "--num-seqs",
                     "2", "--prompt-len", "8", "--output-len", "4", "--ks", "1",
                     "--device-k", "2", "--repeats", "1", "--copy-mib", "8"]  # fmt: skip
-        e2e = [py, "-m", "pagedjax.tools.offline_throughput", "--tiny", "--backends", "auto"]
+        e2e_model = ["--tiny"]
+        backends = ["auto"]
     else:
         roofline = [py, "-m", "pagedjax.tools.host_overhead", "--model", "llama-2-7b", "--dtype",
                     "bfloat16", "--num-seqs", "256", "--prompt-len", "128", "--output-len",
                     "64", "--ks", "1", "8", "--device-k", "32", "--repeats", "1",
                     "--attention-backend", "triton" if triton_jax else "auto"]  # fmt: skip
-        # Triton first: the part's timeout keeps the lines printed before it.
-        backends = (["triton"] if triton_jax else []) + ["reference"] + (
-            ["pallas"] if hopper else []
+        e2e_model = ["--model", "llama-2-7b", "--dtype", "bfloat16", "--num-requests", "256",
+                     "--prompt-len", "128", "--output-len", "128"]  # fmt: skip
+        backends = (
+            (["triton"] if triton_jax else []) + ["reference"] + (["pallas"] if hopper else [])
         )
-        e2e = [py, "-m", "pagedjax.tools.offline_throughput", "--model", "llama-2-7b", "--dtype",
-               "bfloat16", "--num-requests", "256", "--prompt-len", "128", "--output-len",
-               "128", "--backends", *backends]  # fmt: skip
-    # GPU timeouts add up to 470 s: the whole check stays under 8 minutes. The dry run
-    # (interpreters on a shared CPU) gets room instead.
-    t = dict(environment=300, parity=300, bench=300, roofline=300, e2e=300) if dry_run else (
-        dict(environment=40, parity=90, bench=120, roofline=100, e2e=120)
-    )
-    return [
-        Part("environment", "Environment", [*me, "--part", "environment", *dry],
-             t["environment"]),
-        Part("parity", "Parity against the reference", [*me, "--part", "parity", *dry],
-             t["parity"], interpret=dry_run),
+    t = (dict(environment=300, parity=300, bench=300, roofline=300, e2e=300) if dry_run
+         else dict(environment=40, parity=120, bench=160, roofline=200, e2e=110))  # fmt: skip
+    parity_kinds = {"mosaic": "reference mosaic", "triton-jax": "triton-jax",
+                    "triton-torch": "triton-torch"}  # fmt: skip
+    if not (dry_run or triton_jax):
+        del parity_kinds["triton-jax"]
+    parts = [Part("environment", "Environment", [*me, "--part", "environment", *dry],
+                  t["environment"])]  # fmt: skip
+    for kind, names in parity_kinds.items():
+        title = f"Parity against the reference: {names}"
+        parts.append(Part(f"parity-{kind}", title,
+                          [*me, "--part", "parity", "--backends", *names.split(), *dry],
+                          t["parity"], interpret=dry_run))  # fmt: skip
+    parts += [
         Part("bench", "Kernel bench", [*me, "--part", "bench", *dry], t["bench"],
              interpret=dry_run),
         Part("roofline", "Engine decode step: roofline (pagedjax.tools.host_overhead)",
              roofline, t["roofline"], fenced=True),
-        Part("e2e", "End to end: offline throughput (pagedjax.tools.offline_throughput)",
-             e2e, t["e2e"], fenced=True),
     ]  # fmt: skip
+    for b in backends:
+        parts.append(Part(f"e2e-{b}", f"End to end, {b}: offline throughput"
+                          " (pagedjax.tools.offline_throughput)",
+                          [py, "-m", "pagedjax.tools.offline_throughput", *e2e_model,
+                           "--backends", b], t["e2e"], fenced=True))  # fmt: skip
+    return parts
 
 
 def _child_env(interpret: bool) -> dict[str, str]:
@@ -387,6 +409,11 @@ def _install_fake_jax_triton() -> None:
     sys.modules["jax_triton"] = FakeJaxTriton()  # type: ignore[assignment]
 
 
+def _progress(msg: str) -> None:
+    """A timestamped line on stderr: where a part that times out spent its time."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def _parity_results(spec: Any, backends: dict[str, Any], torch_device: str | None) -> list:
     """[(backend name, metrics dict or an exception)] of one case, every backend on it."""
     import jax.numpy as jnp
@@ -403,6 +430,7 @@ def _parity_results(spec: Any, backends: dict[str, Any], torch_device: str | Non
     for name, fn in backends.items():
         if spec.kv_format is not None and not name.startswith("Triton"):
             continue  # 8-bit pools: the Triton paths (the others have their own 8-bit tests)
+        _progress(f"parity: {name} ...")
         try:
             out = fn(spec, arrays)
             if out is not None:  # None: the case is outside this backend's contract
@@ -411,6 +439,7 @@ def _parity_results(spec: Any, backends: dict[str, Any], torch_device: str | Non
             results.append((name, e))
     if torch_device is not None:
         name = f"Triton via torch ({torch_device})"
+        _progress(f"parity: {name} ...")
         try:
             results.append((name, check_cases.run_case(spec, device=torch_device)))
         except Exception as e:
@@ -418,21 +447,34 @@ def _parity_results(spec: Any, backends: dict[str, Any], torch_device: str | Non
     return results
 
 
-def part_parity(dry_run: bool) -> int:
+PARITY_BACKENDS = ("reference", "mosaic", "triton-jax", "triton-torch")
+
+
+def _keep_backend(name: str, only: list[str] | None) -> bool:
+    """Whether the parity backend ``name`` (a _jax_backends key, or "Triton via torch") is
+    among ``only`` (PARITY_BACKENDS keys; None: all)."""
+    key = ("reference" if name.startswith("XLA") else "mosaic" if name.startswith("Mosaic")
+           else "triton-torch" if "torch" in name else "triton-jax")  # fmt: skip
+    return only is None or key in only
+
+
+def part_parity(dry_run: bool, only: list[str] | None = None) -> int:
     if dry_run:
         _install_fake_jax_triton()
-    backends = _jax_backends(dry_run)
+    backends = {k: v for k, v in _jax_backends(dry_run).items() if _keep_backend(k, only)}
     torch_device = None
-    try:
-        import torch
+    if _keep_backend("Triton via torch", only):
+        try:
+            import torch
 
-        torch_device = "cuda" if torch.cuda.is_available() else ("cpu" if dry_run else None)
-    except ImportError:
-        pass
+            torch_device = "cuda" if torch.cuda.is_available() else ("cpu" if dry_run else None)
+        except ImportError:
+            pass
     print("| backend | case | dtype | rel. error | max abs error | NaN-free | padding 0 | result |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|", flush=True)  # the header survives a timeout
     failures = rows = 0
-    for spec in _parity_specs(dry_run):
+    for i, spec in enumerate(_parity_specs(dry_run)):
+        _progress(f"parity: case {i}: make inputs")
         label = (f"q {list(spec.q_lens)} kv {list(spec.kv_lens)} bs {spec.block_size}"
                  f" heads {spec.num_q_heads}/{spec.num_kv_heads} d {spec.head_dim}"
                  + (f" window {spec.sliding_window}" if spec.sliding_window else "")
@@ -454,10 +496,14 @@ def part_parity(dry_run: bool) -> int:
             print(f"| {name} | {label} | {spec.dtype} | {err} | {m['max_abs_err']:.2e} |"
                   f" {m['finite']} | {m['padding_max_abs'] == 0.0} |"
                   f" {'pass' if ok else 'FAIL'} |", flush=True)  # fmt: skip
-    print(f"\nTolerances (relative Frobenius error): {_TOL}. Reference: dense-gather jnp in"
-          " fp32 on the same rounded inputs. Poison: NaN in every slot without a token, the"
-          " null block, pages behind garbage table tails and every other layer of the pool.")
+    print(
+        f"\nTolerances (relative Frobenius error): {_TOL}. Reference: dense-gather jnp in"
+        " fp32 on the same rounded inputs. Poison: NaN in every slot without a token, the"
+        " null block, pages behind garbage table tails and every other layer of the pool."
+    )
     summary = f"{rows - failures}/{rows} rows pass" + ("" if failures else " (all)")
+    if rows == 0:
+        summary = "no backend of this part runs here"
     _emit({"summary": summary, "failures": failures, "rows": rows})
     return 1 if failures else 0
 
@@ -631,10 +677,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, interpreters")
     ap.add_argument("--out", type=Path, default=None, help="report path")
     ap.add_argument("--only", nargs="+", default=None, help="run only these parts")
+    ap.add_argument(
+        "--group",
+        choices=sorted(GROUPS),
+        default=None,
+        help="run one group of parts (each fits a 10-minute command on a GPU)",
+    )
     ap.add_argument("--part", default=None, help=argparse.SUPPRESS)  # child process
+    ap.add_argument("--backends", nargs="+", choices=PARITY_BACKENDS, default=None,
+                    help="with --part parity: only these backends (default: all)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.part == "parity":
+        return part_parity(args.dry_run, args.backends)
     if args.part is not None:
-        fn = {"environment": part_environment, "parity": part_parity, "bench": part_bench}
+        fn = {"environment": part_environment, "bench": part_bench}
         return fn[args.part](args.dry_run)
 
     import jax
@@ -650,9 +706,18 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             ap.error(f"unknown parts {sorted(unknown)}; parts: {[p.name for p in parts]}")
         parts = [p for p in parts if p.name in args.only]
+    if args.group:
+        parts = [
+            p
+            for p in parts
+            if p.name in GROUPS[args.group]
+            or (args.group == "engine" and p.name.startswith("e2e-"))
+        ]
     date = datetime.date.today().isoformat()
     out = args.out or (REPO / "docs" if IN_REPO else Path.cwd()) / (
-        f"gpu_check_{date}.md" if not args.dry_run else f"gpu_check_dry_run_{date}.md"
+        f"gpu_check{'_dry_run' if args.dry_run else ''}_{date}"
+        + (f"_{args.group}" if args.group else "")
+        + ".md"
     )
     results = []
     for part in parts:

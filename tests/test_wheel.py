@@ -159,11 +159,11 @@ def test_installed_wheel_runs_the_gpu_check_dry_run(wheel_venv, tmp_path):
     _, venv = wheel_venv
     out = tmp_path / "report.md"
     res = _run(venv, [str(venv / "bin" / "python"), "-m", "pagedjax.gpu_check", "--dry-run",
-                      "--only", "environment", "roofline", "e2e", "--out", str(out)],
+                      "--group", "engine", "--out", str(out)],
                tmp_path, JAX_PLATFORMS="cpu")  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     text = out.read_text()
-    for part in ("environment", "roofline", "e2e"):
+    for part in ("environment", "roofline", "e2e-auto"):
         assert f"| {part} | ok |" in text, text[:3000]
     assert "device time / roofline" in text and "offline_throughput_tok_s[auto]" in text
     assert "an installed package" in text

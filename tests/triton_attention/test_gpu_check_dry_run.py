@@ -18,25 +18,31 @@ pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 
-def _dry_run(tmp_path, env, *only: str) -> str:
+def _dry_run(tmp_path, env, group: str | None = None) -> str:
+    from pagedjax.gpu_check import GROUPS
+
     out = tmp_path / "report.md"
     argv = [sys.executable, "-m", "pagedjax.gpu_check", "--dry-run", "--out", str(out)]
-    if only:
-        argv += ["--only", *only]
+    only = GROUPS[group] if group else None
+    if group:
+        argv += ["--group", group]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = out.read_text()
     assert "DRY RUN" in text and "sets nothing verified" in text
-    for part in only or ("environment", "parity", "bench", "roofline", "e2e"):
+    parity = ("parity-mosaic", "parity-triton-jax", "parity-triton-torch")
+    for part in only or ("environment", *parity, "bench", "roofline", "e2e-auto"):
         assert re.search(rf"^\| {part} \| ok \|", text, re.M), part
     return text
 
 
 def _check_kernel_parts(text: str) -> None:
-    # parity: the XLA reference, Mosaic GPU (interpreted), Triton through the jax-triton
-    # stand-in and Triton through torch, on 2 cases, and the two Triton paths on an fp8
-    # pool: 10 rows, all passing
-    assert "| parity | ok |" in text and "10/10 rows pass" in text
+    # parity: the XLA reference and Mosaic GPU (interpreted) on 2 cases; Triton through the
+    # jax-triton stand-in and Triton through torch, each on those 2 and an fp8 pool: 10
+    # rows in three parts, all passing
+    assert re.search(r"^\| parity-mosaic \| ok \| \d+ \| 4/4 rows pass", text, re.M)
+    for kind in ("triton-jax", "triton-torch"):
+        assert re.search(rf"^\| parity-{kind} \| ok \| \d+ \| 3/3 rows pass", text, re.M)
     rows = [line for line in text.splitlines() if line.startswith("| Triton via")]
     assert len(rows) == 6 and all(line.endswith("| pass |") for line in rows)
     assert sum("pool fp8_e4m3" in line for line in rows) == 2
@@ -49,7 +55,7 @@ def _check_kernel_parts(text: str) -> None:
 
 @pytest.mark.tier2  # second tier (docs/testing.md): subprocesses / extra compiles
 def test_dry_run_kernel_parts(tmp_path, subprocess_env):
-    text = _dry_run(tmp_path, subprocess_env(interpret=False), "environment", "parity", "bench")
+    text = _dry_run(tmp_path, subprocess_env(interpret=False), "kernels")
     _check_kernel_parts(text)
     assert "| roofline |" not in text
 
