@@ -323,6 +323,26 @@ def _default_num_splits(work_items: int, max_chunks: int, target_programs: int =
     return max(1, min(max_chunks, target_programs // max(work_items, 1)))
 
 
+def unsupported(
+    q_dtype: Any, page_dtype: Any, eight_bit: bool, head_dim: int, block_size: int, group: int
+) -> str | None:
+    """Why the kernel refuses inputs of this kind, or None when it takes them: q in bf16 or
+    fp16 with pages of the same dtype (or 8-bit pages), head_dim a multiple of 64 (wgmma
+    tiles), block_size a multiple of 8 in [8, 128], at most ``ROWS`` query heads per KV
+    head. Static facts only (dtypes and shapes), so a caller can choose at trace time."""
+    if jnp.dtype(q_dtype) not in _SUPPORTED_DTYPES or (
+        not eight_bit and jnp.dtype(page_dtype) != jnp.dtype(q_dtype)
+    ):
+        return f"q and pages must share a dtype in bf16/fp16, got {q_dtype}, {page_dtype}"
+    if head_dim % 64:
+        return f"head_dim must be a multiple of 64 (wgmma tiles), got {head_dim}"
+    if block_size % 8 or not 8 <= block_size <= 128:
+        return f"block_size must be a multiple of 8 in [8, 128], got {block_size}"
+    if group > ROWS:
+        return f"at most {ROWS} query heads per KV head, got {group}"
+    return None
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -388,21 +408,12 @@ def ragged_paged_attention(
     if kv_format is not None:
         _check_kv_format(kv_format, k_pages, k_scale, v_scale, layer)
     k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
-    if jnp.dtype(q.dtype) not in _SUPPORTED_DTYPES or (
-        kv_format is None and k_pages.dtype != q.dtype
-    ):
-        raise ValueError(
-            f"q and pages must share a dtype in bf16/fp16, got {q.dtype}, {k_pages.dtype}"
-        )
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, num_kv_heads, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
-    if head_dim % 64:
-        raise ValueError(f"head_dim must be a multiple of 64 (wgmma tiles), got {head_dim}")
-    if block_size % 8 or not 8 <= block_size <= 128:
-        raise ValueError(f"block_size must be a multiple of 8 in [8, 128], got {block_size}")
-    if group > ROWS:
-        raise ValueError(f"at most {ROWS} query heads per KV head, got {group}")
+    why = unsupported(q.dtype, k_pages.dtype, kv_format is not None, head_dim, block_size, group)
+    if why is not None:
+        raise ValueError(why)
     block_q = block_q or ROWS // group
     if block_q * group > ROWS:
         raise ValueError(f"block_q * group must be <= {ROWS}, got {block_q} * {group}")

@@ -102,9 +102,10 @@ def select_attention_backend(
     if name == "pallas":
         from pallas_kernels import paged_attention
 
-        return AttentionBackend(
-            "pallas", with_8bit_pages(paged_attention.ragged_paged_attention), reason
-        )
+        kernel = with_8bit_pages(paged_attention.ragged_paged_attention)
+        if reason.startswith("auto"):  # chosen for the user: never an input it refuses
+            kernel = _kernel_else_reference(kernel, paged_attention.unsupported)
+        return AttentionBackend("pallas", kernel, reason)
     from pagedjax.attention import reference as xla_reference
 
     ragged = reference if reference is not None else xla_reference.ragged_paged_attention
@@ -141,6 +142,31 @@ def _triton_backend(device: Any) -> AttentionBackend:
 # kv_quant format name -> the kernels' kv_format (pallas_kernels.paged_attention.KV_FORMATS,
 # pallas_kernels.triton.configs.KV_FORMATS: the same names)
 PALLAS_KV_FORMATS = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "int8_per_token_head": "int8"}
+
+
+def _kernel_else_reference(
+    kernel: Callable[..., jax.Array], unsupported: Callable[..., str | None]
+) -> Callable[..., jax.Array]:
+    """``kernel`` where it takes the inputs, the XLA reference where ``unsupported`` (the
+    kernel's own contract: q dtype, page dtype, 8-bit pages, head_dim, block_size, query
+    heads per KV head) says it does not. Decided at trace time from shapes and dtypes, so
+    each compiled program runs one of the two: "auto" on an H200 serves an fp32 model, or
+    one with head_dim 96, instead of failing in the kernel's checks."""
+    from pagedjax.attention import reference as xla_reference
+
+    @functools.wraps(kernel)
+    def attend(q: jax.Array, k_pages: Any, v_pages: Any, *args: Any, **kwargs: Any) -> jax.Array:
+        eight_bit = isinstance(k_pages, QuantizedPages)
+        pages = k_pages.values if eight_bit else k_pages
+        _, num_q_heads, head_dim = q.shape
+        num_kv_heads, block_size = pages.shape[-3], pages.shape[-2]
+        why = unsupported(
+            q.dtype, pages.dtype, eight_bit, head_dim, block_size, num_q_heads // num_kv_heads
+        )
+        fn = xla_reference.ragged_paged_attention if why is not None else kernel
+        return fn(q, k_pages, v_pages, *args, **kwargs)
+
+    return attend
 
 
 def with_8bit_pages(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
