@@ -196,6 +196,8 @@ def case_forward(pp: int, family: str = "llama") -> dict:
     # The GPU kernels are refused under PP (never run inside the ring), by name.
     place = DevicePlacement(arch, 1, pp=pp)
     place.check_attention_backend("native_cpu")
+    # "auto" stays on a CPU (native_cpu / reference); explicit names pass through
+    assert place.backend_request("auto") == "auto" and place.backend_request("pallas") == "pallas"
     try:
         place.check_attention_backend("pallas")
     except ValueError as e:

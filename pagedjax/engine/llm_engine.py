@@ -142,7 +142,7 @@ class LLMEngine:
         self.block_size = cc.block_size
         self.max_seqs = sc.max_num_seqs  # slots (vLLM's max_num_seqs); the queue waits on the host
         max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        backend = select_attention_backend(config.attention_backend)
+        backend = select_attention_backend(place.backend_request(config.attention_backend))
         log.info("attention backend: %s (%s)", backend.name, backend.reason)
         self.attention_backend = backend.name  # "native_cpu", "reference", "pallas" or "triton"
         place.check_attention_backend(backend.name)  # PP: the GPU kernels are not tested

@@ -104,6 +104,14 @@ class DevicePlacement:
             return place_params(params, self.pipeline)
         return shard_params(params, self.layout)
 
+    def backend_request(self, name: str) -> str:
+        """The attention backend to ask for: under pipeline parallelism "auto" may pick
+        only a tested backend, so on a GPU (where it would pick the Mosaic kernels) it
+        becomes "reference"; on a CPU "auto" stays (native_cpu or reference)."""
+        if self.pipeline is not None and name == "auto" and jax.devices()[0].platform != "cpu":
+            return "reference"
+        return name
+
     def check_attention_backend(self, name: str) -> None:
         """ValueError for a backend not run under pipeline parallelism yet: the GPU kernels
         (Pallas, Triton) inside the stage ring are untested (no multi-GPU run), so they are
