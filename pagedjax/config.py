@@ -100,6 +100,10 @@ class CacheConfig:
     # pool, in the swap pool's allocator; 0 = off. Backend "native" only (None = native).
     kv_offloading_size: float = 0.0
     kv_offloading_backend: str | None = None
+    # The disk tier under the host tier (pagedjax's own; docs/kv_tiers.md): a directory of
+    # block files that outlives the process, at most kv_offloading_disk_size GiB of them.
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_size: float = 8.0
     # The prefix cache's host hint (docs/kv_tiers.md): "hash" (chained block hash -> block,
     # memory/prefix_cache.py) or "radix" (SGLang's radix tree, memory/radix_hint.py); the
     # device verifies either's proposals, so greedy outputs do not depend on it.
@@ -142,6 +146,22 @@ class CacheConfig:
             self.kv_offloading_size == 0 or self.enable_prefix_caching,
             "cache.kv_offloading_size",
             "needs enable_prefix_caching (the host tier keeps evicted prefix-cache blocks)",
+        )
+        _check(
+            self.kv_offloading_disk_path is None or self.kv_offloading_size > 0,
+            "cache.kv_offloading_disk_path",
+            "needs kv_offloading_size > 0 (the disk tier sits under the host tier)",
+        )
+        _check(
+            self.kv_offloading_disk_size > 0,
+            "cache.kv_offloading_disk_size",
+            f"must be > 0 GiB, got {self.kv_offloading_disk_size}",
+        )
+        _check(
+            self.kv_offloading_disk_path is None or self.kv_scales != "calibrate",
+            "cache.kv_offloading_disk_path",
+            "with kv_scales='calibrate' is not built: calibrated fp8 scales differ between"
+            " runs, so stored blocks would be read with other scales",
         )
         _check(
             self.prefix_index in ("hash", "radix"),

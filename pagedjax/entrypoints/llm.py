@@ -55,8 +55,9 @@ class LLM:
     several samples, recompute single sequences; docs/engine.md). kv_offloading_size (GiB,
     vLLM's name; 0 = off) adds a host tier to that pool: prefix-cache blocks evicted from
     the device are kept there and loaded back on a hit; kv_offloading_backend: "native"
-    only (docs/kv_tiers.md). Unknown keyword arguments raise
-    TypeError. On CPU the KV pool size comes from num_gpu_blocks_override or
+    only; kv_offloading_disk_path / kv_offloading_disk_size (pagedjax's own; GiB) add a
+    disk tier under it that a restarted engine reads (docs/kv_tiers.md). Unknown keyword
+    arguments raise TypeError. On CPU the KV pool size comes from num_gpu_blocks_override or
     kv_cache_memory_bytes (else 4 GiB, at most a quarter of free memory); see docs/engine.md.
     enable_prefix_caching: automatic prefix caching, on by default as in vLLM today.
     prefix_index (pagedjax's own): the host hint that proposes cached blocks, "hash" (the
@@ -114,6 +115,8 @@ class LLM:
         swap_space: float = 4.0,
         kv_offloading_size: float = 0.0,
         kv_offloading_backend: str | None = None,
+        kv_offloading_disk_path: str | None = None,
+        kv_offloading_disk_size: float = 8.0,
         enable_prefix_caching: bool = True,
         prefix_index: str = "hash",
         kv_cache_dtype: str = "auto",
@@ -387,6 +390,8 @@ def engine_config(
     swap_space: float = 4.0,
     kv_offloading_size: float = 0.0,
     kv_offloading_backend: str | None = None,
+    kv_offloading_disk_path: str | None = None,
+    kv_offloading_disk_size: float = 8.0,
     enable_prefix_caching: bool = True,
     prefix_index: str = "hash",
     kv_cache_dtype: str = "auto",
@@ -453,6 +458,8 @@ def engine_config(
             swap_space=swap_space,
             kv_offloading_size=kv_offloading_size,
             kv_offloading_backend=kv_offloading_backend,
+            kv_offloading_disk_path=kv_offloading_disk_path,
+            kv_offloading_disk_size=kv_offloading_disk_size,
             enable_prefix_caching=enable_prefix_caching,
             prefix_index=prefix_index,  # type: ignore[arg-type]
             cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]

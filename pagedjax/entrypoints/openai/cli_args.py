@@ -31,7 +31,9 @@ from pagedjax.entrypoints.openai.vllm_flags import VLLM_SERVER_FLAGS, VLLM_VERSI
 # Flags vLLM 0.32 does not have (vllm_flags.py); the help text says so (docs/serving.md
 # lists them; tests/test_vllm_recipes.py checks this list against vLLM's).
 PAGEDJAX_ONLY = (
-    "--swap-space",  # vLLM removed it in V1; here the paper's host swap pool (GiB)
+    "--swap-space",
+    "--kv-offloading-disk-path",  # the disk tier under the host tier (kv_tiers.md)
+    "--kv-offloading-disk-size",  # vLLM removed it in V1; here the paper's host swap pool (GiB)
     "--num-scheduler-steps",  # vLLM V0's multi-step; here the on-device K-step decode loop
     "--preemption-mode",  # vLLM V0's; here recompute or swap (the paper's)
     "--max-waiting-requests",  # older name of vLLM's --max-num-queued-reqs (limits.py)
@@ -127,6 +129,18 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         choices=("hash", "radix"),
         default=None,
         help=_own("the prefix cache's host hint: chained block hashes or a radix tree"),
+    )
+    p.add_argument(
+        "--kv-offloading-disk-path",
+        default=None,
+        help=_own("a directory for the disk tier under the host tier: prefix-cache blocks"
+                  " in files that a restarted server reads (docs/kv_tiers.md)"),
+    )
+    p.add_argument(
+        "--kv-offloading-disk-size",
+        type=float,
+        default=None,
+        help=_own("GiB of block files the disk tier keeps (default 8)"),
     )
     p.add_argument(
         "--kv-offloading-backend",
@@ -427,6 +441,7 @@ LLM_ARGS = (
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
     "num_gpu_blocks_override", "kv_cache_memory_bytes", "swap_space", "enable_prefix_caching",
     "kv_offloading_size", "kv_offloading_backend", "prefix_index",
+    "kv_offloading_disk_path", "kv_offloading_disk_size",
     "preemption_mode", "tensor_parallel_size", "data_parallel_size", "data_parallel_routing",
     "pipeline_parallel_size", "scheduling_mode", "watermark",
     "attention_backend", "max_logprobs", "num_scheduler_steps", "warmup", "compilation_cache",

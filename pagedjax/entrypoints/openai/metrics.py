@@ -118,6 +118,12 @@ class ServerMetrics:
         self.reloaded_bytes = counter(
             "kv_reload_bytes", "KV bytes copied host tier -> device."
         ).labels(model_name)
+        self.disk_written = counter(
+            "kv_disk_written_blocks", "KV blocks written to the disk tier's files."
+        ).labels(model_name)
+        self.disk_loaded = counter(
+            "kv_disk_loaded_blocks", "KV blocks read from the disk tier into the host tier."
+        ).labels(model_name)
         # Requests refused before the engine (pagedjax's own: vLLM has no such counter):
         # queue_full (--max-num-queued-reqs), shutting_down, too_large, engine_restarting.
         self.request_rejected = counter(
@@ -134,6 +140,7 @@ class ServerMetrics:
         self._seen = dict(
             preemptions=0, queries=0, hits=0, spec_drafts=0, spec_draft_tokens=0, spec_accepted=0,
             host_hits=0, offloaded=0, reloaded=0, offloaded_bytes=0, reloaded_bytes=0,
+            disk_written=0, disk_loaded=0,
         )
 
     # ------------------------------------------------------------- StatsSink
@@ -201,6 +208,8 @@ class ServerMetrics:
             ("reloaded", self.reloaded),
             ("offloaded_bytes", self.offloaded_bytes),
             ("reloaded_bytes", self.reloaded_bytes),
+            ("disk_written", self.disk_written),
+            ("disk_loaded", self.disk_loaded),
         ):
             delta = snap[key] - self._seen[key]
             if delta < 0:  # the engine's stats were reset: count from there
@@ -229,4 +238,6 @@ def _flatten(snap: dict[str, Any]) -> dict[str, Any]:
         reloaded=int(stats.get("kv_reloaded_blocks", 0)),
         offloaded_bytes=int(stats.get("kv_offloaded_bytes", 0)),
         reloaded_bytes=int(stats.get("kv_reloaded_bytes", 0)),
+        disk_written=int(stats.get("kv_disk_written_blocks", 0)),
+        disk_loaded=int(stats.get("kv_disk_loaded_blocks", 0)),
     )
