@@ -286,11 +286,13 @@ def test_engine_core_process_serves_chat_images(llava):
     assert len(choice["logprobs"]["content"]) == len(want)
 
 
-def test_server_chat_with_data_url_image_equals_generate(llava, llm):
+def test_server_chat_with_data_url_image_equals_generate(llava, llm, tmp_path):
     """The OpenAI chat endpoint (in process, over this module's engine: it runs last)
-    takes an image_url part with a data: URL and answers the text LLM.generate gives for
-    the rendered prompt (one placeholder per image before the text, vLLM's placement);
-    http(s) URLs, bad base64 and undecodable bytes are 400s and change nothing."""
+    takes an image_url part with a data: URL, an http URL (a local server) or a file URL
+    under --allowed-local-media-path, and answers the text LLM.generate gives for the
+    rendered prompt (one placeholder per image before the text, vLLM's placement); a host
+    off --allowed-media-domains, a file outside the allowed directory, bad base64 and
+    undecodable bytes are 400s and change nothing."""
     import asyncio
     import base64
 
@@ -298,19 +300,25 @@ def test_server_chat_with_data_url_image_equals_generate(llava, llm):
 
     from pagedjax.entrypoints.async_engine import AsyncLLMEngine
     from pagedjax.entrypoints.openai.api_server import build_app
+    from pagedjax.entrypoints.openai.media import MediaFetchPolicy
+    from tests.media_server import serve_media
     from tests.model_helpers import TINY_CHAT_TEMPLATE
 
     a = _image(8)
     buf = io.BytesIO()
     a.save(buf, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    (tmp_path / "a.png").write_bytes(buf.getvalue())
     rendered = "<|user|><image>\nWhat is this?\n<|assistant|>"
     # Chat prompts are tokenized without <s> (the template writes special tokens).
     ids = llm.get_tokenizer().encode(rendered, add_special_tokens=False)
     want = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": a}}, GREEDY,
                         use_tqdm=False)[0].outputs[0]  # fmt: skip
     engine = AsyncLLMEngine.from_llm(llm)
-    app = build_app(engine, ["m"], model_path=str(llava[0]), chat_template=TINY_CHAT_TEMPLATE)
+    media = MediaFetchPolicy(allowed_local_media_path=str(tmp_path),
+                             allowed_media_domains=("127.0.0.1",))  # fmt: skip
+    app = build_app(engine, ["m"], model_path=str(llava[0]), chat_template=TINY_CHAT_TEMPLATE,
+                    media=media)  # fmt: skip
 
     def chat(image_url: str) -> dict:
         parts = [{"type": "image_url", "image_url": {"url": image_url}},
@@ -321,16 +329,19 @@ def test_server_chat_with_data_url_image_equals_generate(llava, llm):
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://t", timeout=120) as c:  # fmt: skip
-            r = await c.post("/v1/chat/completions", json=chat(url))
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["message"]["content"] == want.text
-            for bad_url, msg in [("https://example.com/cat.png", "not fetched"),
+            for good in (url, f"{base}/a.png", f"file://{tmp_path}/a.png"):
+                r = await c.post("/v1/chat/completions", json=chat(good))
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"]["content"] == want.text
+            for bad_url, msg in [("https://example.com/cat.png", "--allowed-media-domains"),
+                                 (f"file://{tmp_path}/../x.png", "outside"),
                                  ("data:image/png;base64,@@@", "not valid base64"),
                                  ("data:image/png;base64,aGVsbG8=", "cannot decode")]:
                 r = await c.post("/v1/chat/completions", json=chat(bad_url))
                 assert r.status_code == 400 and msg in r.json()["error"]["message"], r.text
 
     try:
-        asyncio.run(main())
+        with serve_media(buf.getvalue()) as base:
+            asyncio.run(main())
     finally:
         engine.shutdown()

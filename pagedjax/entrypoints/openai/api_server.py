@@ -30,6 +30,7 @@ from pagedjax.engine.protocol import EngineClient
 from pagedjax.entrypoints.async_engine import AsyncLLMEngine
 from pagedjax.entrypoints.openai import cli_args
 from pagedjax.entrypoints.openai.limits import LimitError, ServerLimits, check_body, read_json
+from pagedjax.entrypoints.openai.media import MediaFetchPolicy
 from pagedjax.entrypoints.openai.metrics import ServerMetrics
 from pagedjax.entrypoints.openai.protocol import JsonFields, OpenAIError, bad, parse_messages
 from pagedjax.entrypoints.openai.serving import OpenAIServing, load_chat_template
@@ -74,6 +75,7 @@ def build_app(
     shutdown_timeout_s: float = 20.0,
     lora_modules: dict[str, Any] | None = None,
     allow_runtime_lora_updating: bool | None = None,
+    media: MediaFetchPolicy | None = None,
     **output_parsers: Any,
 ) -> FastAPI:
     """The FastAPI app over ``engine``. Give ``metrics`` the ServerMetrics that is the
@@ -83,7 +85,9 @@ def build_app(
     of the adapters served by name (an engine with LoRA on; listed in /v1/models);
     ``allow_runtime_lora_updating``: /v1/load_lora_adapter and /v1/unload_lora_adapter
     on (None: the PAGEDJAX_ALLOW_RUNTIME_LORA_UPDATING variable, lora_adapters.py).
-    ``output_parsers``: OpenAIServing's enable_auto_tools, tool_parser, reasoning_parser."""
+    ``media``: what chat image URLs may be fetched (media.py; None: the defaults, no
+    local files). ``output_parsers``: OpenAIServing's enable_auto_tools, tool_parser,
+    reasoning_parser."""
     app = FastAPI(title="pagedjax OpenAI-compatible server", version=version())
     metrics = metrics or ServerMetrics(served_model_names[0])
     limits = limits or ServerLimits()
@@ -95,7 +99,7 @@ def build_app(
         images = image_prompt_info(model_path, engine.tokenizer)
     serving = OpenAIServing(
         engine, served_model_names, chat_template=chat_template, response_role=response_role,
-        limits=limits, lora_modules=lora_modules, image_prompt=images,
+        limits=limits, lora_modules=lora_modules, image_prompt=images, media=media,
         allow_runtime_lora_updating=allow_runtime_lora_updating, **output_parsers,
     )  # fmt: skip
     drainer = Drainer(engine, shutdown_timeout_s, metrics)
@@ -302,6 +306,8 @@ def build_from_args(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine]:
     )  # fmt: skip
     try:  # --lora-modules: each adapter read once now, so a bad one stops the start
         lora_modules = cli_args.lora_requests(args, engine.engine, names)
+        media = MediaFetchPolicy.from_env(args.allowed_local_media_path,
+                                          args.allowed_media_domains)  # fmt: skip
     except ValueError as e:
         engine.shutdown()
         raise SystemExit(f"error: {e}") from None
@@ -315,6 +321,7 @@ def build_from_args(args: argparse.Namespace) -> tuple[FastAPI, AsyncLLMEngine]:
         response_role=args.response_role,
         metrics=metrics,
         limits=ServerLimits.from_args(args),
+        media=media,
         shutdown_timeout_s=args.shutdown_timeout,
         enable_auto_tools=args.enable_auto_tool_choice,
         tool_parser=args.tool_call_parser,

@@ -215,6 +215,19 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
                    help=_own("adapter slots inside the KV budget (unified, the default) or"
                              " beside it (separate: the ablation; docs/lora.md)"))  # fmt: skip
     p.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="a directory whose files chat image_url parts may name as file:// URLs"
+        " (default: none; docs/multimodal.md)",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        help="hosts http(s) image URLs may name (default: any); redirects are then not"
+        " followed",
+    )
+    p.add_argument(
         "--limit-mm-per-prompt",
         type=_json_object,
         default=None,

@@ -23,7 +23,7 @@ import binascii
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from pagedjax.sampling import SamplingParams
 
@@ -333,12 +333,12 @@ def parse_messages(v: Any) -> list[dict]:
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
-        images: list[bytes] = []
-        if isinstance(content, list):  # content parts: text, and images as data: URLs
+        images: list[bytes | MediaURL] = []
+        if isinstance(content, list):  # content parts: text, and images (data: or a URL)
             texts = []
             for part in content:
                 if isinstance(part, dict) and part.get("type") == "image_url":
-                    images.append(image_url_bytes(part.get("image_url"), i))
+                    images.append(image_source(part.get("image_url"), i))
                     continue
                 if not isinstance(part, dict) or part.get("type") != "text":
                     kind = part.get("type") if isinstance(part, dict) else _type_name(part)
@@ -361,18 +361,39 @@ def parse_messages(v: Any) -> list[dict]:
     return out
 
 
+class MediaURL(NamedTuple):
+    """An http(s) or file image URL of message ``message``, for the server to fetch
+    (``media.MediaFetchPolicy``: its rules)."""
+
+    url: str
+    message: int
+
+
+def image_source(value: Any, i: int) -> bytes | MediaURL:
+    """An ``image_url`` part's image: the bytes of a ``data:`` URL, or the http(s) / file
+    URL to fetch (the server does, under its rules: media.py). The bytes are decoded
+    later (serving.chat): corrupt ones are a 400 there."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise bad(f"messages[{i}].content image_url part needs a string 'url'", "messages")
+    if url.split(":", 1)[0].lower() in ("http", "https", "file"):
+        return MediaURL(url, i)
+    return image_url_bytes(value, i)
+
+
 def image_url_bytes(value: Any, i: int) -> bytes:
-    """An ``image_url`` part's image bytes: only ``data:`` URLs (base64). This server
-    fetches nothing: http(s) and file URLs are a 400 naming the rule (docs/security.md).
-    The bytes are decoded later (serving.chat): corrupt ones are a 400 there."""
+    """An ``image_url`` part's image bytes: only ``data:`` URLs (base64); http(s) and file
+    URLs are a 400 naming the rule (``LLM.chat`` fetches nothing; the server fetches them
+    through ``image_source``)."""
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str):
         raise bad(f"messages[{i}].content image_url part needs a string 'url'", "messages")
     scheme = url.split(":", 1)[0].lower()
     if scheme in ("http", "https", "file"):
-        raise bad(f"messages[{i}]: {scheme} image URLs are not fetched by this server (no"
-                  " network or file access); send the image inline as a data: URL"
-                  " (data:image/png;base64,...)", "messages")  # fmt: skip
+        raise bad(f"messages[{i}]: {scheme} image URLs are not fetched here; send the image"
+                  " inline as a data: URL (data:image/png;base64,...), or through the"
+                  " server (--allowed-media-domains, --allowed-local-media-path)",
+                  "messages")  # fmt: skip
     head, sep, payload = url.partition(",")
     if scheme != "data" or not sep or not head.endswith(";base64"):
         raise bad(f"messages[{i}]: an image URL must be data:<type>;base64,<data>",

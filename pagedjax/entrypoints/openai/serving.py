@@ -27,6 +27,7 @@ from pagedjax.entrypoints.async_engine import AsyncLLMEngine
 from pagedjax.entrypoints.openai.chat_output import build_rules, prepare_chat
 from pagedjax.entrypoints.openai.limits import ServerLimits, check_body, error_for, with_deadline
 from pagedjax.entrypoints.openai.lora_adapters import LoRAAdapters
+from pagedjax.entrypoints.openai.media import MediaFetchPolicy
 from pagedjax.entrypoints.openai.protocol import (
     OpenAIError,
     ParsedRequest,
@@ -57,9 +58,11 @@ class OpenAIServing:
         lora_modules: dict[str, Any] | None = None,
         allow_runtime_lora_updating: bool | None = None,
         image_prompt: tuple[str, int] | None = None,
+        media: MediaFetchPolicy | None = None,
     ):
         # (placeholder text, image tokens per image) of a multi-modal model, else None.
         self.image_prompt = image_prompt
+        self.media = media or MediaFetchPolicy.from_env()  # image URLs to fetch (media.py)
         self.enable_auto_tools, self.tool_parser = enable_auto_tools, tool_parser
         # LoRA adapters served by name ("model": name), static and loaded at run time
         # (lora_adapters.py, docs/lora.md).
@@ -167,7 +170,7 @@ class OpenAIServing:
         parsed.params_kwargs.update(parse_constraints(body, e.vocab_size))
         extras = prepare_chat(body, parsed, auto_tools=self.enable_auto_tools and
                               self.tool_parser is not None)  # fmt: skip
-        images = self._chat_images(parsed.messages)
+        images = await self._chat_images(parsed.messages)
         text = self.render_chat(
             parsed.messages, parsed.add_generation_prompt, parsed.chat_template,
             extras.template_kwargs,
@@ -186,11 +189,12 @@ class OpenAIServing:
         view = ChatView(self, parsed, rid, rules)
         return await self._respond(parsed, jobs, rid, view, request, lora)
 
-    def _chat_images(self, messages: list[dict]) -> list[bytes]:
-        """The messages' images in order (protocol.parse_messages kept them as bytes),
-        each message's content then led by one placeholder per image (vLLM's placement
-        for a chat template over string content). 400 for images to a text-only model
-        or bytes that do not decode as an image."""
+    async def _chat_images(self, messages: list[dict]) -> list[bytes]:
+        """The messages' images in order (protocol.parse_messages kept data: URLs as bytes
+        and other URLs to fetch, under the media policy: media.py), each message's
+        content then led by one placeholder per image (vLLM's placement for a chat
+        template over string content). 400 for images to a text-only model, a URL the
+        policy refuses or cannot fetch, or bytes that do not decode as an image."""
         images: list[bytes] = []
         for m in messages:
             found = m.pop("images", None)
@@ -198,6 +202,7 @@ class OpenAIServing:
                 continue
             if self.image_prompt is None:
                 raise bad("this model takes no images (image_url content parts)", "messages")
+            found = [x if isinstance(x, bytes) else await self.media.fetch(x) for x in found]
             for data in found:
                 try:
                     load_image(data)
