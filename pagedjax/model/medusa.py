@@ -126,12 +126,13 @@ def vllm_config(data: dict[str, Any], where: str) -> tuple[MedusaConfig, bool, b
     trunc = data.get("truncated_vocab_size")
     if trunc is not None and int(trunc) != vocab:
         raise ValueError(f"{where}: truncated_vocab_size {trunc} < vocab_size {vocab}"
-                         " (a token_map draft vocabulary) is not built for Medusa heads")  # fmt: skip
+                         " (a token_map draft vocabulary) is not built")  # fmt: skip
     if float(data.get("logit_scale", 1.0)) != 1.0:
         raise ValueError(f"{where}: logit_scale {data['logit_scale']} != 1 is not built")
     cfg = MedusaConfig(int(data["hidden_size"]), vocab, int(heads), int(layers),
                        target=str(data.get("base_model_name_or_path", "")))  # fmt: skip
-    return cfg, bool(data.get("medusa_fc_bias", False)), bool(data.get("original_lm_head", False))
+    shared = bool(data.get("original_lm_head", False))
+    return cfg, bool(data.get("medusa_fc_bias", False)), shared
 
 
 def check_target(cfg: MedusaConfig, target: ModelArch) -> None:

@@ -57,8 +57,9 @@ def target_lm_head(arch: Any, params: Any) -> np.ndarray:
     return np.asarray(params["lm_head"]["kernel"], np.float32)
 
 
-def position_examples(features: np.ndarray, seqs: Sequence[Sequence[int]],
-                      starts: Sequence[int], num_heads: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def position_examples(
+    features: np.ndarray, seqs: Sequence[Sequence[int]], starts: Sequence[int], num_heads: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(X float32[M, H], Y int32[M, N]): one example per position p >= starts[s] of each
     sequence with at least head 0's target: X = features[s, p], Y[:, i] = x_{p+2+i}
     (-1 past the sequence's end). features [S, Lm, H] (``teacher_features``; positions
@@ -110,9 +111,11 @@ def top1(hp: Any, x: np.ndarray, y: np.ndarray, batch: int = 1024) -> np.ndarray
     return correct / np.maximum(counted, 1)
 
 
-def train_heads(cfg: MedusaConfig, x: np.ndarray, y: np.ndarray, *, lm_head: np.ndarray,
-                steps: int = 200, batch: int = 512, lr: float = 1e-3, seed: int = 0,
-                time_budget: float | None = None, log_every: int = 0) -> tuple[Any, dict]:  # fmt: skip
+def train_heads(
+    cfg: MedusaConfig, x: np.ndarray, y: np.ndarray, *, lm_head: np.ndarray, steps: int = 200,
+    batch: int = 512, lr: float = 1e-3, seed: int = 0, time_budget: float | None = None,
+    log_every: int = 0,
+) -> tuple[Any, dict]:
     """Heads trained on examples (x float32[M, H], y int32[M, N]) with Adam (gradient
     clipping at 1, cosine decay over ``steps``), from w = 0 and every vocabulary
     projection = ``lm_head`` [H, V]. Returns (params, {"steps", "loss", "seconds"})."""

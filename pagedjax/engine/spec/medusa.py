@@ -145,8 +145,9 @@ def keep_last_features(feature: jax.Array, feats: jax.Array, cu_q_lens: jax.Arra
                                                       mode="drop")  # fmt: skip
 
 
-def build_medusa(arch: ModelArch, head_dir: str, k: int,
-                 verifier_args: Callable[[int], tuple]) -> tuple[MedusaDraft, MedusaVerifier]:  # fmt: skip
+def build_medusa(
+    arch: ModelArch, head_dir: str, k: int, verifier_args: Callable[[int], tuple]
+) -> tuple[MedusaDraft, MedusaVerifier]:
     """(draft, verifier); verifier_args(k) -> ``SpecVerifier``'s arguments for the
     draft's k (the capped one)."""
     draft = MedusaDraft(arch, head_dir, k)
