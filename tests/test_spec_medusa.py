@@ -147,6 +147,10 @@ def test_layouts_round_trip_and_refusals(tmp_path):
     wrong = save_heads(tmp_path / "w", other, init_heads(other))
     with pytest.raises(ValueError, match="hidden_size 32 does not match the target's 64"):
         load_heads(wrong, ARCH)
+    # vLLM's --speculative-config JSON, keys checked as every method's.
+    sc = SpeculativeConfig.from_dict(json.loads(
+        f'{{"method": "medusa", "model": "{own}", "num_speculative_tokens": 5}}'))
+    assert (sc.method, sc.num_speculative_tokens) == ("medusa", 5)
     (tmp_path / "e").mkdir()
     with pytest.raises(FileNotFoundError, match="lacks config.json"):
         load_heads(tmp_path / "e", ARCH)
@@ -294,3 +298,19 @@ def test_trained_heads_accept(tmp_path):
                   f" {s['spec_acceptance_rate']:.3f}, mean accepted length"
                   f" {s['spec_mean_accepted_length']:.2f}")  # fmt: skip
     assert rates["trained", "seen"] > max(0.0, rates["untrained", "seen"])
+
+
+@pytest.mark.slow  # by hand (~35 s): the CLI end to end on the tiny preset
+def test_train_medusa_cli_on_the_tiny_preset(tmp_path, monkeypatch):
+    """``python -m pagedjax.tools.train_medusa`` with train_eagle's data generation (the
+    byte tokenizer: questions as they are), into a directory the engine loads."""
+    pytest.importorskip("optax")
+    from pagedjax.tools.train_medusa import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "heads"
+    assert main(["--model", "tiny-llama", "--prompts", "16", "--gen-tokens", "24",
+                 "--steps", "40", "--out", str(out)]) == 0  # fmt: skip
+    cfg, params = load_heads(out, ARCH)
+    assert cfg.num_heads == 3 and cfg.train["steps"] == 40
+    assert params["lm_head"].shape == (3, ARCH.hidden_size, ARCH.vocab_size)
