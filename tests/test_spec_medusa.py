@@ -183,9 +183,10 @@ def _config(head: str, **spec) -> EngineConfig:
     )
 
 
-def _engine(head: str, **spec) -> LLMEngine:
+def _engine(head: str, warmup: str = "none", **spec) -> LLMEngine:
     tok = ByteTokenizer(eos_token_id=ARCH.eos_token_id, bos_token_id=ARCH.bos_token_id)
-    return LLMEngine(ARCH, _params(), tok, _config(head, **spec), kv_fill_value=float("nan"))
+    config = dataclasses.replace(_config(head, **spec), warmup=warmup)
+    return LLMEngine(ARCH, _params(), tok, config, kv_fill_value=float("nan"))
 
 
 @jax.jit
@@ -261,7 +262,24 @@ def test_medusa_seeded_sampling_equals_plain(head_dir):
     assert engine.stats()["spec_proposed_tokens"] > 0
 
 
-@pytest.mark.tier2  # second tier (docs/testing.md): trains, then runs two engines
+@pytest.mark.slow  # by hand: warm-up compiles every bucket (the EAGLE test is tier2's guard)
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_medusa_compiles_nothing_after_warm_up(head_dir, method):
+    prompts = dict(enumerate(_prompts(13, 4, lo=5, hi=30)))
+    sp = SamplingParams(temperature=0.8, max_tokens=12, seed=3, ignore_eos=True)
+    reqs = [(str(i), p, _greedy(12) if i % 2 else sp) for i, p in prompts.items()]
+    engine = _engine(head_dir, warmup="all", draft_sample_method=method)
+    warm = engine.stats()
+    _drain(engine, reqs)
+    s = engine.stats()
+    assert s["spec_proposed_tokens"] > 0
+    assert s["spec_compilations"] == warm["spec_compilations"]
+    assert s["compilations"] == warm["compilations"]
+    assert set(engine.speculator.medusa.trace_count.values()) == {1}
+    assert set(engine.speculator.verifier.trace_count.values()) == {1}
+
+
+@pytest.mark.tier2  # second tier (docs/testing.md): trains, then runs an engine
 def test_trained_heads_accept(tmp_path):
     """train_medusa's self-distillation on the tiny model's own greedy outputs: trained
     heads get nonzero acceptance (greedy outputs still equal the plain run), above
@@ -284,10 +302,10 @@ def test_trained_heads_accept(tmp_path):
     print(f"medusa tiny: {len(x)} positions, loss {meta['loss']}, teacher-forced top-1"
           f" per head {np.round(acc, 3).tolist()}")  # fmt: skip
     rates = {}
+    engine = _engine(str(save_heads(tmp_path / "trained", cfg, hp)))
     for name, params in (("untrained", init_heads(cfg, lm_head=lm) | {"w": 0 * hp["w"]}),
                          ("trained", hp)):  # fmt: skip
-        d = save_heads(tmp_path / name, cfg, params)
-        engine = _engine(str(d))
+        engine.speculator.medusa.params = params  # same shapes: the same programs
         for part, sub in (("seen", reqs[8:12]), ("held-out", reqs[12:])):
             engine.reset_stats()
             got = _drain(engine, sub)

@@ -14,7 +14,7 @@ reasons), as vLLM's scheduler reserves lookahead slots:
    within the step's token budget, its blocks grown (and others preempted) like any
    token's; ``batch.spec_lens`` says how many drafts each row got (maybe fewer).
 3. device (``run``): the drafts go into the token buffer (a drafting model writes its
-   own there: layer-skip, a separate checkpoint, the EAGLE head), then the
+   own there: layer-skip, a separate checkpoint, the EAGLE head, Medusa heads), then the
    verification program (one per (T, S) bucket) scores every row at all its positions,
    samples and accepts the longest matching prefix a, and writes the correction /
    bonus token; sampled drafts (``draft_sample_method="probabilistic"``) are verified by
@@ -28,10 +28,11 @@ reasons), as vLLM's scheduler reserves lookahead slots:
 
 A separate draft checkpoint runs over every step's batch (its own pool, the target's
 block ids), also in plain steps; its pool and the EAGLE head's follow swaps through
-``apply_swaps``. A step without drafts takes the plain program (the EAGLE head, which
-must see every step, verifies always). While a request wanting prompt logprobs holds a
-slot nobody speculates. With speculation on, the engine runs the one-step path only (no
-K-step decode loop yet). Stats: ``stats()`` (see ``SpecCounters``).
+``apply_swaps``. A step without drafts takes the plain program (the EAGLE head and
+Medusa heads, whose features must follow every step, verify always). While a request
+wanting prompt logprobs holds a slot nobody speculates. With a drafting model the
+engine runs the one-step path only (the n-gram method also drafts inside the fused
+K-step program). Stats: ``stats()`` (see ``SpecCounters``).
 """
 
 from __future__ import annotations
