@@ -2,7 +2,7 @@
 
     python benchmarks/speculative.py [--batch-sizes 1 8 64] [--max-tokens 64]
         [--methods none ngram draft eagle] [--workloads copy chat] [--k 4]
-        [--draft-layers 8] [--eagle-dir DIR] [--draft-model NAME_OR_DIR]
+        [--draft-layers 8] [--eagle-dir DIR] [--medusa-dir DIR] [--draft-model NAME_OR_DIR]
         [--batch1-prompts N] [--rounds R]
 
 Model: SmolLM2-135M-Instruct (``LLM(model="smollm2-135m-instruct")``), greedy.
@@ -20,7 +20,9 @@ engine: K-step decode loop), ngram ({"method": "ngram",
 step cost, down to 0, engine/spec/k_schedule.py), draft ({"method": "draft_model",
 "model": "self", "draft_num_layers": N}: the model's own first N layers), eagle
 ({"method": "eagle", "model": DIR}: a head trained by ``python -m
-pagedjax.tools.train_eagle``; DIR defaults to where that writes it), draftmodel
+pagedjax.tools.train_eagle``; DIR defaults to where that writes it), medusa
+({"method": "medusa", "model": DIR}: heads trained by ``python -m
+pagedjax.tools.train_medusa``, DIR likewise), draftmodel
 ({"method": "draft_model", "model": NAME_OR_DIR}: a separate draft checkpoint with its own
 KV pool; default the model itself, the upper bound of acceptance at the cost of a second
 full model; no smaller real model with SmolLM2's vocabulary is available offline).
@@ -52,6 +54,7 @@ from pagedjax.eval.chat import QUESTIONS, conversation
 from pagedjax.eval.texts import load_text
 from pagedjax.sampling import SamplingParams
 from pagedjax.tools.train_eagle import default_out
+from pagedjax.tools.train_medusa import default_out as medusa_out
 
 MODEL = "smollm2-135m-instruct"
 
@@ -130,6 +133,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--eagle-dir", default=str(default_out(MODEL)))
+    ap.add_argument("--medusa-dir", default=str(medusa_out(MODEL)))
     ap.add_argument("--draft-model", default=MODEL)
     ap.add_argument("--batch1-prompts", type=int, default=1,
                     help="at batch 1, run this many prompts one after another (default 1:"
@@ -148,6 +152,7 @@ def main() -> None:
         "draft": {"method": "draft_model", "model": "self", "num_speculative_tokens": a.k,
                   "draft_num_layers": a.draft_layers},
         "eagle": {"method": "eagle", "model": a.eagle_dir, "num_speculative_tokens": a.k},
+        "medusa": {"method": "medusa", "model": a.medusa_dir, "num_speculative_tokens": a.k},
         "draftmodel": {"method": "draft_model", "model": a.draft_model,
                        "num_speculative_tokens": a.k},
     }  # fmt: skip

@@ -307,7 +307,10 @@ class SpeculativeConfig:
     .gguf, catalog or preset name) and no draft_num_layers: a separate draft checkpoint
     with its own KV pool (engine/spec/draft_model.py);
     "eagle" with model a head directory (engine/spec/eagle.py; trained by
-    ``python -m pagedjax.tools.train_eagle``). num_speculative_tokens: k, proposals
+    ``python -m pagedjax.tools.train_eagle``); "medusa" with model a directory of Medusa
+    heads, pagedjax's layout or vLLM's checkpoint names (engine/spec/medusa.py; trained by
+    ``python -m pagedjax.tools.train_medusa``), drafting min(k, num_heads) tokens per
+    row. num_speculative_tokens: k, proposals
     verified per sequence per step. disable_by_batch_size: no proposals in a step with
     at least this many scheduled sequences (None: always).
 
@@ -322,12 +325,12 @@ class SpeculativeConfig:
     bucket, down to 0 (``engine/spec/k_schedule.py``); within the table's k when both
     are set.
     draft_sample_method (vLLM's key): "greedy" drafts the argmax; "probabilistic" makes
-    the draft_model / eagle drafts samples of the draft's distribution q at the request's
+    the draft_model / eagle / medusa drafts samples of the draft's distribution q at the request's
     temperature, verified by rejection sampling (min(1, p/q), residual max(0, p - q)).
     The n-gram method has no q (a point mass): its drafts stay greedy either way.
     """
 
-    method: Literal["ngram", "draft_model", "eagle"] = "ngram"
+    method: Literal["ngram", "draft_model", "eagle", "medusa"] = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1

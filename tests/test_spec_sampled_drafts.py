@@ -34,6 +34,7 @@ from pagedjax.config import (
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.model import preset_arch, random_params
 from pagedjax.model.eagle import EagleConfig, init_head, save_head
+from pagedjax.model.medusa import MedusaConfig, init_heads, save_heads
 from pagedjax.sampling import SamplingParams
 from pagedjax.tokenizer import ByteTokenizer
 from tests.engine_helpers import drain
@@ -62,9 +63,19 @@ def _head_dir() -> str:
     return tmp
 
 
+@functools.cache
+def _medusa_dir() -> str:
+    """Random Medusa heads (K of them), peaked enough that q differs from p."""
+    tmp = tempfile.mkdtemp(prefix="pagedjax_medusa_q_")
+    cfg = MedusaConfig.for_target(ARCH, K, 1, target="tiny-llama")
+    save_heads(tmp, cfg, init_heads(cfg, seed=2, std=0.3))
+    return tmp
+
+
 def _spec_config(kind: str) -> SpeculativeConfig | None:
     """kind: "plain" (none), "layer_skip" (the first layer), "separate" (the tiny preset's
-    own random weights as a separate draft checkpoint), "eagle" (``_head_dir``)."""
+    own random weights as a separate draft checkpoint), "eagle" (``_head_dir``), "medusa"
+    (``_medusa_dir``)."""
     common = dict(num_speculative_tokens=K, draft_sample_method="probabilistic")
     if kind == "layer_skip":
         return SpeculativeConfig(method="draft_model", model="self", draft_num_layers=1,
@@ -73,6 +84,8 @@ def _spec_config(kind: str) -> SpeculativeConfig | None:
         return SpeculativeConfig(method="draft_model", model="tiny-llama", **common)
     if kind == "eagle":
         return SpeculativeConfig(method="eagle", model=_head_dir(), **common)
+    if kind == "medusa":
+        return SpeculativeConfig(method="medusa", model=_medusa_dir(), **common)
     return None
 
 
@@ -135,7 +148,7 @@ def test_sampled_drafts_follow_the_targets_distribution_more_samples_top_p():
 
 
 @pytest.mark.tier2  # second tier: two more engines' programs
-@pytest.mark.parametrize("kind", ["eagle", "separate"])
+@pytest.mark.parametrize("kind", ["eagle", "separate", "medusa"])
 def test_sampled_drafts_of_eagle_and_a_separate_draft(kind):
     """The EAGLE head (a truncated draft vocabulary: q scattered back to the V ids) and a
     separate draft checkpoint sample their drafts too; same distribution test, and

@@ -14,7 +14,7 @@ reasons), as vLLM's scheduler reserves lookahead slots:
    within the step's token budget, its blocks grown (and others preempted) like any
    token's; ``batch.spec_lens`` says how many drafts each row got (maybe fewer).
 3. device (``run``): the drafts go into the token buffer (a drafting model writes its
-   own there: layer-skip, a separate checkpoint, the EAGLE head), then the
+   own there: layer-skip, a separate checkpoint, the EAGLE head, Medusa heads), then the
    verification program (one per (T, S) bucket) scores every row at all its positions,
    samples and accepts the longest matching prefix a, and writes the correction /
    bonus token; sampled drafts (``draft_sample_method="probabilistic"``) are verified by
@@ -28,10 +28,11 @@ reasons), as vLLM's scheduler reserves lookahead slots:
 
 A separate draft checkpoint runs over every step's batch (its own pool, the target's
 block ids), also in plain steps; its pool and the EAGLE head's follow swaps through
-``apply_swaps``. A step without drafts takes the plain program (the EAGLE head, which
-must see every step, verifies always). While a request wanting prompt logprobs holds a
-slot nobody speculates. With speculation on, the engine runs the one-step path only (no
-K-step decode loop yet). Stats: ``stats()`` (see ``SpecCounters``).
+``apply_swaps``. A step without drafts takes the plain program (the EAGLE head and
+Medusa heads, whose features must follow every step, verify always). While a request
+wanting prompt logprobs holds a slot nobody speculates. With a drafting model the
+engine runs the one-step path only (the n-gram method also drafts inside the fused
+K-step program). Stats: ``stats()`` (see ``SpecCounters``).
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ from pagedjax.engine.spec.draft_model import (
 from pagedjax.engine.spec.eagle import EagleDraft, EagleVerifier
 from pagedjax.engine.spec.k_schedule import Acceptance, StepCost, allocate, batch_size_lookup
 from pagedjax.engine.spec.layer_skip import LayerSkipDraft
+from pagedjax.engine.spec.medusa import MedusaDraft, build_medusa
 from pagedjax.engine.spec.ngram import NgramProposer
 from pagedjax.engine.spec.verify import SpecVerifier, write_drafts
 
-BUILT_METHODS = ("ngram", "draft_model", "eagle")
+BUILT_METHODS = ("ngram", "draft_model", "eagle", "medusa")
 
 
 def check_buildable(config: SpeculativeConfig | None, target_model: str | None = None) -> None:
@@ -84,10 +86,11 @@ def check_buildable(config: SpeculativeConfig | None, target_model: str | None =
             f" own first layers (model 'self'); model {config.model!r} is another checkpoint:"
             " drop draft_num_layers to use it as a separate draft"
         )
-    if config.method == "eagle" and not Path(str(config.model)).expanduser().is_dir():
+    if config.method in ("eagle", "medusa") and not Path(str(config.model)).expanduser().is_dir():
         raise FileNotFoundError(
-            f"speculative_config model {config.model!r}: no eagle head directory there"
-            " (config.json + model.safetensors; `python -m pagedjax.tools.train_eagle`)"
+            f"speculative_config model {config.model!r}: no {config.method} head directory"
+            f" there (config.json + model.safetensors; `python -m pagedjax.tools.train_"
+            f"{config.method}`)"
         )
 
 
@@ -143,6 +146,7 @@ class SpeculativeDecoder:
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.draft = self.eagle = self.separate = None
+        self.medusa: MedusaDraft | None = None
         if draft_checkpoint is not None:  # its own pool, the target's block ids
             self.separate = SeparateDraft(draft_checkpoint, attention_fn, block_size,
                                           policy.num_blocks, policy.num_host_blocks,
@@ -154,6 +158,11 @@ class SpeculativeDecoder:
         if config.method == "eagle":  # spec_eagle.py: the head runs on every step
             self.eagle = EagleDraft(arch, config.model, attention_fn, block_size, self.k)
             self.verifier = EagleVerifier(self.eagle, *verifier_args)
+        elif config.method == "medusa":  # spec/medusa.py: k capped at the heads' count
+            self.medusa, self.verifier = build_medusa(
+                arch, str(config.model), self.k, lambda k: (*verifier_args[:4], k, native_matmul)
+            )  # fmt: skip
+            self.k = self.medusa.k
         else:
             self.verifier = SpecVerifier(*verifier_args)
         self.block_size = block_size
@@ -189,6 +198,8 @@ class SpeculativeDecoder:
         draft = {} if self.draft is None else {"spec_draft": self.draft.propose}
         if self.eagle is not None:
             draft["spec_eagle_propose"] = self.eagle.propose
+        if self.medusa is not None:
+            draft["spec_medusa_propose"] = self.medusa.propose
         if self.separate is not None:
             draft["spec_draft_model"] = self.separate.propose
         return dict(spec_write=self._write, spec_verify=self.verifier.step, **draft)
@@ -224,11 +235,15 @@ class SpeculativeDecoder:
                          np.full((n, self.k), -1, np.int32))  # fmt: skip
         if self.eagle is not None:
             self.eagle.ensure(core)
+        if self.medusa is not None:
+            self.medusa.ensure(core)
         for t, s in pairs:
             mem = dev.state.mem
             mem = mem._replace(last_cow=mem.last_cow._replace(valid=upload(f)))
             if self.eagle is not None:
                 self._eagle_propose(core, mem, i32, i32, i32, s)
+            if self.medusa is not None:
+                self._medusa_propose(core, i32, i32, i32, s)
             if self.draft is not None:
                 dev.run_program(self.draft.propose, self.draft.params_for(core.params), mem,
                                 i32, i32, i32, *self._sampling_args(core),
@@ -280,7 +295,7 @@ class SpeculativeDecoder:
         if not self.may_speculate(core):
             return self._planned(lookahead, drafts)
         k_step = self.step_k(len(owners))  # may_speculate: > 0
-        on_device = any(d is not None for d in (self.draft, self.eagle, self.separate))
+        on_device = not self.fusable
         for slot, (req, seq) in owners.items():
             out = len(seq.detok.ids)
             if out == 0 or req.pending or req.host_driven or seq.finish_reason is not None:
@@ -328,7 +343,7 @@ class SpeculativeDecoder:
     def fusable(self) -> bool:
         """Its drafts can be made inside the fused K-step program (the n-gram method:
         ``ngram_device.py``); drafting models take the one-step path."""
-        return self.draft is None and self.eagle is None and self.separate is None
+        return all(d is None for d in (self.draft, self.eagle, self.separate, self.medusa))
 
     def loop_k(self, core: Any) -> int:
         """Drafts per row at most in a fused K-step dispatch (``decode_loop``'s spec_k):
@@ -363,13 +378,29 @@ class SpeculativeDecoder:
         e.kv, q = core.device.with_tokens(propose)
         return q
 
+    def _medusa_propose(self, core: Any, sid: Any, total: Any, counts: Any,
+                        num_seqs: int) -> Any:  # fmt: skip
+        """The heads' proposals; their q (sampled drafts) or None."""
+        m, extra = self.medusa, self._sampling_args(core)
+
+        def propose(tokens: Any) -> tuple[Any, Any]:
+            tokens, *q = m.propose(m.params, m.feature, tokens, sid, total, counts, *extra,
+                                   num_seqs=num_seqs)  # fmt: skip
+            return tokens, (q[0] if q else None)
+
+        return core.device.with_tokens(propose)
+
     def _verify(self, core: Any, mem: Any, batch: Any, num_drafts: Any, num_tokens: int,
                 num_seqs: int, draft_probs: Any = None) -> Any:  # fmt: skip
         """The verification program (plus the eagle catch-up); (out, accepted)."""
         dev, st = core.device, core.device.state
         args = (mem, batch, num_drafts, dev.sampling(), st.prompt_len, st.output_len)
         kw = dict(num_tokens=num_tokens, num_seqs=num_seqs)
-        if self.eagle is None:
+        if self.medusa is not None:
+            m = self.medusa
+            out, acc, m.feature = dev.run_program(self.verifier.step, core.params, *args,
+                                                  m.feature, draft_probs, **kw)  # fmt: skip
+        elif self.eagle is None:
             out, acc = dev.run_program(self.verifier.step, core.params, *args, draft_probs, **kw)
         else:
             e = self.eagle
@@ -393,7 +424,8 @@ class SpeculativeDecoder:
         base_tokens = int(host["num_tokens"]) - int(spec.sum())
         sched_tokens, sched_seqs = buckets(base_tokens)  # the batch without its drafts
         base = batch._replace(q_lens=batch.q_lens - batch.spec_lens)
-        if plain_rows or (not spec.any() and self.eagle is None):
+        every_step = self.eagle is not None or self.medusa is not None  # they keep features
+        if plain_rows or (not spec.any() and not every_step):
             if spec.any():
                 raise RuntimeError("drafts were scheduled for a step that cannot verify them")
             if self.separate is not None:  # the draft's forward only (no proposals)
@@ -425,6 +457,10 @@ class SpeculativeDecoder:
             self.eagle.ensure(core)
             if spec.any():
                 q = self._eagle_propose(core, dev.state.mem, sid, start + 1, spec, padded_seqs)
+        if self.medusa is not None:
+            self.medusa.ensure(core)
+            if spec.any():
+                q = self._medusa_propose(core, sid, start + 1, spec, padded_seqs)
         if q is None:
             q = self._no_q(padded_seqs)
         return self._verify(core, dev.state.mem, batch._replace(swap=None), upload(spec),
