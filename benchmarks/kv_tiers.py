@@ -8,7 +8,9 @@ Closed loop over ``--convs`` conversations taken round robin (turn t of each, th
 t + 1), ``--concurrency`` requests in flight: each turn resends the whole history (the
 first message, then every reply and user message so far), so by a conversation's next
 turn the others have evicted its prefix from the device pool. TTFT at concurrency 1 is
-the prefill itself (no queueing). One random llama (load_format="dummy") on the engine
+the prefill itself (no queueing). One random llama (load_format="dummy"; ``--hidden``,
+``--layers``, ``--heads``), or ``--model`` (a catalog name such as
+``smollm2-135m-instruct``, a .gguf file or a checkpoint directory), on the engine
 directly (no server); a warm-up pass of the same workload with other tokens compiles
 every shape first (warmup "none": only the programs used), then the timed pass.
 Greedy outputs are compared between the two settings (they must be equal).
@@ -27,8 +29,9 @@ from pagedjax import LLM, SamplingParams
 
 
 def run(args: argparse.Namespace, model: str, tier_gib: float) -> dict:
+    load = dict(load_format="dummy") if args.model is None else dict(dtype="float32")
     llm = LLM(
-        model, load_format="dummy", block_size=args.block_size,
+        model, **load, block_size=args.block_size,
         num_gpu_blocks_override=args.pool_blocks + 1, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, swap_space=0.0,
         kv_offloading_size=tier_gib, warmup="none",
@@ -107,10 +110,19 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--model", default=None, help="a real model instead of the random llama")
     args = ap.parse_args()
 
-    model = dummy_model_dir(args.hidden, args.layers, args.heads)
-    per_block = 2 * args.layers * args.hidden * args.block_size * 4  # K and V, float32
+    model = args.model or dummy_model_dir(args.hidden, args.layers, args.heads)
+    if args.model is None:
+        per_block = 2 * args.layers * args.hidden * args.block_size * 4  # K and V, float32
+    else:  # the model's KV bytes per block, read off a throwaway engine's pool
+        import jax
+
+        e = LLM(model, dtype="float32", block_size=args.block_size, warmup="none",
+                num_gpu_blocks_override=2).llm_engine  # fmt: skip
+        per_block = sum(x.nbytes for x in jax.tree.leaves(e.kv)) // e.num_blocks
+        del e
     final = args.system_len + (args.turns - 1) * (args.output_len + args.user_len)
     working = args.convs * -(-final // args.block_size)
     print(f"working set {working} blocks (final histories), device pool {args.pool_blocks}"
