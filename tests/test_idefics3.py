@@ -394,3 +394,22 @@ def test_generate_with_images_equals_transformers(idefics3, mode):
     assert again.outputs[0].token_ids == got[1]
     assert engine.stats()["prefix_cache_hit_tokens"] == (len(again.prompt_token_ids) - 1) // BS * BS
     assert engine.stats()["mm_images_encoded"] == 0
+
+    # LLM.chat's image parts: one "<image>" placeholder per image before the text, the
+    # reply is generate's on the rendered ids; the front ends' bound on an image's
+    # expansion (image_prompt_info) holds the real expansions of this test's images.
+    from pagedjax.engine.multimodal import image_prompt_info
+    from tests.model_helpers import TINY_CHAT_TEMPLATE
+
+    parts = [{"type": "image_pil", "image_pil": b}, {"type": "text", "text": "What is this?"}]
+    chat = llm.chat([{"role": "user", "content": parts}], greedy, use_tqdm=False,
+                    chat_template=TINY_CHAT_TEMPLATE)[0]  # fmt: skip
+    rendered = "<|user|><image>\nWhat is this?\n<|assistant|>"
+    ids = llm.get_tokenizer().encode(rendered, add_special_tokens=False)
+    ref = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": b}}, greedy,
+                       use_tqdm=False)[0]  # fmt: skip
+    assert chat.prompt == rendered and chat.outputs[0].token_ids == ref.outputs[0].token_ids
+    text, bound = image_prompt_info(d, llm.get_tokenizer())
+    assert text == "<image>"
+    assert bound == {"global": N + 3, "split": 2 * 2 * (N + 2) + 2 + 1 + N + 3}[mode]
+    assert len(ref.prompt_token_ids) - (len(ids) - 1) <= bound

@@ -304,6 +304,24 @@ def multimodal_model_type(directory: str | Path) -> str | None:
     return model_type if model_type in _FAMILIES else None
 
 
+def image_prompt_info(directory: str | Path, tokenizer: Tokenizer) -> tuple[str, int] | None:
+    """(placeholder text, the most tokens one image expands to) of a multi-modal
+    checkpoint directory, for a front end that writes placeholders into chat text and
+    budgets prompt lengths without loading the model (LLM.chat, the API process); None
+    for any other model. LLaVA: its image token's text, num_image_tokens. Idefics3:
+    "<image>", the largest tile grid's expansion under the directory's processor."""
+    model_type = multimodal_model_type(directory)
+    if model_type == "llava":
+        return llava.image_prompt_info(directory, tokenizer)
+    if model_type == "idefics3":
+        path = Path(directory)
+        config = json.loads((path / "config.json").read_text())
+        arch = idefics3.Idefics3Arch.from_hf(idefics3.complete_idefics3_config(config))
+        processor = idefics3.load_image_processor(path, arch)
+        return idefics3.IMAGE_TOKEN, idefics3.max_image_prompt_tokens(processor, arch, tokenizer)
+    return None
+
+
 def load_multimodal_model(mc: ModelConfig) -> tuple[ModelArch, Params, Tokenizer, VisionModel]:
     """(text arch, text params, tokenizer, VisionModel) of a multi-modal checkpoint
     directory (``multimodal_model_type``). Random weights (load_format "dummy") and
@@ -542,6 +560,7 @@ __all__ = [
     "check_engine",
     "expand_placeholders",
     "identity_ids",
+    "image_prompt_info",
     "image_key",
     "images_of",
     "load_engine_model",

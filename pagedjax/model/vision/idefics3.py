@@ -193,6 +193,21 @@ def image_prompt_text(rows: int, cols: int, image_seq_len: int) -> str:
     return text + "\n" + glob
 
 
+def max_image_prompt_tokens(processor: Any, arch: Idefics3Arch, tokenizer: Any) -> int:
+    """The most tokens one ``<image>`` can expand to under ``processor`` (its largest
+    tile grid: ceil(size / max_image_size) a side with splitting, else the global tile
+    alone), tokenized with ``tokenizer`` (pagedjax.tokenizer): a front end's bound for
+    prompt lengths before the image is preprocessed."""
+    rows = cols = 0
+    if processor.do_image_splitting:
+        longest, tile = processor.size["longest_edge"], processor.max_image_size["longest_edge"]
+        rows = cols = -(-longest // tile)
+        if rows == 1:  # an image no larger than one tile is not split
+            rows = cols = 0
+    text = image_prompt_text(rows, cols, arch.num_image_tokens)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
 def preprocess_image(processor: Any, image: Any, arch: Idefics3Arch
                      ) -> tuple[np.ndarray, int, int]:  # fmt: skip
     """One RGB PIL image -> (tiles float32 [k, 3, S, S], rows, cols) through the
