@@ -268,7 +268,7 @@ class LLM:
         the model's image placeholder per image (as the server does); returns them and
         the images in order. ValueError for images to a text-only model, another part
         type, or a URL that is not a data: URL (nothing is fetched)."""
-        from pagedjax.engine.multimodal import image_prompt_info
+        from pagedjax.engine.vision_models import image_prompt_info
         from pagedjax.entrypoints.openai.protocol import OpenAIError, image_url_bytes
 
         out, images = [], []

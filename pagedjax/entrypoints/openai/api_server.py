@@ -90,7 +90,7 @@ def build_app(
     # A LLaVA or Idefics3 directory: chat image parts become its placeholder (None: refused).
     images = None
     if model_path:
-        from pagedjax.engine.multimodal import image_prompt_info
+        from pagedjax.engine.vision_models import image_prompt_info
 
         images = image_prompt_info(model_path, engine.tokenizer)
     serving = OpenAIServing(
