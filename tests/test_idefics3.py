@@ -169,6 +169,35 @@ def test_refusals_of_the_pure_pieces():
         split_idefics3_tensors({"model.other.weight": np.zeros(1)})
 
 
+def test_smolvlm_style_config():
+    """A config.json shaped like SmolVLM-256M's (partial sub-configs, training-time keys,
+    the text model named "VLlama3ForCausalLM"): transformers' defaults fill the gaps, the
+    text model is a Llama ModelArch, 64 image tokens a 512 px tile at scale factor 4."""
+    from pagedjax.model.config import arch_from_hf_config
+    from pagedjax.model.vision.idefics3 import complete_idefics3_config
+
+    cfg = {"model_type": "idefics3", "image_token_id": 49190, "scale_factor": 4,
+           "tie_word_embeddings": False,
+           "text_config": {"architectures": ["VLlama3ForCausalLM"], "model_type": "llama",
+                           "hidden_size": 576, "intermediate_size": 1536, "head_dim": 64,
+                           "num_attention_heads": 9, "num_hidden_layers": 30,
+                           "num_key_value_heads": 3, "rope_theta": 100000, "vocab_size": 49280,
+                           "pixel_shuffle_factor": 4, "_flash_attn_2_enabled": True},
+           "vision_config": {"model_type": "idefics3_vision", "hidden_size": 768,
+                             "image_size": 512, "patch_size": 16, "num_attention_heads": 12,
+                             "max_image_size": {"longest_edge": 512}}}  # fmt: skip
+    full = complete_idefics3_config(cfg)
+    arch = Idefics3Arch.from_hf(full)
+    assert arch.num_image_tokens == 64 and arch.vision.num_layers == 12  # HF's default depth
+    text = arch_from_hf_config(full["text_config"])
+    # rms_norm_eps: LlamaConfig's 1e-6 (Idefics3Config's 1e-5 applies without a text_config)
+    assert (text.family, text.num_layers, text.rope_theta, text.norm_eps) == (
+        "llama", 30, 1e5, 1e-6)
+    assert not text.tie_word_embeddings
+    with pytest.raises(ValueError, match="not an Idefics3 config"):
+        complete_idefics3_config(dict(cfg, model_type="llava"))
+
+
 # -- tier2: against transformers -----------------------------------------------------------
 
 

@@ -94,13 +94,16 @@ def complete_idefics3_config(config: dict[str, Any]) -> dict[str, Any]:
     """config.json as transformers reads it (``Idefics3Config.from_dict``): checkpoints
     may store only the sub-config keys that differ from the defaults. The text model's
     ``tie_word_embeddings`` becomes the top-level flag (HF ties ``lm_head`` to the text
-    embeddings by the top-level one)."""
+    embeddings by the top-level one); its ``architectures`` is dropped."""
     from transformers import CONFIG_MAPPING
 
     if config.get("model_type") != "idefics3":
         raise ValueError(f"not an Idefics3 config: model_type {config.get('model_type')!r}")
     full = CONFIG_MAPPING["idefics3"].from_dict(config).to_dict()
     full["text_config"]["tie_word_embeddings"] = bool(full.get("tie_word_embeddings", False))
+    # The text model is built from its model_type (HF: AutoModel.from_config); SmolVLM's
+    # text_config names a training-time class ("VLlama3ForCausalLM") no loader knows.
+    full["text_config"].pop("architectures", None)
     return full
 
 
