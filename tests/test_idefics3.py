@@ -387,7 +387,8 @@ def test_generate_with_images_equals_transformers(idefics3, mode):
     """LLM(model=<Idefics3 dir>).generate with 0, 1 and 2 images per prompt (16-token
     steps: chunked prefill cuts tiles; an encoder cache of 2 tiles: evictions) gives
     Idefics3Processor + generate's greedy tokens; the same image again hits the prefix
-    cache and encodes nothing."""
+    cache and encodes nothing; LLM.chat and (without splitting) the server's chat take
+    image parts."""
     import torch
 
     from pagedjax import LLM, SamplingParams
@@ -442,3 +443,41 @@ def test_generate_with_images_equals_transformers(idefics3, mode):
     assert text == "<image>"
     assert bound == {"global": N + 3, "split": 2 * 2 * (N + 2) + 2 + 1 + N + 3}[mode]
     assert len(ref.prompt_token_ids) - (len(ids) - 1) <= bound
+    if mode == "global":
+        _server_chat_equals(llm, d, b, ref.outputs[0].text)
+
+
+def _server_chat_equals(llm, directory, image, want_text: str) -> None:
+    """The OpenAI chat endpoint (in process, over llm's engine; shuts it down) answers an
+    image_url data URL part with the text generate gives for the rendered prompt."""
+    import asyncio
+    import base64
+    import io
+
+    import httpx
+
+    from pagedjax.entrypoints.async_engine import AsyncLLMEngine
+    from pagedjax.entrypoints.openai.api_server import build_app
+    from tests.model_helpers import TINY_CHAT_TEMPLATE
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    engine = AsyncLLMEngine.from_llm(llm)
+    app = build_app(engine, ["m"], model_path=str(directory), chat_template=TINY_CHAT_TEMPLATE)
+    parts = [{"type": "image_url", "image_url": {"url": url}},
+             {"type": "text", "text": "What is this?"}]  # fmt: skip
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": GREEDY_TOKENS,
+            "temperature": 0.0}  # fmt: skip
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t", timeout=120) as c:  # fmt: skip
+            r = await c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+    try:
+        assert asyncio.run(main()) == want_text
+    finally:
+        engine.shutdown()
