@@ -92,7 +92,7 @@ class LLM:
     picks each prompt's adapter (docs/lora.md). Llama family, one device, no speculation.
     limit_mm_per_prompt: vLLM's dict, most images per prompt ({"image": 2}; default 999);
     mm_encoder_cache_size (pagedjax's own): image-embedding rows the encoder cache keeps
-    (``config.MultiModalConfig``; docs/multimodal.md). A LLaVA checkpoint directory
+    (``config.MultiModalConfig``; docs/multimodal.md). A LLaVA or Idefics3 directory
     takes prompts {"prompt": ..., "multi_modal_data": {"image": img or [imgs]}}.
     """
 
