@@ -90,7 +90,7 @@ class ImageInput:
 class MultiModalPrompt:
     """A prompt with images: token_ids, the real expanded ids (what outputs report);
     cache_ids, the same with identity ids at placeholder positions (what the engine
-    stores, hashes and verifies); images in prompt order."""
+    stores, hashes and verifies); images: every image's tiles, in prompt order."""
 
     token_ids: list[int]
     cache_ids: list[int]

@@ -47,8 +47,6 @@ class PreparedImage:
     replacement: tuple[int, ...]
 
 
-
-
 class VisionModel:
     """A checkpoint's vision side for the engine, whatever the family: ``arch`` (hashable,
     static under jit; ``image_token_id``, ``num_image_tokens`` per tile), the tower and
