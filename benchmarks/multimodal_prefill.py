@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     t_txt = timed(lambda r: [plain] * b)
     # The encoder alone, one image and a batch of b, synchronized.
     vision = engine.mm.vision
-    px = vision.preprocess([_image(i) for i in range(b)])
+    px = np.concatenate([p.tiles for p in vision.prepare([_image(i) for i in range(b)])])
     for n in (1, b):
         vision.encode(px[:n]).block_until_ready()
     enc = {}
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     for _ in range(args.reps):
         for im in imgs:  # one request's image at a time, as add_request does
-            vision.preprocess([im])
+            vision.prepare([im])
     pre_ms = (time.perf_counter() - t0) / args.reps / b * 1e3
     out = {
         "preprocess_ms_per_image": round(pre_ms, 3),

@@ -469,7 +469,7 @@ class LoRAConfig:
 @dataclass(frozen=True)
 class MultiModalConfig:
     """Multi-modal input (images; docs/multimodal.md). Read only when the model has a
-    vision tower (a LLaVA checkpoint); a text-only model refuses every image.
+    vision tower (a LLaVA or Idefics3 checkpoint); a text-only model refuses every image.
 
     limit_mm_per_prompt: vLLM's option, most items per prompt by modality, e.g.
     {"image": 2}; a modality not named allows vLLM V1's default, 999. Only "image" is

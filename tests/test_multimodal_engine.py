@@ -185,12 +185,13 @@ def test_expansion_and_identity_ids_properties(prompt, n):
     """One placeholder (3) per image expands to n copies; an expanded prompt passes
     unchanged; identity ids are negative, never -1, and differ between keys."""
     k = prompt.count(3)
-    ids = expand_placeholders(prompt, 3, n, k)
+    rep = [[3] * n] * k  # LLaVA's replacement: n copies of the placeholder
+    ids = expand_placeholders(prompt, 3, rep, n)
     assert len(ids) == len(prompt) + k * (n - 1)
     if k:
-        assert expand_placeholders(ids, 3, n, k) == ids
+        assert expand_placeholders(ids, 3, rep, n) == ids
         with pytest.raises(ValueError, match="placeholder"):
-            expand_placeholders(prompt, 3, n, k + 1)
+            expand_placeholders(prompt, 3, [*rep, [3] * n], n)
     x, y = identity_ids(12345, 64), identity_ids(12346, 64)
     assert (x <= -2).all() and (x >= -(2**31 - 1)).all()
     assert (x != y).all() and len(set(x.tolist())) == 64

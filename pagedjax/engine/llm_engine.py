@@ -237,7 +237,7 @@ class LLMEngine:
         """Load config.model (directory or preset; compilation cache on first), build."""
         reject_unbuilt_features(config)  # before spending time on loading weights
         compile_cache.enable(config.compilation_cache)
-        arch, params, tokenizer, vision = load_engine_model(config.model)  # vision: LLaVA
+        arch, params, tokenizer, vision = load_engine_model(config.model)  # vision: LLaVA, Idefics3
         return cls(arch, params, tokenizer, config, vision=vision, **kwargs)
 
     # Views of the core's state (core.py): one copy of each, the old names kept.

@@ -1,4 +1,5 @@
-"""Images through the engine (LLaVA): prompt expansion, identity ids, the encoder cache.
+"""Images through the engine (LLaVA, Idefics3 / SmolVLM): prompt expansion, identity ids,
+the encoder cache.
 
 vLLM's input form, ``{"prompt": "USER: <image>\\n... ASSISTANT:", "multi_modal_data":
 {"image": img or [img, ...]}}``, becomes a request in three host steps at add_request
@@ -6,11 +7,15 @@ vLLM's input form, ``{"prompt": "USER: <image>\\n... ASSISTANT:", "multi_modal_d
 docs/multimodal.md gives the design and what is not built.
 
 1. **Expansion.** Each image placeholder token of the tokenized prompt becomes the
-   image's ``num_image_tokens`` copies (what transformers' ``LlavaProcessor`` does to the
-   text), so every later length (max_model_len, blocks, the scheduler's budget) sees the
+   image's replacement ids (``PreparedImage``; what the family's transformers processor
+   does to the text: LLaVA ``num_image_tokens`` copies of the placeholder, Idefics3 its
+   tiles' runs of ``<image>`` between ``<fake_token_around_image>`` and row / column
+   tags), so every later length (max_model_len, blocks, the scheduler's budget) sees the
    final count. A prompt already expanded (token ids from a client that expanded it) is
    accepted as it is. The count must match the images given: ValueError otherwise, as
    for more images than ``limit_mm_per_prompt`` or images sent to a text-only model.
+   An image is one or more *tiles* (Idefics3's image splitting; LLaVA: one); each tile
+   is one run of ``num_image_tokens`` placeholders and one encoder-cache entry.
 2. **Identity ids.** The placeholder copies are the same id for every image, so the
    prefix cache (host hashes and the device's stored-token verification,
    memory/prefix_cache.py) would hand one image's KV to another. The request's
@@ -19,8 +24,8 @@ docs/multimodal.md gives the design and what is not built.
    never a vocabulary id, equal only for equal pixels. The token buffer, the chained
    block hashes and the device verification see them unchanged (no change to the
    prefix cache or engine/block_hashes.py); outputs report the real ids.
-3. **Preprocessing and hashing.** Images go through the checkpoint's CLIPImageProcessor
-   (PIL backend) once; the key of an image is blake2b-64 of its pixel_values, so two
+3. **Preprocessing and hashing.** Images go through the checkpoint's image processor
+   (PIL backend) once; the key of a tile is blake2b-64 of its pixel_values, so two
    encodings of the same pixels share features and KV.
 4. **Per step.** The rows of the step's batch that prefill image positions (any slice
    of an image: chunked prefill may split it) name, per token, an encoder-cache entry
@@ -34,6 +39,9 @@ keeps its pixel_values until it finishes, so an image evicted between two chunks
 prompt, or needed again by a recompute after preemption, is encoded again. C comes from
 ``MultiModalConfig.encoder_cache_size`` (rows, vLLM's unit); a step that needs more
 images at once than fit grows the array (logged) instead of failing.
+
+The families (which checkpoints, how they load, ``VisionModel``: the encoder and each
+family's ``prepare``) are vision_models.py's; this module is the request path.
 """
 
 from __future__ import annotations
@@ -44,25 +52,17 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.config import ModelConfig, MultiModalConfig
+from pagedjax.config import MultiModalConfig
 from pagedjax.engine.host_arrays import upload
-from pagedjax.engine.loading import load_model, resolve_dtype
+from pagedjax.engine.vision_models import VisionModel, load_engine_model  # (re-exported)
 from pagedjax.model import ModelArch
-from pagedjax.model.vision.llava import (
-    LlavaArch,
-    image_features,
-    is_llava_checkpoint,
-    load_llava_checkpoint,
-)
 from pagedjax.model.vision.preprocess import load_image
-from pagedjax.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +75,10 @@ _ID_SPAN = 2**31 - 2
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ImageInput:
-    """One image of a prompt: key (64-bit content hash of its pixel_values), its
-    placeholder run [offset, offset + length) in the expanded prompt, and its
-    preprocessed pixel_values float32 [3, S, S] (kept until the request finishes)."""
+    """One tile of a prompt's image (an image, for LLaVA): key (64-bit content hash of
+    its pixel_values), its placeholder run [offset, offset + length) in the expanded
+    prompt, and its preprocessed pixel_values float32 [3, S, S] (kept until the request
+    finishes)."""
 
     key: int
     offset: int
@@ -89,7 +90,7 @@ class ImageInput:
 class MultiModalPrompt:
     """A prompt with images: token_ids, the real expanded ids (what outputs report);
     cache_ids, the same with identity ids at placeholder positions (what the engine
-    stores, hashes and verifies); images in prompt order."""
+    stores, hashes and verifies); images: every image's tiles, in prompt order."""
 
     token_ids: list[int]
     cache_ids: list[int]
@@ -149,16 +150,19 @@ def images_of(multi_modal_data: Any) -> list[Any]:
     return out
 
 
-def expand_placeholders(ids: Sequence[int], token: int, n: int, num_images: int) -> list[int]:
-    """ids with each image placeholder ``token`` repeated ``n`` times (LlavaProcessor's
-    expansion), or ids unchanged when they are already expanded (num_images * n
-    placeholders in runs of multiples of n). ValueError when they match neither form."""
+def expand_placeholders(ids: Sequence[int], token: int, replacements: Sequence[Sequence[int]],
+                        n: int) -> list[int]:  # fmt: skip
+    """ids with the k-th image placeholder ``token`` replaced by ``replacements[k]`` (the
+    family processor's expansion), or ids unchanged when they are already expanded (as
+    many placeholders as the replacements hold, in runs of multiples of n: one run per
+    tile, adjacent tiles of LLaVA make one run). ValueError when they match neither."""
     ids = [int(t) for t in ids]
     count = sum(t == token for t in ids)
-    if count == num_images:
+    if count == len(replacements):
         out: list[int] = []
+        it = iter(replacements)
         for t in ids:
-            out.extend([t] * n if t == token else [t])
+            out.extend(next(it) if t == token else [t])
         return out
     runs, run = [], 0
     for t in [*ids, None]:
@@ -167,87 +171,13 @@ def expand_placeholders(ids: Sequence[int], token: int, n: int, num_images: int)
         elif run:
             runs.append(run)
             run = 0
-    # Adjacent images make one run of k * n placeholders.
-    if num_images and count == num_images * n and all(r % n == 0 for r in runs):
+    want = sum(sum(t == token for t in r) for r in replacements)
+    if replacements and count == want and all(r % n == 0 for r in runs):
         return ids
     raise ValueError(
-        f"the prompt has {count} image placeholder token(s) (id {token}) for {num_images}"
-        f" image(s): write one placeholder per image"
+        f"the prompt has {count} image placeholder token(s) (id {token}) for"
+        f" {len(replacements)} image(s): write one placeholder per image"
     )
-
-
-class VisionModel:
-    """LLaVA's vision side for the engine: the CLIP tower and projector params, the
-    checkpoint's image processor, and the encoder jitted per image-count bucket."""
-
-    def __init__(self, arch: LlavaArch, vision: Params, projector: Params, processor: Any):
-        self.arch, self.vision, self.projector, self.processor = arch, vision, projector, processor
-        self.dtype = jax.tree.leaves(projector)[0].dtype
-        self._encode = jax.jit(image_features, static_argnames=("arch",))
-
-    @property
-    def num_image_tokens(self) -> int:
-        return self.arch.num_image_tokens
-
-    def preprocess(self, images: list[Any]) -> np.ndarray:
-        """RGB PIL images -> float32 pixel_values [B, 3, S, S] (the image processor)."""
-        out = self.processor(images=images, return_tensors="np")
-        pixels = np.asarray(out["pixel_values"], np.float32)
-        s = self.arch.vision.image_size
-        if pixels.shape[1:] != (3, s, s):
-            raise ValueError(f"the image processor gave pixel_values {pixels.shape[1:]}, the"
-                             f" vision tower takes (3, {s}, {s})")  # fmt: skip
-        return pixels
-
-    def encode(self, pixels: np.ndarray) -> jax.Array:
-        """pixel_values [B, 3, S, S] -> projected features [B', N, H] (B' >= B: the count
-        padded to a power of two; rows past B are padding)."""
-        b = pixels.shape[0]
-        padded = 1 << max(0, (b - 1).bit_length())
-        if padded > b:
-            pixels = np.concatenate([pixels, np.zeros((padded - b, *pixels.shape[1:]),
-                                                      pixels.dtype)])  # fmt: skip
-        return self._encode(self.vision, self.projector, upload(pixels), arch=self.arch)
-
-
-def load_image_processor(directory: Path, arch: LlavaArch) -> Any:
-    """The checkpoint's CLIPImageProcessor (preprocessor_config.json), else one for the
-    tower's image size with CLIP's default mean / std (logged: the checkpoint should
-    ship its processor)."""
-    from transformers import CLIPImageProcessor
-
-    if (directory / "preprocessor_config.json").is_file():
-        return CLIPImageProcessor.from_pretrained(str(directory))
-    s = arch.vision.image_size
-    log.warning("%s has no preprocessor_config.json: CLIP's default preprocessing at %d px",
-                directory, s)
-    return CLIPImageProcessor(size={"shortest_edge": s}, crop_size={"height": s, "width": s})
-
-
-def load_multimodal_model(mc: ModelConfig) -> tuple[ModelArch, Params, Tokenizer, VisionModel]:
-    """(text arch, text params, tokenizer, VisionModel) of a LLaVA checkpoint directory
-    (``model_type`` "llava", LlavaForConditionalGeneration's layout). Random weights
-    (load_format "dummy") and quantization are not built for it: ValueError."""
-    path = Path(mc.model)
-    if mc.load_format == "dummy":
-        raise ValueError("load_format='dummy' is not built for LLaVA checkpoints")
-    if mc.quantization is not None:
-        raise ValueError(f"quantization={mc.quantization!r} is not built for LLaVA checkpoints")
-    dtype = resolve_dtype(mc.dtype, path, jax.devices()[0].platform)
-    arch, params, larch, vision, projector = load_llava_checkpoint(path, dtype)
-    tokenizer = load_tokenizer(mc.tokenizer or path)
-    processor = load_image_processor(path, larch)
-    return arch, params, tokenizer, VisionModel(larch, vision, projector, processor)
-
-
-def load_engine_model(mc: ModelConfig) -> tuple[ModelArch, Params, Tokenizer, VisionModel | None]:
-    """``LLMEngine.from_config``'s loader: a LLaVA directory through
-    ``load_multimodal_model``, any other model through ``loading.load_model`` (no
-    vision model)."""
-    if is_llava_checkpoint(mc.model):
-        return load_multimodal_model(mc)
-    arch, params, tokenizer, _ = load_model(mc)
-    return arch, params, tokenizer, None
 
 
 def split_mm(prompt: Any, runner: MultiModalRunner | None) -> tuple[Any, Any]:
@@ -372,7 +302,7 @@ class MultiModalRunner:
 
     @property
     def image_token_id(self) -> int:
-        return self.vision.arch.image_token_id
+        return self.vision.image_token_id
 
     def prepare(self, ids: list[int], multi_modal_data: Any, params: Any = None
                 ) -> MultiModalPrompt | None:  # fmt: skip
@@ -388,16 +318,17 @@ class MultiModalRunner:
         tok, n = self.image_token_id, self.vision.num_image_tokens
         if not images and tok not in ids:
             return None
-        expanded = expand_placeholders(ids, tok, n, len(images))
         if params is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs with images is not built yet")
-        pixels = self.vision.preprocess(images) if images else []
+        prepared = self.vision.prepare(images) if images else []
+        expanded = expand_placeholders(ids, tok, [p.replacement for p in prepared], n)
         cache_ids = np.asarray(expanded, np.int64)
-        # Image k owns placeholders k * n .. (k + 1) * n - 1 in order (adjacent images
-        # make one run of k * n, as in transformers' merge).
+        # Tile k (all images' tiles in prompt order) owns placeholders k * n ..
+        # (k + 1) * n - 1 (adjacent tiles make one run, as in transformers' merge).
         starts = [i for i, t in enumerate(expanded) if t == tok][::n]
+        tiles = [t for p in prepared for t in p.tiles]
         inputs = []
-        for start, px in zip(starts, pixels, strict=True):
+        for start, px in zip(starts, tiles, strict=True):
             key = image_key(px)
             cache_ids[start : start + n] = identity_ids(key, n)
             inputs.append(ImageInput(key, start, n, px))
@@ -460,6 +391,5 @@ __all__ = [
     "image_key",
     "images_of",
     "load_engine_model",
-    "load_multimodal_model",
     "split_mm",
 ]

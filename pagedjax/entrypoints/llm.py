@@ -93,7 +93,7 @@ class LLM:
     picks each prompt's adapter (docs/lora.md). Llama family, one device, no speculation.
     limit_mm_per_prompt: vLLM's dict, most images per prompt ({"image": 2}; default 999);
     mm_encoder_cache_size (pagedjax's own): image-embedding rows the encoder cache keeps
-    (``config.MultiModalConfig``; docs/multimodal.md). A LLaVA checkpoint directory
+    (``config.MultiModalConfig``; docs/multimodal.md). A LLaVA or Idefics3 directory
     takes prompts {"prompt": ..., "multi_modal_data": {"image": img or [imgs]}}.
     """
 
@@ -271,8 +271,8 @@ class LLM:
         the model's image placeholder per image (as the server does); returns them and
         the images in order. ValueError for images to a text-only model, another part
         type, or a URL that is not a data: URL (nothing is fetched)."""
+        from pagedjax.engine.vision_models import image_prompt_info
         from pagedjax.entrypoints.openai.protocol import OpenAIError, image_url_bytes
-        from pagedjax.model.vision.llava import image_prompt_info
 
         out, images = [], []
         for i, m in enumerate(conversation):

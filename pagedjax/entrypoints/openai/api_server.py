@@ -91,10 +91,10 @@ def build_app(
     app = FastAPI(title="pagedjax OpenAI-compatible server", version=version())
     metrics = metrics or ServerMetrics(served_model_names[0])
     limits = limits or ServerLimits()
-    # A LLaVA directory: chat image parts become its placeholder (None: images refused).
+    # A LLaVA or Idefics3 directory: chat image parts become its placeholder (None: refused).
     images = None
     if model_path:
-        from pagedjax.model.vision.llava import image_prompt_info
+        from pagedjax.engine.vision_models import image_prompt_info
 
         images = image_prompt_info(model_path, engine.tokenizer)
     serving = OpenAIServing(

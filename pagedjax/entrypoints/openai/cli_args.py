@@ -231,7 +231,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         "--limit-mm-per-prompt",
         type=_json_object,
         default=None,
-        help='most images per prompt, JSON: \'{"image": 2}\' (default 999; a LLaVA model)',
+        help='most images per prompt, JSON: \'{"image": 2}\' (default 999; LLaVA, Idefics3)',
     )
     p.add_argument(
         "--kv-cache-dtype",

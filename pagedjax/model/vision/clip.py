@@ -12,6 +12,8 @@ reads hidden states, never the pooled output); its tensors are accepted and igno
 Why pure functions over stacked layers rather than a Flax module: the tower runs once per
 image, outside the paged KV cache, and a ``lax.scan`` over stacked layer weights keeps the
 compiled program one layer long whatever the depth (as the decoder's layer loop does).
+The encoder stack itself is vit.py's (shared with SigLIP, siglip.py); this module holds
+CLIP's embeddings (CLS token, bias-free patch conv, pre_layrnorm) and LLaVA's selection.
 """
 
 from __future__ import annotations
@@ -24,13 +26,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-Params = Any  # nested dict of arrays
+from pagedjax.model.vision.vit import (
+    EncoderShape,
+    TensorReader,
+    cast,
+    convert_encoder_layers,
+    encoder,
+    layer_norm,
+    patchify,
+)
 
-_ACTIVATIONS = {
-    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-}
+Params = Any  # nested dict of arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,18 +54,16 @@ class CLIPVisionArch:
     hidden_act: str = "quick_gelu"
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} not divisible by {self.num_heads} heads"
-            )
+        _ = self.encoder_shape  # raises on heads not dividing hidden, unknown hidden_act
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"image_size {self.image_size} not a multiple of patch_size {self.patch_size}"
             )
-        if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(
-                f"unsupported hidden_act {self.hidden_act!r}; supported: {sorted(_ACTIVATIONS)}"
-            )
+
+    @property
+    def encoder_shape(self) -> EncoderShape:
+        return EncoderShape(self.hidden_size, self.intermediate_size, self.num_heads,
+                            self.layer_norm_eps, self.hidden_act)  # fmt: skip
 
     @property
     def num_patches(self) -> int:
@@ -88,11 +92,6 @@ class CLIPVisionArch:
         )
 
 
-_LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                  "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
-_LAYER_NORMS = ("layer_norm1", "layer_norm2")
-
-
 def convert_clip_tensors(
     arch: CLIPVisionArch, tensors: dict[str, np.ndarray], dtype: Any = jnp.float32
 ) -> Params:
@@ -102,81 +101,21 @@ def convert_clip_tensors(
     [C*p*p, hidden] matrix (a stride-p conv without bias is a matmul over patches).
     Raises ValueError naming missing tensors, shape mismatches or unexpected tensors."""
     h, p, c = arch.hidden_size, arch.patch_size, arch.num_channels
-    used: set[str] = set()
-
-    def get(key: str, shape: tuple[int, ...]) -> np.ndarray:
-        if key not in tensors:
-            raise ValueError(f"CLIP checkpoint is missing tensor {key!r}")
-        used.add(key)
-        x = np.asarray(tensors[key])
-        if x.shape != shape:
-            raise ValueError(
-                f"shape mismatch for {key!r}: checkpoint {x.shape}, config implies {shape}"
-            )
-        return x
-
-    def cast(tree: Any) -> Any:
-        return jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)
-
-    def norm(prefix: str) -> dict[str, np.ndarray]:
-        return {"scale": get(f"{prefix}.weight", (h,)), "bias": get(f"{prefix}.bias", (h,))}
-
-    sizes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, h), "self_attn.v_proj": (h, h),
-             "self_attn.out_proj": (h, h), "mlp.fc1": (arch.intermediate_size, h),
-             "mlp.fc2": (h, arch.intermediate_size)}
-    layers = []
-    for i in range(arch.num_layers):
-        pre = f"encoder.layers.{i}"
-        layer: dict[str, Any] = {}
-        for name in _LAYER_LINEARS:
-            out_f, in_f = sizes[name]
-            layer[name.split(".")[1]] = {
-                "kernel": get(f"{pre}.{name}.weight", (out_f, in_f)).T,
-                "bias": get(f"{pre}.{name}.bias", (out_f,)),
-            }
-        for name in _LAYER_NORMS:
-            layer[name] = norm(f"{pre}.{name}")
-        layers.append(layer)
-    conv = get("embeddings.patch_embedding.weight", (h, c, p, p))
+    reader = TensorReader(tensors, "CLIP")
+    layers = convert_encoder_layers(arch.encoder_shape, arch.num_layers, reader)
+    conv = reader.get("embeddings.patch_embedding.weight", (h, c, p, p))
     params = {
         "patch_embedding": conv.reshape(h, c * p * p).T,
-        "class_embedding": get("embeddings.class_embedding", (h,)),
-        "position_embedding": get(
+        "class_embedding": reader.get("embeddings.class_embedding", (h,)),
+        "position_embedding": reader.get(
             "embeddings.position_embedding.weight", (arch.num_patches + 1, h)
         ),
-        "pre_layrnorm": norm("pre_layrnorm"),
-        # Stacked on a leading layer axis for lax.scan.
-        "layers": jax.tree.map(lambda *xs: np.stack(xs), *layers),
+        "pre_layrnorm": reader.norm("pre_layrnorm", h),
+        "layers": layers,  # stacked on a leading layer axis for lax.scan
     }
     # position_ids is a non-persistent buffer in new HF but saved by old checkpoints.
-    ignored = {k for k in tensors if k.startswith("post_layernorm.") or k.endswith("position_ids")}
-    extra = set(tensors) - used - ignored
-    if extra:
-        raise ValueError(f"CLIP checkpoint has tensors the config does not use: {sorted(extra)}")
-    return cast(params)
-
-
-def _layer_norm(x: jax.Array, p: dict[str, jax.Array], eps: float) -> jax.Array:
-    # Statistics in fp32 (HF's LayerNorm under autocast does the same).
-    xf = x.astype(jnp.float32)
-    mean = xf.mean(-1, keepdims=True)
-    var = ((xf - mean) ** 2).mean(-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps)
-    return (y * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(x.dtype)
-
-
-def _dense(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    return x @ p["kernel"] + p["bias"]
-
-
-def patchify(pixel_values: jax.Array, patch_size: int) -> jax.Array:
-    """[B, C, H, W] -> [B, (H/p)*(W/p), C*p*p], patches row-major and each patch flattened
-    (C, p, p) as the conv weight is, so patches @ W.reshape(h, -1).T equals the conv."""
-    b, c, hh, ww = pixel_values.shape
-    p = patch_size
-    x = pixel_values.reshape(b, c, hh // p, p, ww // p, p)
-    x = x.transpose(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (hh // p) * (ww // p), c * p * p)
+    reader.refuse_unused(lambda k: k.startswith("post_layernorm.") or k.endswith("position_ids"))
+    return cast(params, dtype)
 
 
 def clip_embeddings(params: Params, pixel_values: jax.Array, arch: CLIPVisionArch) -> jax.Array:
@@ -193,33 +132,11 @@ def clip_embeddings(params: Params, pixel_values: jax.Array, arch: CLIPVisionArc
     return jnp.concatenate([cls, patches], axis=1) + params["position_embedding"]
 
 
-def _encoder_layer(x: jax.Array, p: Params, arch: CLIPVisionArch) -> jax.Array:
-    b, n, h = x.shape
-    heads, d = arch.num_heads, arch.head_dim
-    y = _layer_norm(x, p["layer_norm1"], arch.layer_norm_eps)
-    split = lambda t: t.reshape(b, n, heads, d)
-    q = split(_dense(y, p["q_proj"]))
-    k = split(_dense(y, p["k_proj"]))
-    v = split(_dense(y, p["v_proj"]))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * d**-0.5
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)  # no mask: every patch sees all
-    attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, n, h)
-    x = x + _dense(attn, p["out_proj"])
-    y = _layer_norm(x, p["layer_norm2"], arch.layer_norm_eps)
-    y = _dense(_ACTIVATIONS[arch.hidden_act](_dense(y, p["fc1"])), p["fc2"])
-    return x + y
-
-
 def clip_hidden_states(params: Params, pixel_values: jax.Array, arch: CLIPVisionArch) -> jax.Array:
     """[num_layers + 1, B, num_patches + 1, hidden]: HF's ``hidden_states`` tuple, stacked."""
-    x = _layer_norm(clip_embeddings(params, pixel_values, arch), params["pre_layrnorm"],
-                    arch.layer_norm_eps)
-
-    def step(carry: jax.Array, layer: Params) -> tuple[jax.Array, jax.Array]:
-        out = _encoder_layer(carry, layer, arch)
-        return out, out
-
-    _, outs = jax.lax.scan(step, x, params["layers"])
+    x = layer_norm(clip_embeddings(params, pixel_values, arch), params["pre_layrnorm"],
+                   arch.layer_norm_eps)
+    outs = encoder(x, params["layers"], arch.encoder_shape)
     return jnp.concatenate([x[None], outs], axis=0)
 
 

@@ -1,0 +1,216 @@
+"""A checkpoint's vision side for the engine, by family: which multi-modal families a
+directory may hold (config.json's ``model_type``: "llava", "idefics3"), how each loads
+(text model + vision tower + connector, model/vision/), and ``VisionModel``, the one
+interface the engine's image path (multimodal.py) uses whatever the family: the jitted
+encoder over tiles and ``prepare`` (preprocessing + the placeholder's replacement ids,
+bound to the checkpoint's image processor and tokenizer at load).
+
+Families: LLaVA (CLIP tower, projector; an image is one tile, its placeholder repeated
+``num_image_tokens`` times, as ``LlavaProcessor``); Idefics3 / SmolVLM (SigLIP tower,
+pixel-shuffle connector; an image is its split tiles then the global tile, or the
+global tile alone, and the text ``Idefics3Processor`` writes for it, tokenized with the
+model's tokenizer). docs/multimodal.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from pagedjax.config import ModelConfig
+from pagedjax.engine.host_arrays import upload
+from pagedjax.engine.loading import load_model, resolve_dtype
+from pagedjax.model import ModelArch
+from pagedjax.model.vision import idefics3, llava
+from pagedjax.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+Params = Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PreparedImage:
+    """One image after its family's preprocessing: tiles float32 [k, 3, S, S] (k = 1 for
+    LLaVA; Idefics3's split tiles then the global one) and replacement, the token ids
+    that replace its placeholder: k runs of ``num_image_tokens`` image tokens, tile
+    order, with whatever the family's processor writes around them."""
+
+    tiles: np.ndarray
+    replacement: tuple[int, ...]
+
+
+class VisionModel:
+    """A checkpoint's vision side for the engine, whatever the family: ``arch`` (hashable,
+    static under jit; ``image_token_id``, ``num_image_tokens`` per tile), the tower and
+    connector params, ``features(vision, connector, tiles [B, 3, S, S], arch) -> [B, N,
+    H]`` (the family's pure ``image_features``, jitted here per tile-count bucket) and
+    ``prepare(images) -> list[PreparedImage]`` (preprocessing and placeholder
+    replacement; the family's processor, bound at load)."""
+
+    def __init__(self, arch: Any, vision: Params, connector: Params,
+                 features: Callable[..., jax.Array],
+                 prepare: Callable[[list[Any]], list[PreparedImage]]):  # fmt: skip
+        self.arch, self.vision, self.connector = arch, vision, connector
+        self.prepare = prepare
+        self.dtype = jax.tree.leaves(connector)[0].dtype
+        self._encode = jax.jit(features, static_argnames=("arch",))
+
+    @property
+    def num_image_tokens(self) -> int:
+        return self.arch.num_image_tokens
+
+    @property
+    def image_token_id(self) -> int:
+        return self.arch.image_token_id
+
+    def encode(self, pixels: np.ndarray) -> jax.Array:
+        """tiles [B, 3, S, S] -> projected features [B', N, H] (B' >= B: the count padded
+        to a power of two; rows past B are padding)."""
+        b = pixels.shape[0]
+        padded = 1 << max(0, (b - 1).bit_length())
+        if padded > b:
+            pixels = np.concatenate([pixels, np.zeros((padded - b, *pixels.shape[1:]),
+                                                      pixels.dtype)])  # fmt: skip
+        return self._encode(self.vision, self.connector, upload(pixels), arch=self.arch)
+
+
+def _llava_model(path: Path, dtype: Any, tokenizer: Tokenizer
+                 ) -> tuple[ModelArch, Params, VisionModel]:  # fmt: skip
+    """A LLaVA directory: CLIP tower + projector; each image one tile, its placeholder
+    repeated num_image_tokens times (LlavaProcessor)."""
+    arch, params, larch, vision, projector = llava.load_llava_checkpoint(path, dtype)
+    processor = _clip_image_processor(path, larch)
+    s, n, tok = larch.vision.image_size, larch.num_image_tokens, larch.image_token_id
+
+    def prepare(images: list[Any]) -> list[PreparedImage]:
+        out = processor(images=images, return_tensors="np")
+        pixels = np.asarray(out["pixel_values"], np.float32)
+        if pixels.shape[1:] != (3, s, s):
+            raise ValueError(f"the image processor gave pixel_values {pixels.shape[1:]}, the"
+                             f" vision tower takes (3, {s}, {s})")  # fmt: skip
+        return [PreparedImage(px[None], (tok,) * n) for px in pixels]
+
+    return arch, params, VisionModel(larch, vision, projector, llava.image_features, prepare)
+
+
+def _clip_image_processor(directory: Path, arch: llava.LlavaArch) -> Any:
+    """The checkpoint's CLIPImageProcessor (preprocessor_config.json), else one for the
+    tower's image size with CLIP's default mean / std (logged: the checkpoint should
+    ship its processor)."""
+    from transformers import CLIPImageProcessor
+
+    if (directory / "preprocessor_config.json").is_file():
+        return CLIPImageProcessor.from_pretrained(str(directory))
+    s = arch.vision.image_size
+    log.warning("%s has no preprocessor_config.json: CLIP's default preprocessing at %d px",
+                directory, s)
+    return CLIPImageProcessor(size={"shortest_edge": s}, crop_size={"height": s, "width": s})
+
+
+def _idefics3_model(path: Path, dtype: Any, tokenizer: Tokenizer
+                    ) -> tuple[ModelArch, Params, VisionModel]:  # fmt: skip
+    """An Idefics3 / SmolVLM directory: SigLIP tower + connector; each image's tiles (one
+    without splitting) and the text Idefics3Processor writes for it, tokenized with the
+    model's tokenizer (once per tile grid)."""
+    arch, params, iarch, vision, connector = idefics3.load_idefics3_checkpoint(path, dtype)
+    processor = idefics3.load_image_processor(path, iarch)
+    n, tok = iarch.num_image_tokens, iarch.image_token_id
+    replacements: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def replacement(rows: int, cols: int, tiles: int) -> tuple[int, ...]:
+        if (rows, cols) not in replacements:
+            text = idefics3.image_prompt_text(rows, cols, n)
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if sum(t == tok for t in ids) != tiles * n:
+                raise ValueError(f"the tokenizer does not encode {idefics3.IMAGE_TOKEN!r} as"
+                                 f" the image token {tok}")  # fmt: skip
+            replacements[rows, cols] = ids
+        return replacements[rows, cols]
+
+    def prepare(images: list[Any]) -> list[PreparedImage]:
+        out = []
+        for img in images:
+            tiles, rows, cols = idefics3.preprocess_image(processor, img, iarch)
+            out.append(PreparedImage(tiles, replacement(rows, cols, len(tiles))))
+        return out
+
+    return arch, params, VisionModel(iarch, vision, connector, idefics3.image_features, prepare)
+
+
+# config.json's model_type -> the loader of that multi-modal family.
+_FAMILIES = {"llava": _llava_model, "idefics3": _idefics3_model}
+
+
+def multimodal_model_type(directory: str | Path) -> str | None:
+    """The directory's config.json model_type when it is a multi-modal family built here
+    ("llava", "idefics3"), else None (a text model, a preset name, a missing file)."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        return None
+    model_type = json.loads(path.read_text()).get("model_type")
+    return model_type if model_type in _FAMILIES else None
+
+
+def image_prompt_info(directory: str | Path, tokenizer: Tokenizer) -> tuple[str, int] | None:
+    """(placeholder text, the most tokens one image expands to) of a multi-modal
+    checkpoint directory, for a front end that writes placeholders into chat text and
+    budgets prompt lengths without loading the model (LLM.chat, the API process); None
+    for any other model. LLaVA: its image token's text, num_image_tokens. Idefics3:
+    "<image>", the largest tile grid's expansion under the directory's processor."""
+    model_type = multimodal_model_type(directory)
+    if model_type == "llava":
+        return llava.image_prompt_info(directory, tokenizer)
+    if model_type == "idefics3":
+        path = Path(directory)
+        config = json.loads((path / "config.json").read_text())
+        arch = idefics3.Idefics3Arch.from_hf(idefics3.complete_idefics3_config(config))
+        processor = idefics3.load_image_processor(path, arch)
+        return idefics3.IMAGE_TOKEN, idefics3.max_image_prompt_tokens(processor, arch, tokenizer)
+    return None
+
+
+def load_multimodal_model(mc: ModelConfig) -> tuple[ModelArch, Params, Tokenizer, VisionModel]:
+    """(text arch, text params, tokenizer, VisionModel) of a multi-modal checkpoint
+    directory (``multimodal_model_type``). Random weights (load_format "dummy") and
+    quantization are not built for it: ValueError."""
+    path = Path(mc.model)
+    model_type = multimodal_model_type(path)
+    if model_type is None:
+        raise ValueError(f"{path} is not a multi-modal checkpoint built here ({sorted(_FAMILIES)})")
+    if mc.load_format == "dummy":
+        raise ValueError(f"load_format='dummy' is not built for {model_type} checkpoints")
+    if mc.quantization is not None:
+        raise ValueError(f"quantization={mc.quantization!r} is not built for {model_type}"
+                         " checkpoints")  # fmt: skip
+    dtype = resolve_dtype(mc.dtype, path, jax.devices()[0].platform)
+    tokenizer = load_tokenizer(mc.tokenizer or path)
+    arch, params, vision = _FAMILIES[model_type](path, dtype, tokenizer)
+    return arch, params, tokenizer, vision
+
+
+def load_engine_model(mc: ModelConfig) -> tuple[ModelArch, Params, Tokenizer, VisionModel | None]:
+    """``LLMEngine.from_config``'s loader: a LLaVA or Idefics3 directory through
+    ``load_multimodal_model``, any other model through ``loading.load_model`` (no
+    vision model)."""
+    if multimodal_model_type(mc.model) is not None:
+        return load_multimodal_model(mc)
+    arch, params, tokenizer, _ = load_model(mc)
+    return arch, params, tokenizer, None
+
+
+__all__ = [
+    "PreparedImage",
+    "VisionModel",
+    "image_prompt_info",
+    "load_engine_model",
+    "load_multimodal_model",
+    "multimodal_model_type",
+]
