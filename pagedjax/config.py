@@ -477,10 +477,16 @@ class MultiModalConfig:
     on device between steps (vLLM's encoder cache, sized in tokens); None: the larger
     of max_num_batched_tokens and one image's tokens. A step that needs more images at
     once than fit grows the cache (logged) rather than fail.
+    max_num_encoder_input_tokens (vLLM's scheduler budget of that name; here None = no
+    budget): image tokens (tiles x tokens per tile) the engine encodes per step for
+    queued requests before admitting them, so a request with large or many images is
+    encoded over several steps while the running requests keep decoding
+    (``multimodal.MultiModalRunner.admit``).
     """
 
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     encoder_cache_size: int | None = None
+    max_num_encoder_input_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for k, v in self.limit_mm_per_prompt.items():
@@ -490,6 +496,9 @@ class MultiModalConfig:
             _check(ok, "multimodal.limit_mm_per_prompt", f"{k}: must be an integer >= 0, got {v!r}")
         _check(self.encoder_cache_size is None or self.encoder_cache_size >= 1,
                "multimodal.encoder_cache_size", f"must be >= 1, got {self.encoder_cache_size}")
+        b = self.max_num_encoder_input_tokens
+        _check(b is None or (isinstance(b, int) and not isinstance(b, bool) and b >= 1),
+               "multimodal.max_num_encoder_input_tokens", f"must be an integer >= 1, got {b!r}")
 
     def limit(self, modality: str) -> int:
         """Most items of ``modality`` one prompt may carry."""

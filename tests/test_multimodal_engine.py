@@ -346,3 +346,38 @@ def test_server_chat_with_data_url_image_equals_generate(llava, llm, tmp_path):
             asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+@pytest.mark.tier2
+def test_encoder_budget_spreads_a_large_request_while_others_decode(llava):
+    """max_num_encoder_input_tokens = one image's tokens: a three-image request arriving
+    while a text request decodes is encoded one image per step at admission (held until
+    all three are cached), no step encodes more than the budget, the text request keeps
+    decoding meanwhile, and both outputs are transformers' greedy tokens."""
+    llm = LLM(model=str(llava[0]), max_num_batched_tokens=64, mm_encoder_cache_size=4 * N,
+              limit_mm_per_prompt={"image": 3}, max_num_encoder_input_tokens=N,
+              **ARGS)  # fmt: skip
+    engine = llm.llm_engine
+    engine.reset_stats()
+    three = "USER: <image> <image> <image> Which? ASSISTANT:"
+    imgs = [_image(21), _image(22), _image(23)]
+    text = "USER: count slowly ASSISTANT:"
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    engine.add_request("text", text, sp)
+    for _ in range(2):  # the text request is prefilled and decoding
+        engine.step()
+    engine.add_request("images", _mm(three, imgs), SamplingParams(temperature=0.0, max_tokens=6))
+    progress, outs = [], {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == "text":
+                progress.append(len(o.outputs[0].token_ids))
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+    s = engine.stats()
+    assert s["mm_max_step_encoder_tokens"] <= N  # never more than the budget in a step
+    assert s["mm_admission_holds"] >= 2  # held while its 3 images were encoded
+    assert s["mm_images_encoded"] == 3  # each once: the admission's encodes were kept
+    assert outs["text"] == _hf_greedy(llava, text, [], max_tokens=8)
+    assert outs["images"] == _hf_greedy(llava, three, imgs)
+    assert len(progress) >= 3  # the text request decoded during the holds

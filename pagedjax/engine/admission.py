@@ -40,10 +40,18 @@ def assign_slots(core: EngineCore) -> None:
         groups = np.zeros(n, np.int32)
         mask = np.zeros(n, bool)
         k = 0
-        waiting = []  # LoRA: requests whose adapter finds no device slot yet (lora_manager)
+        # LoRA: requests whose adapter finds no device slot yet (lora_manager); images:
+        # requests whose images are still being encoded under the encoder budget.
+        waiting = []
         in_use = _loras_in_use(core) if core.lora is not None else set()
+        gate = core.admit_gate
+        if gate is not None:
+            gate.begin_pass()
         while book.queue and book.free_slots:
             req, seq = book.queue.popleft()
+            if gate is not None and not gate.admit(req):
+                waiting.append((req, seq))
+                continue
             if core.lora is not None:
                 if not core.lora.admit(req.lora_request, in_use):
                     waiting.append((req, seq))

@@ -81,6 +81,10 @@ class EngineCore:
     # kv_offload.HostTier: prefix blocks evicted from the device kept on the host
     # (kv_offloading_size > 0); None when off.
     host_tier: Any = None
+    # multimodal.MultiModalRunner when the model takes images: ``begin_pass()`` then
+    # ``admit(request)`` per queued request (False: it waits, its images being encoded
+    # under the encoder budget). None: every request is admitted as slots allow.
+    admit_gate: Any = None
 
     def take_slot(self, req: RequestState, seq: SequenceState) -> int:
         """Bind a free slot to seq: owner, token-buffer row (prompt + any output kept for

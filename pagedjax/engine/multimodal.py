@@ -222,6 +222,7 @@ class EncoderCache:
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # key -> slot, LRU first
         self._free = list(range(capacity))
         self.hits = self.encoded = self.evicted = self.grown = 0
+        self.encoded_tokens = 0  # image tokens encoded (the encoder budget's unit)
         self.encoder_seconds = 0.0
 
     @property
@@ -255,6 +256,7 @@ class EncoderCache:
             self.cache.block_until_ready()  # the encoder's time, not the next step's
             self.encoder_seconds += time.perf_counter() - t0
             self.encoded += len(missing)
+            self.encoded_tokens += sum(img.length for img in missing)
             for img, slot in zip(missing, slots, strict=True):
                 self._slot_of[img.key] = slot
         return {key: self._slot_of[key] for key in wanted}
@@ -288,6 +290,13 @@ class MultiModalRunner:
         rows = config.encoder_cache_size or max(token_budget, n)
         self.encoder_cache = EncoderCache(max(1, rows // n), n, hidden, vision.dtype)
         self.split_slices = 0  # steps' slices of an image shorter than the image (chunking)
+        # The encoder budget (admit): image tokens left this step; tokens encoded this step
+        # (admission and the step itself) and the most in any step; requests held back.
+        self._budget_left = 0
+        self._step_tokens = 0
+        self.max_step_encoder_tokens = 0
+        self.held_passes = 0
+        self._waits: dict[str, int] = {}  # request id -> passes held so far
 
     @classmethod
     def build(cls, vision: VisionModel | None, config: Any, arch: ModelArch
@@ -334,6 +343,55 @@ class MultiModalRunner:
             inputs.append(ImageInput(key, start, n, px))
         return MultiModalPrompt(expanded, cache_ids.tolist(), tuple(inputs))
 
+    def begin_pass(self) -> None:
+        """A new admission pass (one per engine step): the encoder budget is full again."""
+        self._end_step()
+        self._budget_left = self.config.max_num_encoder_input_tokens or 0
+
+    def _end_step(self) -> None:
+        self.max_step_encoder_tokens = max(self.max_step_encoder_tokens, self._step_tokens)
+        self._step_tokens = 0
+
+    def admit(self, req: Any) -> bool:
+        """Whether the queued request ``req`` may take a slot now (``admission``).
+
+        Without a budget (``max_num_encoder_input_tokens`` None), or for a request without
+        images, always. Else its tiles not in the encoder cache are encoded, in prompt
+        order, while this step's budget lasts (the first tile of a step is encoded even
+        when it alone exceeds the budget, so no image waits forever), and the request is
+        admitted once none is missing: a request with many or large images is encoded
+        over several steps while running requests keep decoding. Held tiles may be
+        evicted by other images meanwhile; so that a request never waits forever, after
+        as many passes as it had tiles missing at first (+ 1) it is admitted and its
+        step encodes what is still missing."""
+        mm = req.multi_modal
+        if not self.config.max_num_encoder_input_tokens or mm is None:
+            return True
+        cache = self.encoder_cache
+        missing = list({img.key: img for img in mm.images if img.key not in cache}.values())
+        if not missing:
+            self._waits.pop(req.request_id, None)
+            return True
+        waited = self._waits.setdefault(req.request_id, 0)
+        if waited > len(mm.images):
+            self._waits.pop(req.request_id)
+            return True
+        take = []
+        for img in missing:
+            if img.length > self._budget_left and (take or self._step_tokens):
+                break
+            take.append(img)
+            self._budget_left -= img.length
+        if take:
+            cache.ensure(take, self.vision)
+            self._step_tokens += sum(img.length for img in take)
+        if len(take) == len(missing):
+            self._waits.pop(req.request_id, None)
+            return True
+        self._waits[req.request_id] = waited + 1
+        self.held_passes += 1
+        return False
+
     def step_inputs(self, host: dict, owners: list, num_tokens: int) -> tuple | None:
         """The model step's ``mm`` argument (encoder cache, image_slot int32[T], image_row
         int32[T]) when the step prefills image positions, else None. host: the step's
@@ -352,7 +410,10 @@ class MultiModalRunner:
         if not segments:
             return None
         self.split_slices += sum(count < img.length for _, img, _, count in segments)
+        before = self.encoder_cache.encoded_tokens
         slots = self.encoder_cache.ensure([s[1] for s in segments], self.vision)
+        self._step_tokens += self.encoder_cache.encoded_tokens - before
+        self._end_step()
         image_slot = np.full(num_tokens, -1, np.int32)
         image_row = np.zeros(num_tokens, np.int32)
         for flat, img, first, count in segments:
@@ -365,17 +426,22 @@ class MultiModalRunner:
         found cached; mm_encoder_cache_evictions; mm_encoder_seconds: encoder wall time
         (synchronized); mm_encoder_cache_images: the cache's capacity now;
         mm_split_image_slices: a step's part of an image that was not the whole image
-        (chunked prefill cut the image)."""
+        (chunked prefill cut the image); mm_max_step_encoder_tokens: the most image tokens
+        encoded in one engine step (admission and the step itself); mm_admission_holds:
+        admission passes a request waited for its images (the encoder budget)."""
         c = self.encoder_cache
+        self._end_step()
         return dict(mm_images_encoded=c.encoded, mm_encoder_cache_hits=c.hits,
                     mm_encoder_cache_evictions=c.evicted, mm_encoder_seconds=c.encoder_seconds,
                     mm_encoder_cache_images=c.capacity,
-                    mm_split_image_slices=self.split_slices)  # fmt: skip
+                    mm_split_image_slices=self.split_slices,
+                    mm_max_step_encoder_tokens=self.max_step_encoder_tokens,
+                    mm_admission_holds=self.held_passes)  # fmt: skip
 
     def reset_stats(self) -> None:
-        self.split_slices = 0
+        self.split_slices = self.max_step_encoder_tokens = self.held_passes = 0
         c = self.encoder_cache
-        c.hits = c.encoded = c.evicted = c.grown = 0
+        c.hits = c.encoded = c.evicted = c.grown = c.encoded_tokens = 0
         c.encoder_seconds = 0.0
 
 

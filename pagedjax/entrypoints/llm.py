@@ -92,9 +92,11 @@ class LLM:
     ``generate(..., lora_request=...)``
     picks each prompt's adapter (docs/lora.md). Llama family, one device, no speculation.
     limit_mm_per_prompt: vLLM's dict, most images per prompt ({"image": 2}; default 999);
-    mm_encoder_cache_size (pagedjax's own): image-embedding rows the encoder cache keeps
-    (``config.MultiModalConfig``; docs/multimodal.md). A LLaVA or Idefics3 directory
-    takes prompts {"prompt": ..., "multi_modal_data": {"image": img or [imgs]}}.
+    mm_encoder_cache_size (pagedjax's own): image-embedding rows the encoder cache keeps;
+    max_num_encoder_input_tokens (vLLM's scheduler name; None: no budget): image tokens
+    encoded per step for queued requests (``config.MultiModalConfig``; docs/multimodal.md).
+    A LLaVA or Idefics3 directory takes prompts {"prompt": ..., "multi_modal_data":
+    {"image": img or [imgs]}}.
     """
 
     def __init__(
@@ -144,6 +146,7 @@ class LLM:
         lora_memory: str = "unified",
         limit_mm_per_prompt: dict[str, int] | None = None,
         mm_encoder_cache_size: int | None = None,
+        max_num_encoder_input_tokens: int | None = None,
         **unknown: Any,
     ):
         if unknown:
@@ -419,6 +422,7 @@ def engine_config(
     lora_memory: str = "unified",
     limit_mm_per_prompt: dict[str, int] | None = None,
     mm_encoder_cache_size: int | None = None,
+    max_num_encoder_input_tokens: int | None = None,
     **unknown: Any,
 ) -> EngineConfig:
     """The EngineConfig of ``LLM(model, ...)``'s arguments (see ``LLM``), built without
@@ -488,7 +492,8 @@ def engine_config(
         structured_outputs=_structured_outputs(structured_outputs_config),
         lora=lora if enable_lora else None,
         multimodal=MultiModalConfig(limit_mm_per_prompt=dict(limit_mm_per_prompt or {}),
-                                    encoder_cache_size=mm_encoder_cache_size),
+                                    encoder_cache_size=mm_encoder_cache_size,
+                                    max_num_encoder_input_tokens=max_num_encoder_input_tokens),
     )
     _check_literals(config)
     return config
