@@ -66,6 +66,12 @@ from pagedjax.engine.spec.verify import SpecVerifier, write_drafts
 BUILT_METHODS = ("ngram", "draft_model", "eagle", "medusa")
 
 
+def head_rows(rows: int, bucket: int) -> int:
+    """The rows a Medusa proposal runs on: the next power of two >= ``rows``, at most the
+    sequence ``bucket`` (so a handful of program sizes below each bucket)."""
+    return min(bucket, 1 << max(rows - 1, 0).bit_length())
+
+
 def check_buildable(config: SpeculativeConfig | None, target_model: str | None = None) -> None:
     """Errors naming what cannot be built, before any loading: NotImplementedError for
     a method not built; ValueError for a layer-skip draft (``draft_num_layers``) of
@@ -243,7 +249,8 @@ class SpeculativeDecoder:
             if self.eagle is not None:
                 self._eagle_propose(core, mem, i32, i32, i32, s)
             if self.medusa is not None:
-                self._medusa_propose(core, i32, i32, i32, s)
+                for rows in sorted({head_rows(n, s) for n in range(1, s + 1)}):
+                    self._medusa_propose(core, i32, i32, i32, rows)
             if self.draft is not None:
                 dev.run_program(self.draft.propose, self.draft.params_for(core.params), mem,
                                 i32, i32, i32, *self._sampling_args(core),
@@ -460,7 +467,13 @@ class SpeculativeDecoder:
         if self.medusa is not None:
             self.medusa.ensure(core)
             if spec.any():
-                q = self._medusa_propose(core, sid, start + 1, spec, padded_seqs)
+                # The heads' vocabulary projections cost rows x heads x H x V: run them
+                # on the drafting rows' power-of-two prefix, not the whole sequence bucket
+                # (at batch 1 the bucket's 16 rows cost 3x the target's own step).
+                rows = head_rows(int(np.flatnonzero(spec).max()) + 1, padded_seqs)
+                q = self._medusa_propose(core, sid, start + 1, spec, rows)
+                if q is not None and q.shape[0] != padded_seqs:
+                    q = jnp.pad(q, ((0, padded_seqs - q.shape[0]), (0, 0), (0, 0)))
         if q is None:
             q = self._no_q(padded_seqs)
         return self._verify(core, dev.state.mem, batch._replace(swap=None), upload(spec),
