@@ -311,3 +311,31 @@ def test_server_flags_and_metrics():
     for name, value in (("prefix_cache_host_hits", 40), ("kv_offload_blocks", 7),
                         ("kv_reload_blocks", 10), ("kv_reload_bytes", 1000)):  # fmt: skip
         assert f'pagedjax:{name}_total{{model_name="m"}} {float(value)}' in text
+
+
+@pytest.mark.tier2  # 1,000 requests: issue 35's leak check (~12 s)
+def test_thousand_requests_leave_every_block_free_and_the_tier_in_bounds():
+    """1,000 requests (shared system prompts, so the pool evicts and the tier offloads and
+    reloads all along) leave every device block free or cached-evictable and every host
+    block free or held once by the tier; the tier never held more than its capacity."""
+    llm = LLM("tiny-llama", kv_offloading_size=0.0, **ENGINE)
+    bpb = _bytes_per_block(llm.llm_engine)
+    del llm
+    llm = LLM("tiny-llama", kv_offloading_size=(TIER_BLOCKS + 0.5) * bpb / (1 << 30),
+              **(ENGINE | {"max_num_seqs": 8}))  # fmt: skip
+    engine = llm.llm_engine
+    tier = engine.core.host_tier
+    rng = random.Random(1)
+    systems = [[rng.randrange(3, 500) for _ in range(12)] for _ in range(20)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    sizes = []
+    engine.add_step_observer(lambda _: sizes.append(len(tier.index)))
+    for _ in range(10):  # 10 x 100 requests
+        prompts = [{"prompt_token_ids": rng.choice(systems) + [rng.randrange(3, 500)
+                    for _ in range(rng.randrange(1, 9))]} for _ in range(100)]  # fmt: skip
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
+    s = engine.stats()
+    assert s["kv_offloaded_blocks"] > 0 and s["kv_reloaded_blocks"] > 0
+    assert max(sizes) <= TIER_BLOCKS == tier.capacity
+    _all_free(engine)
