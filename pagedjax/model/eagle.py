@@ -114,16 +114,24 @@ class EagleConfig:
 
 def check_target(cfg: EagleConfig, target: ModelArch) -> None:
     """ValueError naming the mismatch when the head cannot run on ``target``."""
+    check_feature_target("eagle head", cfg, target)
+
+
+def check_feature_target(what: str, cfg: Any, target: ModelArch) -> None:
+    """ValueError naming the mismatch when a drafter on the target's final features
+    (``what``: "eagle head", "medusa heads"; ``cfg`` with hidden_size and vocab_size)
+    cannot run on ``target``: the features come from a dense Llama-family target's
+    final norm (``spec.eagle.forward_with_features``), and the sizes must match."""
     if target.family != "llama" or target.num_experts or target.sandwich_norms:
         raise ValueError(
-            f"eagle head: target model_type {target.model_type!r} is not supported (a dense"
+            f"{what}: target model_type {target.model_type!r} is not supported (a dense"
             " Llama-family target without Gemma 2's norms)"
         )
     for name in ("hidden_size", "vocab_size"):
         if getattr(cfg, name) != getattr(target, name):
             raise ValueError(
-                f"eagle head: {name} {getattr(cfg, name)} does not match the target's"
-                f" {getattr(target, name)} (a head trained for another model?)"
+                f"{what}: {name} {getattr(cfg, name)} does not match the target's"
+                f" {getattr(target, name)} (trained for another model?)"
             )
 
 

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.model.config import ModelArch
+from pagedjax.model.eagle import check_feature_target
 from pagedjax.model.safetensors_io import load_tensors
 
 FORMAT = "pagedjax-medusa-1"
@@ -136,20 +137,9 @@ def vllm_config(data: dict[str, Any], where: str) -> tuple[MedusaConfig, bool, b
 
 
 def check_target(cfg: MedusaConfig, target: ModelArch) -> None:
-    """ValueError naming the mismatch when the heads cannot run on ``target``: the
-    features come from a dense Llama-family target's final norm (``spec.eagle.
-    forward_with_features``), sizes must match."""
-    if target.family != "llama" or target.num_experts or target.sandwich_norms:
-        raise ValueError(
-            f"medusa heads: target model_type {target.model_type!r} is not supported (a dense"
-            " Llama-family target without Gemma 2's norms)"
-        )
-    for name in ("hidden_size", "vocab_size"):
-        if getattr(cfg, name) != getattr(target, name):
-            raise ValueError(
-                f"medusa heads: {name} {getattr(cfg, name)} does not match the target's"
-                f" {getattr(target, name)} (heads trained for another model?)"
-            )
+    """ValueError naming the mismatch when the heads cannot run on ``target``
+    (``eagle.check_feature_target``: the same features as the EAGLE head's)."""
+    check_feature_target("medusa heads", cfg, target)
 
 
 def param_shapes(cfg: MedusaConfig) -> dict[str, tuple[int, ...]]:

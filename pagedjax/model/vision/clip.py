@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.model.vision.vit import (
-    EncoderShape,
     TensorReader,
+    TowerArch,
     cast,
     convert_encoder_layers,
     encoder,
@@ -40,38 +40,11 @@ Params = Any  # nested dict of arrays
 
 
 @dataclasses.dataclass(frozen=True)
-class CLIPVisionArch:
+class CLIPVisionArch(TowerArch):
     """The shape of a CLIP vision tower (HF CLIPVisionConfig's fields that matter)."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    image_size: int
-    patch_size: int
-    num_channels: int = 3
     layer_norm_eps: float = 1e-5
     hidden_act: str = "quick_gelu"
-
-    def __post_init__(self) -> None:
-        _ = self.encoder_shape  # raises on heads not dividing hidden, unknown hidden_act
-        if self.image_size % self.patch_size:
-            raise ValueError(
-                f"image_size {self.image_size} not a multiple of patch_size {self.patch_size}"
-            )
-
-    @property
-    def encoder_shape(self) -> EncoderShape:
-        return EncoderShape(self.hidden_size, self.intermediate_size, self.num_heads,
-                            self.layer_norm_eps, self.hidden_act)  # fmt: skip
-
-    @property
-    def num_patches(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> CLIPVisionArch:
@@ -79,17 +52,7 @@ class CLIPVisionArch:
         keys (dropout, initializer ranges, projection_dim) do not change the forward."""
         if config.get("model_type", "clip_vision_model") != "clip_vision_model":
             raise ValueError(f"not a CLIP vision config: model_type {config.get('model_type')!r}")
-        return cls(
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=config["num_attention_heads"],
-            image_size=config["image_size"],
-            patch_size=config["patch_size"],
-            num_channels=config.get("num_channels", 3),
-            layer_norm_eps=config.get("layer_norm_eps", 1e-5),
-            hidden_act=config.get("hidden_act", "quick_gelu"),
-        )
+        return cls(**cls.hf_fields(config))
 
 
 def convert_clip_tensors(

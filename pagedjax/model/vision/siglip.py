@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.model.vision.vit import (
-    EncoderShape,
     TensorReader,
+    TowerArch,
     cast,
     convert_encoder_layers,
     encoder,
@@ -53,39 +53,12 @@ VISION_MODEL_TYPES = ("siglip_vision_model", "idefics3_vision")
 
 
 @dataclasses.dataclass(frozen=True)
-class SiglipVisionArch:
+class SiglipVisionArch(TowerArch):
     """The shape of a SigLIP vision tower (HF SiglipVisionConfig / Idefics3VisionConfig's
     fields that matter; HF's defaults)."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    image_size: int
-    patch_size: int
-    num_channels: int = 3
     layer_norm_eps: float = 1e-6
     hidden_act: str = "gelu_pytorch_tanh"
-
-    def __post_init__(self) -> None:
-        _ = self.encoder_shape  # raises on heads not dividing hidden, unknown hidden_act
-        if self.image_size % self.patch_size:
-            raise ValueError(
-                f"image_size {self.image_size} not a multiple of patch_size {self.patch_size}"
-            )
-
-    @property
-    def encoder_shape(self) -> EncoderShape:
-        return EncoderShape(self.hidden_size, self.intermediate_size, self.num_heads,
-                            self.layer_norm_eps, self.hidden_act)  # fmt: skip
-
-    @property
-    def patches_per_side(self) -> int:
-        return self.image_size // self.patch_size
-
-    @property
-    def num_patches(self) -> int:
-        return self.patches_per_side**2
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> SiglipVisionArch:
@@ -99,17 +72,7 @@ class SiglipVisionArch:
             if not isinstance(config[key], int):
                 raise ValueError(f"vision_config.{key} {config[key]!r}: only square (an int)"
                                  " is built")  # fmt: skip
-        return cls(
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=config["num_attention_heads"],
-            image_size=config["image_size"],
-            patch_size=config["patch_size"],
-            num_channels=config.get("num_channels", 3),
-            layer_norm_eps=config.get("layer_norm_eps", 1e-6),
-            hidden_act=config.get("hidden_act", "gelu_pytorch_tanh"),
-        )
+        return cls(**cls.hf_fields(config))
 
 
 def convert_siglip_tensors(

@@ -59,6 +59,63 @@ class EncoderShape:
         return self.hidden_size // self.num_heads
 
 
+@dataclasses.dataclass(frozen=True)
+class TowerArch:
+    """The shape of a ViT vision tower (the HF vision config fields that matter); CLIP and
+    SigLIP subclass it with their own defaults for ``layer_norm_eps`` / ``hidden_act``."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-5
+    hidden_act: str = "quick_gelu"
+
+    def __post_init__(self) -> None:
+        _ = self.encoder_shape  # raises on heads not dividing hidden, unknown hidden_act
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"image_size {self.image_size} not a multiple of patch_size {self.patch_size}"
+            )
+
+    @property
+    def encoder_shape(self) -> EncoderShape:
+        return EncoderShape(self.hidden_size, self.intermediate_size, self.num_heads,
+                            self.layer_norm_eps, self.hidden_act)  # fmt: skip
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        return self.patches_per_side**2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def hf_fields(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """The constructor's arguments from an HF vision config dict; optional keys fall
+        back to this class's defaults (HF's for the family)."""
+        d = {f.name: f.default for f in dataclasses.fields(cls)}
+        return dict(
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=config["num_attention_heads"],
+            image_size=config["image_size"],
+            patch_size=config["patch_size"],
+            num_channels=config.get("num_channels", d["num_channels"]),
+            layer_norm_eps=config.get("layer_norm_eps", d["layer_norm_eps"]),
+            hidden_act=config.get("hidden_act", d["hidden_act"]),
+        )
+
+
 _LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                   "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
 _LAYER_NORMS = ("layer_norm1", "layer_norm2")
