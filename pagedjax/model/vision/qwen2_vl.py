@@ -311,6 +311,14 @@ def max_image_tokens(processor: Any) -> int:
     return max(1, processor.size["longest_edge"] // factor**2)
 
 
+def image_prompt_info(directory: str | Path) -> tuple[str, int]:
+    """(the chat placeholder text of one image, the most tokens its ``<|image_pad|>``
+    becomes) of a checkpoint directory, without loading the model."""
+    config = complete_qwen2_vl_config(json.loads((Path(directory) / "config.json").read_text()))
+    vision = Qwen2VisionArch.from_hf(config["vision_config"])
+    return IMAGE_PLACEHOLDER, max_image_tokens(load_image_processor(Path(directory), vision))
+
+
 def preprocess_image(processor: Any, image: Any, arch: Qwen2VLArch) -> tuple[np.ndarray, int, int]:
     """One RGB PIL image -> (patches float32 [grid_h * grid_w, patch_dim] in the
     processor's order, grid_h, grid_w). ValueError when it would take more than
@@ -387,6 +395,7 @@ __all__ = [
     "complete_qwen2_vl_config",
     "convert_vision_tensors",
     "image_features",
+    "image_prompt_info",
     "load_image_processor",
     "load_qwen2_vl_checkpoint",
     "max_image_tokens",
