@@ -1,5 +1,6 @@
-"""Images through the engine (LLaVA, Idefics3 / SmolVLM): prompt expansion, identity ids,
-the encoder cache.
+"""Images through the engine (LLaVA, Idefics3 / SmolVLM, Qwen2-VL): prompt expansion,
+identity ids, the encoder cache, and for M-RoPE models (Qwen2-VL) the prompt's 3-D
+rotary positions (engine/mrope.py).
 
 vLLM's input form, ``{"prompt": "USER: <image>\\n... ASSISTANT:", "multi_modal_data":
 {"image": img or [img, ...]}}``, becomes a request in three host steps at add_request
@@ -14,8 +15,9 @@ docs/multimodal.md gives the design and what is not built.
    final count. A prompt already expanded (token ids from a client that expanded it) is
    accepted as it is. The count must match the images given: ValueError otherwise, as
    for more images than ``limit_mm_per_prompt`` or images sent to a text-only model.
-   An image is one or more *tiles* (Idefics3's image splitting; LLaVA: one); each tile
-   is one run of ``num_image_tokens`` placeholders and one encoder-cache entry.
+   An image is one or more *tiles* (Idefics3's image splitting; LLaVA, Qwen2-VL: one);
+   each tile is one run of ``tile_tokens`` placeholders (``num_image_tokens``; for
+   Qwen2-VL its grid's, at most ``num_image_tokens``) and one encoder-cache entry.
 2. **Identity ids.** The placeholder copies are the same id for every image, so the
    prefix cache (host hashes and the device's stored-token verification,
    memory/prefix_cache.py) would hand one image's KV to another. The request's

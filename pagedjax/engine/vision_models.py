@@ -43,9 +43,10 @@ Params = Any
 @dataclasses.dataclass(frozen=True, eq=False)
 class PreparedImage:
     """One image after its family's preprocessing: tiles float32 [k, 3, S, S] (k = 1 for
-    LLaVA; Idefics3's split tiles then the global one) and replacement, the token ids
-    that replace its placeholder: k runs of ``num_image_tokens`` image tokens, tile
-    order, with whatever the family's processor writes around them."""
+    LLaVA; Idefics3's split tiles then the global one; Qwen2-VL: [1, grid_h, grid_w,
+    patch_dim], its patches) and replacement, the token ids that replace its
+    placeholder: k runs of ``tile_tokens`` image tokens (``num_image_tokens`` but for
+    Qwen2-VL), tile order, with whatever the family's processor writes around them."""
 
     tiles: np.ndarray
     replacement: tuple[int, ...]
