@@ -370,12 +370,12 @@ def test_expansion_and_paged_logits_match_transformers(qwen2vl):
             assert np.abs(flat - ref).max() > 1e-3  # 1-D positions are wrong after an image
 
 
-def _hf_greedy(model, processor, prompt, images, n):
-    """transformers' greedy continuation (EOS not special, as ignore_eos) and each
-    step's log-softmax."""
+def _hf_greedy(model, processor, prompt, images, n, **kw):
+    """(prompt ids, transformers' greedy continuation (EOS not special, as ignore_eos),
+    each step's log-softmax); kw: the processor's tokenizer options."""
     import torch
 
-    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+    inputs = processor(text=prompt, images=images or None, return_tensors="pt", **kw)
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=n, do_sample=False, pad_token_id=0,
@@ -525,3 +525,59 @@ def test_prefix_cache_chat_and_openai_server(qwen2vl, llm):
         server.should_exit = True
         thread.join(timeout=30)
         async_engine.shutdown()
+
+
+@pytest.mark.slow  # an engine core process of its own: ~40 s of CPU
+def test_engine_core_process_serves_chat_images(qwen2vl):
+    """Through the engine core process (MPEngineClient: the API process sends the image
+    bytes, the core expands, encodes and keeps the M-RoPE deltas): the chat answer is
+    transformers' greedy continuation of the same ids (chat text has no <s>)."""
+    import asyncio
+    import base64
+    import io
+
+    import httpx
+
+    from pagedjax.engine.core_client import MPEngineClient
+    from pagedjax.engine.detokenizer import IncrementalDetokenizer
+    from pagedjax.entrypoints.async_engine import AsyncLLMEngine
+    from pagedjax.entrypoints.llm import engine_config
+    from pagedjax.entrypoints.openai.api_server import build_app
+    from pagedjax.tokenizer import load_tokenizer
+    from tests.model_helpers import TINY_CHAT_TEMPLATE
+
+    d, model, processor = qwen2vl
+    a = _image(9, SIZES[1])
+    buf = io.BytesIO()
+    a.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    rendered = f"<|user|>{PH}\nWhat is this?\n<|assistant|>"
+    ids, want, _ = _hf_greedy(model, processor, rendered, [a], GREEDY_TOKENS,
+                              add_special_tokens=False)  # fmt: skip
+    assert ids[0] != 1  # no <s>, as the server's chat tokenization
+    client = MPEngineClient(engine_config(model=str(d), max_num_batched_tokens=16,
+                                          block_size=BS, num_gpu_blocks_override=64,
+                                          max_model_len=160, warmup="none"))  # fmt: skip
+    engine = AsyncLLMEngine(client)
+    app = build_app(engine, ["m"], model_path=str(d), chat_template=TINY_CHAT_TEMPLATE)
+    parts = [{"type": "image_url", "image_url": {"url": url}},
+             {"type": "text", "text": "What is this?"}]  # fmt: skip
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": GREEDY_TOKENS,
+            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t", timeout=300) as c:  # fmt: skip
+            r = await c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    detok = IncrementalDetokenizer(load_tokenizer(d), [])
+    for t in want:
+        detok.append(t)
+    assert got["choices"][0]["message"]["content"] == detok.text
+    assert got["usage"]["prompt_tokens"] == len(ids)
