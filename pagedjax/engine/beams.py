@@ -167,6 +167,8 @@ def beam_search(
             "beam search with speculative decoding (speculative_config) is not supported:"
             " build the engine without speculative_config for beam search"
         )
+    if engine.core.rope_deltas is not None:  # beams take slots outside take_slot (mrope.py)
+        raise ValueError("beam search with an M-RoPE model (Qwen2-VL) is not built yet")
     if isinstance(params, BeamSearchParams):
         params = [params] * len(prompts)
     if not isinstance(params, Sequence):

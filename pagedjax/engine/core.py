@@ -85,6 +85,13 @@ class EngineCore:
     # ``admit(request)`` per queued request (False: it waits, its images being encoded
     # under the encoder budget). None: every request is admitted as slots allow.
     admit_gate: Any = None
+    # mrope.RopeDeltas for an M-RoPE model (Qwen2-VL): each slot's rotary offset, in the
+    # step's parameters (params is then its params()); None for every other model.
+    rope_deltas: Any = None
+
+    def __post_init__(self) -> None:
+        if self.rope_deltas is not None:
+            self.params = self.rope_deltas.params(self.params)
 
     def take_slot(self, req: RequestState, seq: SequenceState) -> int:
         """Bind a free slot to seq: owner, token-buffer row (prompt + any output kept for
@@ -100,6 +107,9 @@ class EngineCore:
         if self.lora is not None:  # the slot's adapter (admitted: resident) for its rows
             self.lora.bind(slot, req.lora_request)
             self.params = self.lora.params()
+        if self.rope_deltas is not None:  # the request's M-RoPE offset for its decode rows
+            self.rope_deltas.bind(slot, req)
+            self.params = self.rope_deltas.params(self.params)
         return slot
 
     def abort(self, request_ids: Iterable[str]) -> None:

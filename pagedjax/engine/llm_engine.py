@@ -215,7 +215,7 @@ class LLMEngine:
             max_blocks_per_seq=max_blocks_per_seq, token_buckets=self.token_buckets,
             seq_buckets=self.seq_buckets, enable_prefix_caching=self.enable_prefix_caching,
             controls=LogitControls(arch.vocab_size, tokenizer, config.structured_outputs, eos),
-            host_tier=tier, admit_gate=self.mm,
+            host_tier=tier, admit_gate=self.mm, rope_deltas=getattr(self.mm, "rope_deltas", None),
         )  # fmt: skip
         if config.lora is not None:  # adapters in the step's parameters (lora_manager.py)
             self.core.lora = lora.LoRAManager(config.lora, arch, params, self.max_seqs)

@@ -31,6 +31,7 @@ from jax import lax
 
 from pagedjax.attention import copy_blocks
 from pagedjax.engine.faults import hook_from_env
+from pagedjax.engine.mrope import split_rope_deltas
 from pagedjax.engine.program_store import describe_function
 from pagedjax.lora.slots import split_seq_slots
 from pagedjax.memory.block_table import slot_mapping
@@ -55,6 +56,7 @@ def build_model_input(
     num_seqs: int,
     block_size: int,
     seq_lora_slots: jax.Array | None = None,
+    seq_rope_deltas: jax.Array | None = None,
 ) -> ModelInput:
     """ModelInput padded to (T=num_tokens, S=num_seqs) from the batch's first S rows.
 
@@ -63,6 +65,8 @@ def build_model_input(
     row S, which no kv_len covers). seq_lora_slots int32[max_seqs] (LoRA on: each
     scheduler slot's adapter slot, engine/lora_manager.py) gives each token its row's
     adapter slot as ``lora_slots`` (padding: 0, the base model); None: no LoRA input.
+    seq_rope_deltas int32[max_seqs] (an M-RoPE model, engine/mrope.py): each token's
+    ``rope_positions`` = its position + its row's slot delta; None: no rope_positions.
     """
     seq_ids = batch.seq_ids[:num_seqs]
     q_lens = batch.q_lens[:num_seqs]
@@ -87,7 +91,9 @@ def build_model_input(
         cu_q_lens=cu,
         logits_indices=jnp.maximum(cu[1:] - 1, 0),
         lora_slots=None if seq_lora_slots is None else jnp.where(valid, seq_lora_slots[seq], 0),
-    )
+        rope_positions=None if seq_rope_deltas is None
+        else jnp.where(valid, positions + seq_rope_deltas[seq], 0),
+    )  # fmt: skip
 
 
 def apply_cow(kv: Any, src: jax.Array, dst: jax.Array, valid: jax.Array) -> Any:
@@ -217,11 +223,12 @@ class ModelRunner:
         mm: None, or (cache [C, N, H], image_slot int32[T], image_row int32[T]) for a step
         that prefills image placeholder positions (engine/multimodal.py): those tokens'
         inputs are the encoder cache's rows instead of their (negative identity) ids'
-        embeddings."""
+        embeddings; an M-RoPE model's adds rope_positions int32[3, T] (engine/mrope.py)."""
         tables = mem.tables.tables
         params, seq_lora = split_seq_slots(params)  # LoRA on: the rows' adapter slots
+        params, deltas = split_rope_deltas(params)  # M-RoPE: the rows' rotary offsets
         inp = build_model_input(tokens, tables, batch, num_tokens, num_seqs, self.block_size,
-                                seq_lora)  # fmt: skip
+                                seq_lora, deltas)  # fmt: skip
         cow = mem.last_cow
         kv = apply_cow(kv, cow.src, cow.dst, cow.valid)
         last = inp.logits_indices
@@ -229,7 +236,9 @@ class ModelRunner:
             inp = inp._replace(logits_indices=jnp.arange(num_tokens, dtype=jnp.int32))
         embeds = None
         if mm is not None:
-            cache, image_slot, image_row = mm
+            cache, image_slot, image_row, *rope = mm
+            if rope:  # M-RoPE: the host's 3-D positions of every token of the step
+                inp = inp._replace(rope_positions=rope[0])
             text = text_embeddings(params, self.arch, jnp.maximum(inp.tokens, 0))
             embeds = merge_cached_rows(text, cache, image_slot, image_row)
         kv, logits = forward(params, kv, inp, arch=self.arch, attention_fn=self._attention_fn,

@@ -1,5 +1,6 @@
-"""Images through the engine (LLaVA, Idefics3 / SmolVLM): prompt expansion, identity ids,
-the encoder cache.
+"""Images through the engine (LLaVA, Idefics3 / SmolVLM, Qwen2-VL): prompt expansion,
+identity ids, the encoder cache, and for M-RoPE models (Qwen2-VL) the prompt's 3-D
+rotary positions (engine/mrope.py).
 
 vLLM's input form, ``{"prompt": "USER: <image>\\n... ASSISTANT:", "multi_modal_data":
 {"image": img or [img, ...]}}``, becomes a request in three host steps at add_request
@@ -14,8 +15,9 @@ docs/multimodal.md gives the design and what is not built.
    final count. A prompt already expanded (token ids from a client that expanded it) is
    accepted as it is. The count must match the images given: ValueError otherwise, as
    for more images than ``limit_mm_per_prompt`` or images sent to a text-only model.
-   An image is one or more *tiles* (Idefics3's image splitting; LLaVA: one); each tile
-   is one run of ``num_image_tokens`` placeholders and one encoder-cache entry.
+   An image is one or more *tiles* (Idefics3's image splitting; LLaVA, Qwen2-VL: one);
+   each tile is one run of ``tile_tokens`` placeholders (``num_image_tokens``; for
+   Qwen2-VL its grid's, at most ``num_image_tokens``) and one encoder-cache entry.
 2. **Identity ids.** The placeholder copies are the same id for every image, so the
    prefix cache (host hashes and the device's stored-token verification,
    memory/prefix_cache.py) would hand one image's KV to another. The request's
@@ -60,6 +62,7 @@ import numpy as np
 
 from pagedjax.config import MultiModalConfig
 from pagedjax.engine.host_arrays import upload
+from pagedjax.engine.mrope import RopeDeltas, step_positions
 from pagedjax.engine.vision_models import VisionModel, load_engine_model  # (re-exported)
 from pagedjax.model import ModelArch
 from pagedjax.model.vision.preprocess import load_image
@@ -77,8 +80,9 @@ _ID_SPAN = 2**31 - 2
 class ImageInput:
     """One tile of a prompt's image (an image, for LLaVA): key (64-bit content hash of
     its pixel_values), its placeholder run [offset, offset + length) in the expanded
-    prompt, and its preprocessed pixel_values float32 [3, S, S] (kept until the request
-    finishes)."""
+    prompt, and its preprocessed pixel_values (kept until the request finishes): float32
+    [3, S, S], or Qwen2-VL's patches [grid_h, grid_w, patch_dim] (the shape is the grid;
+    length = grid_h * grid_w / merge^2, per image)."""
 
     key: int
     offset: int
@@ -90,11 +94,15 @@ class ImageInput:
 class MultiModalPrompt:
     """A prompt with images: token_ids, the real expanded ids (what outputs report);
     cache_ids, the same with identity ids at placeholder positions (what the engine
-    stores, hashes and verifies); images: every image's tiles, in prompt order."""
+    stores, hashes and verifies); images: every image's tiles, in prompt order.
+    M-RoPE models (Qwen2-VL, engine/mrope.py): rope_positions int32[3, len(token_ids)],
+    rope_delta the offset of every token after the prompt; None / 0 otherwise."""
 
     token_ids: list[int]
     cache_ids: list[int]
     images: tuple[ImageInput, ...]
+    rope_positions: np.ndarray | None = None
+    rope_delta: int = 0
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -197,6 +205,8 @@ def check_engine(config: Any, arch: ModelArch) -> None:
     """ValueError for engine options not built together with images."""
     if arch.family != "llama":
         raise ValueError(f"images need a Llama-family language model, not {arch.family!r}")
+    if arch.mrope_section is not None and config.lora is not None:
+        raise ValueError("enable_lora with an M-RoPE model (Qwen2-VL) is not built yet")
     if config.speculative is not None:
         raise ValueError("speculative decoding with a multi-modal model is not built yet")
     if config.parallel.tensor_parallel_size > 1:
@@ -249,7 +259,7 @@ class EncoderCache:
             self._make_room(len(missing), set(wanted))
             slots = [self._free.pop() for _ in missing]
             t0 = time.perf_counter()
-            feats = vision.encode(np.stack([img.pixel_values for img in missing]))
+            feats = vision.encode_tiles([img.pixel_values for img in missing])
             idx = np.full(feats.shape[0], self.capacity, np.int32)  # padding: dropped
             idx[: len(slots)] = slots
             self.cache = _write_rows(self.cache, upload(idx), feats)
@@ -284,12 +294,14 @@ class MultiModalRunner:
     ``step_inputs`` per model step, ``stats`` for ``LLMEngine.stats``."""
 
     def __init__(self, vision: VisionModel, config: MultiModalConfig, token_budget: int,
-                 hidden: int):  # fmt: skip
+                 hidden: int, max_seqs: int = 1):  # fmt: skip
         self.vision, self.config = vision, config
         n = vision.num_image_tokens
         rows = config.encoder_cache_size or max(token_budget, n)
         self.encoder_cache = EncoderCache(max(1, rows // n), n, hidden, vision.dtype)
         self.split_slices = 0  # steps' slices of an image shorter than the image (chunking)
+        # M-RoPE (Qwen2-VL): each slot's rotary offset, the step's 3-D positions (mrope.py)
+        self.rope_deltas = RopeDeltas(max_seqs) if vision.mrope else None
         # The encoder budget (admit): image tokens left this step; tokens encoded this step
         # (admission and the step itself) and the most in any step; requests held back.
         self._budget_left = 0
@@ -306,8 +318,10 @@ class MultiModalRunner:
         if vision is None:
             return None
         check_engine(config, arch)
+        if vision.mrope != (arch.mrope_section is not None):
+            raise ValueError("the vision model and the language model disagree on M-RoPE")
         return cls(vision, config.multimodal, config.scheduler.max_num_batched_tokens,
-                   arch.hidden_size)  # fmt: skip
+                   arch.hidden_size, config.scheduler.max_num_seqs)  # fmt: skip
 
     @property
     def image_token_id(self) -> int:
@@ -324,24 +338,31 @@ class MultiModalRunner:
         if len(images) > limit:
             raise ValueError(f"{len(images)} images in one prompt; limit_mm_per_prompt"
                              f" allows {limit}")  # fmt: skip
-        tok, n = self.image_token_id, self.vision.num_image_tokens
+        tok = self.image_token_id
         if not images and tok not in ids:
             return None
         if params is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs with images is not built yet")
         prepared = self.vision.prepare(images) if images else []
-        expanded = expand_placeholders(ids, tok, [p.replacement for p in prepared], n)
+        expanded = expand_placeholders(ids, tok, [p.replacement for p in prepared],
+                                       self.vision.run_unit)  # fmt: skip
         cache_ids = np.asarray(expanded, np.int64)
-        # Tile k (all images' tiles in prompt order) owns placeholders k * n ..
-        # (k + 1) * n - 1 (adjacent tiles make one run, as in transformers' merge).
-        starts = [i for i, t in enumerate(expanded) if t == tok][::n]
+        # Tile k (all images' tiles in prompt order) owns the next tile_tokens(tile)
+        # placeholders (adjacent tiles make one run, as in transformers' merge).
         tiles = [t for p in prepared for t in p.tiles]
-        inputs = []
-        for start, px in zip(starts, tiles, strict=True):
+        inputs, cursor = [], 0
+        for px in tiles:
+            length = self.vision.tile_tokens(px)
+            start = expanded.index(tok, cursor)
+            if expanded[start : start + length].count(tok) != length:
+                raise ValueError(f"an image's placeholder run at {start} is not {length} long")
             key = image_key(px)
-            cache_ids[start : start + n] = identity_ids(key, n)
-            inputs.append(ImageInput(key, start, n, px))
-        return MultiModalPrompt(expanded, cache_ids.tolist(), tuple(inputs))
+            cache_ids[start : start + length] = identity_ids(key, length)
+            inputs.append(ImageInput(key, start, length, px))
+            cursor = start + length
+        pos, delta = (self.vision.rope_positions(len(expanded), inputs) if self.vision.mrope
+                      else (None, 0))  # fmt: skip
+        return MultiModalPrompt(expanded, cache_ids.tolist(), tuple(inputs), pos, delta)
 
     def begin_pass(self) -> None:
         """A new admission pass (one per engine step): the encoder budget is full again."""
@@ -407,7 +428,15 @@ class MultiModalRunner:
                 if lo < hi:
                     segments.append((cu + lo - start, img, lo - img.offset, hi - lo))
             cu += q
-        if not segments:
+        rope = None
+        if self.rope_deltas is not None:  # M-RoPE: any prompt row of an image request
+            if not segments and not any(
+                o[0].multi_modal is not None and int(host["start_pos"][r])
+                < len(o[0].multi_modal.token_ids) for r, o in enumerate(owners)
+            ):  # fmt: skip
+                return None  # decode rows and text: the per-slot deltas suffice
+            rope = upload(step_positions(owners, host, num_tokens))
+        elif not segments:
             return None
         self.split_slices += sum(count < img.length for _, img, _, count in segments)
         before = self.encoder_cache.encoded_tokens
@@ -419,7 +448,8 @@ class MultiModalRunner:
         for flat, img, first, count in segments:
             image_slot[flat : flat + count] = slots[img.key]
             image_row[flat : flat + count] = np.arange(first, first + count)
-        return self.encoder_cache.cache, *upload((image_slot, image_row))
+        mm = (self.encoder_cache.cache, *upload((image_slot, image_row)))
+        return mm if rope is None else (*mm, rope)
 
     def stats(self) -> dict[str, float | int]:
         """mm_images_encoded: encoder runs' images; mm_encoder_cache_hits: images a step

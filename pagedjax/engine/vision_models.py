@@ -1,6 +1,6 @@
 """A checkpoint's vision side for the engine, by family: which multi-modal families a
-directory may hold (config.json's ``model_type``: "llava", "idefics3"), how each loads
-(text model + vision tower + connector, model/vision/), and ``VisionModel``, the one
+directory may hold (config.json's ``model_type``: "llava", "idefics3", "qwen2_vl"), how
+each loads (text model + vision tower + connector, model/vision/), and ``VisionModel``, the one
 interface the engine's image path (multimodal.py) uses whatever the family: the jitted
 encoder over tiles and ``prepare`` (preprocessing + the placeholder's replacement ids,
 bound to the checkpoint's image processor and tokenizer at load).
@@ -9,7 +9,10 @@ Families: LLaVA (CLIP tower, projector; an image is one tile, its placeholder re
 ``num_image_tokens`` times, as ``LlavaProcessor``); Idefics3 / SmolVLM (SigLIP tower,
 pixel-shuffle connector; an image is its split tiles then the global tile, or the
 global tile alone, and the text ``Idefics3Processor`` writes for it, tokenized with the
-model's tokenizer). docs/multimodal.md.
+model's tokenizer); Qwen2-VL (a ViT with 2-D rotary and a patch merger; an image is
+one tile of patches at its own grid, its ``<|image_pad|>`` repeated grid_h * grid_w /
+merge^2 times, and the language model takes M-RoPE positions: engine/mrope.py).
+docs/multimodal.md.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.config import ModelConfig
 from pagedjax.engine.host_arrays import upload
 from pagedjax.engine.loading import load_model, resolve_dtype
 from pagedjax.model import ModelArch
-from pagedjax.model.vision import idefics3, llava
+from pagedjax.model.vision import idefics3, llava, qwen2_vl
 from pagedjax.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -39,9 +43,10 @@ Params = Any
 @dataclasses.dataclass(frozen=True, eq=False)
 class PreparedImage:
     """One image after its family's preprocessing: tiles float32 [k, 3, S, S] (k = 1 for
-    LLaVA; Idefics3's split tiles then the global one) and replacement, the token ids
-    that replace its placeholder: k runs of ``num_image_tokens`` image tokens, tile
-    order, with whatever the family's processor writes around them."""
+    LLaVA; Idefics3's split tiles then the global one; Qwen2-VL: [1, grid_h, grid_w,
+    patch_dim], its patches) and replacement, the token ids that replace its
+    placeholder: k runs of ``tile_tokens`` image tokens (``num_image_tokens`` but for
+    Qwen2-VL), tile order, with whatever the family's processor writes around them."""
 
     tiles: np.ndarray
     replacement: tuple[int, ...]
@@ -57,11 +62,12 @@ class VisionModel:
 
     def __init__(self, arch: Any, vision: Params, connector: Params,
                  features: Callable[..., jax.Array],
-                 prepare: Callable[[list[Any]], list[PreparedImage]]):  # fmt: skip
+                 prepare: Callable[[list[Any]], list[PreparedImage]],
+                 static: tuple[str, ...] = ("arch",)):  # fmt: skip
         self.arch, self.vision, self.connector = arch, vision, connector
         self.prepare = prepare
         self.dtype = jax.tree.leaves(connector)[0].dtype
-        self._encode = jax.jit(features, static_argnames=("arch",))
+        self._encode = jax.jit(features, static_argnames=static)
 
     @property
     def num_image_tokens(self) -> int:
@@ -71,15 +77,79 @@ class VisionModel:
     def image_token_id(self) -> int:
         return self.arch.image_token_id
 
+    # Placeholders per image come in runs of this many (expand_placeholders' check of an
+    # already expanded prompt); every tile takes num_image_tokens of them.
+    @property
+    def run_unit(self) -> int:
+        return self.num_image_tokens
+
+    mrope = False  # whether the language model takes M-RoPE positions (rope_positions)
+
+    def tile_tokens(self, tile: np.ndarray) -> int:
+        """Placeholder tokens (= feature rows) of one tile."""
+        return self.num_image_tokens
+
+    def rope_positions(self, length: int, images: list[Any]) -> tuple[np.ndarray, int]:
+        raise NotImplementedError("only M-RoPE models (mrope True) have 3-D positions")
+
     def encode(self, pixels: np.ndarray) -> jax.Array:
         """tiles [B, 3, S, S] -> projected features [B', N, H] (B' >= B: the count padded
         to a power of two; rows past B are padding)."""
-        b = pixels.shape[0]
-        padded = 1 << max(0, (b - 1).bit_length())
-        if padded > b:
-            pixels = np.concatenate([pixels, np.zeros((padded - b, *pixels.shape[1:]),
-                                                      pixels.dtype)])  # fmt: skip
-        return self._encode(self.vision, self.connector, upload(pixels), arch=self.arch)
+        return self._encode(self.vision, self.connector, upload(_pad_count(pixels)),
+                            arch=self.arch)  # fmt: skip
+
+    def encode_tiles(self, tiles: list[np.ndarray]) -> jax.Array:
+        """Tiles (each as ``PreparedImage.tiles[k]``) -> features [B' >= len, N, H] in
+        order (the encoder cache's call)."""
+        return self.encode(np.stack(tiles))
+
+
+def _pad_count(x: np.ndarray) -> np.ndarray:
+    """x [B, ...] with zero rows appended up to a power-of-two count (few compilations)."""
+    b = x.shape[0]
+    padded = 1 << max(0, (b - 1).bit_length())
+    if padded == b:
+        return x
+    return np.concatenate([x, np.zeros((padded - b, *x.shape[1:]), x.dtype)])
+
+
+class Qwen2VLVisionModel(VisionModel):
+    """Qwen2-VL's vision side: an image is one tile of patches [grid_h, grid_w,
+    patch_dim] taking grid_h * grid_w / merge^2 tokens (per image, up to
+    ``num_image_tokens``, the encoder cache's rows per entry: shorter images leave rows
+    unused); the encoder is compiled per grid (images of one grid batched, the count
+    padded to a power of two); the language model takes M-RoPE positions
+    (``qwen2_vl.mrope_positions``)."""
+
+    mrope = True
+
+    @property
+    def run_unit(self) -> int:
+        return 1  # images take any number of tokens
+
+    def tile_tokens(self, tile: np.ndarray) -> int:
+        return tile.shape[0] * tile.shape[1] // self.arch.vision.spatial_merge_size**2
+
+    def rope_positions(self, length: int, images: list[Any]) -> tuple[np.ndarray, int]:
+        """(int32[3, length], delta) of a prompt whose image tiles are ``images``
+        (multimodal.ImageInput: offset, pixel_values of the image's grid)."""
+        m = self.arch.vision.spatial_merge_size
+        grids = [(img.offset, img.pixel_values.shape[0] // m, img.pixel_values.shape[1] // m)
+                 for img in images]  # fmt: skip
+        return qwen2_vl.mrope_positions(length, grids)
+
+    def encode_tiles(self, tiles: list[np.ndarray]) -> jax.Array:
+        n, out = self.num_image_tokens, [None] * len(tiles)
+        by_grid: dict[tuple[int, ...], list[int]] = {}
+        for i, t in enumerate(tiles):
+            by_grid.setdefault(t.shape, []).append(i)
+        for (gh, gw, d), idx in by_grid.items():
+            px = _pad_count(np.stack([tiles[i] for i in idx]).reshape(len(idx), gh * gw, d))
+            feats = self._encode(self.vision, upload(px), grid=(gh, gw), arch=self.arch.vision)
+            feats = jnp.pad(feats, ((0, 0), (0, n - feats.shape[1]), (0, 0)))
+            for j, i in enumerate(idx):
+                out[i] = feats[j]
+        return jnp.stack(out)
 
 
 def _llava_model(path: Path, dtype: Any, tokenizer: Tokenizer
@@ -145,13 +215,34 @@ def _idefics3_model(path: Path, dtype: Any, tokenizer: Tokenizer
     return arch, params, VisionModel(iarch, vision, connector, idefics3.image_features, prepare)
 
 
+def _qwen2_vl_model(path: Path, dtype: Any, tokenizer: Tokenizer
+                    ) -> tuple[ModelArch, Params, VisionModel]:  # fmt: skip
+    """A Qwen2-VL directory: its ViT with 2-D rotary and the patch merger; each image one
+    tile of patches, its ``<|image_pad|>`` repeated grid_h * grid_w / merge^2 times
+    (Qwen2VLProcessor); the text model a Qwen2 decoder with M-RoPE."""
+    arch, params, qarch, vision, processor = qwen2_vl.load_qwen2_vl_checkpoint(path, dtype)
+    m, tok = qarch.vision.spatial_merge_size, qarch.image_token_id
+
+    def prepare(images: list[Any]) -> list[PreparedImage]:
+        out = []
+        for img in images:
+            patches, gh, gw = qwen2_vl.preprocess_image(processor, img, qarch)
+            tile = patches.reshape(1, gh, gw, -1)  # the shape carries the grid
+            out.append(PreparedImage(tile, (tok,) * (gh * gw // m**2)))
+        return out
+
+    model = Qwen2VLVisionModel(qarch, vision, vision["merger"], qwen2_vl.image_features,
+                               prepare, static=("grid", "arch"))  # fmt: skip
+    return arch, params, model
+
+
 # config.json's model_type -> the loader of that multi-modal family.
-_FAMILIES = {"llava": _llava_model, "idefics3": _idefics3_model}
+_FAMILIES = {"llava": _llava_model, "idefics3": _idefics3_model, "qwen2_vl": _qwen2_vl_model}
 
 
 def multimodal_model_type(directory: str | Path) -> str | None:
     """The directory's config.json model_type when it is a multi-modal family built here
-    ("llava", "idefics3"), else None (a text model, a preset name, a missing file)."""
+    ("llava", "idefics3", "qwen2_vl"), else None (a text model, a preset name, a missing file)."""
     path = Path(directory) / "config.json"
     if not path.is_file():
         return None
@@ -164,7 +255,9 @@ def image_prompt_info(directory: str | Path, tokenizer: Tokenizer) -> tuple[str,
     checkpoint directory, for a front end that writes placeholders into chat text and
     budgets prompt lengths without loading the model (LLM.chat, the API process); None
     for any other model. LLaVA: its image token's text, num_image_tokens. Idefics3:
-    "<image>", the largest tile grid's expansion under the directory's processor."""
+    "<image>", the largest tile grid's expansion under the directory's processor.
+    Qwen2-VL: "<|vision_start|><|image_pad|><|vision_end|>", the most image tokens its
+    processor's max pixels allow (the pad's expansion)."""
     model_type = multimodal_model_type(directory)
     if model_type == "llava":
         return llava.image_prompt_info(directory, tokenizer)
@@ -174,6 +267,8 @@ def image_prompt_info(directory: str | Path, tokenizer: Tokenizer) -> tuple[str,
         arch = idefics3.Idefics3Arch.from_hf(idefics3.complete_idefics3_config(config))
         processor = idefics3.load_image_processor(path, arch)
         return idefics3.IMAGE_TOKEN, idefics3.max_image_prompt_tokens(processor, arch, tokenizer)
+    if model_type == "qwen2_vl":
+        return qwen2_vl.image_prompt_info(directory)
     return None
 
 

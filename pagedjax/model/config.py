@@ -90,6 +90,10 @@ class ModelArch:
     num_experts: int = 0  # Mixtral: experts per MoE layer (0: dense MLP)
     experts_per_token: int = 2  # Mixtral: top-k
     moe_dispatch: str = "dense"
+    # Qwen2-VL's M-RoPE: the rotary frequencies split in (temporal, height, width) sections
+    # (HF's mrope_section, summing to rotary_dim / 2), each turned by its own position row
+    # (model/rope.py). None: one position per token (every other family).
+    mrope_section: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in FAMILIES:
@@ -125,6 +129,13 @@ class ModelArch:
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise ValueError(
                 f"moe_dispatch must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}"
+            )
+        if self.mrope_section is not None and (
+            len(self.mrope_section) != 3 or sum(self.mrope_section) != self.rotary_dim // 2
+        ):
+            raise ValueError(
+                f"mrope_section {self.mrope_section} must be 3 sections summing to rotary_dim"
+                f" / 2 = {self.rotary_dim // 2}"
             )
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
@@ -169,6 +180,8 @@ class ModelArch:
         d["rope_scaling"] = _freeze(d["rope_scaling"])
         d["layer_windows"] = tuple(d["layer_windows"])
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        if d.get("mrope_section") is not None:
+            d["mrope_section"] = tuple(d["mrope_section"])
         return cls(**d)
 
 

@@ -21,6 +21,10 @@ class ModelInput(NamedTuple):
       repeat any valid index and their rows are to be ignored.
     lora_slots [T] or None: each token's LoRA adapter slot (pagedjax/lora/slots.py; 0 = no
       adapter). None, the default, runs the base model even when adapters are attached.
+    rope_positions int32[T] or int32[3, T] or None: the rotary positions when they are not
+      ``positions`` (Qwen2-VL's M-RoPE, model/rope.py): [3, T] rows (temporal, height,
+      width) for a prompt with images, [T] a per-request offset of ``positions`` for
+      text after them (engine/mrope.py). None, the default: RoPE turns by ``positions``.
     """
 
     tokens: jax.Array
@@ -31,3 +35,4 @@ class ModelInput(NamedTuple):
     cu_q_lens: jax.Array
     logits_indices: jax.Array
     lora_slots: jax.Array | None = None
+    rope_positions: jax.Array | None = None

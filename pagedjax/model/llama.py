@@ -60,8 +60,10 @@ class RotaryAttention(nn.Module):
             q = RMSNorm(a.norm_eps, pd, name="q_norm")(q)
             k = RMSNorm(a.norm_eps, pd, name="k_norm")(k)
         inv_freq = inv_frequencies(a)
-        q = apply_rope(q, batch.positions, inv_freq)
-        k = apply_rope(k, batch.positions, inv_freq)
+        # Qwen2-VL's M-RoPE positions when the step has them (ModelInput.rope_positions).
+        pos = batch.positions if batch.rope_positions is None else batch.rope_positions
+        q = apply_rope(q, pos, inv_freq, a.mrope_section)
+        k = apply_rope(k, pos, inv_freq, a.mrope_section)
         scale = a.query_pre_attn_scalar if a.query_pre_attn_scalar is not None else d
         o, kv = paged_self_attention(
             q, k, v, kv, layer, batch,

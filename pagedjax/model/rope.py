@@ -35,13 +35,26 @@ def inv_frequencies(arch: ModelArch) -> np.ndarray:
     return inv_freq
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
+               mrope_section: tuple[int, ...] | None = None) -> jax.Array:  # fmt: skip
     """Rotates x [T, heads, head_dim] by positions int32[T]; math in fp32, result in x.dtype.
-    Only the leading 2 * len(inv_freq) dimensions turn; the rest pass through (partial rotary)."""
+    Only the leading 2 * len(inv_freq) dimensions turn; the rest pass through (partial rotary).
+
+    M-RoPE (Qwen2-VL, ``mrope_section`` = (s_t, s_h, s_w) summing to len(inv_freq)):
+    positions may be int32[3, T] (temporal, height, width rows); frequency j turns by the
+    row of the section it falls in, as transformers' ``Qwen2VLRotaryEmbedding``. With the
+    three rows equal this is plain RoPE, so a [T] positions array stays valid."""
     rot = 2 * len(inv_freq)
     if rot < x.shape[-1]:
-        return jnp.concatenate([apply_rope(x[..., :rot], positions, inv_freq), x[..., rot:]], -1)
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+        return jnp.concatenate([apply_rope(x[..., :rot], positions, inv_freq, mrope_section),
+                                x[..., rot:]], -1)  # fmt: skip
+    if positions.ndim == 2:
+        if mrope_section is None or positions.shape[0] != len(mrope_section):
+            raise ValueError(f"positions {positions.shape} need an mrope_section of as many rows")
+        row = np.repeat(np.arange(len(mrope_section)), mrope_section)  # frequency -> row
+        angles = positions.astype(jnp.float32)[row].T * jnp.asarray(inv_freq)[None, :]
+    else:
+        angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
