@@ -263,8 +263,8 @@ def test_every_index_policy_and_tier_gives_the_same_greedy_outputs():
                 assert lru[8] == 0
             else:
                 assert lru[8] == 12
-                on_lru, on_lfu = stats[(tier, index, "lru")], stats[(tier, index, "lfu")]
-                assert on_lru["prefix_cache_host_hit_tokens"] > on_lfu["prefix_cache_host_hit_tokens"]
+                host = "prefix_cache_host_hit_tokens"
+                assert stats[(tier, index, "lru")][host] > stats[(tier, index, "lfu")][host]
     # The policies choose differently: not every policy hits the same tokens in all.
     totals = {k: sum(v) for k, v in hits.items()}
     assert len({totals[(False, "hash", p)] for p in ("lru", "lfu", "cost")}) > 1
