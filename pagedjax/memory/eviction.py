@@ -24,7 +24,7 @@ is a total order and deterministic.
 ``victim_order`` is the same choice as one jittable sort over the whole device pool,
 for the engine's allocator (``block_stats.pop_victims``): free uncached blocks first,
 then free cached blocks in the policy's order, then held blocks. Its cached part equals
-the host function's choice on the same arrays (tests/test_eviction_engine.py).
+the host function's choice on the same arrays (tests/test_eviction_policy.py).
 """
 
 from __future__ import annotations
