@@ -2,7 +2,8 @@
 ``kv_offloading_size`` off vs on, the device pool capped so the working set is ~4x it.
 
     python benchmarks/kv_tiers.py [--convs 8] [--turns 4] [--system-len 192]
-        [--pool-blocks 48] [--tier-blocks 256]
+        [--pool-blocks 48] [--tier-blocks 256] [--shared-prefix 0]
+        [--indexes hash,radix] [--policies lru,lfu,cost] [--tiers off,on]
 
 Closed loop over ``--convs`` conversations taken round robin (turn t of each, then turn
 t + 1), ``--concurrency`` requests in flight: each turn resends the whole history (the
@@ -13,7 +14,15 @@ the prefill itself (no queueing). One random llama (load_format="dummy"; ``--hid
 ``smollm2-135m-instruct``, a .gguf file or a checkpoint directory), on the engine
 directly (no server); a warm-up pass of the same workload with other tokens compiles
 every shape first (warmup "none": only the programs used), then the timed pass.
-Greedy outputs are compared between the two settings (they must be equal).
+Greedy outputs are compared between all settings (they must be equal).
+
+``--indexes`` x ``--policies`` x ``--tiers`` (defaults: hash x lru x off,on, the first
+measurement) runs each combination of ``prefix_index``, ``eviction_policy`` and the host
+tier, and ends with one table: TTFT p50 / p90, prefix hit rate per tier (hit tokens /
+prompt tokens looked up), prompt tokens computed and output tok/s over the timed pass.
+``--shared-prefix N``: every conversation's first message starts with the same N tokens
+(a system prompt), so some blocks are hit far more often than others (what LFU and the
+cost policy rank by).
 """
 
 from __future__ import annotations
@@ -28,13 +37,14 @@ from serving_common import dummy_model_dir  # benchmarks/ is on sys.path
 from pagedjax import LLM, SamplingParams
 
 
-def run(args: argparse.Namespace, model: str, tier_gib: float) -> dict:
+def run(args: argparse.Namespace, model: str, tier_gib: float, index: str = "hash",
+        policy: str = "lru") -> dict:  # fmt: skip
     load = dict(load_format="dummy") if args.model is None else dict(dtype="float32")
     llm = LLM(
         model, **load, block_size=args.block_size,
         num_gpu_blocks_override=args.pool_blocks + 1, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, swap_space=0.0,
-        kv_offloading_size=tier_gib, warmup="none",
+        kv_offloading_size=tier_gib, warmup="none", prefix_index=index, eviction_policy=policy,
     )  # fmt: skip
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -48,7 +58,8 @@ def run(args: argparse.Namespace, model: str, tier_gib: float) -> dict:
 
     def converse(convs: int, turns: int, tag: str) -> tuple[list[float], dict]:
         # Drawn up front: each conversation's messages do not depend on finishing order.
-        hist = [tokens(args.system_len) for _ in range(convs)]
+        shared = tokens(args.shared_prefix)
+        hist = [shared + tokens(args.system_len - args.shared_prefix) for _ in range(convs)]
         users = [[tokens(args.user_len) for _ in range(turns)] for _ in range(convs)]
         order = [(c, t) for t in range(turns) for c in range(convs)]  # round robin
         ttft, outs, arrival, first = [], {}, {}, set()
@@ -88,6 +99,7 @@ def run(args: argparse.Namespace, model: str, tier_gib: float) -> dict:
     wall = time.perf_counter() - t0
     s = engine.stats()
     return dict(
+        out_tokens=sum(len(o) for o in outs.values()),
         ttft=np.array(ttft), first_turn=np.array(first_turn), outs=outs, wall=wall, stats=s,
         computed=s["prefix_cache_query_tokens"] - s["prefix_cache_hit_tokens"],
         compiled=s["compilations"] - compiled,
@@ -111,7 +123,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--model", default=None, help="a real model instead of the random llama")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="tokens of the first message every conversation shares")
+    ap.add_argument("--indexes", default="hash", help="prefix_index values, comma-separated")
+    ap.add_argument("--policies", default="lru", help="eviction_policy values, comma-separated")
+    ap.add_argument("--tiers", default="off,on", help="host tier off / on, comma-separated")
     args = ap.parse_args()
+    if not 0 <= args.shared_prefix <= args.system_len:
+        ap.error("--shared-prefix must be in [0, --system-len]")
 
     model = args.model or dummy_model_dir(args.hidden, args.layers, args.heads)
     if args.model is None:
@@ -128,13 +147,16 @@ def main() -> None:
     print(f"working set {working} blocks (final histories), device pool {args.pool_blocks}"
           f" ({working / args.pool_blocks:.1f}x), host tier {args.tier_blocks} blocks;"
           f" load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    tier_gib = {"off": 0.0, "on": (args.tier_blocks + 0.5) * per_block / (1 << 30)}
+    combos = [(i, p, t) for t in args.tiers.split(",") for i in args.indexes.split(",")
+              for p in args.policies.split(",")]  # fmt: skip
     res = {}
-    for name, gib in (("off", 0.0), ("on", (args.tier_blocks + 0.5) * per_block / (1 << 30))):
-        r = res[name] = run(args, model, gib)
+    for index, policy, name in combos:
+        r = res[(index, policy, name)] = run(args, model, tier_gib[name], index, policy)
         t = r["ttft"] * 1e3
         s = r["stats"]
         dev_hits = s.get("prefix_cache_device_hit_tokens", s["prefix_cache_hit_tokens"])
-        print(f"tier {name:3s}: TTFT p50 {np.percentile(t, 50):7.1f} ms  p90"
+        print(f"{index} {policy} tier {name:3s}: TTFT p50 {np.percentile(t, 50):7.1f} ms  p90"
               f" {np.percentile(t, 90):7.1f} ms  prompt tokens computed {r['computed']:6d}"
               f"  hits device {dev_hits}"
               f" host {s.get('prefix_cache_host_hit_tokens', 0)}  offloaded"
@@ -144,9 +166,22 @@ def main() -> None:
         later = t[~r["first_turn"]]
         print(f"          turns >= 2 only: TTFT p50 {np.percentile(later, 50):7.1f} ms  p90"
               f" {np.percentile(later, 90):7.1f} ms; first turns p50"
-              f" {np.percentile(t[r['first_turn']], 50):7.1f} ms")  # fmt: skip
-    same = res["on"]["outs"] == res["off"]["outs"]
-    print(f"greedy outputs equal: {same}")
+              f" {np.percentile(t[r['first_turn']], 50):7.1f} ms", flush=True)  # fmt: skip
+    print("\n| index | policy | host tier | TTFT p50 | TTFT p90 | turns >= 2 p50 | hit rate device"
+          " | hit rate host | prompt tokens computed | output tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (index, policy, name), r in res.items():
+        t, s = r["ttft"] * 1e3, r["stats"]
+        q = max(s["prefix_cache_query_tokens"], 1)
+        dev = s.get("prefix_cache_device_hit_tokens", s["prefix_cache_hit_tokens"])
+        host = s.get("prefix_cache_host_hit_tokens", 0)
+        print(f"| {index} | {policy} | {name} | {np.percentile(t, 50):.1f} ms"
+              f" | {np.percentile(t, 90):.1f} ms | {np.percentile(t[~r['first_turn']], 50):.1f} ms"
+              f" | {100 * dev / q:.1f} % | {100 * host / q:.1f} % | {r['computed']:,}"
+              f" | {r['out_tokens'] / r['wall']:.1f} |")  # fmt: skip
+    first = next(iter(res.values()))["outs"]
+    same = all(r["outs"] == first for r in res.values())
+    print(f"greedy outputs equal across all {len(res)} settings: {same}")
 
 
 if __name__ == "__main__":

@@ -108,6 +108,10 @@ class CacheConfig:
     # memory/prefix_cache.py) or "radix" (SGLang's radix tree, memory/radix_hint.py); the
     # device verifies either's proposals, so greedy outputs do not depend on it.
     prefix_index: Literal["hash", "radix"] = "hash"
+    # Which free cached device block an allocation evicts (docs/kv_tiers.md): "lru" (the
+    # free list, least recently freed first: the default, O(1) per block), "lfu" or
+    # "cost" (memory/eviction.py; a sort over the pool per allocation, block_stats.py).
+    eviction_policy: Literal["lru", "lfu", "cost"] = "lru"
 
     def __post_init__(self) -> None:
         _check(
@@ -169,10 +173,9 @@ class CacheConfig:
             f"must be 'hash' or 'radix', got {self.prefix_index!r}",
         )
         _check(
-            self.prefix_index == "hash" or self.kv_offloading_size == 0,
-            "cache.prefix_index",
-            "'radix' with kv_offloading_size > 0 is not built: the host tier looks blocks"
-            " up by chained hash (docs/kv_tiers.md); use prefix_index='hash'",
+            self.eviction_policy in ("lru", "lfu", "cost"),
+            "cache.eviction_policy",
+            f"must be 'lru', 'lfu' or 'cost', got {self.eviction_policy!r}",
         )
         _check(
             self.cache_dtype in CACHE_DTYPES,

@@ -135,7 +135,7 @@ def lookup_prefixes(core: EngineCore, slots: list[int]) -> None:
             (slot, hashes, ids, int(verified[k]), int(used[k]))
             for k, (slot, (hashes, _, ids, _)) in enumerate(zip(slots, props, strict=True))
         ]
-        tier.reload(core, rows)
+        tier.reload(core, rows, [salt for _, _, _, salt in props])
 
 
 def fork_samples(core: EngineCore, req: RequestState, parent: SequenceState) -> int:

@@ -241,18 +241,20 @@ class HostTier:
             if blk is not None:
                 out.append(blk)
                 continue
-            cand = core.prefix_index.propose(hashes[p : p + 1])
-            if not out or not cand or core.prefix_index.hash_of(cand[0]) != hashes[p]:
+            cand = core.prefix_index.block_of(hashes[p])  # either hint keeps hash -> block
+            if not out or cand is None or core.prefix_index.hash_of(cand) != hashes[p]:
                 break
-            out.append(-cand[0])
+            out.append(-cand)
         return out
 
-    def reload(self, core: Any, rows: list[tuple[int, list[int], list[int], int, int]]) -> None:
+    def reload(self, core: Any, rows: list[tuple[int, list[int], list[int], int, int]],
+               salts: list[bytes | None] | None = None) -> None:  # fmt: skip
         """Extend attached device hits with the rest of the cached prefix: host blocks
         (loaded into fresh device blocks) and device blocks after them.
 
         rows: (slot, chained hashes of the full blocks, token ids, verified device
-        blocks, attached device blocks) per looked-up slot, after ``attach_hits``.
+        blocks, attached device blocks) per looked-up slot, after ``attach_hits``;
+        salts: each row's cache salt (the radix hint records by salt; None: unsalted).
         """
         b, n, m = self.block_size, core.max_seqs, core.max_blocks_per_seq
         if self.disk_options is not None:
@@ -281,7 +283,7 @@ class HostTier:
         evicted = new[ev_rows, ev_cols]
         pending = self.gather(core, evicted, old[ev_rows, ev_cols])
         dst, src = [], []
-        for k, (_slot, hashes, _ids, _v, used) in enumerate(rows):
+        for k, (_slot, hashes, ids, _v, used) in enumerate(rows):
             g, tot = int(got[k]), int(total[k])
             if tot == 0:
                 continue
@@ -294,7 +296,10 @@ class HostTier:
                     src.append(x)
                 else:
                     blocks.append(-x)
-            core.prefix_index.record(hashes[used : used + tot], blocks)
+            core.prefix_index.record(
+                hashes[used : used + tot], blocks, tokens=ids, start=used,
+                salt=None if salts is None else salts[k],
+                parent_hash=hashes[used - 1] if used else None)  # fmt: skip
             self.index.touch(hashes[used : used + tot])
             self.counters.host_hit_tokens += g * b
             self.counters.device_hit_tokens += (tot - g) * b

@@ -183,7 +183,7 @@ class LLMEngine:
             self.num_blocks, self.block_size, self.max_seqs, max_blocks_per_seq,
             watermark_frac=sc.watermark, enable_prefix_caching=cc.enable_prefix_caching,
             num_host_blocks=self.num_host_blocks, track_evictions=tier is not None,
-        )  # fmt: skip
+            eviction_policy=cc.eviction_policy)  # fmt: skip
         self.enable_prefix_caching = cc.enable_prefix_caching
         self.sched_limits = SchedulerLimits(
             max_seqs=self.max_seqs, max_num_batched_tokens=budget,

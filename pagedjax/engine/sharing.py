@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pagedjax.memory import block_pool as bp
+from pagedjax.memory import block_stats as bst
 from pagedjax.memory import prefix_cache as pc
 from pagedjax.memory.block_pool import NULL_BLOCK
 from pagedjax.memory.block_table import blocks_for
@@ -67,6 +68,8 @@ def attach_hits(
         use = jnp.where(hit * block_size >= total, jnp.maximum(0, (total - 1) // block_size), hit)
         use = jnp.where(ok, use, 0)
         pool = pc.acquire(mem.pool, candidates[i], use)
+        if mem.stats is not None:  # eviction statistics (lfu / cost policies)
+            mem = mem._replace(stats=bst.hit(mem.stats, candidates[i], jnp.arange(m) < use))
         row = jnp.where(jnp.arange(m) < use, candidates[i], NULL_BLOCK)
         t = mem.tables
         # An unmasked row is left as it is (its slot may be live).
@@ -154,7 +157,7 @@ def attach_reloaded(
         pool = bp.drop_refs(pool, back_ids, n_back)
         host_sel = host_sel & (cols < end)
         n = jnp.sum(host_sel, dtype=jnp.int32)
-        pool, new = bp.pop_blocks(pool, n, m)
+        pool, new = bst.pop_fn(mem.stats, pc_state.cached)(pool, n, m)
         valid = cols < n
         safe = jnp.where(valid, new, 0)
         was = valid & pc_state.cached[safe]
@@ -165,6 +168,9 @@ def attach_reloaded(
         row = jnp.where(run, jnp.where(kind == 1, at_new, cand), t.tables[s])
         parents = jnp.concatenate([null, row[:-1]])
         prefix = pc.register(pc_state, row, parents, blocks[i], run)
+        if mem.stats is not None:  # fresh blocks: new content at column j; all: a hit
+            stats = bst.registered(mem.stats, row, cols, run & (kind == 1))
+            mem = mem._replace(stats=bst.hit(stats, row, run))
         length = jnp.where(ok, end * block_size, t.lengths[s])
         tables = t._replace(
             tables=t.tables.at[s].set(row), lengths=t.lengths.at[s].set(length)
@@ -223,6 +229,10 @@ def register_step(
         toks.reshape(n * m, block_size),
         full.reshape(-1),
     )
+    if mem.stats is not None:  # eviction statistics: new contents at depth j
+        depth = jnp.broadcast_to(j, full.shape).reshape(-1)
+        mem = mem._replace(stats=bst.registered(mem.stats, table.reshape(-1), depth,
+                                                full.reshape(-1)))  # fmt: skip
     return state._replace(mem=mem._replace(prefix=prefix))
 
 

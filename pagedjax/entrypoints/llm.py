@@ -62,7 +62,10 @@ class LLM:
     enable_prefix_caching: automatic prefix caching, on by default as in vLLM today.
     prefix_index (pagedjax's own): the host hint that proposes cached blocks, "hash" (the
     chained block hashes, default) or "radix" (SGLang's radix tree); the device verifies
-    either's proposals, so outputs are the same (docs/kv_tiers.md).
+    either's proposals, so outputs are the same (docs/kv_tiers.md). eviction_policy
+    (pagedjax's own): which free cached block a new allocation takes, "lru" (least
+    recently freed, default), "lfu" (fewest hits) or "cost" (cheapest to recompute);
+    outputs are the same with each.
     kv_cache_dtype: the KV pool's storage, vLLM's names: "auto" (the model's dtype),
     "float32" / "bfloat16" / "float16", or 8-bit: "fp8" (= "fp8_e4m3"), "fp8_e5m2",
     "int8_per_token_head" (docs/kv_quantization.md): about twice the blocks of a 16-bit
@@ -121,6 +124,7 @@ class LLM:
         kv_offloading_disk_size: float = 8.0,
         enable_prefix_caching: bool = True,
         prefix_index: str = "hash",
+        eviction_policy: str = "lru",
         kv_cache_dtype: str = "auto",
         kv_scales: str = "default",
         preemption_mode: str | None = None,
@@ -397,6 +401,7 @@ def engine_config(
     kv_offloading_disk_size: float = 8.0,
     enable_prefix_caching: bool = True,
     prefix_index: str = "hash",
+    eviction_policy: str = "lru",
     kv_cache_dtype: str = "auto",
     kv_scales: str = "default",
     preemption_mode: str | None = None,
@@ -466,6 +471,7 @@ def engine_config(
             kv_offloading_disk_size=kv_offloading_disk_size,
             enable_prefix_caching=enable_prefix_caching,
             prefix_index=prefix_index,  # type: ignore[arg-type]
+            eviction_policy=eviction_policy,  # type: ignore[arg-type]
             cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
             kv_scales=kv_scales,  # type: ignore[arg-type]
         ),

@@ -289,3 +289,17 @@ def unlink_free(pool: BlockPool, block: jax.Array) -> tuple[BlockPool, jax.Array
     rc = jax.lax.optimization_barrier(jnp.where(ok, 1, _get(pool.refcount, block)))
     pool = _unlink(pool, block, ok)
     return pool._replace(refcount=_set(pool.refcount, block, rc)), ok
+
+
+def take_blocks(pool: BlockPool, blocks: jax.Array, count: jax.Array) -> BlockPool:
+    """Unchecked ``unlink_free`` of ``blocks[:count]`` (int32[K], distinct free blocks,
+    not the null block), each with refcount 1: the allocator of a non-default eviction
+    policy, which chose which free blocks to take (``block_stats.pop_victims``). O(count).
+    """
+
+    def body(i, pool):
+        b = jax.lax.optimization_barrier(_get(blocks, i))  # see _unlink
+        pool = _unlink(pool, b)
+        return pool._replace(refcount=_set(pool.refcount, b, 1))
+
+    return jax.lax.fori_loop(0, count, body, pool)

@@ -11,6 +11,7 @@ change to a table changes reference counts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -154,6 +155,7 @@ def append_tokens_batched(
     block_size: int,
     max_new_tokens: int,
     min_free_after: jax.Array | int = 0,
+    pop: Callable[[BlockPool, jax.Array, int], tuple[BlockPool, jax.Array]] = bp.pop_blocks,
 ) -> tuple[BlockPool, BlockTables, CopyOnWrite, jax.Array]:
     """Append ``ns[i]`` tokens to ``seq_ids[i]`` for each masked i, in array (priority) order.
 
@@ -166,7 +168,9 @@ def append_tokens_batched(
     pop of all granted blocks from the free list; and one scatter into the tables. Cost
     is O(B^2 + blocks granted), never a per-entry copy of the tables or the pool.
 
-    Args: seq_ids, ns int32[B]; mask bool[B]; min_free_after scalar or int32[B].
+    Args: seq_ids, ns int32[B]; mask bool[B]; min_free_after scalar or int32[B]; pop:
+      the allocator taking the granted blocks (``block_pool.pop_blocks``, the free list's
+      head; an eviction policy's ``block_stats.pop_victims`` otherwise).
     Returns: (pool', bt', cow (each field [B]), ok bool[B]); ok is True where not masked.
     """
     seq_ids = jnp.asarray(seq_ids, jnp.int32)
@@ -202,7 +206,7 @@ def append_tokens_batched(
     counts = jnp.where(ok, need + cow.astype(jnp.int32), 0)
     offsets = jnp.cumsum(counts) - counts
     max_new_blocks = (max_new_tokens + block_size - 1) // block_size + 1
-    pool, popped = bp.pop_blocks(pool, jnp.sum(counts), nb * max_new_blocks)
+    pool, popped = pop(pool, jnp.sum(counts), nb * max_new_blocks)
 
     # Copy-on-write: the entry's first popped block replaces its shared last block.
     cow_dst = popped[offsets]

@@ -18,13 +18,21 @@ is a total order and deterministic.
   at depth d can only be rebuilt after its d ancestors, and its prefill attends to
   (d + 1) * block_size tokens, so deep blocks are dearer; a block that keeps being hit
   would be paid for again on every future hit, hence the weight. This is the
-  recompute-or-reload trade-off in its simplest form (no host tier exists yet).
+  recompute side only (a block kept on the host tier would be cheaper to reload; not
+  modelled).
+
+``victim_order`` is the same choice as one jittable sort over the whole device pool,
+for the engine's allocator (``block_stats.pop_victims``): free uncached blocks first,
+then free cached blocks in the policy's order, then held blocks. Its cached part equals
+the host function's choice on the same arrays (tests/test_eviction_policy.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from numpy.typing import ArrayLike
 
@@ -69,6 +77,35 @@ def cost(block_ids, last_access, hit_count, depth, k: int) -> np.ndarray:
     """The ``k`` blocks cheapest to recompute (``recompute_cost``; LRU among equals)."""
     ids, la, hits, d = _arrays(block_ids, last_access, hit_count, depth)
     return _take(ids, la, recompute_cost(hits, d), k)
+
+
+def policy_key(name: str, last_access: jax.Array, hit_count: jax.Array,
+               depth: jax.Array) -> jax.Array:  # fmt: skip
+    """The primary sort key of policy ``name`` (smallest evicted first), as jnp int32
+    arrays (ties: ``last_access`` then id, as the host functions). ``cost`` is computed in
+    int32: exact while (depth + 1) * (hit_count + 1) < 2**31 (hit counts saturate at
+    2**20, so depths up to 2047 blocks are exact)."""
+    if name == "lru":
+        return last_access
+    hits = jnp.minimum(hit_count, 1 << 20)
+    if name == "lfu":
+        return hits
+    if name == "cost":
+        return (depth + 1) * (hits + 1)
+    raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+
+
+def victim_order(name: str, free: jax.Array, cached: jax.Array, last_access: jax.Array,
+                 hit_count: jax.Array, depth: jax.Array) -> jax.Array:  # fmt: skip
+    """Every block id (int32[N]) in eviction order: free uncached blocks first (by last
+    access, then id: taking them loses nothing), then free cached blocks in policy
+    ``name``'s order, then the blocks that are not free (never to be taken: the caller
+    takes at most the number of free blocks). All inputs [N] (bool, bool, int32 x 3).
+    Jittable; one lexsort over N, O(N log N)."""
+    ids = jnp.arange(free.shape[0], dtype=jnp.int32)
+    cls = jnp.where(free, jnp.where(cached, 1, 0), 2)
+    primary = jnp.where(cls == 1, policy_key(name, last_access, hit_count, depth), 0)
+    return jnp.lexsort((ids, last_access, primary, cls)).astype(jnp.int32)
 
 
 POLICIES: dict[str, Policy] = {"lru": lru, "lfu": lfu, "cost": cost}

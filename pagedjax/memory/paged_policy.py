@@ -9,9 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax.memory import block_stats as bst
 from pagedjax.memory import block_table as btm
 from pagedjax.memory.block_pool import BlockPool, create_block_pool
+from pagedjax.memory.block_stats import BlockStats
 from pagedjax.memory.block_table import BlockTables, CopyOnWrite, blocks_for
+from pagedjax.memory.eviction import POLICIES
 from pagedjax.memory.policy import MemoryUsage
 from pagedjax.memory.prefix_cache import PrefixCacheState, create_prefix_cache, invalidate
 from pagedjax.memory.rollback import truncate_batched
@@ -38,6 +41,9 @@ class PagedState(NamedTuple):
     # allocations took (their KV is intact until the step's forward), which the engine
     # copies to the host tier before it; cleared by ``begin_step``. None when off.
     evicted: jax.Array | None = None
+    # Eviction statistics (block_stats.py) for a policy other than the free list's LRU;
+    # None under "lru" (the default) or without prefix caching.
+    stats: BlockStats | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,11 @@ class PagedPolicy:
     scheduler then preempts by recompute only). See ``swap_out`` / ``swap_in``.
     track_evictions: (prefix caching) record in ``PagedState.evicted`` which cached
     blocks each step's allocations evict, for the host tier (docs/kv_tiers.md).
+    eviction_policy: which free cached block an allocation takes (``eviction.POLICIES``):
+    "lru" (default) is the free list's order (least recently freed first, O(blocks
+    taken)); "lfu" / "cost" keep ``PagedState.stats`` and choose by a sort over the pool
+    (``block_stats.pop_victims``, free uncached blocks first). Only with prefix caching
+    does it matter (without it no free block holds anything worth keeping).
     """
 
     num_blocks: int
@@ -61,6 +72,7 @@ class PagedPolicy:
     enable_prefix_caching: bool = False
     num_host_blocks: int = 0
     track_evictions: bool = False
+    eviction_policy: str = "lru"
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
@@ -75,6 +87,15 @@ class PagedPolicy:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
         if self.track_evictions and not self.enable_prefix_caching:
             raise ValueError("track_evictions needs enable_prefix_caching")
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(
+                f"eviction_policy must be one of {sorted(POLICIES)}, got {self.eviction_policy!r}"
+            )
+
+    @property
+    def keeps_stats(self) -> bool:
+        """Whether the state carries ``BlockStats`` (a policy other than the free list's)."""
+        return self.enable_prefix_caching and self.eviction_policy != "lru"
 
     @property
     def can_swap(self) -> bool:
@@ -119,6 +140,10 @@ class PagedPolicy:
             state = state._replace(
                 evicted=jax.device_put(np.zeros((self.num_blocks,), bool), may_alias=False)
             )
+        if self.keeps_stats:
+            state = state._replace(
+                stats=bst.create_block_stats(self.num_blocks, self.eviction_policy)
+            )
         return state
 
     def begin_step(self, state: PagedState) -> PagedState:
@@ -131,7 +156,21 @@ class PagedPolicy:
             )
         if self.track_evictions:
             state = state._replace(evicted=jnp.zeros((self.num_blocks,), bool))
+        if state.stats is not None:
+            state = state._replace(stats=bst.tick(state.stats))
         return state
+
+    def _pop(self, state: PagedState) -> bst.PopFn:
+        """The device pool's allocator under this policy (block_stats.pop_fn)."""
+        return bst.pop_fn(state.stats, None if state.prefix is None else state.prefix.cached)
+
+    def _touch_rows(self, state: PagedState, mask: jax.Array) -> PagedState:
+        """Eviction statistics: the masked slots' blocks are freed (or left) now."""
+        if state.stats is None:
+            return state
+        rows = state.tables.tables
+        stats = bst.touch(state.stats, rows.reshape(-1), jnp.repeat(mask, rows.shape[1]))
+        return state._replace(stats=stats)
 
     def _forget(self, state: PagedState, blocks: jax.Array, mask: jax.Array) -> PagedState:
         """The pool handed out ``blocks`` (where ``mask``) for new contents: they are no
@@ -151,6 +190,9 @@ class PagedPolicy:
     def swap_out(self, state: PagedState, mask: jax.Array) -> tuple[PagedState, jax.Array]:
         """Move the masked slots' blocks (bool[max_seqs], on device) to the host pool,
         all or nothing; shared blocks are copied once. ok False: the host pool is full."""
+        # (statistics: touching held blocks on a refused call is harmless, a held block's
+        # last access is set again when it is freed)
+        state = self._touch_rows(state, mask)
         pool, host, tables, src, dst, count, ok = move_rows(
             state.pool, state.host_pool, state.tables, mask
         )
@@ -172,7 +214,7 @@ class PagedPolicy:
         extra = self.watermark_blocks + jnp.asarray(num_seqs, jnp.int32)
         reserve = jnp.where(reserve, extra, 0)
         host, pool, tables, src, dst, count, ok = move_rows(
-            state.host_pool, state.pool, state.tables, mask, reserve
+            state.host_pool, state.pool, state.tables, mask, reserve, self._pop(state)
         )
         if state.prefix is not None:  # the blocks get the swapped-in contents
             state = self._forget(state, dst, jnp.arange(dst.shape[0]) < count)
@@ -199,6 +241,7 @@ class PagedPolicy:
             self.block_size,
             self.max_model_len,
             reserve,
+            self._pop(state),
         )
         # Merge this call's copies into the step's pending copies, by sequence slot.
         slot = jnp.where(cow.valid, seq_ids, self.max_seqs)  # out of range: dropped
@@ -215,6 +258,12 @@ class PagedPolicy:
         return state._replace(pool=pool, tables=tables, last_cow=pending), ok
 
     def release(self, state, seq_ids, mask):
+        if state.stats is not None:  # the rows' blocks are freed now (held ones: harmless)
+            ids = jnp.where(jnp.asarray(mask, bool), jnp.asarray(seq_ids, jnp.int32), self.max_seqs)
+            on = jnp.zeros((self.max_seqs,), bool).at[ids].set(True, mode="drop")
+            if self.can_swap:
+                on = on & ~state.on_host  # host block ids: not device blocks
+            state = self._touch_rows(state, on)
         if not self.can_swap:
             pool, tables = btm.release_batched(state.pool, state.tables, seq_ids, mask)
             return state._replace(pool=pool, tables=tables)

@@ -199,6 +199,11 @@ class PrefixIndex(HintCounters):
         """The hash ``block`` was last recorded under (None: never, or forgotten)."""
         return self._hash_of.get(block)
 
+    def block_of(self, chained_hash: int) -> int | None:
+        """The block hinted under ``chained_hash`` (None: none); the host tier's lookup in
+        the middle of a chain (kv_offload.HostTier.plan)."""
+        return self._block_of.get(chained_hash)
+
 def usable_hit(hit_blocks: int, prompt_len: int, block_size: int) -> int:
     """Blocks of a verified hit to reuse: when the whole prompt is cached up to a block
     boundary, drop the last block, so the last prompt token is computed (its logits are

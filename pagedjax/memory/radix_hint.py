@@ -23,9 +23,13 @@ below a replaced or evicted one has another parent), so the verified hits are th
 tests/test_radix_hint.py checks that the radix proposal is always a prefix of the hash
 one, exactly equal on lookup-then-record workloads, and equal hit counters in the engine.
 
-Not supported: the host tier (``kv_offload``) looks blocks up by hash mid-chain
-(``propose(hashes[p:p+1])``, ``hash_of``); ``CacheConfig`` refuses
-``prefix_index="radix"`` with ``kv_offloading_size > 0``.
+The host tier (``kv_offload.HostTier``) looks device blocks up by chained hash in the
+middle of a chain (``block_of``, ``hash_of``), which a tree walked from the root does not
+answer: so the hint also keeps a ``prefix_cache.PrefixIndex`` fed with the same
+``record`` / ``forget`` calls (``chain``), and answers those two from it, exactly as the
+hash hint would. Its entries are not pruned with the tree (a block cached below an
+evicted one is what the host tier re-links), and its proposals are verified on device
+like any other. Memory: one more dict entry pair per hinted block.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ class RadixHint(HintCounters):
         # from the root (O(prefix blocks) per call, paid by every decode block).
         self._hash_of: dict[int, int] = {}
         self._block_of: dict[int, int] = {}
+        # The hash hint's maps, kept by the same calls, for the host tier (module docstring)
+        self.chain = PrefixIndex()
 
     def __len__(self) -> int:
         return len(self._salt_of)
@@ -91,6 +97,7 @@ class RadixHint(HintCounters):
         hints (their content changed). ``parent_hash``: the chained hash of block
         ``start - 1``, if the caller has it (found in O(1), else by a walk from the
         root); the tree is checked to hold it at that prefix's depth."""
+        self.chain.record(hashes, blocks)
         b = self.block_size
         tree = self._trees.setdefault(salt, RadixIndex(b))
         pairs = list(zip(hashes, blocks, strict=False))
@@ -131,13 +138,22 @@ class RadixHint(HintCounters):
     ) -> None:  # fmt: skip
         """Drop the hinted block ``start`` of ``tokens`` (it failed verification) and
         everything below it (``hashes``: the blocks from ``start`` the caller saw fail;
-        the subtree covers them)."""
+        the subtree covers them; ``chain`` forgets exactly those hashes)."""
+        self.chain.forget(hashes)
         tree = self._trees.get(salt)
         if tree is None or not hashes:
             return
         path = tree.match(tokens[: (start + 1) * self.block_size])
         if len(path) == start + 1:
             self._prune(path[start])
+
+    def hash_of(self, block: int) -> int | None:
+        """The chained hash ``block`` was last recorded under (``PrefixIndex.hash_of``)."""
+        return self.chain.hash_of(block)
+
+    def block_of(self, chained_hash: int) -> int | None:
+        """The block last recorded under ``chained_hash`` (``PrefixIndex.block_of``)."""
+        return self.chain.block_of(chained_hash)
 
     def _unhint(self, blocks: list[int]) -> None:
         """Drop the hints of ``blocks`` (refilled past a break in the chain) and below."""

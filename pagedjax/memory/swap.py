@@ -20,6 +20,7 @@ size) for the distinct-block count, plus the blocks moved.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -86,11 +87,13 @@ def move_rows(
     tables: BlockTables,
     mask: jax.Array,
     reserve: jax.Array | int = 0,
+    pop: Callable[[BlockPool, jax.Array, int], tuple[BlockPool, jax.Array]] = bp.pop_blocks,
 ) -> tuple[BlockPool, BlockPool, BlockTables, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Move the masked rows' blocks from ``src_pool`` to ``dst_pool``, all or nothing.
 
     mask: bool[max_seqs]; the masked rows must hold ids of ``src_pool``. reserve: blocks
-    that must stay free in ``dst_pool`` afterwards (refused otherwise).
+    that must stay free in ``dst_pool`` afterwards (refused otherwise). pop: the
+    allocator of ``dst_pool``'s blocks (the free list's head unless an eviction policy's).
     Returns (src_pool', dst_pool', tables', src_ids int32[Ks], dst_ids int32[Ks], count,
     ok) where Ks = src_pool.num_blocks and pair i < count copies src_ids[i] -> dst_ids[i].
     A refused call (ok False) changes nothing and reports count 0.
@@ -101,7 +104,7 @@ def move_rows(
     refs, ids, count = distinct_blocks(rows, ks)
     ok = dst_pool.num_free - count >= jnp.asarray(reserve, jnp.int32)
     count = jnp.where(ok, count, 0)
-    dst_pool, new = bp.pop_blocks(dst_pool, count, ks)
+    dst_pool, new = pop(dst_pool, count, ks)
     i = jnp.arange(ks, dtype=jnp.int32)
     live = i < count
     # Each destination block is referenced as often as its source block was by the rows.

@@ -47,6 +47,7 @@ PAGEDJAX_ONLY = (
     "--disable-frontend-multiprocessing",  # vLLM V0's; here the engine thread (debugging)
     "--lora-memory",  # adapter slots inside the KV budget or beside it (docs/lora.md)
     "--prefix-index",  # the prefix cache's host hint: hash chain or radix tree (kv_tiers.md)
+    "--eviction-policy",  # which cached device block goes first: lru, lfu, cost (kv_tiers.md)
 )
 
 
@@ -129,6 +130,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         choices=("hash", "radix"),
         default=None,
         help=_own("the prefix cache's host hint: chained block hashes or a radix tree"),
+    )
+    p.add_argument(
+        "--eviction-policy",
+        choices=("lru", "lfu", "cost"),
+        default=None,
+        help=_own("which free cached KV block a new allocation evicts: least recently"
+                  " freed (default), least hit, or cheapest to recompute (docs/kv_tiers.md)"),
     )
     p.add_argument(
         "--kv-offloading-disk-path",
@@ -453,7 +461,7 @@ LLM_ARGS = (
     "model", "tokenizer", "dtype", "load_format", "seed", "block_size", "max_model_len",
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
     "num_gpu_blocks_override", "kv_cache_memory_bytes", "swap_space", "enable_prefix_caching",
-    "kv_offloading_size", "kv_offloading_backend", "prefix_index",
+    "kv_offloading_size", "kv_offloading_backend", "prefix_index", "eviction_policy",
     "kv_offloading_disk_path", "kv_offloading_disk_size",
     "preemption_mode", "tensor_parallel_size", "data_parallel_size", "data_parallel_routing",
     "pipeline_parallel_size", "scheduling_mode", "watermark",
