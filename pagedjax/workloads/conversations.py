@@ -104,7 +104,9 @@ class ConversationWorkload:
             raise ValueError(f"conversation ids must be < 2^{_ID_BITS}")
         if self.prompt_tokens is not None:
             if len(self.prompt_tokens) != n:
-                raise ValueError(f"prompt_tokens must have {n} entries, got {len(self.prompt_tokens)}")
+                raise ValueError(
+                    f"prompt_tokens must have {n} entries, got {len(self.prompt_tokens)}"
+                )
             for i, t in enumerate(self.prompt_tokens):
                 if t is not None and len(t) != self.requests.prompt_len[i]:
                     raise ValueError(
@@ -261,8 +263,8 @@ def _assemble(
     arr_rng = np.random.default_rng([seed, 1 << 40])  # not any conversation's stream
     turns_per = np.array([len(p) for p in hist_lens], np.int64)
     arrival, conv, turn = _rounds_arrivals(turns_per, rate, arr_rng)
-    prompt = np.array([hist_lens[c][t][0] for c, t in zip(conv, turn)], np.int32)
-    output = np.array([hist_lens[c][t][1] for c, t in zip(conv, turn)], np.int32)
+    prompt = np.array([hist_lens[c][t][0] for c, t in zip(conv, turn, strict=True)], np.int32)
+    output = np.array([hist_lens[c][t][1] for c, t in zip(conv, turn, strict=True)], np.int32)
     n = len(conv)
     max_total = int((prompt + output).max()) if n else 1
     return ConversationWorkload(

@@ -161,8 +161,13 @@ def load_conversation_trace(path: str | Path, name: str | None = None) -> Conver
     output_arr = np.array(output, np.int32)
     label = path.stem if name is None else name
     return ConversationWorkload(
-        Workload(np.array(arrival), prompt_arr, output_arr,
-                 source_len=int((prompt_arr + output_arr).max()), name=label),  # fmt: skip
+        Workload(
+            np.array(arrival),
+            prompt_arr,
+            output_arr,
+            source_len=int((prompt_arr + output_arr).max()),
+            name=label,
+        ),  # fmt: skip
         np.array(conv, np.int32),
         np.array(turn, np.int32),
         np.array(group, np.int32),
