@@ -155,12 +155,28 @@ class ConversationWorkload:
         total = p + int(self.requests.output_len[i])
         return self._stream_keys(i, p // block_size, total // block_size, block_size)
 
+    def _all_keys(self, i: int, block_size: int) -> np.ndarray:
+        return np.concatenate([self.block_keys(i, block_size),
+                               self.output_block_keys(i, block_size)])  # fmt: skip
+
     def working_set_blocks(self, block_size: int) -> int:
         """Distinct full blocks over every request's prompt and output: what a cache that
         never evicts would hold at the end (the x-axis of the tier curves)."""
-        keys = [self.block_keys(i, block_size) for i in range(len(self))]
-        keys += [self.output_block_keys(i, block_size) for i in range(len(self))]
+        keys = [self._all_keys(i, block_size) for i in range(len(self))]
         return int(len(np.unique(np.concatenate(keys)))) if keys else 0
+
+    def cumulative_working_set(self, block_size: int) -> np.ndarray:
+        """int64[C]: entry n - 1 is the working set (as ``working_set_blocks``) of the
+        requests of conversations 0 .. n - 1; for the generators here, whose first n
+        conversations do not depend on how many were asked for, the working set of
+        ``multi_turn(n, ...)`` / ``agentic(n, ...)``."""
+        seen: set[int] = set()
+        new = np.zeros(self.num_conversations, np.int64)
+        for i in np.argsort(self.conversation, kind="stable").tolist():
+            keys = set(self._all_keys(i, block_size).tolist())
+            new[self.conversation[i]] += len(keys - seen)
+            seen |= keys
+        return np.cumsum(new)
 
 
 def _check_block_size(block_size: int) -> None:
