@@ -50,8 +50,8 @@ from pagedjax.workloads.arrivals import arrival_times
 from pagedjax.workloads.lengths import MIN_LEN, sample_lengths
 from pagedjax.workloads.record import Workload
 
-# Key layout of stream blocks: 2 tag bits | 38-bit id | 24-bit block index.
-_ID_BITS, _INDEX_BITS = 38, 24
+# Key layout (non-negative int64): 0 | 2 tag bits | 37-bit id | 24-bit block index.
+_ID_BITS, _INDEX_BITS = 37, 24
 _TAG_SHARED, _TAG_CONV, _TAG_TOKENS = 1, 2, 3
 
 
