@@ -143,6 +143,34 @@ class MemoryWasteSettings:
 
 
 @dataclass(frozen=True)
+class ImageWasteSettings:
+    """Fig. 2 / Fig. 13 for image traffic (experiments/memory_waste_images.py): the
+    memory-waste comparison on image-chat requests (1-4 images of ``family``'s tokens
+    plus ShareGPT-like text; pagedjax/workloads/image_chat.py), simulated on the
+    server's pool with ``max_model_len`` as the context (Orca reserves it).
+
+    rate: req/s, or "token_matched": the Fig. 2 text operating point (memory_waste.rate,
+    resolved) x (mean tokens of a text request / mean tokens of an image request), the
+    same token load in image requests.
+    """
+
+    family: Literal["llava-1.5", "idefics3", "smolvlm", "qwen2-vl"] = "llava-1.5"
+    max_model_len: int = 4096
+    rate: float | Literal["token_matched"] = "token_matched"
+    duration_s: float = 200.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(
+            self.rate == "token_matched" or self.rate > 0,
+            "memory_waste_images.rate",
+            "must be > 0 or token_matched",
+        )
+        _check(self.duration_s > 0, "memory_waste_images.duration_s", "must be > 0")
+        _check(self.max_model_len >= 1024, "memory_waste_images.max_model_len", ">= 1024")
+
+
+@dataclass(frozen=True)
 class Workload:
     """A dataset at a request rate; duration_s (optional) overrides the section's."""
 
@@ -545,6 +573,7 @@ class ExperimentConfig:
     sharing: SharingSettings = field(default_factory=SharingSettings)
     chatbot: ChatbotSettings = field(default_factory=ChatbotSettings)
     kv_tiers: KvTiersSettings = field(default_factory=KvTiersSettings)
+    memory_waste_images: ImageWasteSettings = field(default_factory=ImageWasteSettings)
     # Wall-time allocation per experiment (s) on an idle box, printed in the report beside
     # the time each part took (llama7b.yaml: 8 minutes in all); empty: none stated.
     time_allocation_s: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,98 @@
+"""Fig. 2 / Fig. 13 for image traffic: KV memory by category and batched requests for
+Orca (Max / Pow2 / Oracle) and paged on image-chat requests (issue 37), simulated.
+
+Setup (config section ``memory_waste_images``): the server of the config (its model's
+geometry, GPU and KV pool, paper-mode scheduling) with ``max_model_len`` as the context
+(LLaVA-1.5-7B: 4,096; Orca (Max) reserves it per request); requests of 1-4 images of the
+family's tokens plus ShareGPT-like text (pagedjax/workloads/image_chat.py) at ``rate``
+(default "token_matched": the text experiment's operating point scaled to the same token
+load) for ``duration_s``. Shares as memory_waste.py (steady window, whole pool); the
+batched requests per step are Fig. 13's measure. No paper values: the paper ran text only,
+and no claim is judged on these numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from experiments.common import (
+    IMAGE_CHAT,
+    SIM_LABEL,
+    run_sim,
+    run_threads,
+    usage_pcts,
+    workload,
+    write_csv,
+)
+from experiments.config import ExperimentConfig
+from experiments.memory_waste import SYSTEMS, _plot
+from experiments.throughput_vs_rate import resolve_rate
+
+MEAN_SAMPLE = 20_000  # requests drawn to compare mean tokens (token_matched)
+
+
+def resolve_image_rate(cfg: ExperimentConfig) -> tuple[float, dict[str, Any]]:
+    """The image workload's rate and how it was chosen."""
+    s = cfg.memory_waste_images
+    if s.rate != "token_matched":
+        return float(s.rate), {"rule": "set in the config"}
+    text_rate, op = resolve_rate(cfg, cfg.memory_waste.rate)
+    text = workload(cfg.memory_waste.dataset, 1.0, MEAN_SAMPLE, 0, 1.0, cfg.server.max_model_len)
+    image = workload(IMAGE_CHAT + s.family, 1.0, MEAN_SAMPLE, 0, 1.0, s.max_model_len)
+    t_mean = float(np.mean(text.total_len[:MEAN_SAMPLE]))
+    i_mean = float(np.mean(image.total_len[:MEAN_SAMPLE]))
+    return text_rate * t_mean / i_mean, {
+        "rule": "token_matched: text operating point x mean text tokens / mean image tokens",
+        "text_rate": text_rate,
+        "text_mean_tokens": round(t_mean, 1),
+        "image_mean_tokens": round(i_mean, 1),
+        "text_operating_point": op,
+    }
+
+
+def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
+    s = cfg.memory_waste_images
+    server = dataclasses.replace(cfg.server, max_model_len=s.max_model_len)
+    rate, how = resolve_image_rate(cfg)
+    spec = [(IMAGE_CHAT + s.family, rate, s.duration_s, s.seed, 1.0)]
+    run_threads(lambda system: run_sim(system, server, spec, drain=False), SYSTEMS)  # cached
+    summary: dict[str, Any] = {"executor": SIM_LABEL, "rate_choice": how}
+    rows = []
+    for system in progress(SYSTEMS, desc="memory_waste_images", leave=False):
+        r = run_sim(system, server, spec, drain=False)[0]
+        u = usage_pcts(r, server.pool_slots)
+        batched = float(r.result.win_batched)
+        rows.append(
+            dict(executor=SIM_LABEL, system=system, dataset=spec[0][0], rate=rate,
+                 duration_s=s.duration_s, seed=s.seed, avg_batched=batched, **u)
+        )  # fmt: skip
+        summary[system] = {k: round(v, 2) for k, v in u.items()} | {
+            "avg_batched": round(batched, 2)
+        }
+    w = run_sim("paged", server, spec, drain=False)[0].workload
+    summary["batched_ratio_paged_over"] = {
+        x: round(summary["paged"]["avg_batched"] / summary[x]["avg_batched"], 3)
+        for x in SYSTEMS[:3]
+        if summary[x]["avg_batched"] > 0
+    }
+    summary["setup"] = dict(
+        dataset=spec[0][0], family=s.family, rate=rate, duration_s=s.duration_s,
+        requests=len(w), mean_prompt=round(float(w.prompt_len.mean()), 1),
+        mean_output=round(float(w.output_len.mean()), 1), kv_slots=server.pool_slots,
+        model=server.model, max_model_len=s.max_model_len, warmup_frac=server.warmup_frac,
+    )  # fmt: skip
+    write_csv(out / "memory_waste_images.csv", rows)
+    _plot(summary, out / "memory_waste_images.png", paper=False)
+    return summary
+
+
+def table(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
+    rows = [(f"token states % {x}", f"{summary[x]['token_states_pct']:.1f}", "") for x in SYSTEMS]
+    rows += [(f"batched reqs {x}", f"{summary[x]['avg_batched']:.2f}", "") for x in SYSTEMS]
+    rows += [(f"batched paged/{x}", f"{v:.2f}", "")
+             for x, v in summary["batched_ratio_paged_over"].items()]  # fmt: skip
+    return rows
