@@ -22,6 +22,7 @@ tier off / on) in a subprocess and records its printed lines; it is off by defau
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -130,8 +131,6 @@ def run_real_engine(s: KvTiersSettings) -> dict[str, Any]:
     printed TTFT lines, parsed, and the raw output's last lines."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "kv_tiers.py"), *s.real_engine_args]
     env_path = f"{ROOT}:{ROOT / 'benchmarks'}"
-    import os
-
     env = dict(os.environ, PYTHONPATH=env_path + ":" + os.environ.get("PYTHONPATH", ""))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=s.real_engine_timeout_s,
@@ -139,12 +138,25 @@ def run_real_engine(s: KvTiersSettings) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         return {"status": f"timed out after {s.real_engine_timeout_s} s", "command": cmd}
     res: dict[str, Any] = {"command": " ".join(cmd[1:]), "returncode": proc.returncode}
-    for m in re.finditer(r"tier (on|off)\s*: TTFT p50\s+([\d.]+) ms\s+p90\s+([\d.]+) ms\s+"
-                         r"prompt tokens computed\s+(\d+)", proc.stdout):  # fmt: skip
+    res.update(parse_real_engine(proc.stdout))
+    res["output_tail"] = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
+    return res
+
+
+_TIER_LINE = re.compile(
+    r"tier (on|off)\s*: TTFT p50\s+([\d.]+) ms\s+p90\s+([\d.]+) ms\s+"
+    r"prompt tokens computed\s+(\d+)"
+)
+
+
+def parse_real_engine(stdout: str) -> dict[str, Any]:
+    """benchmarks/kv_tiers.py's printed lines -> {"off": {...}, "on": {...},
+    "greedy_outputs_equal": bool}."""
+    res: dict[str, Any] = {}
+    for m in _TIER_LINE.finditer(stdout):
         res[m.group(1)] = dict(ttft_p50_ms=float(m.group(2)), ttft_p90_ms=float(m.group(3)),
                                prompt_tokens_computed=int(m.group(4)))  # fmt: skip
-    res["greedy_outputs_equal"] = "greedy outputs equal: True" in proc.stdout
-    res["output_tail"] = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
+    res["greedy_outputs_equal"] = "greedy outputs equal: True" in stdout
     return res
 
 

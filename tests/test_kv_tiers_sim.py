@@ -307,3 +307,29 @@ def test_experiment_runs_small_and_config_refusals(tmp_path):
         KvTiersSettings(working_set_multiples=[2.0, 1.0])
     with pytest.raises(ConfigError, match="profiles.gpu"):
         TierProfile(gpu="B200")
+
+
+def test_real_engine_lines_parse():
+    from experiments.kv_tiers import parse_real_engine
+
+    out = (
+        "tier off: TTFT p50   165.0 ms  p90   207.6 ms  prompt tokens computed   8448  hits\n"
+        "tier on : TTFT p50   142.4 ms  p90   179.5 ms  prompt tokens computed   2688  hits\n"
+        "greedy outputs equal: True\n"
+    )
+    r = parse_real_engine(out)
+    assert r["off"] == dict(ttft_p50_ms=165.0, ttft_p90_ms=207.6, prompt_tokens_computed=8448)
+    assert r["on"]["prompt_tokens_computed"] == 2688 and r["greedy_outputs_equal"]
+
+
+@pytest.mark.slow  # the real engine, twice, on a tiny random llama (~1 min on 2 cores)
+def test_real_engine_ablation_runs_through_the_experiment():
+    from experiments.config import KvTiersSettings
+    from experiments.kv_tiers import run_real_engine
+
+    args = ["--convs", "3", "--turns", "2", "--system-len", "48", "--pool-blocks", "8",
+            "--tier-blocks", "32", "--hidden", "64", "--layers", "1", "--heads", "2"]  # fmt: skip
+    r = run_real_engine(KvTiersSettings(real_engine=True, real_engine_args=args))
+    assert r["returncode"] == 0, r["output_tail"]
+    assert r["greedy_outputs_equal"]
+    assert r["on"]["prompt_tokens_computed"] < r["off"]["prompt_tokens_computed"]
