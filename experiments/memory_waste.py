@@ -84,11 +84,11 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
         warmup_frac=cfg.server.warmup_frac,
     )
     write_csv(out / "memory_waste.csv", rows)
-    _plot(summary, out / "memory_waste.png")
+    plot_shares(summary, out / "memory_waste.png")
     return summary
 
 
-def _plot(summary: dict[str, Any], path: Path, paper: bool = True) -> None:
+def plot_shares(summary: dict[str, Any], path: Path, paper: bool = True) -> None:
     """The stacked bars; ``paper``: label each bar with the paper's Fig. 2 value (off for
     workloads the paper did not run, e.g. image chat)."""
     fig, ax = plt.subplots(figsize=(8, 4))

@@ -29,7 +29,7 @@ from experiments.common import (
     write_csv,
 )
 from experiments.config import ExperimentConfig
-from experiments.memory_waste import SYSTEMS, _plot
+from experiments.memory_waste import SYSTEMS, plot_shares
 from experiments.throughput_vs_rate import resolve_rate
 
 MEAN_SAMPLE = 20_000  # requests drawn to compare mean tokens (token_matched)
@@ -86,7 +86,7 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
         model=server.model, max_model_len=s.max_model_len, warmup_frac=server.warmup_frac,
     )  # fmt: skip
     write_csv(out / "memory_waste_images.csv", rows)
-    _plot(summary, out / "memory_waste_images.png", paper=False)
+    plot_shares(summary, out / "memory_waste_images.png", paper=False)
     return summary
 
 
