@@ -76,3 +76,21 @@ def test_image_chat_shapes_determinism_and_refusals():
         image_chat("llava-1.5", 1.0)
     with pytest.raises(ValueError, match="image size"):
         FAMILIES["smolvlm"].image_tokens(0, 10)
+
+
+@pytest.mark.slow  # four simulators compiled for a 4,096-token context (~40 s on 2 cores)
+def test_memory_waste_images_experiment(tmp_path):
+    from experiments import memory_waste_images
+    from experiments.config import ExperimentConfig, ImageWasteSettings
+    from pagedjax.config import ConfigError
+
+    s = ImageWasteSettings(family="llava-1.5", rate=2.0, duration_s=40.0)
+    cfg = ExperimentConfig(experiments=["memory_waste_images"], memory_waste_images=s)
+    out = memory_waste_images.run(cfg, tmp_path, lambda it, **_: it)
+    assert out["setup"]["max_model_len"] == 4096 and out["setup"]["requests"] > 40
+    paged = out["paged"]["token_states_pct"]
+    assert all(paged > out[x]["token_states_pct"] for x in ("orca_max", "orca_oracle"))
+    assert out["batched_ratio_paged_over"]["orca_max"] >= 1
+    assert (tmp_path / "memory_waste_images.png").exists()
+    with pytest.raises(ConfigError, match="memory_waste_images.rate"):
+        ImageWasteSettings(rate=0.0)
