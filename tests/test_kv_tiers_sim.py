@@ -171,6 +171,8 @@ def test_server_host_tier_cuts_ttft_when_the_working_set_exceeds_the_pool():
             idx = idx[np.argsort(w.turn[idx])]
             assert np.all(r.sent_s[idx[1:]] >= r.finish_s[idx[:-1]])
     assert off.host_hit_tokens == 0 and on.host_hit_tokens > 0
+    assert on.host_hits.sum() == on.host_hit_tokens and on.device_hits.sum() == on.device_hit_tokens
+    assert np.all(on.device_hits + on.host_hits < w.requests.prompt_len)  # >= 1 computed
     assert on.computed_prompt_tokens < off.computed_prompt_tokens
     assert on.summary()["ttft_p50_ms"] < off.summary()["ttft_p50_ms"]
     sync = _serve(w, 4096, reload="sync")
@@ -244,6 +246,9 @@ def test_trace_round_trip_and_token_rows(tmp_path):
     k0, k1 = t.block_keys(0, 16), t.block_keys(1, 16)
     assert np.array_equal(k0[:2], k1[:2]) and len(t.output_block_keys(0, 16)) == 0
     assert np.array_equal(k0, token_block_keys(np.arange(40), 16))
+    # Replayed: the second conversation's prompt hits the first one's two shared blocks.
+    r = _serve(t, 0)
+    assert r.device_hits.tolist() == [0, 32]
 
 
 BAD_ROWS = [

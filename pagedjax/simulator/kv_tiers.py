@@ -336,12 +336,15 @@ class TierSimConfig:
 
 @dataclass
 class TierResult:
-    """Per request (float64[N], seconds; NaN never happens: every request finishes):
-    sent_s (arrival, after the closed-loop wait), first_token_s, finish_s; and totals."""
+    """Per request (float64[N], seconds; every request finishes): sent_s (arrival, after
+    the closed-loop wait), first_token_s, finish_s; the hits per tier per request; and
+    totals."""
 
     sent_s: np.ndarray
     first_token_s: np.ndarray
     finish_s: np.ndarray
+    device_hits: np.ndarray  # int64[N]: prompt tokens each request found on the device
+    host_hits: np.ndarray  # int64[N]: ... and on the host (loaded back)
     output_tokens: int
     prompt_tokens: int
     query_tokens: int  # prompt tokens looked up (all of them)
@@ -441,6 +444,8 @@ def simulate_tiers(
     sent = np.full(n, np.nan)
     first = np.full(n, np.nan)
     finish = np.full(n, np.nan)
+    dev_hits = np.zeros(n, np.int64)
+    host_hits = np.zeros(n, np.int64)
     waiting: deque[int] = deque()
     running: list[_Req] = []
     t = 0.0
@@ -465,8 +470,10 @@ def simulate_tiers(
             r = _Req(i, p, int(out_len[i]), int(total_blocks[i]), computed=len(tiers) * bs,
                      keys=hit_keys, anonymous=int(total_blocks[i]) - len(tiers))  # fmt: skip
             stats["query"] += p
-            stats["dev"] += int((tiers == DEVICE).sum()) * bs
-            stats["host"] += n_host * bs
+            dev_hits[i] = int((tiers == DEVICE).sum()) * bs
+            host_hits[i] = n_host * bs
+            stats["dev"] += dev_hits[i]
+            stats["host"] += host_hits[i]
             r.ready_at = t
             if n_host:
                 dt = n_host * (link.copy_latency_s + block_bytes / link.effective_bytes_per_s)
@@ -573,6 +580,8 @@ def simulate_tiers(
         sent_s=sent,
         first_token_s=first,
         finish_s=finish,
+        device_hits=dev_hits,
+        host_hits=host_hits,
         output_tokens=int(out_len.sum()),
         prompt_tokens=int(prompt_len.sum()),
         query_tokens=stats["query"],
