@@ -35,7 +35,8 @@ Why a host-side discrete-event model (numpy and Python) and not the jitted loop 
 arrival, data-dependent dictionaries that a fixed-shape ``lax.while_loop`` would carry as
 large sorted arrays rewritten every step; the event count here is small (a few events
 per request: an admission, a prefill chunk or two, the decode runs between arrivals and
-finishes), so Python over events is fast (about 0.1-0.3 s per 1,000 requests). The step
+finishes), so Python over events is fast enough (measured: 2,136 multi-turn requests
+at 16x the pool, ~85,000 steps, 1.7-1.8 s at load 6 on the shared 2-core box). The step
 cost is the roofline itself, read once into its affine pieces (``StepTime``) so that a
 run of decode steps is one numpy expression.
 """
