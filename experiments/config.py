@@ -527,7 +527,7 @@ class KvTiersSettings:
         default_factory=lambda: [0.5, 1.0, 2.0, 4.0, 8.0, 16.0]
     )
     turns: int = 8
-    agent_context_len: int = 4096
+    agent_context_len: int = 2048
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -547,6 +547,13 @@ class KvTiersSettings:
         )
         _check(self.turns >= 1, "kv_tiers.turns", "must be >= 1")
         _check(self.agent_context_len >= 1, "kv_tiers.agent_context_len", "must be >= 1")
+        for p in self.profiles if self.workload == "agentic" else []:
+            _check(
+                p.max_model_len >= self.agent_context_len + 64,
+                "kv_tiers.agent_context_len",
+                f"must leave >= 64 tokens of turns under {p.gpu}'s max_model_len "
+                f"({p.max_model_len})",
+            )
         b = self.block_size
         _check(b >= 1 and b & (b - 1) == 0, "kv_tiers.block_size", "must be a power of two")
         _check(self.max_num_batched_tokens >= 1, "kv_tiers.max_num_batched_tokens", ">= 1")

@@ -312,6 +312,8 @@ def test_experiment_runs_small_and_config_refusals(tmp_path):
         KvTiersSettings(working_set_multiples=[2.0, 1.0])
     with pytest.raises(ConfigError, match="profiles.gpu"):
         TierProfile(gpu="B200")
+    with pytest.raises(ConfigError, match="agent_context_len"):
+        KvTiersSettings(workload="agentic", agent_context_len=4096)
 
 
 def test_real_engine_lines_parse():
