@@ -340,3 +340,22 @@ def test_real_engine_ablation_runs_through_the_experiment():
     assert r["returncode"] == 0, r["output_tail"]
     assert r["greedy_outputs_equal"]
     assert r["on"]["prompt_tokens_computed"] < r["off"]["prompt_tokens_computed"]
+
+
+def test_host_tier_drops_its_least_recently_used_block():
+    c = TierCache(device_blocks=2, host_blocks=2)
+    for k in (1, 2, 3, 4):  # 2 blocks each: every request evicts the previous one's block
+        keys = np.array([k], np.int64)
+        assert c.acquire(keys, c.lookup(keys), 2)
+        c.release(c.register(keys), 1)
+    # 1, 2, 3 were offloaded; the tier holds 2, so 1 (the oldest) was dropped.
+    assert c.host_keys() == {2, 3} and c.device_keys() == {4}
+    assert c.offloaded_blocks == 3 and c.host_evicted_blocks == 1
+    hit = np.array([2], np.int64)
+    assert c.lookup(hit).tolist() == [HOST]
+    assert c.acquire(hit, c.lookup(hit), 1)  # reload 2: touched, so 3 is now the oldest
+    c.release([2], 0)
+    keys = np.array([9], np.int64)
+    assert c.acquire(keys, c.lookup(keys), 2)  # evicts 4 (offloaded) and 2 (kept: touched)
+    assert c.host_keys() == {2, 4} and c.host_size == 2
+    assert c.offloaded_blocks == 4 and c.host_evicted_blocks == 2  # 3 went, not 2
