@@ -149,22 +149,24 @@ class ImageWasteSettings:
     plus ShareGPT-like text; pagedjax/workloads/image_chat.py), simulated on the
     server's pool with ``max_model_len`` as the context (Orca reserves it).
 
-    rate: req/s, or "token_matched": the Fig. 2 text operating point (memory_waste.rate,
+    rate: req/s; "token_matched": the Fig. 2 text operating point (memory_waste.rate,
     resolved) x (mean tokens of a text request / mean tokens of an image request), the
-    same token load in image requests.
+    same token load in image requests (cheap: reuses the text search); or "knee": the
+    paged system's own knee at 0.5 s/token on the image workload (the operating-point
+    rule applied to it: a knee search of its own, ~1-2 minutes).
     """
 
     family: Literal["llava-1.5", "idefics3", "smolvlm", "qwen2-vl"] = "llava-1.5"
     max_model_len: int = 4096
-    rate: float | Literal["token_matched"] = "token_matched"
+    rate: float | Literal["token_matched", "knee"] = "token_matched"
     duration_s: float = 200.0
     seed: int = 0
 
     def __post_init__(self) -> None:
         _check(
-            self.rate == "token_matched" or self.rate > 0,
+            self.rate in ("token_matched", "knee") or self.rate > 0,
             "memory_waste_images.rate",
-            "must be > 0 or token_matched",
+            "must be > 0, token_matched or knee",
         )
         _check(self.duration_s > 0, "memory_waste_images.duration_s", "must be > 0")
         _check(self.max_model_len >= 1024, "memory_waste_images.max_model_len", ">= 1024")
@@ -592,6 +594,8 @@ class ExperimentConfig:
         for i, e in enumerate(self.experiments):
             _check(e in EXPERIMENTS, f"experiments[{i}]", f"unknown experiment {e!r}")
         knee_rates = [self.memory_waste.rate] + [w.rate for w in self.batched_requests.workloads]
+        if "memory_waste_images" in self.experiments:  # (token_matched: memory_waste.rate)
+            knee_rates.append(self.memory_waste_images.rate)
         _check(
             "chatbot" not in self.experiments or self.throughput_vs_rate.search is not None,
             "throughput_vs_rate.search",

@@ -6,9 +6,10 @@ geometry, GPU and KV pool, paper-mode scheduling) with ``max_model_len`` as the 
 (LLaVA-1.5-7B: 4,096; Orca (Max) reserves it per request); requests of 1-4 images of the
 family's tokens plus ShareGPT-like text (pagedjax/workloads/image_chat.py) at ``rate``
 (default "token_matched": the text experiment's operating point scaled to the same token
-load) for ``duration_s``. Shares as memory_waste.py (steady window, whole pool); the
-batched requests per step are Fig. 13's measure. No paper values: the paper ran text only,
-and no claim is judged on these numbers.
+load; "knee": the paged system's knee on the image workload itself) for ``duration_s``.
+Shares as memory_waste.py (steady window, whole pool); the batched requests per step are
+Fig. 13's measure. No paper values: the paper ran text only, and no claim is judged on
+these numbers.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from experiments.common import (
 )
 from experiments.config import ExperimentConfig
 from experiments.memory_waste import SYSTEMS, plot_shares
-from experiments.throughput_vs_rate import resolve_rate
+from experiments.throughput_vs_rate import OPERATING_THRESHOLD, resolve_rate, search
 
 MEAN_SAMPLE = 20_000  # requests drawn to compare mean tokens (token_matched)
 
@@ -38,6 +39,21 @@ MEAN_SAMPLE = 20_000  # requests drawn to compare mean tokens (token_matched)
 def resolve_image_rate(cfg: ExperimentConfig) -> tuple[float, dict[str, Any]]:
     """The image workload's rate and how it was chosen."""
     s = cfg.memory_waste_images
+    if s.rate == "knee":
+        server = dataclasses.replace(cfg.server, max_model_len=s.max_model_len)
+        tv = dataclasses.replace(
+            cfg.throughput_vs_rate, dataset=IMAGE_CHAT + s.family, systems=["paged"],
+            duration_s=s.duration_s, seed=s.seed, thresholds=[OPERATING_THRESHOLD],
+            spread_scales=[], also_cost_models=[],
+        )  # fmt: skip
+        found, _ = search("paged", server, tv, 1.0)
+        k = found.knees[OPERATING_THRESHOLD]
+        rate = k.lo if k.lo is not None else k.hi
+        return float(rate), {
+            "rule": f"knee: paged knee at {OPERATING_THRESHOLD} s/token on this workload",
+            "knee": k.to_json(),
+            "bracketed": k.bracketed,
+        }
     if s.rate != "token_matched":
         return float(s.rate), {"rule": "set in the config"}
     text_rate, op = resolve_rate(cfg, cfg.memory_waste.rate)
