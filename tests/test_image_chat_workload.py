@@ -94,3 +94,17 @@ def test_memory_waste_images_experiment(tmp_path):
     assert (tmp_path / "memory_waste_images.png").exists()
     with pytest.raises(ConfigError, match="memory_waste_images.rate"):
         ImageWasteSettings(rate=0.0)
+
+
+def test_image_waste_config_refusals():
+    from experiments.config import ExperimentConfig, ImageWasteSettings
+    from pagedjax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="memory_waste_images.rate"):
+        ImageWasteSettings(rate=-1.0)
+    with pytest.raises(ConfigError, match="throughput_vs_rate.search"):
+        ExperimentConfig(
+            experiments=["memory_waste_images"],
+            memory_waste_images=ImageWasteSettings(rate="knee"),
+        )
+    ExperimentConfig(experiments=["memory_waste_images"])  # token_matched, numeric text rate
