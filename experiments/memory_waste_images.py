@@ -40,7 +40,7 @@ def resolve_image_rate(cfg: ExperimentConfig) -> tuple[float, dict[str, Any]]:
     """The image workload's rate and how it was chosen."""
     s = cfg.memory_waste_images
     if s.rate == "knee":
-        server = dataclasses.replace(cfg.server, max_model_len=s.max_model_len)
+        server = image_server(cfg)
         tv = dataclasses.replace(
             cfg.throughput_vs_rate, dataset=IMAGE_CHAT + s.family, systems=["paged"],
             duration_s=s.duration_s, seed=s.seed, thresholds=[OPERATING_THRESHOLD],
@@ -70,9 +70,21 @@ def resolve_image_rate(cfg: ExperimentConfig) -> tuple[float, dict[str, Any]]:
     }
 
 
+def image_server(cfg: ExperimentConfig) -> Any:
+    """The config's server with the section's context. The step's token budget is raised
+    to it if smaller: paper-mode scheduling (no chunked prefill) rejects a prompt larger
+    than one step's budget, and vLLM 0.1 refused to start with max_num_batched_tokens <
+    max_model_len for the same reason."""
+    s = cfg.memory_waste_images
+    budget = max(cfg.server.max_num_batched_tokens, s.max_model_len)
+    return dataclasses.replace(
+        cfg.server, max_model_len=s.max_model_len, max_num_batched_tokens=budget
+    )
+
+
 def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
     s = cfg.memory_waste_images
-    server = dataclasses.replace(cfg.server, max_model_len=s.max_model_len)
+    server = image_server(cfg)
     rate, how = resolve_image_rate(cfg)
     spec = [(IMAGE_CHAT + s.family, rate, s.duration_s, s.seed, 1.0)]
     run_threads(lambda system: run_sim(system, server, spec, drain=False), SYSTEMS)  # cached
@@ -82,12 +94,15 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
         r = run_sim(system, server, spec, drain=False)[0]
         u = usage_pcts(r, server.pool_slots)
         batched = float(r.result.win_batched)
+        rejected = int(np.asarray(r.result.rejected)[: len(r.workload)].sum())
         rows.append(
             dict(executor=SIM_LABEL, system=system, dataset=spec[0][0], rate=rate,
-                 duration_s=s.duration_s, seed=s.seed, avg_batched=batched, **u)
+                 duration_s=s.duration_s, seed=s.seed, avg_batched=batched,
+                 rejected=rejected, **u)
         )  # fmt: skip
         summary[system] = {k: round(v, 2) for k, v in u.items()} | {
-            "avg_batched": round(batched, 2)
+            "avg_batched": round(batched, 2),
+            "rejected": rejected,
         }
     w = run_sim("paged", server, spec, drain=False)[0].workload
     summary["batched_ratio_paged_over"] = {
@@ -100,6 +115,7 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
         requests=len(w), mean_prompt=round(float(w.prompt_len.mean()), 1),
         mean_output=round(float(w.output_len.mean()), 1), kv_slots=server.pool_slots,
         model=server.model, max_model_len=s.max_model_len, warmup_frac=server.warmup_frac,
+        max_num_batched_tokens=server.max_num_batched_tokens,
     )  # fmt: skip
     write_csv(out / "memory_waste_images.csv", rows)
     plot_shares(summary, out / "memory_waste_images.png", paper=False)

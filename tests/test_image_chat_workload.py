@@ -88,6 +88,8 @@ def test_memory_waste_images_experiment(tmp_path):
     cfg = ExperimentConfig(experiments=["memory_waste_images"], memory_waste_images=s)
     out = memory_waste_images.run(cfg, tmp_path, lambda it, **_: it)
     assert out["setup"]["max_model_len"] == 4096 and out["setup"]["requests"] > 40
+    assert out["setup"]["max_num_batched_tokens"] == 4096  # else long prompts are rejected
+    assert all(out[x]["rejected"] == 0 for x in ("orca_max", "orca_pow2", "orca_oracle", "paged"))
     paged = out["paged"]["token_states_pct"]
     assert all(paged > out[x]["token_states_pct"] for x in ("orca_max", "orca_oracle"))
     assert out["batched_ratio_paged_over"]["orca_max"] >= 1
