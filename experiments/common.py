@@ -36,6 +36,7 @@ from pagedjax.simulator.simulate import (  # noqa: E402
     simulate,
 )
 from pagedjax.workloads import Workload, make_workload  # noqa: E402
+from pagedjax.workloads.image_chat import image_chat  # noqa: E402
 
 SIM_LABEL = systems.SIM_LABEL
 SYSTEM_LABELS = systems.SYSTEM_LABELS
@@ -89,7 +90,9 @@ def workload(
     "chatbot" (Fig. 17): ShareGPT-like arrivals and outputs, each prompt the
     conversation history cut to its last CHAT_PROMPT tokens and outputs capped at
     CHAT_MAX_OUTPUT (section 6.5). Our lengths are single-turn, so every prompt is the
-    cap: the paper says most prompts hit it (an assumption for the rest)."""
+    cap: the paper says most prompts hit it (an assumption for the rest).
+    "image_chat:<family>" (issue 37): 1-4 images of that vision family's tokens plus
+    ShareGPT-like text (pagedjax/workloads/image_chat.py), drawn within max_len."""
     if dataset == "chatbot":
         w = make_workload("sharegpt", rate, duration_s=duration_s, seed=seed, spread_scale=spread)
         w = Workload(
@@ -99,9 +102,15 @@ def workload(
             source_len=w.source_len,
             name="chatbot",
         )
+    elif dataset.startswith(IMAGE_CHAT):  # "image_chat:<family>", already in max_len
+        return image_chat(dataset[len(IMAGE_CHAT) :], rate, duration_s=duration_s, seed=seed,
+                          max_len=max_len, spread_scale=spread)  # fmt: skip
     else:
         w = make_workload(dataset, rate, duration_s=duration_s, seed=seed, spread_scale=spread)
     return w.scale_to_context(max_len) if max_len < w.source_len else w
+
+
+IMAGE_CHAT = "image_chat:"  # + a family of pagedjax.workloads.image_chat.FAMILIES
 
 
 CHAT_PROMPT, CHAT_MAX_OUTPUT = 1024, 1024  # Fig. 17 (section 6.5)

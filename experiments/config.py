@@ -24,6 +24,8 @@ EXPERIMENTS = (
     "sharing",
     "chatbot",
     "ablations",
+    "kv_tiers",
+    "memory_waste_images",
 )
 SYSTEMS = ("orca_max", "orca_pow2", "orca_oracle", "paged", "ft_static")
 DATASETS = ("sharegpt", "alpaca")
@@ -138,6 +140,36 @@ class MemoryWasteSettings:
     def __post_init__(self) -> None:
         _check(self.rate == "knee" or self.rate > 0, "memory_waste.rate", "must be > 0 or knee")
         _check(self.duration_s > 0, "memory_waste.duration_s", "must be > 0")
+
+
+@dataclass(frozen=True)
+class ImageWasteSettings:
+    """Fig. 2 / Fig. 13 for image traffic (experiments/memory_waste_images.py): the
+    memory-waste comparison on image-chat requests (1-4 images of ``family``'s tokens
+    plus ShareGPT-like text; pagedjax/workloads/image_chat.py), simulated on the
+    server's pool with ``max_model_len`` as the context (Orca reserves it).
+
+    rate: req/s; "token_matched": the Fig. 2 text operating point (memory_waste.rate,
+    resolved) x (mean tokens of a text request / mean tokens of an image request), the
+    same token load in image requests (cheap: reuses the text search); or "knee": the
+    paged system's own knee at 0.5 s/token on the image workload (the operating-point
+    rule applied to it: a knee search of its own, ~1-2 minutes).
+    """
+
+    family: Literal["llava-1.5", "idefics3", "smolvlm", "qwen2-vl"] = "llava-1.5"
+    max_model_len: int = 4096
+    rate: float | Literal["token_matched", "knee"] = "token_matched"
+    duration_s: float = 200.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(
+            self.rate in ("token_matched", "knee") or self.rate > 0,
+            "memory_waste_images.rate",
+            "must be > 0, token_matched or knee",
+        )
+        _check(self.duration_s > 0, "memory_waste_images.duration_s", "must be > 0")
+        _check(self.max_model_len >= 1024, "memory_waste_images.max_model_len", ">= 1024")
 
 
 @dataclass(frozen=True)
@@ -447,6 +479,91 @@ class ChatbotSettings:
 
 
 @dataclass(frozen=True)
+class TierProfile:
+    """One GPU profile of the simulated KV-tier curves (experiments/kv_tiers.py).
+
+    gpu / model: the roofline's GPU and a dense cost-model preset; device_pool_gib /
+    host_tier_gib: the KV pool on the GPU and the host tier (0: the tier-on arm is
+    skipped); rate: the offered load (req/s) of the TTFT curve; max_model_len: the
+    conversations' context cap.
+    """
+
+    gpu: str = "A100-40GB"
+    model: str = "llama-2-7b"
+    device_pool_gib: float = 20.0
+    host_tier_gib: float = 160.0
+    rate: float = 1.0
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        from pagedjax.simulator.cost_model import GPUS, MODEL_PRESETS
+
+        _check(self.gpu in GPUS, "kv_tiers.profiles.gpu", f"unknown GPU {self.gpu!r}")
+        _check(self.model in MODEL_PRESETS, "kv_tiers.profiles.model", f"unknown {self.model!r}")
+        _check(self.device_pool_gib > 0, "kv_tiers.profiles.device_pool_gib", "must be > 0")
+        _check(self.host_tier_gib >= 0, "kv_tiers.profiles.host_tier_gib", "must be >= 0")
+        _check(self.rate > 0, "kv_tiers.profiles.rate", "must be > 0")
+        _check(self.max_model_len >= 64, "kv_tiers.profiles.max_model_len", "must be >= 64")
+
+
+@dataclass(frozen=True)
+class KvTiersSettings:
+    """Simulated KV tiers (experiments/kv_tiers.py, pagedjax/simulator/kv_tiers.py): TTFT
+    and throughput against the working set (multiples of the device pool), host tier
+    off and on, per GPU profile.
+
+    workload: "multi_turn" (ShareGPT-like chats, ``turns`` each) or "agentic" (agents over
+    a shared ``agent_context_len``-token context, ``turns`` short turns each).
+    real_engine: also run benchmarks/kv_tiers.py (the real engine on a small model, tier
+    off / on; minutes on CPU) with ``real_engine_args``; off by default.
+    """
+
+    workload: Literal["multi_turn", "agentic"] = "multi_turn"
+    profiles: list[TierProfile] = field(
+        default_factory=lambda: [
+            TierProfile(),
+            TierProfile("H100-80GB", "llama-3-8b", 8.0, 64.0, 3.0, 8192),
+        ]
+    )
+    working_set_multiples: list[float] = field(
+        default_factory=lambda: [0.5, 1.0, 2.0, 4.0, 8.0, 16.0]
+    )
+    turns: int = 8
+    agent_context_len: int = 2048
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    reload: Literal["async", "sync"] = "async"
+    seed: int = 0
+    real_engine: bool = False
+    real_engine_args: list[str] = field(default_factory=list)
+    real_engine_timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        _check(bool(self.profiles), "kv_tiers.profiles", "needs >= 1 profile")
+        ws = self.working_set_multiples
+        _check(
+            bool(ws) and all(x > 0 for x in ws) and list(ws) == sorted(ws),
+            "kv_tiers.working_set_multiples",
+            "must be positive and increasing",
+        )
+        _check(self.turns >= 1, "kv_tiers.turns", "must be >= 1")
+        _check(self.agent_context_len >= 1, "kv_tiers.agent_context_len", "must be >= 1")
+        for p in self.profiles if self.workload == "agentic" else []:
+            _check(
+                p.max_model_len >= self.agent_context_len + 64,
+                "kv_tiers.agent_context_len",
+                f"must leave >= 64 tokens of turns under {p.gpu}'s max_model_len "
+                f"({p.max_model_len})",
+            )
+        b = self.block_size
+        _check(b >= 1 and b & (b - 1) == 0, "kv_tiers.block_size", "must be a power of two")
+        _check(self.max_num_batched_tokens >= 1, "kv_tiers.max_num_batched_tokens", ">= 1")
+        _check(self.max_num_seqs >= 1, "kv_tiers.max_num_seqs", "must be >= 1")
+        _check(self.real_engine_timeout_s > 0, "kv_tiers.real_engine_timeout_s", "must be > 0")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """Top level of configs/*.yaml."""
 
@@ -464,6 +581,8 @@ class ExperimentConfig:
     shared_prefix: SharedPrefixSettings = field(default_factory=SharedPrefixSettings)
     sharing: SharingSettings = field(default_factory=SharingSettings)
     chatbot: ChatbotSettings = field(default_factory=ChatbotSettings)
+    kv_tiers: KvTiersSettings = field(default_factory=KvTiersSettings)
+    memory_waste_images: ImageWasteSettings = field(default_factory=ImageWasteSettings)
     # Wall-time allocation per experiment (s) on an idle box, printed in the report beside
     # the time each part took (llama7b.yaml: 8 minutes in all); empty: none stated.
     time_allocation_s: dict[str, float] = field(default_factory=dict)
@@ -475,6 +594,8 @@ class ExperimentConfig:
         for i, e in enumerate(self.experiments):
             _check(e in EXPERIMENTS, f"experiments[{i}]", f"unknown experiment {e!r}")
         knee_rates = [self.memory_waste.rate] + [w.rate for w in self.batched_requests.workloads]
+        if "memory_waste_images" in self.experiments:  # (token_matched: memory_waste.rate)
+            knee_rates.append(self.memory_waste_images.rate)
         _check(
             "chatbot" not in self.experiments or self.throughput_vs_rate.search is not None,
             "throughput_vs_rate.search",

@@ -84,11 +84,13 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
         warmup_frac=cfg.server.warmup_frac,
     )
     write_csv(out / "memory_waste.csv", rows)
-    _plot(summary, out / "memory_waste.png")
+    plot_shares(summary, out / "memory_waste.png")
     return summary
 
 
-def _plot(summary: dict[str, Any], path: Path) -> None:
+def plot_shares(summary: dict[str, Any], path: Path, paper: bool = True) -> None:
+    """The stacked bars; ``paper``: label each bar with the paper's Fig. 2 value (off for
+    workloads the paper did not run, e.g. image chat)."""
     fig, ax = plt.subplots(figsize=(8, 4))
     names = [SYSTEM_LABELS[s] for s in SYSTEMS]
     bottom = [0.0] * len(SYSTEMS)
@@ -109,8 +111,9 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
             ha="center",
             fontsize=8,
         )
-        paper = paper_values.FIG2[s]["token_states_pct"]
-        ax.text(i, 101, f"paper {paper}", ha="center", fontsize=7)
+        if paper:
+            ax.text(i, 101, f"paper {paper_values.FIG2[s]['token_states_pct']}", ha="center",
+                    fontsize=7)  # fmt: skip
     ax.set_ylabel("% of KV memory (steady window)")
     ax.set_ylim(0, 110)
     setup = summary["setup"]
