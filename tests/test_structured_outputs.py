@@ -135,10 +135,11 @@ def test_config_keys() -> None:
 
 @functools.cache
 def _engine(backend: str = "xgrammar", spec: bool = False, steps: int | str = "auto",
-            jump: bool = False) -> LLMEngine:  # fmt: skip
+            jump: bool = False, blocks: int = 64, prefix: bool = False) -> LLMEngine:  # fmt: skip
     config = EngineConfig(
         model=ModelConfig(model="tiny-llama", max_model_len=64, seed=0),
-        cache=CacheConfig(block_size=4, num_gpu_blocks_override=64, enable_prefix_caching=False),
+        cache=CacheConfig(block_size=4, num_gpu_blocks_override=blocks,
+                          enable_prefix_caching=prefix),  # fmt: skip
         scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, watermark=0.0,
                                   num_multi_steps=steps),  # fmt: skip
         speculative=SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3)
@@ -332,9 +333,9 @@ FIXED_KEYS = {
 
 def _fixed_keys(temperature: float, **kw) -> tuple:
     kw.setdefault("max_tokens", 48)
+    kw.setdefault("seed", 5)
     so = SO(json=FIXED_KEYS, disable_any_whitespace=True)
-    return ("keys", "{", SamplingParams(temperature=temperature, seed=5, structured_outputs=so,
-                                        **kw))  # fmt: skip
+    return ("keys", "{", SamplingParams(temperature=temperature, structured_outputs=so, **kw))
 
 
 def _ids(out: dict) -> dict:
@@ -425,3 +426,35 @@ def test_jump_forward_stop_rules_and_logprobs_across_forced_tokens() -> None:
     assert entries(lp_on) == entries(lp_off)
     assert lp_on.cumulative_logprob == pytest.approx(lp_off.cumulative_logprob, abs=1e-3)
     assert on.stats()["jump_forward_tokens"] >= 20
+
+
+@pytest.mark.tier2  # four more engines: ~20 s of compiling
+def test_jump_forward_composes() -> None:
+    """Jump-forward with llguidance, with n-gram speculation beside (constrained rows
+    never draft; a jumping row is a chunk in the verification program), with n > 1
+    samples (each its own matcher), with preemption by recompute and prefix caching (the
+    forced tokens are output tokens, prefilled again): the outputs of decoding without it."""
+    keys = [_fixed_keys(t) for t in (0.0, 1.0)]
+    reqs = [*_requests(0.0), ("keys0", *keys[0][1:]), ("keys1", *keys[1][1:]),
+            ("n", "pets", SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=20,
+                                         structured_outputs=SO(regex=r"(cat|dog|bird)!"))),
+            ("repeat", "abcabcabcabc", SamplingParams(temperature=0.0, max_tokens=12,
+                                                      ignore_eos=True))]  # fmt: skip
+
+    def outs(engine: LLMEngine, rs: list) -> dict:
+        got = drain(engine, rs)
+        return {k: [(o.token_ids, o.text) for o in v.outputs] for k, v in got.items()}
+
+    base = outs(_engine(), reqs)
+    for engine in (_engine(spec=True, jump=True), _engine(prefix=True, jump=True)):
+        assert outs(engine, reqs) == base
+        assert engine.stats()["jump_forward_tokens"] > 0
+    assert _engine(spec=True, jump=True).stats()["spec_rows"] > 0
+    guided = [r for r in reqs if r[0] != "repeat"]
+    assert outs(_engine("guidance", jump=True), guided) == outs(_engine("guidance"), guided)
+    # 20 blocks of 4 tokens for four 48-token outputs: rows are preempted and recomputed.
+    small = _engine(blocks=20, jump=True)
+    four = [(f"k{i}", *_fixed_keys(1.0, seed=i)[1:]) for i in range(4)]
+    got = outs(small, four)
+    assert small.num_preemptions > 0
+    assert got == outs(_engine(), four)
