@@ -17,7 +17,7 @@ step of each is reported (the box is shared).
 last line is ``constrained_step_ratio: R`` at the largest B.
 
     python benchmarks/structured_outputs.py --jump-forward [--backends xgrammar]
-        [--max-tokens 96] [--rounds 1]
+        [--max-tokens 96] [--rounds 1] [--disable-any-whitespace]
 
 Jump-forward decoding on and off instead (``structured_outputs_config["jump_forward"]``):
 two engines (max_num_seqs 1), the 30 JSON schemas of ``CASES`` (all have fixed keys),
@@ -25,7 +25,9 @@ one request at a time, greedy; per request the engine steps, the wall time (a fi
 per engine compiles; the fastest of ``--rounds`` interleaved runs after it), the forced
 tokens, validity (on and off) and whether the text equals the off-run's. Prints a
 Markdown row per schema and the totals; the last line is ``jump_forward_speedup: R``
-(total wall off / on).
+(total wall off / on). ``--disable-any-whitespace``: compact JSON (the engines'
+``disable_any_whitespace``), where a key and its punctuation are forced as one run; with
+vLLM's default (any whitespace) a key's closing quote and colon are not forced.
 """
 
 from __future__ import annotations
@@ -230,22 +232,25 @@ def one_request(llm: LLM, spec: dict, max_tokens: int) -> dict:
         steps += 1
     wall = time.perf_counter() - t0
     return dict(text=out.text, finish=out.finish_reason, steps=steps, wall=wall,
+                tokens=len(out.token_ids),
                 forced=engine.stats()["jump_forward_tokens"] - forced0)  # fmt: skip
 
 
-def jump_forward_compare(model: str, backend: str, max_tokens: int, rounds: int) -> float:
+def jump_forward_compare(model: str, backend: str, max_tokens: int, rounds: int,
+                         compact: bool = False) -> float:  # fmt: skip
     """Jump-forward off vs on over the JSON schemas (module docstring); prints the table,
     returns total wall off / total wall on."""
     from pagedjax import LLM
 
     llms = {jf: LLM(model, max_model_len=256, max_num_seqs=1,
-                    structured_outputs_config={"backend": backend, "jump_forward": jf})
+                    structured_outputs_config={"backend": backend, "jump_forward": jf,
+                                               "disable_any_whitespace": compact})
             for jf in (False, True)}  # fmt: skip
     cases = [s for k, s in CASES if k == "json"]
-    print("| schema | steps off | steps on | forced tokens | ms off | ms on | valid off | valid on"
-          " | text equal |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    tot = {False: [0, 0.0, 0], True: [0, 0.0, 0]}  # steps, wall, valid
+    print("| schema | tokens off | tokens on | steps off | steps on | forced tokens | ms off"
+          " | ms on | valid off | valid on | text equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    tot = {False: [0, 0.0, 0, 0], True: [0, 0.0, 0, 0]}  # steps, wall, valid, tokens
     equal = forced = 0
     for i, spec in enumerate(cases):
         runs: dict[bool, list[dict]] = {False: [], True: []}
@@ -261,14 +266,17 @@ def jump_forward_compare(model: str, backend: str, max_tokens: int, rounds: int)
             tot[jf][0] += first["steps"]
             tot[jf][1] += wall
             tot[jf][2] += ok
+            tot[jf][3] += first["tokens"]
         same = row[False][0]["text"] == row[True][0]["text"]
         equal += same
         forced += row[True][0]["forced"]
-        print(f"| {i} | {row[False][0]['steps']} | {row[True][0]['steps']} |"
+        print(f"| {i} | {row[False][0]['tokens']} | {row[True][0]['tokens']} |"
+              f" {row[False][0]['steps']} | {row[True][0]['steps']} |"
               f" {row[True][0]['forced']} | {row[False][1] * 1e3:.0f} | {row[True][1] * 1e3:.0f} |"
               f" {row[False][2]} | {row[True][2]} | {same} |")  # fmt: skip
     n = len(cases)
-    print(f"| total | {tot[False][0]} | {tot[True][0]} | {forced} | {tot[False][1] * 1e3:.0f} |"
+    print(f"| total | {tot[False][3]} | {tot[True][3]} | {tot[False][0]} | {tot[True][0]} |"
+          f" {forced} | {tot[False][1] * 1e3:.0f} |"
           f" {tot[True][1] * 1e3:.0f} | {tot[False][2]}/{n} | {tot[True][2]}/{n} |"
           f" {equal}/{n} |")  # fmt: skip
     return tot[False][1] / tot[True][1]
@@ -284,6 +292,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timed pairs")
     ap.add_argument("--jump-forward", action="store_true",
                     help="measure jump-forward decoding on vs off instead")  # fmt: skip
+    ap.add_argument("--disable-any-whitespace", action="store_true",
+                    help="--jump-forward: compact JSON (no free whitespace)")  # fmt: skip
     args = ap.parse_args()
     from pagedjax import LLM
 
@@ -292,7 +302,8 @@ def main() -> None:
     if args.jump_forward:
         for backend in args.backends:
             print(f"{backend}, max_tokens {args.max_tokens}:")
-            speedup = jump_forward_compare(model, backend, args.max_tokens, args.rounds)
+            speedup = jump_forward_compare(model, backend, args.max_tokens, args.rounds,
+                                           args.disable_any_whitespace)  # fmt: skip
         print(f"load after: {os.getloadavg()}")
         print(f"jump_forward_speedup: {speedup:.3f}")
         return
