@@ -26,8 +26,9 @@ constrained token, and one small jitted write in steps where some sample jumped.
 
 Composes with n > 1 (each sample has its own matcher), prefix caching, preemption (the
 forced tokens are output tokens: a recompute prefills them, a swap keeps them) and
-speculative decoding (constrained rows never get drafts; a jumping row is a chunk in the
-verification program, as a prefill is). Beam search takes no constraint. The first output
+speculative decoding (constrained rows never get drafts; a jumping row's chunk runs in
+whichever program the step runs, as a prefill chunk does); tests/test_structured_outputs.py
+checks each against decoding without jump-forward. Beam search takes no constraint. The first output
 token is always sampled (a jump is looked for after each sampled token only).
 """
 
