@@ -15,6 +15,19 @@ step of each is reported (the box is shared).
 ``--tiny``: the random tiny-llama preset with the byte tokenizer
 (smoke runs; its outputs are not meaningful text). Prints the load before and after; the
 last line is ``constrained_step_ratio: R`` at the largest B.
+
+    python benchmarks/structured_outputs.py --jump-forward [--backends xgrammar]
+        [--max-tokens 96] [--rounds 1] [--disable-any-whitespace]
+
+Jump-forward decoding on and off instead (``structured_outputs_config["jump_forward"]``):
+two engines (max_num_seqs 1), the 30 JSON schemas of ``CASES`` (all have fixed keys),
+one request at a time, greedy; per request the engine steps, the wall time (a first run
+per engine compiles; the fastest of ``--rounds`` interleaved runs after it), the forced
+tokens, validity (on and off) and whether the text equals the off-run's. Prints a
+Markdown row per schema and the totals; the last line is ``jump_forward_speedup: R``
+(total wall off / on). ``--disable-any-whitespace``: compact JSON (the engines'
+``disable_any_whitespace``), where a key and its punctuation are forced as one run; with
+vLLM's default (any whitespace) a key's closing quote and colon are not forced.
 """
 
 from __future__ import annotations
@@ -202,6 +215,73 @@ def step_times(llm: LLM, batch: int, max_tokens: int, rounds: int) -> tuple[floa
     return min(p[0] for p in pairs), min(p[1] for p in pairs)
 
 
+def one_request(llm: LLM, spec: dict, max_tokens: int) -> dict:
+    """One constrained greedy request alone on ``llm``'s engine: its text and finish
+    reason, engine steps, wall seconds and the tokens jump-forward appended."""
+    from pagedjax.sampling import SamplingParams, StructuredOutputsParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                            structured_outputs=StructuredOutputsParams(**spec))  # fmt: skip
+    forced0, steps, out = engine.stats()["jump_forward_tokens"], 0, None
+    t0 = time.perf_counter()
+    engine.add_request(f"jf-{time.perf_counter_ns()}", PROMPT, params)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o.outputs[0] if o.finished else out
+        steps += 1
+    wall = time.perf_counter() - t0
+    return dict(text=out.text, finish=out.finish_reason, steps=steps, wall=wall,
+                tokens=len(out.token_ids),
+                forced=engine.stats()["jump_forward_tokens"] - forced0)  # fmt: skip
+
+
+def jump_forward_compare(model: str, backend: str, max_tokens: int, rounds: int,
+                         compact: bool = False) -> float:  # fmt: skip
+    """Jump-forward off vs on over the JSON schemas (module docstring); prints the table,
+    returns total wall off / total wall on."""
+    from pagedjax import LLM
+
+    llms = {jf: LLM(model, max_model_len=256, max_num_seqs=1,
+                    structured_outputs_config={"backend": backend, "jump_forward": jf,
+                                               "disable_any_whitespace": compact})
+            for jf in (False, True)}  # fmt: skip
+    cases = [s for k, s in CASES if k == "json"]
+    print("| schema | tokens off | tokens on | steps off | steps on | forced tokens | ms off"
+          " | ms on | valid off | valid on | text equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    tot = {False: [0, 0.0, 0, 0], True: [0, 0.0, 0, 0]}  # steps, wall, valid, tokens
+    equal = forced = 0
+    for i, spec in enumerate(cases):
+        runs: dict[bool, list[dict]] = {False: [], True: []}
+        for _ in range(1 + rounds):  # the first compiles what this case needs
+            for jf, llm in llms.items():
+                runs[jf].append(one_request(llm, spec, max_tokens))
+        row = {}
+        for jf, rs in runs.items():
+            first = rs[0]
+            ok = valid("json", spec, first["text"]) and first["finish"] == "stop"
+            wall = min(r["wall"] for r in rs[1:]) if rounds else first["wall"]
+            row[jf] = (first, wall, ok)
+            tot[jf][0] += first["steps"]
+            tot[jf][1] += wall
+            tot[jf][2] += ok
+            tot[jf][3] += first["tokens"]
+        same = row[False][0]["text"] == row[True][0]["text"]
+        equal += same
+        forced += row[True][0]["forced"]
+        print(f"| {i} | {row[False][0]['tokens']} | {row[True][0]['tokens']} |"
+              f" {row[False][0]['steps']} | {row[True][0]['steps']} |"
+              f" {row[True][0]['forced']} | {row[False][1] * 1e3:.0f} | {row[True][1] * 1e3:.0f} |"
+              f" {row[False][2]} | {row[True][2]} | {same} |")  # fmt: skip
+    n = len(cases)
+    print(f"| total | {tot[False][3]} | {tot[True][3]} | {tot[False][0]} | {tot[True][0]} |"
+          f" {forced} | {tot[False][1] * 1e3:.0f} |"
+          f" {tot[True][1] * 1e3:.0f} | {tot[False][2]}/{n} | {tot[True][2]}/{n} |"
+          f" {equal}/{n} |")  # fmt: skip
+    return tot[False][1] / tot[True][1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -210,11 +290,23 @@ def main() -> None:
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timed pairs")
+    ap.add_argument("--jump-forward", action="store_true",
+                    help="measure jump-forward decoding on vs off instead")  # fmt: skip
+    ap.add_argument("--disable-any-whitespace", action="store_true",
+                    help="--jump-forward: compact JSON (no free whitespace)")  # fmt: skip
     args = ap.parse_args()
     from pagedjax import LLM
 
     model = "tiny-llama" if args.tiny else args.model
     print(f"load before: {os.getloadavg()}")
+    if args.jump_forward:
+        for backend in args.backends:
+            print(f"{backend}, max_tokens {args.max_tokens}:")
+            speedup = jump_forward_compare(model, backend, args.max_tokens, args.rounds,
+                                           args.disable_any_whitespace)  # fmt: skip
+        print(f"load after: {os.getloadavg()}")
+        print(f"jump_forward_speedup: {speedup:.3f}")
+        return
     ratio = 0.0
     for backend in args.backends:
         llm = LLM(model, max_model_len=256, max_num_seqs=max(args.batch_sizes),

@@ -398,6 +398,12 @@ class StructuredOutputsConfig:
     starting it after the reasoning is not built).
     compile_timeout_s: a constraint whose compilation takes longer is refused (ValueError
     at add_request). cache_size: compiled constraints kept (by constraint text).
+    jump_forward (pagedjax's own; vLLM has none): SGLang's jump-forward decoding. Where
+    the grammar admits exactly one continuation, its tokens are appended to the output
+    at once and computed as one chunk with the next step's token, instead of one decode
+    step each. Off by default: the forced text is split into tokens by the grammar
+    backend, not sampled, so greedy outputs need not equal vLLM's token for token
+    (engine/jump_forward.py; docs/structured_outputs.md).
     """
 
     backend: Literal["auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"] = "auto"
@@ -408,6 +414,7 @@ class StructuredOutputsConfig:
     enable_in_reasoning: bool = False
     compile_timeout_s: float = 30.0
     cache_size: int = 256
+    jump_forward: bool = False
 
     def __post_init__(self) -> None:
         _check(

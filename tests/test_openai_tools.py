@@ -502,7 +502,10 @@ def test_output_flags():
         "qwen3",
     )
     assert args.structured_outputs_config == {"backend": "xgrammar", "enable_in_reasoning": False}
-    for bad_cfg in ('{"backend": "magic"}', '{"nope": 1}', '{"disable_fallback": "yes"}', "[1]"):
+    jf = p.parse_args(["--model", "m", "--structured-outputs-config", '{"jump_forward": true}'])
+    assert jf.structured_outputs_config == {"jump_forward": True}
+    for bad_cfg in ('{"backend": "magic"}', '{"nope": 1}', '{"disable_fallback": "yes"}', "[1]",
+                    '{"jump_forward": 1}'):  # fmt: skip
         with pytest.raises(SystemExit):
             p.parse_args(["--model", "m", "--structured-outputs-config", bad_cfg])
     with pytest.raises(SystemExit):

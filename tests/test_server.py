@@ -499,6 +499,53 @@ def test_response_format_json_schema_is_valid(served, client):
     assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
 
 
+@pytest.mark.tier2  # a second server, its engine core in a process of its own: ~15 s
+def test_jump_forward_server_gives_the_same_text_streamed(served, client):
+    """--structured-outputs-config '{"jump_forward": true}', with the server's default
+    engine core process (ids and logprobs from the core, text and stop strings in the API
+    process): a fixed-key schema's answer, streamed and not, is the text of the server
+    without it (the tiny tokenizer has one token per byte, so the forced tokenization is
+    the model's own); a stop string inside a forced run cuts it as without it."""
+    from openai import OpenAI
+
+    from pagedjax.engine.core_client import MPEngineClient
+    from pagedjax.entrypoints.llm import engine_config
+
+    model_dir = served.engine.engine.config.model.model
+    core = MPEngineClient(engine_config(
+        model=model_dir, dtype="float32", block_size=8, max_model_len=MAX_LEN, max_num_seqs=32,
+        max_num_batched_tokens=64, num_gpu_blocks_override=600, seed=0,
+        structured_outputs_config={"jump_forward": True}))  # fmt: skip
+    engine = AsyncLLMEngine(core)
+    server, thread, url = _serve(build_app(engine, [NAME], model_path=model_dir))
+    try:
+        jf = OpenAI(api_key="unused", base_url=url + "/v1", timeout=300, max_retries=0)
+        schema = {"type": "object", "additionalProperties": False,
+                  "properties": {"ok": {"type": "boolean"}, "mood": {"enum": ["sunny", "dark"]},
+                                 "n": {"type": "integer"}},
+                  "required": ["ok", "mood", "n"]}  # fmt: skip
+        kw = dict(model=NAME, messages=CHAT, temperature=0, max_tokens=60,
+                  response_format={"type": "json_schema",
+                                   "json_schema": {"name": "r", "schema": schema}},
+                  extra_body={"structured_outputs": {"disable_any_whitespace": True}})  # fmt: skip
+        want = client.chat.completions.create(**kw).choices[0].message.content
+        got = jf.chat.completions.create(**kw).choices[0].message.content
+        chunks = [c.choices[0].delta.content or "" for c in
+                  jf.chat.completions.create(stream=True, **kw) if c.choices]  # fmt: skip
+        assert got == want == "".join(chunks), (got, want, chunks)
+        assert list(json.loads(got)) == ["ok", "mood", "n"]
+        forced = engine.call_future(lambda e: e.stats()["jump_forward_tokens"]).result(60)
+        assert forced >= 40, forced  # two requests, >= 20 forced bytes each
+        kw["stop"] = ["mood"]  # inside the forced `,"mood":"`
+        cut = jf.chat.completions.create(**kw).choices[0]
+        assert cut.message.content == want[: want.index("mood")]
+        assert cut.finish_reason == "stop"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        engine.shutdown()
+
+
 def test_bench_serve_against_the_server(served, tmp_path):
     """pagedjax bench serve: random (shared prefix, goodput) and trace datasets, with
     vLLM's report fields and --save-result."""

@@ -125,6 +125,8 @@ def test_backend_rules(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_config_keys() -> None:
     assert StructuredOutputsConfig.from_dict({"backend": "guidance"}).backend == "guidance"
+    assert not StructuredOutputsConfig().jump_forward  # off by default (vLLM's tokens)
+    assert StructuredOutputsConfig.from_dict({"jump_forward": True}).jump_forward
     with pytest.raises(ConfigError, match="unknown key structured_outputs_config.bakend"):
         StructuredOutputsConfig.from_dict({"bakend": "xgrammar"})
     with pytest.raises(ConfigError, match="not built in pagedjax"):
@@ -132,16 +134,18 @@ def test_config_keys() -> None:
 
 
 @functools.cache
-def _engine(backend: str = "xgrammar", spec: bool = False, steps: int | str = "auto") -> LLMEngine:
+def _engine(backend: str = "xgrammar", spec: bool = False, steps: int | str = "auto",
+            jump: bool = False, blocks: int = 64, prefix: bool = False) -> LLMEngine:  # fmt: skip
     config = EngineConfig(
         model=ModelConfig(model="tiny-llama", max_model_len=64, seed=0),
-        cache=CacheConfig(block_size=4, num_gpu_blocks_override=64, enable_prefix_caching=False),
+        cache=CacheConfig(block_size=4, num_gpu_blocks_override=blocks,
+                          enable_prefix_caching=prefix),  # fmt: skip
         scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, watermark=0.0,
                                   num_multi_steps=steps),  # fmt: skip
         speculative=SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3)
         if spec
         else None,
-        structured_outputs=StructuredOutputsConfig(backend=backend),
+        structured_outputs=StructuredOutputsConfig(backend=backend, jump_forward=jump),
     )
     params = random_params(ARCH, seed=0, dtype=jnp.float32, std=0.15)
     return LLMEngine(ARCH, params, TOK, config)
@@ -313,3 +317,144 @@ def test_a_crash_after_loading_xgrammar_kills_the_process() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == -11, (r.returncode, r.stderr[-2000:])  # SIGSEGV, default action
     assert "Segfault encountered" not in r.stderr  # tvm_ffi's handler did not run
+
+
+# ------------------------------------------------------------------ jump-forward decoding
+# Fixed keys: after the model picks a value, the grammar forces the next key (e.g.
+# `, "count": `), which jump-forward appends instead of decoding byte by byte.
+FIXED_KEYS = {
+    "type": "object",
+    "properties": {"name": {"enum": ["ann", "bo"]}, "count": {"type": "integer"},
+                   "flag": {"type": "boolean"}},
+    "required": ["name", "count", "flag"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def _fixed_keys(temperature: float, **kw) -> tuple:
+    kw.setdefault("max_tokens", 48)
+    kw.setdefault("seed", 5)
+    so = SO(json=FIXED_KEYS, disable_any_whitespace=True)
+    return ("keys", "{", SamplingParams(temperature=temperature, structured_outputs=so, **kw))
+
+
+def _ids(out: dict) -> dict:
+    return {k: (v.outputs[0].token_ids, v.outputs[0].text, v.outputs[0].finish_reason)
+            for k, v in out.items()}  # fmt: skip
+
+
+def _steps(engine: LLMEngine, reqs: list) -> tuple[dict, int]:
+    before = engine.num_steps
+    out = drain(engine, reqs)
+    return out, engine.num_steps - before
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_jump_forward_finds_the_forced_tokens(backend: str) -> None:
+    """Each backend's Guide.jump_forward accepts the forced run and returns it: the
+    object's opening and first key, then the next key once a value is complete."""
+    mgr = _manager(backend)
+    guide = mgr.guide(mgr.compile(SO(json=FIXED_KEYS, disable_any_whitespace=True)))
+    sep = ": " if backend == "xgrammar" else ":"  # xgrammar's compact JSON keeps ": "
+    assert bytes(guide.jump_forward()).decode() == '{"name' + '"' + sep + '"'
+    assert guide.jump_forward() == []  # nothing more is forced: the value is the model's
+    for ch in b'bo"':
+        assert guide.accept(ch)
+    assert bytes(guide.jump_forward()).decode() == ',"count"'.replace(",", ", " if sep == ": "
+                                                                      else ",") + sep
+    assert _allowed(guide) == set(b"-0123456789")
+
+
+def test_jump_forward_string_fallback() -> None:
+    """xgrammar 0.2.8 has no find_jump_forward_tokens: the forced text is encoded and its
+    last token, which a longer one could extend, left out."""
+    from pagedjax.structured.backend_xgrammar import tokens_from_string
+
+    encode = functools.partial(TOK.encode, add_special_tokens=False)
+    assert tokens_from_string('", "count": ', encode) == list(b'", "count":')
+    assert tokens_from_string("", encode) == []
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_jump_forward_outputs_equal_and_take_fewer_steps(temperature: float) -> None:
+    """With the byte tokenizer the forced tokenization is the model's own (one token per
+    byte), and the sampling key depends on the output position, so jump-forward must give
+    the same tokens and text as decoding them one by one (valid: the structured tests'
+    cases), with fewer engine steps for the fixed-key schema."""
+    off, on = _engine(), _engine(jump=True)
+    reqs = [*_requests(temperature), _fixed_keys(temperature),
+            ("plain", "hello", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))]
+    got_off, got_on = drain(off, reqs), drain(on, reqs)
+    _check_valid(got_on)
+    assert _ids(got_on) == _ids(got_off)
+    doc = json.loads(got_on["keys"].outputs[0].text)
+    assert list(doc) == ["name", "count", "flag"]
+    alone_off = _steps(off, [_fixed_keys(temperature)])[1]
+    tokens_before = on.stats()["jump_forward_tokens"]
+    alone_on = _steps(on, [_fixed_keys(temperature)])[1]
+    forced = on.stats()["jump_forward_tokens"] - tokens_before
+    # `{"name":"`, `","count":`, `,"flag":`, the rest of true/false and `}`: >= 20 bytes
+    assert forced >= 20 and alone_on <= alone_off - forced, (alone_on, alone_off, forced)
+    assert off.stats()["jump_forward_tokens"] == 0  # off: nothing forced
+    assert all(n == 1 for n in on.runner.trace_count.values()), on.runner.trace_count
+
+
+def test_jump_forward_stop_rules_and_logprobs_across_forced_tokens() -> None:
+    """A stop string inside a forced run, max_tokens inside one, and logprobs: as decoding
+    one token at a time, except that a forced token's logprob is 0.0 (rank 1, alone)."""
+    off, on = _engine(), _engine(jump=True)
+    reqs = [
+        ("stop", *_fixed_keys(0.0, stop=["count"])[1:]),
+        ("len", *_fixed_keys(0.0, max_tokens=5)[1:]),
+        ("lp", *_fixed_keys(0.0, logprobs=1)[1:]),
+    ]
+    got_off, got_on = drain(off, reqs), drain(on, reqs)
+    assert _ids(got_on) == _ids(got_off)
+    stop = got_on["stop"].outputs[0]
+    assert (stop.finish_reason, stop.stop_reason) == ("stop", "count")
+    assert stop.text.endswith('"')  # cut before the stop string, inside the forced run
+    assert len(got_on["len"].outputs[0].token_ids) == 5
+    assert got_on["len"].outputs[0].finish_reason == "length"
+    # A forced token's entry is {token: Logprob(0.0, rank 1)}; with one token per byte the
+    # grammar mask leaves that byte the only choice, so decoding it gives the same entry.
+    lp_on, lp_off = got_on["lp"].outputs[0], got_off["lp"].outputs[0]
+
+    def entries(o):
+        return [{t: (round(x.logprob, 4), x.rank) for t, x in e.items()} for e in o.logprobs]
+
+    assert len(lp_on.logprobs) == len(lp_on.token_ids)
+    assert entries(lp_on) == entries(lp_off)
+    assert lp_on.cumulative_logprob == pytest.approx(lp_off.cumulative_logprob, abs=1e-3)
+    assert on.stats()["jump_forward_tokens"] >= 20
+
+
+@pytest.mark.tier2  # four more engines: ~20 s of compiling
+def test_jump_forward_composes() -> None:
+    """Jump-forward with llguidance, with n-gram speculation beside (constrained rows
+    never draft; a jumping row is a chunk in the verification program), with n > 1
+    samples (each its own matcher), with preemption by recompute and prefix caching (the
+    forced tokens are output tokens, prefilled again): the outputs of decoding without it."""
+    keys = [_fixed_keys(t) for t in (0.0, 1.0)]
+    reqs = [*_requests(0.0), ("keys0", *keys[0][1:]), ("keys1", *keys[1][1:]),
+            ("n", "pets", SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=20,
+                                         structured_outputs=SO(regex=r"(cat|dog|bird)!"))),
+            ("repeat", "abcabcabcabc", SamplingParams(temperature=0.0, max_tokens=12,
+                                                      ignore_eos=True))]  # fmt: skip
+
+    def outs(engine: LLMEngine, rs: list) -> dict:
+        got = drain(engine, rs)
+        return {k: [(o.token_ids, o.text) for o in v.outputs] for k, v in got.items()}
+
+    base = outs(_engine(), reqs)
+    for engine in (_engine(spec=True, jump=True), _engine(prefix=True, jump=True)):
+        assert outs(engine, reqs) == base
+        assert engine.stats()["jump_forward_tokens"] > 0
+    assert _engine(spec=True, jump=True).stats()["spec_rows"] > 0
+    guided = [r for r in reqs if r[0] != "repeat"]
+    assert outs(_engine("guidance", jump=True), guided) == outs(_engine("guidance"), guided)
+    # 20 blocks of 4 tokens for four 48-token outputs: rows are preempted and recomputed.
+    small = _engine(blocks=20, jump=True)
+    four = [(f"k{i}", *_fixed_keys(1.0, seed=i)[1:]) for i in range(4)]
+    got = outs(small, four)
+    assert small.num_preemptions > 0
+    assert got == outs(_engine(), four)

@@ -31,6 +31,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.engine import sharing
@@ -96,6 +97,7 @@ class DeviceState:
         ids = np.arange(n, dtype=np.int32)
         self._recycle = jax.jit(lambda s, m: recycle(s, ids, m), donate_argnums=(0,))
         self._set_row = jax.jit(lambda buf, slot, row: buf.at[slot].set(row), donate_argnums=(0,))
+        self._append = jax.jit(_append_outputs, donate_argnums=(0, 1))
         self._attach = jax.jit(functools.partial(sharing.attach_hits, bs), donate_argnums=(0,))
         self._register = jax.jit(functools.partial(sharing.register_step, bs), donate_argnums=(0,))
         self._fork = jax.jit(functools.partial(sharing.fork_children, bs), donate_argnums=(0,))
@@ -121,6 +123,7 @@ class DeviceState:
             abort=self._abort,
             recycle=self._recycle,
             set_row=self._set_row,
+            append_outputs=self._append,
             attach_hits=self._attach,
             register_step=self._register,
             fork=self._fork,
@@ -226,6 +229,19 @@ class DeviceState:
     def set_token_row(self, slot: Any, row: Any) -> None:
         """tokens[slot] = row (int32[max_model_len]); slot a numpy int32 scalar."""
         self.tokens = self._set_row(self.tokens, slot, row)
+
+    def append_outputs(self, slots: np.ndarray, positions: np.ndarray, tokens: np.ndarray,
+                       counts: np.ndarray) -> None:  # fmt: skip
+        """Output tokens the host appended after a slot's last sampled one, their KV not
+        computed (jump-forward decoding, engine/jump_forward.py): row i writes
+        ``tokens[i, :counts[i]]`` at ``positions[i]`` .. of slot ``slots[i]``'s buffer row
+        and adds counts[i] to its output_len (num_computed unchanged), so the next
+        ``schedule`` gives the slot 1 + counts[i] tokens, a chunk like a prefill's, whose
+        last position is sampled. slots, positions, counts: int32[max_seqs]; tokens:
+        int32[max_seqs, K], K a padding bucket (a few compiled sizes); count-0 rows write
+        nothing. One jitted dispatch, called only in steps that appended some."""
+        self.state, self.tokens = self._append(self.state, self.tokens, slots, positions,
+                                               tokens, counts)  # fmt: skip
 
     def attach_hits(self, slots: Any, candidates: Any, mask: Any) -> tuple[Any, Any]:
         """Prefix-cache attach (``sharing.attach_hits``); returns (verified, used) blocks
@@ -360,6 +376,17 @@ def _host_exchange(state: Any, release: Any, num_release: Any, n: Any, max_n: in
     """``host_tier.exchange`` on ``state.mem.host_pool``: (state', blocks, count)."""
     pool, blocks, count = host_tier.exchange(state.mem.host_pool, release, num_release, n, max_n)
     return state._replace(mem=state.mem._replace(host_pool=pool)), blocks, count
+
+
+def _append_outputs(state: Any, tokens: Any, slots: Any, positions: Any, toks: Any,
+                    counts: Any) -> tuple[Any, Any]:  # fmt: skip
+    """(state', tokens') of ``DeviceState.append_outputs``."""
+    n, k = toks.shape
+    j = jnp.arange(k, dtype=jnp.int32)[None, :]
+    row = jnp.where(j < counts[:, None], slots[:, None], tokens.shape[0])  # past: dropped
+    tokens = tokens.at[row, positions[:, None] + j].set(toks, mode="drop")
+    ids = jnp.where(counts > 0, slots, state.output_len.shape[0])
+    return state._replace(output_len=state.output_len.at[ids].add(counts, mode="drop")), tokens
 
 
 def _read_blocks(kv: Any, prefix_tokens: Any, src: Any) -> tuple[Any, Any]:

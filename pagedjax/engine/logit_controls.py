@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from pagedjax.config import StructuredOutputsConfig
+from pagedjax.engine.jump_forward import JumpForward
 from pagedjax.sampling import SamplingParams
 from pagedjax.sampling.tensors import mask_words, static_token_mask
 from pagedjax.structured import StructuredOutputManager
@@ -97,6 +98,9 @@ class LogitControls:
         self._all = np.full(mask_words(vocab_size), -1, np.int32)
         self.structured = StructuredOutputManager(config, tokenizer, vocab_size, sorted(eos_ids))
         self.host_steps = 0  # iterations run with a host-masked slot (stats)
+        # Jump-forward decoding (engine/jump_forward.py): None when off, so the output
+        # processor does no work for it.
+        self.jump_forward = JumpForward() if config.jump_forward else None
 
     def prepare(self, params: SamplingParams) -> tuple[list[list[int]], Any]:
         """(bad words' token ids, compiled constraint or None) of a request's params."""
@@ -117,10 +121,13 @@ class LogitControls:
     def stats(self) -> dict[str, float | int]:
         """structured_host_steps: iterations in which some slot needed host masks (they
         ran as one-step programs, without speculation for those slots);
-        structured_compiles, structured_cache_hits, structured_compile_s: compilation.
-        Counted since the engine started (reset_stats leaves them)."""
+        structured_compiles, structured_cache_hits, structured_compile_s: compilation;
+        jump_forward_jumps, jump_forward_tokens: forced runs appended and their tokens
+        (0 with jump_forward off). Counted since the engine started (reset_stats leaves
+        them)."""
         s = self.structured.stats
-        return dict(
+        jf = self.jump_forward.stats() if self.jump_forward is not None else {}
+        return dict(jump_forward_jumps=0, jump_forward_tokens=0) | jf | dict(
             structured_host_steps=self.host_steps,
             structured_compiles=s.compiles,
             structured_cache_hits=s.cache_hits,

@@ -8,7 +8,9 @@ state, in batch order, the same way whatever the program was:
   ids, EOS, stop strings, length, logprobs), stopping the row at its first stop (a stop
   inside an accepted speculative run ends the output there). The row's slot is marked
   for recycling when it finished; the batch row goes into update's stop mask when it
-  finished by a stop.
+  finished by a stop. With jump-forward decoding on, a constrained row that did not
+  finish then gets the tokens its grammar forces (``jump_forward.py``), written to the
+  device by ``finish``.
 - ``reject``: a request the scheduler rejected finishes as vLLM's FINISHED_IGNORED.
 - ``register_blocks`` / ``record_filled``: the blocks the step filled with computed,
   accepted tokens enter the prefix cache (device truth and host hint; the K-step program
@@ -34,6 +36,7 @@ from pagedjax.engine import admission
 from pagedjax.engine.block_hashes import extend_hashes
 from pagedjax.engine.core import EngineCore
 from pagedjax.engine.host_arrays import upload
+from pagedjax.engine.jump_forward import PendingJump
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.sequence import RequestState, SequenceState
 from pagedjax.scheduler import REASON_CAPACITY, REASON_TOO_LONG
@@ -79,6 +82,9 @@ class StepOutput:
     finished_rows: np.ndarray
     recycle: np.ndarray
     finished: list[SequenceState] = field(default_factory=list)
+    # Jump-forward (engine/jump_forward.py): forced tokens the host appended this step,
+    # written to the device by ``finish``, after update.
+    forced: list[PendingJump] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -109,6 +115,7 @@ class OutputProcessor:
         of batch row r). Returns int[S]: tokens recorded per row (fewer than counts[r]
         when the row stopped inside its run)."""
         eos = self.core.book.eos
+        jump = self.core.controls.jump_forward if self.core.controls is not None else None
         recorded = np.zeros(len(owners), np.int64)
         for r in rows:
             req, seq = owners[r]
@@ -119,12 +126,24 @@ class OutputProcessor:
                     top = (sampled.top[0][i], sampled.top[1][i], sampled.top[2][i])
                 recorded[r] += 1
                 if seq.record(int(sampled.token_ids[i]), float(sampled.logprobs[i]), top, eos):
-                    out.recycle[seq.slot] = True
-                    out.finished_rows[r] = seq.finish_reason == "stop"
-                    out.finished.append(seq)
+                    self._finished(out, r, seq, seq.finish_reason == "stop")
                     break
+            else:
+                # Jump-forward: a forced run that finishes the sample (length, a stop
+                # string) finishes it on the device too, through the stop mask: the
+                # device's output_len never saw those tokens.
+                if jump is not None and seq.guide is not None and jump.extend(
+                    out.forced, req, seq, eos
+                ):
+                    self._finished(out, r, seq, True)
             out.touched[req.request_id] = req
         return recorded
+
+    @staticmethod
+    def _finished(out: StepOutput, r: int, seq: SequenceState, stop_row: bool) -> None:
+        out.recycle[seq.slot] = True
+        out.finished_rows[r] = stop_row
+        out.finished.append(seq)
 
     def register_blocks(self, batch: Any, host: dict, owners: list,
                         q_lens: np.ndarray | None = None) -> None:  # fmt: skip
@@ -159,9 +178,12 @@ class OutputProcessor:
                 self.num_forked += admission.fork_samples(self.core, req, seq)
 
     def finish(self, out: StepOutput) -> list[RequestOutput]:
-        """After the device recycled ``out.recycle``: free those slots on the host,
-        build the touched requests' outputs, retire the finished requests."""
+        """After the device's update and recycle of ``out.recycle``: write the step's
+        jump-forward tokens to the device, free the recycled slots on the host, build the
+        touched requests' outputs, retire the finished requests."""
         book = self.core.book
+        if out.forced:
+            self.core.controls.jump_forward.write(self.core.device, out.forced)
         for slot in np.flatnonzero(out.recycle):
             book.release_slot(book.owner(int(slot))[1])
         outputs = [req.output() for req in out.touched.values()]

@@ -67,6 +67,12 @@ class SequenceState:
         stop_str = self.detok.append(tok)
         if self.logprobs is not None and top is not None:
             self.logprobs.append(self._logprob_entry(tok, logprob, top))
+        self._check_stop(tok, stop_str, eos_ids)
+        if self.guide is not None and self.finish_reason is None:
+            self._advance_guide(tok)
+        return self.finish_reason is not None
+
+    def _check_stop(self, tok: int, stop_str: str | None, eos_ids: set[int]) -> None:
         if tok in eos_ids and not self.params.ignore_eos:
             self.finish_reason = "stop"
         elif tok in self.params.stop_token_ids:
@@ -75,9 +81,32 @@ class SequenceState:
             self.finish_reason, self.stop_reason = "stop", stop_str
         elif len(self.detok.ids) >= self.target:
             self.finish_reason = "length"
-        if self.guide is not None and self.finish_reason is None:
-            self._advance_guide(tok)
-        return self.finish_reason is not None
+
+    def record_forced(self, tokens: list[int], eos_ids: set[int]) -> int:
+        """Append tokens the grammar forced after the last sampled one (jump-forward
+        decoding, engine/jump_forward.py); the guide has already accepted them. Each is
+        an output token like a sampled one (text, stop strings, stop ids, length checked
+        after each, in ``record``'s order) with logprob 0.0: it was not sampled, the
+        constraint left no choice (cumulative_logprob unchanged; with logprobs asked for,
+        its entry holds only itself, rank 1). The grammar mask is refilled once, after
+        the last. Returns how many were appended (fewer when one finished the sample)."""
+        n = 0
+        for tok in tokens:
+            n += 1
+            if self.sampled_logprobs is not None:
+                self.sampled_logprobs.append(0.0)
+            stop_str = self.detok.append(tok)
+            if self.logprobs is not None:
+                self.logprobs.append({tok: Logprob(0.0, 1, self.detok.tokenizer.decode([tok]))})
+            self._check_stop(tok, stop_str, eos_ids)
+            if self.finish_reason is not None:
+                return n
+        mask = self.grammar_mask
+        mask.fill(0)
+        self.guide.fill_mask(mask)
+        if not mask.any():
+            self.finish_reason, self.stop_reason = "stop", DEAD_END_REASON
+        return n
 
     def _advance_guide(self, tok: int) -> None:
         """The grammar takes the token; a refused token (never sampled under the mask)

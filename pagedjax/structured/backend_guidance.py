@@ -55,6 +55,17 @@ class GuidanceGuide:
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 
+    def jump_forward(self) -> list[int]:
+        """Accept the tokens the grammar forces next (llguidance's ``compute_ff_tokens``:
+        the forced bytes as tokens, a last token a longer one could extend left out) and
+        return them in order; [] when nothing is forced. ``try_consume_tokens`` takes the
+        prefix the matcher accepts (the matcher ends past it). The mask is not refilled."""
+        m = self._m
+        if m.is_stopped() or m.is_error():
+            return []
+        forced = [int(t) for t in m.compute_ff_tokens()]
+        return forced[: m.try_consume_tokens(forced)] if forced else []
+
 
 class GuidanceBackend:
     name = "guidance"

