@@ -404,6 +404,14 @@ class StructuredOutputsConfig:
     step each. Off by default: the forced text is split into tokens by the grammar
     backend, not sampled, so greedy outputs need not equal vLLM's token for token
     (engine/jump_forward.py; docs/structured_outputs.md).
+    device_fsm (pagedjax's own): regex and choice constraints run as a token DFA on the
+    device (structured/token_fsm.py) instead of host bitmasks, so their rows need no host
+    round trip per step and run inside the fused K-step decode loop. Off by default:
+    it needs outlines-core, and a new table size compiles the step once per bucket.
+    Grammars, JSON schemas, ``ignore_eos``, ``min_tokens``, ``bad_words`` and
+    jump-forward keep the host path (the engine says which path each request took).
+    device_fsm_max_bytes: a constraint whose compressed table is larger takes the host
+    path (reported; 4 MiB by default).
     """
 
     backend: Literal["auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"] = "auto"
@@ -415,8 +423,12 @@ class StructuredOutputsConfig:
     compile_timeout_s: float = 30.0
     cache_size: int = 256
     jump_forward: bool = False
+    device_fsm: bool = False
+    device_fsm_max_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
+        _check(self.device_fsm_max_bytes > 0, "structured_outputs_config.device_fsm_max_bytes",
+               f"must be positive, got {self.device_fsm_max_bytes}")  # fmt: skip
         _check(
             self.backend not in ("outlines", "lm-format-enforcer"),
             "structured_outputs_config.backend",

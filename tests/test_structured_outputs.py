@@ -135,7 +135,8 @@ def test_config_keys() -> None:
 
 @functools.cache
 def _engine(backend: str = "xgrammar", spec: bool = False, steps: int | str = "auto",
-            jump: bool = False, blocks: int = 64, prefix: bool = False) -> LLMEngine:  # fmt: skip
+            jump: bool = False, blocks: int = 64, prefix: bool = False,
+            fsm: bool = False) -> LLMEngine:  # fmt: skip
     config = EngineConfig(
         model=ModelConfig(model="tiny-llama", max_model_len=64, seed=0),
         cache=CacheConfig(block_size=4, num_gpu_blocks_override=blocks,
@@ -145,7 +146,8 @@ def _engine(backend: str = "xgrammar", spec: bool = False, steps: int | str = "a
         speculative=SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3)
         if spec
         else None,
-        structured_outputs=StructuredOutputsConfig(backend=backend, jump_forward=jump),
+        structured_outputs=StructuredOutputsConfig(backend=backend, jump_forward=jump,
+                                                   device_fsm=fsm),  # fmt: skip
     )
     params = random_params(ARCH, seed=0, dtype=jnp.float32, std=0.15)
     return LLMEngine(ARCH, params, TOK, config)

@@ -36,7 +36,8 @@ from jax import lax
 from pagedjax.engine import sharing
 from pagedjax.engine.spec.ngram_device import propose_ngram
 from pagedjax.engine.spec.verify import sampled_rows, write_drafts
-from pagedjax.sampling.sampler import SamplerOutput
+from pagedjax.sampling.sampler import SamplerOutput, fsm_next
+from pagedjax.sampling.tensors import take_rows
 from pagedjax.scheduler import FINISHED, RUNNING, output_target, schedule, update
 
 EXIT_DONE, EXIT_IDLE, EXIT_SHAPE, EXIT_FINISH = 0, 1, 2, 3
@@ -129,12 +130,15 @@ def decode_loop(
     p_b = s_b if spec is None else sampled_rows(t_b, s_b, ks)
     f_b = (ks + bs) // bs  # blocks one row can complete in an iteration
 
-    def plan(state, tokens):
+    fsm = sampling.fsm_table.shape[0] > 0  # a device FSM table (static)
+
+    def plan(state, tokens, sampling):
         total = state.prompt_len + state.output_len
         target = output_target(state, config.max_model_len)
         decoding = (
             (spec_k > 0) & (state.status == RUNNING) & (total - state.num_computed == 1)
             & (state.output_len >= 1)
+            & (sampling.fsm_state < 0)  # device FSM rows: no drafts (logit_controls.py)
         )  # fmt: skip
         cap = jnp.minimum(spec_k, ks)
         want = jnp.where(decoding, jnp.clip(target - state.output_len - 1, 0, cap), 0)
@@ -153,10 +157,10 @@ def decode_loop(
         counts = jnp.zeros((n,), jnp.int32).at[idx].set(c, mode="drop")
         return drafts, counts
 
-    def iteration(state, kv, tokens):
+    def iteration(state, kv, tokens, sampling):
         drafts = lookahead = None
         if spec is not None:
-            drafts, lookahead = plan(state, tokens)
+            drafts, lookahead = plan(state, tokens, sampling)
         st1, batch = schedule(policy, config, state, lookahead)
         rows = batch.seq_ids[:s_b]
         real = rows >= 0
@@ -183,7 +187,8 @@ def decode_loop(
         used, unshared = sharing.sharing_usage(bs, st1)
         start = batch.start_pos[:s_b]
 
-        def run(st1, kv, tokens):
+        def run(st1, kv, tokens, sampling):
+            first = jnp.arange(s_b)  # each row's first sampled position (no drafts)
             if spec is None:
                 kv, tokens, out, _ = runner.forward_sample(
                     params, kv, tokens, st1.mem, batch, sampling, st1.prompt_len,
@@ -203,6 +208,7 @@ def decode_loop(
                 acc = jnp.where(real, acc, 0)
                 # The first stop id inside each row's run of 1 + accepted tokens.
                 offset = jnp.cumsum(1 + spec_lens) - (1 + spec_lens)
+                first = jnp.minimum(offset, p_b - 1)
                 jj = jnp.arange(ks + 1)[None, :]
                 idx = jnp.minimum(offset[:, None] + jj, p_b - 1)
                 tok = out.token_ids[idx]  # [S, k + 1]
@@ -231,26 +237,32 @@ def decode_loop(
             if spec is not None:
                 accepted = jnp.zeros((n,), jnp.int32).at[:s_b].set(acc)
             st2 = update(policy, config, st1, batch, finished, accepted)
-            return st2, kv, tokens, out, acc, filled, ends
+            if fsm:  # device FSM rows (never drafting) advance by their sampled token
+                nxt = fsm_next(take_rows(sampling, safe), out.token_ids[first])
+                new = sampling.fsm_state.at[jnp.where(real, rows, n)].set(nxt, mode="drop")
+                sampling = sampling._replace(fsm_state=new)
+            return st2, kv, tokens, sampling, out, acc, filled, ends
 
-        def rollback(st1, kv, tokens):
+        def rollback(st1, kv, tokens, sampling):
             del st1  # the schedule is discarded: the state before it is kept
             zeros = runner_out_shapes(p_b, top_k)
             z = jnp.zeros((s_b,), jnp.int32)
             f = jnp.full((s_b, f_b), -1, jnp.int32)
-            return state, kv, tokens, zeros, z, f, jnp.zeros((s_b, f_b), jnp.int32)
+            return state, kv, tokens, sampling, zeros, z, f, jnp.zeros((s_b, f_b), jnp.int32)
 
-        st, kv, tokens, out, acc, filled, ends = lax.cond(ok, run, rollback, st1, kv, tokens)
+        st, kv, tokens, sampling, out, acc, filled, ends = lax.cond(
+            ok, run, rollback, st1, kv, tokens, sampling
+        )
         rec = (rows, start, spec_lens, acc, out, filled, ends, used, unshared)
-        return ok, st, kv, tokens, rec
+        return ok, st, kv, tokens, sampling, rec
 
     def cond(c):
         i, code = c[0], c[1]
         return (i < jnp.minimum(max_iters, k_b)) & (code == _GOING)
 
     def body(c):
-        i, code, state, kv, tokens, buf = c
-        ok, st, kv, tokens, rec = iteration(state, kv, tokens)
+        i, code, state, kv, tokens, sampling, buf = c
+        ok, st, kv, tokens, sampling, rec = iteration(state, kv, tokens, sampling)
         rows, start, spec_lens, acc, out, filled, ends, used, unshared = rec
         real = rows >= 0
         ended = jnp.any(real & (st.status[jnp.maximum(rows, 0)] == FINISHED))
@@ -263,7 +275,7 @@ def decode_loop(
         new = (rows, start, spec_lens, acc, out.token_ids, out.logprobs, out.ranks,
                out.top_ids, out.top_logprobs, filled, ends, used, unshared)  # fmt: skip
         buf = tuple(b.at[i].set(x) for b, x in zip(buf, new, strict=True))
-        return i + ok.astype(jnp.int32), code, st, kv, tokens, buf
+        return i + ok.astype(jnp.int32), code, st, kv, tokens, sampling, buf
 
     f32, i32 = jnp.float32, jnp.int32
     buf = (
@@ -281,8 +293,8 @@ def decode_loop(
         jnp.zeros((k_b,), i32),
         jnp.zeros((k_b,), i32),
     )
-    init = (jnp.int32(0), jnp.int32(_GOING), state, kv, tokens, buf)
-    i, code, state, kv, tokens, buf = lax.while_loop(cond, body, init)
+    init = (jnp.int32(0), jnp.int32(_GOING), state, kv, tokens, sampling, buf)
+    i, code, state, kv, tokens, _, buf = lax.while_loop(cond, body, init)
     code = jnp.where(code == _GOING, EXIT_DONE, code)
     return state, kv, tokens, LoopOutput(i, code, *buf, state.status)
 

@@ -39,6 +39,7 @@ from pagedjax.engine.host_arrays import upload
 from pagedjax.engine.model_runner import gather_blocks, jitted_update, scatter_blocks
 from pagedjax.memory import host_tier
 from pagedjax.sampling import SamplingParams, SamplingTensors
+from pagedjax.sampling.tensors import SHARED_FIELDS
 from pagedjax.scheduler import (
     ScheduledBatch,
     SwapPlan,
@@ -106,10 +107,10 @@ class DeviceState:
                                  donate_argnums=(0,))  # fmt: skip
         self._exchange = jax.jit(_host_exchange, donate_argnums=(0,), static_argnums=(4,))
         self._read = jax.jit(_read_blocks)
-        self._rows = {
-            k: np.array(v)
-            for k, v in SamplingTensors.from_params([], n, vocab_size)._asdict().items()
-        }
+        neutral = SamplingTensors.from_params([], n, vocab_size)._asdict()
+        self._rows = {k: np.array(v) for k, v in neutral.items() if k not in SHARED_FIELDS}
+        # The device FSM's shared table and token classes (set_fsm_tables; empty: none).
+        self._shared = {k: np.array(neutral[k]) for k in SHARED_FIELDS}
         self._rows_dev: SamplingTensors | None = None
         self._fields_dev: dict[str, Any] = {}  # uploaded fields, dropped when one changes
         self._no_lookahead = np.zeros(n, np.int32)
@@ -333,7 +334,7 @@ class DeviceState:
     def sampling(self) -> SamplingTensors:
         """The per-slot sampling tensors on device (the changed fields uploaded)."""
         if self._rows_dev is None:
-            for k, v in self._rows.items():
+            for k, v in (*self._rows.items(), *self._shared.items()):
                 if k not in self._fields_dev:
                     self._fields_dev[k] = upload(v)  # a copy: the mirror changes in place
             self._rows_dev = SamplingTensors(**self._fields_dev)
@@ -345,7 +346,18 @@ class DeviceState:
         """The slot's row for sample ``index`` of a request, ``num_output`` tokens in."""
         t = SamplingTensors.from_params([(params, index, num_output)], 1, self.vocab_size)
         for name, v in t._asdict().items():
-            self.set_sampling_value(name, slot, v[0])
+            if name not in SHARED_FIELDS:
+                self.set_sampling_value(name, slot, v[0])
+
+    def set_fsm_tables(self, table: np.ndarray, class_of: np.ndarray) -> None:
+        """The device FSM's shared fields (SamplingTensors.fsm_table, fsm_class); uploaded
+        with the next ``sampling()`` when they changed."""
+        for name, v in (("fsm_table", table), ("fsm_class", class_of)):
+            cur = self._shared[name]
+            if cur.shape != v.shape or not np.array_equal(cur, v):
+                self._shared[name] = np.array(v, np.int32)
+                self._rows_dev = None
+                self._fields_dev.pop(name, None)
 
     def copy_sampling_row(self, dst: int, src: int) -> None:
         """Slot dst samples as slot src does (a new beam of the same group)."""

@@ -14,6 +14,15 @@ token and need the host between steps (``needs_host``):
 - structured outputs: the sequence's Guide (pagedjax/structured) fills its grammar mask
   after each accepted token (``SequenceState.record``).
 
+With ``StructuredOutputsConfig.device_fsm``, a regex or choice constraint becomes a token
+DFA on the device instead (structured/token_fsm.py): the slot's sampling row carries its
+state (``fsm_state``), every such constraint's table is one shared table
+(``token_fsm.combine``), and the step masks and advances the state itself. Such a slot
+does not need the host between steps (the fused K-step loop runs it) but gets no
+speculative drafts (``no_drafts``: the verification would have to advance the state
+along the drafts). Which path each constrained sample took is counted
+(``structured_device_fsm`` / ``structured_host_masks``) and logged.
+
 While a slot needs the host, the engine runs one-step programs (the K-step loop reports
 "structured_output" in its skipped reasons) and the slot does not speculate, so outputs
 equal those of plain decoding (docs/structured_outputs.md says why).
@@ -21,6 +30,7 @@ equal those of plain decoding (docs/structured_outputs.md says why).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +41,9 @@ from pagedjax.engine.jump_forward import JumpForward
 from pagedjax.sampling import SamplingParams
 from pagedjax.sampling.tensors import mask_words, static_token_mask
 from pagedjax.structured import StructuredOutputManager
+from pagedjax.structured.token_fsm import TokenFsm, combine
+
+log = logging.getLogger(__name__)
 
 
 def bad_words_token_ids(tokenizer: Any, words: Sequence[str], vocab_size: int) -> list[list[int]]:
@@ -60,6 +73,12 @@ def needs_host(book: Any, req: Any, seq: Any) -> bool:
     if seq.guide is not None or req.bad_words_ids:
         return True
     return len(seq.detok.ids) < seq.params.min_tokens and bool(book.stop_ids(seq))
+
+
+def no_drafts(book: Any, req: Any, seq: Any) -> bool:
+    """True when the sequence may not speculate: it needs the host, or its constraint
+    is a device FSM (drafts are verified without advancing the FSM along them)."""
+    return seq.fsm is not None or needs_host(book, req, seq)
 
 
 def clear_bits(mask: np.ndarray, ids: Any) -> None:
@@ -101,22 +120,57 @@ class LogitControls:
         # Jump-forward decoding (engine/jump_forward.py): None when off, so the output
         # processor does no work for it.
         self.jump_forward = JumpForward() if config.jump_forward else None
+        # The device FSM's shared table: the constraints it holds (ids) and their rows.
+        self._fsm_key: tuple[int, ...] = ()
+        self._fsm_offsets: dict[int, int] = {}
+        self._fsm_held: list[TokenFsm] = []
 
-    def prepare(self, params: SamplingParams) -> tuple[list[list[int]], Any]:
-        """(bad words' token ids, compiled constraint or None) of a request's params."""
+    def prepare(self, params: SamplingParams) -> tuple[list[list[int]], Any, Any]:
+        """(bad words' token ids, compiled constraint or None, its device FSM or None)
+        of a request's params (the FSM only with device_fsm on and a constraint that
+        may take it; see ``_device_fsm``)."""
         words = []
         if params.bad_words:
             words = bad_words_token_ids(self._tokenizer, params.bad_words, self.vocab_size)
         so = params.structured_outputs
-        return words, (self.structured.compile(so) if so is not None else None)
+        if so is None:
+            return words, None, None
+        compiled = self.structured.compile(so)  # validates it (a ValueError: refused)
+        return words, compiled, self._device_fsm(params)
 
-    def attach(self, req: Any, prepared: tuple[list[list[int]], Any]) -> None:
-        """Give a new request its prepared controls: every sample its own matcher."""
-        req.bad_words_ids, compiled = prepared
-        if compiled is not None:
-            req.structured_backend = compiled.backend
+    def _device_fsm(self, params: SamplingParams) -> Any:
+        """The TokenFsm for this request, a reason string (host path), or None (off)."""
+        cfg = self.structured.config
+        if not cfg.device_fsm:
+            return None
+        if cfg.jump_forward:
+            return "jump_forward needs the host matcher"
+        for name in ("ignore_eos", "min_tokens", "bad_words"):
+            if getattr(params, name):
+                return f"{name} needs host masks"
+        return self.structured.device_fsm(params.structured_outputs)
+
+    def attach(self, req: Any, prepared: tuple[list[list[int]], Any, Any]) -> None:
+        """Give a new request its prepared controls: every sample its own matcher, or
+        its own device FSM state."""
+        req.bad_words_ids, compiled, fsm = prepared
+        if compiled is None:
+            return
+        req.structured_backend = compiled.backend
+        stats = self.structured.stats
+        if isinstance(fsm, TokenFsm):
+            stats.device_fsm += len(req.seqs)
+            log.debug("request %s: device FSM (%d states x %d token classes, %d bytes)",
+                      req.request_id, *fsm.table.shape, fsm.nbytes)  # fmt: skip
             for seq in req.seqs:
-                seq.start_guide(self.structured.guide(compiled), len(self._all))
+                seq.fsm, seq.fsm_state = fsm, fsm.initial
+            return
+        if fsm is not None:
+            stats.host_masks += len(req.seqs)
+            stats.fsm_fallbacks[fsm] = stats.fsm_fallbacks.get(fsm, 0) + 1
+            log.info("request %s: host masks, not the device FSM: %s", req.request_id, fsm)
+        for seq in req.seqs:
+            seq.start_guide(self.structured.guide(compiled), len(self._all))
 
     def stats(self) -> dict[str, float | int]:
         """structured_host_steps: iterations in which some slot needed host masks (they
@@ -128,6 +182,10 @@ class LogitControls:
         s = self.structured.stats
         jf = self.jump_forward.stats() if self.jump_forward is not None else {}
         return dict(jump_forward_jumps=0, jump_forward_tokens=0) | jf | dict(
+            structured_device_fsm=s.device_fsm,
+            structured_host_masks=s.host_masks,
+            structured_fsm_fallbacks=sum(s.fsm_fallbacks.values()),
+            structured_fsm_build_s=s.fsm_build_s,
             structured_host_steps=self.host_steps,
             structured_compiles=s.compiles,
             structured_cache_hits=s.cache_hits,
@@ -140,6 +198,7 @@ class LogitControls:
         slot needs the host this iteration."""
         book, dev = core.book, core.device
         any_host = False
+        self._write_fsm_rows(book, dev)
         for slot, (req, seq) in book.slot_owner.items():
             p = seq.params
             if not (p.min_tokens or req.bad_words_ids or seq.guide is not None):
@@ -156,5 +215,23 @@ class LogitControls:
         self.host_steps += any_host
         return any_host
 
+    def _write_fsm_rows(self, book: Any, dev: Any) -> None:
+        """The device FSM slots' states, and the shared table when the set of their
+        constraints changed (kept, not emptied, when none is left: no new program)."""
+        fsms = {id(seq.fsm): seq.fsm for _, seq in book.slot_owner.values() if seq.fsm is not None}
+        if not fsms:
+            return
+        key = tuple(sorted(fsms))
+        if key != self._fsm_key:
+            table, class_of, offsets = combine([fsms[k] for k in key])
+            dev.set_fsm_tables(table, class_of)
+            self._fsm_key, self._fsm_offsets = key, dict(zip(key, offsets, strict=True))
+            self._fsm_held = list(fsms.values())  # held: their ids stay theirs
+        for slot, (_, seq) in book.slot_owner.items():
+            if seq.fsm is not None:
+                dev.set_sampling_value("fsm_state", slot,
+                                       self._fsm_offsets[id(seq.fsm)] + seq.fsm_state)  # fmt: skip
 
-__all__ = ["LogitControls", "bad_words_token_ids", "clear_bits", "needs_host", "token_mask"]
+
+__all__ = ["LogitControls", "bad_words_token_ids", "clear_bits", "needs_host", "no_drafts",
+           "token_mask"]  # fmt: skip

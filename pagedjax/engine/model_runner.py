@@ -45,6 +45,7 @@ from pagedjax.sampling import (
     prompt_logprobs,
     sample,
 )
+from pagedjax.sampling.tensors import take_rows
 from pagedjax.scheduler import ScheduledBatch
 
 
@@ -172,7 +173,9 @@ class ModelRunner:
             return self.step(*args, num_tokens=num_tokens, num_seqs=num_seqs,
                              all_logits=all_logits, mm=mm)  # fmt: skip
         program = self.programs.get((num_tokens, num_seqs, all_logits))
-        if program is not None:
+        # A device FSM table (structured outputs, device_fsm) is an argument shape the
+        # warmed-up programs were not compiled for: jit compiles it once per table bucket.
+        if program is not None and not has_fsm_table(args):
             return program(*args)
         return self.step(*args, num_tokens=num_tokens, num_seqs=num_seqs, all_logits=all_logits)
 
@@ -253,7 +256,7 @@ class ModelRunner:
 
         seq_ids = batch.seq_ids[:num_seqs]
         safe = jnp.maximum(seq_ids, 0)
-        t = jax.tree.map(lambda a: a[safe], slot_sampling)
+        t = take_rows(slot_sampling, safe)
         # The row's key depends on (seed, sample index, output position) only, so the
         # draw is the same whatever the batch, the slot or a preemption before it.
         t = t._replace(output_position=output_len[safe])
@@ -280,6 +283,11 @@ class ModelRunner:
         nxt = inp.positions + 1
         ok = valid & (nxt < prompt_len[seq])
         return jnp.where(ok, tokens[seq, jnp.minimum(nxt, tokens.shape[1] - 1)], -1)
+
+
+def has_fsm_table(args: tuple) -> bool:
+    """True when a SamplingTensors argument carries a device FSM table (not [0, 0])."""
+    return any(isinstance(a, SamplingTensors) and a.fsm_table.shape[0] > 0 for a in args)
 
 
 @functools.cache

@@ -32,6 +32,7 @@ from pagedjax.engine.core import EngineCore
 from pagedjax.engine.decode_loop import EXIT_DONE, EXIT_NAMES, LoopOutput, LoopSpec, decode_loop
 from pagedjax.engine.host_arrays import upload
 from pagedjax.engine.logit_controls import needs_host
+from pagedjax.engine.model_runner import has_fsm_table
 from pagedjax.engine.output_processor import OutputProcessor, SampledRows
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.spec.verify import sampled_offsets
@@ -137,7 +138,7 @@ class MultiStepDecoder:
         """``loop(*args, num_seqs=...)`` through the compiled program of ``programs`` when
         there is one for that bucket (the same executable ``loop`` would run)."""
         program = self.programs.get(num_seqs)
-        if program is not None:
+        if program is not None and not has_fsm_table(args):  # see ModelRunner.run
             return program(*args)
         return self.loop(*args, num_seqs=num_seqs)
 
@@ -242,6 +243,9 @@ class MultiStepDecoder:
             and self.pipeline
             and not core.book.queue
             and self.ineligible(core) is None
+            # A device FSM's state advances in the loop; the host writes it into the
+            # next dispatch's rows only after replaying this one's tokens.
+            and not any(seq.fsm is not None for _, seq in core.book.slot_owner.values())
         ):
             self._inflight = self._dispatch(core)
             self.stats.pipelined += 1

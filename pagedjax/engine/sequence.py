@@ -44,6 +44,11 @@ class SequenceState:
     # constraint) and its packed mask of the tokens allowed next, int32[ceil(V / 32)].
     guide: Any = None
     grammar_mask: np.ndarray | None = None
+    # Or the device FSM (structured/token_fsm.TokenFsm; StructuredOutputsConfig.device_fsm):
+    # the device applies its mask; this host mirror of its state advances with each
+    # recorded token, and is what the slot's sampling row is written from between programs.
+    fsm: Any = None
+    fsm_state: int = -1
 
     def start_guide(self, guide: Any, words: int) -> None:
         """Constrain this sample by ``guide`` (at its start state): the first mask."""
@@ -70,6 +75,10 @@ class SequenceState:
         self._check_stop(tok, stop_str, eos_ids)
         if self.guide is not None and self.finish_reason is None:
             self._advance_guide(tok)
+        if self.fsm is not None and self.finish_reason is None:
+            self.fsm_state = self.fsm.next_state(self.fsm_state, tok)
+            if self.fsm_state < 0:  # never sampled under the mask; the host path's rule
+                self.finish_reason, self.stop_reason = "stop", DEAD_END_REASON
         return self.finish_reason is not None
 
     def _check_stop(self, tok: int, stop_str: str | None, eos_ids: set[int]) -> None:

@@ -94,9 +94,37 @@ def apply_token_bitmask(logits: jax.Array, mask: jax.Array) -> jax.Array:
     return jax.lax.cond(jnp.all(mask == -1), lambda x: x, masked, logits)
 
 
+def fsm_allowed(t: SamplingTensors) -> jax.Array:
+    """bool[S, V]: the tokens each row's device FSM allows (every token on a row with
+    fsm_state -1). Cost: one [S, C] row gather and one [S, V] gather by token class."""
+    state = t.fsm_state
+    rows = t.fsm_table[jnp.maximum(state, 0)]  # [S, C]
+    return (rows[:, t.fsm_class] >= 0) | (state < 0)[:, None]
+
+
+def apply_fsm_mask(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """float32[S, V] logits with -inf where the row's device FSM refuses the token;
+    skipped (static) without a table, and (one cond) when no row has an FSM state."""
+    if not t.fsm_table.shape[0]:
+        return logits
+    return jax.lax.cond(jnp.any(t.fsm_state >= 0),
+                        lambda x: jnp.where(fsm_allowed(t), x, -jnp.inf), lambda x: x,
+                        logits)  # fmt: skip
+
+
+def fsm_next(t: SamplingTensors, ids: jax.Array) -> jax.Array:
+    """int32[S]: each row's device FSM state after sampling ids int32[S] (-1 stays -1)."""
+    if not t.fsm_table.shape[0]:
+        return t.fsm_state
+    nxt = t.fsm_table[jnp.maximum(t.fsm_state, 0), t.fsm_class[ids]]
+    return jnp.where(t.fsm_state >= 0, nxt, -1)
+
+
 def apply_logit_controls(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """vLLM's order before the penalties: the grammar mask, allowed_token_ids / bad_words /
-    min_tokens (``token_mask``), then logit_bias. Zero-width fields are skipped (static)."""
+    """vLLM's order before the penalties: the grammar mask (the host's bitmask and the
+    device FSM's), allowed_token_ids / bad_words / min_tokens (``token_mask``), then
+    logit_bias. Zero-width fields are skipped (static)."""
+    logits = apply_fsm_mask(logits, t)
     if t.grammar_mask.shape[-1]:
         logits = apply_token_bitmask(logits, t.grammar_mask)
         logits = apply_token_bitmask(logits, t.token_mask)
@@ -212,7 +240,7 @@ def output_for(logits: jax.Array, t: SamplingTensors, ids: jax.Array, *,
     # Raw logprobs (logprob_temperature 1.0), or temperature-scaled ones for beam search;
     # vLLM's raw_logprobs: after the grammar mask (applied to the logits the sampler gets),
     # before allowed_token_ids, bad_words, min_tokens, logit_bias and the penalties.
-    raw = logits.astype(jnp.float32)
+    raw = apply_fsm_mask(logits.astype(jnp.float32), t)
     if t.grammar_mask.shape[-1]:
         raw = apply_token_bitmask(raw, t.grammar_mask)
     scale = t.logprob_temperature.astype(jnp.float32)[:, None]

@@ -59,6 +59,17 @@ class SamplingTensors(NamedTuple):
         logprobs (vLLM's raw_logprobs are taken before its logits processors).
     bias_ids: int32[S, B], -1 padded; bias_values: float32[S, B]: logit_bias, added
         after token_mask and before the penalties and temperature (vLLM's order).
+
+    Device FSM (structured/token_fsm.py; ``StructuredOutputsConfig.device_fsm``):
+    fsm_state: int32[S], the row's state as a row of ``fsm_table``; -1 = no device FSM.
+    fsm_table: int32[R, C], NOT per row: every constrained row's token DFA in one table
+        (next row of (row, token class), -1 = token not allowed); [0, 0] when no row
+        uses one (the sampler then skips it, a static choice).
+    fsm_class: int32[V] (or [0]), NOT per row: each token's class (column of the table).
+    A row with fsm_state >= 0 may sample only tokens t with
+    ``fsm_table[fsm_state, fsm_class[t]] >= 0`` (applied where grammar_mask is), and its
+    next state is that entry (``fsm_next``). Gather rows with ``take_rows``, which keeps
+    the two shared fields whole.
     """
 
     temperature: jax.Array
@@ -77,6 +88,9 @@ class SamplingTensors(NamedTuple):
     token_mask: jax.Array
     bias_ids: jax.Array
     bias_values: jax.Array
+    fsm_state: jax.Array
+    fsm_table: jax.Array
+    fsm_class: jax.Array
 
     @classmethod
     def from_params(
@@ -176,7 +190,19 @@ def _neutral(s: int, vocab_size: int = 0) -> dict[str, np.ndarray]:
         token_mask=np.full((s, w), -1, i32),
         bias_ids=np.full((s, b), -1, i32),
         bias_values=np.zeros((s, b), f32),
+        fsm_state=np.full(s, -1, i32),
+        fsm_table=np.zeros((0, 0), i32),
+        fsm_class=np.zeros(0, i32),
     )
+
+
+# SamplingTensors fields shared by every row (not indexed by row or slot).
+SHARED_FIELDS = ("fsm_table", "fsm_class")
+
+
+def take_rows(t: SamplingTensors, idx: jax.Array) -> SamplingTensors:
+    """The rows ``idx`` of ``t`` (every per-row field gathered, SHARED_FIELDS kept)."""
+    return t._replace(**{k: v[idx] for k, v in t._asdict().items() if k not in SHARED_FIELDS})
 
 
 class TokenHistory(NamedTuple):

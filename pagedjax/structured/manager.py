@@ -26,7 +26,8 @@ import numpy as np
 
 from pagedjax.config import StructuredOutputsConfig
 from pagedjax.sampling.params import StructuredOutputsParams
-from pagedjax.structured import spec
+from pagedjax.structured import spec, token_fsm
+from pagedjax.structured.token_fsm import TokenFsm
 
 BACKENDS = ("auto", "xgrammar", "guidance")
 
@@ -70,12 +71,18 @@ class Compiled:
 
 @dataclass
 class StructuredStats:
-    """Counters since the engine started (``LLMEngine.stats``'s ``structured_*`` keys)."""
+    """Counters since the engine started (``LLMEngine.stats``'s ``structured_*`` keys).
+    device_fsm / host_masks: constrained samples given the device FSM / host masks while
+    ``device_fsm`` is on; fsm_fallbacks: why the others were not (reason -> count)."""
 
     compiles: int = 0
     cache_hits: int = 0
     compile_s: float = 0.0
     by_backend: dict[str, int] = field(default_factory=dict)
+    device_fsm: int = 0
+    host_masks: int = 0
+    fsm_fallbacks: dict[str, int] = field(default_factory=dict)
+    fsm_build_s: float = 0.0
 
 
 class StructuredOutputManager:
@@ -95,6 +102,8 @@ class StructuredOutputManager:
         self._lock = threading.Lock()  # backends are built on the worker threads
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar")
         self.stats = StructuredStats()
+        self._fsms: OrderedDict[str, TokenFsm | str] = OrderedDict()
+        self._vocab: list[bytes | None] | None = None  # token bytes (token_fsm.vocab_bytes)
 
     def _backend(self, name: str) -> Any:
         with self._lock:
@@ -166,6 +175,44 @@ class StructuredOutputManager:
                 if len(names) == 1 or "pip install" in str(e):
                     raise
         raise ValueError("; ".join(f"{n}: {e}" for n, e in zip(names, errors, strict=True)))
+
+    def device_fsm(self, p: StructuredOutputsParams) -> TokenFsm | str:
+        """The constraint's token DFA for the device (``config.device_fsm``), or why it
+        gets none (a reason string: the host path). Built on the worker pool within
+        compile_timeout_s and cached by the constraint's text, reasons included."""
+        regex = None
+        try:
+            regex = token_fsm.regex_of(p.kind, getattr(p, p.kind))
+        except token_fsm.FsmUnavailable as e:
+            return str(e)
+        if regex is None:
+            return f"{p.kind} constraints take the host path"
+        key = regex
+        hit = self._fsms.get(key)
+        if hit is not None:
+            self._fsms.move_to_end(key)
+            return hit
+        t0 = time.perf_counter()
+        future = self._pool.submit(self._build_fsm, regex)
+        try:
+            got: TokenFsm | str = future.result(timeout=self.config.compile_timeout_s)
+        except concurrent.futures.TimeoutError:
+            limit = self.config.compile_timeout_s
+            got = f"building the FSM took longer than compile_timeout_s={limit}"
+        except token_fsm.FsmUnavailable as e:
+            got = str(e)
+        self.stats.fsm_build_s += time.perf_counter() - t0
+        self._fsms[key] = got
+        while len(self._fsms) > max(self.config.cache_size, 1):
+            self._fsms.popitem(last=False)
+        return got
+
+    def _build_fsm(self, regex: str) -> TokenFsm:
+        with self._lock:
+            if self._vocab is None:
+                self._vocab = token_fsm.vocab_bytes(self._tokenizer, self.vocab_size)
+        return token_fsm.build_token_fsm(regex, self._vocab, self._eos,
+                                         self.config.device_fsm_max_bytes)  # fmt: skip
 
     def guide(self, compiled: Compiled) -> Guide:
         """A fresh matcher at the start of the constraint, for one sequence."""

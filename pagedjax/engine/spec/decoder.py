@@ -48,7 +48,7 @@ import numpy as np
 from pagedjax.config import SpeculativeConfig
 from pagedjax.engine.buckets import pick, seqs_for_tokens
 from pagedjax.engine.host_arrays import filled_like, upload, zeros_like_tree
-from pagedjax.engine.logit_controls import needs_host
+from pagedjax.engine.logit_controls import no_drafts
 from pagedjax.engine.spec.draft_model import (
     DraftCheckpoint,
     SeparateDraft,
@@ -294,7 +294,7 @@ class SpeculativeDecoder:
         computed on device after the schedule (-1 here). No slot speculates while a
         request wanting prompt logprobs holds a slot (they need every logits row of
         the plain step) or when ``disable_by_batch_size`` slots are taken. A slot whose
-        mask changes per token (``logit_controls.needs_host``) gets none."""
+        mask changes per token (``logit_controls.no_drafts``) gets none."""
         n = core.max_seqs
         lookahead = np.zeros(n, np.int32)
         drafts = np.full((n, self.k), -1, np.int32)
@@ -307,7 +307,7 @@ class SpeculativeDecoder:
             out = len(seq.detok.ids)
             if out == 0 or req.pending or req.host_driven or seq.finish_reason is not None:
                 continue
-            if core.controls is not None and needs_host(core.book, req, seq):
+            if core.controls is not None and no_drafts(core.book, req, seq):
                 continue  # its mask changes with each token: no drafts (logit_controls.py)
             k = min(k_step, seq.target - out - 1)
             if k <= 0:

@@ -47,6 +47,7 @@ from pagedjax.model import ModelArch
 from pagedjax.model.forward import forward
 from pagedjax.sampling import SamplingTensors, output_for, processed_probs, sample
 from pagedjax.sampling.rejection import position_keys, rejection_sample
+from pagedjax.sampling.tensors import take_rows
 from pagedjax.scheduler import ScheduledBatch
 
 
@@ -156,7 +157,7 @@ class SpecVerifier:
         kv, logits, extra = self._forward(params, kv, inp)
 
         slot = safe[frow]  # [size] the slot of each sampled position
-        t = jax.tree.map(lambda a: a[slot], slot_sampling)
+        t = take_rows(slot_sampling, slot)
         t = t._replace(output_position=output_len[slot] + j)
         total = prompt_len[safe] + output_len[safe]  # [S] index of the first draft
         history = token_history(tokens, slot, prompt_len[slot], total[frow] + j)

@@ -33,10 +33,12 @@ CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
     "reasoning_parser": str,
     "enable_in_reasoning": bool,
     # pagedjax's own (config.StructuredOutputsConfig): compilation time limit, cache size,
-    # jump-forward decoding
+    # jump-forward decoding, the device-side token FSM
     "compile_timeout_s": (int, float),
     "cache_size": int,
     "jump_forward": bool,
+    "device_fsm": bool,
+    "device_fsm_max_bytes": int,
 }
 
 
