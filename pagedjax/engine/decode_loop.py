@@ -188,7 +188,7 @@ def decode_loop(
         start = batch.start_pos[:s_b]
 
         def run(st1, kv, tokens, sampling):
-            first = jnp.arange(s_b)  # each row's first sampled position (no drafts)
+            pos0 = jnp.arange(s_b)  # each row's first sampled position (no drafts)
             if spec is None:
                 kv, tokens, out, _ = runner.forward_sample(
                     params, kv, tokens, st1.mem, batch, sampling, st1.prompt_len,
@@ -208,7 +208,7 @@ def decode_loop(
                 acc = jnp.where(real, acc, 0)
                 # The first stop id inside each row's run of 1 + accepted tokens.
                 offset = jnp.cumsum(1 + spec_lens) - (1 + spec_lens)
-                first = jnp.minimum(offset, p_b - 1)
+                pos0 = jnp.minimum(offset, p_b - 1)
                 jj = jnp.arange(ks + 1)[None, :]
                 idx = jnp.minimum(offset[:, None] + jj, p_b - 1)
                 tok = out.token_ids[idx]  # [S, k + 1]
@@ -238,7 +238,7 @@ def decode_loop(
                 accepted = jnp.zeros((n,), jnp.int32).at[:s_b].set(acc)
             st2 = update(policy, config, st1, batch, finished, accepted)
             if fsm:  # device FSM rows (never drafting) advance by their sampled token
-                nxt = fsm_next(take_rows(sampling, safe), out.token_ids[first])
+                nxt = fsm_next(take_rows(sampling, safe), out.token_ids[pos0])
                 new = sampling.fsm_state.at[jnp.where(real, rows, n)].set(nxt, mode="drop")
                 sampling = sampling._replace(fsm_state=new)
             return st2, kv, tokens, sampling, out, acc, filled, ends

@@ -1,0 +1,171 @@
+"""The device-side token FSM (structured_outputs_config device_fsm, issue 33 item 2):
+the token DFA against xgrammar's host masks, the cap's fallback, and engine outputs equal
+to the host-mask path's (one-step and in the fused K-step loop, beside unconstrained and
+host-masked rows), on the tiny model and byte tokenizer of test_structured_outputs.py."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+pytest.importorskip("xgrammar")
+pytest.importorskip("outlines_core")
+
+from pagedjax.config import StructuredOutputsConfig  # noqa: E402
+from pagedjax.engine.logit_controls import LogitControls  # noqa: E402
+from pagedjax.sampling import SamplingParams  # noqa: E402
+from pagedjax.sampling import StructuredOutputsParams as SO  # noqa: E402
+from pagedjax.structured.token_fsm import (  # noqa: E402
+    TokenFsm,
+    ascii_classes,
+    build_token_fsm,
+    choice_regex,
+    combine,
+    vocab_bytes,
+)
+from tests.test_structured_outputs import (  # noqa: E402
+    ARCH,
+    CHOICES,
+    EOS,
+    REGEX,
+    TOK,
+    _allowed,
+    _engine,
+    _manager,
+    _requests,
+    drain,
+)
+
+CASES = [SO(regex=REGEX), SO(choice=list(CHOICES)), SO(regex="[ab]{3}"),
+         SO(regex=r"(cat|dog|bird)!"), SO(regex=r"[a-z ]{12}\.")]  # fmt: skip
+
+
+def _fsm(so: SO, max_bytes: int = 1 << 20) -> TokenFsm:
+    rx = ascii_classes(so.regex) if so.regex is not None else choice_regex(so.choice)
+    return build_token_fsm(rx, vocab_bytes(TOK, ARCH.vocab_size), [EOS], max_bytes)
+
+
+@pytest.mark.parametrize("so", CASES, ids=lambda so: so.regex or "choice")
+def test_token_fsm_allows_what_xgrammar_allows(so: SO) -> None:
+    """Random walks: at every step the DFA's allowed set equals xgrammar's mask (EOS
+    only at the end), for the structured tests' regex and choice cases."""
+    fsm, mgr = _fsm(so), _manager("xgrammar")
+    compiled = mgr.compile(so)
+    rng = random.Random(0)
+    for _ in range(6):
+        guide, state, steps = mgr.guide(compiled), fsm.initial, 0
+        while True:
+            want = _allowed(guide)
+            assert set(np.flatnonzero(fsm.allowed(state)).tolist()) == want, (so, steps)
+            tok = rng.choice(sorted(want))
+            if tok == EOS:
+                assert fsm.final[state]
+                break
+            assert guide.accept(tok)
+            state, steps = fsm.next_state(state, tok), steps + 1
+        assert steps > 0
+
+
+def test_tables_are_compressed_and_combined() -> None:
+    fsms = [_fsm(so) for so in CASES]
+    long = fsms[-1]  # [a-z ]{12}\.: 14 states; classes: letters/space, '.', EOS, the rest
+    assert long.table.shape == (14, 4) and long.nbytes < 14 * 4 * 4 + ARCH.vocab_size * 4 + 1
+    table, class_of, offsets = combine(fsms)
+    assert table.shape[0] >= sum(f.table.shape[0] for f in fsms) and table.shape[0] % 16 == 0
+    for f, off in zip(fsms, offsets, strict=True):  # each constraint's rows, re-indexed
+        for s in range(f.table.shape[0]):
+            got = table[off + s][class_of]
+            want = f.table[s][f.class_of]
+            assert np.array_equal(got, np.where(want >= 0, want + off, -1))
+
+
+def test_host_path_when_over_the_cap_or_not_regular() -> None:
+    """Over device_fsm_max_bytes, a JSON schema, ignore_eos: the host path, with the
+    reason counted (the engine logs it)."""
+    def controls(**kw) -> LogitControls:
+        return LogitControls(ARCH.vocab_size, TOK,
+                             StructuredOutputsConfig(backend="xgrammar", device_fsm=True, **kw),
+                             {EOS})  # fmt: skip
+
+    small = controls(device_fsm_max_bytes=256)
+    _, compiled, fsm = small.prepare(SamplingParams(structured_outputs=SO(regex=REGEX)))
+    assert compiled is not None and isinstance(fsm, str) and "device_fsm_max_bytes" in fsm
+    c = controls()
+    assert isinstance(c.prepare(SamplingParams(structured_outputs=SO(regex=REGEX)))[2], TokenFsm)
+    json_p = SamplingParams(structured_outputs=SO(json={"type": "object"}))
+    assert "host path" in c.prepare(json_p)[2]
+    eos_p = SamplingParams(ignore_eos=True, structured_outputs=SO(regex=REGEX))
+    assert "ignore_eos" in c.prepare(eos_p)[2]
+    off = LogitControls(ARCH.vocab_size, TOK, StructuredOutputsConfig(backend="xgrammar"), {EOS})
+    assert off.prepare(SamplingParams(structured_outputs=SO(regex=REGEX)))[2] is None
+
+
+def _fsm_requests(temperature: float) -> list:
+    def p(so: SO, **kw) -> SamplingParams:
+        return SamplingParams(temperature=temperature, seed=7, max_tokens=40,
+                              structured_outputs=so, **kw)  # fmt: skip
+
+    return [("regex", "hello", p(SO(regex=REGEX))),
+            ("choice", "pick one", p(SO(choice=list(CHOICES)))),
+            ("eos", "eos", p(SO(regex="[ab]{3}"), logit_bias={EOS: 100.0})),
+            ("long", "x", p(SO(regex=r"[a-z ]{12}\."))),
+            ("plain", "hello", SamplingParams(temperature=0.0, max_tokens=10,
+                                              ignore_eos=True))]  # fmt: skip
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        x, y = a[k].outputs[0], b[k].outputs[0]
+        assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason), k
+        assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-4), k
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_device_fsm_outputs_equal_host_masks(temperature: float) -> None:
+    """One-step programs: the structured tests' requests (JSON rows keep host masks,
+    regex / choice rows take the FSM, an unconstrained row beside them) give the same
+    tokens and logprobs as with host masks only."""
+    reqs = [*_requests(temperature), *_fsm_requests(temperature)[3:]]
+    base = drain(_engine(), reqs)
+    engine = _engine(fsm=True)
+    before = engine.stats()
+    _same(base, drain(engine, reqs))
+    after = engine.stats()
+    assert after["structured_device_fsm"] - before["structured_device_fsm"] == 4
+    assert after["structured_host_masks"] - before["structured_host_masks"] == 2  # the JSONs
+
+
+@pytest.mark.tier2  # two K-step engines: ~15 s of compiling
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_device_fsm_rows_run_in_the_k_step_loop(temperature: float) -> None:
+    """K = 4: constrained rows no longer leave the fused loop (no "structured_output"
+    skip), and the outputs equal the host-mask path's (which runs them one step at a
+    time)."""
+    reqs = _fsm_requests(temperature)
+    host = _engine(steps=4).multi_step.stats
+    host_skips = host.skipped.get("structured_output", 0)
+    base = drain(_engine(steps=4), reqs)
+    assert host.skipped.get("structured_output", 0) - host_skips >= 8  # host masks: skipped
+    engine = _engine(steps=4, fsm=True)
+    stats = engine.multi_step.stats
+    skipped, iterations = stats.skipped.get("structured_output", 0), stats.iterations
+    _same(base, drain(engine, reqs))
+    assert stats.skipped.get("structured_output", 0) == skipped
+    assert stats.iterations - iterations >= 8  # the ~13 decode steps of the longest row
+
+
+@pytest.mark.tier2  # a speculative engine: ~10 s of compiling
+def test_device_fsm_rows_beside_speculating_rows() -> None:
+    """n-gram speculation with K = 4: FSM rows get no drafts (the loop's planner skips
+    them), the plain row still speculates, outputs equal plain decoding."""
+    reqs = [*_fsm_requests(0.0),
+            ("repeat", "abcabcabcabc", SamplingParams(temperature=0.0, max_tokens=12,
+                                                      ignore_eos=True))]  # fmt: skip
+    base = drain(_engine(), reqs)
+    spec = _engine(spec=True, steps=4, fsm=True)
+    _same(base, drain(spec, reqs))
+    assert spec.stats()["spec_rows"] > 0
+    assert spec.multi_step.stats.iterations > 0
