@@ -408,7 +408,7 @@ class StructuredOutputsConfig:
     device (structured/token_fsm.py) instead of host bitmasks, so their rows need no host
     round trip per step and run inside the fused K-step decode loop. Off by default:
     it needs outlines-core, and a new table size compiles the step once per bucket.
-    Grammars, JSON schemas, ``ignore_eos``, ``min_tokens``, ``bad_words`` and
+    Grammars, JSON schemas, ``min_tokens``, ``bad_words`` and
     jump-forward keep the host path (the engine says which path each request took).
     device_fsm_max_bytes: a constraint whose compressed table is larger takes the host
     path (reported; 4 MiB by default).

@@ -82,7 +82,7 @@ def test_tables_are_compressed_and_combined() -> None:
 
 
 def test_host_path_when_over_the_cap_or_not_regular() -> None:
-    """Over device_fsm_max_bytes, a JSON schema, ignore_eos: the host path, with the
+    """Over device_fsm_max_bytes, a JSON schema, min_tokens: the host path, with the
     reason counted (the engine logs it)."""
     def controls(**kw) -> LogitControls:
         return LogitControls(ARCH.vocab_size, TOK,
@@ -96,8 +96,8 @@ def test_host_path_when_over_the_cap_or_not_regular() -> None:
     assert isinstance(c.prepare(SamplingParams(structured_outputs=SO(regex=REGEX)))[2], TokenFsm)
     json_p = SamplingParams(structured_outputs=SO(json={"type": "object"}))
     assert "host path" in c.prepare(json_p)[2]
-    eos_p = SamplingParams(ignore_eos=True, structured_outputs=SO(regex=REGEX))
-    assert "ignore_eos" in c.prepare(eos_p)[2]
+    min_p = SamplingParams(min_tokens=2, structured_outputs=SO(regex=REGEX))
+    assert "min_tokens" in c.prepare(min_p)[2]
     off = LogitControls(ARCH.vocab_size, TOK, StructuredOutputsConfig(backend="xgrammar"), {EOS})
     assert off.prepare(SamplingParams(structured_outputs=SO(regex=REGEX)))[2] is None
 
@@ -111,6 +111,9 @@ def _fsm_requests(temperature: float) -> list:
             ("choice", "pick one", p(SO(choice=list(CHOICES)))),
             ("eos", "eos", p(SO(regex="[ab]{3}"), logit_bias={EOS: 100.0})),
             ("long", "x", p(SO(regex=r"[a-z ]{12}\."))),
+            # ignore_eos: after the grammar's EOS nothing is allowed; both paths finish
+            # the row there (DEAD_END_REASON) instead of sampling garbage.
+            ("dead", "x", p(SO(regex="ab"), ignore_eos=True, logit_bias={EOS: 100.0})),
             ("plain", "hello", SamplingParams(temperature=0.0, max_tokens=10,
                                               ignore_eos=True))]  # fmt: skip
 
@@ -119,7 +122,8 @@ def _same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
         x, y = a[k].outputs[0], b[k].outputs[0]
-        assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason), k
+        assert (x.token_ids, x.finish_reason, x.stop_reason) == (
+            y.token_ids, y.finish_reason, y.stop_reason), k  # fmt: skip
         assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-4), k
 
 
@@ -132,9 +136,11 @@ def test_device_fsm_outputs_equal_host_masks(temperature: float) -> None:
     base = drain(_engine(), reqs)
     engine = _engine(fsm=True)
     before = engine.stats()
-    _same(base, drain(engine, reqs))
+    got = drain(engine, reqs)
+    _same(base, got)
+    assert got["dead"].outputs[0].token_ids == [ord("a"), ord("b"), EOS]
     after = engine.stats()
-    assert after["structured_device_fsm"] - before["structured_device_fsm"] == 4
+    assert after["structured_device_fsm"] - before["structured_device_fsm"] == 5
     assert after["structured_host_masks"] - before["structured_host_masks"] == 2  # the JSONs
 
 

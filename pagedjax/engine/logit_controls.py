@@ -145,7 +145,7 @@ class LogitControls:
             return None
         if cfg.jump_forward:
             return "jump_forward needs the host matcher"
-        for name in ("ignore_eos", "min_tokens", "bad_words"):
+        for name in ("min_tokens", "bad_words"):
             if getattr(params, name):
                 return f"{name} needs host masks"
         return self.structured.device_fsm(params.structured_outputs)

@@ -129,9 +129,11 @@ class RequestBook:
         return self.slot_owner[slot]
 
     def stop_ids(self, seq: SequenceState) -> set[int]:
-        """Token ids that finish ``seq``: its stop_token_ids, and EOS unless ignore_eos."""
+        """Token ids that finish ``seq``: its stop_token_ids, and EOS unless ignore_eos
+        (EOS always, on the device, for a device-FSM sequence: after its grammar's EOS
+        nothing is allowed, so the host finishes it there, as the host-mask path does)."""
         ids = set(seq.params.stop_token_ids)
-        if not seq.params.ignore_eos:
+        if not seq.params.ignore_eos or seq.fsm is not None:
             ids |= self.eos
         return ids
 

@@ -76,8 +76,10 @@ class SequenceState:
         if self.guide is not None and self.finish_reason is None:
             self._advance_guide(tok)
         if self.fsm is not None and self.finish_reason is None:
-            self.fsm_state = self.fsm.next_state(self.fsm_state, tok)
-            if self.fsm_state < 0:  # never sampled under the mask; the host path's rule
+            # EOS here (ignore_eos) ends the grammar: nothing is allowed after it; a
+            # refused token is never sampled under the mask. The host path's dead end.
+            self.fsm_state = -1 if tok in eos_ids else self.fsm.next_state(self.fsm_state, tok)
+            if self.fsm_state < 0:
                 self.finish_reason, self.stop_reason = "stop", DEAD_END_REASON
         return self.finish_reason is not None
 
