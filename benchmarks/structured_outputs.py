@@ -19,6 +19,13 @@ last line is ``constrained_step_ratio: R`` at the largest B.
     python benchmarks/structured_outputs.py --jump-forward [--backends xgrammar]
         [--max-tokens 96] [--rounds 1] [--disable-any-whitespace]
 
+    python benchmarks/structured_outputs.py --device-fsm [--steps 1 8] [--batch-sizes 64]
+
+Host masks vs the device FSM (``structured_outputs_config["device_fsm"]``) instead: per
+num_scheduler_steps K, two engines (host masks, device FSM), the step-time pair above at
+the largest B (regex ``[a-z ]{400}``), and how many of the constrained run's iterations
+ran inside fused K-step loops. A Markdown row per engine.
+
 Jump-forward decoding on and off instead (``structured_outputs_config["jump_forward"]``):
 two engines (max_num_seqs 1), the 30 JSON schemas of ``CASES`` (all have fixed keys),
 one request at a time, greedy; per request the engine steps, the wall time (a first run
@@ -198,11 +205,11 @@ def step_time(llm: LLM, batch: int, max_tokens: int, constrained: bool) -> float
     tag = f"{constrained}-{time.perf_counter_ns()}"
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", PROMPT, params)
-    steps, t0 = 0, time.perf_counter()
+    # Engine iterations, not step() calls: a fused K-step loop runs several per call.
+    steps, t0 = engine.core.num_steps, time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-        steps += 1
-    return (time.perf_counter() - t0) / max(steps, 1)
+    return (time.perf_counter() - t0) / max(engine.core.num_steps - steps, 1)
 
 
 def step_times(llm: LLM, batch: int, max_tokens: int, rounds: int) -> tuple[float, float]:
@@ -282,6 +289,36 @@ def jump_forward_compare(model: str, backend: str, max_tokens: int, rounds: int,
     return tot[False][1] / tot[True][1]
 
 
+def device_fsm_compare(model: str, args: argparse.Namespace) -> None:
+    """Per num_scheduler_steps K and batch B: unconstrained vs constrained ms per engine
+    iteration with host masks, then with the device FSM (one engine each)."""
+    from pagedjax import LLM
+
+    b = max(args.batch_sizes)
+    print("| K | masks | B | unconstrained ms/step | constrained ms/step | ratio | loop"
+          " iterations / steps (constrained runs) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for k in args.steps:
+        for fsm in (False, True):
+            cfg = {"backend": args.backends[0], "device_fsm": fsm}
+            llm = LLM(model, max_model_len=256, max_num_seqs=b, num_scheduler_steps=k,
+                      structured_outputs_config=cfg)  # fmt: skip
+            plain, cons = step_times(llm, b, args.max_tokens, args.rounds)
+            e = llm.llm_engine
+            e.multi_step.reset_stats()
+            n0 = e.core.num_steps
+            step_time(llm, b, args.max_tokens, True)
+            it, n = e.multi_step.stats.iterations, e.core.num_steps - n0
+            print(f"| {k} | {'device FSM' if fsm else 'host'} | {b} | {plain * 1e3:.1f} |"
+                  f" {cons * 1e3:.1f} | {cons / plain:.3f} | {it} / {n} |", flush=True)
+            s = e.stats()
+            print(f"<!-- device_fsm {s['structured_device_fsm']}, host_masks"
+                  f" {s['structured_host_masks']}, build {s['structured_fsm_build_s']:.1f} s,"
+                  f" load {os.getloadavg()} -->", flush=True)  # fmt: skip
+            del llm, e
+    print(f"load after: {os.getloadavg()}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -294,6 +331,10 @@ def main() -> None:
                     help="measure jump-forward decoding on vs off instead")  # fmt: skip
     ap.add_argument("--disable-any-whitespace", action="store_true",
                     help="--jump-forward: compact JSON (no free whitespace)")  # fmt: skip
+    ap.add_argument("--device-fsm", action="store_true",
+                    help="host masks vs the device FSM instead, per --steps")  # fmt: skip
+    ap.add_argument("--steps", nargs="+", type=int, default=[1, 8],
+                    help="--device-fsm: num_scheduler_steps values")  # fmt: skip
     args = ap.parse_args()
     from pagedjax import LLM
 
@@ -306,6 +347,9 @@ def main() -> None:
                                            args.disable_any_whitespace)  # fmt: skip
         print(f"load after: {os.getloadavg()}")
         print(f"jump_forward_speedup: {speedup:.3f}")
+        return
+    if args.device_fsm:
+        device_fsm_compare(model, args)
         return
     ratio = 0.0
     for backend in args.backends:

@@ -28,7 +28,7 @@ Build (host, once per (constraint, tokenizer), cached by the manager):
 
 Refusals (``FsmUnavailable``, the caller falls back to host masks and reports the
 reason): outlines-core missing, a regex it cannot compile, the dense build over
-``8 * max_bytes`` or the compressed table over ``max_bytes``, a constraint no token
+``DENSE_LIMIT`` or the compressed table over ``max_bytes``, a constraint no token
 sequence satisfies.
 
 Cost: the dense build is O(states * V) host memory and time (the transitions come from
@@ -42,6 +42,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+
+# The dense table built on the host before compression (bytes): ~1,300 states at a
+# 49k vocabulary. Larger constraints take the host path (their build would also take
+# seconds per request).
+DENSE_LIMIT = 256 << 20
 
 
 class FsmUnavailable(ValueError):
@@ -130,8 +136,8 @@ def build_token_fsm(regex: str, vocab: list[bytes | None], eos_ids: list[int],
     trans = index.get_transitions()
     names = sorted(trans)
     n = len(names)
-    if n * v * 4 > 8 * max_bytes:
-        raise FsmUnavailable(f"{n} states x {v} tokens dense is over 8 x device_fsm_max_bytes")
+    if n * v * 4 > DENSE_LIMIT:
+        raise FsmUnavailable(f"{n} states x {v} tokens dense is over {DENSE_LIMIT} bytes")
     ids = {s: k for k, s in enumerate(names)}
     dense = np.full((n, v), -1, np.int32)
     for s, row in trans.items():
