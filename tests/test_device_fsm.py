@@ -175,3 +175,32 @@ def test_device_fsm_rows_beside_speculating_rows() -> None:
     _same(base, drain(spec, reqs))
     assert spec.stats()["spec_rows"] > 0
     assert spec.multi_step.stats.iterations > 0
+
+
+@pytest.mark.slow  # the real tokenizer from the GGUF (~5-20 s), and ~1 s of DFA builds
+def test_token_fsm_on_smollm2_vocabulary(smollm2_gguf) -> None:
+    """SmolLM2's byte-level BPE vocabulary: random walks allow what xgrammar allows."""
+    from pagedjax.structured import StructuredOutputManager
+    from pagedjax.tokenizer import gguf_tokenizer
+
+    tok = gguf_tokenizer(smollm2_gguf)
+    v, eos = 49152, [tok.eos_token_id]
+    mgr = StructuredOutputManager(StructuredOutputsConfig(backend="xgrammar"), tok, v, eos)
+    vocab = vocab_bytes(tok, v)
+    rng = random.Random(1)
+    for so in (SO(regex="[a-z ]{40}"), SO(regex=r"\d{3}-\d{4}"),
+               SO(choice=["yes", "no", "Paris, France"])):  # fmt: skip
+        rx = ascii_classes(so.regex) if so.regex is not None else choice_regex(so.choice)
+        fsm, compiled = build_token_fsm(rx, vocab, eos, 1 << 20), mgr.compile(so)
+        for _ in range(3):
+            guide, state = mgr.guide(compiled), fsm.initial
+            while True:
+                mask = np.zeros(v // 32, np.int32)
+                guide.fill_mask(mask)
+                want = np.unpackbits(mask.view(np.uint8), bitorder="little").astype(bool)
+                assert np.array_equal(fsm.allowed(state), want), so
+                t = rng.choice(np.flatnonzero(want).tolist())
+                if t in eos:
+                    break
+                assert guide.accept(t)
+                state = fsm.next_state(state, t)
