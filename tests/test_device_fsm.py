@@ -148,8 +148,8 @@ def test_device_fsm_outputs_equal_host_masks(temperature: float) -> None:
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_device_fsm_rows_run_in_the_k_step_loop(temperature: float) -> None:
     """K = 4: constrained rows no longer leave the fused loop (no "structured_output"
-    skip), and the outputs equal the host-mask path's (which runs them one step at a
-    time)."""
+    skip; pipelined loops too), and the outputs equal the host-mask path's (which runs
+    them one step at a time)."""
     reqs = _fsm_requests(temperature)
     host = _engine(steps=4).multi_step.stats
     host_skips = host.skipped.get("structured_output", 0)
@@ -158,9 +158,12 @@ def test_device_fsm_rows_run_in_the_k_step_loop(temperature: float) -> None:
     engine = _engine(steps=4, fsm=True)
     stats = engine.multi_step.stats
     skipped, iterations = stats.skipped.get("structured_output", 0), stats.iterations
+    pipelined = stats.pipelined
     _same(base, drain(engine, reqs))
     assert stats.skipped.get("structured_output", 0) == skipped
     assert stats.iterations - iterations >= 8  # the ~13 decode steps of the longest row
+    # Loops dispatched before the host replayed the previous one start from its states.
+    assert stats.pipelined > pipelined
 
 
 @pytest.mark.tier2  # a speculative engine: ~10 s of compiling

@@ -70,6 +70,8 @@ class LoopOutput(NamedTuple):
     completed (prefix caching), -1 if none; filled_end int32[K, S, F]: the last position
     of each. used, unshared int32[K]: blocks referenced / blocks without sharing, after
     each schedule (stats). status int32[max_seqs]: the scheduler status after the loop.
+    fsm_state int32[max_seqs]: the slots' device FSM states after the loop (-1: none;
+    a pipelined next loop starts from them, multi_step.py).
     """
 
     num_iters: jax.Array
@@ -88,6 +90,7 @@ class LoopOutput(NamedTuple):
     used: jax.Array
     unshared: jax.Array
     status: jax.Array
+    fsm_state: jax.Array
 
 
 def decode_loop(
@@ -294,9 +297,9 @@ def decode_loop(
         jnp.zeros((k_b,), i32),
     )
     init = (jnp.int32(0), jnp.int32(_GOING), state, kv, tokens, sampling, buf)
-    i, code, state, kv, tokens, _, buf = lax.while_loop(cond, body, init)
+    i, code, state, kv, tokens, sampling, buf = lax.while_loop(cond, body, init)
     code = jnp.where(code == _GOING, EXIT_DONE, code)
-    return state, kv, tokens, LoopOutput(i, code, *buf, state.status)
+    return state, kv, tokens, LoopOutput(i, code, *buf, state.status, sampling.fsm_state)
 
 
 def runner_out_shapes(s: int, top_k: int) -> tuple:

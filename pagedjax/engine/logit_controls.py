@@ -120,8 +120,10 @@ class LogitControls:
         # Jump-forward decoding (engine/jump_forward.py): None when off, so the output
         # processor does no work for it.
         self.jump_forward = JumpForward() if config.jump_forward else None
-        # The device FSM's shared table: the constraints it holds (ids) and their rows.
-        self._fsm_key: tuple[int, ...] = ()
+        # The device FSM's shared table: the constraints it holds (ids -> first row). It
+        # is rebuilt (fsm_version + 1) only when a slot's constraint is not in it, so
+        # states stay valid across programs while constraints only leave.
+        self.fsm_version = 0
         self._fsm_offsets: dict[int, int] = {}
         self._fsm_held: list[TokenFsm] = []
 
@@ -216,17 +218,18 @@ class LogitControls:
         return any_host
 
     def _write_fsm_rows(self, book: Any, dev: Any) -> None:
-        """The device FSM slots' states, and the shared table when the set of their
-        constraints changed (kept, not emptied, when none is left: no new program)."""
+        """The device FSM slots' states, and the shared table when one of their
+        constraints is not in it (kept, not emptied, when none is left: no new program)."""
         fsms = {id(seq.fsm): seq.fsm for _, seq in book.slot_owner.values() if seq.fsm is not None}
         if not fsms:
             return
-        key = tuple(sorted(fsms))
-        if key != self._fsm_key:
+        if not fsms.keys() <= self._fsm_offsets.keys():  # a constraint not in the table
+            key = tuple(sorted(fsms))
             table, class_of, offsets = combine([fsms[k] for k in key])
             dev.set_fsm_tables(table, class_of)
-            self._fsm_key, self._fsm_offsets = key, dict(zip(key, offsets, strict=True))
+            self._fsm_offsets = dict(zip(key, offsets, strict=True))
             self._fsm_held = list(fsms.values())  # held: their ids stay theirs
+            self.fsm_version += 1
         for slot, (_, seq) in book.slot_owner.items():
             if seq.fsm is not None:
                 dev.set_sampling_value("fsm_state", slot,

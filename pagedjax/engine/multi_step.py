@@ -75,6 +75,7 @@ class _Pending(NamedTuple):
     out: LoopOutput  # device arrays (top_* None unless a row wants logprobs)
     want_top: bool
     t0: float
+    fsm_version: int  # LogitControls.fsm_version at dispatch (the table it ran with)
 
 
 @dataclass
@@ -87,6 +88,11 @@ class MultiStepStats:
     pipelined: int = 0  # loops dispatched before the host replayed the previous one
     exits: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)  # why the one-step path ran
+
+
+def _fsm_version(core: EngineCore) -> int:
+    """The device FSM table's version (LogitControls.fsm_version; 0 without controls)."""
+    return core.controls.fsm_version if core.controls is not None else 0
 
 
 class MultiStepDecoder:
@@ -215,11 +221,13 @@ class MultiStepDecoder:
             return None
         return self._finish(core, outputs, self._dispatch(core))
 
-    def _dispatch(self, core: EngineCore) -> _Pending:
+    def _dispatch(self, core: EngineCore, fsm_state: Any = None) -> _Pending:
         dev = core.device
         owners = dict(core.book.slot_owner)
         s_b = pick(loop_buckets(core.seq_buckets), min(len(owners), core.max_seqs))
         sampling = dev.sampling()
+        if fsm_state is not None and sampling.fsm_table.shape[0]:
+            sampling = sampling._replace(fsm_state=fsm_state)
         t0 = time.perf_counter()
         out = dev.run_loop(
             self.run_loop, core.params, sampling,
@@ -230,7 +238,7 @@ class MultiStepDecoder:
         want_top = any(seq.logprobs is not None for _, seq in owners.values())
         if not want_top:  # the [K, S, L] arrays stay on device
             out = out._replace(top_ids=None, top_logprobs=None)
-        return _Pending(owners, out, want_top, t0)
+        return _Pending(owners, out, want_top, t0, _fsm_version(core))
 
     def _finish(self, core: EngineCore, outputs: OutputProcessor,
                 pending: _Pending) -> list[RequestOutput] | None:  # fmt: skip
@@ -243,11 +251,12 @@ class MultiStepDecoder:
             and self.pipeline
             and not core.book.queue
             and self.ineligible(core) is None
-            # A device FSM's state advances in the loop; the host writes it into the
-            # next dispatch's rows only after replaying this one's tokens.
-            and not any(seq.fsm is not None for _, seq in core.book.slot_owner.values())
+            and _fsm_version(core) == pending.fsm_version
         ):
-            self._inflight = self._dispatch(core)
+            # Device FSM states advanced in the loop: the host's rows get them only after
+            # replaying it, so the next loop starts from the loop's own (no queue: the
+            # slots' owners are the same, or finished; the same table: same version).
+            self._inflight = self._dispatch(core, pending.out.fsm_state)
             self.stats.pipelined += 1
         got = jax.device_get(pending.out)  # one transfer of all K x S results
         self.last_loop_seconds = time.perf_counter() - pending.t0
