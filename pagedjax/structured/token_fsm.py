@@ -43,7 +43,6 @@ from typing import Any
 
 import numpy as np
 
-
 # The dense table built on the host before compression (bytes): ~1,300 states at a
 # 49k vocabulary. Larger constraints take the host path (their build would also take
 # seconds per request).
