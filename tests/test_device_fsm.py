@@ -6,6 +6,7 @@ host-masked rows), on the tiny model and byte tokenizer of test_structured_outpu
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -142,6 +143,16 @@ def test_device_fsm_outputs_equal_host_masks(temperature: float) -> None:
     after = engine.stats()
     assert after["structured_device_fsm"] - before["structured_device_fsm"] == 5
     assert after["structured_host_masks"] - before["structured_host_masks"] == 2  # the JSONs
+
+
+def test_n_samples_have_their_own_states() -> None:
+    p = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=20,
+                       structured_outputs=SO(regex=r"(cat|dog|bird)!"))  # fmt: skip
+    base = drain(_engine(), [("n", "pets", p)])["n"]
+    got = drain(_engine(fsm=True), [("n", "pets", p)])["n"]
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in base.outputs]
+    assert len({o.text for o in got.outputs}) > 1  # the samples differ
+    assert all(re.fullmatch(r"(cat|dog|bird)!", o.text) for o in got.outputs)
 
 
 @pytest.mark.tier2  # two K-step engines: ~15 s of compiling

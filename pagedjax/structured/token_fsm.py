@@ -151,8 +151,7 @@ def build_token_fsm(regex: str, vocab: list[bytes | None], eos_ids: list[int],
         eos_arr = np.asarray([e for e in eos if e < v], np.int64)
         dense[:, eos_arr] = -1
         dense[np.ix_(np.flatnonzero(final), eos_arr)] = np.flatnonzero(final)[:, None]
-    uniq, class_of = np.unique(dense.T, axis=0, return_inverse=True)
-    table = np.ascontiguousarray(uniq.T.astype(np.int32))
+    table, class_of = _token_classes(dense)
     _trim(table, final)
     initial = ids[index.get_initial_state()]
     if not (table[initial] >= 0).any():
@@ -164,6 +163,22 @@ def build_token_fsm(regex: str, vocab: list[bytes | None], eos_ids: list[int],
             f" over device_fsm_max_bytes={max_bytes}"
         )
     return fsm
+
+
+def _token_classes(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int32[n, C] distinct columns of ``dense`` int32[n, V], int[V] each token's
+    column). Columns are grouped by a random linear hash (one [V, n] x [n] product; 4 s
+    -> 0.1 s against ``np.unique(axis=0)`` at 401 x 49,152), then checked exactly; a
+    collision (never seen) falls back to the exact sort."""
+    weights = np.random.default_rng(0).integers(1, 1 << 62, dense.shape[0], dtype=np.int64)
+    with np.errstate(over="ignore"):  # the hash wraps modulo 2**64 on purpose
+        h = (dense.T.astype(np.int64) + 1) @ weights
+    _, first, class_of = np.unique(h, return_index=True, return_inverse=True)
+    table = np.ascontiguousarray(dense[:, first])
+    if not np.array_equal(table[:, class_of.reshape(-1)], dense):
+        uniq, class_of = np.unique(dense.T, axis=0, return_inverse=True)
+        table = np.ascontiguousarray(uniq.T)
+    return table.astype(np.int32), class_of.reshape(-1)
 
 
 def _trim(table: np.ndarray, final: np.ndarray) -> None:
