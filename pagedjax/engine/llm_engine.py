@@ -450,7 +450,7 @@ class LLMEngine:
         """Compile now, on no-op inputs (``warmup.py``): ``mode`` "decode" (decode pairs,
         the largest prefill pair, decode loops, state functions), "all" (every reachable
         (T, S) pair too) or "none"; ``pairs``: just those runner pairs. Returns them."""
-        done = warm_up(self.core, self.multi_step, mode, pairs, progress)
+        done = warm_up(self.core, self.multi_step, mode, pairs, progress, images=self.mm)
         if self.speculator is not None:  # its verification (and draft) programs too
             self.speculator.warm_up(self.core, done)
         return done
