@@ -27,6 +27,12 @@ Modes (``EngineConfig.warmup`` / ``LLM(warmup=...)``):
   variable ``PAGEDJAX_WARMUP`` replaces what "auto" means (the test suite sets "none":
   it builds many short-lived engines).
 
+A model that takes images (``warm_up``'s ``images``, docs/multimodal.md) adds two kinds
+of program: the image step (the runner step with image inputs, per (T, S) pair: "all"
+every pair, "decode" the largest) and the image encoder (per tile-count bucket and tile
+shape, ``image_encoder_counts``); "none" compiles neither. They show in the progress bar
+and the engine's start-up count, and a log line gives their share.
+
 Compile counting lives in ``engine_stats.py``. Warm-up works on the engine core
 (``core.EngineCore``) and its decode loop (``multi_step.MultiStepDecoder``) through their
 public methods, so it runs exactly the calls (and argument types) the engine makes.
