@@ -261,7 +261,7 @@ def _qwen2_vl_model(path: Path, dtype: Any, tokenizer: Tokenizer
     """A Qwen2-VL directory: its ViT with 2-D rotary and the patch merger; each image one
     tile of patches, its ``<|image_pad|>`` repeated grid_h * grid_w / merge^2 times
     (Qwen2VLProcessor); the text model a Qwen2 decoder with M-RoPE."""
-    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     arch, params, qarch, vision, processor = qwen2_vl.load_qwen2_vl_checkpoint(path, dtype)
     m, tok = qarch.vision.spatial_merge_size, qarch.image_token_id
@@ -274,11 +274,14 @@ def _qwen2_vl_model(path: Path, dtype: Any, tokenizer: Tokenizer
             out.append(PreparedImage(tile, (tok,) * (gh * gw // m**2)))
         return out
 
-    # The warm-up's grid: the processor's own resize of its largest square image.
-    side = math.isqrt(processor.size["longest_edge"])
-    largest = prepare([Image.new("RGB", (side, side), (127, 127, 127))])[0].tiles[0]
+    # The warm-up's grid: the processor's own resize (smart_resize, without preprocessing
+    # an image of max pixels) of its largest square image.
+    p, size = qarch.vision.patch_size, processor.size
+    side = math.isqrt(size["longest_edge"])
+    h, w = smart_resize(side, side, factor=p * m, min_pixels=size["shortest_edge"],
+                        max_pixels=size["longest_edge"])  # fmt: skip
     model = Qwen2VLVisionModel(qarch, vision, vision["merger"], qwen2_vl.image_features,
-                               prepare, warm_shapes=(largest.shape,))  # fmt: skip
+                               prepare, warm_shapes=((h // p, w // p, qarch.vision.patch_dim),))
     return arch, params, model
 
 
