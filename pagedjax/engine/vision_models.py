@@ -136,6 +136,15 @@ class VisionModel:
                                   upload(dest))  # fmt: skip
         return cache
 
+    def encode_tiles(self, tiles: list[np.ndarray]) -> jax.Array:
+        """Tiles -> their features [len(tiles), N, H] in order (rows past a tile's count
+        zero), through ``encode_into`` on a fresh cache of len(tiles) entries: for
+        callers outside the engine (tests, tools); the engine writes into its cache."""
+        one = jax.ShapeDtypeStruct((1, *tiles[0].shape), np.float32)
+        h = jax.eval_shape(self.features, (self.vision, self.connector), one).shape[-1]
+        cache = jnp.zeros((len(tiles), self.num_image_tokens, h), self.dtype)
+        return self.encode_into(cache, list(range(len(tiles))), tiles)
+
     def compile_encoder(self, cache: jax.Array, count: int, shape: tuple[int, ...]) -> None:
         """Compile ahead of time (not run) the encoder program of ``count`` tiles (a power
         of two) of ``shape`` into a cache like ``cache``: later calls with those shapes
