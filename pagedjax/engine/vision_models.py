@@ -78,6 +78,7 @@ class VisionModel:
         self.dtype = jax.tree.leaves(connector)[0].dtype
         self._features = features
         self.trace_count: dict[tuple[int, ...], int] = {}
+        self._width: int | None = None  # encode_tiles' feature width
         # A bound method: traced per engine (its own trace count), like the runner's step.
         self._program = jax.jit(self._encode_store)
 
@@ -140,9 +141,11 @@ class VisionModel:
         """Tiles -> their features [len(tiles), N, H] in order (rows past a tile's count
         zero), through ``encode_into`` on a fresh cache of len(tiles) entries: for
         callers outside the engine (tests, tools); the engine writes into its cache."""
-        one = jax.ShapeDtypeStruct((1, *tiles[0].shape), np.float32)
-        h = jax.eval_shape(self.features, (self.vision, self.connector), one).shape[-1]
-        cache = jnp.zeros((len(tiles), self.num_image_tokens, h), self.dtype)
+        if self._width is None:  # the features' width, traced once (not compiled)
+            one = jax.ShapeDtypeStruct((1, *tiles[0].shape), np.float32)
+            self._width = jax.eval_shape(self.features, (self.vision, self.connector),
+                                         one).shape[-1]  # fmt: skip
+        cache = jnp.zeros((len(tiles), self.num_image_tokens, self._width), self.dtype)
         return self.encode_into(cache, list(range(len(tiles))), tiles)
 
     def compile_encoder(self, cache: jax.Array, count: int, shape: tuple[int, ...]) -> None:
