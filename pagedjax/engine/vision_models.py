@@ -56,8 +56,8 @@ class PreparedImage:
 class VisionModel:
     """A checkpoint's vision side for the engine, whatever the family: ``arch`` (hashable,
     static under jit; ``image_token_id``, ``num_image_tokens`` per tile), the tower and
-    connector params, ``features(vision, connector, tiles [B, 3, S, S], arch) -> [B, N,
-    H]`` (the family's pure ``image_features``) and ``prepare(images) ->
+    connector params, the constructor's ``features(vision, connector, tiles [B, 3, S, S],
+    arch) -> [B, N, H]`` (the family's pure ``image_features``) and ``prepare(images) ->
     list[PreparedImage]`` (preprocessing and placeholder replacement; the family's
     processor, bound at load). ``warm_shapes``: the tile shapes the warm-up compiles the
     encoder for (LLaVA, Idefics3: the one tile size; Qwen2-VL: see its class).
@@ -118,6 +118,8 @@ class VisionModel:
         self.trace_count[key] = self.trace_count.get(key, 0) + 1
         feats = self.features(params, pixels)
         feats = jnp.pad(feats, ((0, 0), (0, cache.shape[1] - feats.shape[1]), (0, 0)))
+        # Not donated (a copy of [C, N, H] per call, as the separate write before): the
+        # step that read the cache may still be in flight.
         return cache.at[slots].set(feats.astype(cache.dtype), mode="drop")
 
     def encode_into(self, cache: jax.Array, slots: list[int], tiles: list[np.ndarray]
