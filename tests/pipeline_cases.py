@@ -26,6 +26,7 @@ weights.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -57,7 +58,11 @@ from pagedjax.model import (  # noqa: E402
     forward,
     preset_arch,
 )
-from pagedjax.model.pipeline import make_pipeline, place_params  # noqa: E402
+from pagedjax.model.pipeline import (  # noqa: E402
+    MICROBATCH_STEPS,
+    make_pipeline,
+    place_params,
+)
 from pagedjax.tokenizer import ByteTokenizer  # noqa: E402
 from tests.parallel_cases import (  # noqa: E402
     BLOCK,
@@ -208,7 +213,8 @@ def case_forward(pp: int, family: str = "llama") -> dict:
                 kv_per_device=got_kv[0], one_device_total=one_total, ratio=ratio)  # fmt: skip
 
 
-def config(pp: int, tp: int, k: int, partition, swap_space: float = 0.01) -> EngineConfig:
+def config(pp: int, tp: int, k: int, partition, swap_space: float = 0.01,
+           mb: int = 1) -> EngineConfig:  # fmt: skip
     return EngineConfig(
         model=ModelConfig(model="tiny-llama-pp", max_model_len=MAX_LEN, seed=0),
         cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=NUM_BLOCKS,
@@ -216,16 +222,17 @@ def config(pp: int, tp: int, k: int, partition, swap_space: float = 0.01) -> Eng
         scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS,
                                   watermark=0.0, num_multi_steps=k),
         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                pipeline_layer_partition=partition),
+                                pipeline_layer_partition=partition,
+                                pipeline_microbatches=mb),
     )  # fmt: skip
 
 
 def engine(layers: int, pp: int, tp: int = 1, k: int = 1, partition=None,
-           swap_space: float = 0.01) -> LLMEngine:  # fmt: skip
+           swap_space: float = 0.01, mb: int = 1) -> LLMEngine:  # fmt: skip
     arch, params = tiny_llama(layers)
     tok = ByteTokenizer(eos_token_id=arch.eos_token_id, bos_token_id=arch.bos_token_id)
     # NaN pages: a read of a slot a sequence does not own poisons its logits.
-    return LLMEngine(arch, params, tok, config(pp, tp, k, partition, swap_space),
+    return LLMEngine(arch, params, tok, config(pp, tp, k, partition, swap_space, mb),
                      kv_fill_value=float("nan"))  # fmt: skip
 
 
@@ -243,9 +250,10 @@ def reference(layers: int, k: int) -> tuple[dict, list, dict]:
     return outs, beams(eng, vocab), facts
 
 
-def case_engine(pp: int, tp: int, k: int, partition, layers: int) -> dict:
+def case_engine(pp: int, tp: int, k: int, partition, layers: int, mb: int = 1) -> dict:
     ref_outs, ref_beams, facts = reference(layers, k)
-    eng = engine(layers, pp, tp, k, partition)
+    MICROBATCH_STEPS.split = MICROBATCH_STEPS.whole = 0
+    eng = engine(layers, pp, tp, k, partition, mb=mb)
     outs, _ = drain(eng, workload(eng.arch.vocab_size))
     for rid in ref_outs:
         assert outs[rid] == ref_outs[rid], f"{rid}: PP {pp} {outs[rid]} vs 1 {ref_outs[rid]}"
@@ -261,7 +269,8 @@ def case_engine(pp: int, tp: int, k: int, partition, layers: int) -> dict:
     return dict(facts, ranges=pipe.ranges, attention_backend=eng.attention_backend,
                 kv_per_device=max(kv.values()), kv_total=sum(p.nbytes for p in eng.kv),
                 params_per_device=max(shard_bytes(eng.params).values()),
-                multi_step_loops=eng.stats().get("multi_step_loops", None))  # fmt: skip
+                multi_step_loops=eng.stats().get("multi_step_loops", None),
+                microbatch_steps=dataclasses.asdict(MICROBATCH_STEPS))  # fmt: skip
 
 
 def run(name: str) -> dict:
@@ -269,9 +278,9 @@ def run(name: str) -> dict:
         pp, *family = name.removeprefix("forward-pp").split("-")
         return case_forward(int(pp), *family)
     if name.startswith("engine-"):
-        opts = dict(pp=1, tp=1, k=1, partition=None, layers=4)
+        opts = dict(pp=1, tp=1, k=1, partition=None, layers=4, mb=1)
         for part in name.split("-")[1:]:
-            for key in ("layers", "part", "pp", "tp", "k"):
+            for key in ("layers", "part", "pp", "tp", "k", "mb"):
                 if part.startswith(key):
                     value = part.removeprefix(key)
                     opts[{"part": "partition"}.get(key, key)] = (

@@ -16,12 +16,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedjax.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
-from pagedjax.model.pipeline import parse_partition, stage_layer_ranges
+from pagedjax.model.pipeline import (
+    microbatch_bounds,
+    microbatch_input,
+    parse_partition,
+    stage_layer_ranges,
+    token_slots,
+)
 from tests.engine_helpers import xla_flags_with_devices
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,14 +157,20 @@ def test_pp_forward_other_families_and_pp4():
 
 
 @pytest.mark.tier2
-def test_pp2_tp2_engine_equals_one_device():
+def test_pp2_tp2_and_microbatched_pp2_engines_equal_one_device():
     """The mixed workload (chunked prefill, decode, preemption by recompute and swap, a
     prefix hit, n = 2 seeded samples, beam search) at PP 2 x TP 2 on 4 devices (the
     attention's shard_map nested in the stage's) equals one device token for token; each
-    device holds 1 / 4 of the pool (2 stages x 2 KV-head shards). 30-62 s at load 5."""
-    case = _cases("engine-pp2-tp2")["engine-pp2-tp2"]
+    device holds 1 / 4 of the pool (2 stages x 2 KV-head shards). And at PP 2 with
+    pipeline_microbatches=2 (the same subprocess and one-device reference): equal too,
+    most steps ran as two micro-batches and some fell back to one batch (a prefill chunk
+    over half the step's token slots), both paths exercised. 42-75 s at load 5."""
+    out = _cases("engine-pp2-tp2", "engine-pp2-mb2")
+    case = out["engine-pp2-tp2"]
     assert case["kv_per_device"] * 4 == case["kv_total"]
     assert case["ranges"] == [[0, 2], [2, 4]]
+    steps = out["engine-pp2-mb2"]["microbatch_steps"]
+    assert steps["split"] > steps["whole"] > 0, steps
 
 
 @pytest.mark.slow  # 281 s at load 9 on the 2-core box: one reference and one engine each
@@ -174,6 +187,75 @@ def test_pp2_pp4_uneven_and_kstep_engines_equal_one_device():
     assert out["engine-pp2-layers3"]["ranges"] == [[0, 2], [2, 3]]
     assert out["engine-pp2-layers3-part1_2"]["ranges"] == [[0, 1], [1, 3]]
     assert out["engine-pp2-k4"]["multi_step_loops"] > 0  # the fused loop ran under PP
+
+
+# ------------------------------------------------------------------ micro-batches
+
+
+@settings(max_examples=200, deadline=None)
+@given(q=st.lists(st.integers(0, 40), min_size=1, max_size=24), groups=st.integers(1, 6),
+       slack=st.integers(0, 64))  # fmt: skip
+def test_microbatch_bounds_whole_sequences_in_slots_balanced(q, groups, slack):
+    """Every sequence in exactly one group (contiguous runs: bounds from 0 to S,
+    non-decreasing), the groups' tokens add up to the step's, each group within total /
+    groups +- the largest q_len, ``fits`` exactly when every group is within its slots, and
+    always when total / groups + max q_len <= slots."""
+    cu = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+    total, slots = int(cu[-1]), token_slots(int(cu[-1]) + slack, groups)
+    bounds, tokens, fits = microbatch_bounds(cu, groups, slots)
+    assert bounds[0] == 0 and bounds[-1] == len(q) and np.all(np.diff(bounds) >= 0)
+    group_of = np.searchsorted(bounds[1:], np.arange(len(q)), side="right")
+    assert np.array_equal(np.bincount(group_of, minlength=groups), np.diff(bounds))
+    spans = zip(bounds[:-1], bounds[1:], strict=True)
+    assert np.array_equal(tokens, [sum(q[a:b]) for a, b in spans])
+    assert tokens.sum() == total
+    assert np.all(np.abs(tokens - total / groups) <= max(q))
+    assert bool(fits) == bool(np.all(tokens <= slots))
+    if total / groups + max(q) <= slots:
+        assert fits
+
+
+def test_microbatch_input_reassembles_the_batch():
+    """The micro-batches' own arrays (jnp, as in the step) cover the step's sequences once:
+    their valid tokens concatenated are the step's, their rows the step's rows; padding
+    writes nowhere (PAD_SLOT) and covers no query."""
+    import jax.numpy as jnp
+
+    from pagedjax.attention import PAD_SLOT
+    from pagedjax.model import ModelInput
+
+    q = [3, 1, 2, 1, 0]  # 4 sequences, one padding row; 7 of 10 token slots used
+    cu = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+    t = 10
+    batch = ModelInput(tokens=jnp.arange(100, 100 + t), positions=jnp.arange(t),
+                       slot_mapping=jnp.arange(20, 20 + t),
+                       block_tables=jnp.arange(10).reshape(5, 2),
+                       kv_lens=jnp.asarray([9, 8, 7, 6, 0]), cu_q_lens=jnp.asarray(cu),
+                       logits_indices=jnp.asarray(cu[1:] - 1))  # fmt: skip
+    slots = token_slots(t, 2)
+    bounds, tokens, fits = microbatch_bounds(batch.cu_q_lens, 2, slots, xp=jnp)
+    assert bool(fits) and np.array_equal(np.asarray(bounds), microbatch_bounds(cu, 2, slots)[0])
+    toks, rows = [], []
+    for g in range(2):
+        sub = microbatch_input(batch, bounds, jnp.asarray(g), slots)
+        n, s = int(tokens[g]), int(bounds[g + 1] - bounds[g])
+        assert sub.tokens.shape == (slots,) and sub.block_tables.shape == (5, 2)
+        assert np.all(np.asarray(sub.slot_mapping[n:]) == PAD_SLOT)
+        assert int(sub.cu_q_lens[-1]) == n and np.all(np.asarray(sub.kv_lens[s:]) == 0)
+        toks += list(np.asarray(sub.tokens[:n]))
+        rows += list(np.asarray(sub.kv_lens[:s]))
+    assert toks == list(range(100, 107)) and rows == [9, 8, 7, 6, 0]
+
+
+def test_microbatches_are_refused_without_stages():
+    with pytest.raises(ConfigError, match="pipeline_microbatches.*needs pipeline_parallel_size"):
+        ParallelConfig(pipeline_microbatches=2)
+    with pytest.raises(ConfigError, match="pipeline_microbatches"):
+        ParallelConfig(pipeline_parallel_size=2, pipeline_microbatches=0)
+    from pagedjax.entrypoints.llm import engine_config
+
+    par = engine_config("tiny-llama-tp", pipeline_parallel_size=2, pipeline_microbatches=2)
+    assert par.parallel.pipeline_microbatches == 2
 
 
 def test_simulator_prices_stages_transfers_and_the_bubble():

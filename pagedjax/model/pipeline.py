@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pagedjax.attention import PAD_SLOT
 from pagedjax.model.config import ModelArch
 from pagedjax.model.layers import LayerInputs
 from pagedjax.model.sharding import KV_AXIS, TP, TPLayout, check_tp, param_specs
@@ -107,6 +108,7 @@ class PipelineLayout:
 
     ranges: tuple[tuple[int, int], ...]
     tp: TPLayout
+    microbatches: int = 1
 
     @property
     def size(self) -> int:
@@ -140,7 +142,7 @@ class PipelineLayout:
         return NamedSharding(self.tp.mesh, PartitionSpec(PP_AXIS, None, KV_AXIS, None, None))
 
     def stack(self) -> PipelineStack:
-        return PipelineStack(self.ranges, self.tp.mesh, self.tp.size)
+        return PipelineStack(self.ranges, self.tp.mesh, self.tp.size, self.microbatches)
 
 
 def make_pipeline(
@@ -149,6 +151,7 @@ def make_pipeline(
     tp: int = 1,
     partition: Sequence[int] | None = None,
     devices: Sequence[Any] | None = None,
+    microbatches: int = 1,
 ) -> PipelineLayout:
     """The layout of PP stages of TP devices each (default devices: the first PP x TP of
     ``jax.devices()``). ValueError for a bad partition, heads TP does not divide, or too
@@ -163,7 +166,8 @@ def make_pipeline(
     kv = min(tp, arch.num_kv_heads)
     grid = np.array(devices, dtype=object).reshape(pp, kv, tp // kv)
     mesh = Mesh(grid, (PP_AXIS, *TP))
-    return PipelineLayout(ranges, TPLayout(size=tp, kv_shards=kv, kv_replicas=tp // kv, mesh=mesh))
+    layout = TPLayout(size=tp, kv_shards=kv, kv_replicas=tp // kv, mesh=mesh)
+    return PipelineLayout(ranges, layout, microbatches)
 
 
 def pad_layers(params: Any, layout: PipelineLayout) -> Any:
@@ -227,7 +231,7 @@ def place_params(params: Any, layout: PipelineLayout) -> Any:
 RunLayers = Callable[[Any, Any, LayerInputs, Any, Any], Any]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class PipelineStack:
     """The layer loop of a pipelined model (``layers.LayerLoop``'s ``stack``): called with
     the loop's ``run``, the padded stacked parameters, the carry (x [T, H], k, v pools of
@@ -238,14 +242,20 @@ class PipelineStack:
     ranges: tuple[tuple[int, int], ...]
     mesh: Mesh
     tp: int
+    microbatches: int = 1
 
     @property
     def pool_layers(self) -> int:
         return len(self.ranges) * max(b - a for a, b in self.ranges)
 
+    def __repr__(self) -> str:
+        # The runner's program key: unchanged from before micro-batches when there are none.
+        extra = f", microbatches={self.microbatches}" if self.microbatches > 1 else ""
+        return f"PipelineStack(ranges={self.ranges!r}, mesh={self.mesh!r}, tp={self.tp!r}{extra})"
+
     def __call__(self, run: RunLayers, params: Any, carry: Any, inputs: LayerInputs,
                  batch: Any) -> Any:  # fmt: skip
-        pp = len(self.ranges)
+        pp, groups = len(self.ranges), self.microbatches
         slots = max(b - a for a, b in self.ranges)
         slot_layer = np.full(pp * slots, -1, np.int32)
         for s, (a, b) in enumerate(self.ranges):
@@ -259,18 +269,30 @@ class PipelineStack:
         counts = jnp.asarray([b - a for a, b in self.ranges], jnp.int32)
         ring = [(j, (j + 1) % pp) for j in range(pp)]
 
-        def body(params, x, k, v, slot_inputs, counts, batch):
+        def body(params, x, k, v, slot_inputs, counts, batch, *fits):
             stage = jax.lax.axis_index(PP_AXIS)
 
-            def hop(i, c):
-                x, k, v = c
-                # Stage i runs its layers; the others loop zero times (no compute, no writes).
-                x, k, v = run(params, (x, k, v), slot_inputs, jnp.where(i == stage, counts[0], 0),
-                              batch)  # fmt: skip
-                return jax.lax.ppermute(x, PP_AXIS, ring), k, v
+            def one_batch(x, k, v):
+                def hop(i, c):
+                    x, k, v = c
+                    # Stage i runs its layers; the others loop zero times (no compute, no
+                    # writes).
+                    x, k, v = run(params, (x, k, v), slot_inputs,
+                                  jnp.where(i == stage, counts[0], 0), batch)  # fmt: skip
+                    return jax.lax.ppermute(x, PP_AXIS, ring), k, v
 
-            x, k, v = jax.lax.fori_loop(0, pp, hop, (x, k, v))
-            # After PP hops the last stage's output sits on stage 0: hand it to every stage.
+                # After PP hops the last stage's output sits on stage 0.
+                return jax.lax.fori_loop(0, pp, hop, (x, k, v))
+
+            def micro_batches(x, k, v):
+                return _micro_ring(run, params, (x, k, v), slot_inputs, counts[0], batch,
+                                   stage, pp, groups, ring)  # fmt: skip
+
+            if groups == 1:
+                x, k, v = one_batch(x, k, v)
+            else:  # a schedule the groups' token slots cannot hold runs as one batch
+                x, k, v = jax.lax.cond(fits[0], micro_batches, one_batch, x, k, v)
+            # Stage 0 holds the output: hand it to every stage (zeros elsewhere).
             x = jax.lax.psum(jnp.where(stage == 0, x, jnp.zeros_like(x)), PP_AXIS)
             return x, k, v
 
@@ -282,20 +304,163 @@ class PipelineStack:
         # axes stay automatic, so the layers' Megatron shardings and the attention's own
         # shard_map (sharding.shard_attention) work inside a stage as without PP.
         manual = frozenset({PP_AXIS}) if self.tp > 1 else frozenset(self.mesh.axis_names)
+        fits: tuple[jax.Array, ...] = ()  # groups 1: the program as before micro-batches
+        if groups > 1:  # the host learns, per step, whether it ran split or fell back
+            slots = token_slots(x.shape[0], groups)
+            fits = (microbatch_bounds(batch.cu_q_lens, groups, slots, xp=jnp)[2],)
+            jax.debug.callback(MICROBATCH_STEPS.record, fits[0])
+            specs = (*specs, rep)
         fn = jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=(rep, lay, lay),
                            axis_names=manual, check_vma=False)  # fmt: skip
-        return fn(params, x, k, v, slot_inputs, counts, batch)
+        return fn(params, x, k, v, slot_inputs, counts, batch, *fits)
+
+
+# ------------------------------------------------------------------ micro-batches
+
+
+@dataclass
+class MicrobatchSteps:
+    """Forward passes of pipelines with micro-batches in this process (every engine, every
+    process-local pipeline): ``split`` ran as micro-batches, ``whole`` fell back to one
+    batch because a group would not fit its token slots (``microbatch_bounds``). Counted
+    by a host callback per forward (``jax.debug.callback``: one small device-to-host
+    transfer a step), K-step loop iterations included."""
+
+    split: int = 0
+    whole: int = 0
+
+    def record(self, fits: Any) -> None:
+        if bool(fits):
+            self.split += 1
+        else:
+            self.whole += 1
+
+
+MICROBATCH_STEPS = MicrobatchSteps()
+
+
+def token_slots(num_tokens: int, groups: int) -> int:
+    """Token slots of one micro-batch: ceil(T / groups) (the step's T split evenly)."""
+    return -(-num_tokens // groups)
+
+
+def microbatch_bounds(
+    cu_q_lens: Any, groups: int, slots: int, xp: Any = np
+) -> tuple[Any, Any, Any]:
+    """Which micro-batch each scheduled sequence is in: ``(bounds, tokens, fits)``.
+
+    cu_q_lens int[S + 1] (``ModelInput.cu_q_lens``: padding rows repeat the last value);
+    ``groups`` micro-batches of ``slots`` token slots each. Sequence i goes to group
+    min(groups - 1, floor(groups x mid_i / total)), mid_i the midpoint of its tokens
+    [cu[i], cu[i + 1]) and total = cu[S]: non-decreasing in i, so each group is a
+    contiguous run of whole sequences (a sequence is never split: its chunk's tokens
+    attend to each other) and micro-batch g is rows [bounds[g], bounds[g + 1]), tokens
+    [cu[bounds[g]], cu[bounds[g + 1]]). Balance: each group holds total / groups tokens
+    give or take the largest sequence's q_len (a sequence lands by its midpoint).
+    bounds int[groups + 1] (0 .. S), tokens int[groups] per group, fits: every group
+    within ``slots`` tokens (else the step runs as one batch: ``PipelineStack``).
+
+    Pure and array-API generic: ``xp=np`` on the host (tests), ``xp=jax.numpy`` inside
+    the step, where the engine builds the batch (``model_runner.build_model_input``: the
+    scheduler's batch lives on the devices). Cost O(S x groups)."""
+    cu = xp.asarray(cu_q_lens)
+    q = cu[1:] - cu[:-1]
+    total = xp.maximum(cu[-1] - cu[0], 1)
+    mid2 = 2 * (cu[1:] - cu[0]) - q  # twice each sequence's token midpoint (integers)
+    group = xp.minimum(groups - 1, (groups * mid2) // (2 * total))
+    bounds = xp.stack([xp.sum(group < g) for g in range(groups + 1)]).astype(cu.dtype)
+    tokens = cu[bounds[1:]] - cu[bounds[:-1]]
+    return bounds, tokens, xp.max(tokens) <= slots
+
+
+def microbatch_input(batch: Any, bounds: jax.Array, g: jax.Array, slots: int) -> Any:
+    """Micro-batch g of ``batch`` (a ModelInput) at static shapes: ``slots`` tokens (its
+    sequences' tokens first, then padding: PAD_SLOT writes, position 0) and the step's S
+    sequence rows (its sequences first, then empty rows: kv_len 0, no pages, cu_q_lens
+    repeating its token count). Every sequence row is kept (not S / groups) so a group of
+    many short sequences still fits; the per-row arrays are small next to [T, hidden]."""
+    cu = batch.cu_q_lens
+    num_seqs = batch.kv_lens.shape[0]
+    first, end = bounds[g], bounds[g + 1]
+    start, n = cu[first], cu[end] - cu[first]
+    t = jnp.arange(slots, dtype=jnp.int32)
+    tok_ok = t < n
+    tok = jnp.minimum(start + t, batch.positions.shape[-1] - 1)
+    r = jnp.arange(num_seqs, dtype=jnp.int32)
+    row_ok = r < end - first
+    row = jnp.minimum(first + r, num_seqs - 1)
+    cu_g = jnp.where(row_ok, cu[jnp.minimum(first + r + 1, num_seqs)] - start, n)
+    take = lambda a: jnp.where(tok_ok, a[..., tok], 0)  # noqa: E731
+    return batch._replace(
+        tokens=take(batch.tokens),
+        positions=take(batch.positions),
+        slot_mapping=jnp.where(tok_ok, batch.slot_mapping[tok], PAD_SLOT),
+        block_tables=jnp.where(row_ok[:, None], batch.block_tables[row], 0),
+        kv_lens=jnp.where(row_ok, batch.kv_lens[row], 0),
+        cu_q_lens=jnp.concatenate([jnp.zeros((1,), cu.dtype), cu_g.astype(cu.dtype)]),
+        logits_indices=jnp.zeros_like(batch.logits_indices),  # not read by the layers
+        lora_slots=None if batch.lora_slots is None else take(batch.lora_slots),
+        rope_positions=None if batch.rope_positions is None else take(batch.rope_positions),
+    )
+
+
+def _micro_ring(run: RunLayers, params: Any, carry: Any, slot_inputs: LayerInputs,
+                count: jax.Array, batch: Any, stage: jax.Array, pp: int, groups: int,
+                ring: list[tuple[int, int]]) -> Any:  # fmt: skip
+    """GPipe inside the ring (called per stage, inside ``shard_map``): ``groups``
+    micro-batches, ``groups + pp - 1`` ticks; at tick t stage s runs micro-batch t - s
+    (when 0 <= t - s < groups) on a [slots, hidden] buffer, then every stage sends its
+    buffer to the next. Stage 0 loads micro-batch t from x at tick t and stores the one
+    the last stage finished (micro-batch t - pp, arriving over the ring) into its output.
+    Returns (x [T, hidden]: the layers' output on stage 0, rows of padding tokens zero;
+    k, v). Each micro-batch writes only its own sequences' KV slots, and reads a page
+    written by an earlier micro-batch only through its own sequences' block tables."""
+    x, k, v = carry
+    n = x.shape[0]
+    slots = token_slots(n, groups)
+    bounds, _, _ = microbatch_bounds(batch.cu_q_lens, groups, slots, xp=jnp)
+    cu = batch.cu_q_lens
+    t_ar = jnp.arange(slots, dtype=jnp.int32)
+
+    def rows_of(g: jax.Array) -> jax.Array:
+        """x's row of each of micro-batch g's token slots; n (dropped) for padding."""
+        first = cu[bounds[g]]
+        return jnp.where(t_ar < cu[bounds[g + 1]] - first, first + t_ar, n)
+
+    def store(out: jax.Array, buf: jax.Array, done: jax.Array) -> jax.Array:
+        put = out.at[rows_of(jnp.clip(done, 0, groups - 1))].set(buf, mode="drop")
+        return jnp.where((stage == 0) & (done >= 0) & (done < groups), put, out)
+
+    def tick(t, c):
+        buf, out, k, v = c
+        out = store(out, buf, t - pp)  # the micro-batch that left the last stage last tick
+        load = jnp.take(x, jnp.minimum(rows_of(jnp.minimum(t, groups - 1)), n - 1), axis=0)
+        buf = jnp.where((stage == 0) & (t < groups), load, buf)
+        m = t - stage
+        sub = microbatch_input(batch, bounds, jnp.clip(m, 0, groups - 1), slots)
+        active = (m >= 0) & (m < groups)
+        buf, k, v = run(params, (buf, k, v), slot_inputs, jnp.where(active, count, 0), sub)
+        return jax.lax.ppermute(buf, PP_AXIS, ring), out, k, v
+
+    init = (jnp.zeros((slots, *x.shape[1:]), x.dtype), jnp.zeros_like(x), k, v)
+    buf, out, k, v = jax.lax.fori_loop(0, groups + pp - 1, tick, init)
+    return store(out, buf, jnp.asarray(groups - 1)), k, v
 
 
 __all__ = [
+    "MICROBATCH_STEPS",
     "PARTITION_ENV",
+    "MicrobatchSteps",
     "PP_AXIS",
     "PipelineLayout",
     "PipelineStack",
     "make_pipeline",
+    "microbatch_bounds",
+    "microbatch_input",
     "pad_layers",
     "parse_partition",
     "pipeline_specs",
     "place_params",
     "stage_layer_ranges",
+    "token_slots",
 ]
