@@ -254,8 +254,12 @@ def test_microbatches_are_refused_without_stages():
         ParallelConfig(pipeline_parallel_size=2, pipeline_microbatches=0)
     from pagedjax.entrypoints.llm import engine_config
 
-    par = engine_config("tiny-llama-tp", pipeline_parallel_size=2, pipeline_microbatches=2)
-    assert par.parallel.pipeline_microbatches == 2
+    from pagedjax.entrypoints.openai.cli_args import llm_kwargs, make_parser
+
+    args = make_parser().parse_args(["--model", "tiny-llama-tp", "-pp", "2",
+                                     "--pipeline-microbatches", "2"])  # fmt: skip
+    par = engine_config(**llm_kwargs(args)).parallel
+    assert (par.pipeline_parallel_size, par.pipeline_microbatches) == (2, 2)
 
 
 def test_simulator_prices_stages_transfers_and_the_bubble():
@@ -278,3 +282,25 @@ def test_simulator_prices_stages_transfers_and_the_bubble():
     assert stage_layers(80, 3) == 27
     with pytest.raises(ValueError, match="in_flight"):
         two.bubble(3)
+
+
+def test_simulator_prices_microbatches_as_built():
+    """pagedjax's micro-batches (M per step, drained every step): M = 1 is the one-batch
+    step; M = 2 at PP 2 runs 3 ticks of half the work, bubble 1 / 3. A compute-bound
+    prefill step gets faster; a decode step, bound by reading the stage's weights, which
+    every micro-batch reads again, gets slower (3 weight reads per stage instead of 2)."""
+    from pagedjax.simulator.cost_model import roofline
+    from pagedjax.simulator.pipeline import microbatch_step, pipeline_step
+
+    cost = roofline("H100-80GB", "llama-3-70b", tp=4)
+    prefill, decode = (2048, 0, 2048), (0, 256, 256 * 1024)
+    for work in (prefill, decode):
+        one = microbatch_step(cost, 2, 1, *work)
+        assert one.latency() == pytest.approx(pipeline_step(cost, 2, *work).latency())
+    two = microbatch_step(cost, 2, 2, *prefill)
+    assert two.ticks == 3 and two.bubble() == pytest.approx(1 / 3)
+    assert two.latency() < 0.8 * microbatch_step(cost, 2, 1, *prefill).latency()
+    assert microbatch_step(cost, 2, 2, *decode).latency() > microbatch_step(
+        cost, 2, 1, *decode).latency()  # fmt: skip
+    with pytest.raises(ValueError, match="microbatches"):
+        microbatch_step(cost, 2, 0, *prefill)

@@ -48,7 +48,7 @@ class LLM:
     requests routed by ``data_parallel_routing`` ("least_tokens" or "prefix_affinity";
     beam search runs on the least-loaded replica). pipeline_parallel_size: stages the
     decoder layers are split into, each on tensor_parallel_size devices (its layers'
-    weights and KV pool only; one batch in flight), layers per stage from
+    weights and KV pool only), layers per stage from
     ``PAGEDJAX_PP_LAYER_PARTITION`` ("2,1", as vLLM's VLLM_PP_LAYER_PARTITION) or vLLM's
     even split (docs/parallelism.md); pipeline_microbatches: split each step into that
     many micro-batches of whole sequences that flow through the stages together (GPipe

@@ -32,7 +32,22 @@ Contract (docs/parallelism.md, "Pipeline parallelism"):
   the head. One batch in flight: at any time one stage works and PP - 1 wait, so the
   step takes as long as on one device plus PP transfers of [T, hidden] (the bubble is
   (PP - 1) / PP of device time); what PP buys here is memory (weights and KV per device),
-  not speed. Several batches in flight (one per stage, vLLM's way) are not built.
+  not speed.
+- **Micro-batches** (``pipeline_microbatches`` = M > 1, pagedjax's own option): GPipe
+  inside the step. ``microbatch_bounds`` assigns the step's sequences, whole, to M
+  contiguous groups balanced by tokens (inside the step, where the engine builds the
+  batch from the on-device scheduler state); each group gets its own attention
+  metadata at static shapes (``microbatch_input``: ceil(T / M) token slots, the S
+  sequence rows); ``_micro_ring`` runs M + PP - 1 ticks, stage s running micro-batch
+  t - s at tick t, so with M = PP every stage works in the middle ticks; the bubble is
+  (PP - 1) / (M + PP - 1) (the pipeline drains every step: the next step's tokens are
+  this step's samples). A step whose groups do not fit their token slots (e.g. a
+  prefill chunk over T / M tokens) runs as one batch (``lax.cond``; both programs are
+  in the step) and is counted (``MICROBATCH_STEPS``). Each micro-batch writes only its
+  own sequences' KV slots. Every micro-batch reads the stage's weights again, so a
+  weight-bound decode step gets slower, a compute-bound prefill step faster
+  (simulator/pipeline.py; docs/parallelism.md). vLLM's scheme, PP scheduler batches
+  in flight across steps, is not built.
 
 Refusals (``engine/unbuilt.py``, ``engine/parallel.py``): speculative decoding, LoRA,
 multi-modal models, an 8-bit KV cache, data parallelism and the GPU attention kernels
