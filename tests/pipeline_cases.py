@@ -17,11 +17,12 @@ weights.
   1 / PP of one device's; the Pallas backend is refused under PP by name.
   ``forward-pp2-opt`` / ``forward-pp2-gpt_neox``: the same for a 2-layer OPT and GPT-NeoX
   (the other families on the layer loop).
-- ``engine-pp<N>[-tp<M>][-k<K>][-part<a_b>][-layers<L>]``: tests/parallel_cases.py's mixed
-  workload (chunked prefill, decode, preemption by recompute and by swap, a prefix hit,
-  n = 2 seeded samples, then beam search) on an engine at PP N (x TP M, K-step decode
-  loop K, layer partition a,b) equals the same engine configuration on one device token
-  for token; the pool keeps its stage sharding; nothing recompiles.
+- ``engine-pp<N>[-tp<M>][-k<K>][-part<a_b>][-layers<L>][-mb<B>]``: tests/parallel_cases.py's
+  mixed workload (chunked prefill, decode, preemption by recompute and by swap, a prefix
+  hit, n = 2 seeded samples, then beam search) on an engine at PP N (x TP M, K-step decode
+  loop K, layer partition a,b, B pipeline micro-batches) equals the same engine
+  configuration on one device token for token; the pool keeps its stage sharding; nothing
+  recompiles; ``microbatch_steps``: forward passes run split / whole (B > 1).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Pipeline parallelism (pagedjax/model/pipeline.py, docs/parallelism.md).
 
 In process: the stage split (vLLM's rule, as properties, with Hypothesis), the partition's
-checks and its environment variable, the refusals. In a subprocess with 8 host CPU
+checks and its environment variable, the refusals, the micro-batch assignment
+(``pipeline_microbatches``; Hypothesis). In a subprocess with 8 host CPU
 devices (``tests/pipeline_cases.py`` says what each case asserts): the pipelined model
 function equals one device's and each device holds 1 / PP of the bytes (default tier), and
 engines at PP 2, PP 4, PP 2 x TP 2, an uneven split and the K-step loop equal one device
-over the mixed workload (second tier and slow).
+over the mixed workload, and PP 2 with 2 micro-batches (second tier and slow).
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def test_pp2_tp2_and_microbatched_pp2_engines_equal_one_device():
     device holds 1 / 4 of the pool (2 stages x 2 KV-head shards). And at PP 2 with
     pipeline_microbatches=2 (the same subprocess and one-device reference): equal too,
     most steps ran as two micro-batches and some fell back to one batch (a prefill chunk
-    over half the step's token slots), both paths exercised. 42-75 s at load 5."""
+    over half the step's token slots), both paths exercised. 24 s at load 2.7 (the
+    micro-batched engine: ~11 s of it)."""
     out = _cases("engine-pp2-tp2", "engine-pp2-mb2")
     case = out["engine-pp2-tp2"]
     assert case["kv_per_device"] * 4 == case["kv_total"]
@@ -253,7 +255,6 @@ def test_microbatches_are_refused_without_stages():
     with pytest.raises(ConfigError, match="pipeline_microbatches"):
         ParallelConfig(pipeline_parallel_size=2, pipeline_microbatches=0)
     from pagedjax.entrypoints.llm import engine_config
-
     from pagedjax.entrypoints.openai.cli_args import llm_kwargs, make_parser
 
     args = make_parser().parse_args(["--model", "tiny-llama-tp", "-pp", "2",
