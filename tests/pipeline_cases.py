@@ -16,7 +16,9 @@ weights.
   parameters (layers / PP, embedding and head / PP, the final norm whole) and are about
   1 / PP of one device's; the Pallas backend is refused under PP by name.
   ``forward-pp2-opt`` / ``forward-pp2-gpt_neox``: the same for a 2-layer OPT and GPT-NeoX
-  (the other families on the layer loop).
+  (the other families on the layer loop). A ``-mb<B>`` suffix: B pipeline micro-batches
+  (the 8-token prefill does not split into B groups of whole sequences and runs whole,
+  the decode step splits).
 - ``engine-pp<N>[-tp<M>][-k<K>][-part<a_b>][-layers<L>][-mb<B>]``: tests/parallel_cases.py's
   mixed workload (chunked prefill, decode, preemption by recompute and by swap, a prefix
   hit, n = 2 seeded samples, then beam search) on an engine at PP N (x TP M, K-step decode
@@ -157,9 +159,10 @@ def _batches(vocab: int) -> list[ModelInput]:
     return [prefill, decode]
 
 
-def case_forward(pp: int, family: str = "llama") -> dict:
+def case_forward(pp: int, family: str = "llama", mb: int = 1) -> dict:
     arch, params = tiny_llama(4) if family == "llama" else family_model(family)
-    layout = make_pipeline(arch, pp)
+    layout = make_pipeline(arch, pp, microbatches=mb)
+    MICROBATCH_STEPS.split = MICROBATCH_STEPS.whole = 0
     shape = (arch.num_layers, 4, arch.num_kv_heads, BLOCK, arch.head_dim)
     one_kv = (jnp.zeros(shape), jnp.zeros(shape))
     pp_kv = tuple(jax.device_put(jnp.zeros((layout.pool_layers, *shape[1:])),
@@ -211,7 +214,8 @@ def case_forward(pp: int, family: str = "llama") -> dict:
     else:
         raise AssertionError("pallas accepted under PP")
     return dict(max_logit_diff=max(diffs), params_per_device=expected,
-                kv_per_device=got_kv[0], one_device_total=one_total, ratio=ratio)  # fmt: skip
+                kv_per_device=got_kv[0], one_device_total=one_total, ratio=ratio,
+                microbatch_steps=dataclasses.asdict(MICROBATCH_STEPS))  # fmt: skip
 
 
 def config(pp: int, tp: int, k: int, partition, swap_space: float = 0.01,
@@ -275,9 +279,11 @@ def case_engine(pp: int, tp: int, k: int, partition, layers: int, mb: int = 1) -
 
 
 def run(name: str) -> dict:
-    if name.startswith("forward-pp"):  # forward-pp2, forward-pp2-opt, forward-pp2-gpt_neox
-        pp, *family = name.removeprefix("forward-pp").split("-")
-        return case_forward(int(pp), *family)
+    if name.startswith("forward-pp"):  # forward-pp2, forward-pp2-opt, forward-pp2-gpt_neox-mb2
+        pp, *rest = name.removeprefix("forward-pp").split("-")
+        mb = [int(p.removeprefix("mb")) for p in rest if p.startswith("mb")]
+        family = [p for p in rest if not p.startswith("mb")]
+        return case_forward(int(pp), *family, mb=mb[0] if mb else 1)
     if name.startswith("engine-"):
         opts = dict(pp=1, tp=1, k=1, partition=None, layers=4, mb=1)
         for part in name.split("-")[1:]:

@@ -191,6 +191,23 @@ def test_pp2_pp4_uneven_and_kstep_engines_equal_one_device():
     assert out["engine-pp2-k4"]["multi_step_loops"] > 0  # the fused loop ran under PP
 
 
+@pytest.mark.slow  # each case ran by hand in 4-31 s at load 2-5 on the 2-core box
+def test_microbatches_other_families_pp4_tp2_and_kstep_equal_one_device():
+    """pipeline_microbatches beyond the tier2 case: the model function of OPT and GPT-NeoX
+    at PP 2 with 2 micro-batches (the decode step split, the prefill ran whole); engines
+    at PP 4 with 4 micro-batches, PP 2 x TP 2 with 2, and PP 2 with 2 under the K-step
+    loop (K = 4) equal one device over the mixed workload, most steps split."""
+    out = _cases("forward-pp2-opt-mb2", "forward-pp2-gpt_neox-mb2", "engine-pp4-mb4",
+                 "engine-pp2-tp2-mb2", "engine-pp2-mb2-k4", timeout=1800)  # fmt: skip
+    for name, case in out.items():
+        steps = case["microbatch_steps"]
+        if name.startswith("forward"):
+            assert case["max_logit_diff"] < 1e-5 and steps == {"split": 1, "whole": 1}
+        else:
+            assert steps["split"] > steps["whole"] > 0, (name, steps)
+    assert out["engine-pp2-mb2-k4"]["multi_step_loops"] > 0
+
+
 # ------------------------------------------------------------------ micro-batches
 
 
