@@ -133,7 +133,6 @@ def step_times(rounds: int, steps: int) -> dict[tuple[int, int], float]:
     from pagedjax.config import SchedulerConfig as SC
     from pagedjax.engine.llm_engine import LLMEngine
     from pagedjax.model import random_params
-    from pagedjax.model.pipeline import MICROBATCH_STEPS
     from pagedjax.sampling import SamplingParams
     from pagedjax.tokenizer import ByteTokenizer
 
@@ -156,7 +155,8 @@ def step_times(rounds: int, steps: int) -> dict[tuple[int, int], float]:
         for _ in range(6):  # prefill and the first decode steps (compilation)
             eng.step()
         engines[pp, mb] = eng
-    MICROBATCH_STEPS.split = MICROBATCH_STEPS.whole = 0
+    for eng in engines.values():
+        eng.reset_stats()
     times: dict[tuple[int, int], list[float]] = {key: [] for key in engines}
     for _ in range(rounds):
         for key, eng in engines.items():
@@ -165,7 +165,11 @@ def step_times(rounds: int, steps: int) -> dict[tuple[int, int], float]:
                 eng.step()
             times[key].append((time.perf_counter() - t) / steps)
     # Every timed step of the M > 1 engines ran split (4 decode tokens: 2 or 1 per group).
-    assert MICROBATCH_STEPS.whole == 0 and MICROBATCH_STEPS.split > 0, MICROBATCH_STEPS
+    for (_, mb), eng in engines.items():
+        st = eng.stats()
+        if mb > 1:
+            assert st["pipeline_microbatch_steps_whole"] == 0, st
+            assert st["pipeline_microbatch_steps_split"] > 0, st
     return {key: float(np.median(v)) for key, v in times.items()}
 
 

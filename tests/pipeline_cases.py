@@ -62,7 +62,6 @@ from pagedjax.model import (  # noqa: E402
     preset_arch,
 )
 from pagedjax.model.pipeline import (  # noqa: E402
-    MICROBATCH_STEPS,
     make_pipeline,
     place_params,
 )
@@ -162,14 +161,14 @@ def _batches(vocab: int) -> list[ModelInput]:
 def case_forward(pp: int, family: str = "llama", mb: int = 1) -> dict:
     arch, params = tiny_llama(4) if family == "llama" else family_model(family)
     layout = make_pipeline(arch, pp, microbatches=mb)
-    MICROBATCH_STEPS.split = MICROBATCH_STEPS.whole = 0
+    stack = layout.stack()  # its own split / whole step counts
     shape = (arch.num_layers, 4, arch.num_kv_heads, BLOCK, arch.head_dim)
     one_kv = (jnp.zeros(shape), jnp.zeros(shape))
     pp_kv = tuple(jax.device_put(jnp.zeros((layout.pool_layers, *shape[1:])),
                                  layout.kv_sharding) for _ in range(2))  # fmt: skip
     pp_params = place_params(params, layout)
     one = jax.jit(functools.partial(forward, arch=arch))
-    many = jax.jit(functools.partial(forward, arch=arch, layer_stack=layout.stack()))
+    many = jax.jit(functools.partial(forward, arch=arch, layer_stack=stack))
     diffs = []
     for batch in _batches(arch.vocab_size):
         one_kv, want = one(params, one_kv, batch)
@@ -215,7 +214,7 @@ def case_forward(pp: int, family: str = "llama", mb: int = 1) -> dict:
         raise AssertionError("pallas accepted under PP")
     return dict(max_logit_diff=max(diffs), params_per_device=expected,
                 kv_per_device=got_kv[0], one_device_total=one_total, ratio=ratio,
-                microbatch_steps=dataclasses.asdict(MICROBATCH_STEPS))  # fmt: skip
+                microbatch_steps=dataclasses.asdict(stack.steps))  # fmt: skip
 
 
 def config(pp: int, tp: int, k: int, partition, swap_space: float = 0.01,
@@ -257,7 +256,6 @@ def reference(layers: int, k: int) -> tuple[dict, list, dict]:
 
 def case_engine(pp: int, tp: int, k: int, partition, layers: int, mb: int = 1) -> dict:
     ref_outs, ref_beams, facts = reference(layers, k)
-    MICROBATCH_STEPS.split = MICROBATCH_STEPS.whole = 0
     eng = engine(layers, pp, tp, k, partition, mb=mb)
     outs, _ = drain(eng, workload(eng.arch.vocab_size))
     for rid in ref_outs:
@@ -275,7 +273,8 @@ def case_engine(pp: int, tp: int, k: int, partition, layers: int, mb: int = 1) -
                 kv_per_device=max(kv.values()), kv_total=sum(p.nbytes for p in eng.kv),
                 params_per_device=max(shard_bytes(eng.params).values()),
                 multi_step_loops=eng.stats().get("multi_step_loops", None),
-                microbatch_steps=dataclasses.asdict(MICROBATCH_STEPS))  # fmt: skip
+                microbatch_steps={key.rsplit("_", 1)[1]: n for key, n in eng.stats().items()
+                                  if key.startswith("pipeline_microbatch_steps_")})  # fmt: skip
 
 
 def run(name: str) -> dict:

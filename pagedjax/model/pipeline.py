@@ -43,7 +43,8 @@ Contract (docs/parallelism.md, "Pipeline parallelism"):
   (PP - 1) / (M + PP - 1) (the pipeline drains every step: the next step's tokens are
   this step's samples). A step whose groups do not fit their token slots (e.g. a
   prefill chunk over T / M tokens) runs as one batch (``lax.cond``; both programs are
-  in the step) and is counted (``MICROBATCH_STEPS``). Each micro-batch writes only its
+  in the step) and is counted (``PipelineStack.steps``, ``LLMEngine.stats()``'s
+  ``pipeline_microbatch_steps_*``). Each micro-batch writes only its
   own sequences' KV slots. Every micro-batch reads the stage's weights again, so a
   weight-bound decode step gets slower, a compute-bound prefill step faster
   (simulator/pipeline.py; docs/parallelism.md). vLLM's scheme, PP scheduler batches
@@ -58,7 +59,7 @@ under PP > 1 raise ValueError naming the combination. Several processes work as 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -258,6 +259,9 @@ class PipelineStack:
     mesh: Mesh
     tp: int
     microbatches: int = 1
+    # This stack's split / whole step counts (microbatches > 1): not part of its identity
+    # (equality, hash, repr: the runner's program key).
+    steps: MicrobatchSteps = field(default_factory=lambda: MicrobatchSteps(), compare=False)
 
     @property
     def pool_layers(self) -> int:
@@ -323,7 +327,7 @@ class PipelineStack:
         if groups > 1:  # the host learns, per step, whether it ran split or fell back
             slots = token_slots(x.shape[0], groups)
             fits = (microbatch_bounds(batch.cu_q_lens, groups, slots, xp=jnp)[2],)
-            jax.debug.callback(MICROBATCH_STEPS.record, fits[0])
+            jax.debug.callback(self.steps.record, fits[0])
             specs = (*specs, rep)
         fn = jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=(rep, lay, lay),
                            axis_names=manual, check_vma=False)  # fmt: skip
@@ -335,11 +339,12 @@ class PipelineStack:
 
 @dataclass
 class MicrobatchSteps:
-    """Forward passes of pipelines with micro-batches in this process (every engine, every
-    process-local pipeline): ``split`` ran as micro-batches, ``whole`` fell back to one
-    batch because a group would not fit its token slots (``microbatch_bounds``). Counted
-    by a host callback per forward (``jax.debug.callback``: one small device-to-host
-    transfer a step), K-step loop iterations included."""
+    """Forward passes of one pipeline with micro-batches (``PipelineStack.steps``; an
+    engine's, in ``LLMEngine.stats()``): ``split`` ran as micro-batches, ``whole`` fell
+    back to one batch because a group would not fit its token slots
+    (``microbatch_bounds``). Counted by a host callback per forward
+    (``jax.debug.callback``: one small device-to-host transfer a step), K-step loop
+    iterations included; over several processes each process counts its own."""
 
     split: int = 0
     whole: int = 0
@@ -350,8 +355,12 @@ class MicrobatchSteps:
         else:
             self.whole += 1
 
+    def stats(self) -> dict[str, int]:
+        return {"pipeline_microbatch_steps_split": self.split,
+                "pipeline_microbatch_steps_whole": self.whole}  # fmt: skip
 
-MICROBATCH_STEPS = MicrobatchSteps()
+    def reset_stats(self) -> None:
+        self.split = self.whole = 0
 
 
 def token_slots(num_tokens: int, groups: int) -> int:
@@ -463,7 +472,6 @@ def _micro_ring(run: RunLayers, params: Any, carry: Any, slot_inputs: LayerInput
 
 
 __all__ = [
-    "MICROBATCH_STEPS",
     "PARTITION_ENV",
     "MicrobatchSteps",
     "PP_AXIS",
