@@ -11,8 +11,7 @@ runs the same workload on one local device and prints one JSON line comparing th
 failure path can be timed. ``--pp2``: pipeline parallelism across the processes instead
 (PP 2 x TP 2 on tests/pipeline_cases.py's 4-layer Llama: stage 0 on process 0's devices,
 stage 1 on process 1's, the activations passed between them by ``ppermute`` over gloo).
-``--pp2-mb2``: the same with ``pipeline_microbatches=2`` (each process counts the steps
-that ran split / whole).
+``--pp2-mb2``: the same with ``pipeline_microbatches=2``.
 """
 
 from __future__ import annotations
@@ -72,10 +71,7 @@ def main() -> None:
     print(json.dumps({"process": 0, "equal": outs == ref, "outs": outs, "ref": ref,
                       "stage_processes": stages,
                       "preemptions": stats["preemptions_recompute"],
-                      "prefix_hits": stats["prefix_cache_hit_tokens"],
-                      "microbatch_split": stats.get("pipeline_microbatch_steps_split"),
-                      "microbatch_whole": stats.get("pipeline_microbatch_steps_whole")}),
-          flush=True)  # fmt: skip
+                      "prefix_hits": stats["prefix_cache_hit_tokens"]}), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -17,19 +17,17 @@ weights.
   1 / PP of one device's; the Pallas backend is refused under PP by name.
   ``forward-pp2-opt`` / ``forward-pp2-gpt_neox``: the same for a 2-layer OPT and GPT-NeoX
   (the other families on the layer loop). A ``-mb<B>`` suffix: B pipeline micro-batches
-  (the 8-token prefill does not split into B groups of whole sequences and runs whole,
-  the decode step splits).
+  (at B = 2 the prefill's first sequence, 5 tokens, is cut 4 + 1 between them).
 - ``engine-pp<N>[-tp<M>][-k<K>][-part<a_b>][-layers<L>][-mb<B>]``: tests/parallel_cases.py's
   mixed workload (chunked prefill, decode, preemption by recompute and by swap, a prefix
   hit, n = 2 seeded samples, then beam search) on an engine at PP N (x TP M, K-step decode
   loop K, layer partition a,b, B pipeline micro-batches) equals the same engine
   configuration on one device token for token; the pool keeps its stage sharding; nothing
-  recompiles; ``microbatch_steps``: forward passes run split / whole (B > 1).
+  recompiles.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -161,14 +159,13 @@ def _batches(vocab: int) -> list[ModelInput]:
 def case_forward(pp: int, family: str = "llama", mb: int = 1) -> dict:
     arch, params = tiny_llama(4) if family == "llama" else family_model(family)
     layout = make_pipeline(arch, pp, microbatches=mb)
-    stack = layout.stack()  # its own split / whole step counts
     shape = (arch.num_layers, 4, arch.num_kv_heads, BLOCK, arch.head_dim)
     one_kv = (jnp.zeros(shape), jnp.zeros(shape))
     pp_kv = tuple(jax.device_put(jnp.zeros((layout.pool_layers, *shape[1:])),
                                  layout.kv_sharding) for _ in range(2))  # fmt: skip
     pp_params = place_params(params, layout)
     one = jax.jit(functools.partial(forward, arch=arch))
-    many = jax.jit(functools.partial(forward, arch=arch, layer_stack=stack))
+    many = jax.jit(functools.partial(forward, arch=arch, layer_stack=layout.stack()))
     diffs = []
     for batch in _batches(arch.vocab_size):
         one_kv, want = one(params, one_kv, batch)
@@ -213,8 +210,7 @@ def case_forward(pp: int, family: str = "llama", mb: int = 1) -> dict:
     else:
         raise AssertionError("pallas accepted under PP")
     return dict(max_logit_diff=max(diffs), params_per_device=expected,
-                kv_per_device=got_kv[0], one_device_total=one_total, ratio=ratio,
-                microbatch_steps=dataclasses.asdict(stack.steps))  # fmt: skip
+                kv_per_device=got_kv[0], one_device_total=one_total, ratio=ratio)  # fmt: skip
 
 
 def config(pp: int, tp: int, k: int, partition, swap_space: float = 0.01,
@@ -270,11 +266,10 @@ def case_engine(pp: int, tp: int, k: int, partition, layers: int, mb: int = 1) -
     kv = shard_bytes(eng.kv)
     assert len(kv) == pp * tp, kv
     return dict(facts, ranges=pipe.ranges, attention_backend=eng.attention_backend,
+                microbatches=eng.runner.layer_stack.microbatches,
                 kv_per_device=max(kv.values()), kv_total=sum(p.nbytes for p in eng.kv),
                 params_per_device=max(shard_bytes(eng.params).values()),
-                multi_step_loops=eng.stats().get("multi_step_loops", None),
-                microbatch_steps={key.rsplit("_", 1)[1]: n for key, n in eng.stats().items()
-                                  if key.startswith("pipeline_microbatch_steps_")})  # fmt: skip
+                multi_step_loops=eng.stats().get("multi_step_loops", None))  # fmt: skip
 
 
 def run(name: str) -> dict:

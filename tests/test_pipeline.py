@@ -1,7 +1,7 @@
 """Pipeline parallelism (pagedjax/model/pipeline.py, docs/parallelism.md).
 
 In process: the stage split (vLLM's rule, as properties, with Hypothesis), the partition's
-checks and its environment variable, the refusals, the micro-batch assignment
+checks and its environment variable, the refusals, the micro-batch ranges
 (``pipeline_microbatches``; Hypothesis). In a subprocess with 8 host CPU
 devices (``tests/pipeline_cases.py`` says what each case asserts): the pipelined model
 function equals one device's and each device holds 1 / PP of the bytes (default tier), and
@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from pagedjax.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
 from pagedjax.model.pipeline import (
-    microbatch_bounds,
     microbatch_input,
+    microbatch_ranges,
     parse_partition,
     stage_layer_ranges,
     token_slots,
@@ -163,16 +163,14 @@ def test_pp2_tp2_and_microbatched_pp2_engines_equal_one_device():
     prefix hit, n = 2 seeded samples, beam search) at PP 2 x TP 2 on 4 devices (the
     attention's shard_map nested in the stage's) equals one device token for token; each
     device holds 1 / 4 of the pool (2 stages x 2 KV-head shards). And at PP 2 with
-    pipeline_microbatches=2 (the same subprocess and one-device reference): equal too,
-    most steps ran as two micro-batches and some fell back to one batch (a prefill chunk
-    over half the step's token slots), both paths exercised. 24 s at load 2.7 (the
-    micro-batched engine: ~11 s of it)."""
+    pipeline_microbatches=2 (the same subprocess and one-device reference): equal too
+    (every step as two micro-batches, prefill chunks cut between them). 24 s at load 2.7
+    (the micro-batched engine: ~11 s of it)."""
     out = _cases("engine-pp2-tp2", "engine-pp2-mb2")
     case = out["engine-pp2-tp2"]
     assert case["kv_per_device"] * 4 == case["kv_total"]
     assert case["ranges"] == [[0, 2], [2, 4]]
-    steps = out["engine-pp2-mb2"]["microbatch_steps"]
-    assert steps["split"] > steps["whole"] > 0, steps
+    assert out["engine-pp2-mb2"]["microbatches"] == 2
 
 
 @pytest.mark.slow  # 281 s at load 9 on the 2-core box: one reference and one engine each
@@ -194,17 +192,16 @@ def test_pp2_pp4_uneven_and_kstep_engines_equal_one_device():
 @pytest.mark.slow  # each case ran by hand in 4-31 s at load 2-5 on the 2-core box
 def test_microbatches_other_families_pp4_tp2_and_kstep_equal_one_device():
     """pipeline_microbatches beyond the tier2 case: the model function of OPT and GPT-NeoX
-    at PP 2 with 2 micro-batches (the decode step split, the prefill ran whole); engines
-    at PP 4 with 4 micro-batches, PP 2 x TP 2 with 2, and PP 2 with 2 under the K-step
-    loop (K = 4) equal one device over the mixed workload, most steps split."""
+    at PP 2 with 2 micro-batches (the prefill's 5-token sequence cut 4 + 1); engines at
+    PP 4 with 4 micro-batches, PP 2 x TP 2 with 2, and PP 2 with 2 under the K-step loop
+    (K = 4) equal one device over the mixed workload."""
     out = _cases("forward-pp2-opt-mb2", "forward-pp2-gpt_neox-mb2", "engine-pp4-mb4",
                  "engine-pp2-tp2-mb2", "engine-pp2-mb2-k4", timeout=1800)  # fmt: skip
     for name, case in out.items():
-        steps = case["microbatch_steps"]
         if name.startswith("forward"):
-            assert case["max_logit_diff"] < 1e-5 and steps == {"split": 1, "whole": 1}
+            assert case["max_logit_diff"] < 1e-5
         else:
-            assert steps["split"] > steps["whole"] > 0, (name, steps)
+            assert case["microbatches"] == int(name.split("mb")[1][0]), name
     assert out["engine-pp2-mb2-k4"]["multi_step_loops"] > 0
 
 
@@ -214,36 +211,41 @@ def test_microbatches_other_families_pp4_tp2_and_kstep_equal_one_device():
 @settings(max_examples=200, deadline=None)
 @given(q=st.lists(st.integers(0, 40), min_size=1, max_size=24), groups=st.integers(1, 6),
        slack=st.integers(0, 64))  # fmt: skip
-def test_microbatch_bounds_whole_sequences_in_slots_balanced(q, groups, slack):
-    """Every sequence in exactly one group (contiguous runs: bounds from 0 to S,
-    non-decreasing), the groups' tokens add up to the step's, each group within total /
-    groups +- the largest q_len, ``fits`` exactly when every group is within its slots, and
-    always when total / groups + max q_len <= slots."""
+def test_microbatch_ranges_cover_every_token_once_within_slots(q, groups, slack):
+    """The micro-batches' token ranges are consecutive, cover the step's tokens once,
+    each within its slots, all but the last full; a micro-batch's rows are exactly the
+    sequences with a token in its range, and the parts of each sequence add up to its
+    q_len (a chunk cut between consecutive micro-batches, never lost or repeated)."""
     cu = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
-    total, slots = int(cu[-1]), token_slots(int(cu[-1]) + slack, groups)
-    bounds, tokens, fits = microbatch_bounds(cu, groups, slots)
-    assert bounds[0] == 0 and bounds[-1] == len(q) and np.all(np.diff(bounds) >= 0)
-    group_of = np.searchsorted(bounds[1:], np.arange(len(q)), side="right")
-    assert np.array_equal(np.bincount(group_of, minlength=groups), np.diff(bounds))
-    spans = zip(bounds[:-1], bounds[1:], strict=True)
-    assert np.array_equal(tokens, [sum(q[a:b]) for a, b in spans])
-    assert tokens.sum() == total
-    assert np.all(np.abs(tokens - total / groups) <= max(q))
-    assert bool(fits) == bool(np.all(tokens <= slots))
-    if total / groups + max(q) <= slots:
-        assert fits
+    total = int(cu[-1])
+    slots = token_slots(total + slack, groups)
+    start, end, first, last = microbatch_ranges(cu, groups, slots)
+    assert start[0] == 0 and end[-1] == total and np.all(start[1:] == end[:-1])
+    assert np.all(end - start <= slots)
+    full = np.flatnonzero(end - start < slots)
+    assert full.size == 0 or np.all(end[full[0]:] == total)  # only the tail is short
+    parts = np.zeros(len(q), np.int64)
+    for g in range(groups):
+        lo, hi = int(start[g]), int(end[g])
+        rows = [i for i in range(len(q)) if q[i] and cu[i] < hi and cu[i + 1] > lo]
+        got = list(range(int(first[g]), int(last[g])))
+        assert [i for i in got if q[i] > 0] == rows  # empty rows inside a range: harmless
+        for i in rows:
+            parts[i] += min(cu[i + 1], hi) - max(cu[i], lo)
+    assert parts.tolist() == q
 
 
 def test_microbatch_input_reassembles_the_batch():
-    """The micro-batches' own arrays (jnp, as in the step) cover the step's sequences once:
-    their valid tokens concatenated are the step's, their rows the step's rows; padding
-    writes nowhere (PAD_SLOT) and covers no query."""
+    """The micro-batches' own arrays (jnp, as in the step) cover the step once: their
+    tokens concatenated are the step's; a sequence cut between two micro-batches has its
+    query tokens split and its context grow (kv_len of the first part = the context up
+    to the cut); padding writes nowhere (PAD_SLOT) and covers no query."""
     import jax.numpy as jnp
 
     from pagedjax.attention import PAD_SLOT
     from pagedjax.model import ModelInput
 
-    q = [3, 1, 2, 1, 0]  # 4 sequences, one padding row; 7 of 10 token slots used
+    q = [3, 1, 2, 1, 0]  # 4 sequences and a padding row; 7 of 10 token slots used
     cu = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
     t = 10
     batch = ModelInput(tokens=jnp.arange(100, 100 + t), positions=jnp.arange(t),
@@ -251,19 +253,18 @@ def test_microbatch_input_reassembles_the_batch():
                        block_tables=jnp.arange(10).reshape(5, 2),
                        kv_lens=jnp.asarray([9, 8, 7, 6, 0]), cu_q_lens=jnp.asarray(cu),
                        logits_indices=jnp.asarray(cu[1:] - 1))  # fmt: skip
-    slots = token_slots(t, 2)
-    bounds, tokens, fits = microbatch_bounds(batch.cu_q_lens, 2, slots, xp=jnp)
-    assert bool(fits) and np.array_equal(np.asarray(bounds), microbatch_bounds(cu, 2, slots)[0])
-    toks, rows = [], []
-    for g in range(2):
-        sub = microbatch_input(batch, bounds, jnp.asarray(g), slots)
-        n, s = int(tokens[g]), int(bounds[g + 1] - bounds[g])
-        assert sub.tokens.shape == (slots,) and sub.block_tables.shape == (5, 2)
-        assert np.all(np.asarray(sub.slot_mapping[n:]) == PAD_SLOT)
-        assert int(sub.cu_q_lens[-1]) == n and np.all(np.asarray(sub.kv_lens[s:]) == 0)
-        toks += list(np.asarray(sub.tokens[:n]))
-        rows += list(np.asarray(sub.kv_lens[:s]))
-    assert toks == list(range(100, 107)) and rows == [9, 8, 7, 6, 0]
+    slots = token_slots(t, 2)  # 5: tokens 0-4 | 5-6, sequence 2 (tokens 4, 5) cut 1 + 1
+    ranges = microbatch_ranges(batch.cu_q_lens, 2, slots, xp=jnp)
+    assert [np.asarray(r).tolist() for r in ranges] == [[0, 5], [5, 7], [0, 2], [3, 4]]
+    subs = [microbatch_input(batch, *(r[g] for r in ranges), slots) for g in range(2)]
+    assert [np.asarray(s.cu_q_lens).tolist() for s in subs] == [[0, 3, 4, 5, 5, 5],
+                                                                [0, 1, 2, 2, 2, 2]]
+    assert [np.asarray(s.kv_lens).tolist() for s in subs] == [[9, 8, 6, 0, 0], [7, 6, 0, 0, 0]]
+    assert np.asarray(subs[1].block_tables[0]).tolist() == [4, 5]  # sequence 2's pages
+    toks = [int(x) for s, n in zip(subs, (5, 2), strict=True) for x in s.tokens[:n]]
+    assert toks == list(range(100, 107))
+    assert np.all(np.asarray(subs[1].slot_mapping[2:]) == PAD_SLOT)
+    assert subs[0].tokens.shape == (slots,) and subs[0].block_tables.shape == (5, 2)
 
 
 def test_microbatches_are_refused_without_stages():

@@ -470,8 +470,7 @@ class LLMEngine:
 
     def _counted(self) -> list[Any]:
         """The optional parts that keep counters of their own (stats / reset_stats)."""
-        parts = (self.speculator, self.core.lora, self.mm, self.core.host_tier,
-                 self.placement.microbatch_steps)  # fmt: skip
+        parts = (self.speculator, self.core.lora, self.mm, self.core.host_tier)
         return [p for p in parts if p is not None]
 
     def reset_stats(self) -> None:
@@ -481,7 +480,8 @@ class LLMEngine:
         self.multi_step.reset_stats()
         for part in self._counted():
             part.reset_stats()
-        self.num_preemptions_recompute = self.num_preemptions_swap = 0
+        self.num_preemptions_recompute = 0
+        self.num_preemptions_swap = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
         self.core.prefix_index.reset_counters()

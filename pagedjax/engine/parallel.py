@@ -18,7 +18,6 @@ the layers one device holds.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,13 +26,7 @@ import jax.numpy as jnp
 
 from pagedjax.model import ModelArch
 from pagedjax.model.kv_cache import kv_cache_shape
-from pagedjax.model.pipeline import (
-    MicrobatchSteps,
-    PipelineLayout,
-    PipelineStack,
-    make_pipeline,
-    place_params,
-)
+from pagedjax.model.pipeline import PipelineLayout, PipelineStack, make_pipeline, place_params
 from pagedjax.model.sharding import (
     TPLayout,
     make_layout,
@@ -70,18 +63,10 @@ class DevicePlacement:
         """Devices the engine spans (TP x PP)."""
         return len(self.layout.devices) if self.layout else 1
 
-    @functools.cached_property
-    def layer_stack(self) -> PipelineStack | None:
-        """The model's layer loop under PP (``forward``'s ``layer_stack``), else None; one
-        instance per placement (it carries the engine's micro-batch step counts)."""
-        return self.pipeline.stack() if self.pipeline else None
-
     @property
-    def microbatch_steps(self) -> MicrobatchSteps | None:
-        """The pipeline's split / whole step counts when it runs micro-batches (stats()
-        / reset_stats(), as the engine's other counted parts), else None."""
-        stack = self.layer_stack
-        return stack.steps if stack is not None and stack.microbatches > 1 else None
+    def layer_stack(self) -> PipelineStack | None:
+        """The model's layer loop under PP (``forward``'s ``layer_stack``), else None."""
+        return self.pipeline.stack() if self.pipeline else None
 
     @property
     def device(self) -> Any:

@@ -34,21 +34,19 @@ Contract (docs/parallelism.md, "Pipeline parallelism"):
   (PP - 1) / PP of device time); what PP buys here is memory (weights and KV per device),
   not speed.
 - **Micro-batches** (``pipeline_microbatches`` = M > 1, pagedjax's own option): GPipe
-  inside the step. ``microbatch_bounds`` assigns the step's sequences, whole, to M
-  contiguous groups balanced by tokens (inside the step, where the engine builds the
-  batch from the on-device scheduler state); each group gets its own attention
-  metadata at static shapes (``microbatch_input``: ceil(T / M) token slots, the S
-  sequence rows); ``_micro_ring`` runs M + PP - 1 ticks, stage s running micro-batch
-  t - s at tick t, so with M = PP every stage works in the middle ticks; the bubble is
-  (PP - 1) / (M + PP - 1) (the pipeline drains every step: the next step's tokens are
-  this step's samples). A step whose groups do not fit their token slots (e.g. a
-  prefill chunk over T / M tokens) runs as one batch (``lax.cond``; both programs are
-  in the step) and is counted (``PipelineStack.steps``, ``LLMEngine.stats()``'s
-  ``pipeline_microbatch_steps_*``). Each micro-batch writes only its
-  own sequences' KV slots. Every micro-batch reads the stage's weights again, so a
-  weight-bound decode step gets slower, a compute-bound prefill step faster
-  (simulator/pipeline.py; docs/parallelism.md). vLLM's scheme, PP scheduler batches
-  in flight across steps, is not built.
+  inside the step. ``microbatch_ranges`` cuts the step's tokens into M consecutive
+  ranges of ceil(T / M) slots (inside the step, where the engine builds the batch from
+  the on-device scheduler state) and says which sequence rows each holds; each gets its
+  own attention metadata at static shapes (``microbatch_input``); ``_micro_ring`` runs
+  M + PP - 1 ticks, stage s running micro-batch t - s at tick t, so with M = PP every
+  stage works in the middle ticks; the bubble is (PP - 1) / (M + PP - 1) (the pipeline
+  drains every step: the next step's tokens are this step's samples). A sequence's
+  chunk may be cut between consecutive micro-batches: the later part reads the earlier
+  part's KV, written at every layer one tick before (chunked prefill inside the step),
+  so every step splits, prefill chunks included. Every micro-batch reads the stage's
+  weights again, so a weight-bound decode step gets slower, a compute-bound prefill
+  step faster (simulator/pipeline.py; docs/parallelism.md). vLLM's scheme, PP scheduler
+  batches in flight across steps, is not built.
 
 Refusals (``engine/unbuilt.py``, ``engine/parallel.py``): speculative decoding, LoRA,
 multi-modal models, an 8-bit KV cache, data parallelism and the GPU attention kernels
@@ -59,7 +57,7 @@ under PP > 1 raise ValueError naming the combination. Several processes work as 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -259,9 +257,6 @@ class PipelineStack:
     mesh: Mesh
     tp: int
     microbatches: int = 1
-    # This stack's split / whole step counts (microbatches > 1): not part of its identity
-    # (equality, hash, repr: the runner's program key).
-    steps: MicrobatchSteps = field(default_factory=lambda: MicrobatchSteps(), compare=False)
 
     @property
     def pool_layers(self) -> int:
@@ -288,7 +283,7 @@ class PipelineStack:
         counts = jnp.asarray([b - a for a, b in self.ranges], jnp.int32)
         ring = [(j, (j + 1) % pp) for j in range(pp)]
 
-        def body(params, x, k, v, slot_inputs, counts, batch, *fits):
+        def body(params, x, k, v, slot_inputs, counts, batch):
             stage = jax.lax.axis_index(PP_AXIS)
 
             def one_batch(x, k, v):
@@ -303,14 +298,11 @@ class PipelineStack:
                 # After PP hops the last stage's output sits on stage 0.
                 return jax.lax.fori_loop(0, pp, hop, (x, k, v))
 
-            def micro_batches(x, k, v):
-                return _micro_ring(run, params, (x, k, v), slot_inputs, counts[0], batch,
-                                   stage, pp, groups, ring)  # fmt: skip
-
             if groups == 1:
                 x, k, v = one_batch(x, k, v)
-            else:  # a schedule the groups' token slots cannot hold runs as one batch
-                x, k, v = jax.lax.cond(fits[0], micro_batches, one_batch, x, k, v)
+            else:
+                x, k, v = _micro_ring(run, params, (x, k, v), slot_inputs, counts[0], batch,
+                                      stage, pp, groups, ring)  # fmt: skip
             # Stage 0 holds the output: hand it to every stage (zeros elsewhere).
             x = jax.lax.psum(jnp.where(stage == 0, x, jnp.zeros_like(x)), PP_AXIS)
             return x, k, v
@@ -323,44 +315,12 @@ class PipelineStack:
         # axes stay automatic, so the layers' Megatron shardings and the attention's own
         # shard_map (sharding.shard_attention) work inside a stage as without PP.
         manual = frozenset({PP_AXIS}) if self.tp > 1 else frozenset(self.mesh.axis_names)
-        fits: tuple[jax.Array, ...] = ()  # groups 1: the program as before micro-batches
-        if groups > 1:  # the host learns, per step, whether it ran split or fell back
-            slots = token_slots(x.shape[0], groups)
-            fits = (microbatch_bounds(batch.cu_q_lens, groups, slots, xp=jnp)[2],)
-            jax.debug.callback(self.steps.record, fits[0])
-            specs = (*specs, rep)
         fn = jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=(rep, lay, lay),
                            axis_names=manual, check_vma=False)  # fmt: skip
-        return fn(params, x, k, v, slot_inputs, counts, batch, *fits)
+        return fn(params, x, k, v, slot_inputs, counts, batch)
 
 
 # ------------------------------------------------------------------ micro-batches
-
-
-@dataclass
-class MicrobatchSteps:
-    """Forward passes of one pipeline with micro-batches (``PipelineStack.steps``; an
-    engine's, in ``LLMEngine.stats()``): ``split`` ran as micro-batches, ``whole`` fell
-    back to one batch because a group would not fit its token slots
-    (``microbatch_bounds``). Counted by a host callback per forward
-    (``jax.debug.callback``: one small device-to-host transfer a step), K-step loop
-    iterations included; over several processes each process counts its own."""
-
-    split: int = 0
-    whole: int = 0
-
-    def record(self, fits: Any) -> None:
-        if bool(fits):
-            self.split += 1
-        else:
-            self.whole += 1
-
-    def stats(self) -> dict[str, int]:
-        return {"pipeline_microbatch_steps_split": self.split,
-                "pipeline_microbatch_steps_whole": self.whole}  # fmt: skip
-
-    def reset_stats(self) -> None:
-        self.split = self.whole = 0
 
 
 def token_slots(num_tokens: int, groups: int) -> int:
@@ -368,59 +328,60 @@ def token_slots(num_tokens: int, groups: int) -> int:
     return -(-num_tokens // groups)
 
 
-def microbatch_bounds(
+def microbatch_ranges(
     cu_q_lens: Any, groups: int, slots: int, xp: Any = np
-) -> tuple[Any, Any, Any]:
-    """Which micro-batch each scheduled sequence is in: ``(bounds, tokens, fits)``.
+) -> tuple[Any, Any, Any, Any]:
+    """Which micro-batch each scheduled token and sequence is in: ``(start, end, first,
+    last)``, each int[groups].
 
     cu_q_lens int[S + 1] (``ModelInput.cu_q_lens``: padding rows repeat the last value);
-    ``groups`` micro-batches of ``slots`` token slots each. Sequence i goes to group
-    min(groups - 1, floor(groups x mid_i / total)), mid_i the midpoint of its tokens
-    [cu[i], cu[i + 1]) and total = cu[S]: non-decreasing in i, so each group is a
-    contiguous run of whole sequences (a sequence is never split: its chunk's tokens
-    attend to each other) and micro-batch g is rows [bounds[g], bounds[g + 1]), tokens
-    [cu[bounds[g]], cu[bounds[g + 1]]). Balance: each group holds total / groups tokens
-    give or take the largest sequence's q_len (a sequence lands by its midpoint).
-    bounds int[groups + 1] (0 .. S), tokens int[groups] per group, fits: every group
-    within ``slots`` tokens (else the step runs as one batch: ``PipelineStack``).
+    ``groups`` micro-batches of ``slots`` token slots each (groups x slots >= the step's
+    token count). Micro-batch g holds the step's tokens [start[g], end[g]) = [g x slots,
+    (g + 1) x slots) clipped to the total: consecutive, every token in exactly one, each
+    within its slots, so a step never fails to split (no fallback). Its sequence rows are
+    [first[g], last[g]): the rows with a token in its range. A row's chunk may be cut
+    between consecutive micro-batches: the later part attends to the earlier part's KV,
+    which the ring wrote at every layer one tick earlier (``_micro_ring``), as chunked
+    prefill does across steps. Balance: every micro-batch but the last is full.
 
     Pure and array-API generic: ``xp=np`` on the host (tests), ``xp=jax.numpy`` inside
     the step, where the engine builds the batch (``model_runner.build_model_input``: the
     scheduler's batch lives on the devices). Cost O(S x groups)."""
     cu = xp.asarray(cu_q_lens)
-    q = cu[1:] - cu[:-1]
-    total = xp.maximum(cu[-1] - cu[0], 1)
-    mid2 = 2 * (cu[1:] - cu[0]) - q  # twice each sequence's token midpoint (integers)
-    group = xp.minimum(groups - 1, (groups * mid2) // (2 * total))
-    bounds = xp.stack([xp.sum(group < g) for g in range(groups + 1)]).astype(cu.dtype)
-    tokens = cu[bounds[1:]] - cu[bounds[:-1]]
-    return bounds, tokens, xp.max(tokens) <= slots
+    total = cu[-1]
+    g = xp.arange(groups, dtype=cu.dtype)
+    start = xp.minimum(g * slots, total)
+    end = xp.minimum(start + slots, total)
+    first = xp.sum(cu[None, 1:] <= start[:, None], axis=1).astype(cu.dtype)
+    last = xp.sum(cu[None, :-1] < end[:, None], axis=1).astype(cu.dtype)
+    return start, end, first, last
 
 
-def microbatch_input(batch: Any, bounds: jax.Array, g: jax.Array, slots: int) -> Any:
-    """Micro-batch g of ``batch`` (a ModelInput) at static shapes: ``slots`` tokens (its
-    sequences' tokens first, then padding: PAD_SLOT writes, position 0) and the step's S
-    sequence rows (its sequences first, then empty rows: kv_len 0, no pages, cu_q_lens
-    repeating its token count). Every sequence row is kept (not S / groups) so a group of
-    many short sequences still fits; the per-row arrays are small next to [T, hidden]."""
+def microbatch_input(batch: Any, start: jax.Array, end: jax.Array, first: jax.Array,
+                     last: jax.Array, slots: int) -> Any:  # fmt: skip
+    """The micro-batch of ``batch`` (a ModelInput) holding its tokens [start, end) and rows
+    [first, last) (``microbatch_ranges``) at static shapes: ``slots`` tokens (then
+    padding: PAD_SLOT writes, position 0) and the step's S rows (its rows first, then
+    empty ones: kv_len 0, no pages, cu_q_lens repeating its token count). A row cut at
+    ``end`` sees kv_len minus its tokens after ``end`` (its context so far); all S rows
+    are kept, as a micro-batch may hold many short sequences."""
     cu = batch.cu_q_lens
     num_seqs = batch.kv_lens.shape[0]
-    first, end = bounds[g], bounds[g + 1]
-    start, n = cu[first], cu[end] - cu[first]
     t = jnp.arange(slots, dtype=jnp.int32)
-    tok_ok = t < n
+    tok_ok = t < end - start
     tok = jnp.minimum(start + t, batch.positions.shape[-1] - 1)
     r = jnp.arange(num_seqs, dtype=jnp.int32)
-    row_ok = r < end - first
+    row_ok = r < last - first
     row = jnp.minimum(first + r, num_seqs - 1)
-    cu_g = jnp.where(row_ok, cu[jnp.minimum(first + r + 1, num_seqs)] - start, n)
+    q_end = jnp.minimum(cu[row + 1], end)  # where the row's tokens in this group stop
+    cu_g = jnp.where(row_ok, q_end - start, end - start)
     take = lambda a: jnp.where(tok_ok, a[..., tok], 0)  # noqa: E731
     return batch._replace(
         tokens=take(batch.tokens),
         positions=take(batch.positions),
         slot_mapping=jnp.where(tok_ok, batch.slot_mapping[tok], PAD_SLOT),
         block_tables=jnp.where(row_ok[:, None], batch.block_tables[row], 0),
-        kv_lens=jnp.where(row_ok, batch.kv_lens[row], 0),
+        kv_lens=jnp.where(row_ok, batch.kv_lens[row] - (cu[row + 1] - q_end), 0),
         cu_q_lens=jnp.concatenate([jnp.zeros((1,), cu.dtype), cu_g.astype(cu.dtype)]),
         logits_indices=jnp.zeros_like(batch.logits_indices),  # not read by the layers
         lora_slots=None if batch.lora_slots is None else take(batch.lora_slots),
@@ -437,19 +398,18 @@ def _micro_ring(run: RunLayers, params: Any, carry: Any, slot_inputs: LayerInput
     buffer to the next. Stage 0 loads micro-batch t from x at tick t and stores the one
     the last stage finished (micro-batch t - pp, arriving over the ring) into its output.
     Returns (x [T, hidden]: the layers' output on stage 0, rows of padding tokens zero;
-    k, v). Each micro-batch writes only its own sequences' KV slots, and reads a page
-    written by an earlier micro-batch only through its own sequences' block tables."""
+    k, v). Micro-batch m reaches each stage one tick after m - 1, so at every layer the
+    KV that m - 1 wrote (the first part of a chunk cut between them) is in the pool
+    before m attends; each micro-batch writes only its own tokens' slots."""
     x, k, v = carry
     n = x.shape[0]
     slots = token_slots(n, groups)
-    bounds, _, _ = microbatch_bounds(batch.cu_q_lens, groups, slots, xp=jnp)
-    cu = batch.cu_q_lens
+    start, end, first, last = microbatch_ranges(batch.cu_q_lens, groups, slots, xp=jnp)
     t_ar = jnp.arange(slots, dtype=jnp.int32)
 
     def rows_of(g: jax.Array) -> jax.Array:
         """x's row of each of micro-batch g's token slots; n (dropped) for padding."""
-        first = cu[bounds[g]]
-        return jnp.where(t_ar < cu[bounds[g + 1]] - first, first + t_ar, n)
+        return jnp.where(t_ar < end[g] - start[g], start[g] + t_ar, n)
 
     def store(out: jax.Array, buf: jax.Array, done: jax.Array) -> jax.Array:
         put = out.at[rows_of(jnp.clip(done, 0, groups - 1))].set(buf, mode="drop")
@@ -461,7 +421,8 @@ def _micro_ring(run: RunLayers, params: Any, carry: Any, slot_inputs: LayerInput
         load = jnp.take(x, jnp.minimum(rows_of(jnp.minimum(t, groups - 1)), n - 1), axis=0)
         buf = jnp.where((stage == 0) & (t < groups), load, buf)
         m = t - stage
-        sub = microbatch_input(batch, bounds, jnp.clip(m, 0, groups - 1), slots)
+        g = jnp.clip(m, 0, groups - 1)
+        sub = microbatch_input(batch, start[g], end[g], first[g], last[g], slots)
         active = (m >= 0) & (m < groups)
         buf, k, v = run(params, (buf, k, v), slot_inputs, jnp.where(active, count, 0), sub)
         return jax.lax.ppermute(buf, PP_AXIS, ring), out, k, v
@@ -473,12 +434,11 @@ def _micro_ring(run: RunLayers, params: Any, carry: Any, slot_inputs: LayerInput
 
 __all__ = [
     "PARTITION_ENV",
-    "MicrobatchSteps",
     "PP_AXIS",
     "PipelineLayout",
     "PipelineStack",
     "make_pipeline",
-    "microbatch_bounds",
+    "microbatch_ranges",
     "microbatch_input",
     "pad_layers",
     "parse_partition",
