@@ -50,9 +50,9 @@ class LLM:
     decoder layers are split into, each on tensor_parallel_size devices (its layers'
     weights and KV pool only), layers per stage from
     ``PAGEDJAX_PP_LAYER_PARTITION`` ("2,1", as vLLM's VLLM_PP_LAYER_PARTITION) or vLLM's
-    even split (docs/parallelism.md); pipeline_microbatches: split each step into that
-    many micro-batches of whole sequences that flow through the stages together (GPipe
-    inside the step; 1, the default, one batch at a time). swap_space (GiB) sizes
+    even split (docs/parallelism.md); pipeline_microbatches: split each step's tokens into
+    that many micro-batches that flow through the stages together (GPipe inside the
+    step; 1, the default, one batch at a time). swap_space (GiB) sizes
     the host pool for preemption by swap (preemption_mode "swap", or None: swap groups of
     several samples, recompute single sequences; docs/engine.md). kv_offloading_size (GiB,
     vLLM's name; 0 = off) adds a host tier to that pool: prefix-cache blocks evicted from

@@ -14,7 +14,7 @@ an inter-node network). Pure arithmetic (float, no JAX), for tables:
   GPU is busy m / PP of the time, the bubble is (PP - m) / PP. This is vLLM's scheme
   (PP scheduler batches in flight *across* steps); pagedjax does not build it.
 - ``MicrobatchStep`` (what pagedjax builds, ``pipeline_microbatches`` = M): one step's
-  sequences split into M micro-batches that flow through the stages in M + PP - 1
+  tokens split into M micro-batches that flow through the stages in M + PP - 1
   ticks (GPipe inside the step); a tick prices one stage over 1 / M of the step's work
   plus one send of 1 / M of its activations; the pipeline drains every step (the next
   step's tokens are this step's samples), so the bubble is (PP - 1) / (M + PP - 1), not 0.
@@ -120,8 +120,9 @@ def microbatch_step(cost: RooflineCostModel, pp: int, microbatches: int,
                     prefill_tokens: float, decode_seqs: float, kv_tokens: float,
                     link: str = "nvlink") -> MicrobatchStep:  # fmt: skip
     """The step of ``cost``'s model at ``pp`` stages with the step's work split evenly into
-    ``microbatches`` groups (pagedjax's ``pipeline_microbatches``; an even split is the
-    best case of ``model/pipeline.py``'s whole-sequence groups)."""
+    ``microbatches`` groups (pagedjax's ``pipeline_microbatches``: ``model/pipeline.py``
+    cuts the step's tokens into equal ranges, the last one shorter; the KV read is taken
+    as evenly split too, exact for decode, an approximation for mixed steps)."""
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     m = float(microbatches)
