@@ -164,8 +164,8 @@ def test_pp2_tp2_and_microbatched_pp2_engines_equal_one_device():
     attention's shard_map nested in the stage's) equals one device token for token; each
     device holds 1 / 4 of the pool (2 stages x 2 KV-head shards). And at PP 2 with
     pipeline_microbatches=2 (the same subprocess and one-device reference): equal too
-    (every step as two micro-batches, prefill chunks cut between them). 24 s at load 2.7
-    (the micro-batched engine: ~11 s of it)."""
+    (every step as two micro-batches, prefill chunks cut between them). 34 s cold at load
+    3 (the micro-batched engine: ~12 s of it), 9 s with a warm compilation cache."""
     out = _cases("engine-pp2-tp2", "engine-pp2-mb2")
     case = out["engine-pp2-tp2"]
     assert case["kv_per_device"] * 4 == case["kv_total"]
