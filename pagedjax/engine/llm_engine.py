@@ -132,7 +132,7 @@ class LLMEngine:
         self.kv_spec = KVCacheSpec.resolve(arch, dtype, cc.cache_dtype, kv_dtype, cc.kv_scales)
         self.placement = place = DevicePlacement(
             arch, par.tensor_parallel_size, devices, par.pipeline_parallel_size,
-            par.pipeline_layer_partition)  # fmt: skip
+            par.pipeline_layer_partition, par.pipeline_microbatches)  # fmt: skip
         params = place.params(params, self.kv_spec)  # refuses what is not sharded yet
         log.info("devices: %s", place.describe())
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
