@@ -80,12 +80,12 @@ def main(argv: list[str] | None = None) -> dict:
     vision = engine.mm.vision
     px = np.concatenate([p.tiles for p in vision.prepare([_image(i) for i in range(b)])])
     for n in (1, b):
-        vision.encode(px[:n]).block_until_ready()
+        vision.encode_tiles(list(px[:n])).block_until_ready()
     enc = {}
     for n in (1, b):
         t0 = time.perf_counter()
         for _ in range(args.reps):
-            vision.encode(px[:n]).block_until_ready()
+            vision.encode_tiles(list(px[:n])).block_until_ready()
         enc[n] = (time.perf_counter() - t0) / args.reps / n
     imgs = [_image(i) for i in range(b)]
     t0 = time.perf_counter()

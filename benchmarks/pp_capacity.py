@@ -1,8 +1,10 @@
 """Pipeline x tensor parallel capacity table: per-device weights and KV at TP x PP splits of
 8 and 16 devices for Llama-3-70B and a 405B-class shape (Llama-3.1-405B's), the largest
 batch of 2,048-token requests one replica holds, simulated decode tokens/s and the bubble
-with one batch in flight (pagedjax) and with PP batches in flight (vLLM's scheme), and
-(``--step-time``) the measured CPU decode step at PP 1 / 2 / 4 of a tiny model.
+with one batch in flight (pagedjax's default), with PP micro-batches per step (pagedjax's
+``pipeline_microbatches`` = PP) and with PP batches in flight (vLLM's scheme), a 2,048-token
+prefill step at M = 1 / PP, and (``--step-time``) the measured CPU decode step at PP 1 / 2
+/ 4, M = 1 and M = PP, of a tiny model.
 
     python benchmarks/pp_capacity.py [--step-time]
 
@@ -41,7 +43,7 @@ from pagedjax.machine import cpu_model  # noqa: E402
 from pagedjax.model import abstract_params, arch_from_hf_config, preset_arch  # noqa: E402
 from pagedjax.model.pipeline import make_pipeline, pipeline_specs  # noqa: E402
 from pagedjax.simulator.cost_model import ModelGeometry, model_geometry, roofline  # noqa: E402
-from pagedjax.simulator.pipeline import pipeline_step  # noqa: E402
+from pagedjax.simulator.pipeline import microbatch_step, pipeline_step  # noqa: E402
 
 DEVICE_BYTES, UTILIZATION, CONTEXT, GB = 80e9, 0.9, 2048, 1e9
 # Llama-3.1-405B's shape (its config.json), for both the real shardings and the simulator.
@@ -98,27 +100,35 @@ def rows_for(name: str, arch, geom: ModelGeometry) -> list[dict]:
             many = pipeline_step(cost, pp, 0, micro, micro * 1024, link)
             row["tok_s_pp"] = micro * many.throughput_steps_per_s(pp)
             row["bubble_1"], row["bubble_pp"] = many.bubble(1), many.bubble(pp)
+            built = microbatch_step(cost, pp, pp, 0, seqs, seqs * 1024, link)
+            row["tok_s_mb"], row["bubble_mb"] = seqs / built.latency(), built.bubble()
+            row["prefill_ms"] = [microbatch_step(cost, pp, m, CONTEXT, 0, CONTEXT, link)
+                                 .latency() * 1e3 for m in (1, pp)]  # fmt: skip
         rows.append(row)
     return rows
 
 
 def print_rows(rows: list[dict]) -> None:
     print("| model | devices | TP x PP | weights / device GB (sim) | KV KiB / token / device"
-          " | batch of 2k-token requests | sim tok/s, 1 batch in flight | sim tok/s, PP in"
-          " flight | bubble 1 / PP in flight |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          " | batch of 2k-token requests | sim tok/s, 1 batch in flight | sim tok/s, M = PP"
+          " micro-batches | sim tok/s, PP in flight (vLLM) | bubble 1 / M = PP / vLLM"
+          " | sim 2k prefill step ms, M = 1 / PP |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        sim = (f"{r['tok_s_1']:,.0f} | {r['tok_s_pp']:,.0f} | {r['bubble_1']:.2f} /"
-               f" {r['bubble_pp']:.2f}" if "tok_s_1" in r else "- | - | -")  # fmt: skip
+        sim = (f"{r['tok_s_1']:,.0f} | {r['tok_s_mb']:,.0f} | {r['tok_s_pp']:,.0f} |"
+               f" {r['bubble_1']:.2f} / {r['bubble_mb']:.2f} / {r['bubble_pp']:.2f} |"
+               f" {r['prefill_ms'][0]:.1f} / {r['prefill_ms'][1]:.1f}"
+               if "tok_s_1" in r else "- | - | - | - | -")  # fmt: skip
         batch = f"{r['batch']:,}" if r["batch"] else "weights do not fit"
         print(f"| {r['model']} | {r['devices']} | {r['tp']} x {r['pp']} |"
               f" {r['weights_gb']:.2f} ({r['sim_weights_gb']:.2f}) | {r['kv_kib']:.0f} |"
               f" {batch} | {sim} |")  # fmt: skip
 
 
-def step_times(rounds: int, steps: int) -> dict[int, float]:
-    """Median seconds per decode step (4 sequences) of a 4-layer tiny Llama at PP 1, 2 and
-    4 on simulated host devices, timed in alternating windows of ``steps`` steps."""
+def step_times(rounds: int, steps: int) -> dict[tuple[int, int], float]:
+    """Median seconds per decode step (4 sequences) of a 4-layer tiny Llama at (PP, M) =
+    (1, 1), (2, 1), (2, 2), (4, 1), (4, 4) (M: pipeline_microbatches) on simulated host
+    devices, timed in alternating windows of ``steps`` steps."""
     from pagedjax.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
     from pagedjax.config import SchedulerConfig as SC
     from pagedjax.engine.llm_engine import LLMEngine
@@ -130,12 +140,13 @@ def step_times(rounds: int, steps: int) -> dict[int, float]:
                                layer_windows=(None,) * 4)  # fmt: skip
     params = random_params(arch, 0, jnp.float32)
     engines = {}
-    for pp in (1, 2, 4):
+    for pp, mb in ((1, 1), (2, 1), (2, 2), (4, 1), (4, 4)):
         cfg = EngineConfig(
             model=ModelConfig(model="tiny-llama-tp", max_model_len=1024),
             cache=CacheConfig(block_size=16, num_gpu_blocks_override=300),
             scheduler=SC(max_num_batched_tokens=64, max_num_seqs=4, num_multi_steps=1),
-            parallel=ParallelConfig(pipeline_parallel_size=pp), warmup="none",
+            parallel=ParallelConfig(pipeline_parallel_size=pp, pipeline_microbatches=mb),
+            warmup="none",
         )  # fmt: skip
         eng = LLMEngine(arch, params, ByteTokenizer(2, 1), cfg)
         p = SamplingParams(temperature=0.0, max_tokens=rounds * steps + 16, ignore_eos=True)
@@ -143,15 +154,15 @@ def step_times(rounds: int, steps: int) -> dict[int, float]:
             eng.add_request(str(i), list(range(3, 35)), p)
         for _ in range(6):  # prefill and the first decode steps (compilation)
             eng.step()
-        engines[pp] = eng
-    times: dict[int, list[float]] = {pp: [] for pp in engines}
+        engines[pp, mb] = eng
+    times: dict[tuple[int, int], list[float]] = {key: [] for key in engines}
     for _ in range(rounds):
-        for pp, eng in engines.items():
+        for key, eng in engines.items():
             t = time.perf_counter()
             for _ in range(steps):
                 eng.step()
-            times[pp].append((time.perf_counter() - t) / steps)
-    return {pp: float(np.median(v)) for pp, v in times.items()}
+            times[key].append((time.perf_counter() - t) / steps)
+    return {key: float(np.median(v)) for key, v in times.items()}
 
 
 def main() -> None:
@@ -169,7 +180,8 @@ def main() -> None:
     if args.step_time:
         t = step_times(args.rounds, args.steps)
         print(f"CPU decode step (4-layer tiny Llama, 4 seqs, median of {args.rounds} alternating"
-              f" windows): " + ", ".join(f"PP {pp} {s * 1e3:.2f} ms" for pp, s in t.items())
+              f" windows): " + ", ".join(f"PP {pp} M {mb} {s * 1e3:.2f} ms"
+                                         for (pp, mb), s in t.items())
               + f" (shared cores: overhead, not speed-up);"
               f" load {os.getloadavg()[0]:.2f}")  # fmt: skip
     pp4 = next(r for r in rows if r["pp"] == 4 and "bubble_1" in r)

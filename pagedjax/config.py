@@ -244,18 +244,26 @@ class ParallelConfig:
     ("least_tokens" or "prefix_affinity", pagedjax/engine/fronts/router.py);
     pipeline_parallel_size: stages the layers are split into, each on tensor_parallel_size
     devices (pagedjax/model/pipeline.py); pipeline_layer_partition: layers per stage
-    (None: vLLM's even split; ``LLM`` reads ``PAGEDJAX_PP_LAYER_PARTITION``)."""
+    (None: vLLM's even split; ``LLM`` reads ``PAGEDJAX_PP_LAYER_PARTITION``);
+    pipeline_microbatches: micro-batches in flight through the stages in one step
+    (pagedjax's own key, vLLM has none; 1: one batch at a time; > 1 needs
+    pipeline_parallel_size > 1; docs/parallelism.md)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_routing: Literal["least_tokens", "prefix_affinity"] = "least_tokens"
     pipeline_parallel_size: int = 1
     pipeline_layer_partition: tuple[int, ...] | None = None
+    pipeline_microbatches: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size",
+                     "pipeline_microbatches"):
             v = getattr(self, name)
             _check(v >= 1, f"parallel.{name}", f"must be >= 1, got {v}")
+        _check(self.pipeline_microbatches == 1 or self.pipeline_parallel_size > 1,
+               "parallel.pipeline_microbatches", f"={self.pipeline_microbatches} needs"
+               " pipeline_parallel_size > 1 (micro-batches overlap pipeline stages)")
         part = self.pipeline_layer_partition
         if part is not None:
             _check(len(part) == self.pipeline_parallel_size and all(

@@ -1,6 +1,6 @@
 """One process of a two-process run on localhost (tests/test_multihost.py starts two).
 
-    python tests/multihost_case.py PROCESS_ID PORT [--die-after N | --pp2]
+    python tests/multihost_case.py PROCESS_ID PORT [--die-after N | --pp2 | --pp2-mb2]
 
 Each process sees 2 CPU devices; after ``multihost.initialize`` the mesh spans all 4, and
 TP 4 runs across both processes (CPU collectives over gloo). Process 0 leads: it adds the
@@ -11,6 +11,7 @@ runs the same workload on one local device and prints one JSON line comparing th
 failure path can be timed. ``--pp2``: pipeline parallelism across the processes instead
 (PP 2 x TP 2 on tests/pipeline_cases.py's 4-layer Llama: stage 0 on process 0's devices,
 stage 1 on process 1's, the activations passed between them by ``ppermute`` over gloo).
+``--pp2-mb2``: the same with ``pipeline_microbatches=2``.
 """
 
 from __future__ import annotations
@@ -41,12 +42,13 @@ def main() -> None:
     import parallel_cases as pc
 
     assert len(jax.devices()) == 4 and len(jax.local_devices()) == 2
-    pp2 = "--pp2" in sys.argv
+    mb = 2 if "--pp2-mb2" in sys.argv else 1
+    pp2 = "--pp2" in sys.argv or mb > 1
     if pp2:
         import pipeline_cases as ppc
 
         build = lambda n: ppc.engine(4, pp=2 if n > 1 else 1, tp=2 if n > 1 else 1,  # noqa: E731
-                                     swap_space=0.0)
+                                     swap_space=0.0, mb=mb if n > 1 else 1)
     else:
         build = lambda n: pc.engine("tiny-llama-tp", n, swap_space=0.0)  # noqa: E731
     eng = multihost.MultiHostEngine(build(4))

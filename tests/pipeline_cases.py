@@ -16,12 +16,14 @@ weights.
   parameters (layers / PP, embedding and head / PP, the final norm whole) and are about
   1 / PP of one device's; the Pallas backend is refused under PP by name.
   ``forward-pp2-opt`` / ``forward-pp2-gpt_neox``: the same for a 2-layer OPT and GPT-NeoX
-  (the other families on the layer loop).
-- ``engine-pp<N>[-tp<M>][-k<K>][-part<a_b>][-layers<L>]``: tests/parallel_cases.py's mixed
-  workload (chunked prefill, decode, preemption by recompute and by swap, a prefix hit,
-  n = 2 seeded samples, then beam search) on an engine at PP N (x TP M, K-step decode
-  loop K, layer partition a,b) equals the same engine configuration on one device token
-  for token; the pool keeps its stage sharding; nothing recompiles.
+  (the other families on the layer loop). A ``-mb<B>`` suffix: B pipeline micro-batches
+  (at B = 2 the prefill's first sequence, 5 tokens, is cut 4 + 1 between them).
+- ``engine-pp<N>[-tp<M>][-k<K>][-part<a_b>][-layers<L>][-mb<B>]``: tests/parallel_cases.py's
+  mixed workload (chunked prefill, decode, preemption by recompute and by swap, a prefix
+  hit, n = 2 seeded samples, then beam search) on an engine at PP N (x TP M, K-step decode
+  loop K, layer partition a,b, B pipeline micro-batches) equals the same engine
+  configuration on one device token for token; the pool keeps its stage sharding; nothing
+  recompiles.
 """
 
 from __future__ import annotations
@@ -57,7 +59,10 @@ from pagedjax.model import (  # noqa: E402
     forward,
     preset_arch,
 )
-from pagedjax.model.pipeline import make_pipeline, place_params  # noqa: E402
+from pagedjax.model.pipeline import (  # noqa: E402
+    make_pipeline,
+    place_params,
+)
 from pagedjax.tokenizer import ByteTokenizer  # noqa: E402
 from tests.parallel_cases import (  # noqa: E402
     BLOCK,
@@ -151,9 +156,9 @@ def _batches(vocab: int) -> list[ModelInput]:
     return [prefill, decode]
 
 
-def case_forward(pp: int, family: str = "llama") -> dict:
+def case_forward(pp: int, family: str = "llama", mb: int = 1) -> dict:
     arch, params = tiny_llama(4) if family == "llama" else family_model(family)
-    layout = make_pipeline(arch, pp)
+    layout = make_pipeline(arch, pp, microbatches=mb)
     shape = (arch.num_layers, 4, arch.num_kv_heads, BLOCK, arch.head_dim)
     one_kv = (jnp.zeros(shape), jnp.zeros(shape))
     pp_kv = tuple(jax.device_put(jnp.zeros((layout.pool_layers, *shape[1:])),
@@ -208,7 +213,8 @@ def case_forward(pp: int, family: str = "llama") -> dict:
                 kv_per_device=got_kv[0], one_device_total=one_total, ratio=ratio)  # fmt: skip
 
 
-def config(pp: int, tp: int, k: int, partition, swap_space: float = 0.01) -> EngineConfig:
+def config(pp: int, tp: int, k: int, partition, swap_space: float = 0.01,
+           mb: int = 1) -> EngineConfig:  # fmt: skip
     return EngineConfig(
         model=ModelConfig(model="tiny-llama-pp", max_model_len=MAX_LEN, seed=0),
         cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=NUM_BLOCKS,
@@ -216,16 +222,17 @@ def config(pp: int, tp: int, k: int, partition, swap_space: float = 0.01) -> Eng
         scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS,
                                   watermark=0.0, num_multi_steps=k),
         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                pipeline_layer_partition=partition),
+                                pipeline_layer_partition=partition,
+                                pipeline_microbatches=mb),
     )  # fmt: skip
 
 
 def engine(layers: int, pp: int, tp: int = 1, k: int = 1, partition=None,
-           swap_space: float = 0.01) -> LLMEngine:  # fmt: skip
+           swap_space: float = 0.01, mb: int = 1) -> LLMEngine:  # fmt: skip
     arch, params = tiny_llama(layers)
     tok = ByteTokenizer(eos_token_id=arch.eos_token_id, bos_token_id=arch.bos_token_id)
     # NaN pages: a read of a slot a sequence does not own poisons its logits.
-    return LLMEngine(arch, params, tok, config(pp, tp, k, partition, swap_space),
+    return LLMEngine(arch, params, tok, config(pp, tp, k, partition, swap_space, mb),
                      kv_fill_value=float("nan"))  # fmt: skip
 
 
@@ -243,9 +250,9 @@ def reference(layers: int, k: int) -> tuple[dict, list, dict]:
     return outs, beams(eng, vocab), facts
 
 
-def case_engine(pp: int, tp: int, k: int, partition, layers: int) -> dict:
+def case_engine(pp: int, tp: int, k: int, partition, layers: int, mb: int = 1) -> dict:
     ref_outs, ref_beams, facts = reference(layers, k)
-    eng = engine(layers, pp, tp, k, partition)
+    eng = engine(layers, pp, tp, k, partition, mb=mb)
     outs, _ = drain(eng, workload(eng.arch.vocab_size))
     for rid in ref_outs:
         assert outs[rid] == ref_outs[rid], f"{rid}: PP {pp} {outs[rid]} vs 1 {ref_outs[rid]}"
@@ -259,19 +266,22 @@ def case_engine(pp: int, tp: int, k: int, partition, layers: int) -> dict:
     kv = shard_bytes(eng.kv)
     assert len(kv) == pp * tp, kv
     return dict(facts, ranges=pipe.ranges, attention_backend=eng.attention_backend,
+                microbatches=eng.runner.layer_stack.microbatches,
                 kv_per_device=max(kv.values()), kv_total=sum(p.nbytes for p in eng.kv),
                 params_per_device=max(shard_bytes(eng.params).values()),
                 multi_step_loops=eng.stats().get("multi_step_loops", None))  # fmt: skip
 
 
 def run(name: str) -> dict:
-    if name.startswith("forward-pp"):  # forward-pp2, forward-pp2-opt, forward-pp2-gpt_neox
-        pp, *family = name.removeprefix("forward-pp").split("-")
-        return case_forward(int(pp), *family)
+    if name.startswith("forward-pp"):  # forward-pp2, forward-pp2-opt, forward-pp2-gpt_neox-mb2
+        pp, *rest = name.removeprefix("forward-pp").split("-")
+        mb = [int(p.removeprefix("mb")) for p in rest if p.startswith("mb")]
+        family = [p for p in rest if not p.startswith("mb")]
+        return case_forward(int(pp), *family, mb=mb[0] if mb else 1)
     if name.startswith("engine-"):
-        opts = dict(pp=1, tp=1, k=1, partition=None, layers=4)
+        opts = dict(pp=1, tp=1, k=1, partition=None, layers=4, mb=1)
         for part in name.split("-")[1:]:
-            for key in ("layers", "part", "pp", "tp", "k"):
+            for key in ("layers", "part", "pp", "tp", "k", "mb"):
                 if part.startswith(key):
                     value = part.removeprefix(key)
                     opts[{"part": "partition"}.get(key, key)] = (

@@ -61,12 +61,14 @@ def test_tp4_across_two_processes_equals_one_device():
 
 
 @pytest.mark.slow  # 91 s at load 6: over the second tier's per-issue allowance; by hand
-def test_pp2_tp2_across_two_processes_equals_one_device():
+@pytest.mark.parametrize("flag", ["--pp2", "--pp2-mb2"])
+def test_pp2_tp2_across_two_processes_equals_one_device(flag: str):
     """Pipeline parallelism across processes: PP 2 x TP 2, stage 0 on process 0's two
     devices and stage 1 on process 1's (activations sent over gloo), equals one device
-    over the mixed workload (swap off). 91 s at load 6."""
+    over the mixed workload (swap off). 91 s at load 6. ``--pp2-mb2``: the same with
+    pipeline_microbatches=2 (28 s at load 2.2)."""
     port = _port()
-    procs = [_start(0, port, "--pp2"), _start(1, port, "--pp2")]
+    procs = [_start(0, port, flag), _start(1, port, flag)]
     try:
         outs = [p.communicate(timeout=600) for p in procs]
     finally:

@@ -381,3 +381,42 @@ def test_encoder_budget_spreads_a_large_request_while_others_decode(llava):
     assert outs["text"] == _hf_greedy(llava, text, [], max_tokens=8)
     assert outs["images"] == _hf_greedy(llava, three, imgs)
     assert len(progress) >= 3  # the text request decoded during the holds
+
+
+@pytest.mark.tier2  # second tier (docs/testing.md): the warm-up compiles ~20 programs
+def test_warm_up_compiles_the_image_path(llava):
+    """warmup="all" on a LLaVA model also compiles the encoder (1 and 2 images: the cache
+    holds 2) and the image step program of every (T, S) pair: the first image requests
+    (one image; two images met in one step) then trace and compile nothing, the XLA
+    compile count included, and give transformers' tokens. With warmup="none" nothing
+    of the image path is compiled at start; the same requests then compile both."""
+    from pagedjax.engine.engine_stats import backend_compilations
+
+    args = dict(ARGS, max_num_batched_tokens=32)  # encoder cache: 32 // 16 = 2 images
+    two = "USER: <image> and <image>\nCompare. ASSISTANT:"
+    reqs = [(LONG, [_image(31)]), (two, [_image(32), _image(33)])]
+    prompts = [_mm(p, im) for p, im in reqs]
+    warm = LLM(model=str(llava[0]), **dict(args, warmup="all")).llm_engine
+    assert sorted(warm.mm.vision.trace_count) == [(1, 3, 32, 32, 2), (2, 3, 32, 32, 2)]
+    pairs = {k[:2] for k in warm.runner.programs if "mm" in k}
+    assert pairs and pairs == {k[:2] for k in warm.runner.programs if "mm" not in k}
+    before, xla = warm.stats()["compilations"], backend_compilations()[0]
+    got = []
+    for i, prompt in enumerate(prompts):  # one after the other: the second's images meet
+        warm.add_request(str(i), prompt, GREEDY)
+        while warm.has_unfinished_requests():
+            got += [list(o.outputs[0].token_ids) for o in warm.step() if o.finished]
+    assert got == [_hf_greedy(llava, p, im) for p, im in reqs]
+    s = warm.stats()
+    assert s["mm_images_encoded"] == 3 and s["mm_encoder_cache_images"] == 2
+    assert s["compilations"] == before and backend_compilations()[0] == xla
+    # Control (the checks above can fail): an engine without warm-up compiles them then.
+    cold = LLM(model=str(llava[0]), **args).llm_engine
+    assert cold.mm.encoder_compilations == 0 and not cold.runner.programs
+    assert not any("mm" in k for k in cold.runner.trace_count)
+    for i, prompt in enumerate(prompts):
+        cold.add_request(str(i), prompt, GREEDY)
+        while cold.has_unfinished_requests():
+            cold.step()
+    assert cold.mm.encoder_compilations == 2  # 1 and 2 images
+    assert any("mm" in k for k in cold.runner.trace_count)

@@ -1,11 +1,12 @@
 """Pipeline parallelism (pagedjax/model/pipeline.py, docs/parallelism.md).
 
 In process: the stage split (vLLM's rule, as properties, with Hypothesis), the partition's
-checks and its environment variable, the refusals. In a subprocess with 8 host CPU
+checks and its environment variable, the refusals, the micro-batch ranges
+(``pipeline_microbatches``; Hypothesis). In a subprocess with 8 host CPU
 devices (``tests/pipeline_cases.py`` says what each case asserts): the pipelined model
 function equals one device's and each device holds 1 / PP of the bytes (default tier), and
 engines at PP 2, PP 4, PP 2 x TP 2, an uneven split and the K-step loop equal one device
-over the mixed workload (second tier and slow).
+over the mixed workload, and PP 2 with 2 micro-batches (second tier and slow).
 """
 
 from __future__ import annotations
@@ -16,12 +17,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedjax.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
-from pagedjax.model.pipeline import parse_partition, stage_layer_ranges
+from pagedjax.model.pipeline import (
+    microbatch_input,
+    microbatch_ranges,
+    parse_partition,
+    stage_layer_ranges,
+    token_slots,
+)
 from tests.engine_helpers import xla_flags_with_devices
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,14 +158,19 @@ def test_pp_forward_other_families_and_pp4():
 
 
 @pytest.mark.tier2
-def test_pp2_tp2_engine_equals_one_device():
+def test_pp2_tp2_and_microbatched_pp2_engines_equal_one_device():
     """The mixed workload (chunked prefill, decode, preemption by recompute and swap, a
     prefix hit, n = 2 seeded samples, beam search) at PP 2 x TP 2 on 4 devices (the
     attention's shard_map nested in the stage's) equals one device token for token; each
-    device holds 1 / 4 of the pool (2 stages x 2 KV-head shards). 30-62 s at load 5."""
-    case = _cases("engine-pp2-tp2")["engine-pp2-tp2"]
+    device holds 1 / 4 of the pool (2 stages x 2 KV-head shards). And at PP 2 with
+    pipeline_microbatches=2 (the same subprocess and one-device reference): equal too
+    (every step as two micro-batches, prefill chunks cut between them). 34 s cold at load
+    3 (the micro-batched engine: ~12 s of it), 9 s with a warm compilation cache."""
+    out = _cases("engine-pp2-tp2", "engine-pp2-mb2")
+    case = out["engine-pp2-tp2"]
     assert case["kv_per_device"] * 4 == case["kv_total"]
     assert case["ranges"] == [[0, 2], [2, 4]]
+    assert out["engine-pp2-mb2"]["microbatches"] == 2
 
 
 @pytest.mark.slow  # 281 s at load 9 on the 2-core box: one reference and one engine each
@@ -174,6 +187,98 @@ def test_pp2_pp4_uneven_and_kstep_engines_equal_one_device():
     assert out["engine-pp2-layers3"]["ranges"] == [[0, 2], [2, 3]]
     assert out["engine-pp2-layers3-part1_2"]["ranges"] == [[0, 1], [1, 3]]
     assert out["engine-pp2-k4"]["multi_step_loops"] > 0  # the fused loop ran under PP
+
+
+@pytest.mark.slow  # each case ran by hand in 4-31 s at load 2-5 on the 2-core box
+def test_microbatches_other_families_pp4_tp2_and_kstep_equal_one_device():
+    """pipeline_microbatches beyond the tier2 case: the model function of OPT and GPT-NeoX
+    at PP 2 with 2 micro-batches (the prefill's 5-token sequence cut 4 + 1); engines at
+    PP 4 with 4 micro-batches, PP 2 x TP 2 with 2, and PP 2 with 2 under the K-step loop
+    (K = 4) equal one device over the mixed workload."""
+    out = _cases("forward-pp2-opt-mb2", "forward-pp2-gpt_neox-mb2", "engine-pp4-mb4",
+                 "engine-pp2-tp2-mb2", "engine-pp2-mb2-k4", timeout=1800)  # fmt: skip
+    for name, case in out.items():
+        if name.startswith("forward"):
+            assert case["max_logit_diff"] < 1e-5
+        else:
+            assert case["microbatches"] == int(name.split("mb")[1][0]), name
+    assert out["engine-pp2-mb2-k4"]["multi_step_loops"] > 0
+
+
+# ------------------------------------------------------------------ micro-batches
+
+
+@settings(max_examples=200, deadline=None)
+@given(q=st.lists(st.integers(0, 40), min_size=1, max_size=24), groups=st.integers(1, 6),
+       slack=st.integers(0, 64))  # fmt: skip
+def test_microbatch_ranges_cover_every_token_once_within_slots(q, groups, slack):
+    """The micro-batches' token ranges are consecutive, cover the step's tokens once,
+    each within its slots, all but the last full; a micro-batch's rows are exactly the
+    sequences with a token in its range, and the parts of each sequence add up to its
+    q_len (a chunk cut between consecutive micro-batches, never lost or repeated)."""
+    cu = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+    total = int(cu[-1])
+    slots = token_slots(total + slack, groups)
+    start, end, first, last = microbatch_ranges(cu, groups, slots)
+    assert start[0] == 0 and end[-1] == total and np.all(start[1:] == end[:-1])
+    assert np.all(end - start <= slots)
+    full = np.flatnonzero(end - start < slots)
+    assert full.size == 0 or np.all(end[full[0]:] == total)  # only the tail is short
+    parts = np.zeros(len(q), np.int64)
+    for g in range(groups):
+        lo, hi = int(start[g]), int(end[g])
+        rows = [i for i in range(len(q)) if q[i] and cu[i] < hi and cu[i + 1] > lo]
+        got = list(range(int(first[g]), int(last[g])))
+        assert [i for i in got if q[i] > 0] == rows  # empty rows inside a range: harmless
+        for i in rows:
+            parts[i] += min(cu[i + 1], hi) - max(cu[i], lo)
+    assert parts.tolist() == q
+
+
+def test_microbatch_input_reassembles_the_batch():
+    """The micro-batches' own arrays (jnp, as in the step) cover the step once: their
+    tokens concatenated are the step's; a sequence cut between two micro-batches has its
+    query tokens split and its context grow (kv_len of the first part = the context up
+    to the cut); padding writes nowhere (PAD_SLOT) and covers no query."""
+    import jax.numpy as jnp
+
+    from pagedjax.attention import PAD_SLOT
+    from pagedjax.model import ModelInput
+
+    q = [3, 1, 2, 1, 0]  # 4 sequences and a padding row; 7 of 10 token slots used
+    cu = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+    t = 10
+    batch = ModelInput(tokens=jnp.arange(100, 100 + t), positions=jnp.arange(t),
+                       slot_mapping=jnp.arange(20, 20 + t),
+                       block_tables=jnp.arange(10).reshape(5, 2),
+                       kv_lens=jnp.asarray([9, 8, 7, 6, 0]), cu_q_lens=jnp.asarray(cu),
+                       logits_indices=jnp.asarray(cu[1:] - 1))  # fmt: skip
+    slots = token_slots(t, 2)  # 5: tokens 0-4 | 5-6, sequence 2 (tokens 4, 5) cut 1 + 1
+    ranges = microbatch_ranges(batch.cu_q_lens, 2, slots, xp=jnp)
+    assert [np.asarray(r).tolist() for r in ranges] == [[0, 5], [5, 7], [0, 2], [3, 4]]
+    subs = [microbatch_input(batch, *(r[g] for r in ranges), slots) for g in range(2)]
+    assert [np.asarray(s.cu_q_lens).tolist() for s in subs] == [[0, 3, 4, 5, 5, 5],
+                                                                [0, 1, 2, 2, 2, 2]]
+    assert [np.asarray(s.kv_lens).tolist() for s in subs] == [[9, 8, 6, 0, 0], [7, 6, 0, 0, 0]]
+    assert np.asarray(subs[1].block_tables[0]).tolist() == [4, 5]  # sequence 2's pages
+    toks = [int(x) for s, n in zip(subs, (5, 2), strict=True) for x in s.tokens[:n]]
+    assert toks == list(range(100, 107))
+    assert np.all(np.asarray(subs[1].slot_mapping[2:]) == PAD_SLOT)
+    assert subs[0].tokens.shape == (slots,) and subs[0].block_tables.shape == (5, 2)
+
+
+def test_microbatches_are_refused_without_stages():
+    with pytest.raises(ConfigError, match="pipeline_microbatches.*needs pipeline_parallel_size"):
+        ParallelConfig(pipeline_microbatches=2)
+    with pytest.raises(ConfigError, match="pipeline_microbatches"):
+        ParallelConfig(pipeline_parallel_size=2, pipeline_microbatches=0)
+    from pagedjax.entrypoints.llm import engine_config
+    from pagedjax.entrypoints.openai.cli_args import llm_kwargs, make_parser
+
+    args = make_parser().parse_args(["--model", "tiny-llama-tp", "-pp", "2",
+                                     "--pipeline-microbatches", "2"])  # fmt: skip
+    par = engine_config(**llm_kwargs(args)).parallel
+    assert (par.pipeline_parallel_size, par.pipeline_microbatches) == (2, 2)
 
 
 def test_simulator_prices_stages_transfers_and_the_bubble():
@@ -196,3 +301,25 @@ def test_simulator_prices_stages_transfers_and_the_bubble():
     assert stage_layers(80, 3) == 27
     with pytest.raises(ValueError, match="in_flight"):
         two.bubble(3)
+
+
+def test_simulator_prices_microbatches_as_built():
+    """pagedjax's micro-batches (M per step, drained every step): M = 1 is the one-batch
+    step; M = 2 at PP 2 runs 3 ticks of half the work, bubble 1 / 3. A compute-bound
+    prefill step gets faster; a decode step, bound by reading the stage's weights, which
+    every micro-batch reads again, gets slower (3 weight reads per stage instead of 2)."""
+    from pagedjax.simulator.cost_model import roofline
+    from pagedjax.simulator.pipeline import microbatch_step, pipeline_step
+
+    cost = roofline("H100-80GB", "llama-3-70b", tp=4)
+    prefill, decode = (2048, 0, 2048), (0, 256, 256 * 1024)
+    for work in (prefill, decode):
+        one = microbatch_step(cost, 2, 1, *work)
+        assert one.latency() == pytest.approx(pipeline_step(cost, 2, *work).latency())
+    two = microbatch_step(cost, 2, 2, *prefill)
+    assert two.ticks == 3 and two.bubble() == pytest.approx(1 / 3)
+    assert two.latency() < 0.8 * microbatch_step(cost, 2, 1, *prefill).latency()
+    assert microbatch_step(cost, 2, 2, *decode).latency() > microbatch_step(
+        cost, 2, 1, *decode).latency()  # fmt: skip
+    with pytest.raises(ValueError, match="microbatches"):
+        microbatch_step(cost, 2, 0, *prefill)

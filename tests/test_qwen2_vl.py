@@ -453,6 +453,40 @@ def test_fused_decode_loop_equals_transformers(qwen2vl):
 
 
 @pytest.mark.tier2
+def test_warm_up_compiles_the_largest_grid_and_the_image_steps(qwen2vl):
+    """warmup="all" compiles the encoder at the processor's largest square grid (a 64 x 64
+    image: 16 x 16 patches, 64 tokens) and the image step program (M-RoPE positions) of
+    every (T, S) pair: a first request with such an image traces and compiles nothing
+    (XLA included) and gives generate's tokens; an image of another size compiles its
+    own grid's encoder, and only that (every grid is its own program: docs/multimodal.md)."""
+    from pagedjax import LLM, SamplingParams
+    from pagedjax.engine.engine_stats import backend_compilations
+
+    d, model, processor = qwen2vl
+    engine = LLM(model=str(d), max_num_batched_tokens=16, block_size=BS, max_model_len=160,
+                 num_gpu_blocks_override=64, max_num_seqs=2, warmup="all").llm_engine
+    assert [k[:3] for k in engine.mm.vision.trace_count] == [(1, 16, 16)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    before, xla = engine.stats()["compilations"], backend_compilations()[0]
+
+    def run(size):
+        image = _image(7, size)
+        engine.add_request(str(size), {"prompt": ONE, "multi_modal_data": {"image": image}},
+                           greedy)  # fmt: skip
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    assert o.outputs[0].token_ids == _hf_greedy(model, processor, ONE, [image],
+                                                                4)[1]  # fmt: skip
+
+    run((64, 64))
+    assert engine.stats()["compilations"] == before and backend_compilations()[0] == xla
+    run(SIZES[0])  # 40 x 24 px: another grid
+    assert engine.stats()["compilations"] == before + 1
+    assert len(engine.mm.vision.trace_count) == 2
+
+
+@pytest.mark.tier2
 def test_prefix_cache_chat_and_openai_server(qwen2vl, llm):
     """A new image under a cached text hits only the text blocks before the image; the
     same image and text again hits every full block and encodes nothing; LLM.chat with

@@ -21,7 +21,7 @@ from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.engine.engine_stats import backend_compilations, engine_compilations
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.multi_step import loop_buckets
-from pagedjax.engine.warmup import bucket_pairs
+from pagedjax.engine.warmup import bucket_pairs, image_encoder_counts
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_STEP_PROGRAMS = 20  # one-step programs of a default engine (issue 13's bound)
@@ -42,6 +42,16 @@ def test_default_engine_has_few_step_programs():
     # Every step a schedule can produce maps to one of them: rows never exceed tokens.
     for t, s in steps:
         assert s == min(t, engine.max_seqs)
+
+
+def test_image_encoder_counts_cover_every_call_up_to_the_cache():
+    """An encoder call takes 1..C tiles (C: the encoder cache's capacity), padded to a
+    power of two: "all" warms every padded count, "decode" a lone image, "none" none."""
+    for c in range(1, 40):
+        counts = image_encoder_counts(c, "all")
+        padded = {1 << max(0, (n - 1).bit_length()) for n in range(1, c + 1)}
+        assert counts == sorted(padded)
+    assert image_encoder_counts(9, "decode") == [1] and image_encoder_counts(9, "none") == []
 
 
 @pytest.mark.tier2  # second tier (docs/testing.md): 30 s cold: the whole warm-up

@@ -234,8 +234,9 @@ MOVES: dict[str, tuple[str, str]] = {
     "tests/test_multi_step.py::test_abort_while_a_loop_is_in_flight": ("slow", "19.6 s"),
     "tests/test_parallel.py::test_tp4_and_tp8_match_single_device": (
         "slow", "~150 s quiet (one subprocess, 8 devices); TP 2 in the default tier"),
-    "tests/test_pipeline.py::test_pp2_tp2_engine_equals_one_device": (
-        "slow", "PP 2 x TP 2 subprocess; PP 2 in the default tier"),
+    "tests/test_pipeline.py::test_pp2_tp2_and_microbatched_pp2_engines_equal_one_device": (
+        "slow", "PP 2 x TP 2 and PP 2 with 2 micro-batches, one subprocess (~34 s cold);"
+        " PP 2 and the micro-batch assignment in the default tier"),
     "tests/test_real_model.py::test_greedy_answers_equal_transformers[6x32]": (
         "slow", "2 x 16 stays in the default tier"),
     "tests/test_real_model.py::test_perplexity_equals_transformers_on_512_tokens": (

@@ -52,12 +52,16 @@ def compilations_by_function(core: EngineCore, decoder: Any) -> dict[str, int]:
     program): warm-up compiles them ahead of time (``lower(...).compile()``), which jit's
     call cache (``_cache_size()``) records only at the first call, although that call
     neither traces nor compiles again. The small functions run at warm-up: their jit
-    caches count."""
+    caches count. A model that takes images adds ``image_encoder`` (its traces; the image
+    step programs are the runner step's)."""
     traced = {"runner_step": core.runner.trace_count, "multi_step_loop": decoder.trace_count}
-    return {
+    counts = {
         name: sum(traced[name].values()) if name in traced else f._cache_size()
         for name, f in engine_jits(core, decoder).items()
     }
+    if core.admit_gate is not None:  # multimodal.MultiModalRunner: the image encoder's
+        counts["image_encoder"] = core.admit_gate.encoder_compilations
+    return counts
 
 
 def engine_compilations(core: EngineCore, decoder: Any) -> int:

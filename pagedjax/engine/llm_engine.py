@@ -132,7 +132,7 @@ class LLMEngine:
         self.kv_spec = KVCacheSpec.resolve(arch, dtype, cc.cache_dtype, kv_dtype, cc.kv_scales)
         self.placement = place = DevicePlacement(
             arch, par.tensor_parallel_size, devices, par.pipeline_parallel_size,
-            par.pipeline_layer_partition)  # fmt: skip
+            par.pipeline_layer_partition, par.pipeline_microbatches)  # fmt: skip
         params = place.params(params, self.kv_spec)  # refuses what is not sharded yet
         log.info("devices: %s", place.describe())
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
@@ -447,10 +447,10 @@ class LLMEngine:
 
     def warmup(self, pairs: Iterable[tuple[int, int]] | None = None, *, mode: str = "decode",
                progress: bool = False) -> list[tuple[int, int]]:  # fmt: skip
-        """Compile now, on no-op inputs (``warmup.py``): ``mode`` "decode" (decode pairs,
-        the largest prefill pair, decode loops, state functions), "all" (every reachable
-        (T, S) pair too) or "none"; ``pairs``: just those runner pairs. Returns them."""
-        done = warm_up(self.core, self.multi_step, mode, pairs, progress)
+        """Compile now, on no-op inputs (``warmup.py``; an image model's encoder and image
+        steps too): ``mode`` "decode" (decode pairs, the largest prefill pair, decode loops,
+        state functions), "all" (every (T, S) pair) or "none"; ``pairs``: just those."""
+        done = warm_up(self.core, self.multi_step, mode, pairs, progress, images=self.mm)
         if self.speculator is not None:  # its verification (and draft) programs too
             self.speculator.warm_up(self.core, done)
         return done

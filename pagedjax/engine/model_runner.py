@@ -150,9 +150,9 @@ class ModelRunner:
             static_argnames=("num_tokens", "num_seqs", "all_logits"),
             donate_argnames=("kv", "tokens"),
         )
-        # Compiled steps by (num_tokens, num_seqs, all_logits), called by ``run`` instead of
-        # ``step``: the warm-up fills it (from the program store: no tracing).
-        self.programs: dict[tuple[int, int, bool], Any] = {}
+        # Compiled steps by ``program_key``, called by ``run`` instead of ``step``: the
+        # warm-up fills it (from the program store: no tracing).
+        self.programs: dict[tuple, Any] = {}
         self.fault = hook_from_env()  # PAGEDJAX_FAULT_INJECT (faults.py): tests, drills
 
     def describe(self) -> str:
@@ -162,22 +162,30 @@ class ModelRunner:
         # Without a pipeline the key is what it was (stored programs stay valid).
         return repr(parts if self.layer_stack is None else (*parts, self.layer_stack))
 
+    @staticmethod
+    def program_key(num_tokens: int, num_seqs: int, all_logits: bool, mm: Any = None) -> tuple:
+        """``programs``' key of a step: its static arguments, and for a step with image
+        inputs (``mm``) the encoder cache's capacity, the one shape of ``mm`` that is not
+        fixed by the bucket (the cache grows when one step needs more images than fit)."""
+        if mm is None:
+            return (num_tokens, num_seqs, all_logits)
+        return (num_tokens, num_seqs, all_logits, "mm", mm[0].shape[0])
+
     def run(self, *args: Any, num_tokens: int, num_seqs: int, all_logits: bool = False,
             mm: Any = None) -> Any:  # fmt: skip
         """``step(*args, ...)``, through a compiled program of ``programs`` when there is one
         for these static arguments (the same executable ``step`` would run). mm: a step
-        that prefills image positions (``forward_sample``); its own jit specialization."""
+        that prefills image positions (``forward_sample``); its own specialization."""
         if self.fault is not None:
             self.fault.check()
-        if mm is not None:
-            return self.step(*args, num_tokens=num_tokens, num_seqs=num_seqs,
-                             all_logits=all_logits, mm=mm)  # fmt: skip
-        program = self.programs.get((num_tokens, num_seqs, all_logits))
+        program = self.programs.get(self.program_key(num_tokens, num_seqs, all_logits, mm))
+        extra = {} if mm is None else {"mm": mm}
         # A device FSM table (structured outputs, device_fsm) is an argument shape the
         # warmed-up programs were not compiled for: jit compiles it once per table bucket.
         if program is not None and not has_fsm_table(args):
-            return program(*args)
-        return self.step(*args, num_tokens=num_tokens, num_seqs=num_seqs, all_logits=all_logits)
+            return program(*args, **extra)
+        return self.step(*args, num_tokens=num_tokens, num_seqs=num_seqs, all_logits=all_logits,
+                         **extra)  # fmt: skip
 
     def _step(
         self,

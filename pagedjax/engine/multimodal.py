@@ -56,7 +56,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -217,12 +216,6 @@ def check_engine(config: Any, arch: ModelArch) -> None:
         raise ValueError("kv_scales='calibrate' with a multi-modal model is not built yet")
 
 
-@jax.jit
-def _write_rows(cache: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
-    """cache[slots[i]] := rows[i]; slots past the cache (padding) write nothing."""
-    return cache.at[slots].set(rows.astype(cache.dtype), mode="drop")
-
-
 class EncoderCache:
     """Projected image features on device, by image key, least recently used evicted
     (see the module docstring). ``cache``: [C, N, H] in the model dtype."""
@@ -259,10 +252,8 @@ class EncoderCache:
             self._make_room(len(missing), set(wanted))
             slots = [self._free.pop() for _ in missing]
             t0 = time.perf_counter()
-            feats = vision.encode_tiles([img.pixel_values for img in missing])
-            idx = np.full(feats.shape[0], self.capacity, np.int32)  # padding: dropped
-            idx[: len(slots)] = slots
-            self.cache = _write_rows(self.cache, upload(idx), feats)
+            self.cache = vision.encode_into(self.cache, slots,
+                                            [img.pixel_values for img in missing])  # fmt: skip
             self.cache.block_until_ready()  # the encoder's time, not the next step's
             self.encoder_seconds += time.perf_counter() - t0
             self.encoded += len(missing)
@@ -450,6 +441,22 @@ class MultiModalRunner:
             image_row[flat : flat + count] = np.arange(first, first + count)
         mm = (self.encoder_cache.cache, *upload((image_slot, image_row)))
         return mm if rope is None else (*mm, rope)
+
+    @property
+    def encoder_compilations(self) -> int:
+        """Image encoder programs compiled so far (their traces: ``VisionModel.trace_count``)."""
+        return sum(self.vision.trace_count.values())
+
+    def padding_inputs(self, num_tokens: int) -> tuple:
+        """A step's ``mm`` argument that gathers no image row (every token's slot -1; an
+        M-RoPE model's positions all 0), of the pytree, shapes, dtypes and placement
+        ``step_inputs`` gives a step of ``num_tokens`` (padded) tokens: what the warm-up
+        compiles the image step program on (engine/warmup.py)."""
+        slot, row = np.full(num_tokens, -1, np.int32), np.zeros(num_tokens, np.int32)
+        mm = (self.encoder_cache.cache, *upload((slot, row)))
+        if self.rope_deltas is None:
+            return mm
+        return (*mm, upload(np.zeros((3, num_tokens), np.int32)))
 
     def stats(self) -> dict[str, float | int]:
         """mm_images_encoded: encoder runs' images; mm_encoder_cache_hits: images a step

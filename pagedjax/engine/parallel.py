@@ -40,18 +40,20 @@ from pagedjax.model.sharding import (
 class DevicePlacement:
     """Where one engine's arrays live. ``size``: tensor_parallel_size; ``devices``: the
     devices to use (default: the first ``size`` x ``pp`` of ``jax.devices()``); ``pp``:
-    pipeline_parallel_size, ``partition``: layers per stage (None: vLLM's even split).
+    pipeline_parallel_size, ``partition``: layers per stage (None: vLLM's even split);
+    ``microbatches``: pipeline_microbatches (model/pipeline.py).
     Raises ValueError (naming the numbers) when ``size`` does not divide the model's
     heads, the partition does not fit the layers, or the devices are too few."""
 
     def __init__(self, arch: ModelArch, size: int, devices: Sequence[Any] | None = None,
-                 pp: int = 1, partition: Sequence[int] | None = None):  # fmt: skip
+                 pp: int = 1, partition: Sequence[int] | None = None,
+                 microbatches: int = 1):  # fmt: skip
         self.arch = arch
         self.size = size
         self.layout: TPLayout | None = None
         self.pipeline: PipelineLayout | None = None
         if pp > 1:
-            self.pipeline = make_pipeline(arch, pp, size, partition, devices)
+            self.pipeline = make_pipeline(arch, pp, size, partition, devices, microbatches)
             self.layout = self.pipeline.tp  # the whole mesh; TP rules inside a stage
         elif size > 1 or devices is not None:
             self.layout = make_layout(arch, size, devices)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,19 +56,31 @@ class PreparedImage:
 class VisionModel:
     """A checkpoint's vision side for the engine, whatever the family: ``arch`` (hashable,
     static under jit; ``image_token_id``, ``num_image_tokens`` per tile), the tower and
-    connector params, ``features(vision, connector, tiles [B, 3, S, S], arch) -> [B, N,
-    H]`` (the family's pure ``image_features``, jitted here per tile-count bucket) and
-    ``prepare(images) -> list[PreparedImage]`` (preprocessing and placeholder
-    replacement; the family's processor, bound at load)."""
+    connector params, the constructor's ``features(vision, connector, tiles [B, 3, S, S],
+    arch) -> [B, N, H]`` (the family's pure ``image_features``) and ``prepare(images) ->
+    list[PreparedImage]`` (preprocessing and placeholder replacement; the family's
+    processor, bound at load). ``warm_shapes``: the tile shapes the warm-up compiles the
+    encoder for (LLaVA, Idefics3: the one tile size; Qwen2-VL: see its class).
+
+    The encoder runs as one jitted program per (tile count bucket, tile shape, encoder
+    cache capacity): the tiles' features written into the encoder cache's rows
+    (``encode_into``), so the step path runs no eager operation (each would compile per
+    shape). ``trace_count`` counts its traces (= programs compiled) by that key, as
+    ``ModelRunner.trace_count`` does for the step."""
 
     def __init__(self, arch: Any, vision: Params, connector: Params,
                  features: Callable[..., jax.Array],
                  prepare: Callable[[list[Any]], list[PreparedImage]],
-                 static: tuple[str, ...] = ("arch",)):  # fmt: skip
+                 warm_shapes: tuple[tuple[int, ...], ...] = ()):  # fmt: skip
         self.arch, self.vision, self.connector = arch, vision, connector
         self.prepare = prepare
+        self.warm_shapes = warm_shapes
         self.dtype = jax.tree.leaves(connector)[0].dtype
-        self._encode = jax.jit(features, static_argnames=static)
+        self._features = features
+        self.trace_count: dict[tuple[int, ...], int] = {}
+        self._width: int | None = None  # encode_tiles' feature width
+        # A bound method: traced per engine (its own trace count), like the runner's step.
+        self._program = jax.jit(self._encode_store)
 
     @property
     def num_image_tokens(self) -> int:
@@ -92,16 +105,58 @@ class VisionModel:
     def rope_positions(self, length: int, images: list[Any]) -> tuple[np.ndarray, int]:
         raise NotImplementedError("only M-RoPE models (mrope True) have 3-D positions")
 
-    def encode(self, pixels: np.ndarray) -> jax.Array:
-        """tiles [B, 3, S, S] -> projected features [B', N, H] (B' >= B: the count padded
-        to a power of two; rows past B are padding)."""
-        return self._encode(self.vision, self.connector, upload(_pad_count(pixels)),
-                            arch=self.arch)  # fmt: skip
+    def features(self, params: tuple[Params, Params], pixels: jax.Array) -> jax.Array:
+        """Traced: (tower, connector) params, tiles [B, *tile shape] -> features [B, rows,
+        H], rows <= N."""
+        return self._features(*params, pixels, arch=self.arch)
+
+    def _encode_store(self, params: tuple[Params, Params], pixels: jax.Array, cache: jax.Array,
+                      slots: jax.Array) -> jax.Array:  # fmt: skip
+        """cache [C, N, H] with cache[slots[i]] := features of tile i (rows past a tile's
+        feature count zero; slots past C, the padding tiles, write nothing)."""
+        key = (*pixels.shape, cache.shape[0])  # runs at trace time only
+        self.trace_count[key] = self.trace_count.get(key, 0) + 1
+        feats = self.features(params, pixels)
+        feats = jnp.pad(feats, ((0, 0), (0, cache.shape[1] - feats.shape[1]), (0, 0)))
+        # Not donated (a copy of [C, N, H] per call, as the separate write before): the
+        # step that read the cache may still be in flight.
+        return cache.at[slots].set(feats.astype(cache.dtype), mode="drop")
+
+    def encode_into(self, cache: jax.Array, slots: list[int], tiles: list[np.ndarray]
+                    ) -> jax.Array:  # fmt: skip
+        """cache [C, N, H] with each tile's features in its slot (``slots[i]`` for
+        ``tiles[i]``, each as ``PreparedImage.tiles[k]``): one program call per tile
+        shape (Qwen2-VL's grids; one for the other families), the count padded to a
+        power of two (padding tiles write nothing). The encoder cache's call."""
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, t in enumerate(tiles):
+            by_shape.setdefault(t.shape, []).append(i)
+        for idx in by_shape.values():
+            pixels = _pad_count(np.stack([tiles[i] for i in idx]))
+            dest = np.full(pixels.shape[0], cache.shape[0], np.int32)
+            dest[: len(idx)] = [slots[i] for i in idx]
+            cache = self._program((self.vision, self.connector), upload(pixels), cache,
+                                  upload(dest))  # fmt: skip
+        return cache
 
     def encode_tiles(self, tiles: list[np.ndarray]) -> jax.Array:
-        """Tiles (each as ``PreparedImage.tiles[k]``) -> features [B' >= len, N, H] in
-        order (the encoder cache's call)."""
-        return self.encode(np.stack(tiles))
+        """Tiles -> their features [len(tiles), N, H] in order (rows past a tile's count
+        zero), through ``encode_into`` on a fresh cache of len(tiles) entries: for
+        callers outside the engine (tests, tools); the engine writes into its cache."""
+        if self._width is None:  # the features' width, traced once (not compiled)
+            one = jax.ShapeDtypeStruct((1, *tiles[0].shape), np.float32)
+            self._width = jax.eval_shape(self.features, (self.vision, self.connector),
+                                         one).shape[-1]  # fmt: skip
+        cache = jnp.zeros((len(tiles), self.num_image_tokens, self._width), self.dtype)
+        return self.encode_into(cache, list(range(len(tiles))), tiles)
+
+    def compile_encoder(self, cache: jax.Array, count: int, shape: tuple[int, ...]) -> None:
+        """Compile ahead of time (not run) the encoder program of ``count`` tiles (a power
+        of two) of ``shape`` into a cache like ``cache``: later calls with those shapes
+        neither trace nor compile (jit's cache holds it). The warm-up's call."""
+        pixels = upload(np.zeros((count, *shape), np.float32))
+        dest = upload(np.full(count, cache.shape[0], np.int32))
+        self._program.lower((self.vision, self.connector), pixels, cache, dest).compile()
 
 
 def _pad_count(x: np.ndarray) -> np.ndarray:
@@ -119,7 +174,10 @@ class Qwen2VLVisionModel(VisionModel):
     ``num_image_tokens``, the encoder cache's rows per entry: shorter images leave rows
     unused); the encoder is compiled per grid (images of one grid batched, the count
     padded to a power of two); the language model takes M-RoPE positions
-    (``qwen2_vl.mrope_positions``)."""
+    (``qwen2_vl.mrope_positions``). ``warm_shapes``: the grid of the processor's largest
+    square image (its max pixels), the one grid the warm-up compiles: every image size
+    and aspect ratio between the processor's min and max pixels has a grid of its own
+    (hundreds), so the others compile on first use."""
 
     mrope = True
 
@@ -138,18 +196,12 @@ class Qwen2VLVisionModel(VisionModel):
                  for img in images]  # fmt: skip
         return qwen2_vl.mrope_positions(length, grids)
 
-    def encode_tiles(self, tiles: list[np.ndarray]) -> jax.Array:
-        n, out = self.num_image_tokens, [None] * len(tiles)
-        by_grid: dict[tuple[int, ...], list[int]] = {}
-        for i, t in enumerate(tiles):
-            by_grid.setdefault(t.shape, []).append(i)
-        for (gh, gw, d), idx in by_grid.items():
-            px = _pad_count(np.stack([tiles[i] for i in idx]).reshape(len(idx), gh * gw, d))
-            feats = self._encode(self.vision, upload(px), grid=(gh, gw), arch=self.arch.vision)
-            feats = jnp.pad(feats, ((0, 0), (0, n - feats.shape[1]), (0, 0)))
-            for j, i in enumerate(idx):
-                out[i] = feats[j]
-        return jnp.stack(out)
+    def features(self, params: tuple[Params, Params], pixels: jax.Array) -> jax.Array:
+        """Traced: patches [B, grid_h, grid_w, patch_dim] -> [B, grid_h * grid_w / merge^2,
+        H] (params[0], the tower, holds the merger)."""
+        b, gh, gw, d = pixels.shape
+        return self._features(params[0], pixels.reshape(b, gh * gw, d), grid=(gh, gw),
+                              arch=self.arch.vision)  # fmt: skip
 
 
 def _llava_model(path: Path, dtype: Any, tokenizer: Tokenizer
@@ -168,7 +220,8 @@ def _llava_model(path: Path, dtype: Any, tokenizer: Tokenizer
                              f" vision tower takes (3, {s}, {s})")  # fmt: skip
         return [PreparedImage(px[None], (tok,) * n) for px in pixels]
 
-    return arch, params, VisionModel(larch, vision, projector, llava.image_features, prepare)
+    return arch, params, VisionModel(larch, vision, projector, llava.image_features, prepare,
+                                     warm_shapes=((3, s, s),))  # fmt: skip
 
 
 def _clip_image_processor(directory: Path, arch: llava.LlavaArch) -> Any:
@@ -212,7 +265,9 @@ def _idefics3_model(path: Path, dtype: Any, tokenizer: Tokenizer
             out.append(PreparedImage(tiles, replacement(rows, cols, len(tiles))))
         return out
 
-    return arch, params, VisionModel(iarch, vision, connector, idefics3.image_features, prepare)
+    s = iarch.vision.image_size  # every tile, split or global, is the tower's square
+    return arch, params, VisionModel(iarch, vision, connector, idefics3.image_features, prepare,
+                                     warm_shapes=((3, s, s),))  # fmt: skip
 
 
 def _qwen2_vl_model(path: Path, dtype: Any, tokenizer: Tokenizer
@@ -220,6 +275,8 @@ def _qwen2_vl_model(path: Path, dtype: Any, tokenizer: Tokenizer
     """A Qwen2-VL directory: its ViT with 2-D rotary and the patch merger; each image one
     tile of patches, its ``<|image_pad|>`` repeated grid_h * grid_w / merge^2 times
     (Qwen2VLProcessor); the text model a Qwen2 decoder with M-RoPE."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
     arch, params, qarch, vision, processor = qwen2_vl.load_qwen2_vl_checkpoint(path, dtype)
     m, tok = qarch.vision.spatial_merge_size, qarch.image_token_id
 
@@ -231,8 +288,14 @@ def _qwen2_vl_model(path: Path, dtype: Any, tokenizer: Tokenizer
             out.append(PreparedImage(tile, (tok,) * (gh * gw // m**2)))
         return out
 
+    # The warm-up's grid: the processor's own resize (smart_resize, without preprocessing
+    # an image of max pixels) of its largest square image.
+    p, size = qarch.vision.patch_size, processor.size
+    side = math.isqrt(size["longest_edge"])
+    h, w = smart_resize(side, side, factor=p * m, min_pixels=size["shortest_edge"],
+                        max_pixels=size["longest_edge"])  # fmt: skip
     model = Qwen2VLVisionModel(qarch, vision, vision["merger"], qwen2_vl.image_features,
-                               prepare, static=("grid", "arch"))  # fmt: skip
+                               prepare, warm_shapes=((h // p, w // p, qarch.vision.patch_dim),))
     return arch, params, model
 
 

@@ -27,6 +27,12 @@ Modes (``EngineConfig.warmup`` / ``LLM(warmup=...)``):
   variable ``PAGEDJAX_WARMUP`` replaces what "auto" means (the test suite sets "none":
   it builds many short-lived engines).
 
+A model that takes images (``warm_up``'s ``images``, docs/multimodal.md) adds two kinds
+of program: the image step (the runner step with image inputs, per (T, S) pair: "all"
+every pair, "decode" the largest) and the image encoder (per tile-count bucket and tile
+shape, ``image_encoder_counts``); "none" compiles neither. They show in the progress bar
+and the engine's start-up count, and a log line gives their share.
+
 Compile counting lives in ``engine_stats.py``. Warm-up works on the engine core
 (``core.EngineCore``) and its decode loop (``multi_step.MultiStepDecoder``) through their
 public methods, so it runs exactly the calls (and argument types) the engine makes.
@@ -34,7 +40,9 @@ public methods, so it runs exactly the calls (and argument types) the engine mak
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,6 +58,8 @@ from pagedjax.engine.multi_step import MultiStepDecoder, loop_buckets
 from pagedjax.engine.program_store import ProgramStore, describe_function
 from pagedjax.model import native_matmul
 from pagedjax.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
 
 MODES = ("auto", "all", "decode", "none")
 
@@ -83,15 +93,34 @@ def bucket_pairs(
     raise ValueError(f"mode must be 'all', 'decode' or 'none' here, got {mode!r}")
 
 
+def image_encoder_counts(capacity: int, mode: str) -> list[int]:
+    """The tile counts (powers of two) the warm-up compiles the image encoder for. One
+    encoder call takes the missing tiles of one step (or of one admission under the
+    encoder budget), at most the encoder cache's ``capacity`` C (more grow the cache,
+    logged, and compile then), the count padded to a power of two: 1, 2, ..., the first
+    power >= C in "all"; 1 (a lone image) in "decode"; none in "none"."""
+    if mode == "none":
+        return []
+    top = 1 if mode == "decode" else 1 << max(0, (capacity - 1).bit_length())
+    return [1 << i for i in range(top.bit_length())]
+
+
 def warm_up(
     core: EngineCore,
     decoder: MultiStepDecoder,
     mode: str = "decode",
     pairs: Iterable[tuple[int, int]] | None = None,
     progress: bool = False,
+    images: Any = None,
 ) -> list[tuple[int, int]]:
     """Compile (by running on no-op inputs) the programs of ``mode``; ``pairs``
     overrides the runner pairs (and then only they are run). Returns the runner pairs.
+
+    images: the engine's ``multimodal.MultiModalRunner`` (a model that takes images; None
+    otherwise): the image step program (``ModelRunner.step`` with ``mm``, a jit
+    specialization of its own) for the runner pairs ("decode": only the largest, the
+    prefill pair; with ``pairs``: those), and, unless ``pairs`` is given, the encoder for
+    ``image_encoder_counts`` tiles of each of ``vision.warm_shapes`` (Qwen2-VL: one grid).
 
     Safe at any time between steps: nothing it runs changes a request's state.
     """
@@ -115,21 +144,36 @@ def warm_up(
     if store is not None:  # the native kernels' FFI targets, before a loaded program runs
         native_cpu.available(), native_matmul.available()
     jobs += [(f"step T={t} S={s}", (_runner, t, s, store)) for t, s in pairs]
+    if images is not None and (only_pairs or mode != "none"):
+        image_pairs = pairs if only_pairs or mode == "all" else pairs[-1:]
+        jobs += [(f"image step T={t} S={s}", (_runner, t, s, store, images))
+                 for t, s in image_pairs]  # fmt: skip
+        counts = [] if only_pairs else image_encoder_counts(images.encoder_cache.capacity, mode)
+        jobs += [(f"encoder {n} x {shape}", (_encoder, images, n, shape))
+                 for shape in images.vision.warm_shapes for n in counts]  # fmt: skip
     bar = None
     if progress and jobs:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(jobs), desc="Compiling (warm-up)", dynamic_ncols=True)
+    image_seconds, image_jobs = 0.0, 0
     try:
         for name, (fn, *args) in jobs:
             if bar is not None:
                 bar.set_postfix_str(name, refresh=True)
+            t0 = time.perf_counter()
             fn(core, decoder, *args)
+            if name.startswith(("image step", "encoder")):
+                image_seconds += time.perf_counter() - t0
+                image_jobs += 1
             if bar is not None:
                 bar.update(1)
     finally:
         if bar is not None:
             bar.close()
+    if image_jobs:  # the image path's share of the start-up, visible on its own
+        log.info("warm-up: %d image programs (encoder and image steps) in %.1f s",
+                 image_jobs, image_seconds)  # fmt: skip
     return pairs
 
 
@@ -145,10 +189,13 @@ def _padding_batch(core: EngineCore) -> ScheduledBatch:
 
 
 def _runner(
-    core: EngineCore, decoder: MultiStepDecoder, t: int, s: int, store: ProgramStore | None = None
+    core: EngineCore, decoder: MultiStepDecoder, t: int, s: int, store: ProgramStore | None = None,
+    images: Any = None,
 ) -> None:
     """Compile the step of bucket (t, s) ahead of time on an all-padding batch, or load it
-    from the program store (no tracing), and hand it to the runner (``ModelRunner.run``).
+    from the program store (no tracing), and hand it to the runner (``ModelRunner.run``);
+    with ``images`` (the MultiModalRunner), the image step's variant, on image inputs
+    that gather nothing (``padding_inputs``).
 
     Compiled, not run: a run at the 2,048-token bucket costs as much as a real prefill, and
     it bought nothing (measured: warm start, see docs/startup.md)."""
@@ -162,15 +209,26 @@ def _runner(
             _padding_batch(core)._replace(swap=None),  # as LLMEngine.step passes it
             dev.sampling(), st.prompt_len, st.output_len)  # fmt: skip
     statics = dict(num_tokens=t, num_seqs=s, all_logits=False)
-    key = store.key("step", core.runner.describe(), args, statics) if store else ""
+    extra = {} if images is None else {"mm": images.padding_inputs(t)}
+    # (A text step's key is what it was before images: its stored programs stay valid.)
+    name, keyed = ("step", args) if images is None else ("image step", (*args, extra["mm"]))
+    key = store.key(name, core.runner.describe(), keyed, statics) if store else ""
     program = store.load(key) if store else None
     if program is None and store is None:
-        program = core.runner.step.lower(*args, **statics).compile()
+        program = core.runner.step.lower(*args, **extra, **statics).compile()
     elif program is None:
         with compile_cache.bypassed():  # a cache-loaded program would not serialize whole
-            program = core.runner.step.lower(*args, **statics).compile()
+            program = core.runner.step.lower(*args, **extra, **statics).compile()
         store.save(key, program)
-    core.runner.programs[(t, s, False)] = program
+    core.runner.programs[core.runner.program_key(t, s, False, extra.get("mm"))] = program
+
+
+def _encoder(core: EngineCore, decoder: MultiStepDecoder, images: Any, n: int,
+             shape: tuple[int, ...]) -> None:  # fmt: skip
+    """Compile the image encoder for ``n`` tiles of ``shape`` into the engine's encoder
+    cache ahead of time (``VisionModel.compile_encoder``: jit's cache and the persistent
+    compilation cache, not the program store)."""
+    images.vision.compile_encoder(images.encoder_cache.cache, n, shape)
 
 
 def _loop(core: EngineCore, decoder: MultiStepDecoder, s: int) -> None:

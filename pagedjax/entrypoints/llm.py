@@ -48,9 +48,11 @@ class LLM:
     requests routed by ``data_parallel_routing`` ("least_tokens" or "prefix_affinity";
     beam search runs on the least-loaded replica). pipeline_parallel_size: stages the
     decoder layers are split into, each on tensor_parallel_size devices (its layers'
-    weights and KV pool only; one batch in flight), layers per stage from
+    weights and KV pool only), layers per stage from
     ``PAGEDJAX_PP_LAYER_PARTITION`` ("2,1", as vLLM's VLLM_PP_LAYER_PARTITION) or vLLM's
-    even split (docs/parallelism.md). swap_space (GiB) sizes
+    even split (docs/parallelism.md); pipeline_microbatches: split each step's tokens into
+    that many micro-batches that flow through the stages together (GPipe inside the
+    step; 1, the default, one batch at a time). swap_space (GiB) sizes
     the host pool for preemption by swap (preemption_mode "swap", or None: swap groups of
     several samples, recompute single sequences; docs/engine.md). kv_offloading_size (GiB,
     vLLM's name; 0 = off) adds a host tier to that pool: prefix-cache blocks evicted from
@@ -132,6 +134,7 @@ class LLM:
         data_parallel_size: int = 1,
         data_parallel_routing: str = "least_tokens",
     pipeline_parallel_size: int = 1,
+        pipeline_microbatches: int = 1,
         scheduling_mode: str = "default",
         watermark: float = 0.01,
         attention_backend: str = "auto",
@@ -409,6 +412,7 @@ def engine_config(
     data_parallel_size: int = 1,
     data_parallel_routing: str = "least_tokens",
     pipeline_parallel_size: int = 1,
+    pipeline_microbatches: int = 1,
     scheduling_mode: str = "default",
     watermark: float = 0.01,
     attention_backend: str = "auto",
@@ -490,6 +494,7 @@ def engine_config(
             pipeline_parallel_size=pipeline_parallel_size,
             pipeline_layer_partition=(parse_partition(os.environ.get(PARTITION_ENV))
                                       if pipeline_parallel_size > 1 else None),
+            pipeline_microbatches=pipeline_microbatches,
         ),
         attention_backend=attention_backend,  # type: ignore[arg-type]
         warmup=warmup,  # type: ignore[arg-type]

@@ -32,7 +32,21 @@ Contract (docs/parallelism.md, "Pipeline parallelism"):
   the head. One batch in flight: at any time one stage works and PP - 1 wait, so the
   step takes as long as on one device plus PP transfers of [T, hidden] (the bubble is
   (PP - 1) / PP of device time); what PP buys here is memory (weights and KV per device),
-  not speed. Several batches in flight (one per stage, vLLM's way) are not built.
+  not speed.
+- **Micro-batches** (``pipeline_microbatches`` = M > 1, pagedjax's own option): GPipe
+  inside the step. ``microbatch_ranges`` cuts the step's tokens into M consecutive
+  ranges of ceil(T / M) slots (inside the step, where the engine builds the batch from
+  the on-device scheduler state) and says which sequence rows each holds; each gets its
+  own attention metadata at static shapes (``microbatch_input``); ``_micro_ring`` runs
+  M + PP - 1 ticks, stage s running micro-batch t - s at tick t, so with M = PP every
+  stage works in the middle ticks; the bubble is (PP - 1) / (M + PP - 1) (the pipeline
+  drains every step: the next step's tokens are this step's samples). A sequence's
+  chunk may be cut between consecutive micro-batches: the later part reads the earlier
+  part's KV, written at every layer one tick before (chunked prefill inside the step),
+  so every step splits, prefill chunks included. Every micro-batch reads the stage's
+  weights again, so a weight-bound decode step gets slower, a compute-bound prefill
+  step faster (simulator/pipeline.py; docs/parallelism.md). vLLM's scheme, PP scheduler
+  batches in flight across steps, is not built.
 
 Refusals (``engine/unbuilt.py``, ``engine/parallel.py``): speculative decoding, LoRA,
 multi-modal models, an 8-bit KV cache, data parallelism and the GPU attention kernels
@@ -51,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pagedjax.attention import PAD_SLOT
 from pagedjax.model.config import ModelArch
 from pagedjax.model.layers import LayerInputs
 from pagedjax.model.sharding import KV_AXIS, TP, TPLayout, check_tp, param_specs
@@ -107,6 +122,7 @@ class PipelineLayout:
 
     ranges: tuple[tuple[int, int], ...]
     tp: TPLayout
+    microbatches: int = 1
 
     @property
     def size(self) -> int:
@@ -140,7 +156,7 @@ class PipelineLayout:
         return NamedSharding(self.tp.mesh, PartitionSpec(PP_AXIS, None, KV_AXIS, None, None))
 
     def stack(self) -> PipelineStack:
-        return PipelineStack(self.ranges, self.tp.mesh, self.tp.size)
+        return PipelineStack(self.ranges, self.tp.mesh, self.tp.size, self.microbatches)
 
 
 def make_pipeline(
@@ -149,6 +165,7 @@ def make_pipeline(
     tp: int = 1,
     partition: Sequence[int] | None = None,
     devices: Sequence[Any] | None = None,
+    microbatches: int = 1,
 ) -> PipelineLayout:
     """The layout of PP stages of TP devices each (default devices: the first PP x TP of
     ``jax.devices()``). ValueError for a bad partition, heads TP does not divide, or too
@@ -163,7 +180,8 @@ def make_pipeline(
     kv = min(tp, arch.num_kv_heads)
     grid = np.array(devices, dtype=object).reshape(pp, kv, tp // kv)
     mesh = Mesh(grid, (PP_AXIS, *TP))
-    return PipelineLayout(ranges, TPLayout(size=tp, kv_shards=kv, kv_replicas=tp // kv, mesh=mesh))
+    layout = TPLayout(size=tp, kv_shards=kv, kv_replicas=tp // kv, mesh=mesh)
+    return PipelineLayout(ranges, layout, microbatches)
 
 
 def pad_layers(params: Any, layout: PipelineLayout) -> Any:
@@ -227,7 +245,7 @@ def place_params(params: Any, layout: PipelineLayout) -> Any:
 RunLayers = Callable[[Any, Any, LayerInputs, Any, Any], Any]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class PipelineStack:
     """The layer loop of a pipelined model (``layers.LayerLoop``'s ``stack``): called with
     the loop's ``run``, the padded stacked parameters, the carry (x [T, H], k, v pools of
@@ -238,14 +256,20 @@ class PipelineStack:
     ranges: tuple[tuple[int, int], ...]
     mesh: Mesh
     tp: int
+    microbatches: int = 1
 
     @property
     def pool_layers(self) -> int:
         return len(self.ranges) * max(b - a for a, b in self.ranges)
 
+    def __repr__(self) -> str:
+        # The runner's program key: unchanged from before micro-batches when there are none.
+        extra = f", microbatches={self.microbatches}" if self.microbatches > 1 else ""
+        return f"PipelineStack(ranges={self.ranges!r}, mesh={self.mesh!r}, tp={self.tp!r}{extra})"
+
     def __call__(self, run: RunLayers, params: Any, carry: Any, inputs: LayerInputs,
                  batch: Any) -> Any:  # fmt: skip
-        pp = len(self.ranges)
+        pp, groups = len(self.ranges), self.microbatches
         slots = max(b - a for a, b in self.ranges)
         slot_layer = np.full(pp * slots, -1, np.int32)
         for s, (a, b) in enumerate(self.ranges):
@@ -262,15 +286,24 @@ class PipelineStack:
         def body(params, x, k, v, slot_inputs, counts, batch):
             stage = jax.lax.axis_index(PP_AXIS)
 
-            def hop(i, c):
-                x, k, v = c
-                # Stage i runs its layers; the others loop zero times (no compute, no writes).
-                x, k, v = run(params, (x, k, v), slot_inputs, jnp.where(i == stage, counts[0], 0),
-                              batch)  # fmt: skip
-                return jax.lax.ppermute(x, PP_AXIS, ring), k, v
+            def one_batch(x, k, v):
+                def hop(i, c):
+                    x, k, v = c
+                    # Stage i runs its layers; the others loop zero times (no compute, no
+                    # writes).
+                    x, k, v = run(params, (x, k, v), slot_inputs,
+                                  jnp.where(i == stage, counts[0], 0), batch)  # fmt: skip
+                    return jax.lax.ppermute(x, PP_AXIS, ring), k, v
 
-            x, k, v = jax.lax.fori_loop(0, pp, hop, (x, k, v))
-            # After PP hops the last stage's output sits on stage 0: hand it to every stage.
+                # After PP hops the last stage's output sits on stage 0.
+                return jax.lax.fori_loop(0, pp, hop, (x, k, v))
+
+            if groups == 1:
+                x, k, v = one_batch(x, k, v)
+            else:
+                x, k, v = _micro_ring(run, params, (x, k, v), slot_inputs, counts[0], batch,
+                                      stage, pp, groups, ring)  # fmt: skip
+            # Stage 0 holds the output: hand it to every stage (zeros elsewhere).
             x = jax.lax.psum(jnp.where(stage == 0, x, jnp.zeros_like(x)), PP_AXIS)
             return x, k, v
 
@@ -287,15 +320,130 @@ class PipelineStack:
         return fn(params, x, k, v, slot_inputs, counts, batch)
 
 
+# ------------------------------------------------------------------ micro-batches
+
+
+def token_slots(num_tokens: int, groups: int) -> int:
+    """Token slots of one micro-batch: ceil(T / groups) (the step's T split evenly)."""
+    return -(-num_tokens // groups)
+
+
+def microbatch_ranges(
+    cu_q_lens: Any, groups: int, slots: int, xp: Any = np
+) -> tuple[Any, Any, Any, Any]:
+    """Which micro-batch each scheduled token and sequence is in: ``(start, end, first,
+    last)``, each int[groups].
+
+    cu_q_lens int[S + 1] (``ModelInput.cu_q_lens``: padding rows repeat the last value);
+    ``groups`` micro-batches of ``slots`` token slots each (groups x slots >= the step's
+    token count). Micro-batch g holds the step's tokens [start[g], end[g]) = [g x slots,
+    (g + 1) x slots) clipped to the total: consecutive, every token in exactly one, each
+    within its slots, so a step never fails to split (no fallback). Its sequence rows are
+    [first[g], last[g]): the rows with a token in its range. A row's chunk may be cut
+    between consecutive micro-batches: the later part attends to the earlier part's KV,
+    which the ring wrote at every layer one tick earlier (``_micro_ring``), as chunked
+    prefill does across steps. Balance: every micro-batch but the last is full.
+
+    Pure and array-API generic: ``xp=np`` on the host (tests), ``xp=jax.numpy`` inside
+    the step, where the engine builds the batch (``model_runner.build_model_input``: the
+    scheduler's batch lives on the devices). Cost O(S x groups)."""
+    cu = xp.asarray(cu_q_lens)
+    total = cu[-1]
+    g = xp.arange(groups, dtype=cu.dtype)
+    start = xp.minimum(g * slots, total)
+    end = xp.minimum(start + slots, total)
+    first = xp.sum(cu[None, 1:] <= start[:, None], axis=1).astype(cu.dtype)
+    last = xp.sum(cu[None, :-1] < end[:, None], axis=1).astype(cu.dtype)
+    return start, end, first, last
+
+
+def microbatch_input(batch: Any, start: jax.Array, end: jax.Array, first: jax.Array,
+                     last: jax.Array, slots: int) -> Any:  # fmt: skip
+    """The micro-batch of ``batch`` (a ModelInput) holding its tokens [start, end) and rows
+    [first, last) (``microbatch_ranges``) at static shapes: ``slots`` tokens (then
+    padding: PAD_SLOT writes, position 0) and the step's S rows (its rows first, then
+    empty ones: kv_len 0, no pages, cu_q_lens repeating its token count). A row cut at
+    ``end`` sees kv_len minus its tokens after ``end`` (its context so far); all S rows
+    are kept, as a micro-batch may hold many short sequences."""
+    cu = batch.cu_q_lens
+    num_seqs = batch.kv_lens.shape[0]
+    t = jnp.arange(slots, dtype=jnp.int32)
+    tok_ok = t < end - start
+    tok = jnp.minimum(start + t, batch.positions.shape[-1] - 1)
+    r = jnp.arange(num_seqs, dtype=jnp.int32)
+    row_ok = r < last - first
+    row = jnp.minimum(first + r, num_seqs - 1)
+    q_end = jnp.minimum(cu[row + 1], end)  # where the row's tokens in this group stop
+    cu_g = jnp.where(row_ok, q_end - start, end - start)
+    take = lambda a: jnp.where(tok_ok, a[..., tok], 0)  # noqa: E731
+    return batch._replace(
+        tokens=take(batch.tokens),
+        positions=take(batch.positions),
+        slot_mapping=jnp.where(tok_ok, batch.slot_mapping[tok], PAD_SLOT),
+        block_tables=jnp.where(row_ok[:, None], batch.block_tables[row], 0),
+        kv_lens=jnp.where(row_ok, batch.kv_lens[row] - (cu[row + 1] - q_end), 0),
+        cu_q_lens=jnp.concatenate([jnp.zeros((1,), cu.dtype), cu_g.astype(cu.dtype)]),
+        logits_indices=jnp.zeros_like(batch.logits_indices),  # not read by the layers
+        lora_slots=None if batch.lora_slots is None else take(batch.lora_slots),
+        rope_positions=None if batch.rope_positions is None else take(batch.rope_positions),
+    )
+
+
+def _micro_ring(run: RunLayers, params: Any, carry: Any, slot_inputs: LayerInputs,
+                count: jax.Array, batch: Any, stage: jax.Array, pp: int, groups: int,
+                ring: list[tuple[int, int]]) -> Any:  # fmt: skip
+    """GPipe inside the ring (called per stage, inside ``shard_map``): ``groups``
+    micro-batches, ``groups + pp - 1`` ticks; at tick t stage s runs micro-batch t - s
+    (when 0 <= t - s < groups) on a [slots, hidden] buffer, then every stage sends its
+    buffer to the next. Stage 0 loads micro-batch t from x at tick t and stores the one
+    the last stage finished (micro-batch t - pp, arriving over the ring) into its output.
+    Returns (x [T, hidden]: the layers' output on stage 0, rows of padding tokens zero;
+    k, v). Micro-batch m reaches each stage one tick after m - 1, so at every layer the
+    KV that m - 1 wrote (the first part of a chunk cut between them) is in the pool
+    before m attends; each micro-batch writes only its own tokens' slots."""
+    x, k, v = carry
+    n = x.shape[0]
+    slots = token_slots(n, groups)
+    start, end, first, last = microbatch_ranges(batch.cu_q_lens, groups, slots, xp=jnp)
+    t_ar = jnp.arange(slots, dtype=jnp.int32)
+
+    def rows_of(g: jax.Array) -> jax.Array:
+        """x's row of each of micro-batch g's token slots; n (dropped) for padding."""
+        return jnp.where(t_ar < end[g] - start[g], start[g] + t_ar, n)
+
+    def store(out: jax.Array, buf: jax.Array, done: jax.Array) -> jax.Array:
+        put = out.at[rows_of(jnp.clip(done, 0, groups - 1))].set(buf, mode="drop")
+        return jnp.where((stage == 0) & (done >= 0) & (done < groups), put, out)
+
+    def tick(t, c):
+        buf, out, k, v = c
+        out = store(out, buf, t - pp)  # the micro-batch that left the last stage last tick
+        load = jnp.take(x, jnp.minimum(rows_of(jnp.minimum(t, groups - 1)), n - 1), axis=0)
+        buf = jnp.where((stage == 0) & (t < groups), load, buf)
+        m = t - stage
+        g = jnp.clip(m, 0, groups - 1)
+        sub = microbatch_input(batch, start[g], end[g], first[g], last[g], slots)
+        active = (m >= 0) & (m < groups)
+        buf, k, v = run(params, (buf, k, v), slot_inputs, jnp.where(active, count, 0), sub)
+        return jax.lax.ppermute(buf, PP_AXIS, ring), out, k, v
+
+    init = (jnp.zeros((slots, *x.shape[1:]), x.dtype), jnp.zeros_like(x), k, v)
+    buf, out, k, v = jax.lax.fori_loop(0, groups + pp - 1, tick, init)
+    return store(out, buf, jnp.asarray(groups - 1)), k, v
+
+
 __all__ = [
     "PARTITION_ENV",
     "PP_AXIS",
     "PipelineLayout",
     "PipelineStack",
     "make_pipeline",
+    "microbatch_ranges",
+    "microbatch_input",
     "pad_layers",
     "parse_partition",
     "pipeline_specs",
     "place_params",
     "stage_layer_ranges",
+    "token_slots",
 ]

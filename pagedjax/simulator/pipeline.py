@@ -11,7 +11,13 @@ an inter-node network). Pure arithmetic (float, no JAX), for tables:
 - ``PipelineStep``: with ``in_flight`` = m batches (m <= PP; pagedjax runs 1, vLLM runs
   PP), a batch's step latency is PP x stage + (PP - 1) x transfer + the fixed overhead,
   and the pipeline finishes m batches per (PP x (stage + transfer)) in steady state: each
-  GPU is busy m / PP of the time, the bubble is (PP - m) / PP.
+  GPU is busy m / PP of the time, the bubble is (PP - m) / PP. This is vLLM's scheme
+  (PP scheduler batches in flight *across* steps); pagedjax does not build it.
+- ``MicrobatchStep`` (what pagedjax builds, ``pipeline_microbatches`` = M): one step's
+  tokens split into M micro-batches that flow through the stages in M + PP - 1
+  ticks (GPipe inside the step); a tick prices one stage over 1 / M of the step's work
+  plus one send of 1 / M of its activations; the pipeline drains every step (the next
+  step's tokens are this step's samples), so the bubble is (PP - 1) / (M + PP - 1), not 0.
 
 A simulated number is a model, never a measurement (docs/parallelism.md).
 """
@@ -84,6 +90,52 @@ class PipelineStep:
         return (self.pp - in_flight) / self.pp
 
 
+@dataclass(frozen=True)
+class MicrobatchStep:
+    """One step of M micro-batches at PP stages (the module docstring): ``tick_stage_s``
+    and ``tick_transfer_s`` are one stage's compute and one send for one micro-batch."""
+
+    pp: int
+    microbatches: int
+    tick_stage_s: float
+    tick_transfer_s: float
+    overhead_s: float
+
+    @property
+    def ticks(self) -> int:
+        return self.microbatches + self.pp - 1
+
+    def latency(self) -> float:
+        """Seconds of the step: M + PP - 1 ticks, a send after all but the last; equal to
+        ``PipelineStep.latency`` at M = 1."""
+        return (self.ticks * self.tick_stage_s + (self.ticks - 1) * self.tick_transfer_s
+                + self.overhead_s)  # fmt: skip
+
+    def bubble(self) -> float:
+        """Share of a stage's ticks it waits: (PP - 1) / (M + PP - 1)."""
+        return (self.pp - 1) / self.ticks
+
+
+def microbatch_step(cost: RooflineCostModel, pp: int, microbatches: int,
+                    prefill_tokens: float, decode_seqs: float, kv_tokens: float,
+                    link: str = "nvlink") -> MicrobatchStep:  # fmt: skip
+    """The step of ``cost``'s model at ``pp`` stages with the step's work split evenly into
+    ``microbatches`` groups (pagedjax's ``pipeline_microbatches``: ``model/pipeline.py``
+    cuts the step's tokens into equal ranges, the last one shorter; the KV read is taken
+    as evenly split too, exact for decode, an approximation for mixed steps)."""
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    m = float(microbatches)
+    work = (prefill_tokens / m, decode_seqs / m, kv_tokens / m)
+    return MicrobatchStep(
+        pp=pp,
+        microbatches=microbatches,
+        tick_stage_s=stage_time(cost, pp, *work),
+        tick_transfer_s=transfer_time(cost, work[0] + work[1], link) if pp > 1 else 0.0,
+        overhead_s=cost.step_overhead_s,
+    )
+
+
 def pipeline_step(cost: RooflineCostModel, pp: int, prefill_tokens: float, decode_seqs: float,
                   kv_tokens: float, link: str = "nvlink") -> PipelineStep:  # fmt: skip
     """The step of ``cost``'s model (its TP inside each stage) split into ``pp`` stages."""
@@ -96,5 +148,5 @@ def pipeline_step(cost: RooflineCostModel, pp: int, prefill_tokens: float, decod
     )
 
 
-__all__ = ["LINK_BYTES_PER_S", "PipelineStep", "pipeline_step", "stage_layers", "stage_time",
-           "transfer_time"]  # fmt: skip
+__all__ = ["LINK_BYTES_PER_S", "MicrobatchStep", "PipelineStep", "microbatch_step",
+           "pipeline_step", "stage_layers", "stage_time", "transfer_time"]  # fmt: skip

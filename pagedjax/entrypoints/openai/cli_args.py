@@ -48,6 +48,7 @@ PAGEDJAX_ONLY = (
     "--lora-memory",  # adapter slots inside the KV budget or beside it (docs/lora.md)
     "--prefix-index",  # the prefix cache's host hint: hash chain or radix tree (kv_tiers.md)
     "--eviction-policy",  # which cached device block goes first: lru, lfu, cost (kv_tiers.md)
+    "--pipeline-microbatches",  # micro-batches through the PP stages per step (parallelism.md)
 )
 
 
@@ -108,6 +109,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=None)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
+    p.add_argument("--pipeline-microbatches", type=int, default=None,
+                   help=_own("micro-batches in flight through the pipeline stages per step"))
     add_node_args(p)
     p.add_argument(
         "--data-parallel-routing",
@@ -464,7 +467,7 @@ LLM_ARGS = (
     "kv_offloading_size", "kv_offloading_backend", "prefix_index", "eviction_policy",
     "kv_offloading_disk_path", "kv_offloading_disk_size",
     "preemption_mode", "tensor_parallel_size", "data_parallel_size", "data_parallel_routing",
-    "pipeline_parallel_size", "scheduling_mode", "watermark",
+    "pipeline_parallel_size", "pipeline_microbatches", "scheduling_mode", "watermark",
     "attention_backend", "max_logprobs", "num_scheduler_steps", "warmup", "compilation_cache",
     "kv_cache_dtype",
     "quantization",
