@@ -207,7 +207,7 @@ class MPEngineClient:
                 eos = {self.tokenizer.eos_token_id} - {None}
                 self._controls = LogitControls(self.vocab_size, self.tokenizer,
                                                self.config.structured_outputs, eos)  # fmt: skip
-            self._controls.prepare(params)
+            self._controls.prepare(params, fsm=False)  # the core builds any device FSM
         out = params.max_tokens or max(self.max_model_len - len(ids), 1)
         replica = self.router.route(request_id, ids, len(ids) + out * max(params.n, 1))
         self._replica_of[request_id] = replica

@@ -127,10 +127,12 @@ class LogitControls:
         self._fsm_offsets: dict[int, int] = {}
         self._fsm_held: list[TokenFsm] = []
 
-    def prepare(self, params: SamplingParams) -> tuple[list[list[int]], Any, Any]:
+    def prepare(self, params: SamplingParams,
+                fsm: bool = True) -> tuple[list[list[int]], Any, Any]:  # fmt: skip
         """(bad words' token ids, compiled constraint or None, its device FSM or None)
         of a request's params (the FSM only with device_fsm on and a constraint that
-        may take it; see ``_device_fsm``)."""
+        may take it; see ``_device_fsm``). fsm=False: no FSM is built (a front end's
+        validation only)."""
         words = []
         if params.bad_words:
             words = bad_words_token_ids(self._tokenizer, params.bad_words, self.vocab_size)
@@ -138,7 +140,7 @@ class LogitControls:
         if so is None:
             return words, None, None
         compiled = self.structured.compile(so)  # validates it (a ValueError: refused)
-        return words, compiled, self._device_fsm(params)
+        return words, compiled, self._device_fsm(params) if fsm else None
 
     def _device_fsm(self, params: SamplingParams) -> Any:
         """The TokenFsm for this request, a reason string (host path), or None (off)."""
