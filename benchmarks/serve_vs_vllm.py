@@ -539,6 +539,22 @@ def dump_prompts(args: argparse.Namespace, model: str, path: Path) -> list[dict[
     return json.loads(path.read_text())
 
 
+def run_child(
+    cmd: list[str], env: dict[str, str], out: Path, log: Path, what: str, cwd: Path | None = None
+) -> dict[str, Any]:
+    """Run an offline child (its output in ``log``), then read the result JSON it wrote to
+    ``out``, with the load average before and after; RuntimeError naming ``what`` if it
+    failed."""
+    load0 = os.getloadavg()[0]
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd).returncode
+    if rc != 0 or not out.is_file():
+        raise RuntimeError(f"{what} failed (exit {rc}): see {log}")
+    res = json.loads(out.read_text())
+    res.update(load_start=load0, load_end=os.getloadavg()[0])
+    return res
+
+
 def run_offline_round(
     args: argparse.Namespace, model: str, prompts: Path, work: Path, tag: str
 ) -> dict[str, Any]:
@@ -548,15 +564,8 @@ def run_offline_round(
     cmd = [sys.executable, str(Path(__file__).resolve()), "--offline-child", str(prompts),
            str(out), "--model", model, "--output-len", str(args.output_len),
            "--kv-cache-gib", str(args.kv_cache_gib)]  # fmt: skip
-    load0 = os.getloadavg()[0]
-    with log.open("w") as f:
-        rc = subprocess.run(
-            cmd, stdout=f, stderr=subprocess.STDOUT, env=pagedjax_env(args)
-        ).returncode
-    if rc != 0 or not out.is_file():
-        raise RuntimeError(f"offline LLM.generate child failed (exit {rc}): see {log}")
-    res = json.loads(out.read_text())
-    res.update(load_start=load0, load_end=os.getloadavg()[0])
+    res = run_child(cmd, pagedjax_env(args), out, log, "offline LLM.generate child")
+    load0 = res["load_start"]
     print(f"[{tag}] offline LLM.generate: ready in {res['startup_s']:.1f} s, warm-up "
           f"{res['warmup_s']:.1f} s; {res['output_tok_s']:.1f} output tok/s "
           f"({res['output_tokens']} tokens in {res['timed_s']:.1f} s, "
@@ -576,15 +585,9 @@ def run_vllm_offline_round(
     cmd = [str(vs_vllm_cpu.venv_python(args.vllm_venv)), str(script), str(prompts), model,
            str(args.output_len), str(out)]  # fmt: skip
     kv = {"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib:g}"} if args.kv_cache_gib else {}
-    load0 = os.getloadavg()[0]
-    log = work / f"{tag}-vllm-offline.log"
-    with log.open("w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=work,
-                            env=child_env(False, kv)).returncode  # fmt: skip
-    if rc != 0 or not out.is_file():
-        raise RuntimeError(f"vLLM offline LLM.generate failed (exit {rc}): see {log}")
-    res = json.loads(out.read_text())
-    res.update(load_start=load0, load_end=os.getloadavg()[0])
+    res = run_child(cmd, child_env(False, kv), out, work / f"{tag}-vllm-offline.log",
+                    "vLLM offline LLM.generate", cwd=work)  # fmt: skip
+    load0 = res["load_start"]
     print(f"[{tag}] vLLM-CPU offline LLM.generate: ready in {res['startup_s']:.1f} s; "
           f"{res['output_tok_s']:.1f} output tok/s ({res['output_tokens']} tokens in "
           f"{res['timed_s']:.1f} s, {res['cpu_s']:.1f} CPU s); load {load0:.2f} -> "

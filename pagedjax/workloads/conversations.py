@@ -222,6 +222,26 @@ def _check_counts(**kwargs: float) -> None:
             raise ValueError(f"{k} must be >= 1, got {v}")
 
 
+def _turn_lengths(
+    start: int, added: np.ndarray, outputs: np.ndarray, max_len: int
+) -> list[tuple[int, int]]:
+    """(prompt, output) lengths of one conversation's turns: turn t's prompt = ``start`` +
+    every earlier turn's added tokens and output + ``added[t]``; its output ``outputs[t]``.
+    Stops at the first turn whose prompt + output would exceed ``max_len``, keeping at
+    least one turn (the first message cut to fit, then a short output)."""
+    hist, pairs = start, []
+    for t in range(len(added)):
+        prompt, out = hist + int(added[t]), int(outputs[t])
+        if prompt + out > max_len:
+            if t == 0:
+                prompt = min(prompt, max_len - MIN_LEN)
+                pairs.append((prompt, min(out, max_len - prompt)))
+            break
+        pairs.append((prompt, out))
+        hist = prompt + out
+    return pairs
+
+
 def multi_turn(
     num_conversations: int,
     turns: int,
@@ -252,18 +272,7 @@ def multi_turn(
     hist_lens: list[list[tuple[int, int]]] = []
     for c in range(num_conversations):
         user, reply = sample_lengths(dataset, turns, np.random.default_rng([seed, c]), spread_scale)
-        hist, pairs = system_prompt_len, []
-        for t in range(turns):
-            prompt = hist + int(user[t])
-            out = int(reply[t])
-            if prompt + out > max_len:
-                if t == 0:  # keep one turn: the first message cut to fit, then a short reply
-                    prompt = min(prompt, max_len - MIN_LEN)
-                    pairs.append((prompt, min(out, max_len - prompt)))
-                break
-            pairs.append((prompt, out))
-            hist = prompt + out
-        hist_lens.append(pairs)
+        hist_lens.append(_turn_lengths(system_prompt_len, user, reply, max_len))
     group = 0 if system_prompt_len else -1
     return _assemble(hist_lens, rate, seed, group, system_prompt_len, "multi_turn")
 
@@ -330,17 +339,7 @@ def agentic(
         rng = np.random.default_rng([seed, a])
         obs = _lognormal(rng, observation_mean, AGENT_SIGMA_OBSERVATION, turns)
         act = _lognormal(rng, action_mean, AGENT_SIGMA_ACTION, turns)
-        hist, pairs = context_len, []
-        for t in range(turns):
-            prompt, out = hist + int(obs[t]), int(act[t])
-            if prompt + out > max_len:
-                if t == 0:
-                    prompt = min(prompt, max_len - MIN_LEN)
-                    pairs.append((prompt, min(out, max_len - prompt)))
-                break
-            pairs.append((prompt, out))
-            hist = prompt + out
-        hist_lens.append(pairs)
+        hist_lens.append(_turn_lengths(context_len, obs, act, max_len))
     return _assemble(hist_lens, rate, seed, 0, context_len, "agentic")
 
 
