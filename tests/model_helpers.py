@@ -249,3 +249,37 @@ def peft_adapter(base, directory, seed, r, targets):
     model = peft.get_peft_model(copy.deepcopy(base), cfg).eval()
     model.save_pretrained(str(directory))
     return model
+
+
+def paged_embeds_logits(arch, params, ids, embeds, block_size: int, rope=None) -> np.ndarray:
+    """The paged forward of one prompt given as inputs_embeds float32[T, H] (its pages
+    scattered at random over a NaN-filled cache, 4 padding rows after it) -> logits at
+    every prompt position. ``rope`` int32[3, T]: M-RoPE positions (Qwen2-VL); None: RoPE by
+    position. The image families' parity tests check merged embeddings through it."""
+    import functools
+
+    import jax
+
+    from pagedjax.model.forward import forward
+
+    rng = np.random.default_rng(3)
+    t = len(ids)
+    nblocks = -(-t // block_size)
+    pages = rng.permutation(np.arange(1, nblocks + 3))[:nblocks]
+    kv = allocate_kv_cache(arch, nblocks + 3, block_size, jnp.float32, fill_value=np.nan)
+    pad, pos = 4, np.arange(t)
+    slots = pages[pos // block_size] * block_size + pos % block_size
+    batch = ModelInput(
+        tokens=jnp.asarray(list(ids) + [0] * pad, jnp.int32),
+        positions=jnp.asarray(list(pos) + [0] * pad, jnp.int32),
+        slot_mapping=jnp.asarray(list(slots) + [PAD_SLOT] * pad, jnp.int32),
+        block_tables=jnp.asarray(pages[None], jnp.int32),
+        kv_lens=jnp.asarray([t], jnp.int32),
+        cu_q_lens=jnp.asarray([0, t], jnp.int32),
+        logits_indices=jnp.arange(t, dtype=jnp.int32),
+        rope_positions=None if rope is None
+        else jnp.asarray(np.pad(rope, ((0, 0), (0, pad))), jnp.int32),
+    )  # fmt: skip
+    embeds = jnp.concatenate([embeds, jnp.zeros((pad, embeds.shape[1]), embeds.dtype)])
+    step = jax.jit(functools.partial(forward, arch=arch))
+    return np.asarray(step(params, kv, batch, inputs_embeds=embeds)[1])

@@ -11,10 +11,8 @@ refusals). Everything that builds a transformers model is tier2."""
 
 from __future__ import annotations
 
-import functools
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -314,29 +312,9 @@ def test_tower_connector_and_features_match_transformers(idefics3):
 def _paged_logits(text_arch, params, ids, embeds):
     """pagedjax's paged Llama forward over inputs_embeds (pages scattered, the rest of
     the cache NaN, 4 padding rows) -> logits at every prompt position."""
-    from pagedjax.attention import PAD_SLOT
-    from pagedjax.model import ModelInput, allocate_kv_cache
-    from pagedjax.model.forward import forward
+    from tests.model_helpers import paged_embeds_logits
 
-    rng = np.random.default_rng(3)
-    t = len(ids)
-    nblocks = -(-t // BS)
-    pages = rng.permutation(np.arange(1, nblocks + 3))[:nblocks]
-    kv = allocate_kv_cache(text_arch, nblocks + 3, BS, jnp.float32, fill_value=np.nan)
-    pad, pos = 4, np.arange(t)
-    batch = ModelInput(
-        tokens=jnp.asarray(list(ids) + [0] * pad, jnp.int32),
-        positions=jnp.asarray(list(pos) + [0] * pad, jnp.int32),
-        slot_mapping=jnp.asarray(list(pages[pos // BS] * BS + pos % BS) + [PAD_SLOT] * pad,
-                                 jnp.int32),  # fmt: skip
-        block_tables=jnp.asarray(pages[None], jnp.int32),
-        kv_lens=jnp.asarray([t], jnp.int32),
-        cu_q_lens=jnp.asarray([0, t], jnp.int32),
-        logits_indices=jnp.arange(t, dtype=jnp.int32),
-    )
-    embeds = jnp.concatenate([embeds, jnp.zeros((pad, embeds.shape[1]), embeds.dtype)])
-    step = jax.jit(functools.partial(forward, arch=text_arch))
-    return np.asarray(step(params, kv, batch, inputs_embeds=embeds)[1])
+    return paged_embeds_logits(text_arch, params, ids, embeds, BS)
 
 
 @pytest.mark.tier2
