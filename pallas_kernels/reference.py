@@ -95,6 +95,28 @@ def window_visible(col: jax.Array, pos: jax.Array, sliding_window: jax.Array | i
     return (w <= 0) | (col > pos - w)
 
 
+TREE_BITS = 32  # a tree mask covers the 32 keys nearest a query (uint32 per row)
+
+
+def tree_visible(col: jax.Array, pos: jax.Array, tree_mask: jax.Array | None):
+    """Mask of keys at ``col`` a query at ``pos`` sees under a draft-tree mask.
+
+    ``tree_mask`` uint32, broadcast against ``pos`` (one word per query row): bit d set
+    means the query sees the key d positions back (d = pos - col, 0 = itself); keys
+    ``TREE_BITS`` or more back are always visible (subject to the causal and window
+    rules), keys ahead never. All bits set (0xFFFFFFFF) is the causal rule, so prefill and
+    decode rows share a step with tree rows. A tree whose nodes sit in consecutive slots
+    in topological order (parents first) sets, for node j, the bits j - a of its
+    ancestors a (and 0, itself) and every bit above j (the prefix). None: causal.
+    """
+    if tree_mask is None:
+        return jnp.ones(jnp.broadcast_shapes(col.shape, pos.shape), bool)
+    d = pos - col
+    shift = jnp.clip(d, 0, TREE_BITS - 1).astype(jnp.uint32)
+    bit = jnp.right_shift(jnp.asarray(tree_mask, jnp.uint32), shift) & jnp.uint32(1)
+    return (d >= TREE_BITS) | ((d >= 0) & (bit == 1))
+
+
 def ragged_paged_attention_reference(
     q: jax.Array,
     k_pages: jax.Array,
@@ -107,13 +129,15 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
+    tree_mask: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of ragged query tokens over paged KV.
 
     Shapes: q [T, Hq, D]; k_pages, v_pages [L, N, Hkv, B, D] with ``layer`` (or [N, Hkv,
     B, D] with layer=None); block_tables int32[S, M]; kv_lens int32[S] (including this
-    step's tokens); cu_q_lens int32[S+1]. Returns [T, Hq, D] in q.dtype; tokens at index
-    >= cu_q_lens[S] are 0. (A test oracle: it slices the layer out, a copy.)
+    step's tokens); cu_q_lens int32[S+1]; tree_mask uint32[T] or None (``tree_visible``).
+    Returns [T, Hq, D] in q.dtype; tokens at index >= cu_q_lens[S] are 0. (A test oracle:
+    it slices the layer out, a copy.)
     """
     check_paged_inputs(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, layer)
     if layer is not None:
@@ -147,6 +171,8 @@ def ragged_paged_attention_reference(
     col = jnp.arange(ctx)[None, :]
     visible = (col <= pos[:, None]) & (col < kv_lens[seq_c][:, None]) & valid_tok[:, None]
     visible &= window_visible(col, pos[:, None], sliding_window)
+    if tree_mask is not None:
+        visible &= tree_visible(col, pos[:, None], tree_mask[:, None])
     visible = visible[:, None, None, :]
     s = jnp.where(visible, s, _MASK)
     p = jnp.exp(s - s.max(axis=-1, keepdims=True))

@@ -31,7 +31,12 @@ from pagedjax.attention.kv_quant import (
     gather_dequantized,
     split_pages,
 )
-from pallas_kernels.reference import check_paged_inputs, stacked_pool, window_visible
+from pallas_kernels.reference import (
+    check_paged_inputs,
+    stacked_pool,
+    tree_visible,
+    window_visible,
+)
 
 # Default tiling on CPU (measured on the 2-core box: a 256-sequence decode was fastest with
 # 64-key chunks and ~2 MiB per batch chunk; 32-256 keys and 0.5-8 MiB were within ~30 %).
@@ -94,6 +99,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
+    tree_mask: jax.Array | None = None,
     chunk_keys: int | None = None,
     chunk_bytes: int | None = None,
 ) -> jax.Array:
@@ -116,6 +122,10 @@ def ragged_paged_attention(
       sliding_window: if set, a query at position p attends keys in (p - window, p]; a
         traced int32 scalar (per-layer windows) means no window when <= 0.
       soft_cap: if set, scores become cap * tanh(scores / cap) (after sm_scale).
+      tree_mask: uint32[T] or None: draft-tree verification rows
+        (``pallas_kernels.reference.tree_visible``): bit d of a row's word lets it see
+        the key d positions back, keys 32 or more back always; None (or all bits set)
+        is the causal rule.
       chunk_keys, chunk_bytes: tiling (module docstring): keys per chunk (rounded down to
         whole pages, at least one) and the bytes one batch may gather or score per chunk
         (sets the batch size B, at least one item); default ``default_tiling()``. Results
@@ -133,6 +143,8 @@ def ragged_paged_attention(
     for name, value in (("chunk_keys", chunk_keys), ("chunk_bytes", chunk_bytes)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1 or None, got {value}")
+    if tree_mask is not None and tree_mask.shape != (q.shape[0],):
+        raise ValueError(f"tree_mask must be uint32[T={q.shape[0]}], got {tree_mask.shape}")
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, num_kv_heads, block_size, _ = k_pages.shape
     num_seqs, max_blocks = block_tables.shape
@@ -190,6 +202,8 @@ def ragged_paged_attention(
         qi = qi.reshape(batch, qb, num_kv_heads, group, head_dim)
         kv_len = kv_lens[seq]  # [B]
         qpos = kv_len[:, None] - q_lens[seq][:, None] + (rows - cu_q_lens[seq][:, None])
+        if tree_mask is not None:
+            row_bits = tree_mask[jnp.clip(rows, 0, num_tokens - 1)][:, :, None]  # [B, qb, 1]
         tables = block_tables[seq]  # [B, C * num_chunks_max]
 
         def one_chunk(c, carry):
@@ -208,6 +222,8 @@ def ragged_paged_attention(
             mask = key_valid[:, None, :] & (kpos[None, None, :] <= qpos[:, :, None])
             mask &= row_valid[:, :, None]
             mask &= window_visible(kpos[None, None, :], qpos[:, :, None], sliding_window)
+            if tree_mask is not None:
+                mask &= tree_visible(kpos[None, None, :], qpos[:, :, None], row_bits)
             mask = mask[:, None, None]  # [B, 1, 1, qb, C * bs]
             s = jnp.where(mask, s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))

@@ -25,6 +25,11 @@ class ModelInput(NamedTuple):
       ``positions`` (Qwen2-VL's M-RoPE, model/rope.py): [3, T] rows (temporal, height,
       width) for a prompt with images, [T] a per-request offset of ``positions`` for
       text after them (engine/mrope.py). None, the default: RoPE turns by ``positions``.
+    tree_mask uint32[T] or None: draft-tree verification (the attention backends'
+      ``tree_mask``, ``pallas_kernels.reference.tree_visible``): bit d of a token's word
+      lets it see the key d slots back, keys 32 or more back always. A tree's nodes sit in
+      consecutive slots, parents first, with ``positions`` their depths past the prefix.
+      None, the default: the causal rule.
     """
 
     tokens: jax.Array
@@ -36,3 +41,4 @@ class ModelInput(NamedTuple):
     logits_indices: jax.Array
     lora_slots: jax.Array | None = None
     rope_positions: jax.Array | None = None
+    tree_mask: jax.Array | None = None

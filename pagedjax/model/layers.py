@@ -339,6 +339,8 @@ def paged_self_attention(
     """
     k_pool, v_pool = write_kv(kv[0], kv[1], k, v, batch.slot_mapping, layer)
     extra = {} if logit_soft_cap is None else {"soft_cap": logit_soft_cap}
+    if batch.tree_mask is not None:  # only then, so backends without trees see no new key
+        extra["tree_mask"] = batch.tree_mask
     out = attention_fn(
         q,
         k_pool,
