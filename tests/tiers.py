@@ -266,6 +266,13 @@ MOVES: dict[str, tuple[str, str]] = {
     "tests/test_multihost.py": ("slow", "2 tests, 43-112 s (several processes on loopback)"),
     "tests/test_host_tier.py::test_multi_turn_outputs_equal_and_host_hits_save_prefill": (
         "slow", "111.7 s; the host tier's index and allocator property stays by default"),
+    # -- headroom for the seventh round's issues (second tier at 290 s of 300 in the last
+    #    clean clone): the TP recipe repeats test_parallel's TP parity (default tier) behind
+    #    the verbatim server recipe (second tier); the 1,000-request leak check is a soak.
+    "tests/test_vllm_recipes.py::test_server_recipe_tensor_parallel_2": (
+        "slow", "16.2 s; TP parity stays in test_parallel, the recipe server in _verbatim"),
+    "tests/test_host_tier.py::test_thousand_requests_leave_every_block_free_and_the_tier_in_bounds": (  # noqa: E501
+        "slow", "11.9 s; the host tier's bounds property and multi-turn checks stay"),
     "tests/test_multimodal_engine.py::test_engine_core_process_serves_chat_images": (
         "slow", "88.2 s"),
     "tests/test_multimodal_engine.py::test_llm_chat_with_image_parts_equals_generate": (
