@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from pagedjax import native_build
 from pagedjax.attention import kv_quant, native_cpu, ragged_paged_attention
+from pallas_kernels.cases import tree_and_chain
 from tests.tree_cases import ALL_BITS, tree_case, tree_oracle, tree_words
 
 pytestmark = pytest.mark.skipif(native_build.compiler() is None, reason="no C++ compiler")
@@ -146,3 +147,25 @@ def test_native_runs_the_custom_call_with_a_tree_and_refuses_a_wrong_length():
         native_cpu.ragged_paged_attention(
             *args, sm_scale=SCALE, tree_mask=jnp.asarray(tree_words([-1, 0]))
         )
+
+
+@pytest.mark.parametrize("leaf", [3, 8])
+def test_native_tree_verification_equals_chain_verification(leaf):
+    """The accepted path of a 9-node tree (siblings interleaved with it) verified as a tree
+    equals the same tokens verified as a causal chain, row for row (pallas_kernels.cases
+    .tree_and_chain): the mask hides exactly the other branches."""
+    rng = np.random.default_rng(leaf)
+    parents = [-1, 0, -1, 1, 2, 4, 3, 5, 6]
+    tree, words, chain, path = tree_and_chain(
+        rng, prefix=13, parents=parents, leaf=leaf, num_q_heads=4, num_kv_heads=2,
+        head_dim=16, block_size=4,
+    )  # fmt: skip
+    fields = ("q", "k_pages", "v_pages", "block_tables", "kv_lens", "cu_q_lens")
+    t_args = [jnp.asarray(getattr(tree, f)) for f in fields]
+    c_args = [jnp.asarray(getattr(chain, f)) for f in fields]
+    got = np.asarray(native_cpu.ragged_paged_attention(*t_args, sm_scale=SCALE,
+                                                       tree_mask=jnp.asarray(words)))  # fmt: skip
+    want = np.asarray(native_cpu.ragged_paged_attention(*c_args, sm_scale=SCALE))
+    np.testing.assert_allclose(got[path], want[: len(path)], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got[-1], want[-1])  # the decode row beside it
+    assert np.isfinite(got).all()

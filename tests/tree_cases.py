@@ -7,24 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from pallas_kernels.cases import ALL_BITS, tree_words
 from pallas_kernels.reference import TREE_BITS
 
-ALL_BITS = 0xFFFFFFFF
-
-
-def tree_words(parents: list[int]) -> np.ndarray:
-    """uint32 word per node of a tree given as parents (-1 = child of the prefix),
-    parents before children: bit j - a for each ancestor a and itself, bits above j set."""
-    words = []
-    for j in range(len(parents)):
-        w = (ALL_BITS << (j + 1)) & ALL_BITS
-        a = j
-        while a >= 0:
-            if j - a < TREE_BITS:  # keys 32 or more back are visible anyway
-                w |= 1 << (j - a)
-            a = parents[a]
-        words.append(w)
-    return np.asarray(words, np.uint32)
+__all__ = ["ALL_BITS", "tree_case", "tree_oracle", "tree_words", "visible_keys"]
 
 
 def visible_keys(kv_len: int, q_len: int, j: int, word: int) -> list[int]:
