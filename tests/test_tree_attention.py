@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedjax.attention.reference import ragged_paged_attention
+from pallas_kernels.cases import tree_and_chain
 from pallas_kernels.reference import ragged_paged_attention_reference
 from tests.tree_cases import tree_case, tree_oracle
 
@@ -89,3 +90,39 @@ def test_a_mask_of_the_wrong_length_is_refused():
             sm_scale=0.3,
             tree_mask=jnp.asarray(words[:1]),
         )
+
+
+def test_tree_verification_equals_chain_verification():
+    """The accepted path of a 9-node tree (other branches interleaved, NaN in every free
+    slot) verified with its mask equals the same tokens verified as a causal chain
+    (pallas_kernels.cases.tree_and_chain), in both XLA backends."""
+    parents = [-1, 0, -1, 1, 2, 4, 3, 5, 6]
+    tree, words, chain, path = tree_and_chain(
+        np.random.default_rng(3), prefix=13, parents=parents, leaf=8, num_q_heads=4,
+        num_kv_heads=2, head_dim=8, block_size=4,
+    )  # fmt: skip
+    got = _run_both(_padded(tree, words), words_padded := _pad_words(words))
+    # the chain with all bits: no mask, bit for bit (the test above), one compilation
+    want = _run_both(_padded(chain, None), np.full(16, 0xFFFFFFFF, np.uint32))
+    assert words_padded.shape == (16,)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g[path], w[: len(path)], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(g[len(words) - 1], w[len(path)], rtol=1e-5, atol=1e-6)
+
+
+def _pad_words(words):
+    return np.concatenate([words, np.full(16 - len(words), 0xFFFFFFFF, np.uint32)])
+
+
+def _padded(case, words):
+    """A tree_and_chain case on fixed shapes (16 rows, 12 blocks, 8-page tables; NaN
+    blocks and padding rows), so both cases share one compilation per backend."""
+    q = np.zeros((16, *case.q.shape[1:]), np.float32)
+    q[: len(case.q)] = case.q
+    pools = []
+    for pages in (case.k_pages, case.v_pages):
+        pad = np.full((12 - len(pages), *pages.shape[1:]), np.nan, np.float32)
+        pools.append(np.concatenate([pages, pad]))
+    tables = np.zeros((2, 8), np.int32)
+    tables[:, : case.block_tables.shape[1]] = case.block_tables
+    return (q, *pools, tables, case.kv_lens, case.cu_q_lens, words)
