@@ -43,6 +43,36 @@ def test_auto_on_an_h200_sends_a_tree_to_the_reference_where_the_kernel_refuses(
     assert not np.allclose(got, causal)  # the mask reached the reference
 
 
+def test_auto_on_an_h200_keeps_trees_on_the_reference_until_verified(monkeypatch):
+    """The Mosaic kernel's tree path is interpreted and cross-lowered only: "auto" runs a
+    step with a tree mask on the XLA reference until parity.H200_TREE_PARITY_VERIFIED,
+    and on the kernel after (a recording stand-in for the kernel here)."""
+    from pallas_kernels import paged_attention
+
+    calls = []
+
+    def fake_kernel(q, *args, **kwargs):
+        calls.append(kwargs.get("tree_mask") is not None)
+        return jnp.zeros_like(q)
+
+    monkeypatch.setattr(paged_attention, "ragged_paged_attention", fake_kernel)
+    monkeypatch.setattr(parity, "H200_PARITY_VERIFIED", True)
+    h200 = types.SimpleNamespace(platform="gpu", compute_capability="9.0")
+    q, (k, v), meta, words = _batch(np.random.default_rng(2), jnp.bfloat16, 64)
+    k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    kw = dict(layer=jnp.int32(0), sm_scale=0.125)
+    for verified, want_calls in ((False, [False]), (True, [False, True])):
+        monkeypatch.setattr(parity, "H200_TREE_PARITY_VERIFIED", verified)
+        attend = select_attention_backend("auto", device=h200).ragged_paged_attention
+        attend(q, k, v, *meta, **kw)  # no mask: the kernel
+        got = attend(q, k, v, *meta, tree_mask=words, **kw)
+        assert calls == want_calls
+        calls.clear()
+        if not verified:
+            want = reference.ragged_paged_attention(q, k, v, *meta, tree_mask=words, **kw)
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_pallas_backend_runs_an_8bit_pool_with_a_tree():
     """select_attention_backend("pallas") on an int8 QuantizedPages pool with a tree mask
     (interpreted): the kernel's kv_format path with the row words, equal to the XLA
