@@ -209,7 +209,8 @@ def write_report(
         "",
         "This report sets nothing verified. After reading it, a person may commit"
         " `pallas_kernels/parity.py`: `H200_PARITY_VERIFIED = True` (Mosaic GPU kernels, on an"
-        " H200 with every parity row passing) or an entry in `TRITON_PARITY_REPORTS` for this"
+        " H200 with every parity row passing), `H200_TREE_PARITY_VERIFIED = True` (their"
+        " `trees` rows passing too) or an entry in `TRITON_PARITY_REPORTS` for this"
         " GPU model (Triton kernels).",
         "",
     ]
