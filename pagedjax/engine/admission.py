@@ -31,6 +31,8 @@ def assign_slots(core: EngineCore) -> None:
         core.kv_calibration = None
     if core.lora is not None and core.lora.retired:  # unloaded adapters no request uses
         core.lora.release_retired(live_lora_ids(book.requests.values()))
+    if core.lora is not None:  # unified paging: idle adapters' blocks back to KV when short
+        core.lora.relieve(_loras_in_use(core), max(1, len(book.slot_owner)))
     if book.queue and book.free_slots:
         n = core.max_seqs
         slot_ids = np.zeros(n, np.int32)

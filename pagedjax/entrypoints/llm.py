@@ -92,8 +92,9 @@ class LLM:
     "guidance", "disable_any_whitespace": False} (``config.StructuredOutputsConfig``;
     docs/structured_outputs.md).
     enable_lora, max_loras, max_lora_rank, max_cpu_loras: multi-LoRA serving, vLLM's
-    names and defaults (1, 16, None = max_loras); lora_memory: "unified" (the adapter
-    slots' bytes come out of the KV budget) or "separate" (beside it, the ablation);
+    names and defaults (1, 16, None = max_loras); lora_memory: "unified" (adapters paged
+    in KV blocks, lent and returned as they load and evict), "static" (the fixed slot
+    table's bytes out of the KV budget) or "separate" (beside it, the ablation);
     ``generate(..., lora_request=...)``
     picks each prompt's adapter (docs/lora.md). Llama family, one device, no speculation.
     limit_mm_per_prompt: vLLM's dict, most images per prompt ({"image": 2}; default 999);
