@@ -66,7 +66,8 @@ def adapters(tmp_path_factory):
 def _manager(max_loras, max_cpu_loras=None, max_seqs=4):
     base = {"layers": {"self_attn": {m: {} for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
                        "mlp": {m: {} for m in ("gate_proj", "up_proj", "down_proj")}}}  # fmt: skip
-    cfg = LoRAConfig(max_loras=max_loras, max_lora_rank=4, max_cpu_loras=max_cpu_loras)
+    cfg = LoRAConfig(max_loras=max_loras, max_lora_rank=4, max_cpu_loras=max_cpu_loras,
+                     memory="static")  # the slot table (unified paging: test_lora_paging.py)
     return LoRAManager(cfg, ARCH, base, max_seqs)
 
 
@@ -126,7 +127,8 @@ def test_manager_binds_slots_and_refuses_bad_adapters(adapters, tmp_path):
     mgr.prepare(reqs[1])
     assert not mgr.admit(reqs[1], [1])  # the only slot's adapter is running: wait
     assert mgr.admit(reqs[1], []) and mgr.stats() == dict(
-        lora_loads=2, lora_evictions=1, lora_waits=1, lora_resident=1)  # fmt: skip
+        lora_loads=2, lora_evictions=1, lora_waits=1, lora_resident=1, lora_blocks=0,
+        lora_reliefs=0)  # fmt: skip
     # Host memory: the LRU beyond max_cpu_loras goes, unless a live request needs it.
     mgr.prepare(reqs[2], live_ids=[1])
     assert list(mgr.host) == [1, 3]
@@ -240,16 +242,17 @@ def test_slot_table_bytes_equal_the_allocated_arrays(layers, loras, rank, module
 
 
 def test_unified_lora_memory_shares_the_kv_budget():
-    """Unified: the table's bytes come out of every byte budget (the explicit one, a
+    """Static: the table's bytes come out of every byte budget (the explicit one, a
     GPU's profiled free memory, the CPU default), never out of a block-count override;
-    separate: the full budget. Bad values are refused by name."""
+    separate and unified (paging: no table): the full budget. Bad values are refused by
+    name."""
     import jax
 
     from pagedjax.engine.kv_budget import cpu_default_kv_bytes, num_kv_blocks
     from pagedjax.engine.lora_manager import lora_reserved_bytes
     from pagedjax.lora import slot_table_bytes
 
-    unified = LoRAConfig(max_loras=4, max_lora_rank=8)
+    unified = LoRAConfig(max_loras=4, max_lora_rank=8, memory="static")
     table = slot_table_bytes(llama_module_shapes(ARCH), ARCH.num_layers, 4, 8)
     # L=2 layers x 5 slots x r=8 x 4 bytes x (in + out) of q k v o gate up down, the
     # attached [L, slots] scales of the seven modules, the [slots] scale.
@@ -257,6 +260,7 @@ def test_unified_lora_memory_shares_the_kv_budget():
         16 + 12 + 12 + 16 + 20 + 20 + 20) + 2 * 5 * 4 * 7 + 5 * 4  # fmt: skip
     assert lora_reserved_bytes(LoRAConfig(max_loras=4, max_lora_rank=8, memory="separate"),
                                ARCH) == 0 and lora_reserved_bytes(None, ARCH) == 0  # fmt: skip
+    assert lora_reserved_bytes(LoRAConfig(max_loras=4, max_lora_rank=8), ARCH) == 0
     kw = dict(kv_bytes_per_token=64, block_size=4, max_blocks_needed=10**9,
               gpu_memory_utilization=0.5, num_gpu_blocks_override=None,
               reserved_bytes=table, reserved_for="LoRA slots")  # fmt: skip
@@ -404,7 +408,7 @@ def llm(tiny):
 
     return LLM(model=str(tiny.dir / "base"), dtype="float32", block_size=4, max_model_len=96,
                max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=POOL,
-               seed=0, enable_lora=True, max_loras=2, max_lora_rank=8,
+               seed=0, enable_lora=True, max_loras=2, max_lora_rank=8, lora_memory="separate",
                num_scheduler_steps=4)  # fmt: skip  # the fused K-step loop too (GPU's default)
 
 
@@ -556,14 +560,14 @@ def test_remove_lora_defers_until_its_requests_finish(tiny, llm):
 
 @pytest.mark.tier2
 def test_engine_pool_shrinks_by_the_slot_table_under_unified_memory(tiny):
-    """The engine's pool under one kv_cache_memory_bytes: unified LoRA memory gives
+    """The engine's pool under one kv_cache_memory_bytes: static LoRA memory gives
     (budget - table bytes) // block bytes blocks, separate the whole budget's; the table
     the engine then allocates is exactly the bytes taken out."""
     from pagedjax import LLM
     from pagedjax.lora import slot_table_bytes
 
     budget, got = 1 << 20, {}
-    for memory in ("unified", "separate"):
+    for memory in ("static", "separate"):
         e = LLM(model=str(tiny.dir / "base"), dtype="float32", block_size=4, max_model_len=96,
                 max_num_seqs=64, kv_cache_memory_bytes=budget, seed=0, enable_lora=True,
                 max_loras=4, max_lora_rank=8, lora_memory=memory, warmup="none").llm_engine
@@ -573,7 +577,7 @@ def test_engine_pool_shrinks_by_the_slot_table_under_unified_memory(tiny):
         allocated = sum(x.nbytes for x in (*table.a.values(), *table.b.values(), table.scale))
         allocated += table.num_layers * table.num_slots * 4 * len(table.a)  # attached scales
         assert allocated == slot_table_bytes(table.module_shapes, table.num_layers, 4, 8)
-    assert got == {"unified": (budget - allocated) // per_block, "separate": budget // per_block}
+    assert got == {"static": (budget - allocated) // per_block, "separate": budget // per_block}
 
 
 @pytest.mark.tier2
