@@ -119,12 +119,13 @@ def test_paged_adapters_read_back_as_the_slot_table(adapters, dtype):
 @settings(max_examples=25, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["admit", "finish", "grow", "release",
                                                "relieve"]),
-                              st.integers(0, 3), st.integers(1, 20)), max_size=20))  # fmt: skip
+                              st.integers(0, 3), st.integers(1, 24)), max_size=20))  # fmt: skip
 def test_pool_accounting_under_random_adapters_and_sequences(adapters, ops):
     """Admissions (with eviction of idle adapters), finishes, reliefs and sequences
     growing / releasing KV on the real allocator: free + KV blocks + adapter pages ==
     usable blocks after every operation, KV and adapter blocks disjoint, a wait only when
-    no choice of idle victims makes room, resident adapters' weights intact."""
+    no choice of idle victims makes room or the pinned adapters' pages would leave too
+    little KV for the largest request."""
     device, grow, release = _walk_device()
     device.state = init_state(device.policy, SEQS)  # a fresh pool (the kv keeps garbage)
     mgr = _manager(device)
@@ -142,8 +143,10 @@ def test_pool_accounting_under_random_adapters_and_sequences(adapters, ops):
                 r.lora_path, mgr.shapes, 2, 4).rank)  # fmt: skip
             room = device.num_free_blocks() + sum(len(pages.blocks_by_id[v]) for v in idle)
             slot_ok = pages.has_free_slot() or bool(idle)
-            ok = mgr.admit(r, running)
-            assert ok == (resident or (room >= need and slot_ok))
+            pinned = sum(len(pages.blocks_by_id[v]) for v in set(running))
+            livelock = bool(pinned) and pinned + need + n > NUM_BLOCKS - 1
+            ok = mgr.admit(r, running, kv_blocks=n)  # n: the largest request's KV blocks
+            assert ok == (resident or (room >= need and slot_ok and not livelock))
             if ok:
                 running.append(r.lora_int_id)
         elif op == "finish" and r.lora_int_id in running:
@@ -172,6 +175,13 @@ def test_pool_accounting_under_random_adapters_and_sequences(adapters, ops):
         assert device.num_free_blocks() + len(kv_blocks) + len(lent) == NUM_BLOCKS - 1
         assert len(lent) == pages.lent() == mgr.stats()["lora_blocks"]
         assert set(running) <= set(mgr.resident)
+    got = _read_back(mgr, layer=1)
+    for i in mgr.resident:  # the weights as the step reads them
+        ad = load_peft_adapter(adapters[i - 1].lora_path, mgr.shapes, 2, 4)
+        for m, (a, b) in ad.weights.items():
+            leaves = got["mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"][m]
+            np.testing.assert_array_equal(leaves["lora_a"][pages.slot_of(i)][:, : ad.rank], a[1])
+            np.testing.assert_array_equal(leaves["lora_b"][pages.slot_of(i)][: ad.rank], b[1])
     for i in list(mgr.resident):
         mgr.remove(i, [])
     assert pages.lent() == 0 and not mgr.resident

@@ -178,10 +178,12 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ device slots
 
-    def admit(self, lora: LoRARequest | None, in_use: Iterable[int]) -> bool:
+    def admit(self, lora: LoRARequest | None, in_use: Iterable[int], kv_blocks: int = 0) -> bool:
         """Whether a request of adapter ``lora`` (None: base) may take a scheduler slot
         now, loading its adapter onto the device if needed (module docstring).
-        in_use: adapter ids of the requests that hold scheduler slots."""
+        in_use: adapter ids of the requests that hold scheduler slots; kv_blocks (unified
+        paging): the most KV blocks one of those requests or this one needs at its full
+        length (``_admit_paged``)."""
         if lora is None:
             return True
         i = lora.lora_int_id
@@ -195,7 +197,7 @@ class LoRAManager:
             if have is None:  # dropped from host memory: read again
                 self.prepare(lora, busy)
                 have = self.host[i]
-            return self._admit_paged(i, have[1], idle)
+            return self._admit_paged(i, have[1], idle, busy, kv_blocks)
         if len(self.resident) >= self.config.max_loras:
             if not idle:
                 self.waits += 1
@@ -207,11 +209,23 @@ class LoRAManager:
         self._loaded(i)
         return True
 
-    def _admit_paged(self, i: int, adapter: LoRAAdapter, idle: list[int]) -> bool:
+    def _admit_paged(self, i: int, adapter: LoRAAdapter, idle: list[int], busy: set[int],
+                     kv_blocks: int) -> bool:  # fmt: skip
         """Unified paging: a free slot and the adapter's pages, evicting idle adapters
-        (LRU first) only as far as they make both fit; else wait, evicting nothing."""
+        (LRU first) only as far as they make both fit; else wait, evicting nothing.
+
+        Also waits when adapters are pinned (busy) and their pages, this adapter's and
+        ``kv_blocks`` (the largest full-length KV of the slotted requests and this one)
+        exceed the pool: pinned pages cannot be preempted as KV can, so admitting it could
+        leave some slotted request unable ever to run (a livelock); it runs once the
+        pinned adapters' requests finish. Nothing pinned: it is admitted whenever its
+        pages fit (alone, a request runs as on a base engine)."""
         pages = self.pages
         need = pages.pages_needed(adapter.rank)
+        pinned = sum(len(pages.blocks_by_id[v]) for v in self.resident if v in busy)
+        if pinned and pinned + need + kv_blocks > pages.usable:
+            self.waits += 1
+            return False
         free = pages.device.num_free_blocks()
         victims: list[int] = []
         for v in idle:
