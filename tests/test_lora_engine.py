@@ -580,6 +580,64 @@ def test_engine_pool_shrinks_by_the_slot_table_under_unified_memory(tiny):
     assert got == {"static": (budget - allocated) // per_block, "separate": budget // per_block}
 
 
+PAGED_POOL = 48  # blocks of 4: A 16, B 8, C 12 pages of the 47 usable (S-LoRA paging)
+
+
+@pytest.fixture(scope="module")
+def paged(tiny):
+    """``llm``'s engine with unified paging: the adapters' weights in blocks of a 48-block
+    pool (A 16, B 8, C 12 of its 47 usable: they cannot all be resident beside a long
+    request's KV), three adapter slots, the same programs' shapes otherwise."""
+    from pagedjax import LLM
+
+    return LLM(model=str(tiny.dir / "base"), dtype="float32", block_size=4, max_model_len=96,
+               max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=PAGED_POOL,
+               seed=0, enable_lora=True, max_loras=3, max_lora_rank=8, lora_memory="unified",
+               num_scheduler_steps=4, warmup="none")  # fmt: skip  # only what it runs
+
+
+@pytest.mark.tier2
+def test_unified_paging_equals_the_separate_table_with_waits_and_preemption(tiny, llm, paged):
+    """Unified paging (adapters in KV blocks) gives the separate table's greedy outputs on
+    the same mixed requests (three adapters and the base model), through a wait for
+    pages (C's 12 pages do not fit beside A's, B's and A's 46-token request: C waits
+    until they finish, then loads over an idle adapter's pages) and preemption; blocks
+    are lent at load and given back at eviction (free + lent == usable throughout), and
+    removing every adapter frees the whole pool. An adapter whose pages and prompt can
+    never fit is refused at add_request, and the engine serves on."""
+    engine = paged.llm_engine
+    usable = PAGED_POOL - 1
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 384, size=n).tolist() for n in (30, 7, 6, 4, 9, 8)]
+    which = [1, 2, 3, None, 3, 1]
+    loras = [tiny.loras.get(i) for i in which]
+    want = llm.generate(prompts, _greedy(16), use_tqdm=False, lora_request=loras)
+    lent = []
+
+    def observe(_record):
+        lent.append((engine.num_free_blocks(), engine.core.lora.pages.lent()))
+
+    engine.add_step_observer(observe)
+    got = paged.generate(prompts, _greedy(16), use_tqdm=False, lora_request=loras)
+    engine.step_observers.remove(observe)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    s = engine.stats()
+    assert s["lora_waits"] > 0 and s["lora_loads"] >= 3 and engine.num_preemptions > 0
+    assert all(free + pages <= usable for free, pages in lent) and max(p for _, p in lent) > 0
+    assert engine.num_free_blocks() + s["lora_blocks"] == usable  # idle adapters cached
+    for i in (1, 2, 3):
+        engine.remove_lora(i)
+    assert engine.num_free_blocks() == usable and engine.stats()["lora_blocks"] == 0
+    from tests.model_helpers import peft_adapter
+
+    peft_adapter(tiny.models[None], tiny.dir / "d8", 4, 8, ALL)  # rank 8: 32 pages
+    big = LoRARequest("D", 4, str(tiny.dir / "d8"))
+    with pytest.raises(ValueError, match="can never fit"):
+        paged.generate(list(range(3, 73)), _greedy(), use_tqdm=False, lora_request=big)
+    out = paged.generate(prompts[1], _greedy(), use_tqdm=False, lora_request=tiny.loras[2])
+    assert out[0].outputs[0].token_ids == want[1].outputs[0].token_ids[:N_NEW]
+
+
 @pytest.mark.tier2
 def test_core_loop_rpcs_load_and_remove_adapters(tiny, llm, tmp_path):
     """The core process' named RPCs with an argument (add_lora / remove_lora /
