@@ -587,13 +587,14 @@ PAGED_POOL = 48  # blocks of 4: A 16, B 8, C 12 pages of the 47 usable (S-LoRA p
 def paged(tiny):
     """``llm``'s engine with unified paging: the adapters' weights in blocks of a 48-block
     pool (A 16, B 8, C 12 of its 47 usable: they cannot all be resident beside a long
-    request's KV), three adapter slots, the same programs' shapes otherwise."""
+    request's KV), three adapter slots; the one-step path and no warm-up (fewer programs
+    to compile: the K-step loop carries the same parameters as ``llm`` shows)."""
     from pagedjax import LLM
 
     return LLM(model=str(tiny.dir / "base"), dtype="float32", block_size=4, max_model_len=96,
-               max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=PAGED_POOL,
+               max_num_seqs=4, max_num_batched_tokens=16, num_gpu_blocks_override=PAGED_POOL,
                seed=0, enable_lora=True, max_loras=3, max_lora_rank=8, lora_memory="unified",
-               num_scheduler_steps=4, warmup="none")  # fmt: skip  # only what it runs
+               warmup="none")  # fmt: skip  # only what it runs; the one-step path (CPU's)
 
 
 @pytest.mark.tier2
