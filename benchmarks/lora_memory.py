@@ -5,7 +5,7 @@ For a model's shapes (default: SmolLM2-135M; ``--llama8b``: Llama-3-8B's) and on
 budget (``--kv-gib``, the engine's kv_cache_memory_bytes), prints per max_loras and rank:
 the adapter slot table's bytes (``lora.slot_table_bytes``, exactly what the engine
 allocates: tests/test_lora_engine.py checks it against the arrays), the pool's blocks
-under ``lora_memory="unified"`` (the table inside the budget) and "separate" (beside it),
+under ``lora_memory="static"`` (the table inside the budget) and "separate" (beside it),
 computed by the engine's own sizing function (``kv_budget.num_kv_blocks``, as
 ``LLMEngine`` calls it: tests/test_lora_engine.py checks that a built engine gets that
 count), the device bytes each mode then uses, and the largest batch of requests of
@@ -18,11 +18,10 @@ sizing, not a throughput measurement.
 ``--engine``: the same trade-off on real engines at small scale: a tiny random Llama
 (hidden 64, 2 layers; transformers), one random PEFT adapter of rank 8 (peft), a 2 MiB
 KV budget (``kv_cache_memory_bytes``), 64 greedy requests of 32 + 32 tokens all with the
-adapter, for "separate" and for "unified" at max_loras 1 / 8 / 24 (``--engine-loras``):
+adapter, for "separate" and for "static" at max_loras 1 / 8 / 24 (``--engine-loras``):
 the engine's pool, how many requests fit whole in it (usable blocks // 4), and the run's
 preemptions, engine steps and wall time (compilation included: each pool size is a new
-program; this is about memory, not speed). Modes there: "static" (the table inside the
-budget) and "separate".
+program; this is about memory, not speed).
 
 ``--paging``: unified paging (S-LoRA) against fixed pools at the same device memory, as
 the number of distinct adapters in the workload grows (``--paging-adapters``, default
@@ -110,13 +109,13 @@ def main() -> None:
     print(f"{name} shapes, KV {args.dtype} {per_token} B/token, budget {args.kv_gib:g} GiB,"
           f" blocks of {args.block_size}, requests {args.prompt_len}+{args.new} tokens"
           f" ({per_req} blocks); slot tables in float32")  # fmt: skip
-    print("| rank | max_loras | table MiB | unified: blocks | batch | device MiB"
+    print("| rank | max_loras | table MiB | static: blocks | batch | device MiB"
           " | separate: blocks | batch | device MiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     base = blocks(0)
     for rank in map(int, args.ranks.split(",")):
         for n in map(int, args.loras.split(",")):
-            cfg = LoRAConfig(max_loras=n, max_lora_rank=rank)
+            cfg = LoRAConfig(max_loras=n, max_lora_rank=rank, memory="static")
             table = lora_reserved_bytes(cfg, arch)
             mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
             try:
