@@ -116,7 +116,7 @@ def test_paged_adapters_read_back_as_the_slot_table(adapters, dtype):
                     assert not np.asarray(leaves["lora_b"][s]).any()
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["admit", "finish", "grow", "release",
                                                "relieve"]),
                               st.integers(0, 3), st.integers(1, 24)), max_size=20))  # fmt: skip
