@@ -463,21 +463,21 @@ class LoRAConfig:
     adapter unused by running requests to evict, waits. max_lora_rank: the largest rank
     served; every slot is padded to it (exact: zero padding). max_cpu_loras: adapters
     kept in host memory (LRU; those of unfinished requests always stay); None: max_loras.
-    memory: "unified" (default): S-LoRA's unified paging: a resident adapter's weights
-    live in blocks of the KV pool, lent from the block allocator when it is loaded
-    (ceil(its bytes / a block's bytes), by its own rank) and returned when it is evicted;
-    no table is allocated (engine/lora_paging.py). "static": the fixed slot table
-    (max_loras x max_lora_rank) whose device bytes (``lora.slots.slot_table_bytes``) come
-    out of the KV budget up front, loaded or not. "separate": the table beside a pool of
-    the full budget (the ablation; the device footprint grows with max_loras).
-    num_gpu_blocks_override is a block count, not a budget: the same pool for "static"
-    and "separate".
+    memory: "static" (default): the fixed slot table (max_loras x max_lora_rank) whose
+    device bytes (``lora.slots.slot_table_bytes``) come out of the KV budget up front,
+    loaded or not. "unified": S-LoRA's unified paging: a resident adapter's weights live
+    in blocks of the KV pool, lent from the block allocator when it is loaded (ceil(its
+    bytes / a block's bytes), by its own rank) and returned when it is evicted; no table
+    (engine/lora_paging.py; opt-in: each step reads every slot's pages, docs/lora.md).
+    "separate": the table beside a pool of the full budget (the ablation; the device
+    footprint grows with max_loras). num_gpu_blocks_override is a block count, not a
+    budget: the same pool for "static" and "separate".
     """
 
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    memory: str = "unified"
+    memory: str = "static"
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

@@ -29,7 +29,7 @@ ARCH = SimpleNamespace(family="llama", num_layers=2, num_heads=2, num_kv_heads=1
                        hidden_size=8, intermediate_size=12, num_experts=0)  # fmt: skip
 
 
-def _write_adapter(directory, r, seed, modules=("q_proj", "v_proj", "down_proj"), arch=ARCH):
+def write_adapter(directory, r, seed, modules=("q_proj", "v_proj", "down_proj"), arch=ARCH):
     """A PEFT-layout adapter for ``arch`` written with numpy; its A weights by module."""
     from safetensors.numpy import save_file
 
@@ -58,7 +58,7 @@ def adapters(tmp_path_factory):
     d = tmp_path_factory.mktemp("lora_manager")
     reqs, want = [], {}
     for i in range(1, 5):
-        want[i] = _write_adapter(d / f"a{i}", r=1 + i % 3, seed=i)
+        want[i] = write_adapter(d / f"a{i}", r=1 + i % 3, seed=i)
         reqs.append(LoRARequest(f"a{i}", i, str(d / f"a{i}")))
     return reqs, want, d
 
@@ -136,10 +136,10 @@ def test_manager_binds_slots_and_refuses_bad_adapters(adapters, tmp_path):
         mgr.prepare(LoRARequest("other", 1, str(d / "a2")))
     with pytest.raises(ValueError, match="missing adapter_config.json"):
         mgr.prepare(LoRARequest("nope", 9, str(tmp_path / "nope")))
-    _write_adapter(tmp_path / "big", r=8, seed=0)
+    write_adapter(tmp_path / "big", r=8, seed=0)
     with pytest.raises(ValueError, match="rank 8 exceeds max_lora_rank=4"):
         mgr.prepare(LoRARequest("big", 9, str(tmp_path / "big")))
-    _write_adapter(tmp_path / "emb", r=2, seed=0, modules=("q_proj",))
+    write_adapter(tmp_path / "emb", r=2, seed=0, modules=("q_proj",))
     cfg = json.loads((tmp_path / "emb" / "adapter_config.json").read_text())
     cfg["target_modules"] = ["q_proj", "embed_tokens"]
     (tmp_path / "emb" / "adapter_config.json").write_text(json.dumps(cfg))
@@ -252,7 +252,7 @@ def test_unified_lora_memory_shares_the_kv_budget():
     from pagedjax.engine.lora_manager import lora_reserved_bytes
     from pagedjax.lora import slot_table_bytes
 
-    unified = LoRAConfig(max_loras=4, max_lora_rank=8, memory="static")
+    unified = LoRAConfig(max_loras=4, max_lora_rank=8)  # the default: "static"
     table = slot_table_bytes(llama_module_shapes(ARCH), ARCH.num_layers, 4, 8)
     # L=2 layers x 5 slots x r=8 x 4 bytes x (in + out) of q k v o gate up down, the
     # attached [L, slots] scales of the seven modules, the [slots] scale.
@@ -260,7 +260,8 @@ def test_unified_lora_memory_shares_the_kv_budget():
         16 + 12 + 12 + 16 + 20 + 20 + 20) + 2 * 5 * 4 * 7 + 5 * 4  # fmt: skip
     assert lora_reserved_bytes(LoRAConfig(max_loras=4, max_lora_rank=8, memory="separate"),
                                ARCH) == 0 and lora_reserved_bytes(None, ARCH) == 0  # fmt: skip
-    assert lora_reserved_bytes(LoRAConfig(max_loras=4, max_lora_rank=8), ARCH) == 0
+    assert lora_reserved_bytes(LoRAConfig(max_loras=4, max_lora_rank=8, memory="unified"),
+                               ARCH) == 0  # fmt: skip  # paging: blocks at run time
     kw = dict(kv_bytes_per_token=64, block_size=4, max_blocks_needed=10**9,
               gpu_memory_utilization=0.5, num_gpu_blocks_override=None,
               reserved_bytes=table, reserved_for="LoRA slots")  # fmt: skip
@@ -473,7 +474,7 @@ def test_bad_adapters_refused_and_engine_keeps_serving(tiny, llm, tmp_path):
     with pytest.raises(ValueError, match="rank 16 exceeds max_lora_rank=8"):
         llm.generate(prompt, _greedy(), use_tqdm=False,
                      lora_request=LoRARequest("big", 8, str(tmp_path / "big")))  # fmt: skip
-    _write_adapter(tmp_path / "other", r=2, seed=0, modules=("q_proj",))  # hidden 8, not 64
+    write_adapter(tmp_path / "other", r=2, seed=0, modules=("q_proj",))  # hidden 8, not 64
     with pytest.raises(ValueError, match="another base"):
         llm.generate(prompt, _greedy(), use_tqdm=False,
                      lora_request=LoRARequest("other", 9, str(tmp_path / "other")))  # fmt: skip
@@ -763,7 +764,7 @@ def test_server_loads_and_unloads_adapters_at_run_time(tiny, llm, tmp_path, monk
     want_long = llm.generate(prompt, _greedy(n_long), use_tqdm=False,
                              lora_request=tiny.loras[3])[0].outputs[0].text  # fmt: skip
     peft_adapter(tiny.models[None], tmp_path / "big", 3, 16, ["q_proj"])  # rank 16 > 8
-    _write_adapter(tmp_path / "other", r=2, seed=0, modules=("q_proj",))  # hidden 8, not 64
+    write_adapter(tmp_path / "other", r=2, seed=0, modules=("q_proj",))  # hidden 8, not 64
     (tmp_path / "corrupt").mkdir()
     (tmp_path / "corrupt" / "adapter_config.json").write_text(json.dumps(
         dict(peft_type="LORA", r=2, lora_alpha=4, target_modules=["q_proj"])))  # fmt: skip

@@ -27,7 +27,7 @@ from pagedjax.lora import LoRARequest, LoRASlotTable, llama_module_shapes, load_
 from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.model.lora_pages import PAGED_KEY, materialize
 from pagedjax.scheduler import SchedulerLimits, init_state
-from tests.test_lora_engine import ARCH, _write_adapter
+from tests.test_lora_engine import ARCH, write_adapter
 
 NUM_BLOCKS, BLOCK, SEQS = 40, 4, 4  # ARCH: 2 layers, 1 KV head of 4: pages of 16 values
 BASE = {"layers": {"self_attn": {m: {} for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
@@ -43,7 +43,7 @@ def adapters(tmp_path_factory):
             ("gate_proj",)]  # fmt: skip
     reqs = []
     for i in range(1, 5):
-        _write_adapter(d / f"a{i}", r=1 + i % 3, seed=i, modules=mods[i - 1])
+        write_adapter(d / f"a{i}", r=1 + i % 3, seed=i, modules=mods[i - 1])
         reqs.append(LoRARequest(f"a{i}", i, str(d / f"a{i}")))
     return reqs
 
@@ -72,7 +72,7 @@ def _walk_device() -> tuple:
 
 
 def _manager(device: DeviceState, max_loras: int = 2) -> LoRAManager:
-    cfg = LoRAConfig(max_loras=max_loras, max_lora_rank=4, max_cpu_loras=4)
+    cfg = LoRAConfig(max_loras=max_loras, max_lora_rank=4, max_cpu_loras=4, memory="unified")
     return LoRAManager(cfg, ARCH, BASE, SEQS, device)
 
 
@@ -185,3 +185,18 @@ def test_pool_accounting_under_random_adapters_and_sequences(adapters, ops):
     for i in list(mgr.resident):
         mgr.remove(i, [])
     assert pages.lent() == 0 and not mgr.resident
+
+
+def test_unified_paging_refusals():
+    """Unified paging needs the engine's device state, and a pool of raw pages (an 8-bit
+    pool's values + scales hold none); both refused by name, before anything is built."""
+    from types import SimpleNamespace
+
+    from pagedjax.engine.lora_paging import AdapterPages
+
+    with pytest.raises(ValueError, match="needs the engine's DeviceState"):
+        LoRAManager(LoRAConfig(memory="unified"), ARCH, BASE, SEQS)
+    pages = jnp.zeros((2, 8, 1, 4, 4), jnp.int8)
+    quantized = SimpleNamespace(kv=((pages, pages[..., :1]), (pages, pages[..., :1])))
+    with pytest.raises(ValueError, match="quantized KV cache"):
+        AdapterPages(llama_module_shapes(ARCH), 2, 2, 4, quantized)

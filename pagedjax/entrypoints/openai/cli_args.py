@@ -223,9 +223,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory (default: --max-loras)")  # fmt: skip
     p.add_argument("--lora-memory", choices=("unified", "static", "separate"), default=None,
-                   help=_own("adapters paged in KV blocks (unified, the default), a fixed"
-                             " table inside the KV budget (static) or beside it"
-                             " (separate: the ablation; docs/lora.md)"))  # fmt: skip
+                   help=_own("a fixed adapter table inside the KV budget (static, the"
+                             " default), adapters paged in KV blocks (unified) or the"
+                             " table beside the budget (separate: the ablation;"
+                             " docs/lora.md)"))  # fmt: skip
     p.add_argument(
         "--allowed-local-media-path",
         default=None,
