@@ -606,7 +606,8 @@ def test_unified_paging_equals_the_separate_table_with_waits_and_preemption(tiny
     until they finish, then loads over an idle adapter's pages) and preemption; blocks
     are lent at load and given back at eviction (free + lent == usable throughout), and
     removing every adapter frees the whole pool. An adapter whose pages and prompt can
-    never fit is refused at add_request, and the engine serves on."""
+    never fit is refused at add_request, and the engine serves on; no step program was
+    traced twice (the page table's shapes never change)."""
     engine = paged.llm_engine
     usable = PAGED_POOL - 1
     rng = np.random.default_rng(2)
@@ -638,6 +639,8 @@ def test_unified_paging_equals_the_separate_table_with_waits_and_preemption(tiny
         paged.generate(list(range(3, 73)), _greedy(), use_tqdm=False, lora_request=big)
     out = paged.generate(prompts[1], _greedy(), use_tqdm=False, lora_request=tiny.loras[2])
     assert out[0].outputs[0].token_ids == want[1].outputs[0].token_ids[:N_NEW]
+    # Adapters loaded, evicted and re-bound over these runs: each step program traced once.
+    assert engine.runner.trace_count and set(engine.runner.trace_count.values()) == {1}
 
 
 @pytest.mark.tier2
