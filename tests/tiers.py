@@ -434,6 +434,15 @@ MOVES: dict[str, tuple[str, str]] = {
         "slow", "two processes; the control channel's lost-node unit test stays by default"),
     "tests/test_lora_engine.py::test_mixed_batch_equals_transformers_peft": (
         "slow", "30.0 s in the second tier"),
+    # -- issue 39 item 3 (unified paging) pays for its tier-2 engine test (18.0 s cold at
+    #    load 17, the paged engine's programs) with these two (16.1 s cold and ~3 s):
+    "tests/test_lora_engine.py::test_slot_pressure_waits_then_completes": (
+        "slow", "16.1 s cold at load 17 (the module's engine already built); slot waits and"
+        " LRU eviction stay in the default tier's manager walk, waits and loads over an idle"
+        " adapter in tier 2's test_unified_paging_equals_the_separate_table_..."),
+    "tests/test_lora_engine.py::test_slot_table_bytes_equal_the_allocated_arrays": (
+        "slow", "~3 s (a compile per drawn shape); the default tier's"
+        " test_unified_lora_memory_shares_the_kv_budget checks the bytes by hand count"),
 }
 
 # Modules each tier starts first (pytest-xdist's loadfile scheduler hands modules out in
