@@ -181,6 +181,17 @@ def test_separate_prompt_steps_alternate_prompt_only_and_decode_only() -> None:
         SchedulerLimits(N, max_num_seqs=N, mode="paper", prompt_steps="alternate")
 
 
+def test_simulated_systems_take_the_step_composition() -> None:
+    """Mixed by default; "separate" for every paper-mode system (the paper's Orca ran on
+    the same engine and scheduler), never for the static batcher (no compilation)."""
+    from pagedjax.simulator import systems
+
+    assert systems.build_system("paged")[1].prompt_steps == "mixed"
+    for name in ("paged", "orca_max", "orca_oracle", "ft_static"):
+        _, c = systems.build_system(name, prompt_steps="separate")
+        assert c.separate_prompt_steps == (name != "ft_static")
+
+
 def test_preempt_latest_by_recompute_and_return_to_front() -> None:
     # 4 units of 4 tokens. A and B (8 tokens each) fill the pool.
     policy = CountingPolicy(N, 16, unit=4)
