@@ -4,10 +4,11 @@ The paper serves OPT-13B with ShareGPT conversations: each request's prompt is t
 history plus the last query, cut to the last 1024 tokens, with at most 1024 output
 tokens; most prompts hit 1024, so every Orca variant's buddy chunk is 2048 slots
 whatever it predicts, and vLLM sustains 2x their request rate. Here: the "chatbot"
-workload of experiments/common.py (every prompt 1024 tokens, ShareGPT-like outputs
-capped at 1024, Poisson arrivals), each system's knee at 0.5 s/token found by the same
-search as Fig. 12 (throughput_vs_rate.search), and the knee ratio paged / each variant.
-Simulated, under the server's cost model.
+workload of experiments/common.py (prompts: the Azure 2023 conversation trace's history
+lengths cut to 1024, or with ``chatbot.prompts: cap`` every prompt 1024 tokens;
+ShareGPT-like outputs capped at 1024; Poisson arrivals), each system's knee at 0.5
+s/token found by the same search as Fig. 12 (throughput_vs_rate.search), and the knee
+ratio paged / each variant. Simulated, under the server's cost model.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def settings(cfg: ExperimentConfig) -> Any:
     c = cfg.chatbot
     return dataclasses.replace(
         cfg.throughput_vs_rate,
-        dataset="chatbot",
+        dataset="chatbot" if cfg.chatbot.prompts == "azure_conv" else "chatbot_cap",
         systems=list(c.systems),
         duration_s=c.duration_s,
         thresholds=[OPERATING_THRESHOLD],
@@ -56,7 +57,13 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "executor": SIM_LABEL,
         "cost_model": server.cost_model,
-        "setup": {"prompt_len": 1024, "max_output": 1024, "duration_s": s.duration_s},
+        "setup": {
+            "prompts": cfg.chatbot.prompts,
+            "max_prompt": 1024,
+            "max_output": 1024,
+            "duration_s": s.duration_s,
+            "prompt_steps": server.prompt_steps,
+        },
         f"knee@{OPERATING_THRESHOLD}": {
             "text": {x: k.text() for x, k in knees.items()},
             "ratio_text": ratios,

@@ -80,6 +80,10 @@ class ServerSettings:
     # "kernel" charges a fixed cost per KV block visited and whole-block reads (Fig. 18b's
     # small-block side); "none" leaves it out (the roofline alone).
     block_cost: str = "none"
+    # How a paper-mode step is composed (SchedulerLimits.prompt_steps): "mixed" (the
+    # paper's section 4.3 and vLLM v0.1.0-v0.1.2, whose v0.1.2 the vllm2023 calibration
+    # anchors) or "separate" (vLLM v0.1.3-v0.3: prompt-only and decode-only steps).
+    prompt_steps: str = "mixed"
 
     @property
     def pool_slots(self) -> int:
@@ -100,6 +104,11 @@ class ServerSettings:
             f"must be one of {sorted(BLOCK_COSTS)}, got {self.block_cost!r}",
         )
 
+        _check(
+            self.prompt_steps in ("mixed", "separate"),
+            "server.prompt_steps",
+            f"must be 'mixed' or 'separate', got {self.prompt_steps!r}",
+        )
         _check(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             "server.kv_cache_dtype",
@@ -463,15 +472,24 @@ class SharingSettings:
 
 @dataclass(frozen=True)
 class ChatbotSettings:
-    """Fig. 17 (experiments/chatbot.py): prompts of 1024 tokens, outputs capped at 1024,
-    each system's knee at 0.5 s/token by throughput_vs_rate's search (simulated)."""
+    """Fig. 17 (experiments/chatbot.py): prompts cut to their last 1024 tokens, outputs
+    capped at 1024, each system's knee at 0.5 s/token by throughput_vs_rate's search
+    (simulated). prompts: "azure_conv" (the history lengths of the Azure 2023
+    conversation trace, cut to 1024; experiments/common.py ``chat_prompt_lens``) or
+    "cap" (every prompt 1024 tokens)."""
 
     systems: list[str] = field(
         default_factory=lambda: ["orca_max", "orca_pow2", "orca_oracle", "paged"]
     )
     duration_s: float = 300.0
+    prompts: Literal["azure_conv", "cap"] = "azure_conv"
 
     def __post_init__(self) -> None:
+        _check(
+            self.prompts in ("azure_conv", "cap"),
+            "chatbot.prompts",
+            f"must be 'azure_conv' or 'cap', got {self.prompts!r}",
+        )
         for s in self.systems:
             _check(s in SYSTEMS and s != "ft_static", "chatbot.systems", f"bad system {s!r}")
         _check("paged" in self.systems, "chatbot.systems", "must include paged")

@@ -5,6 +5,7 @@ import importlib.util
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from experiments import claims as C
@@ -177,13 +178,22 @@ def test_validation_interleaves_workloads_and_reports_the_real_spread():
 
 
 def test_chatbot_workload_and_its_claim_rows():
-    """Fig. 17: prompts at the 1024 cap, outputs capped at 1024; the chatbot summary's
-    knee ratios become one fig17 row per Orca variant (bounds judged like Fig. 12)."""
+    """Fig. 17: prompts are the Azure conversation trace's history lengths cut to the
+    last 1024 tokens (about half at the cap) or, "chatbot_cap", all at the cap; outputs
+    capped at 1024; the chatbot summary's knee ratios become one fig17 row per Orca
+    variant (bounds judged like Fig. 12)."""
     from experiments.common import workload
 
     w = workload("chatbot", 1.0, 300.0, 0, 1.0, 2048)
-    assert len(w) > 200 and (w.prompt_len == 1024).all() and w.output_len.max() <= 1024
+    assert len(w) > 200 and w.prompt_len.max() == 1024 and w.output_len.max() <= 1024
+    assert 0.35 < (w.prompt_len == 1024).mean() < 0.65 and w.prompt_len.min() >= 1
+    assert 600 < w.prompt_len.mean() < 880  # the trace's cut mean is 737
     assert w.output_len.min() >= 1
+    cap = workload("chatbot_cap", 1.0, 300.0, 0, 1.0, 2048)
+    assert (cap.prompt_len == 1024).all()
+    np.testing.assert_array_equal(cap.output_len, w.output_len)  # only the prompts differ
+    again = workload("chatbot", 1.0, 300.0, 0, 1.0, 2048)
+    np.testing.assert_array_equal(again.prompt_len, w.prompt_len)  # seeded
     s = {"chatbot": {"executor": "simulated", "knee@0.5": {
         "text": {"paged": "1.2", "orca_max": "0.6", "orca_oracle": "0.9"},
         "ratio_text": {"paged/orca_max": "2.00", "paged/orca_oracle": ">= 1.2"}}}}  # fmt: skip

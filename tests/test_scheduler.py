@@ -142,6 +142,56 @@ def test_paper_mode_rejects_prompts_over_the_budget_and_does_not_chunk() -> None
     assert rows == [(1, 1, 6, True), (2, 5, 0, True)]
 
 
+def test_separate_prompt_steps_alternate_prompt_only_and_decode_only() -> None:
+    """vLLM v0.1.3's step composition (SchedulerLimits.prompt_steps "separate"): a step
+    with an admissible waiting prompt runs prompts only (all that fit the whole budget,
+    in FCFS order), else it decodes only; "mixed" (the default) puts both in one step."""
+    policy = CountingPolicy(N, 64, unit=4)
+    sep = SchedulerLimits(N, 8, max_num_seqs=N, max_model_len=32, mode="paper",
+                          prompt_steps="separate")  # fmt: skip
+    mixed = SchedulerLimits(N, 8, max_num_seqs=N, max_model_len=32, mode="paper")
+    reqs = [(0, 3, 3, 0), (1, 4, 3, 1), (2, 6, 3, 2)]
+    state = _add(init_state(policy, N), reqs)
+    state, rows, _ = _step(policy, sep, state)
+    assert rows == [(0, 3, 0, True), (1, 4, 0, True)]  # 3 + 4 fit, + 6 would not
+    state, rows, b = _step(policy, sep, state)
+    assert rows == [(2, 6, 0, True)] and int(b.num_tokens) == 6  # 0 and 1 wait
+    state, rows, _ = _step(policy, sep, state)
+    assert rows == [(0, 1, 3, True), (1, 1, 4, True), (2, 1, 6, True)]  # decode only
+    state = _add(state, [(3, 2, 3, 3)])
+    state, rows, _ = _step(policy, sep, state)
+    assert rows == [(3, 2, 0, True)]
+    # Mixed: the second step decodes 0 and 1 and admits 2 with the budget left (2 + 6).
+    state = _add(init_state(policy, N), reqs)
+    state, rows, _ = _step(policy, mixed, state)
+    state, rows, _ = _step(policy, mixed, state)
+    assert rows == [(0, 1, 3, True), (1, 1, 4, True), (2, 6, 0, True)]
+    # A head the pool refuses (8 tokens: 2 units, 1 free) makes a decode step, not a
+    # capacity verdict: something runs and will free memory.
+    small = CountingPolicy(N, 8, unit=4)
+    state = _add(init_state(small, N), [(0, 4, 2, 0), (1, 8, 2, 1)])
+    state, rows, _ = _step(small, sep, state)
+    assert rows == [(0, 4, 0, True)]
+    state, rows, b = _step(small, sep, state)
+    assert rows == [(0, 1, 4, True)] and not bool(b.rejected[1])
+    assert int(state.status[1]) == WAITING
+    with pytest.raises(ValueError, match="needs mode 'paper'"):
+        SchedulerLimits(N, max_num_seqs=N, prompt_steps="separate")
+    with pytest.raises(ValueError, match="prompt_steps must be one of"):
+        SchedulerLimits(N, max_num_seqs=N, mode="paper", prompt_steps="alternate")
+
+
+def test_simulated_systems_take_the_step_composition() -> None:
+    """Mixed by default; "separate" for every paper-mode system (the paper's Orca ran on
+    the same engine and scheduler), never for the static batcher (no compilation)."""
+    from pagedjax.simulator import systems
+
+    assert systems.build_system("paged")[1].prompt_steps == "mixed"
+    for name in ("paged", "orca_max", "orca_oracle", "ft_static"):
+        _, c = systems.build_system(name, prompt_steps="separate")
+        assert c.separate_prompt_steps == (name != "ft_static")
+
+
 def test_preempt_latest_by_recompute_and_return_to_front() -> None:
     # 4 units of 4 tokens. A and B (8 tokens each) fill the pool.
     policy = CountingPolicy(N, 16, unit=4)

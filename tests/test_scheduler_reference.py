@@ -59,6 +59,12 @@ CASES = {
         CountingPolicy(N, 64, unit=4, watermark_frac=0.1),
         SchedulerLimits(N, 40, max_num_seqs=6, max_model_len=48, mode="paper"),
     ),
+    "paper_counting_separate": (  # vLLM v0.1.3's prompt-only / decode-only steps
+        CountingPolicy(N, 64, unit=4, watermark_frac=0.1),
+        SchedulerLimits(
+            N, 40, max_num_seqs=6, max_model_len=48, mode="paper", prompt_steps="separate"
+        ),
+    ),
     "static": (
         CountingPolicy(N, 80, unit=4),
         SchedulerLimits(

@@ -14,6 +14,8 @@ from typing import Any
 
 MODES = ("default", "paper", "static")
 PREEMPTION_MODES = (None, "recompute", "swap")
+# How paper mode composes a step (``SchedulerLimits.prompt_steps``).
+PROMPT_STEPS = ("mixed", "separate")
 
 # vLLM v0.1.x EngineArgs defaults (paper_notes section 6).
 PAPER_MAX_NUM_BATCHED_TOKENS = 2560
@@ -49,6 +51,17 @@ class SchedulerLimits:
         groups with several running sequences, recompute single ones. Swap needs a policy
         with a host pool (``policy.can_swap``); otherwise, and whenever the host pool
         cannot take a group, the group is recomputed.
+    prompt_steps: how a paper-mode step is composed. "mixed" (default): the running
+        decodes and the admitted prompts share one step within the token budget, as in
+        the paper's section 4.3 ("concatenates all the input tokens of the current
+        iteration"), its pre-release scheduler and vLLM v0.1.0-v0.1.2 (``_schedule``
+        counts the running sequences' tokens first, then adds prompts). "separate":
+        vLLM v0.1.3-v0.3's alternation: when nothing is swapped out and the head of the
+        waiting queue can be admitted, the step runs prompts only (every admissible
+        prompt in FCFS order up to the whole token budget, watermark and max_num_seqs as
+        usual; running sequences wait a step), otherwise a decode-only step (the running
+        pass with its preemptions, then swap-in; no admission). Only with mode "paper"
+        (the other modes have their own batch composition).
     """
 
     max_seqs: int
@@ -59,6 +72,7 @@ class SchedulerLimits:
     priority: str | Callable[..., Any] = "fcfs"
     static_batch_size: int = 8
     preemption_mode: str | None = None
+    prompt_steps: str = "mixed"
 
     def __post_init__(self) -> None:
         _check_pos_int("max_seqs", self.max_seqs)
@@ -82,6 +96,14 @@ class SchedulerLimits:
             )
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.prompt_steps not in PROMPT_STEPS:
+            raise ValueError(
+                f"prompt_steps must be one of {PROMPT_STEPS}, got {self.prompt_steps!r}"
+            )
+        if self.prompt_steps != "mixed" and self.mode != "paper":
+            raise ValueError(
+                f"prompt_steps={self.prompt_steps!r} needs mode 'paper', got {self.mode!r}"
+            )
         from pagedjax.scheduler.priority import PRIORITIES  # cycle: priority types config
 
         if isinstance(self.priority, str):
@@ -99,6 +121,11 @@ class SchedulerLimits:
     def chunked_prefill(self) -> bool:
         """Only the default mode splits a prompt across steps."""
         return self.mode == "default"
+
+    @property
+    def separate_prompt_steps(self) -> bool:
+        """Prompt-only and decode-only steps (``prompt_steps`` "separate")."""
+        return self.prompt_steps == "separate"
 
     @property
     def prompt_limit(self) -> int:

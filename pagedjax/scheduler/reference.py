@@ -313,6 +313,18 @@ class ReferenceScheduler:
                 self._finish(s, REASON_TOO_LONG)
                 rejected.add(s)
 
+        seq_cap = cfg.max_num_seqs
+        if cfg.mode == "static":
+            seq_cap = min(cfg.static_batch_size, cfg.max_num_seqs)
+        # 5. Separate prompt steps: prompts only (the whole budget) when anyone is
+        # admitted; otherwise a decode-only step below, with no admission.
+        if cfg.separate_prompt_steps and not self._with(SWAPPED) and self._with(WAITING):
+            n_running = len(self._with(RUNNING))
+            self._admit(cfg.max_num_batched_tokens, n_running, seq_cap, rows, rejected, released)
+            if rows or n_running == 0:
+                self.last = RefBatch(rows, preempted, rejected, set(), set(), released)
+                return self.last
+
         # 2. Running groups in priority order, each all or nothing; victims (whole
         # groups) from the back.
         budget = cfg.max_num_batched_tokens
@@ -357,9 +369,6 @@ class ReferenceScheduler:
         # Swapped groups come back (not in a step that preempted), in priority order,
         # while they fit; they run from the next step.
         n_running = sum(len(g) for g in queue)
-        seq_cap = cfg.max_num_seqs
-        if cfg.mode == "static":
-            seq_cap = min(cfg.static_batch_size, cfg.max_num_seqs)
         swapped_in: set[int] = set()
         for group in self._groups(SWAPPED) if not preempted else []:
             # Spare blocks (watermark + one per sequence) only while something runs.
@@ -373,8 +382,24 @@ class ReferenceScheduler:
         # 3. Admissions, strictly in priority order; none while a group is swapped out.
         admit = not preempted and not self._with(SWAPPED)
         admit = admit and (cfg.mode != "static" or n_running == 0)
+        if admit and not cfg.separate_prompt_steps:
+            self._admit(budget, n_running, seq_cap, rows, rejected, released)
+        self.last = RefBatch(rows, preempted, rejected, swapped_out, swapped_in, released)
+        return self.last
+
+    def _admit(
+        self,
+        budget: int,
+        n_running: int,
+        seq_cap: int,
+        rows: list[tuple[int, int, int, bool]],
+        rejected: set[int],
+        released: set[int],
+    ) -> None:
+        """Rule 3: admit WAITING slots strictly in priority order into ``rows``."""
+        cfg = self.config
         waiting = self._with(WAITING)
-        for k, s in enumerate(waiting if admit else []):
+        for k, s in enumerate(waiting):
             r = self.reqs[s]
             if n_running >= seq_cap or s in released:  # released: looked up again first
                 break
@@ -400,8 +425,6 @@ class ReferenceScheduler:
             n_running += 1
             if retried:
                 break
-        self.last = RefBatch(rows, preempted, rejected, swapped_out, swapped_in, released)
-        return self.last
 
     def _drop_hold(self, slot: int) -> bool:
         """Release a WAITING slot's attached hit, if it holds one; True if it did."""

@@ -29,6 +29,12 @@ Rules (docs/scheduler.md gives the reasons; ``reference.py`` states them sequent
    refused one are released and it is retried (alone: admission then ends for the
    step); the refusal that remains stops admission, and if nothing runs the refused
    request can never fit (REASON_CAPACITY). Rejected slots release their holds.
+5. Separate prompt steps (paper mode with ``config.prompt_steps == "separate"``, vLLM
+   v0.1.3-v0.3): when nothing is swapped out and a request waits, admission (rule 4,
+   with the whole budget and the running sequences counted against max_num_seqs) is
+   tried first and the running pass skipped; if it admits anyone the step is
+   prompt-only (the running sequences wait). Otherwise the step is decode-only: rules
+   2 and 3, no admission.
 
 The common case (no preemption, no refusal, nothing swapped) costs two batched grows
 (running, admission). Rule 2 is batched too: the wanted running positions not yet
@@ -292,6 +298,7 @@ class _Carry(NamedTuple):
     keep: jax.Array  # bool[]: the iteration's grow result is the new memory state
     victim: jax.Array  # bool[N] by slot: the running group to preempt (all False: none)
     alone: jax.Array  # bool[]: that group is the only one left (capacity verdict)
+    prompt: jax.Array  # bool[]: separate prompt steps: this step tries / runs prompts only
 
 
 def schedule(
@@ -478,6 +485,9 @@ def schedule(
         if config.mode == "static":
             allow = allow & (n_run_after == 0)
         budget_left = budget - jnp.sum(jnp.where(sched_r, q_r, 0))
+        if config.separate_prompt_steps:  # rule 5: prompts only, with the whole budget
+            allow = allow & c.prompt
+            budget_left = jnp.where(c.prompt, budget, budget_left)
         if config.chunked_prefill:
             q_w = _budget_prefix(need_w, budget_left)
         else:
@@ -509,7 +519,12 @@ def schedule(
 
     def begin(c: _Carry, ok: jax.Array) -> _Carry:
         del ok
-        return c._replace(stage=jnp.int32(_RUN_ALL), release=too_long & holding, grow=want_r)
+        # Rule 5: a prompt step goes straight to admission.
+        return c._replace(
+            stage=jnp.where(c.prompt, _MID, _RUN_ALL).astype(jnp.int32),
+            release=too_long & holding,
+            grow=jnp.where(c.prompt, z, want_r),
+        )
 
     branches = [idle] * _NUM_STAGES
     branches[_START] = begin
@@ -538,6 +553,18 @@ def schedule(
         ctl = lax.cond(at_mid, lambda s: mid(s, swapped_in, n_run_after), lambda s: s, ctl)
         m_g, ok = _grow_masked(policy, mem, ctl.args, ctl.grow, ctl.wm)
         nxt = lax.switch(ctl.stage, branches, ctl, ok)
+        if config.separate_prompt_steps:
+            # Rule 5: the prompt step admitted nobody, so it is a decode step: the
+            # running pass from its start (the refusal is no capacity verdict: n_run > 0).
+            back = nxt.prompt & (nxt.stage == _DONE) & ~jnp.any(nxt.adm) & (n_run > 0)
+            nxt = nxt._replace(
+                stage=jnp.where(back, _RUN_ALL, nxt.stage).astype(jnp.int32),
+                grow=jnp.where(back, want_r, nxt.grow),
+                wm=jnp.where(back, z, nxt.wm),
+                args=_tree_where(back, grow_r, nxt.args),
+                prompt=nxt.prompt & ~back,
+                f=jnp.where(back, n, nxt.f).astype(jnp.int32),
+            )
         mem = _tree_where(nxt.keep, m_g, mem)
         fail = jnp.any(nxt.victim)
         mem, swapped, to_release = _victim(policy, config, mem, nxt.victim, nxt.alone, fail)
@@ -549,11 +576,16 @@ def schedule(
         return nxt._replace(mem=new, release=z, swp=nxt.swp | (nxt.victim & swapped))
 
     i0 = jnp.int32(0)
+    # Rule 5: try a prompt-only step first when nothing is swapped out and someone waits.
+    prompt0 = jnp.asarray(False)
+    if config.separate_prompt_steps:
+        prompt0 = ~any_out & (n_wait > 0)
+    stage0 = jnp.where(prompt0, _MID, _RUN_ALL)
     init = _Carry(
         mem=state.mem,
-        stage=jnp.where(first_release, _START, _RUN_ALL).astype(jnp.int32),
+        stage=jnp.where(first_release, _START, stage0).astype(jnp.int32),
         release=z,
-        grow=jnp.where(first_release, z, want_r),
+        grow=jnp.where(first_release | prompt0, z, want_r),
         wm=z,
         args=grow_r,
         i=i0,
@@ -573,10 +605,13 @@ def schedule(
         keep=jnp.asarray(False),
         victim=z,
         alone=jnp.asarray(False),
+        prompt=prompt0,
     )
     c = lax.while_loop(lambda c: c.stage != _DONE, body, init)
     mem, preempted, swapped_out, cap_run, swapped_in = c.mem, c.pre, c.swp, c.cap, c.swapped_in
     sched_r = want_r & ~(preempted | cap_run)[order_r]
+    if config.separate_prompt_steps:  # a prompt-only step: the running sequences wait
+        sched_r = sched_r & ~c.prompt
     adm, q_w = c.adm, c.q_w
     released = c.rel | slots_of(c.dropped)
     cap_wait = capacity_w(c)

@@ -7,6 +7,11 @@ A *system* is a memory policy plus scheduler settings, run by the simulated exec
 |---|---|---|
 | paged | PagedPolicy (block_size) | paper mode: FCFS, 2560 tokens, 256 seqs, 1% watermark |
 | orca_max / orca_pow2 / orca_oracle | ReservationPolicy (buddy) | the same paper mode |
+
+Paper mode composes steps by ``prompt_steps`` (``SchedulerLimits``): "mixed" (default;
+the paper's section 4.3, its pre-release scheduler and vLLM v0.1.0-v0.1.2) or
+"separate" (vLLM v0.1.3-v0.3's prompt-only / decode-only steps), the same for every
+paper-mode system (the paper's Orca ran on the same engine and scheduler).
 | ft_static | Orca Max reservations | static mode: batches of B = pool // max_len |
 
 The defaults describe the paper's OPT-13B on one A100-40GB (15,728 KV slots). An
@@ -95,6 +100,7 @@ def build_system(
     model: str = "opt-13b",
     tp: int = 1,
     kv_cache_dtype: str = "auto",
+    prompt_steps: str = "mixed",
 ) -> tuple[Any, SchedulerLimits]:
     """The (memory policy, SchedulerLimits) of a named system (``SYSTEMS``).
 
@@ -104,7 +110,9 @@ def build_system(
     that size (capped at every slot's whole block table; its bytes per block from
     ``model``, ``tp`` and ``kv_cache_dtype``) instead of by recompute. Raises ValueError
     for an unknown name. kv_slots is the capacity in the cache's own dtype: an 8-bit cache
-    in the same memory holds more (``ModelGeometry.kv_capacity_ratio``).
+    in the same memory holds more (``ModelGeometry.kv_capacity_ratio``). prompt_steps:
+    the paper-mode systems' step composition (``SchedulerLimits.prompt_steps``); ft_static
+    keeps its static batches.
     """
     bs, n, mlen, cap = block_size, slots, max_model_len, kv_slots
     cfg: dict[str, Any] = dict(
@@ -113,6 +121,7 @@ def build_system(
         max_num_seqs=min(max_num_seqs, n),
         max_model_len=mlen,
         mode="paper",
+        prompt_steps=prompt_steps,
     )
     if swap_space_gib is not None and system != "paged":
         raise ValueError(f"swap preemption is simulated for the paged system, not {system!r}")
@@ -135,7 +144,12 @@ def build_system(
         b = min(static_batch_size(cap, mlen), n)
         policy = ReservationPolicy("max", n, cap, mlen, watermark)
         # The budget must take B whole prompts: a static batch is prefilled at once.
-        cfg.update(mode="static", static_batch_size=b, max_num_batched_tokens=b * mlen)
+        cfg.update(
+            mode="static",
+            static_batch_size=b,
+            max_num_batched_tokens=b * mlen,
+            prompt_steps="mixed",
+        )
     else:
         raise ValueError(f"unknown system {system!r}; one of {SYSTEMS + ABLATIONS}")
     return policy, SchedulerLimits(**cfg)
