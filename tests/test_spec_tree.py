@@ -1,0 +1,258 @@
+"""Draft trees verified in one step (engine/spec/tree.py, ngram_tree.py; issue 36 item 1).
+
+Greedy outputs with trees equal a plain run's (the n-gram tree proposer and an oracle
+tree whose right branch sits behind a decoy, so off-path nodes are verified and
+compacted away), through chunked prefill and preemption, with the block invariants
+checked after every step and every block free at the end; a tree that is a chain gives
+the chain engine's outputs and accepted counts; the KV the compaction leaves for every
+accepted token equals what the plain run wrote there (fp32 tolerance); the tree mask
+words against a brute-force oracle; the proposer; the refusals.
+
+The attention backend is the XLA reference (the native CPU kernel's tree mask is
+another helper's branch).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pagedjax.config import (
+    CacheConfig,
+    ConfigError,
+    DraftTreeConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.engine.spec.ngram_tree import NgramTreeProposer
+from pagedjax.engine.spec.tree import check_tree_model, node_depths, node_words
+from pagedjax.model import preset_arch
+from pagedjax.tokenizer import ByteTokenizer
+from tests.test_speculative import (
+    ARCH,
+    BLOCK,
+    BUDGET,
+    MAX_LEN,
+    MAX_SEQS,
+    NUM_BLOCKS,
+    _assert_same,
+    _drain,
+    _greedy,
+    _params,
+    _prompts,
+    _refs,
+    check_memory,
+)
+
+DEPTH = 4
+
+
+@functools.cache
+def _engine(tree: tuple[int, int] | None, spec: bool = True) -> LLMEngine:
+    """tree: (budget, top_k) or None (chains); spec False: no speculation."""
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN, seed=0),
+        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=NUM_BLOCKS,
+                          enable_prefix_caching=True),  # fmt: skip
+        scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS,
+                                  watermark=0.0),  # fmt: skip
+        speculative=SpeculativeConfig(
+            method="ngram", num_speculative_tokens=DEPTH, prompt_lookup_max=3,
+            prompt_lookup_min=1,
+            tree=None if tree is None else DraftTreeConfig(budget=tree[0], top_k=tree[1]),
+        ) if spec else None,  # fmt: skip
+        attention_backend="reference",
+        warmup="none",
+    )
+    tok = ByteTokenizer(eos_token_id=ARCH.eos_token_id, bos_token_id=ARCH.bos_token_id)
+    return LLMEngine(ARCH, _params(), tok, config, kv_fill_value=float("nan"))
+
+
+class OracleTree:
+    """A tree per row: a decoy branch first (the right continuation with its first token
+    changed), then the reference continuation with every ``bad``-th token corrupted, then
+    a sibling under the first right node; chains for unknown prefixes: none."""
+
+    def __init__(self, refs: list[list[int]], bad: int = 3):
+        self.refs, self.bad = refs, bad
+
+    def propose_tree(self, ids, depth: int, budget: int | None = None):
+        ids = list(ids)
+        for full in self.refs:
+            if len(full) > len(ids) and full[: len(ids)] == ids:
+                right = [(t + 1) % ARCH.vocab_size if (len(ids) + j) % self.bad == 0 else t
+                         for j, t in enumerate(full[len(ids): len(ids) + depth])]  # fmt: skip
+                decoy = [(right[0] + 7) % ARCH.vocab_size] + right[1:2]
+                extra = [(right[1] + 5) % ARCH.vocab_size] if len(right) > 1 else []
+                toks = decoy + right + extra
+                pars = [-1, 0][: len(decoy)]
+                pars += [-1] + list(range(len(decoy), len(decoy) + len(right) - 1))
+                pars += [len(decoy)] * len(extra)
+                cap = len(toks) if budget is None else max(min(budget, len(toks)), 0)
+                return toks[:cap], pars[:cap]
+        return [], []
+
+
+def _reference(reqs) -> dict:
+    return _drain(_engine(None, spec=False), reqs)
+
+
+# ---------------------------------------------------------------------------- units
+
+
+def _oracle_words(parents: list[int]) -> list[int]:
+    """Bit d of node i's word: the key d slots back is visible (root at slot -1)."""
+    words = []
+    for i in range(len(parents)):
+        anc, a = {i}, parents[i]
+        while a >= 0:
+            anc.add(a)
+            a = parents[a]
+        w = 0
+        for d in range(32):
+            key = i - d  # node index; -1 = root, below: prefix
+            if key < 0 or key in anc:
+                w |= 1 << d
+        words.append(w)
+    return words
+
+
+def test_tree_words_and_depths_match_an_oracle():
+    rng = np.random.default_rng(0)
+    k = 31
+    rows = []
+    for _ in range(6):
+        rows.append([-1] + [int(rng.integers(-1, i)) for i in range(1, k)])
+    rows.append(list(range(-1, k - 1)))  # a chain
+    parents = jnp.asarray(rows, jnp.int32)
+    depth, anc = node_depths(parents)
+    words = np.asarray(node_words(anc))
+    for r, par in enumerate(rows):
+        assert words[r].tolist() == _oracle_words(par), r
+        for i, p in enumerate(par):
+            assert int(depth[r, i]) == (1 if p < 0 else int(depth[r, p]) + 1)
+    # A chain's nodes see every key: the causal rule, bit for bit.
+    assert (words[-1] == np.uint32(0xFFFFFFFF)).all()
+
+
+def test_ngram_tree_proposer():
+    p = NgramTreeProposer(1, 2, budget=8, top_k=3)
+    ids = [1, 2, 3, 1, 2, 4, 5, 1, 2]
+    toks, pars = p.propose_tree(ids, 3)
+    # (1, 2) followed by (4, 5, 1) latest, then (3, 1, 2); then n = 1: (2,) -> same ones.
+    assert toks[:3] == [4, 5, 1] and pars[:3] == [-1, 0, 1]
+    assert toks[3:6] == [3, 1, 2] and pars[3:6] == [-1, 3, 4]
+    # The first branch is the chain proposal.
+    from pagedjax.engine.spec.ngram import NgramProposer
+    assert toks[:3] == NgramProposer(1, 2).propose(ids, 3)
+    assert p.propose_tree(ids, 3, budget=4) == ([4, 5, 1, 3], [-1, 0, 1, -1])
+    assert p.propose_tree([1, 2, 3], 3) == ([], [])
+    # Siblings are distinct; parents come first.
+    toks, pars = NgramTreeProposer(1, 1, 16, 4).propose_tree([5, 6, 5, 6, 5, 7, 5], 2)
+    seen = set()
+    for t, q in zip(toks, pars, strict=True):
+        assert (q, t) not in seen and q < len(seen) + 1
+        seen.add((q, t))
+
+
+def test_tree_config_and_refusals():
+    c = SpeculativeConfig.from_dict({"method": "ngram", "tree": {"budget": 8, "top_k": 2}})
+    assert c.tree == DraftTreeConfig(8, 2)
+    with pytest.raises(ConfigError, match="unknown key speculative_config.tree.width"):
+        SpeculativeConfig.from_dict({"method": "ngram", "tree": {"width": 3}})
+    with pytest.raises(ConfigError, match="tree.budget"):
+        SpeculativeConfig.from_dict({"method": "ngram", "tree": {"budget": 32}})
+    with pytest.raises(ConfigError, match="n-gram method only"):
+        SpeculativeConfig(method="eagle", model="/x", tree=DraftTreeConfig())
+    with pytest.raises(ValueError, match="sliding-window"):
+        check_tree_model(preset_arch("mistral-7b"))
+    check_tree_model(ARCH)
+
+
+# ---------------------------------------------------------------------------- engine
+
+
+@pytest.mark.parametrize("bad", [2, 100])
+def test_oracle_tree_greedy_equals_plain_with_chunking_and_preemption(bad):
+    prompts = dict(enumerate(_prompts(1, 4, lo=6, hi=40)))  # some over BUDGET: chunked
+    reqs = [(str(i), p, _greedy(24)) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    engine = _engine((8, 2))
+    engine.speculator.tree_proposer = OracleTree(_refs(ref, prompts), bad=bad)
+    engine.reset_stats()
+    before = engine.num_preemptions
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    assert engine.num_preemptions > before, "the pool was meant to force preemption"
+    s = engine.stats()
+    assert s["spec_accepted_tokens"] > 0
+    if bad == 100:  # the right branch sits behind a decoy: accepted through the tree
+        assert s["spec_mean_accepted_length"] > 3.0, s
+    assert engine.num_free_blocks() == engine.num_usable_blocks()
+
+
+def test_ngram_tree_greedy_equals_plain():
+    prompts = dict(enumerate(_prompts(0, 4, lo=5, hi=40)))
+    reqs = [(str(i), p, _greedy(20)) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    engine = _engine((8, 3))
+    engine.reset_stats()
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    assert engine.stats()["spec_proposed_tokens"] > 0
+    assert engine.num_free_blocks() == engine.num_usable_blocks()
+
+
+def test_tree_of_one_branch_equals_chain():
+    """top_k = 1: every tree is the chain proposal; outputs and counts equal the chain's."""
+    prompts = dict(enumerate(_prompts(2, 3, lo=5, hi=30)))
+    reqs = [(str(i), p, _greedy(16)) for i, p in prompts.items()]
+    chain, tree = _engine(None), _engine((DEPTH, 1))
+    chain.reset_stats()
+    tree.reset_stats()
+    a, b = _drain(chain, reqs), _drain(tree, reqs)
+    for rid in a:
+        assert a[rid].outputs[0].token_ids == b[rid].outputs[0].token_ids
+    keys = ("spec_proposed_tokens", "spec_accepted_tokens", "spec_rows")
+    assert {k: chain.stats()[k] for k in keys} == {k: tree.stats()[k] for k in keys}
+
+
+def _kv_by_position(engine: LLMEngine, seen: dict) -> None:
+    """Record each running sequence's KV (every layer, K and V) at each computed
+    position the first time it is computed (by request id)."""
+    st = jax.device_get(engine.state)
+    k_pool, v_pool = (np.asarray(x) for x in jax.device_get(engine.kv))
+    for slot, (req, _) in engine.core.book.slot_owner.items():
+        n = int(st.num_computed[slot])
+        table = st.mem.tables.tables[slot]
+        rows = seen.setdefault(req.request_id, {})
+        for pos in range(n):
+            if pos not in rows:
+                b, o = table[pos // BLOCK], pos % BLOCK
+                rows[pos] = (k_pool[:, b, :, o].copy(), v_pool[:, b, :, o].copy())
+
+
+def test_compaction_leaves_the_plain_runs_kv():
+    prompts = {0: [5, 6, 7, 8, 9, 10, 11]}  # no preemption: one sequence
+    reqs = [("0", prompts[0], _greedy(24))]
+    plain_kv, tree_kv = {}, {}
+    ref = _drain(_engine(None, spec=False), reqs, on_step=lambda e: _kv_by_position(e, plain_kv))
+    engine = _engine((8, 2))
+    engine.speculator.tree_proposer = OracleTree(_refs(ref, prompts), bad=100)
+    engine.reset_stats()
+    got = _drain(engine, reqs, on_step=lambda e: _kv_by_position(e, tree_kv))
+    _assert_same(ref, got)
+    assert engine.stats()["spec_mean_accepted_length"] > 2.0  # paths behind the decoy
+    a, b = plain_kv["0"], tree_kv["0"]
+    assert len(b) >= 7 + 20 and set(b) <= set(a)
+    for pos in sorted(b):
+        for x, y in zip(a[pos], b[pos], strict=True):
+            assert np.isfinite(y).all(), pos
+            np.testing.assert_allclose(y, x, rtol=2e-4, atol=2e-5, err_msg=f"position {pos}")
