@@ -179,6 +179,7 @@ def test_tree_config_and_refusals():
 # ---------------------------------------------------------------------------- engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", [2, 100])
 def test_oracle_tree_greedy_equals_plain_with_chunking_and_preemption(bad):
     prompts = dict(enumerate(_prompts(1, 4, lo=6, hi=40)))  # some over BUDGET: chunked
@@ -198,6 +199,26 @@ def test_oracle_tree_greedy_equals_plain_with_chunking_and_preemption(bad):
     assert engine.num_free_blocks() == engine.num_usable_blocks()
 
 
+@pytest.mark.slow
+def test_seeded_sampling_with_trees_equals_plain():
+    """Per level the target is sampled at the parent with the plain run's key for that
+    output position; the child with that token is accepted: seeded outputs unchanged."""
+    from pagedjax.sampling import SamplingParams
+
+    prompts = dict(enumerate(_prompts(3, 3, lo=6, hi=20)))
+    reqs = [(str(i), p, SamplingParams(temperature=0.9, top_k=50, seed=10 + i, max_tokens=16,
+                                       ignore_eos=True)) for i, p in prompts.items()]  # fmt: skip
+    ref = _reference(reqs)
+    engine = _engine((8, 2))
+    engine.speculator.tree_proposer = OracleTree(_refs(ref, prompts), bad=100)
+    engine.reset_stats()
+    got = _drain(engine, reqs, on_step=check_memory)
+    for rid, r in ref.items():
+        assert got[rid].outputs[0].token_ids == r.outputs[0].token_ids, rid
+    assert engine.stats()["spec_mean_accepted_length"] > 2.0
+
+
+@pytest.mark.slow
 def test_ngram_tree_greedy_equals_plain():
     prompts = dict(enumerate(_prompts(0, 4, lo=5, hi=40)))
     reqs = [(str(i), p, _greedy(20)) for i, p in prompts.items()]
@@ -210,6 +231,7 @@ def test_ngram_tree_greedy_equals_plain():
     assert engine.num_free_blocks() == engine.num_usable_blocks()
 
 
+@pytest.mark.slow
 def test_tree_of_one_branch_equals_chain():
     """top_k = 1: every tree is the chain proposal; outputs and counts equal the chain's."""
     prompts = dict(enumerate(_prompts(2, 3, lo=5, hi=30)))
@@ -239,6 +261,7 @@ def _kv_by_position(engine: LLMEngine, seen: dict) -> None:
                 rows[pos] = (k_pool[:, b, :, o].copy(), v_pool[:, b, :, o].copy())
 
 
+@pytest.mark.slow
 def test_compaction_leaves_the_plain_runs_kv():
     prompts = {0: [5, 6, 7, 8, 9, 10, 11]}  # no preemption: one sequence
     reqs = [("0", prompts[0], _greedy(24))]
