@@ -8,8 +8,8 @@ the chain engine's outputs and accepted counts; the KV the compaction leaves for
 accepted token equals what the plain run wrote there (fp32 tolerance); the tree mask
 words against a brute-force oracle; the proposer; the refusals.
 
-The attention backend is the XLA reference (the native CPU kernel's tree mask is
-another helper's branch).
+The attention backend is the default (on CPU the native kernel with its tree mask,
+tests/test_tree_attention_native.py).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from tests.test_speculative import (
 )
 
 DEPTH = 4
+BACKEND = "auto"  # on CPU the native kernel (its tree mask: test_tree_attention_native.py)
 
 
 @functools.cache
@@ -68,7 +69,7 @@ def _engine(tree: tuple[int, int] | None, spec: bool = True) -> LLMEngine:
             prompt_lookup_min=1,
             tree=None if tree is None else DraftTreeConfig(budget=tree[0], top_k=tree[1]),
         ) if spec else None,  # fmt: skip
-        attention_backend="reference",
+        attention_backend=BACKEND,
         warmup="none",
     )
     tok = ByteTokenizer(eos_token_id=ARCH.eos_token_id, bos_token_id=ARCH.bos_token_id)
