@@ -56,7 +56,7 @@ BACKEND = "auto"  # on CPU the native kernel (its tree mask: test_tree_attention
 
 
 @functools.cache
-def _engine(tree: tuple[int, int] | None, spec: bool = True) -> LLMEngine:
+def _engine(tree: tuple[int, int] | None, spec: bool = True, warmup: str = "none") -> LLMEngine:
     """tree: (budget, top_k) or None (chains); spec False: no speculation."""
     config = EngineConfig(
         model=ModelConfig(model="tiny-llama", max_model_len=MAX_LEN, seed=0),
@@ -70,7 +70,7 @@ def _engine(tree: tuple[int, int] | None, spec: bool = True) -> LLMEngine:
             tree=None if tree is None else DraftTreeConfig(budget=tree[0], top_k=tree[1]),
         ) if spec else None,  # fmt: skip
         attention_backend=BACKEND,
-        warmup="none",
+        warmup=warmup,
     )
     tok = ByteTokenizer(eos_token_id=ARCH.eos_token_id, bos_token_id=ARCH.bos_token_id)
     return LLMEngine(ARCH, _params(), tok, config, kv_fill_value=float("nan"))
@@ -280,3 +280,18 @@ def test_compaction_leaves_the_plain_runs_kv():
         for x, y in zip(a[pos], b[pos], strict=True):
             assert np.isfinite(y).all(), pos
             np.testing.assert_allclose(y, x, rtol=2e-4, atol=2e-5, err_msg=f"position {pos}")
+
+
+@pytest.mark.slow
+def test_tree_warm_up_covers_the_programs():
+    """A warmed-up tree engine compiles nothing while generating; every verification
+    program is traced once (one per bucket, whatever the trees' shapes)."""
+    prompts = dict(enumerate(_prompts(6, 4, lo=5, hi=30)))
+    reqs = [(str(i), p, _greedy(12)) for i, p in prompts.items()]
+    engine = _engine((8, 3), warmup="all")
+    warm = engine.stats()
+    _drain(engine, reqs)
+    assert engine.stats()["spec_proposed_tokens"] > 0
+    assert engine.stats()["spec_compilations"] == warm["spec_compilations"]
+    assert engine.stats()["compilations"] == warm["compilations"]
+    assert set(engine.speculator.verifier.trace_count.values()) == {1}
