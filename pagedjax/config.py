@@ -313,8 +313,9 @@ class DraftTreeConfig:
 
     budget: draft nodes per row and step, 1..31 (with the row's last token a tree holds at
     most 32 slots, the tree attention mask's reach). top_k: branches, the n-gram method's
-    distinct continuations merged into one trie (the first the chain proposer's). The
-    tree's depth is at most num_speculative_tokens.
+    distinct continuations merged into one trie (the first the chain proposer's), or the
+    eagle head's top_k first tokens each continued as a chain (top_k x min(k, budget //
+    top_k) nodes). The tree's depth is at most num_speculative_tokens.
     """
 
     budget: int = 16
@@ -362,7 +363,8 @@ class SpeculativeConfig:
     temperature, verified by rejection sampling (min(1, p/q), residual max(0, p - q)).
     The n-gram method has no q (a point mass): its drafts stay greedy either way.
     tree (pagedjax's own key, ``DraftTreeConfig``): draft trees verified in one step
-    (n-gram method only so far); None: chains.
+    (ngram: continuations merged into a trie; eagle: top_k first tokens, each continued
+    as a chain); None: chains.
     """
 
     method: Literal["ngram", "draft_model", "eagle", "medusa"] = "ngram"
@@ -408,8 +410,14 @@ class SpeculativeConfig:
         _check(m in ("greedy", "probabilistic"), "speculative_config.draft_sample_method",
                f"must be 'greedy' or 'probabilistic', got {m!r}")  # fmt: skip
         if self.tree is not None:
-            _check(self.method == "ngram", "speculative_config.tree",
-                   f"draft trees are built for the n-gram method only, not {self.method!r}")
+            _check(self.method in ("ngram", "eagle"), "speculative_config.tree",
+                   f"draft trees are built for the ngram and eagle methods, not {self.method!r}")
+            _check(self.draft_sample_method == "greedy" or self.method == "ngram",
+                   "speculative_config.tree", "sampled drafts (draft_sample_method"
+                   " 'probabilistic') with a draft tree are not built")
+            _check(self.method != "eagle" or self.tree.budget >= self.tree.top_k,
+                   "speculative_config.tree", f"an eagle tree needs budget >= top_k (one"
+                   f" node per branch), got {self.tree.budget} < {self.tree.top_k}")
             _check(not self.auto_num_speculative_tokens, "speculative_config.tree",
                    "the automatic k rule sizes chains; with a tree it is not built")
 

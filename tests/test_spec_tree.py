@@ -14,6 +14,7 @@ tests/test_tree_attention_native.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -295,3 +296,144 @@ def test_tree_warm_up_covers_the_programs():
     assert engine.stats()["spec_compilations"] == warm["spec_compilations"]
     assert engine.stats()["compilations"] == warm["compilations"]
     assert set(engine.speculator.verifier.trace_count.values()) == {1}
+
+
+# ---------------------------------------------------------------------------- EAGLE trees
+
+
+def _eagle_tree_engine(head: str, top_k: int = 2) -> LLMEngine:
+    from tests.test_spec_eagle import _config
+
+    config = _config(head)
+    spec = dataclasses.replace(config.speculative, tree=DraftTreeConfig(budget=8, top_k=top_k))
+    config = dataclasses.replace(config, speculative=spec, attention_backend=BACKEND)
+    tok = ByteTokenizer(eos_token_id=ARCH.eos_token_id, bos_token_id=ARCH.bos_token_id)
+    return LLMEngine(ARCH, _params(), tok, config, kv_fill_value=float("nan"))
+
+
+@pytest.fixture(scope="module")
+def eagle_head(tmp_path_factory):
+    from tests.test_spec_eagle import _head_dir
+
+    return _head_dir(str(tmp_path_factory.mktemp("eagle_tree_head")))
+
+
+@pytest.mark.slow
+def test_eagle_tree_greedy_equals_plain_with_chunking_and_preemption(eagle_head):
+    """The head's own top-2 first tokens, each continued as a chain (eagle_tree.py)."""
+    prompts = dict(enumerate(_prompts(11, 4, lo=12, hi=26)))
+    reqs = [(str(i), p, _greedy(24)) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    engine = _eagle_tree_engine(eagle_head)
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    s = engine.stats()
+    assert engine.num_preemptions > 0, "the pool was meant to force preemption"
+    assert s["spec_proposed_tokens"] > 0 and s["spec_steps"] > 0
+    assert engine.num_free_blocks() == engine.num_usable_blocks()
+
+
+def _oracle_branches(propose, refs: list[list[int]], branches: int, bad: int):
+    """Wrap an EagleTreeDraft.propose: after the head's proposal, branch 0 becomes a decoy
+    (the right first token changed) and branch 1 the reference continuation (every
+    ``bad``-th token corrupted), so accepted paths run through nodes 1, 1 + b, ...: the
+    compaction and the catch-up's feature remap are exercised whatever the head drafts."""
+
+    def wrapped(params, target_params, draft_kv, feature, tokens, mem, sid, total, counts,
+                *, num_seqs):  # fmt: skip
+        draft_kv, tokens = propose(params, target_params, draft_kv, feature, tokens, mem, sid,
+                                   total, counts, num_seqs=num_seqs)  # fmt: skip
+        buf = np.array(jax.device_get(tokens))
+        sid, total, counts = (np.asarray(x) for x in (sid, total, counts))
+        for r in range(num_seqs):
+            if sid[r] < 0 or counts[r] == 0:
+                continue
+            ids = buf[sid[r], : total[r]].tolist()
+            full = next((f for f in refs if len(f) > len(ids) and f[: len(ids)] == ids), None)
+            if full is None:
+                continue
+            for j in range(int(counts[r])):
+                level, c = divmod(j, branches)
+                pos = len(ids) + level
+                right = full[pos] if pos < len(full) else 0
+                if pos % bad == 0:
+                    right = (right + 1) % ARCH.vocab_size
+                tok = right if c == 1 else (right + 3 + c) % ARCH.vocab_size
+                buf[sid[r], total[r] + j] = tok
+        return draft_kv, jnp.asarray(buf)
+
+    return wrapped
+
+
+@pytest.mark.slow
+def test_eagle_tree_catch_up_follows_the_accepted_branch(eagle_head):
+    """Accepted paths through the second branch: outputs equal the plain run, and after
+    every step each decoding sequence's head feature equals the head recomputed from
+    scratch over its committed tokens (the catch-up read the path's features)."""
+    from tests.test_spec_eagle import _check_head_features
+
+    prompts = dict(enumerate(_prompts(12, 2, lo=14, hi=30)))
+    reqs = [(str(i), p, _greedy(20)) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    engine = _eagle_tree_engine(eagle_head)
+    t = engine.speculator.eagle_tree
+    t.propose = _oracle_branches(t.propose, _refs(ref, prompts), t.b, bad=100)
+    checked = []
+
+    def on_step(e):
+        check_memory(e)
+        checked.append(_check_head_features(e))
+
+    got = _drain(engine, reqs, on_step=on_step)
+    _assert_same(ref, got)
+    assert sum(checked) > 5
+    # (the counters directly: stats() counts compilations, and the wrapper is no jit)
+    assert engine.speculator.counters.stats()["spec_mean_accepted_length"] > 2.0
+    assert engine.num_free_blocks() == engine.num_usable_blocks()
+
+
+@pytest.mark.slow
+def test_eagle_tree_branches_are_blind_to_each_other(eagle_head):
+    """The head's tree attention: branch 0 of a top-2 tree (nodes 0, 2, 4, 6) is exactly
+    the head's chain proposal from the same state; branch 1 differs from it at its first
+    token and has its own continuation (its queries see their own branch only)."""
+    engine = _eagle_tree_engine(eagle_head)
+    engine.add_request("solo", _prompts(13, 1, lo=14, hi=15)[0], _greedy(12))
+    core = engine.core
+    while not any(len(s.detok.ids) for _, s in core.book.slot_owner.values()):
+        engine.step()
+    engine.step()  # one decode step: the head's feature is the catch-up's
+    (slot,) = core.book.slot_owner
+    st = jax.device_get(engine.state)
+    total = int(st.prompt_len[slot] + st.output_len[slot])
+    spec, e = engine.speculator, engine.speculator.eagle
+    n = MAX_SEQS
+    sid = np.full(n, -1, np.int32)
+    sid[0] = slot
+    tot = np.zeros(n, np.int32)
+    tot[0] = total
+    mem = core.device.state.mem
+
+    def run(fn, count):
+        cnt = np.zeros(n, np.int32)
+        cnt[0] = count
+        kv = jax.tree.map(lambda x: jnp.array(x, copy=True), e.kv)
+        toks = jnp.array(core.device.tokens, copy=True)
+        out = fn(e.params, core.params, kv, e.feature, toks, mem, jnp.asarray(sid),
+                 jnp.asarray(tot), jnp.asarray(cnt), num_seqs=n)  # fmt: skip
+        return np.asarray(out[1][slot, total : total + count]), jax.device_get(out[0])
+
+    (chain, chain_kv), (tree, tree_kv) = run(e.propose, 4), run(spec.eagle_tree.propose, 8)
+    assert tree[0::2].tolist() == chain.tolist()
+    assert tree[1] != tree[0]
+    # The head's own KV: branch 0's entry at level l (slot position L - 1 + 2 l) equals
+    # the chain's (L - 1 + l), which a query seeing branch 1's entries would not give.
+    table = st.mem.tables.tables[slot]
+
+    def at(pool, pos):
+        return np.asarray(pool[:, table[pos // BLOCK], :, pos % BLOCK])
+
+    for level in range(1, 3):
+        for x, y in zip(chain_kv, tree_kv, strict=True):
+            np.testing.assert_allclose(at(y, total - 1 + 2 * level), at(x, total - 1 + level),
+                                       rtol=1e-5, atol=1e-6, err_msg=f"level {level}")

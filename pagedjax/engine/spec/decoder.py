@@ -57,6 +57,7 @@ from pagedjax.engine.spec.draft_model import (
     load_draft,
 )
 from pagedjax.engine.spec.eagle import EagleDraft, EagleVerifier
+from pagedjax.engine.spec.eagle_tree import EagleTreeDraft, branch_parents, catch_up_inputs
 from pagedjax.engine.spec.k_schedule import Acceptance, StepCost, allocate, batch_size_lookup
 from pagedjax.engine.spec.layer_skip import LayerSkipDraft
 from pagedjax.engine.spec.medusa import MedusaDraft, build_medusa
@@ -156,12 +157,16 @@ class SpeculativeDecoder:
         # Draft trees (tree.py, ngram_tree.py): K, the static node width, is the budget;
         # num_speculative_tokens bounds the depth. Parents by slot, set by plan for run.
         self.tree, self.tree_proposer, self._parents = config.tree, None, None
+        self.eagle_tree: EagleTreeDraft | None = None
         if config.tree is not None:
             check_tree_model(arch)
             self.tree_proposer = NgramTreeProposer(config.prompt_lookup_min,
                                                    config.prompt_lookup_max,
                                                    config.tree.budget, config.tree.top_k)
             self.k = config.tree.budget
+            if config.method == "eagle":  # eagle_tree.py: whole levels of top_k branches
+                b = config.tree.top_k
+                self.k = b * min(config.num_speculative_tokens, config.tree.budget // b)
         self.draft = self.eagle = self.separate = None
         self.medusa: MedusaDraft | None = None
         if draft_checkpoint is not None:  # its own pool, the target's block ids
@@ -174,7 +179,10 @@ class SpeculativeDecoder:
         verifier_args = (arch, block_size, attention_fn, max_logprobs, self.k, native_matmul)
         if config.method == "eagle":  # spec_eagle.py: the head runs on every step
             self.eagle = EagleDraft(arch, config.model, attention_fn, block_size, self.k)
-            self.verifier = EagleVerifier(self.eagle, *verifier_args)
+            self.verifier = EagleVerifier(self.eagle, *verifier_args,
+                                          tree_features=catch_up_inputs)  # fmt: skip
+            if config.tree is not None:
+                self.eagle_tree = EagleTreeDraft(self.eagle, config.tree.top_k, self.k)
         elif config.method == "medusa":  # spec/medusa.py: k capped at the heads' count
             self.medusa, self.verifier = build_medusa(
                 arch, str(config.model), self.k, lambda k: (*verifier_args[:4], k, native_matmul)
@@ -215,6 +223,8 @@ class SpeculativeDecoder:
         draft = {} if self.draft is None else {"spec_draft": self.draft.propose}
         if self.eagle is not None:
             draft["spec_eagle_propose"] = self.eagle.propose
+        if self.eagle_tree is not None:
+            draft["spec_eagle_tree_propose"] = self.eagle_tree.propose
         if self.medusa is not None:
             draft["spec_medusa_propose"] = self.medusa.propose
         if self.separate is not None:
@@ -327,7 +337,11 @@ class SpeculativeDecoder:
             k = min(k_step, seq.target - out - 1)
             if k <= 0:
                 continue
-            if self.tree is not None:  # nodes past max_model_len would have no slot
+            if self.eagle_tree is not None:  # whole levels first, within max_model_len
+                room = core.max_model_len - len(req.prompt_token_ids) - out
+                k = min(self.eagle_tree.b * min(k, self.eagle_tree.levels), room)
+                self._parents[slot, :k] = branch_parents(self.eagle_tree.b, k)
+            elif self.tree is not None:  # nodes past max_model_len would have no slot
                 ids = req.prompt_token_ids + seq.detok.ids
                 k = self._plan_tree(slot, ids, seq.params, k, core.max_model_len - len(ids),
                                     drafts)  # fmt: skip
@@ -416,6 +430,15 @@ class SpeculativeDecoder:
         """The head's proposals; their q (sampled drafts) or None."""
         e = self.eagle
         extra = self._sampling_args(core)
+        if self.eagle_tree is not None:  # eagle_tree.py: greedy trees only
+            def propose_tree(tokens: Any) -> tuple[Any, Any]:
+                kv, tokens = self.eagle_tree.propose(e.params, core.params, e.kv, e.feature,
+                                                     tokens, mem, sid, total, counts,
+                                                     num_seqs=num_seqs)  # fmt: skip
+                return tokens, kv
+
+            e.kv = core.device.with_tokens(propose_tree)
+            return None
 
         def propose(tokens: Any) -> tuple[Any, Any]:
             kv, tokens, *q = e.propose(e.params, core.params, e.kv, e.feature, tokens, mem,
@@ -448,16 +471,16 @@ class SpeculativeDecoder:
             m = self.medusa
             out, acc, m.feature = dev.run_program(self.verifier.step, core.params, *args,
                                                   m.feature, draft_probs, **kw)  # fmt: skip
-        elif self.tree is not None:
-            out, acc = dev.run_program(self.verifier.step, core.params, *args, draft_probs,
-                                       parents, **kw)  # fmt: skip
         elif self.eagle is None:
-            out, acc = dev.run_program(self.verifier.step, core.params, *args, draft_probs, **kw)
+            tree = () if self.tree is None else (parents,)
+            out, acc = dev.run_program(self.verifier.step, core.params, *args, draft_probs,
+                                       *tree, **kw)  # fmt: skip
         else:
             e = self.eagle
+            tree = () if self.tree is None else (parents,)
             out, acc, e.kv, e.feature = dev.run_program(
                 self.verifier.step, core.params, *args, e.params, e.kv, e.feature, draft_probs,
-                **kw,
+                *tree, **kw,
             )  # fmt: skip
         return out, acc
 

@@ -161,6 +161,7 @@ class SpecVerifier:
         idx = jnp.where(fvalid, jnp.minimum(first[frow] + j, last[frow]), 0)
         inp = inp._replace(logits_indices=idx)
         level = j  # each sampled position's depth past the row's last token
+        chain_inp = inp  # slot positions, no tree mask (the EAGLE catch-up's input)
         if parents is not None:
             parents = parents[:num_seqs]
             inp, depth = tree.tree_inputs(inp, parents, nd, num_seqs)
@@ -175,8 +176,8 @@ class SpecVerifier:
         history = token_history(tokens, slot, prompt_len[slot], total[frow] + level)
         out = sample(logits, t, history, max_logprobs=self.max_logprobs)
         if parents is not None:
-            return self._tree_accept(kv, tokens, mem, batch, out, parents, nd, safe, total,
-                                     offset, frow, j, fvalid, inp, extra, num_seqs)  # fmt: skip
+            return self._tree_accept(kv, tokens, mem, batch, out, parents, nd, safe, total, offset,
+                                     frow, j, fvalid, chain_inp, extra, num_seqs)  # fmt: skip
 
         # The draft at position j of a row sits in the token buffer at total + j.
         draft = tokens[slot, jnp.minimum(total[frow] + j, tokens.shape[1] - 1)]
@@ -204,7 +205,8 @@ class SpecVerifier:
                      fvalid: jax.Array, inp: Any, extra: Any,
                      num_seqs: int) -> tuple[Any, jax.Array, Any, jax.Array, dict]:  # fmt: skip
         """A tree's acceptance (``tree.py``): the walk, the output repacked into the chain
-        layout, the accepted path's tokens and the bonus written, its KV compacted."""
+        layout, the accepted path's tokens and the bonus written, its KV compacted. aux:
+        {"inp": the step's input with slot positions, "extra", "path": int32[S, K]}."""
         k = self.k
         pos = jnp.minimum(total[:, None] + jnp.arange(k)[None, :], tokens.shape[1] - 1)
         node_tokens = tokens[safe[:, None], pos]  # [S, K] the drafts as written
@@ -216,7 +218,7 @@ class SpecVerifier:
                                  accepted + 1, k + 1)  # path and bonus  # fmt: skip
         kv = tree.compact(kv, mem.tables.tables, jnp.where(emit, seq_ids, -1), total - 1,
                           path, accepted, self.block_size)  # fmt: skip
-        return kv, tokens, out, accepted, {"inp": inp, "extra": extra}
+        return kv, tokens, out, accepted, {"inp": inp, "extra": extra, "path": path}
 
     def _rejection(self, logits: jax.Array, t: SamplingTensors, history: Any, out: Any,
                    accepted: jax.Array, draft_probs: jax.Array, tokens: jax.Array,
