@@ -19,7 +19,9 @@ engine: K-step decode loop), ngram ({"method": "ngram",
 "auto_num_speculative_tokens": true: k per row and step from the measured acceptance and
 step cost, down to 0, engine/spec/k_schedule.py), ngramtree (the same with pagedjax's
 "tree": {"budget": N, "top_k": K}: up to K earlier continuations merged into a trie of N
-nodes, depth <= k, verified in one step with the tree mask, engine/spec/tree.py), draft
+nodes, depth <= k, verified in one step with the tree mask, engine/spec/tree.py),
+eagletree (eagle with the same "tree" key: the head's top K first tokens, each continued
+as a chain, K * min(k, N // K) nodes, engine/spec/eagle_tree.py), draft
 ({"method": "draft_model", "model": "self", "draft_num_layers": N}: the model's own first
 N layers), eagle
 ({"method": "eagle", "model": DIR}: a head trained by ``python -m
@@ -157,6 +159,8 @@ def main() -> None:
         "ngramauto": {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4,
                       "auto_num_speculative_tokens": True},
         "ngramtree": {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4,
+                      "tree": {"budget": a.tree_budget, "top_k": a.tree_top_k}},
+        "eagletree": {"method": "eagle", "model": a.eagle_dir, "num_speculative_tokens": a.k,
                       "tree": {"budget": a.tree_budget, "top_k": a.tree_top_k}},
         "draft": {"method": "draft_model", "model": "self", "num_speculative_tokens": a.k,
                   "draft_num_layers": a.draft_layers},

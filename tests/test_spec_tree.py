@@ -171,8 +171,15 @@ def test_tree_config_and_refusals():
         SpeculativeConfig.from_dict({"method": "ngram", "tree": {"width": 3}})
     with pytest.raises(ConfigError, match="tree.budget"):
         SpeculativeConfig.from_dict({"method": "ngram", "tree": {"budget": 32}})
-    with pytest.raises(ConfigError, match="n-gram method only"):
-        SpeculativeConfig(method="eagle", model="/x", tree=DraftTreeConfig())
+    with pytest.raises(ConfigError, match="ngram and eagle methods"):
+        SpeculativeConfig(method="medusa", model="/x", tree=DraftTreeConfig())
+    with pytest.raises(ConfigError, match="sampled drafts"):
+        SpeculativeConfig(method="eagle", model="/x", tree=DraftTreeConfig(),
+                          draft_sample_method="probabilistic")
+    with pytest.raises(ConfigError, match="budget >= top_k"):
+        SpeculativeConfig(method="eagle", model="/x", tree=DraftTreeConfig(2, 3))
+    with pytest.raises(ConfigError, match="automatic k rule"):
+        SpeculativeConfig(tree=DraftTreeConfig(), auto_num_speculative_tokens=True)
     with pytest.raises(ValueError, match="sliding-window"):
         check_tree_model(preset_arch("mistral-7b"))
     check_tree_model(ARCH)
