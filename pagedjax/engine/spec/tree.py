@@ -10,8 +10,9 @@ parents[i] = i - 1. This module gives the verification (``verify.py``) what chan
   ``pallas_kernels.reference.tree_visible``): node i sees the prefix and the root (every
   bit d >= i + 1) and, of the nodes, itself and its ancestors a (bit i - a). Every other
   token (prefill chunks, plain decode rows, the root) has all bits: the causal rule.
-- **positions** (RoPE / learned positions): base + depth(i), depth of a root child 1;
-  the slot mapping keeps the slot index (computed before, from the slot positions).
+- **positions** (RoPE / learned positions, and M-RoPE's rope_positions alike): base +
+  depth(i), depth of a root child 1; the slot mapping keeps the slot index (computed
+  before, from the slot positions).
 - **the walk** (greedy sample-and-compare, per level): from the root, the child whose
   token equals the target's token at its parent is accepted, until no child matches;
   a = the path's length, and the target's token at the path's last node is the bonus /
@@ -105,9 +106,12 @@ def tree_inputs(inp: Any, parents: jax.Array, nd: jax.Array,
     is_node = (t < cu[-1]) & (node >= 0) & (node < nd[row])
     safe = jnp.clip(node, 0, k - 1)
     d = depth[row, safe]
-    positions = jnp.where(is_node, inp.positions + d - 1 - node, inp.positions)
+    shift = jnp.where(is_node, d - 1 - node, 0)  # depth position - slot position
     mask = jnp.where(is_node, words[row, safe], jnp.uint32(0xFFFFFFFF))
-    return inp._replace(positions=positions, tree_mask=mask), depth
+    rope = inp.rope_positions  # M-RoPE: every row of it moves with the token's depth
+    rope = None if rope is None else rope + shift
+    return inp._replace(positions=inp.positions + shift, rope_positions=rope,
+                        tree_mask=mask), depth
 
 
 def walk(target: jax.Array, offset: jax.Array, node_tokens: jax.Array, parents: jax.Array,
