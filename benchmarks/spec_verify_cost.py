@@ -21,7 +21,9 @@ the 2-layer test model (for checking the script).
 
 Each point (B, k): B requests with ``--prompt-len`` token prompts are prefilled, then
 ``--warm`` steps (compilation) and ``--steps`` timed steps; the median step time is
-reported. k is set per point through the batch-size table (``num_speculative_tokens_per_
+reported; the plain step (k = 0) is timed alternately with each point's steps on the same
+sequences ("paired"), so the ratio compares steps made under the same load. k is set per
+step through the batch-size table (``num_speculative_tokens_per_
 batch_size``), so one engine (K = the largest k) serves every point, k = 0 being the plain
 step. Prints the load average before and after: the box is shared.
 
@@ -141,12 +143,19 @@ def build(model: str, max_b: int, max_k: int, prompt_len: int, steps: int,
     return engine
 
 
-def time_point(engine: LLMEngine, b: int, k: int, prompt_len: int, warm: int,
-               steps: int, tag: str) -> float:  # fmt: skip
-    """Median seconds of a step of b sequences with k drafts each."""
+def set_k(engine: LLMEngine, k: int) -> None:
+    """Every following step drafts k per row (0: plain steps), through the table."""
     spec = engine.speculator
     spec.config = dataclasses.replace(spec.config, num_speculative_tokens_per_batch_size=(
-        (1, 1 << 20, k),) if k else ((1, 1 << 20, 0),))  # fmt: skip
+        (1, 1 << 20, k),))  # fmt: skip
+
+
+def time_point(engine: LLMEngine, b: int, k: int, prompt_len: int, warm: int,
+               steps: int, tag: str) -> tuple[float, float]:  # fmt: skip
+    """(plain, speculative) median seconds of a step of b sequences: plain steps and
+    steps with k drafts per row alternate on the same sequences, so a drifting machine
+    load weighs on both alike."""
+    set_k(engine, k)
     rng = np.random.default_rng(b * 100 + k)
     sp = SamplingParams(temperature=0.0, max_tokens=(warm + steps + 4) * (k + 1) + 8,
                         ignore_eos=True)  # fmt: skip
@@ -157,17 +166,19 @@ def time_point(engine: LLMEngine, b: int, k: int, prompt_len: int, warm: int,
         engine.core.book.queue
     ):
         engine.step()  # prefill until every sequence decodes
-    times = []
+    times: dict[int, list[float]] = {0: [], k: []}
     for i in range(warm + steps):
-        t0 = time.perf_counter()
-        engine.step()
-        if i >= warm:
-            times.append(time.perf_counter() - t0)
+        for kk in (0, k):
+            set_k(engine, kk)
+            t0 = time.perf_counter()
+            engine.step()
+            if i >= warm:
+                times[kk].append(time.perf_counter() - t0)
     for i in range(b):
         engine.abort_request(f"{tag}-{i}")
     while engine.has_unfinished_requests():
         engine.step()
-    return statistics.median(times)
+    return statistics.median(times[0]), statistics.median(times[k])
 
 
 def compare_auto(engine: LLMEngine, b: int, k: int, prompt_len: int, steps: int,
@@ -237,23 +248,20 @@ def main() -> None:
                          tree=sh == "tree") for sh in shapes}  # fmt: skip
     engine = engines[shapes[0]]
     t_start = time.perf_counter()
-    print("| shape | B | k | rows | ms per step | vs plain | L to break even |"
-          " alpha to break even (chain) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | B | k | rows | plain ms (paired) | ms per step | vs plain |"
+          " L to break even | alpha to break even (chain) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for b, ks in [] if args.skip_curve else points:
-        plain = {}
-        for k in sorted(set(ks) | {0}):
+        for k in sorted(set(ks) - {0}):
             for sh, eng in engines.items():  # chains and trees alternate point by point
-                sec = time_point(eng, b, k, args.prompt_len, args.warm, args.steps,
-                                 f"{sh}b{b}k{k}")  # fmt: skip
-                if k == 0:
-                    plain[sh] = sec
-                ratio = sec / plain[sh]
-                alpha = needed_alpha(ratio, k) if k and sh == "chain" else None
-                a = "-" if not k or sh != "chain" else (
-                    "never" if alpha is None else f"{alpha:.2f}")
-                print(f"| {sh} | {b} | {k} | {b * (1 + k)} | {sec * 1e3:.1f} | {ratio:.2f} |"
-                      f" {'-' if not k else f'{ratio:.2f}'} | {a} |", flush=True)  # fmt: skip
+                plain, sec = time_point(eng, b, k, args.prompt_len, args.warm, args.steps,
+                                        f"{sh}b{b}k{k}")  # fmt: skip
+                ratio = sec / plain
+                alpha = needed_alpha(ratio, k) if sh == "chain" else None
+                a = "-" if sh != "chain" else ("never" if alpha is None else f"{alpha:.2f}")
+                print(f"| {sh} | {b} | {k} | {b * (1 + k)} | {plain * 1e3:.1f} |"
+                      f" {sec * 1e3:.1f} | {ratio:.2f} | {ratio:.2f} | {a} |",
+                      flush=True)  # fmt: skip
     if args.compare_auto:
         print("\n| B | k | none tok/s | fixed k tok/s (vs none) | auto tok/s (vs none) |"
               " tokens per row-step none / fixed / auto |\n|---|---|---|---|---|---|")
