@@ -26,6 +26,11 @@ reasons), as vLLM's scheduler reserves lookahead slots:
    drafts are truncated through the memory policy (``PagedPolicy.truncate``: blocks
    wholly past the accepted length return to the pool, memory/rollback.py).
 
+Draft trees (``speculative_config.tree``, pagedjax's own key; ``tree.py``): a row's drafts
+are the nodes of a tree (parents by slot, ``_parents``, set by ``plan`` for ``run``):
+n-gram tries (``ngram_tree.py``) or EAGLE's top-k-then-chains (``eagle_tree.py``),
+verified with the tree mask, the accepted path's KV compacted in the same program.
+
 A separate draft checkpoint runs over every step's batch (its own pool, the target's
 block ids), also in plain steps; its pool and the EAGLE head's follow swaps through
 ``apply_swaps``. A step without drafts takes the plain program (the EAGLE head and

@@ -26,6 +26,11 @@ the rows whose drafts were sampled (``draft_probs``, ``draft_sampling.py``): p i
 the distribution the target samples from at each position, and the row emits its
 accepted drafts plus the residual / bonus token, their logprobs recomputed.
 
+Draft trees (``parents`` given; ``tree.py``): the drafts are the nodes of a tree per row
+at consecutive slots, verified with the tree mask and depth positions, accepted level by
+level (the same sample-and-compare rule), the output repacked into the chain layout
+above, and the accepted path's KV compacted to the chain's slots in the same program.
+
 Shapes (N slots, Lb = max_model_len, T / S the token / sequence bucket, K static):
   num_drafts int32[N] in batch-row order (0 for rows that do not speculate).
 Returns (kv', tokens' with each emitting row's correction/bonus token written at
