@@ -177,7 +177,9 @@ def compact(kv: Any, tables: jax.Array, seq_ids: jax.Array, base: jax.Array, pat
         db = jnp.where(dst == PAD_SLOT, n, dst // block_size)
         return leaf.at[:, db, :, dst % block_size].set(rows, mode="drop")
 
-    return lax.cond(jnp.any(move), lambda kv: jax.tree.map(copy, kv), lambda kv: kv, kv)
+    # Unconditional (padding entries drop): a lax.cond around the donated pool may make
+    # XLA copy the whole pool into the branch, where the scatter of S * K rows is in place.
+    return jax.tree.map(copy, kv)
 
 
 def write_path(tokens: jax.Array, out_tokens: jax.Array, seq_ids: jax.Array, emit: jax.Array,
