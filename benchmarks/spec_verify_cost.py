@@ -1,7 +1,7 @@
 """The verification-cost curve: ms per engine step against the rows it verifies (CPU).
 
     python benchmarks/spec_verify_cost.py [--model smollm2|tiny] [--points 1:0,1,2,4,8 8:0,1,3]
-        [--steps 6] [--warm 2] [--prompt-len 48]
+        [--steps 6] [--warm 2] [--prompt-len 48] [--shape chain|tree|both]
 
 A speculative step verifies B * (1 + k) rows (B sequences, k drafts each) where a plain
 decode step runs B. Speculation pays when the tokens a row emits per step, the mean
@@ -21,9 +21,18 @@ the 2-layer test model (for checking the script).
 
 Each point (B, k): B requests with ``--prompt-len`` token prompts are prefilled, then
 ``--warm`` steps (compilation) and ``--steps`` timed steps; the median step time is
-reported. k is set per point through the batch-size table (``num_speculative_tokens_per_
+reported; the plain step (k = 0) is timed alternately with each point's steps on the same
+sequences ("paired"), so the ratio compares steps made under the same load. k is set per
+step through the batch-size table (``num_speculative_tokens_per_
 batch_size``), so one engine (K = the largest k) serves every point, k = 0 being the plain
 step. Prints the load average before and after: the box is shared.
+
+``--shape tree`` verifies draft trees instead (``"tree"`` in the speculative config,
+engine/spec/tree.py): each row gets exactly k nodes, a binary tree (node i's parent
+(i - 1) // 2), so the rows carry the tree mask, depth positions, the walk and the
+compaction; ``both`` times chains and trees in one run, one engine each, point by point.
+For a tree the "L to break even" column is what the accepted path plus the bonus must
+reach; a tree of k nodes has depth about log2(k), so its L is bounded by that depth + 1.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import numpy as np
 
 from pagedjax.config import (
     CacheConfig,
+    DraftTreeConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
@@ -63,6 +73,15 @@ class RepeatProposer:
 
     def propose(self, ids: list[int], k: int) -> list[int]:
         return [ids[-1]] * k
+
+
+class RepeatTree:
+    """Exactly ``depth`` nodes for every row (the row's k, passed as the depth cap), as a
+    binary tree of the last token: the cost of a k-node tree, whatever it holds."""
+
+    def propose_tree(self, ids: list[int], depth: int, budget: int | None = None):
+        n = depth if budget is None else min(depth, budget)
+        return [ids[-1]] * n, [(i - 1) // 2 if i else -1 for i in range(n)]
 
 
 def parse_points(items: list[str]) -> list[tuple[int, list[int]]]:
@@ -90,7 +109,8 @@ def needed_alpha(length: float, k: int) -> float | None:
     return (lo + hi) / 2
 
 
-def build(model: str, max_b: int, max_k: int, prompt_len: int, steps: int) -> LLMEngine:
+def build(model: str, max_b: int, max_k: int, prompt_len: int, steps: int,
+          tree: bool = False) -> LLMEngine:  # fmt: skip
     if model == "tiny":
         arch = preset_arch("tiny-llama")
         params = random_params(arch, seed=0, dtype=jnp.float32, std=0.15)
@@ -111,21 +131,31 @@ def build(model: str, max_b: int, max_k: int, prompt_len: int, steps: int) -> LL
         cache=CacheConfig(block_size=16, num_gpu_blocks_override=blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_b,
                                   num_multi_steps=1),
-        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=max_k),
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=max_k,
+                                      tree=DraftTreeConfig(max_k, 1) if tree else None),
         warmup="none",  # each point's --warm steps compile what it runs, nothing more
     )  # fmt: skip
     tok = ByteTokenizer(eos_token_id=arch.eos_token_id, bos_token_id=arch.bos_token_id)
     engine = LLMEngine(arch, params, tok, config)
     engine.speculator.proposer = RepeatProposer()
+    if tree:
+        engine.speculator.tree_proposer = RepeatTree()
     return engine
 
 
-def time_point(engine: LLMEngine, b: int, k: int, prompt_len: int, warm: int,
-               steps: int, tag: str) -> float:  # fmt: skip
-    """Median seconds of a step of b sequences with k drafts each."""
+def set_k(engine: LLMEngine, k: int) -> None:
+    """Every following step drafts k per row (0: plain steps), through the table."""
     spec = engine.speculator
     spec.config = dataclasses.replace(spec.config, num_speculative_tokens_per_batch_size=(
-        (1, 1 << 20, k),) if k else ((1, 1 << 20, 0),))  # fmt: skip
+        (1, 1 << 20, k),))  # fmt: skip
+
+
+def time_point(engine: LLMEngine, b: int, k: int, prompt_len: int, warm: int,
+               steps: int, tag: str) -> tuple[float, float]:  # fmt: skip
+    """(plain, speculative) median seconds of a step of b sequences: plain steps and
+    steps with k drafts per row alternate on the same sequences, so a drifting machine
+    load weighs on both alike."""
+    set_k(engine, k)
     rng = np.random.default_rng(b * 100 + k)
     sp = SamplingParams(temperature=0.0, max_tokens=(warm + steps + 4) * (k + 1) + 8,
                         ignore_eos=True)  # fmt: skip
@@ -136,17 +166,19 @@ def time_point(engine: LLMEngine, b: int, k: int, prompt_len: int, warm: int,
         engine.core.book.queue
     ):
         engine.step()  # prefill until every sequence decodes
-    times = []
+    times: dict[int, list[float]] = {0: [], k: []}
     for i in range(warm + steps):
-        t0 = time.perf_counter()
-        engine.step()
-        if i >= warm:
-            times.append(time.perf_counter() - t0)
+        for kk in (0, k):
+            set_k(engine, kk)
+            t0 = time.perf_counter()
+            engine.step()
+            if i >= warm:
+                times[kk].append(time.perf_counter() - t0)
     for i in range(b):
         engine.abort_request(f"{tag}-{i}")
     while engine.has_unfinished_requests():
         engine.step()
-    return statistics.median(times)
+    return statistics.median(times[0]), statistics.median(times[k])
 
 
 def compare_auto(engine: LLMEngine, b: int, k: int, prompt_len: int, steps: int,
@@ -202,26 +234,34 @@ def main() -> None:
     ap.add_argument("--compare-auto", type=int, default=0, metavar="STEPS",
                     help="also time none / fixed k / auto over STEPS steps at each B")
     ap.add_argument("--skip-curve", action="store_true", help="only --compare-auto")
+    ap.add_argument("--shape", choices=["chain", "tree", "both"], default="chain",
+                    help="draft chains, draft trees (k nodes), or both (one engine each)")
     args = ap.parse_args()
     points = parse_points(args.points)
     max_b = max(b for b, _ in points)
     max_k = max(max(ks) for _, ks in points)
     print(f"load before: {os.getloadavg()}")
-    engine = build(args.model, max_b, max(max_k, 1), args.prompt_len, args.steps)
+    if max_k > 31 and args.shape != "chain":
+        raise SystemExit("a draft tree holds at most 31 nodes (the tree mask's reach)")
+    shapes = ["chain", "tree"] if args.shape == "both" else [args.shape]
+    engines = {sh: build(args.model, max_b, max(max_k, 1), args.prompt_len, args.steps,
+                         tree=sh == "tree") for sh in shapes}  # fmt: skip
+    engine = engines[shapes[0]]
     t_start = time.perf_counter()
-    print("| B | k | rows | ms per step | vs plain | L to break even | alpha to break even |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | B | k | rows | plain ms (paired) | ms per step | vs plain |"
+          " L to break even | alpha to break even (chain) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for b, ks in [] if args.skip_curve else points:
-        plain = None
-        for k in sorted(set(ks) | {0}):
-            sec = time_point(engine, b, k, args.prompt_len, args.warm, args.steps, f"b{b}k{k}")
-            if k == 0:
-                plain = sec
-            ratio = sec / plain
-            alpha = needed_alpha(ratio, k) if k else None
-            a = "-" if not k else ("never" if alpha is None else f"{alpha:.2f}")
-            print(f"| {b} | {k} | {b * (1 + k)} | {sec * 1e3:.1f} | {ratio:.2f} |"
-                  f" {'-' if not k else f'{ratio:.2f}'} | {a} |", flush=True)  # fmt: skip
+        for k in sorted(set(ks) - {0}):
+            for sh, eng in engines.items():  # chains and trees alternate point by point
+                plain, sec = time_point(eng, b, k, args.prompt_len, args.warm, args.steps,
+                                        f"{sh}b{b}k{k}")  # fmt: skip
+                ratio = sec / plain
+                alpha = needed_alpha(ratio, k) if sh == "chain" else None
+                a = "-" if sh != "chain" else ("never" if alpha is None else f"{alpha:.2f}")
+                print(f"| {sh} | {b} | {k} | {b * (1 + k)} | {plain * 1e3:.1f} |"
+                      f" {sec * 1e3:.1f} | {ratio:.2f} | {ratio:.2f} | {a} |",
+                      flush=True)  # fmt: skip
     if args.compare_auto:
         print("\n| B | k | none tok/s | fixed k tok/s (vs none) | auto tok/s (vs none) |"
               " tokens per row-step none / fixed / auto |\n|---|---|---|---|---|---|")

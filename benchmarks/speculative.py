@@ -3,7 +3,7 @@
     python benchmarks/speculative.py [--batch-sizes 1 8 64] [--max-tokens 64]
         [--methods none ngram draft eagle] [--workloads copy chat] [--k 4]
         [--draft-layers 8] [--eagle-dir DIR] [--medusa-dir DIR] [--draft-model NAME_OR_DIR]
-        [--batch1-prompts N] [--rounds R]
+        [--batch1-prompts N] [--rounds R] [--tree-budget N] [--tree-top-k K]
 
 Model: SmolLM2-135M-Instruct (``LLM(model="smollm2-135m-instruct")``), greedy.
 Workloads, each rendered by the chat template:
@@ -17,8 +17,13 @@ where the n-gram method drafts and verifies on device): none (the default
 engine: K-step decode loop), ngram ({"method": "ngram",
 "num_speculative_tokens": k, "prompt_lookup_max": 4}), ngramauto (the same with
 "auto_num_speculative_tokens": true: k per row and step from the measured acceptance and
-step cost, down to 0, engine/spec/k_schedule.py), draft ({"method": "draft_model",
-"model": "self", "draft_num_layers": N}: the model's own first N layers), eagle
+step cost, down to 0, engine/spec/k_schedule.py), ngramtree (the same with pagedjax's
+"tree": {"budget": N, "top_k": K}: up to K earlier continuations merged into a trie of N
+nodes, depth <= k, verified in one step with the tree mask, engine/spec/tree.py),
+eagletree (eagle with the same "tree" key: the head's top K first tokens, each continued
+as a chain, K * min(k, N // K) nodes, engine/spec/eagle_tree.py), draft
+({"method": "draft_model", "model": "self", "draft_num_layers": N}: the model's own first
+N layers), eagle
 ({"method": "eagle", "model": DIR}: a head trained by ``python -m
 pagedjax.tools.train_eagle``; DIR defaults to where that writes it), medusa
 ({"method": "medusa", "model": DIR}: heads trained by ``python -m
@@ -35,7 +40,8 @@ twice, the first run compiling what the second uses; the second is timed
 row lists each round's ratio too). At batch 1
 ``--batch1-prompts N`` runs the first N prompts one at a time (each alone in the
 engine; tok/s over all of them), since a single short answer is a few steps.
-Reported: output tokens/s, mean request latency (add -> finished),
+Reported: output tokens/s, mean request latency (add -> finished), tokens per engine
+step (all rows; at batch 1 the tokens each step emits),
 the ratio to "none", the acceptance rate, the mean accepted length (tokens per
 speculating row-step, bonus included) and whether the outputs equal "none"'s. Prints
 the load (``os.getloadavg``) before and after; the box is shared, so compare ratios
@@ -88,13 +94,14 @@ def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int, tag: str,
         eng.reset_stats()
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     finish, outs = {}, {}
-    wall = 0.0
+    wall, steps = 0.0, 0
     per = -(-len(prompts) // waves)
     for w in range(0, len(prompts), per):
         t0 = time.perf_counter()
         for i in range(w, min(w + per, len(prompts))):
             eng.add_request(f"{tag}-{i}", {"prompt_token_ids": prompts[i]}, sp)
         while eng.has_unfinished_requests():
+            steps += 1
             for o in eng.step():
                 if o.finished:
                     finish[o.request_id] = time.perf_counter() - t0
@@ -102,7 +109,7 @@ def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int, tag: str,
         wall += time.perf_counter() - t0
     tokens = sum(len(v) for v in outs.values())
     order = [outs[f"{tag}-{i}"] for i in range(len(prompts))]
-    return dict(seconds=wall, tokens=tokens, tok_s=tokens / wall,
+    return dict(seconds=wall, tokens=tokens, tok_s=tokens / wall, steps=steps,
                 latency=sum(finish.values()) / len(finish), outputs=order,
                 stats=eng.stats())  # fmt: skip
 
@@ -141,6 +148,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="timed rounds, the methods interleaved (round r starts at method r mod"
                     " M), summed: a shared box's load then weighs on every method alike")
+    ap.add_argument("--tree-budget", type=int, default=16, help="ngramtree: nodes per row")
+    ap.add_argument("--tree-top-k", type=int, default=3, help="ngramtree: continuations")
     ap.add_argument("--json", default=None, help="write the rows here too")
     a = ap.parse_args()
     print(f"load before: {os.getloadavg()}", flush=True)
@@ -149,6 +158,10 @@ def main() -> None:
         "ngram": {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4},
         "ngramauto": {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4,
                       "auto_num_speculative_tokens": True},
+        "ngramtree": {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4,
+                      "tree": {"budget": a.tree_budget, "top_k": a.tree_top_k}},
+        "eagletree": {"method": "eagle", "model": a.eagle_dir, "num_speculative_tokens": a.k,
+                      "tree": {"budget": a.tree_budget, "top_k": a.tree_top_k}},
         "draft": {"method": "draft_model", "model": "self", "num_speculative_tokens": a.k,
                   "draft_num_layers": a.draft_layers},
         "eagle": {"method": "eagle", "model": a.eagle_dir, "num_speculative_tokens": a.k},
@@ -199,6 +212,9 @@ def main() -> None:
                     round_ratios=[round(x, 2) for x in per_round],
                     acceptance=round(s.get("spec_acceptance_rate", 0.0), 3),
                     mean_accepted_len=round(s.get("spec_mean_accepted_length", 0.0), 2),
+                    tokens_per_step=round(sum(x["tokens"] for x in rs)
+                                          / max(sum(x["steps"] for x in rs), 1), 2),
+                    proposed_per_step=round(s.get("spec_proposals_per_step", 0.0), 1),
                     fused_steps=s.get("spec_fused_steps", 0),
                     same_as_none=r["outputs"] == ref["outputs"], tokens=r["tokens"],
                     load=round(os.getloadavg()[0], 1),
@@ -207,12 +223,13 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     print(f"load after: {os.getloadavg()}")
     print("| workload | batch | method | tok/s | mean latency s | vs none | acceptance |"
-          " mean accepted len | same outputs | load |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          " mean accepted len | tokens per step | drafts per step | same outputs | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['workload']} | {r['batch']} | {r['method']} | {r['tok_s']} |"
               f" {r['latency_s']} | {r['ratio']} | {r['acceptance']} |"
-              f" {r['mean_accepted_len']} | {r['same_as_none']} | {r['load']} |")  # fmt: skip
+              f" {r['mean_accepted_len']} | {r['tokens_per_step']} | {r['proposed_per_step']} |"
+              f" {r['same_as_none']} | {r['load']} |")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

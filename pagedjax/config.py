@@ -307,6 +307,29 @@ def _batch_size_schedule(table: Any) -> tuple[tuple[int, int, int], ...]:
 
 
 @dataclass(frozen=True)
+class DraftTreeConfig:
+    """Draft trees (pagedjax's own ``speculative_config.tree``; vLLM 0.32 has no tree key;
+    docs/speculative_decoding.md "Draft trees").
+
+    budget: draft nodes per row and step, 1..31 (with the row's last token a tree holds at
+    most 32 slots, the tree attention mask's reach). top_k: branches, the n-gram method's
+    distinct continuations merged into one trie (the first the chain proposer's), or the
+    eagle head's top_k first tokens each continued as a chain (top_k x min(k, budget //
+    top_k) nodes). The tree's depth is at most num_speculative_tokens.
+    """
+
+    budget: int = 16
+    top_k: int = 2
+
+    def __post_init__(self) -> None:
+        b, k = self.budget, self.top_k
+        _check(isinstance(b, int) and 1 <= b <= 31, "speculative_config.tree.budget",
+               f"must be in [1, 31] (a tree and its root fit the 32-bit tree mask), got {b!r}")
+        _check(isinstance(k, int) and k >= 1, "speculative_config.tree.top_k",
+               f"must be >= 1, got {k!r}")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's ``speculative_config`` keys; docs/speculative_decoding.md).
 
@@ -339,6 +362,9 @@ class SpeculativeConfig:
     the draft_model / eagle / medusa drafts samples of the draft's distribution q at the request's
     temperature, verified by rejection sampling (min(1, p/q), residual max(0, p - q)).
     The n-gram method has no q (a point mass): its drafts stay greedy either way.
+    tree (pagedjax's own key, ``DraftTreeConfig``): draft trees verified in one step
+    (ngram: continuations merged into a trie; eagle: top_k first tokens, each continued
+    as a chain); None: chains.
     """
 
     method: Literal["ngram", "draft_model", "eagle", "medusa"] = "ngram"
@@ -351,6 +377,7 @@ class SpeculativeConfig:
     num_speculative_tokens_per_batch_size: tuple[tuple[int, ...], ...] | None = None
     auto_num_speculative_tokens: bool = False
     draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+    tree: DraftTreeConfig | None = None
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -382,6 +409,17 @@ class SpeculativeConfig:
         m = self.draft_sample_method
         _check(m in ("greedy", "probabilistic"), "speculative_config.draft_sample_method",
                f"must be 'greedy' or 'probabilistic', got {m!r}")  # fmt: skip
+        if self.tree is not None:
+            _check(self.method in ("ngram", "eagle"), "speculative_config.tree",
+                   f"draft trees are built for the ngram and eagle methods, not {self.method!r}")
+            _check(self.draft_sample_method == "greedy" or self.method == "ngram",
+                   "speculative_config.tree", "sampled drafts (draft_sample_method"
+                   " 'probabilistic') with a draft tree are not built")
+            _check(self.method != "eagle" or self.tree.budget >= self.tree.top_k,
+                   "speculative_config.tree", f"an eagle tree needs budget >= top_k (one"
+                   f" node per branch), got {self.tree.budget} < {self.tree.top_k}")
+            _check(not self.auto_num_speculative_tokens, "speculative_config.tree",
+                   "the automatic k rule sizes chains; with a tree it is not built")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:

@@ -26,6 +26,11 @@ reasons), as vLLM's scheduler reserves lookahead slots:
    drafts are truncated through the memory policy (``PagedPolicy.truncate``: blocks
    wholly past the accepted length return to the pool, memory/rollback.py).
 
+Draft trees (``speculative_config.tree``, pagedjax's own key; ``tree.py``): a row's drafts
+are the nodes of a tree (parents by slot, ``_parents``, set by ``plan`` for ``run``):
+n-gram tries (``ngram_tree.py``) or EAGLE's top-k-then-chains (``eagle_tree.py``),
+verified with the tree mask, the accepted path's KV compacted in the same program.
+
 A separate draft checkpoint runs over every step's batch (its own pool, the target's
 block ids), also in plain steps; its pool and the EAGLE head's follow swaps through
 ``apply_swaps``. A step without drafts takes the plain program (the EAGLE head and
@@ -57,10 +62,13 @@ from pagedjax.engine.spec.draft_model import (
     load_draft,
 )
 from pagedjax.engine.spec.eagle import EagleDraft, EagleVerifier
+from pagedjax.engine.spec.eagle_tree import EagleTreeDraft, branch_parents, catch_up_inputs
 from pagedjax.engine.spec.k_schedule import Acceptance, StepCost, allocate, batch_size_lookup
 from pagedjax.engine.spec.layer_skip import LayerSkipDraft
 from pagedjax.engine.spec.medusa import MedusaDraft, build_medusa
 from pagedjax.engine.spec.ngram import NgramProposer
+from pagedjax.engine.spec.ngram_tree import NgramTreeProposer
+from pagedjax.engine.spec.tree import check_tree_model
 from pagedjax.engine.spec.verify import SpecVerifier, write_drafts
 
 BUILT_METHODS = ("ngram", "draft_model", "eagle", "medusa")
@@ -151,6 +159,19 @@ class SpeculativeDecoder:
         self.config = config
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # Draft trees (tree.py, ngram_tree.py): K, the static node width, is the budget;
+        # num_speculative_tokens bounds the depth. Parents by slot, set by plan for run.
+        self.tree, self.tree_proposer, self._parents = config.tree, None, None
+        self.eagle_tree: EagleTreeDraft | None = None
+        if config.tree is not None:
+            check_tree_model(arch)
+            self.tree_proposer = NgramTreeProposer(config.prompt_lookup_min,
+                                                   config.prompt_lookup_max,
+                                                   config.tree.budget, config.tree.top_k)
+            self.k = config.tree.budget
+            if config.method == "eagle":  # eagle_tree.py: whole levels of top_k branches
+                b = config.tree.top_k
+                self.k = b * min(config.num_speculative_tokens, config.tree.budget // b)
         self.draft = self.eagle = self.separate = None
         self.medusa: MedusaDraft | None = None
         if draft_checkpoint is not None:  # its own pool, the target's block ids
@@ -163,7 +184,10 @@ class SpeculativeDecoder:
         verifier_args = (arch, block_size, attention_fn, max_logprobs, self.k, native_matmul)
         if config.method == "eagle":  # spec_eagle.py: the head runs on every step
             self.eagle = EagleDraft(arch, config.model, attention_fn, block_size, self.k)
-            self.verifier = EagleVerifier(self.eagle, *verifier_args)
+            self.verifier = EagleVerifier(self.eagle, *verifier_args,
+                                          tree_features=catch_up_inputs)  # fmt: skip
+            if config.tree is not None:
+                self.eagle_tree = EagleTreeDraft(self.eagle, config.tree.top_k, self.k)
         elif config.method == "medusa":  # spec/medusa.py: k capped at the heads' count
             self.medusa, self.verifier = build_medusa(
                 arch, str(config.model), self.k, lambda k: (*verifier_args[:4], k, native_matmul)
@@ -174,7 +198,7 @@ class SpeculativeDecoder:
         self.block_size = block_size
         # Sampled drafts (draft_sampling.py) for the drafting models; n-gram drafts have
         # no q (point masses) and keep sample-and-compare, as vLLM treats them.
-        self.probabilistic = config.draft_sample_method == "probabilistic" and not self.fusable
+        self.probabilistic = config.draft_sample_method == "probabilistic" and not self.host_drafts
         self.vocab_size = arch.vocab_size
         self._zero_q: dict[int, Any] = {}  # S -> zeros [S, K, V]: a step without drafts
         self.counters = SpecCounters()
@@ -204,6 +228,8 @@ class SpeculativeDecoder:
         draft = {} if self.draft is None else {"spec_draft": self.draft.propose}
         if self.eagle is not None:
             draft["spec_eagle_propose"] = self.eagle.propose
+        if self.eagle_tree is not None:
+            draft["spec_eagle_tree_propose"] = self.eagle_tree.propose
         if self.medusa is not None:
             draft["spec_medusa_propose"] = self.medusa.propose
         if self.separate is not None:
@@ -257,7 +283,8 @@ class SpeculativeDecoder:
                                 num_seqs=s)  # fmt: skip
             if self.separate is not None:
                 self.separate.run(core, batch, i32, t, s, mem=mem, num_drafts=self._q_k)
-            out = self._verify(core, mem, batch, upload(i32), t, s, self._no_q(s))
+            out = self._verify(core, mem, batch, upload(i32), t, s, self._no_q(s),
+                               self._row_parents(n))  # fmt: skip
         jax.block_until_ready((dev.state, out))
 
     @property
@@ -302,7 +329,10 @@ class SpeculativeDecoder:
         if not self.may_speculate(core):
             return self._planned(lookahead, drafts)
         k_step = self.step_k(len(owners))  # may_speculate: > 0
-        on_device = not self.fusable
+        on_device = not self.host_drafts
+        if self.tree is not None:
+            self._parents = np.full((n, self.k), -1, np.int32)
+            k_step = min(k_step, self.config.num_speculative_tokens)  # the depth
         for slot, (req, seq) in owners.items():
             out = len(seq.detok.ids)
             if out == 0 or req.pending or req.host_driven or seq.finish_reason is not None:
@@ -312,7 +342,15 @@ class SpeculativeDecoder:
             k = min(k_step, seq.target - out - 1)
             if k <= 0:
                 continue
-            if not on_device:
+            if self.eagle_tree is not None:  # whole levels first, within max_model_len
+                room = core.max_model_len - len(req.prompt_token_ids) - out
+                k = min(self.eagle_tree.b * min(k, self.eagle_tree.levels), room)
+                self._parents[slot, :k] = branch_parents(self.eagle_tree.b, k)
+            elif self.tree is not None:  # nodes past max_model_len would have no slot
+                ids = req.prompt_token_ids + seq.detok.ids
+                k = self._plan_tree(slot, ids, seq.params, k, core.max_model_len - len(ids),
+                                    drafts)  # fmt: skip
+            elif not on_device:
                 prop = self.proposer.propose(req.prompt_token_ids + seq.detok.ids, k)
                 k = len(prop)
                 drafts[slot, :k] = prop
@@ -320,6 +358,22 @@ class SpeculativeDecoder:
         if self.config.auto_num_speculative_tokens:
             self._auto(core, lookahead, drafts)
         return self._planned(lookahead, drafts)
+
+    def _plan_tree(self, slot: int, ids: list[int], params: Any, depth: int, room: int,
+                   drafts: np.ndarray) -> int:  # fmt: skip
+        """A slot's draft tree (ngram_tree.py) into drafts / self._parents; its node count.
+        A penalised row gets the chain proposal (a chain's token history is exact; a
+        tree node's would hold its off-path siblings)."""
+        penalised = (params.presence_penalty != 0 or params.frequency_penalty != 0
+                     or params.repetition_penalty != 1)  # fmt: skip
+        if penalised:
+            toks = self.proposer.propose(ids, min(depth, self.k))
+            pars = list(range(-1, len(toks) - 1))
+        else:
+            toks, pars = self.tree_proposer.propose_tree(ids, depth, room)
+        drafts[slot, : len(toks)] = toks
+        self._parents[slot, : len(toks)] = pars
+        return len(toks)
 
     def _auto(self, core: Any, lookahead: np.ndarray, drafts: np.ndarray) -> None:
         """pagedjax's automatic rule (k_schedule.allocate), in place: each row's k cut
@@ -347,10 +401,15 @@ class SpeculativeDecoder:
         return lookahead, drafts
 
     @property
-    def fusable(self) -> bool:
-        """Its drafts can be made inside the fused K-step program (the n-gram method:
-        ``ngram_device.py``); drafting models take the one-step path."""
+    def host_drafts(self) -> bool:
+        """Its drafts are made on the host by ``plan`` (the n-gram method, chain or tree)."""
         return all(d is None for d in (self.draft, self.eagle, self.separate, self.medusa))
+
+    @property
+    def fusable(self) -> bool:
+        """Its drafts can be made inside the fused K-step program (the n-gram chain method:
+        ``ngram_device.py``); drafting models and trees take the one-step path."""
+        return self.host_drafts and self.tree is None
 
     def loop_k(self, core: Any) -> int:
         """Drafts per row at most in a fused K-step dispatch (``decode_loop``'s spec_k):
@@ -376,6 +435,15 @@ class SpeculativeDecoder:
         """The head's proposals; their q (sampled drafts) or None."""
         e = self.eagle
         extra = self._sampling_args(core)
+        if self.eagle_tree is not None:  # eagle_tree.py: greedy trees only
+            def propose_tree(tokens: Any) -> tuple[Any, Any]:
+                kv, tokens = self.eagle_tree.propose(e.params, core.params, e.kv, e.feature,
+                                                     tokens, mem, sid, total, counts,
+                                                     num_seqs=num_seqs)  # fmt: skip
+                return tokens, kv
+
+            e.kv = core.device.with_tokens(propose_tree)
+            return None
 
         def propose(tokens: Any) -> tuple[Any, Any]:
             kv, tokens, *q = e.propose(e.params, core.params, e.kv, e.feature, tokens, mem,
@@ -398,8 +466,9 @@ class SpeculativeDecoder:
         return core.device.with_tokens(propose)
 
     def _verify(self, core: Any, mem: Any, batch: Any, num_drafts: Any, num_tokens: int,
-                num_seqs: int, draft_probs: Any = None) -> Any:  # fmt: skip
-        """The verification program (plus the eagle catch-up); (out, accepted)."""
+                num_seqs: int, draft_probs: Any = None, parents: Any = None) -> Any:  # fmt: skip
+        """The verification program (plus the eagle catch-up); (out, accepted). parents:
+        the trees' parents by batch row (int32[max_seqs, K]) with a tree config."""
         dev, st = core.device, core.device.state
         args = (mem, batch, num_drafts, dev.sampling(), st.prompt_len, st.output_len)
         kw = dict(num_tokens=num_tokens, num_seqs=num_seqs)
@@ -408,12 +477,15 @@ class SpeculativeDecoder:
             out, acc, m.feature = dev.run_program(self.verifier.step, core.params, *args,
                                                   m.feature, draft_probs, **kw)  # fmt: skip
         elif self.eagle is None:
-            out, acc = dev.run_program(self.verifier.step, core.params, *args, draft_probs, **kw)
+            tree = () if self.tree is None else (parents,)
+            out, acc = dev.run_program(self.verifier.step, core.params, *args, draft_probs,
+                                       *tree, **kw)  # fmt: skip
         else:
             e = self.eagle
+            tree = () if self.tree is None else (parents,)
             out, acc, e.kv, e.feature = dev.run_program(
                 self.verifier.step, core.params, *args, e.params, e.kv, e.feature, draft_probs,
-                **kw,
+                *tree, **kw,
             )  # fmt: skip
         return out, acc
 
@@ -476,8 +548,20 @@ class SpeculativeDecoder:
                     q = jnp.pad(q, ((0, padded_seqs - q.shape[0]), (0, 0), (0, 0)))
         if q is None:
             q = self._no_q(padded_seqs)
+        parents = self._row_parents(core.max_seqs, sid, live)
         return self._verify(core, dev.state.mem, batch._replace(swap=None), upload(spec),
-                            padded_tokens, padded_seqs, q)  # fmt: skip
+                            padded_tokens, padded_seqs, q, parents)  # fmt: skip
+
+    def _row_parents(self, n: int, sid: np.ndarray | None = None,
+                     live: np.ndarray | None = None) -> Any:  # fmt: skip
+        """The trees' parents by batch row, int32[n, K] uploaded (rows without a tree: -1);
+        None without a tree config."""
+        if self.tree is None:
+            return None
+        rows = np.full((n, self.k), -1, np.int32)
+        if live is not None and self._parents is not None:
+            rows[live] = self._parents[sid[live]]
+        return upload(rows)
 
     def count(self, spec_lens: np.ndarray, accepted: np.ndarray, recorded: np.ndarray) -> None:
         """Counters of one verified step: per batch row, drafts verified, accepted and

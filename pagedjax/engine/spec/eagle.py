@@ -286,13 +286,16 @@ class EagleVerifier(SpecVerifier):
     """``SpecVerifier`` whose program also runs the head's catch-up (module docstring).
 
     step(params, kv, tokens, mem, batch, num_drafts, sampling, prompt_len, output_len,
-    head_params, draft_kv, feature, draft_probs=None, *, num_tokens, num_seqs) -> (kv',
-    tokens', out, accepted, draft_kv', feature'); kv, tokens, draft_kv and feature are
-    donated; draft_probs: sampled drafts' q (``SpecVerifier.verify``)."""
+    head_params, draft_kv, feature, draft_probs=None, parents=None, *, num_tokens,
+    num_seqs) -> (kv', tokens', out, accepted, draft_kv', feature'); kv, tokens, draft_kv
+    and feature are donated; draft_probs: sampled drafts' q, parents: draft trees
+    (``SpecVerifier.verify``; the catch-up then reads the accepted path's features)."""
 
-    def __init__(self, draft: EagleDraft, *args: Any):
+    def __init__(self, draft: EagleDraft, *args: Any, tree_features: Any = None):
         super().__init__(*args)
         self.draft = draft
+        # eagle_tree.catch_up_inputs with draft trees (passed in: eagle_tree imports this)
+        self.tree_features = tree_features
         self.step = jax.jit(
             self._eagle_step,
             static_argnames=("num_tokens", "num_seqs"),
@@ -307,13 +310,16 @@ class EagleVerifier(SpecVerifier):
     def _eagle_step(self, params: Any, kv: Any, tokens: jax.Array, mem: Any, batch: Any,
                     num_drafts: jax.Array, slot_sampling: Any, prompt_len: jax.Array,
                     output_len: jax.Array, head_params: Any, draft_kv: Any,
-                    feature: jax.Array, draft_probs: Any = None, *, num_tokens: int,
-                    num_seqs: int) -> tuple:  # fmt: skip
+                    feature: jax.Array, draft_probs: Any = None, parents: Any = None, *,
+                    num_tokens: int, num_seqs: int) -> tuple:  # fmt: skip
         kv, tokens, out, accepted, aux = self.verify(
             params, kv, tokens, mem, batch, num_drafts, slot_sampling, prompt_len, output_len,
-            draft_probs, num_tokens=num_tokens, num_seqs=num_seqs,
+            draft_probs, parents, num_tokens=num_tokens, num_seqs=num_seqs,
         )  # fmt: skip
         inp, feats = aux["inp"], aux["extra"]
+        if parents is not None:  # trees: each committed position's own feature (eagle_tree.py)
+            nd_rows = jnp.where(batch.seq_ids[:num_seqs] >= 0, num_drafts[:num_seqs], 0)
+            feats = self.tree_features(inp, feats, aux["path"], nd_rows, num_seqs)
         draft_kv = apply_cow(draft_kv, mem.last_cow.src, mem.last_cow.dst, mem.last_cow.valid)
         seq_ids = batch.seq_ids[:num_seqs]
         row_ok = seq_ids >= 0

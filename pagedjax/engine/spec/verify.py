@@ -26,6 +26,11 @@ the rows whose drafts were sampled (``draft_probs``, ``draft_sampling.py``): p i
 the distribution the target samples from at each position, and the row emits its
 accepted drafts plus the residual / bonus token, their logprobs recomputed.
 
+Draft trees (``parents`` given; ``tree.py``): the drafts are the nodes of a tree per row
+at consecutive slots, verified with the tree mask and depth positions, accepted level by
+level (the same sample-and-compare rule), the output repacked into the chain layout
+above, and the accepted path's KV compacted to the chain's slots in the same program.
+
 Shapes (N slots, Lb = max_model_len, T / S the token / sequence bucket, K static):
   num_drafts int32[N] in batch-row order (0 for rows that do not speculate).
 Returns (kv', tokens' with each emitting row's correction/bonus token written at
@@ -43,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.engine.model_runner import apply_cow, build_model_input, token_history
+from pagedjax.engine.spec import tree
 from pagedjax.model import ModelArch
 from pagedjax.model.forward import forward
 from pagedjax.sampling import SamplingTensors, output_for, processed_probs, sample
@@ -93,13 +99,14 @@ class SpecVerifier:
         prompt_len: jax.Array,
         output_len: jax.Array,
         draft_probs: jax.Array | None = None,
+        parents: jax.Array | None = None,
         *,
         num_tokens: int,
         num_seqs: int,
     ) -> tuple[Any, jax.Array, Any, jax.Array]:
         kv, tokens, out, accepted, _ = self.verify(
             params, kv, tokens, mem, batch, num_drafts, slot_sampling, prompt_len, output_len,
-            draft_probs, num_tokens=num_tokens, num_seqs=num_seqs,
+            draft_probs, parents, num_tokens=num_tokens, num_seqs=num_seqs,
         )  # fmt: skip
         return kv, tokens, out, accepted
 
@@ -122,6 +129,7 @@ class SpecVerifier:
         prompt_len: jax.Array,
         output_len: jax.Array,
         draft_probs: jax.Array | None = None,
+        parents: jax.Array | None = None,
         *,
         num_tokens: int,
         num_seqs: int,
@@ -129,7 +137,10 @@ class SpecVerifier:
         """``_step``'s body; also returns {"inp": the ModelInput, "extra": _forward's}.
         draft_probs float32[>= S, K, V] (batch-row order): the q each draft was sampled
         from (``draft_sampling.py``); its sampled rows (temperature > 0, with drafts) are
-        verified by rejection sampling (``_rejection``), the others by sample-and-compare."""
+        verified by rejection sampling (``_rejection``), the others by sample-and-compare.
+        parents int32[>= S, K] (batch-row order, -1 = the row's last token): the drafts
+        form trees (``tree.py``: tree mask, depth positions, the walk, KV compaction);
+        None: chains, and the program is the chain one."""
         key = (num_tokens, num_seqs)
         self.trace_count[key] = self.trace_count.get(key, 0) + 1  # at trace time only
         inp = build_model_input(
@@ -154,14 +165,24 @@ class SpecVerifier:
         first = jnp.maximum(last - nd, 0)  # the row's last real token
         idx = jnp.where(fvalid, jnp.minimum(first[frow] + j, last[frow]), 0)
         inp = inp._replace(logits_indices=idx)
+        level = j  # each sampled position's depth past the row's last token
+        chain_inp = inp  # slot positions, no tree mask (the EAGLE catch-up's input)
+        if parents is not None:
+            parents = parents[:num_seqs]
+            inp, depth = tree.tree_inputs(inp, parents, nd, num_seqs)
+            level = jnp.where(j == 0, 0, depth[frow, jnp.clip(j - 1, 0, self.k - 1)])
         kv, logits, extra = self._forward(params, kv, inp)
 
         slot = safe[frow]  # [size] the slot of each sampled position
         t = take_rows(slot_sampling, slot)
-        t = t._replace(output_position=output_len[slot] + j)
+        t = t._replace(output_position=output_len[slot] + level)
         total = prompt_len[safe] + output_len[safe]  # [S] index of the first draft
-        history = token_history(tokens, slot, prompt_len[slot], total[frow] + j)
+        # A tree node's history is exact on chains only (penalised rows get chains).
+        history = token_history(tokens, slot, prompt_len[slot], total[frow] + level)
         out = sample(logits, t, history, max_logprobs=self.max_logprobs)
+        if parents is not None:
+            return self._tree_accept(kv, tokens, mem, batch, out, parents, nd, safe, total, offset,
+                                     frow, j, fvalid, chain_inp, extra, num_seqs)  # fmt: skip
 
         # The draft at position j of a row sits in the token buffer at total + j.
         draft = tokens[slot, jnp.minimum(total[frow] + j, tokens.shape[1] - 1)]
@@ -182,6 +203,27 @@ class SpecVerifier:
         n = tokens.shape[0]
         tokens = tokens.at[jnp.where(emit, seq_ids, n), total + accepted].set(nxt, mode="drop")
         return kv, tokens, out, accepted, {"inp": inp, "extra": extra}
+
+    def _tree_accept(self, kv: Any, tokens: jax.Array, mem: Any, batch: ScheduledBatch,
+                     out: Any, parents: jax.Array, nd: jax.Array, safe: jax.Array,
+                     total: jax.Array, offset: jax.Array, frow: jax.Array, j: jax.Array,
+                     fvalid: jax.Array, inp: Any, extra: Any,
+                     num_seqs: int) -> tuple[Any, jax.Array, Any, jax.Array, dict]:  # fmt: skip
+        """A tree's acceptance (``tree.py``): the walk, the output repacked into the chain
+        layout, the accepted path's tokens and the bonus written, its KV compacted. aux:
+        {"inp": the step's input with slot positions, "extra", "path": int32[S, K]}."""
+        k = self.k
+        pos = jnp.minimum(total[:, None] + jnp.arange(k)[None, :], tokens.shape[1] - 1)
+        node_tokens = tokens[safe[:, None], pos]  # [S, K] the drafts as written
+        accepted, path = tree.walk(out.token_ids, offset, node_tokens, parents, nd)
+        out = tree.repack(out, path, accepted, offset, frow, j, fvalid)
+        seq_ids = batch.seq_ids[:num_seqs]
+        emit = batch.emits[:num_seqs] & (seq_ids >= 0)
+        tokens = tree.write_path(tokens, out.token_ids, seq_ids, emit, total, offset,
+                                 accepted + 1, k + 1)  # path and bonus  # fmt: skip
+        kv = tree.compact(kv, mem.tables.tables, jnp.where(emit, seq_ids, -1), total - 1,
+                          path, accepted, self.block_size)  # fmt: skip
+        return kv, tokens, out, accepted, {"inp": inp, "extra": extra, "path": path}
 
     def _rejection(self, logits: jax.Array, t: SamplingTensors, history: Any, out: Any,
                    accepted: jax.Array, draft_probs: jax.Array, tokens: jax.Array,
