@@ -14,8 +14,9 @@ token and need the host between steps (``needs_host``):
 - structured outputs: the sequence's Guide (pagedjax/structured) fills its grammar mask
   after each accepted token (``SequenceState.record``).
 
-With ``StructuredOutputsConfig.device_fsm``, a regex, choice or (xgrammar's, non-recursive)
-JSON-schema constraint becomes a token DFA on the device instead (structured/token_fsm.py): the slot's sampling row carries its
+With ``StructuredOutputsConfig.device_fsm``, a regex, choice or (xgrammar's, non-
+recursive) JSON-schema constraint becomes a token DFA on the device instead
+(structured/token_fsm.py, structured/json_regex.py): the slot's sampling row carries its
 state (``fsm_state``), every such constraint's table is one shared table
 (``token_fsm.combine``), and the step masks and advances the state itself. Such a slot
 does not need the host between steps (the fused K-step loop runs it) but gets no

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
 from pagedjax.structured.token_fsm import FsmUnavailable, ascii_classes
 
@@ -100,7 +99,9 @@ class _Parser:
         return self.s[self.i : self.i + k]
 
     def _fail(self, what: str) -> FsmUnavailable:
-        return FsmUnavailable(f"unsupported grammar construct ({what}) at {self.s[self.i:][:40]!r}")
+        return FsmUnavailable(
+            f"unsupported grammar construct ({what}) at {self.s[self.i :][:40]!r}"
+        )
 
     def rule(self) -> Node:
         node = self.alt()
