@@ -269,7 +269,19 @@ def test_device_fsm_rows_run_in_the_k_step_loop(temperature: float) -> None:
     """K = 4: constrained rows no longer leave the fused loop (no "structured_output"
     skip; pipelined loops too), and the outputs equal the host-mask path's (which runs
     them one step at a time)."""
-    reqs = _fsm_requests(temperature)
+    _k_step_case(_fsm_requests(temperature, json_rows=False))
+
+
+# JSON rows in the loop: the same table and state arrays as regex rows (covered above and,
+# for JSON outputs, by test_device_fsm_outputs_equal_host_masks); their larger tables
+# add (R, C) buckets, so two more compilations of the step and the loop: ~40 s cold at
+# load 13-17, over the second tier's budget.
+@pytest.mark.slow
+def test_device_fsm_json_rows_run_in_the_k_step_loop() -> None:
+    _k_step_case(_fsm_requests(0.0))
+
+
+def _k_step_case(reqs: list) -> None:
     host = _engine(steps=4).multi_step.stats
     host_skips = host.skipped.get("structured_output", 0)
     base = drain(_engine(steps=4), reqs)
@@ -277,12 +289,14 @@ def test_device_fsm_rows_run_in_the_k_step_loop(temperature: float) -> None:
     engine = _engine(steps=4, fsm=True)
     stats = engine.multi_step.stats
     skipped, iterations = stats.skipped.get("structured_output", 0), stats.iterations
-    pipelined = stats.pipelined
+    pipelined, fsm_rows = stats.pipelined, engine.stats()["structured_device_fsm"]
     _same(base, drain(engine, reqs))
     assert stats.skipped.get("structured_output", 0) == skipped
     assert stats.iterations - iterations >= 8  # the ~13 decode steps of the longest row
     # Loops dispatched before the host replayed the previous one start from its states.
     assert stats.pipelined > pipelined
+    n_fsm = sum(1 for _, _, p in reqs if p.structured_outputs is not None)
+    assert engine.stats()["structured_device_fsm"] - fsm_rows == n_fsm  # all on the device
 
 
 @pytest.mark.tier2  # a speculative engine: ~10 s of compiling
