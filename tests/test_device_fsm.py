@@ -325,17 +325,23 @@ def test_token_fsm_on_smollm2_vocabulary(smollm2_gguf) -> None:
     vocab = vocab_bytes(tok, v)
     rng = random.Random(1)
     for so in (SO(regex="[a-z ]{40}"), SO(regex=r"\d{3}-\d{4}"),
-               SO(choice=["yes", "no", "Paris, France"])):  # fmt: skip
-        rx = ascii_classes(so.regex) if so.regex is not None else choice_regex(so.choice)
+               SO(choice=["yes", "no", "Paris, France"]), SO(json=NESTED), SO(json=NUMBERS),
+               SO(json=NESTED, disable_any_whitespace=True)):  # fmt: skip
+        if so.json is not None:
+            rx = json_schema_regex(so.json, not so.disable_any_whitespace)
+        else:
+            rx = ascii_classes(so.regex) if so.regex is not None else choice_regex(so.choice)
         fsm, compiled = build_token_fsm(rx, vocab, eos, 1 << 20), mgr.compile(so)
         for _ in range(3):
             guide, state = mgr.guide(compiled), fsm.initial
-            while True:
+            for _ in range(100):  # JSON numbers and whitespace may go on: a cap
                 mask = np.zeros(v // 32, np.int32)
                 guide.fill_mask(mask)
                 want = np.unpackbits(mask.view(np.uint8), bitorder="little").astype(bool)
                 assert np.array_equal(fsm.allowed(state), want), so
-                t = rng.choice(np.flatnonzero(want).tolist())
+                # Not a token holding byte 0xED: the known surrogate difference (above).
+                t = rng.choice([t for t in np.flatnonzero(want).tolist()
+                                if b"\xed" not in (vocab[t] or b"")])  # fmt: skip
                 if t in eos:
                     break
                 assert guide.accept(t)
