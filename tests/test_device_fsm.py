@@ -241,6 +241,11 @@ def test_device_fsm_outputs_equal_host_masks(temperature: float) -> None:
     after = engine.stats()
     assert after["structured_device_fsm"] - before["structured_device_fsm"] == 8
     assert after["structured_host_masks"] - before["structured_host_masks"] == 1  # json_object
+    assert {k for k, o in got.items() if o.structured_output_path == "device_fsm"} == {
+        "regex", "choice", "json", "eos", "long", "dead", "nested", "numbers"}
+    assert got["object"].structured_output_path.startswith("host_masks: the schema is recursive")
+    assert got["plain"].structured_output_path is None
+    assert base["regex"].structured_output_path == "host_masks"  # device_fsm off
     _check_json(got, {"json": SCHEMA, "nested": NESTED, "numbers": NUMBERS})
 
 

@@ -164,12 +164,14 @@ class LogitControls:
         req.structured_backend = compiled.backend
         stats = self.structured.stats
         if isinstance(fsm, TokenFsm):
+            req.structured_path = "device_fsm"
             stats.device_fsm += len(req.seqs)
             log.debug("request %s: device FSM (%d states x %d token classes, %d bytes)",
                       req.request_id, *fsm.table.shape, fsm.nbytes)  # fmt: skip
             for seq in req.seqs:
                 seq.fsm, seq.fsm_state = fsm, fsm.initial
             return
+        req.structured_path = "host_masks" if fsm is None else f"host_masks: {fsm}"
         if fsm is not None:
             stats.host_masks += len(req.seqs)
             stats.fsm_fallbacks[fsm] = stats.fsm_fallbacks.get(fsm, 0) + 1
