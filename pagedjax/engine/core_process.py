@@ -170,8 +170,7 @@ class _Comp:
 class _Request:
     """What the client has of one request (the decoder's state)."""
 
-    __slots__ = ("prompt", "prompt_ids", "plp", "metrics", "comps", "params", "backend",
-                 "path")
+    __slots__ = ("prompt", "prompt_ids", "plp", "metrics", "comps", "params", "backend", "path")
 
     def __init__(self, params: SamplingParams | None = None) -> None:
         self.prompt: str | None = None
@@ -250,8 +249,7 @@ class OutputDecoder:
                 prompt_logprobs=list(r.plp) if r.plp else None, outputs=completions,
                 finished=finished,
                 metrics=RequestMetrics(*r.metrics) if r.metrics is not None else None,
-                structured_output_backend=r.backend,
-                structured_output_path=r.path,
+                structured_output_backend=r.backend, structured_output_path=r.path,
             ))  # fmt: skip
             if finished:
                 del self.requests[rid]
