@@ -28,8 +28,12 @@ Refused (``FsmUnavailable``: the request keeps host masks, with the reason):
   ASCII literals other than ``"`` and ``\\``, escaped punctuation, ``\\d`` / ``\\w``,
   classes that are not negated, groups, ``|`` and quantifiers; ``.``, negated classes,
   ``\\s`` and the like would need xgrammar's JSON-string escaping rules;
-- grammar constructs not listed in ``_parse`` (a newer xgrammar's), and a regex over
+- grammar constructs ``_Parser`` does not read (a newer xgrammar's), and a regex over
   ``MAX_REGEX_CHARS`` (inlining shared ``$defs`` repeats them).
+
+One difference is left (tests/test_device_fsm.py pins it): xgrammar's string characters
+admit UTF-16 surrogates as raw bytes (``ED A0..BF ..``, not valid UTF-8); outlines-core's
+DFA, built with Rust's UTF-8 classes, does not (and refuses patterns that could say so).
 
 Size is the FSM's: a bounded string of n characters is ~n DFA states, an integer range a
 few per digit, so a schema's table is states x token classes (token_fsm.py caps it).
