@@ -1,7 +1,8 @@
 """The device-side token FSM (structured_outputs_config device_fsm, issue 33 item 2):
-the token DFA against xgrammar's host masks, the cap's fallback, and engine outputs equal
-to the host-mask path's (one-step and in the fused K-step loop, beside unconstrained and
-host-masked rows), on the tiny model and byte tokenizer of test_structured_outputs.py."""
+the token DFA (regex, choice, JSON schema) against xgrammar's host masks, the caps'
+fallbacks, and engine outputs equal to the host-mask path's (one-step and in the fused
+K-step loop, beside unconstrained and host-masked rows), on the tiny model and byte
+tokenizer of test_structured_outputs.py."""
 
 from __future__ import annotations
 
