@@ -20,11 +20,15 @@ last line is ``constrained_step_ratio: R`` at the largest B.
         [--max-tokens 96] [--rounds 1] [--disable-any-whitespace]
 
     python benchmarks/structured_outputs.py --device-fsm [--steps 1 8] [--batch-sizes 64]
+        [--constraints regex json] [--mask-time]
 
 Host masks vs the device FSM (``structured_outputs_config["device_fsm"]``) instead: per
 num_scheduler_steps K, two engines (host masks, device FSM), the step-time pair above at
-the largest B (regex ``[a-z ]{400}``), and how many of the constrained run's iterations
-ran inside fused K-step loops. A Markdown row per engine.
+the largest B for each of ``--constraints`` (``STEP_CONSTRAINTS``: the regex
+``[a-z ]{400}``, a JSON schema of >= 40 points), and how many of the constrained run's
+iterations ran inside fused K-step loops. A Markdown row per engine, constraint and B.
+``--mask-time``: then the host's mask time per token and row for each of --backends and
+the device FSM's state mirror, at 1 row and the largest B (``mask_times``).
 
 Jump-forward decoding on and off instead (``structured_outputs_config["jump_forward"]``):
 two engines (max_num_seqs 1), the 30 JSON schemas of ``CASES`` (all have fixed keys),
@@ -192,14 +196,26 @@ def validity(llm: LLM, max_tokens: int) -> float:
     return sum(ok) / len(ok)
 
 
-def step_time(llm: LLM, batch: int, max_tokens: int, constrained: bool) -> float:
-    """Seconds per engine step over ``batch`` requests, one run."""
+# The step-time tables' constraints: every row runs exactly max_tokens steps either way (a
+# constrained row finishing early would leave fewer rows per step), so each is longer
+# than any output (EOS ignored): a regex, or a JSON schema of at least 40 {"x", "y"}
+# points (keys, integers, punctuation and, by default, any whitespace; >= 120 tokens).
+STEP_CONSTRAINTS = {
+    "regex": {"regex": "[a-z ]{400}"},
+    "json": {"json": _obj({"points": {"type": "array", "minItems": 40, "items": _obj(
+        {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+         "y": {"type": "integer", "minimum": 0, "maximum": 9}})}})},
+}  # fmt: skip
+
+
+def step_time(llm: LLM, batch: int, max_tokens: int, constrained: bool,
+              kind: str = "regex") -> float:  # fmt: skip
+    """Seconds per engine step over ``batch`` requests, one run (``STEP_CONSTRAINTS[kind]``
+    when constrained)."""
     from pagedjax.sampling import SamplingParams, StructuredOutputsParams
 
     engine = llm.llm_engine
-    # Every row runs exactly max_tokens steps either way (a constrained row finishing
-    # early would leave fewer rows per step): a regex longer than any output, EOS ignored.
-    so = StructuredOutputsParams(regex="[a-z ]{400}") if constrained else None
+    so = StructuredOutputsParams(**STEP_CONSTRAINTS[kind]) if constrained else None
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                             structured_outputs=so)  # fmt: skip
     tag = f"{constrained}-{time.perf_counter_ns()}"
@@ -212,13 +228,14 @@ def step_time(llm: LLM, batch: int, max_tokens: int, constrained: bool) -> float
     return (time.perf_counter() - t0) / max(engine.core.num_steps - steps, 1)
 
 
-def step_times(llm: LLM, batch: int, max_tokens: int, rounds: int) -> tuple[float, float]:
+def step_times(llm: LLM, batch: int, max_tokens: int, rounds: int,
+               kind: str = "regex") -> tuple[float, float]:  # fmt: skip
     """(unconstrained, constrained) seconds per step: a first pair compiles, then
     ``rounds`` interleaved pairs; the fastest of each (the box is shared: load drifts)."""
     step_time(llm, batch, max_tokens, False)
-    step_time(llm, batch, max_tokens, True)
-    pairs = [(step_time(llm, batch, max_tokens, False), step_time(llm, batch, max_tokens, True))
-             for _ in range(rounds)]  # fmt: skip
+    step_time(llm, batch, max_tokens, True, kind)
+    pairs = [(step_time(llm, batch, max_tokens, False),
+              step_time(llm, batch, max_tokens, True, kind)) for _ in range(rounds)]  # fmt: skip
     return min(p[0] for p in pairs), min(p[1] for p in pairs)
 
 
@@ -294,29 +311,86 @@ def device_fsm_compare(model: str, args: argparse.Namespace) -> None:
     iteration with host masks, then with the device FSM (one engine each)."""
     from pagedjax import LLM
 
-    b = max(args.batch_sizes)
-    print("| K | masks | B | unconstrained ms/step | constrained ms/step | ratio | loop"
-          " iterations / steps (constrained runs) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print("| K | constraint | masks | B | unconstrained ms/step | constrained ms/step | ratio"
+          " | loop iterations / steps (constrained runs) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    tokenizer = None
     for k in args.steps:
         for fsm in (False, True):
             cfg = {"backend": args.backends[0], "device_fsm": fsm}
-            llm = LLM(model, max_model_len=256, max_num_seqs=b, num_scheduler_steps=k,
-                      structured_outputs_config=cfg)  # fmt: skip
-            plain, cons = step_times(llm, b, args.max_tokens, args.rounds)
+            llm = LLM(model, max_model_len=256, max_num_seqs=max(args.batch_sizes),
+                      num_scheduler_steps=k, structured_outputs_config=cfg)  # fmt: skip
             e = llm.llm_engine
-            e.multi_step.reset_stats()
-            n0 = e.core.num_steps
-            step_time(llm, b, args.max_tokens, True)
-            it, n = e.multi_step.stats.iterations, e.core.num_steps - n0
-            print(f"| {k} | {'device FSM' if fsm else 'host'} | {b} | {plain * 1e3:.1f} |"
-                  f" {cons * 1e3:.1f} | {cons / plain:.3f} | {it} / {n} |", flush=True)
+            tokenizer, vocab_size = e.tokenizer, e.arch.vocab_size
+            for kind in args.constraints:
+                for b in args.batch_sizes:
+                    plain, cons = step_times(llm, b, args.max_tokens, args.rounds, kind)
+                    e.multi_step.reset_stats()
+                    n0 = e.core.num_steps
+                    step_time(llm, b, args.max_tokens, True, kind)
+                    it, n = e.multi_step.stats.iterations, e.core.num_steps - n0
+                    print(f"| {k} | {kind} | {'device FSM' if fsm else 'host'} | {b} |"
+                          f" {plain * 1e3:.1f} | {cons * 1e3:.1f} | {cons / plain:.3f} |"
+                          f" {it} / {n} |", flush=True)  # fmt: skip
             s = e.stats()
             print(f"<!-- device_fsm {s['structured_device_fsm']}, host_masks"
                   f" {s['structured_host_masks']}, build {s['structured_fsm_build_s']:.1f} s,"
                   f" load {os.getloadavg()} -->", flush=True)  # fmt: skip
             del llm, e
+    if args.mask_time:
+        mask_times(tokenizer, vocab_size, args.backends, sorted({1, max(args.batch_sizes)}))
     print(f"load after: {os.getloadavg()}")
+
+
+def mask_times(tokenizer: object, vocab_size: int, backends: list[str],
+               rows_list: list[int]) -> None:  # fmt: skip
+    """Host cost per token and row of each mask path, outside the engine: R matchers walk
+    the same valid prefix of ``STEP_CONSTRAINTS["json"]`` (10 points, vLLM's default
+    whitespace), each step filling the row's packed mask and accepting the token; the
+    device FSM's host work is its state mirror (one table lookup per token). The fastest
+    of 3 walks. What a host-masked step pays serially for its rows before the upload."""
+    import numpy as np
+
+    from pagedjax.config import StructuredOutputsConfig
+    from pagedjax.sampling import StructuredOutputsParams
+    from pagedjax.structured import StructuredOutputManager
+
+    so = StructuredOutputsParams(**STEP_CONSTRAINTS["json"])
+    text = '{"points": [' + ", ".join(f'{{"x": {i % 10}, "y": {(3 * i) % 10}}}'
+                                      for i in range(10))  # fmt: skip
+    toks = list(tokenizer.encode(text, add_special_tokens=False))
+    eos = [tokenizer.eos_token_id]
+    words = (vocab_size + 31) // 32
+    print(f"\nmask time per token and row, {len(toks)} tokens of the JSON step constraint:")
+    print("| path | rows | us per token per row |")
+    print("|---|---|---|")
+    for backend in [*backends, "device FSM"]:
+        name = "xgrammar" if backend == "device FSM" else backend
+        cfg = StructuredOutputsConfig(backend=name, device_fsm=backend == "device FSM")
+        mgr = StructuredOutputManager(cfg, tokenizer, vocab_size, eos)
+        compiled = mgr.compile(so)
+        fsm = mgr.device_fsm(so, name) if backend == "device FSM" else None
+        for rows in rows_list:
+            best = float("inf")
+            for _ in range(3):
+                masks = np.zeros((rows, words), np.int32)
+                if fsm is not None:
+                    states = [fsm.initial] * rows
+                    t0 = time.perf_counter()
+                    for t in toks:
+                        for r in range(rows):
+                            states[r] = fsm.next_state(states[r], t)
+                else:
+                    guides = [mgr.guide(compiled) for _ in range(rows)]
+                    t0 = time.perf_counter()
+                    for t in toks:
+                        for r, g in enumerate(guides):
+                            g.fill_mask(masks[r])
+                            if not g.accept(t):
+                                raise RuntimeError(f"{backend} refused token {t} of {text!r}")
+                best = min(best, time.perf_counter() - t0)
+            print(f"| {backend} | {rows} | {best / (rows * len(toks)) * 1e6:.1f} |", flush=True)
+        mgr.close()
 
 
 def main() -> None:
@@ -335,6 +409,11 @@ def main() -> None:
                     help="host masks vs the device FSM instead, per --steps")  # fmt: skip
     ap.add_argument("--steps", nargs="+", type=int, default=[1, 8],
                     help="--device-fsm: num_scheduler_steps values")  # fmt: skip
+    ap.add_argument("--mask-time", action="store_true",
+                    help="--device-fsm: also the host mask time per token per backend")
+    ap.add_argument("--constraints", nargs="+", choices=["regex", "json"],
+                    default=["regex", "json"],
+                    help="--device-fsm: the constrained rows' STEP_CONSTRAINTS")  # fmt: skip
     args = ap.parse_args()
     from pagedjax import LLM
 

@@ -450,12 +450,14 @@ class StructuredOutputsConfig:
     step each. Off by default: the forced text is split into tokens by the grammar
     backend, not sampled, so greedy outputs need not equal vLLM's token for token
     (engine/jump_forward.py; docs/structured_outputs.md).
-    device_fsm (pagedjax's own): regex and choice constraints run as a token DFA on the
-    device (structured/token_fsm.py) instead of host bitmasks, so their rows need no host
-    round trip per step and run inside the fused K-step decode loop. Off by default:
-    it needs outlines-core, and a new table size compiles the step once per bucket.
-    Grammars, JSON schemas, ``min_tokens``, ``bad_words`` and
-    jump-forward keep the host path (the engine says which path each request took).
+    device_fsm (pagedjax's own): regex and choice constraints, and JSON schemas that
+    xgrammar compiles to a non-recursive grammar (structured/json_regex.py), run as a
+    token DFA on the device (structured/token_fsm.py) instead of host bitmasks, so their
+    rows need no host round trip per step and run inside the fused K-step decode loop.
+    Off by default: it needs outlines-core, and a new table size compiles the step once
+    per bucket. Grammars, recursive schemas (json_object), guidance's JSON, ``min_tokens``,
+    ``bad_words`` and jump-forward keep the host path (the engine counts and logs which
+    path each request took, and why).
     device_fsm_max_bytes: a constraint whose compressed table is larger takes the host
     path (reported; 4 MiB by default).
     """

@@ -1,10 +1,12 @@
 """The device-side token FSM (structured_outputs_config device_fsm, issue 33 item 2):
-the token DFA against xgrammar's host masks, the cap's fallback, and engine outputs equal
-to the host-mask path's (one-step and in the fused K-step loop, beside unconstrained and
-host-masked rows), on the tiny model and byte tokenizer of test_structured_outputs.py."""
+the token DFA (regex, choice, JSON schema) against xgrammar's host masks, the caps'
+fallbacks, and engine outputs equal to the host-mask path's (one-step and in the fused
+K-step loop, beside unconstrained and host-masked rows), on the tiny model and byte
+tokenizer of test_structured_outputs.py."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -18,7 +20,9 @@ from pagedjax.config import StructuredOutputsConfig  # noqa: E402
 from pagedjax.engine.logit_controls import LogitControls  # noqa: E402
 from pagedjax.sampling import SamplingParams  # noqa: E402
 from pagedjax.sampling import StructuredOutputsParams as SO  # noqa: E402
+from pagedjax.structured.json_regex import json_schema_regex  # noqa: E402
 from pagedjax.structured.token_fsm import (  # noqa: E402
+    FsmUnavailable,
     TokenFsm,
     ascii_classes,
     build_token_fsm,
@@ -31,6 +35,7 @@ from tests.test_structured_outputs import (  # noqa: E402
     CHOICES,
     EOS,
     REGEX,
+    SCHEMA,
     TOK,
     _allowed,
     _engine,
@@ -41,6 +46,26 @@ from tests.test_structured_outputs import (  # noqa: E402
 
 CASES = [SO(regex=REGEX), SO(choice=list(CHOICES)), SO(regex="[ab]{3}"),
          SO(regex=r"(cat|dog|bird)!"), SO(regex=r"[a-z ]{12}\.")]  # fmt: skip
+# JSON schemas the device FSM takes (json_regex.py): nested objects, optional
+# properties, bounded arrays, enums, integer ranges, numbers, strings, $ref, pattern.
+NESTED = {"type": "object", "required": ["p"],
+          "properties": {"p": {"type": "object", "properties": {
+                                   "x": {"type": "integer", "minimum": -9, "maximum": 9}},
+                               "required": ["x"]},
+                         "t": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+                         "n": {"type": "string", "maxLength": 3}}}  # fmt: skip
+NUMBERS = {"type": "object", "properties": {"v": {"type": "number"}, "ok": {"type": "boolean"},
+                                            "z": {"type": "null"}},
+           "required": ["v", "ok"]}  # fmt: skip
+JSON_CASES = [
+    SCHEMA, NESTED, NUMBERS,
+    {"type": "string"},
+    {"$defs": {"d": {"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]}},
+     "type": "object", "properties": {"a": {"$ref": "#/$defs/d"}, "b": {"$ref": "#/$defs/d"}}},
+    {"type": "object", "properties": {"c": {"type": "string", "pattern": "^[A-Z]{2}-\\d$"}},
+     "required": ["c"]},
+    {"anyOf": [{"type": "integer"}, {"type": "array", "items": {"type": "boolean"}}]},
+]  # fmt: skip
 
 
 def _fsm(so: SO, max_bytes: int = 1 << 20) -> TokenFsm:
@@ -69,6 +94,76 @@ def test_token_fsm_allows_what_xgrammar_allows(so: SO) -> None:
         assert steps > 0
 
 
+@pytest.mark.parametrize("any_ws", [True, False], ids=["any_whitespace", "compact"])
+def test_json_fsm_allows_what_xgrammar_allows(any_ws: bool) -> None:
+    """Random walks (structural bytes preferred, so walks close their strings and
+    objects): at every step the JSON schema's DFA allows exactly xgrammar's mask, with
+    vLLM's default whitespace and with disable_any_whitespace. Byte 0xED is never chosen:
+    the one known difference (next test)."""
+    mgr = _manager("xgrammar")
+    rng = random.Random(0)
+    for schema in JSON_CASES:
+        fsm = build_token_fsm(json_schema_regex(schema, any_ws),
+                              vocab_bytes(TOK, ARCH.vocab_size), [EOS], 1 << 20)  # fmt: skip
+        compiled = mgr.compile(SO(json=schema, disable_any_whitespace=not any_ws))
+        ended = 0
+        for _ in range(6):
+            guide, state = mgr.guide(compiled), fsm.initial
+            for step in range(80):
+                want = _allowed(guide)
+                assert set(np.flatnonzero(fsm.allowed(state)).tolist()) == want, (schema, step)
+                want.discard(0xED)
+                pri = sorted(t for t in want if t < 128 and chr(t) in '"}],:0123456789tfn-')
+                tok = rng.choice(pri if pri and rng.random() < 0.6 else sorted(want))
+                if tok == EOS:
+                    assert fsm.final[state]
+                    ended += 1
+                    break
+                assert guide.accept(tok)
+                state = fsm.next_state(state, tok)
+        assert ended > 0, schema
+
+
+def test_json_fsm_known_difference_surrogates() -> None:
+    """xgrammar's string characters admit UTF-16 surrogates as raw bytes (ED A0..BF ..,
+    not valid UTF-8); outlines-core's regex DFA does not. Everything else is equal."""
+    fsm = build_token_fsm(json_schema_regex({"type": "string"}, True),
+                          vocab_bytes(TOK, ARCH.vocab_size), [EOS], 1 << 20)  # fmt: skip
+    mgr = _manager("xgrammar")
+    guide = mgr.guide(mgr.compile(SO(json={"type": "string"})))
+    state = fsm.initial
+    for t in (ord('"'), 0xED):
+        assert guide.accept(t)
+        state = fsm.next_state(state, t)
+    got, want = set(np.flatnonzero(fsm.allowed(state)).tolist()), _allowed(guide)
+    assert got == set(range(0x80, 0xA0)) and want == set(range(0x80, 0xC0))
+
+
+def test_json_schemas_the_fsm_refuses_by_name(monkeypatch) -> None:
+    """Not regular, outside the pattern subset, another backend's language, over the
+    caps: the reason names it, and the request takes host masks."""
+    with pytest.raises(FsmUnavailable, match="recursive"):
+        json_schema_regex({"type": "object"}, True)  # any JSON value: basic_any <-> object
+    with pytest.raises(FsmUnavailable, match="pattern"):
+        json_schema_regex({"type": "string", "pattern": "^a.b$"}, True)
+
+    def controls(backend: str = "xgrammar", **kw) -> LogitControls:
+        return LogitControls(ARCH.vocab_size, TOK,
+                             StructuredOutputsConfig(backend=backend, device_fsm=True, **kw),
+                             {EOS})  # fmt: skip
+
+    def reason(c: LogitControls, so: SO) -> object:
+        return c.prepare(SamplingParams(structured_outputs=so))[2]
+
+    assert isinstance(reason(controls(), SO(json=NESTED)), TokenFsm)
+    assert "recursive" in reason(controls(), SO(json_object=True))
+    assert "xgrammar's JSON language" in reason(controls("guidance"), SO(json=NESTED))
+    assert "device_fsm_max_bytes=4096" in reason(controls(device_fsm_max_bytes=4096),
+                                                 SO(json=NESTED))  # fmt: skip
+    monkeypatch.setattr("pagedjax.structured.token_fsm.DENSE_LIMIT", 100 * ARCH.vocab_size * 4)
+    assert "DENSE_LIMIT" in reason(controls(), SO(json={"type": "string", "maxLength": 200}))
+
+
 def test_tables_are_compressed_and_combined() -> None:
     fsms = [_fsm(so) for so in CASES]
     long = fsms[-1]  # [a-z ]{12}\.: 14 states; classes: letters/space, '.', EOS, the rest
@@ -95,15 +190,15 @@ def test_host_path_when_over_the_cap_or_not_regular() -> None:
     assert compiled is not None and isinstance(fsm, str) and "device_fsm_max_bytes" in fsm
     c = controls()
     assert isinstance(c.prepare(SamplingParams(structured_outputs=SO(regex=REGEX)))[2], TokenFsm)
-    json_p = SamplingParams(structured_outputs=SO(json={"type": "object"}))
-    assert "host path" in c.prepare(json_p)[2]
+    grammar_p = SamplingParams(structured_outputs=SO(grammar='root ::= "a" | "b"'))
+    assert "host path" in c.prepare(grammar_p)[2]
     min_p = SamplingParams(min_tokens=2, structured_outputs=SO(regex=REGEX))
     assert "min_tokens" in c.prepare(min_p)[2]
     off = LogitControls(ARCH.vocab_size, TOK, StructuredOutputsConfig(backend="xgrammar"), {EOS})
     assert off.prepare(SamplingParams(structured_outputs=SO(regex=REGEX)))[2] is None
 
 
-def _fsm_requests(temperature: float) -> list:
+def _fsm_requests(temperature: float, json_rows: bool = True) -> list:
     def p(so: SO, **kw) -> SamplingParams:
         return SamplingParams(temperature=temperature, seed=7, max_tokens=40,
                               structured_outputs=so, **kw)  # fmt: skip
@@ -115,6 +210,9 @@ def _fsm_requests(temperature: float) -> list:
             # ignore_eos: after the grammar's EOS nothing is allowed; both paths finish
             # the row there (DEAD_END_REASON) instead of sampling garbage.
             ("dead", "x", p(SO(regex="ab"), ignore_eos=True, logit_bias={EOS: 100.0})),
+            *([("nested", "{", p(SO(json=NESTED))),  # vLLM's default: any whitespace
+               ("numbers", "n", p(SO(json=NUMBERS, disable_any_whitespace=True)))]
+              if json_rows else []),
             ("plain", "hello", SamplingParams(temperature=0.0, max_tokens=10,
                                               ignore_eos=True))]  # fmt: skip
 
@@ -130,9 +228,10 @@ def _same(a: dict, b: dict) -> None:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_device_fsm_outputs_equal_host_masks(temperature: float) -> None:
-    """One-step programs: the structured tests' requests (JSON rows keep host masks,
-    regex / choice rows take the FSM, an unconstrained row beside them) give the same
-    tokens and logprobs as with host masks only."""
+    """One-step programs: the structured tests' requests (regex, choice and JSON-schema
+    rows take the FSM, json_object keeps host masks, an unconstrained row beside them)
+    give the same tokens and logprobs as with host masks only; the JSON outputs that
+    finish are valid against their schemas (jsonschema)."""
     reqs = [*_requests(temperature), *_fsm_requests(temperature)[3:]]
     base = drain(_engine(), reqs)
     engine = _engine(fsm=True)
@@ -141,8 +240,23 @@ def test_device_fsm_outputs_equal_host_masks(temperature: float) -> None:
     _same(base, got)
     assert got["dead"].outputs[0].token_ids == [ord("a"), ord("b"), EOS]
     after = engine.stats()
-    assert after["structured_device_fsm"] - before["structured_device_fsm"] == 5
-    assert after["structured_host_masks"] - before["structured_host_masks"] == 2  # the JSONs
+    assert after["structured_device_fsm"] - before["structured_device_fsm"] == 8
+    assert after["structured_host_masks"] - before["structured_host_masks"] == 1  # json_object
+    assert {k for k, o in got.items() if o.structured_output_path == "device_fsm"} == {
+        "regex", "choice", "json", "eos", "long", "dead", "nested", "numbers"}
+    assert got["object"].structured_output_path.startswith("host_masks: the schema is recursive")
+    assert got["plain"].structured_output_path is None
+    assert base["regex"].structured_output_path == "host_masks"  # device_fsm off
+    _check_json(got, {"json": SCHEMA, "nested": NESTED, "numbers": NUMBERS})
+
+
+def _check_json(out: dict, schemas: dict) -> None:
+    """Every JSON row that stopped is valid against its schema; at least one stopped."""
+    jsonschema = pytest.importorskip("jsonschema")  # the test extra installs it
+    done = [k for k in schemas if out[k].outputs[0].finish_reason == "stop"]
+    assert done, {k: out[k].outputs[0].text for k in schemas}
+    for k in done:
+        jsonschema.validate(json.loads(out[k].outputs[0].text), schemas[k])
 
 
 def test_n_samples_have_their_own_states() -> None:
@@ -161,7 +275,19 @@ def test_device_fsm_rows_run_in_the_k_step_loop(temperature: float) -> None:
     """K = 4: constrained rows no longer leave the fused loop (no "structured_output"
     skip; pipelined loops too), and the outputs equal the host-mask path's (which runs
     them one step at a time)."""
-    reqs = _fsm_requests(temperature)
+    _k_step_case(_fsm_requests(temperature, json_rows=False))
+
+
+# JSON rows in the loop: the same table and state arrays as regex rows (covered above and,
+# for JSON outputs, by test_device_fsm_outputs_equal_host_masks); their larger tables
+# add (R, C) buckets, so two more compilations of the step and the loop: ~40 s cold at
+# load 13-17, over the second tier's budget.
+@pytest.mark.slow
+def test_device_fsm_json_rows_run_in_the_k_step_loop() -> None:
+    _k_step_case(_fsm_requests(0.0))
+
+
+def _k_step_case(reqs: list) -> None:
     host = _engine(steps=4).multi_step.stats
     host_skips = host.skipped.get("structured_output", 0)
     base = drain(_engine(steps=4), reqs)
@@ -169,19 +295,21 @@ def test_device_fsm_rows_run_in_the_k_step_loop(temperature: float) -> None:
     engine = _engine(steps=4, fsm=True)
     stats = engine.multi_step.stats
     skipped, iterations = stats.skipped.get("structured_output", 0), stats.iterations
-    pipelined = stats.pipelined
+    pipelined, fsm_rows = stats.pipelined, engine.stats()["structured_device_fsm"]
     _same(base, drain(engine, reqs))
     assert stats.skipped.get("structured_output", 0) == skipped
     assert stats.iterations - iterations >= 8  # the ~13 decode steps of the longest row
     # Loops dispatched before the host replayed the previous one start from its states.
     assert stats.pipelined > pipelined
+    n_fsm = sum(1 for _, _, p in reqs if p.structured_outputs is not None)
+    assert engine.stats()["structured_device_fsm"] - fsm_rows == n_fsm  # all on the device
 
 
 @pytest.mark.tier2  # a speculative engine: ~10 s of compiling
 def test_device_fsm_rows_beside_speculating_rows() -> None:
     """n-gram speculation with K = 4: FSM rows get no drafts (the loop's planner skips
     them), the plain row still speculates, outputs equal plain decoding."""
-    reqs = [*_fsm_requests(0.0),
+    reqs = [*_fsm_requests(0.0, json_rows=False),
             ("repeat", "abcabcabcabc", SamplingParams(temperature=0.0, max_tokens=12,
                                                       ignore_eos=True))]  # fmt: skip
     base = drain(_engine(), reqs)
@@ -203,17 +331,23 @@ def test_token_fsm_on_smollm2_vocabulary(smollm2_gguf) -> None:
     vocab = vocab_bytes(tok, v)
     rng = random.Random(1)
     for so in (SO(regex="[a-z ]{40}"), SO(regex=r"\d{3}-\d{4}"),
-               SO(choice=["yes", "no", "Paris, France"])):  # fmt: skip
-        rx = ascii_classes(so.regex) if so.regex is not None else choice_regex(so.choice)
+               SO(choice=["yes", "no", "Paris, France"]), SO(json=NESTED), SO(json=NUMBERS),
+               SO(json=NESTED, disable_any_whitespace=True)):  # fmt: skip
+        if so.json is not None:
+            rx = json_schema_regex(so.json, not so.disable_any_whitespace)
+        else:
+            rx = ascii_classes(so.regex) if so.regex is not None else choice_regex(so.choice)
         fsm, compiled = build_token_fsm(rx, vocab, eos, 1 << 20), mgr.compile(so)
         for _ in range(3):
             guide, state = mgr.guide(compiled), fsm.initial
-            while True:
+            for _ in range(100):  # JSON numbers and whitespace may go on: a cap
                 mask = np.zeros(v // 32, np.int32)
                 guide.fill_mask(mask)
                 want = np.unpackbits(mask.view(np.uint8), bitorder="little").astype(bool)
                 assert np.array_equal(fsm.allowed(state), want), so
-                t = rng.choice(np.flatnonzero(want).tolist())
+                # Not a token holding byte 0xED: the known surrogate difference (above).
+                t = rng.choice([t for t in np.flatnonzero(want).tolist()
+                                if b"\xed" not in (vocab[t] or b"")])  # fmt: skip
                 if t in eos:
                     break
                 assert guide.accept(t)

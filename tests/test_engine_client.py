@@ -134,8 +134,9 @@ def test_encoder_decoder_round_trip_with_stop_truncation():
             CompletionOutput(1, "xyzw", [7, 5, 5], -2.2, [lp, lp, lp], "length")],
             finished=True)],
     ]  # fmt: skip
-    # The structured-output backend travels with the request's head (issue 33).
-    steps = [[dataclasses.replace(o, structured_output_backend="xgrammar") for o in outs]
+    # The structured-output backend and mask path travel with the request's head (issue 33).
+    steps = [[dataclasses.replace(o, structured_output_backend="xgrammar",
+                                  structured_output_path="device_fsm") for o in outs]
              for outs in steps]  # fmt: skip
     enc, dec = OutputEncoder(), OutputDecoder()
     for outs in steps:

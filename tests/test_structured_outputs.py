@@ -460,3 +460,31 @@ def test_jump_forward_composes() -> None:
     got = outs(small, four)
     assert small.num_preemptions > 0
     assert got == outs(_engine(), four)
+
+
+def test_disable_additional_properties_closes_objects_as_vllm() -> None:
+    """vLLM's walk: objects listing properties are closed wherever a schema may be
+    (properties, $defs, items, anyOf), data values (const / enum / default) and a bare
+    {"type": "object"} (json_object) are left alone."""
+    from pagedjax.structured.spec import schema_dict
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object"},  # a property named "properties"
+            "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+            "c": {"const": {"properties": {}}},
+            "d": {"type": "array", "items": {"anyOf": [{"properties": {"e": {}}}]}},
+        },
+        "$defs": {"x": {"properties": {"y": {}}, "additionalProperties": True}},
+    }
+    got = schema_dict(SO(json=schema, disable_additional_properties=True), True)
+    assert got["additionalProperties"] is False
+    props = got["properties"]
+    assert props["properties"] == {"type": "object"} and "additionalProperties" not in props
+    assert props["a"]["additionalProperties"] is False
+    assert props["c"] == {"const": {"properties": {}}}
+    assert props["d"]["items"]["anyOf"][0]["additionalProperties"] is False
+    assert got["$defs"]["x"]["additionalProperties"] is True  # explicit: kept
+    assert schema_dict(SO(json_object=True), True) == {"type": "object"}
+    assert "additionalProperties" not in schema_dict(SO(json=schema), False)

@@ -108,7 +108,8 @@ class OutputEncoder:
                 st = self.sent[o.request_id] = _Sent()
             head = None
             if not st.head:
-                head = (o.prompt, o.prompt_token_ids, o.structured_output_backend)
+                head = (o.prompt, o.prompt_token_ids, o.structured_output_backend,
+                        o.structured_output_path)  # fmt: skip
                 st.head = True
             plp = None
             if o.prompt_logprobs is not None and len(o.prompt_logprobs) != st.plp:
@@ -169,7 +170,7 @@ class _Comp:
 class _Request:
     """What the client has of one request (the decoder's state)."""
 
-    __slots__ = ("prompt", "prompt_ids", "plp", "metrics", "comps", "params", "backend")
+    __slots__ = ("prompt", "prompt_ids", "plp", "metrics", "comps", "params", "backend", "path")
 
     def __init__(self, params: SamplingParams | None = None) -> None:
         self.prompt: str | None = None
@@ -179,6 +180,7 @@ class _Request:
         self.comps: dict[int, _Comp] = {}
         self.params = params
         self.backend: str | None = None  # RequestOutput.structured_output_backend
+        self.path: str | None = None  # RequestOutput.structured_output_path
 
 
 class OutputDecoder:
@@ -210,7 +212,7 @@ class OutputDecoder:
             if r is None:
                 r = self.requests[rid] = _Request()
             if head is not None:
-                r.prompt, r.prompt_ids, r.backend = head
+                r.prompt, r.prompt_ids, r.backend, r.path = head
             if plp is not None:
                 r.plp = [_dec_lp(e) for e in plp]
             if metrics is not None:
@@ -247,7 +249,7 @@ class OutputDecoder:
                 prompt_logprobs=list(r.plp) if r.plp else None, outputs=completions,
                 finished=finished,
                 metrics=RequestMetrics(*r.metrics) if r.metrics is not None else None,
-                structured_output_backend=r.backend,
+                structured_output_backend=r.backend, structured_output_path=r.path,
             ))  # fmt: skip
             if finished:
                 del self.requests[rid]

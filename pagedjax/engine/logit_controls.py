@@ -14,8 +14,9 @@ token and need the host between steps (``needs_host``):
 - structured outputs: the sequence's Guide (pagedjax/structured) fills its grammar mask
   after each accepted token (``SequenceState.record``).
 
-With ``StructuredOutputsConfig.device_fsm``, a regex or choice constraint becomes a token
-DFA on the device instead (structured/token_fsm.py): the slot's sampling row carries its
+With ``StructuredOutputsConfig.device_fsm``, a regex, choice or (xgrammar's, non-
+recursive) JSON-schema constraint becomes a token DFA on the device instead
+(structured/token_fsm.py, structured/json_regex.py): the slot's sampling row carries its
 state (``fsm_state``), every such constraint's table is one shared table
 (``token_fsm.combine``), and the step masks and advances the state itself. Such a slot
 does not need the host between steps (the fused K-step loop runs it) but gets no
@@ -140,9 +141,9 @@ class LogitControls:
         if so is None:
             return words, None, None
         compiled = self.structured.compile(so)  # validates it (a ValueError: refused)
-        return words, compiled, self._device_fsm(params) if fsm else None
+        return words, compiled, self._device_fsm(params, compiled.backend) if fsm else None
 
-    def _device_fsm(self, params: SamplingParams) -> Any:
+    def _device_fsm(self, params: SamplingParams, backend: str) -> Any:
         """The TokenFsm for this request, a reason string (host path), or None (off)."""
         cfg = self.structured.config
         if not cfg.device_fsm:
@@ -152,7 +153,7 @@ class LogitControls:
         for name in ("min_tokens", "bad_words"):
             if getattr(params, name):
                 return f"{name} needs host masks"
-        return self.structured.device_fsm(params.structured_outputs)
+        return self.structured.device_fsm(params.structured_outputs, backend)
 
     def attach(self, req: Any, prepared: tuple[list[list[int]], Any, Any]) -> None:
         """Give a new request its prepared controls: every sample its own matcher, or
@@ -163,12 +164,14 @@ class LogitControls:
         req.structured_backend = compiled.backend
         stats = self.structured.stats
         if isinstance(fsm, TokenFsm):
+            req.structured_path = "device_fsm"
             stats.device_fsm += len(req.seqs)
             log.debug("request %s: device FSM (%d states x %d token classes, %d bytes)",
                       req.request_id, *fsm.table.shape, fsm.nbytes)  # fmt: skip
             for seq in req.seqs:
                 seq.fsm, seq.fsm_state = fsm, fsm.initial
             return
+        req.structured_path = "host_masks" if fsm is None else f"host_masks: {fsm}"
         if fsm is not None:
             stats.host_masks += len(req.seqs)
             stats.fsm_fallbacks[fsm] = stats.fsm_fallbacks.get(fsm, 0) + 1

@@ -74,6 +74,9 @@ class RequestOutput:
     metrics: queue time, time to first token). structured_output_backend: the backend
     that compiled the request's structured_outputs constraint ("xgrammar" or
     "guidance"; None without one): pagedjax's extension, vLLM does not report it.
+    structured_output_path: where its mask was applied (pagedjax's too): "device_fsm",
+    "host_masks", or with ``device_fsm`` on and the constraint refused for it,
+    "host_masks: <why>" (e.g. a table over ``device_fsm_max_bytes``); None without one.
     """
 
     request_id: str
@@ -84,3 +87,4 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     structured_output_backend: str | None = None
+    structured_output_path: str | None = None

@@ -174,6 +174,8 @@ class RequestState:
     bad_words_ids: list[list[int]] = field(default_factory=list)
     # The structured-output backend that compiled the request's constraint (None: none).
     structured_backend: str | None = None
+    # Where its mask is applied (RequestOutput.structured_output_path).
+    structured_path: str | None = None
     # LoRA (docs/lora.md): the request's adapter (a pagedjax.lora.LoRARequest; None: the
     # base model).
     lora_request: Any = None
@@ -244,4 +246,5 @@ class RequestState:
             finished=self.finished,
             metrics=RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time),
             structured_output_backend=self.structured_backend,
+            structured_output_path=self.structured_path,
         )

@@ -26,7 +26,7 @@ import numpy as np
 
 from pagedjax.config import StructuredOutputsConfig
 from pagedjax.sampling.params import StructuredOutputsParams
-from pagedjax.structured import spec, token_fsm
+from pagedjax.structured import json_regex, spec, token_fsm
 from pagedjax.structured.token_fsm import TokenFsm
 
 BACKENDS = ("auto", "xgrammar", "guidance")
@@ -127,8 +127,7 @@ class StructuredOutputManager:
                 " and guidance backends take disable_any_whitespace instead"
             )
         cfg = self.config
-        any_ws = not (cfg.disable_any_whitespace or p.disable_any_whitespace)
-        closed = cfg.disable_additional_properties or p.disable_additional_properties
+        any_ws, closed = self._options(p)
         text = spec.constraint_text(p) + repr((any_ws, closed))
         for name in self._candidates(p):
             hit = self._cache.get((name, text))
@@ -176,24 +175,31 @@ class StructuredOutputManager:
                     raise
         raise ValueError("; ".join(f"{n}: {e}" for n, e in zip(names, errors, strict=True)))
 
-    def device_fsm(self, p: StructuredOutputsParams) -> TokenFsm | str:
+    def _options(self, p: StructuredOutputsParams) -> tuple[bool, bool]:
+        """(any_whitespace, disable_additional_properties) of a request under this config."""
+        cfg = self.config
+        return (not (cfg.disable_any_whitespace or p.disable_any_whitespace),
+                cfg.disable_additional_properties or p.disable_additional_properties)  # fmt: skip
+
+    def device_fsm(self, p: StructuredOutputsParams, backend: str) -> TokenFsm | str:
         """The constraint's token DFA for the device (``config.device_fsm``), or why it
-        gets none (a reason string: the host path). Built on the worker pool within
-        compile_timeout_s and cached by the constraint's text, reasons included."""
-        regex = None
-        try:
-            regex = token_fsm.regex_of(p.kind, getattr(p, p.kind))
-        except token_fsm.FsmUnavailable as e:
-            return str(e)
-        if regex is None:
+        gets none (a reason string: the host path). backend: the one that compiled the
+        constraint (a JSON schema's FSM follows xgrammar's language, so only xgrammar's
+        JSON rows take it). Built on the worker pool within compile_timeout_s and cached
+        by the constraint's text and options, reasons included."""
+        if p.kind not in ("regex", "choice", "json", "json_object"):
             return f"{p.kind} constraints take the host path"
-        key = regex
+        if p.kind in ("json", "json_object") and backend != "xgrammar":
+            return (f"JSON schemas compiled by {backend} take the host path (the device FSM"
+                    " follows xgrammar's JSON language)")  # fmt: skip
+        any_ws, closed = self._options(p)
+        key = spec.constraint_text(p) + repr((any_ws, closed))
         hit = self._fsms.get(key)
         if hit is not None:
             self._fsms.move_to_end(key)
             return hit
         t0 = time.perf_counter()
-        future = self._pool.submit(self._build_fsm, regex)
+        future = self._pool.submit(self._build_fsm, p, any_ws, closed)
         try:
             got: TokenFsm | str = future.result(timeout=self.config.compile_timeout_s)
         except concurrent.futures.TimeoutError:
@@ -207,7 +213,11 @@ class StructuredOutputManager:
             self._fsms.popitem(last=False)
         return got
 
-    def _build_fsm(self, regex: str) -> TokenFsm:
+    def _build_fsm(self, p: StructuredOutputsParams, any_ws: bool, closed: bool) -> TokenFsm:
+        if p.kind in ("json", "json_object"):
+            regex = json_regex.json_schema_regex(spec.schema_dict(p, closed), any_ws)
+        else:
+            regex = token_fsm.regex_of(p.kind, getattr(p, p.kind))
         with self._lock:
             if self._vocab is None:
                 self._vocab = token_fsm.vocab_bytes(self._tokenizer, self.vocab_size)

@@ -23,8 +23,9 @@ XGRAMMAR_STRING_FORMATS = frozenset(
 
 def schema_dict(p: StructuredOutputsParams, disable_additional_properties: bool) -> dict:
     """The request's JSON schema (json, or {"type": "object"} for json_object) as a dict;
-    with ``disable_additional_properties`` every object schema without an explicit
-    ``additionalProperties`` gets ``false`` (vLLM's option). ValueError if not JSON."""
+    with ``disable_additional_properties`` every object schema that lists ``properties`` (or
+    ``patternProperties``) without an explicit ``additionalProperties`` gets ``false``
+    (vLLM's option and walk: ``_close_objects``). ValueError if not JSON."""
     if p.json_object:
         schema: Any = {"type": "object"}
     elif isinstance(p.json, str):
@@ -41,17 +42,39 @@ def schema_dict(p: StructuredOutputsParams, disable_additional_properties: bool)
     return schema
 
 
+# vLLM's walk for disable_additional_properties (v1/structured_output/backend_guidance.py,
+# _walk_json_for_additional_properties): only schema positions are visited (never data
+# such as enum / const / default values, or a property that happens to be named
+# "properties"), and only objects that list properties or patternProperties are closed:
+# a bare {"type": "object"} (json_object) keeps allowing any object.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                "dependentSchemas", "dependencies")  # fmt: skip
+_SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "propertyNames", "contains",
+               "additionalItems", "unevaluatedItems", "not", "if", "then", "else",
+               "contentSchema", "items", "prefixItems", "allOf", "anyOf", "oneOf")  # fmt: skip
+
+
 def _close_objects(node: Any) -> None:
     if isinstance(node, dict):
-        if (node.get("type") == "object" or "properties" in node) and (
-            "additionalProperties" not in node
+        for key in _SCHEMA_MAPS:
+            value = node.get(key)
+            if isinstance(value, dict):
+                for sub in value.values():
+                    if isinstance(sub, dict):
+                        _close_objects(sub)
+        for key in _SUBSCHEMAS:
+            value = node.get(key)
+            if isinstance(value, (dict, list)):
+                _close_objects(value)
+        if "additionalProperties" not in node and (
+            isinstance(node.get("properties"), dict)
+            or isinstance(node.get("patternProperties"), dict)
         ):
             node["additionalProperties"] = False
-        for v in node.values():
-            _close_objects(v)
     elif isinstance(node, list):
-        for v in node:
-            _close_objects(v)
+        for item in node:
+            if isinstance(item, dict):
+                _close_objects(item)
 
 
 def xgrammar_unsupported(schema: Any) -> str | None:

@@ -129,14 +129,27 @@ def build_token_fsm(regex: str, vocab: list[bytes | None], eos_ids: list[int],
             by_bytes.setdefault(b, []).append(i)
     eos0 = eos[0] if eos else v
     try:
+        # A probe over the 256 single bytes first (milliseconds): its states are the
+        # regex's byte-DFA states, which the vocabulary's index cannot exceed, so a
+        # constraint over the dense cap is refused before the full build (seconds per
+        # hundred states at a 49k vocabulary).
+        probe = Index(regex, Vocabulary(256, {bytes([b]): [b] for b in range(256)}))
+        n = len(probe.get_transitions())
+        if n * v * 4 > DENSE_LIMIT:
+            raise FsmUnavailable(
+                f"{n} DFA states x {v} tokens dense is over {DENSE_LIMIT} bytes (DENSE_LIMIT)"
+            )
         index = Index(regex, Vocabulary(eos0, by_bytes))
+    except FsmUnavailable:
+        raise
     except Exception as e:  # outlines-core raises ValueError / its own errors
         raise FsmUnavailable(f"outlines-core cannot compile the regex: {e}") from e
     trans = index.get_transitions()
     names = sorted(trans)
     n = len(names)
     if n * v * 4 > DENSE_LIMIT:
-        raise FsmUnavailable(f"{n} states x {v} tokens dense is over {DENSE_LIMIT} bytes")
+        raise FsmUnavailable(f"{n} states x {v} tokens dense is over {DENSE_LIMIT} bytes"
+                             " (DENSE_LIMIT)")  # fmt: skip
     ids = {s: k for k, s in enumerate(names)}
     dense = np.full((n, v), -1, np.int32)
     for s, row in trans.items():
