@@ -416,3 +416,72 @@ def test_vllm_layout_loads_to_the_same_head_and_bad_input_is_named(head_dir, tmp
         _config(head_dir), cache=dataclasses.replace(_config(head_dir).cache, cache_dtype="fp8")))
     with pytest.raises(NotImplementedError, match="'eagle3' with a quantized KV cache"):
         engine.speculator.eagle.ensure(engine.core)
+
+
+@pytest.mark.slow  # CI budget: the unroll-equals-drafting test is the fast guard
+def test_training_loss_falls():
+    """train_eagle3's loss on the tiny model (fused features from forward_with_aux, 3
+    unrolled steps, a truncated vocabulary): Adam steps on two sequences lower the loss
+    and raise the teacher-forced top-1 of every unrolled step."""
+    optax = pytest.importorskip("optax")
+    from pagedjax.tools.train_eagle import teacher_features
+    from pagedjax.tools.train_eagle3 import make_loss
+
+    params = _params()
+    cfg = _cfg(subset=False)
+    hp = init_head(cfg, ARCH)
+    hp["lm_head"]["kernel"] = params["lm_head"]["kernel"]
+    seqs = _prompts(3, 2, lo=24, hi=32)
+    fwd = functools.partial(forward_with_aux, layers=LAYERS)
+    f = teacher_features(ARCH, params, seqs, 32, 2, fwd)
+    assert f.shape == (2, 32, 3 * ARCH.hidden_size)
+    x = np.zeros((2, 32), np.int32)
+    for i, s in enumerate(seqs):
+        x[i, : len(s)] = s
+    n = np.asarray([len(s) for s in seqs], np.int32)
+    t2d = np.full(ARCH.vocab_size, -1, np.int32)
+    t2d[::2] = np.arange(ARCH.vocab_size // 2)  # a truncated vocabulary: the even ids
+    keep = np.arange(0, ARCH.vocab_size, 2)
+    hp["lm_head"]["kernel"] = hp["lm_head"]["kernel"][:, keep]
+    tp = {"embed_tokens": params["embed_tokens"], "t2d": jnp.asarray(t2d)}
+    loss_fn = make_loss(ARCH, cfg.head_arch(ARCH), 2, 32, 3)
+    opt = optax.adam(3e-3)
+    state = opt.init(hp)
+    start = jnp.zeros((2,), jnp.int32)
+
+    @jax.jit
+    def step(hp, state):
+        (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(hp, tp, f, x, n, start)
+        upd, state = opt.update(g, state, hp)
+        return optax.apply_updates(hp, upd), state, loss, aux[1] / aux[2]
+
+    _, _, first, top_first = step(hp, state)
+    for _ in range(40):
+        hp, state, loss, top1 = step(hp, state)
+    assert float(loss) < 0.5 * float(first)
+    assert np.all(np.asarray(top1) > np.asarray(top_first))
+
+
+@pytest.mark.slow  # by hand: the shared sampled-draft path, tier2 covers it for eagle
+def test_sampled_eagle3_drafts_follow_the_targets_distribution(tmp_path):
+    """draft_sample_method "probabilistic": the head's q over its draft vocabulary,
+    scattered to the V ids, verified by rejection sampling; tests/test_spec_sampled_
+    drafts.py's two-sample chi-square test against the plain engine's samples."""
+    from tests import test_spec_sampled_drafts as sd
+
+    save_head(tmp_path, _cfg(), init_head(_cfg(), ARCH, seed=1, std=0.3), draft_vocab=SUBSET)
+    spec = SpeculativeConfig(method="eagle3", model=str(tmp_path), num_speculative_tokens=K,
+                             draft_sample_method="probabilistic")  # fmt: skip
+    config = dataclasses.replace(sd._engine(False).config, speculative=spec)
+    engine = LLMEngine(ARCH, sd._params(), _tok(), config, kv_fill_value=float("nan"))
+    plain = sd._sample(False, range(10_000, 10_096), 1 + K, temperature=1.0, top_k=4)
+    sp = lambda s: sd.SamplingParams(max_tokens=1 + K, seed=s, ignore_eos=True,
+                                     temperature=1.0, top_k=4)  # fmt: skip
+    got = sd.drain(engine, [(f"s{s}", sd.PROMPT, sp(s)) for s in range(96)], max_steps=5000)
+    spec_out = [got[f"s{s}"].outputs[0].token_ids for s in range(96)]
+    st = engine.stats()
+    assert st["spec_proposed_tokens"] > 0 and st["spec_accepted_tokens"] > 0
+    for pos in range(1, 1 + K):
+        assert sd._same_distribution([o[pos] for o in spec_out], [o[pos] for o in plain]) > 1e-3
+    pairs = lambda outs: [o[1] * 512 + o[2] for o in outs]
+    assert sd._same_distribution(pairs(spec_out), pairs(plain)) > 1e-3
