@@ -217,6 +217,7 @@ def _engine(head: str) -> LLMEngine:
     return LLMEngine(ARCH, _params(), _tok(), _config(head), kv_fill_value=float("nan"))
 
 
+@pytest.mark.tier2  # second tier: the speculating engine's programs (~8-14 s)
 def test_eagle3_greedy_equals_plain_with_chunking_and_preemption(head_dir):
     """Prompts over the token budget (chunked), a pool small enough to preempt, a head
     over a quarter of the vocabulary: outputs equal the plain run, every drafted token
@@ -294,6 +295,7 @@ def test_eagle3_head_state_matches_dense_recomputation(head_dir):
     assert checked >= 3 and engine.stats()["spec_proposed_tokens"] > 0
 
 
+@pytest.mark.slow  # the training tool's check (as test_spec_eagle's training tests): ~10-26 s
 def test_training_time_test_unroll_equals_the_proposal_chain():
     """train_eagle3's unrolled step j at position a + j equals the head drafting as the
     engine does: a catch-up over positions <= a on the fused features (paged attention),
