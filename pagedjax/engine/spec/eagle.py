@@ -167,8 +167,13 @@ class EagleDraft:
         self.host_kv: Any = None  # its swap pool under the target's host block ids
         self.feature: Any = None  # [max_seqs, H] g at each slot's last committed position
         self.trace_count: dict[int, int] = {}
-        self.propose = jax.jit(self._propose, static_argnames=("num_seqs",),
-                               donate_argnames=("draft_kv", "tokens"))  # fmt: skip
+        self.propose = self.jit_propose()
+
+    def jit_propose(self) -> Any:
+        """The jitted proposal program (``_propose``; a subclass with its own __init__,
+        spec/eagle3.py, calls this too)."""
+        return jax.jit(self._propose, static_argnames=("num_seqs",),
+                       donate_argnames=("draft_kv", "tokens"))  # fmt: skip
 
     def ensure(self, core: Any) -> None:
         """Allocate the head's pool (the target's block count and size) and features."""

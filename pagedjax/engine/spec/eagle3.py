@@ -151,8 +151,7 @@ class Eagle3Draft(EagleDraft):
         self.host_kv: Any = None
         self.feature: Any = None  # [max_seqs, H]: g at each slot's last committed position
         self.trace_count: dict[int, int] = {}
-        self.propose = jax.jit(self._propose, static_argnames=("num_seqs",),
-                               donate_argnames=("draft_kv", "tokens"))  # fmt: skip
+        self.propose = self.jit_propose()
 
     def ensure(self, core: Any) -> None:
         """Allocate the head's pool (the target's block count and size) and per-slot g
