@@ -15,6 +15,12 @@ the 256-sequence decode with contexts ~U(20, 500).
 an 8-bit pool (pagedjax.attention.kv_quant; the fp32 pool quantized, stacked as one layer):
 time per KV dtype and its ratio to the fp32 pool, for the native kernel (or the XLA version
 where it does not build).
+
+``--tree`` adds a table of the native kernel's cost of draft-tree masks (``tree_mask``,
+docs/attention.md "Tree masks"): per batch, no mask, an all-bits mask (causal: one word
+read per row and page) and, on verification batches of 16-node trees, a random tree's mask.
+``--old-kernel REV`` also builds ``cpu_kernel.cc`` as of git REV (before tree masks) and
+times its fp32 no-mask path beside today's, in the same process.
 """
 
 from __future__ import annotations
@@ -22,12 +28,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax import native_build
 from pagedjax.attention import kv_quant, native_cpu, ragged_paged_attention
 from pagedjax.machine import cpu_model
 
@@ -74,6 +84,8 @@ def main(argv: list[str] | None = None) -> float:
     ap.add_argument(
         "--kv-dtypes", default="", help="comma-separated 8-bit KV dtypes to time (ratio to fp32)"
     )
+    ap.add_argument("--tree", action="store_true", help="time tree masks in the native kernel")
+    ap.add_argument("--old-kernel", default=None, help="with --tree: git REV of cpu_kernel.cc")
     a = ap.parse_args(argv)
     other = None
     if a.ref and not os.path.isfile(a.ref):
@@ -122,6 +134,8 @@ def main(argv: list[str] | None = None) -> float:
         print(line, flush=True)
     if a.kv_dtypes:
         kv_dtype_table(cases, k_pages, v_pages, a.kv_dtypes.split(","), a.reps, a.only, native)
+    if a.tree and native:
+        tree_table(rng, cases, k_pages, v_pages, a.reps, a.only, a.old_kernel)
     print(f"ms_decode_256: {first:.1f}")
     return first
 
@@ -141,6 +155,82 @@ def kv_dtype_table(cases, k_pages, v_pages, names, reps: int, only, native: bool
         base = times["float32"]
         cells = [f"{t:>17.1f} ({t / base:>5.2f}x)" for t in times.values()]
         print(f"{name:>42} | " + " | ".join(cells), flush=True)
+
+
+def old_kernel(rev: str):
+    """The fp32 handler of cpu_kernel.cc as of git ``rev``, as an attention callable."""
+    path = "pagedjax/attention/cpu_kernel.cc"
+    src = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    tmp = Path(tempfile.mkdtemp()) / "cpu_kernel_old.cc"
+    tmp.write_text(src)
+    target = "pagedjax_ragged_paged_attention_old"
+    ok, why = native_build.register_ffi_library(tmp, {target: native_cpu.SYMBOL}, (), "old")
+    if not ok:
+        raise RuntimeError(why)
+
+    def attend(q, k, v, bt, kv, cu, *, sm_scale):
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))
+        return call(q, k[None], v[None], bt, kv, cu, jnp.int32(0), jnp.int32(0),
+                    sm_scale=np.float32(sm_scale), soft_cap=np.float32(0.0))  # fmt: skip
+
+    return attend
+
+
+def random_tree_words(rng, n: int) -> np.ndarray:
+    """uint32 words of a random n-node tree (parents first; pallas_kernels.reference)."""
+    words = []
+    parents = [-1] + [int(rng.integers(-1, j)) for j in range(1, n)]
+    for j in range(n):
+        w, a = (0xFFFFFFFF << (j + 1)) & 0xFFFFFFFF, j
+        while a >= 0:
+            w |= 1 << (j - a)
+            a = parents[a]
+        words.append(w)
+    return np.asarray(words, np.uint32)
+
+
+def tree_table(rng, cases, k_pages, v_pages, reps: int, only, old_rev: str | None) -> None:
+    """Native kernel, ms: no mask, all bits, a tree mask (verification batches), the old
+    kernel. Variants alternate within each of 5 rounds (the box is shared); medians."""
+    ctx = rng.integers(20, 480, 64)  # + 16 rows within the 512-token tables
+    verify = {
+        f"verify {n} seqs x 16-node trees (T={16 * n})": case(
+            rng, n, 16 * n, [16] * n, ctx[:n] + 16
+        )
+        for n in (1, 16, 64)
+    }
+    old = old_kernel(old_rev) if old_rev else None
+    print("\ntree masks (native kernel), ms, medians of 5 alternating rounds:")
+    cols = ["no mask", "all bits", "tree"] + ([f"{old_rev} kernel"] if old else [])
+    print(f"{'batch':>42} | " + " | ".join(f"{c:>14}" for c in cols))
+    attend, scale = native_cpu.ragged_paged_attention, HEAD_DIM**-0.5
+    plain = jax.jit(lambda *a: attend(*a, sm_scale=scale))
+    masked = jax.jit(lambda *a: attend(*a[:6], sm_scale=scale, tree_mask=a[6]))
+    old_fn = jax.jit(lambda *a: old(*a, sm_scale=scale)) if old else None
+    for name, (q, bt, kv, cu) in [*list(cases.items())[:only], *verify.items()]:
+        args = (q, k_pages, v_pages, bt, kv, cu)
+        ones = jnp.full(q.shape[:1], 0xFFFFFFFF, jnp.uint32)
+        variants = {"no mask": (plain, args), "all bits": (masked, (*args, ones))}
+        if name in verify:  # every sequence a 16-node tree
+            words = [random_tree_words(rng, 16) for _ in range(q.shape[0] // 16)]
+            variants["tree"] = (masked, (*args, jnp.asarray(np.concatenate(words))))
+        if old:
+            variants["old"] = (old_fn, args)
+        outs = {k: f(*x).block_until_ready() for k, (f, x) in variants.items()}  # compile
+        assert bool(jnp.all(outs["no mask"] == outs["all bits"])), "all bits must equal no mask"
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        for _ in range(5):
+            for k, (f, x) in variants.items():
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    f(*x).block_until_ready()
+                times[k].append((time.perf_counter() - t0) / reps * 1e3)
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        cells = [med["no mask"], med["all bits"], med.get("tree", float("nan"))]
+        if old:
+            cells.append(med["old"])
+        print(f"{name:>42} | " + " | ".join(f"{c:>14.2f}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -466,19 +466,21 @@ class LoRAConfig:
     adapter unused by running requests to evict, waits. max_lora_rank: the largest rank
     served; every slot is padded to it (exact: zero padding). max_cpu_loras: adapters
     kept in host memory (LRU; those of unfinished requests always stay); None: max_loras.
-    memory: "unified" (default): the slot table's device bytes
-    (``lora.slots.slot_table_bytes``) come out of the KV cache's byte budget
-    (kv_cache_memory_bytes, the GPU's profiled free memory, the CPU default), so that budget
-    covers KV blocks and adapter slots together, S-LoRA's one pool in its static form;
-    "separate": the table is allocated beside a pool of the full budget (the ablation;
-    the engine's device footprint grows with max_loras). num_gpu_blocks_override is a
-    block count, not a budget: the same pool either way.
+    memory: "static" (default): the fixed slot table (max_loras x max_lora_rank) whose
+    device bytes (``lora.slots.slot_table_bytes``) come out of the KV budget up front,
+    loaded or not. "unified": S-LoRA's unified paging: a resident adapter's weights live
+    in blocks of the KV pool, lent from the block allocator when it is loaded (ceil(its
+    bytes / a block's bytes), by its own rank) and returned when it is evicted; no table
+    (engine/lora_paging.py; opt-in: each step reads every slot's pages, docs/lora.md).
+    "separate": the table beside a pool of the full budget (the ablation; the device
+    footprint grows with max_loras). num_gpu_blocks_override is a block count, not a
+    budget: the same pool for "static" and "separate".
     """
 
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    memory: str = "unified"
+    memory: str = "static"
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
@@ -490,8 +492,8 @@ class LoRAConfig:
                "lora.max_cpu_loras", f"must be None or an integer >= 1, got {c!r}")  # fmt: skip
         _check(c is None or c >= self.max_loras, "lora.max_cpu_loras",
                f"({c}) must be >= max_loras ({self.max_loras})")  # fmt: skip
-        _check(self.memory in ("unified", "separate"), "lora.memory",
-               f"must be 'unified' or 'separate', got {self.memory!r}")  # fmt: skip
+        _check(self.memory in ("unified", "static", "separate"), "lora.memory",
+               f"must be 'unified', 'static' or 'separate', got {self.memory!r}")  # fmt: skip
 
     @property
     def cpu_loras(self) -> int:

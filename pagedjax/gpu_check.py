@@ -209,7 +209,8 @@ def write_report(
         "",
         "This report sets nothing verified. After reading it, a person may commit"
         " `pallas_kernels/parity.py`: `H200_PARITY_VERIFIED = True` (Mosaic GPU kernels, on an"
-        " H200 with every parity row passing) or an entry in `TRITON_PARITY_REPORTS` for this"
+        " H200 with every parity row passing), `H200_TREE_PARITY_VERIFIED = True` (their"
+        " `trees` rows passing too) or an entry in `TRITON_PARITY_REPORTS` for this"
         " GPU model (Triton kernels).",
         "",
     ]
@@ -305,6 +306,9 @@ def _parity_specs(dry_run: bool) -> list[Any]:
             # an 8-bit pool (the Triton paths only, see _parity_results)
             CaseSpec((1, 1, 1), (1, 16, 17), 4, block_size=16, max_blocks=2,
                      kv_format="fp8_e4m3", **small),
+            # a draft tree (tree_mask) beside a decode row
+            CaseSpec((5, 1), (21, 9), 7, block_size=16, max_blocks=2,
+                     trees=(_heap_tree(5), None), **small),
         ]  # fmt: skip
     llama = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
     return [
@@ -328,7 +332,19 @@ def _parity_specs(dry_run: bool) -> list[Any]:
                  kv_format="fp8_e5m2", **llama),
         CaseSpec((64, 1), (700, 333), 65, block_size=16, max_blocks=48, sliding_window=100,
                  dynamic_window=True, soft_cap=30.0, kv_format="int8", **llama),
+        # draft trees (tree_mask, issue 36): 16- and 31-node trees beside prefill and decode
+        # rows, every backend; then one over an int8 pool (the Triton paths)
+        CaseSpec((16, 64, 31, 1), (416, 600, 1031, 77), 120, block_size=16, max_blocks=80,
+                 trees=(_heap_tree(16), None, _heap_tree(31), None), **llama),
+        CaseSpec((16, 1), (300, 129), 20, block_size=16, max_blocks=24, kv_format="int8",
+                 trees=(_heap_tree(16), None), **llama),
     ]  # fmt: skip
+
+
+def _heap_tree(n: int) -> tuple[int, ...]:
+    """A draft tree of n nodes as parents: node j's parent is (j - 1) // 2 (a binary tree,
+    parents first)."""
+    return (-1, *((j - 1) // 2 for j in range(1, n)))
 
 
 _TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
@@ -367,8 +383,9 @@ def _jax_backends(dry_run: bool) -> dict[str, Any]:
                                   **static)  # fmt: skip
             if jit:
                 f = jax.jit(f)
+            tree = {"tree_mask": a["tree_mask"]} if "tree_mask" in a else {}
             return f(a["q"], a["k_pool"], a["v_pool"], a["block_tables"], a["kv_lens"],
-                     a["cu_q_lens"], layer=jnp.int32(spec.layer), **dynamic)  # fmt: skip
+                     a["cu_q_lens"], layer=jnp.int32(spec.layer), **dynamic, **tree)  # fmt: skip
 
         return run
 
@@ -396,7 +413,8 @@ def _jax_backends(dry_run: bool) -> dict[str, Any]:
             if on_gpu:  # the stand-in of the dry run runs eagerly
                 f = jax.jit(f)
             return f(a["q"], a["k_pool"], a["v_pool"], jnp.int32(spec.layer),
-                     a["block_tables"], a["kv_lens"], a["cu_q_lens"], **dynamic)  # fmt: skip
+                     a["block_tables"], a["kv_lens"], a["cu_q_lens"], tree_mask=a.get("tree_mask"),
+                     **dynamic)  # fmt: skip
 
         name = "Triton via jax-triton" + (" (stand-in, interpreted)" if dry_run else "")
         backends[name] = triton_jax
@@ -481,7 +499,9 @@ def part_parity(dry_run: bool, only: list[str] | None = None) -> int:
                  + (" (run-time)" if spec.dynamic_window else "")
                  + f" layer {spec.layer}/{spec.num_layers}"
                  + (f" cap {spec.soft_cap}" if spec.soft_cap else "")
-                 + (f" pool {spec.kv_format}" if spec.kv_format else ""))  # fmt: skip
+                 + (f" pool {spec.kv_format}" if spec.kv_format else "")
+                 + (" trees " + "/".join("-" if t is None else str(len(t)) for t in spec.trees)
+                    if spec.trees else ""))  # fmt: skip
         for name, m in _parity_results(spec, backends, torch_device):
             rows += 1
             if isinstance(m, Exception):

@@ -31,6 +31,12 @@ buffer; the threads convert it to the compute dtype times its scale into the bf1
 wgmma reads (wgmma has no bf16 x fp8 mode), then ``commit_smem``. The per-token int8 scales
 travel by TMA beside their pages. Tested in the GPU interpreter (jax 0.12 and 0.11.2) only.
 
+Draft-tree masks (``tree_mask``, ``pallas_kernels.reference.tree_visible``): XLA gathers
+each tile row's uint32 word (as int32) into ``[tiles, ROWS]``; the kernel brings its tile's
+64 words into SMEM by TMA beside q and ANDs ``d >= 32 or bit d of the word`` (d = row
+position - key position) into the causal mask of every chunk. Without a mask the kernel
+is built without that operand, so the causal path is the one verified on the H200.
+
 The dense-gather reference is ``pallas_kernels.reference``.
 """
 
@@ -45,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.reference import check_paged_inputs, stacked_pool
+from pallas_kernels.reference import TREE_BITS, check_paged_inputs, stacked_pool
 
 ROWS = 64  # wgmma M: query rows (tokens x grouped heads) per tile
 _MASK = -1e30  # finite mask value: an all-masked row gives exp(0) junk, never NaN
@@ -103,6 +109,7 @@ def _attention_tiles(
     scalars: jax.Array,  # int32[2]: layer index, sliding window (0: none)
     k_scale: jax.Array | None = None,  # fp8: f32[L, Hkv]; int8: f32[L, N, Hkv, B, 1]
     v_scale: jax.Array | None = None,
+    tree_words: jax.Array | None = None,  # int32[num_tiles, ROWS]: tree word of each row
     *,
     kv_format: str | None = None,
     group: int,
@@ -123,12 +130,14 @@ def _attention_tiles(
     dtype = q_tiles.dtype
     quantized = kv_format is not None
     per_token = quantized and KV_FORMATS[kv_format][2]
+    tree = tree_words is not None
 
     def body(q_ref, k_ref, v_ref, bt_ref, meta_ref, scal_ref, *rest):
         if quantized:
-            ks_ref, vs_ref, o_ref, lse_ref, *scratch = rest
-        else:
-            o_ref, lse_ref, *scratch = rest
+            ks_ref, vs_ref, *rest = rest
+        if tree:
+            tw_ref, *rest = rest
+        o_ref, lse_ref, *scratch = rest
         q_smem, k_smem, v_smem, p_smem, lse_smem, q_bar, k_bar, v_bar = scratch[:8]
         # 8-bit: TMA lands in staging buffers (and int8 scales beside them), converted below.
         k_in, v_in = (scratch[8], scratch[9]) if quantized else (k_smem, v_smem)
@@ -182,6 +191,8 @@ def _attention_tiles(
             dst[slot] = x.astype(dtype)
 
         plgpu.copy_gmem_to_smem(q_ref.at[h, t], q_smem, q_bar)
+        if tree:  # the tile's row words ride on q's barrier (two arrivals)
+            plgpu.copy_gmem_to_smem(tw_ref.at[t], scratch[-1], q_bar)
 
         @pl.when(first_chunk < end_chunk)
         def _():
@@ -195,6 +206,9 @@ def _attention_tiles(
         row_pos = pos0 + row_tok
         row_live = row_tok < ntok
         vrow = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA)
+        if tree:
+            words = plgpu.layout_cast(scratch[-1][...], plgpu.Layout.WGMMA.reduce(1))
+            row_word = lax.broadcast_in_dim(words, (rows, block_kv), [0])
 
         def step(i, carry):
             acc, m_i, l_i = carry
@@ -219,6 +233,10 @@ def _attention_tiles(
             kv_pos = i * block_kv + col
             visible = row_live & (kv_pos <= row_pos) & (kv_pos < kv_len)
             visible = visible & (jnp.logical_not(windowed) | (kv_pos > row_pos - window))
+            if tree:  # keys 32+ back always; nearer ones by their bit (arithmetic >> is fine)
+                back = row_pos - kv_pos
+                bit = lax.shift_right_arithmetic(row_word, jnp.clip(back, 0, TREE_BITS - 1)) & 1
+                visible = visible & ((back >= TREE_BITS) | (bit == 1))
             s = jnp.where(visible, s, _MASK)
             m_new = jnp.maximum(m_i, s.max(axis=1))
             alpha = jnp.exp(m_i - m_new)
@@ -273,7 +291,7 @@ def _attention_tiles(
         plgpu.SMEM((2, block_kv, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((rows, block_kv), dtype, transforms=transforms),
         plgpu.SMEM((rows,), jnp.float32),
-        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=2 if tree else 1),
         plgpu.Barrier(num_arrivals=pages_per_chunk * (2 if per_token else 1), num_barriers=2),
         plgpu.Barrier(num_arrivals=pages_per_chunk * (2 if per_token else 1), num_barriers=2),
     )
@@ -288,6 +306,8 @@ def _attention_tiles(
                 plgpu.SMEM((2, block_kv), jnp.float32),  # their per-slot scales
                 plgpu.SMEM((2, block_kv), jnp.float32),
             )
+    if tree:
+        scratch += (plgpu.SMEM((rows,), jnp.int32),)  # scratch[-1]: this tile's row words
     out_type = (
         jax.ShapeDtypeStruct((num_kv_heads, num_tiles, num_splits, rows, head_dim), dtype),
         jax.ShapeDtypeStruct((num_kv_heads, num_tiles, num_splits, rows), jnp.float32),
@@ -297,6 +317,8 @@ def _attention_tiles(
         k_scale, v_scale = (s.reshape(s.shape[:-1]) for s in (k_scale, v_scale))
     if quantized:
         operands += (k_scale, v_scale)
+    if tree:
+        operands += (tree_words,)
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
@@ -374,6 +396,7 @@ def ragged_paged_attention(
     kv_format: str | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    tree_mask: jax.Array | None = None,
 ) -> jax.Array:
     """Causal ragged paged attention (prefill, chunked prefill, decode, mixed batches).
 
@@ -400,6 +423,9 @@ def ragged_paged_attention(
         / "fp8_e5m2" pages of uint8 bytes with k_scale / v_scale f32[L, Hkv] (per layer and
         KV head), or "int8" pages with k_scale / v_scale f32[L, N, Hkv, B, 1] (per slot).
         Values are value x scale; the stacked pool (a layer index) is required.
+      tree_mask: uint32[T] or None: draft-tree rows (``reference.tree_visible``): bit d
+        of a token's word lets it see the key d positions back, keys 32 or more back
+        always; None (or all bits set) is the causal rule. Any page format.
 
     Returns:
       [T, num_q_heads, head_dim] in q's dtype; padding tokens are 0.
@@ -424,6 +450,8 @@ def ragged_paged_attention(
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
     scalars = jnp.stack([layer, window]).astype(jnp.int32)
+    if tree_mask is not None and tree_mask.shape != (num_tokens,):
+        raise ValueError(f"tree_mask must be uint32[T={num_tokens}], got {tree_mask.shape}")
 
     num_seqs, max_blocks = block_tables.shape
     pages_per_chunk = block_kv // block_size
@@ -448,6 +476,10 @@ def ragged_paged_attention(
     head = jnp.arange(num_kv_heads)[:, None, None] * group + (r % group)[None, None, :]
     q_tiles = q[jnp.clip(tok, 0, num_tokens - 1)[None], head]  # [Hkv, tiles, R, D]
     q_tiles = jnp.where(row_ok[None, :, :, None], q_tiles, 0).astype(q.dtype)
+    tree_words = None
+    if tree_mask is not None:  # int32 bits (the kernel's shifts); dead rows: all bits
+        words = lax.bitcast_convert_type(tree_mask.astype(jnp.uint32), jnp.int32)
+        tree_words = jnp.where(row_ok, words[jnp.clip(tok, 0, num_tokens - 1)], -1)
 
     if num_splits is None:
         num_splits = _default_num_splits(num_kv_heads * num_tiles, max_chunks)
@@ -460,6 +492,7 @@ def ragged_paged_attention(
         scalars,
         k_scale,
         v_scale,
+        tree_words,
         kv_format=kv_format,
         group=group,
         sm_scale=sm_scale,

@@ -11,6 +11,11 @@ inputs outside their contract); without one it picks the reference.
 H200_PARITY_VERIFIED: bool = True
 H200_PARITY_REPORT: str | None = "docs/gpu_check_2026-12-04.md"
 
+# Draft-tree masks (tree_mask, issue 36) in the Mosaic GPU kernel: interpreted and
+# cross-lowered only. Until a GPU check with its tree rows passing is committed, "auto"
+# runs steps that carry a tree mask on the XLA reference (the causal kernel stays).
+H200_TREE_PARITY_VERIFIED: bool = False
+
 # The Triton kernels (pallas_kernels/triton) are never picked by "auto"; choosing them
 # explicitly logs a warning unless the GPU model (jax's device_kind, e.g.
 # "NVIDIA A100-SXM4-80GB") has a committed gpu_check report here, added by a person after

@@ -29,7 +29,7 @@ ARCH = SimpleNamespace(family="llama", num_layers=2, num_heads=2, num_kv_heads=1
                        hidden_size=8, intermediate_size=12, num_experts=0)  # fmt: skip
 
 
-def _write_adapter(directory, r, seed, modules=("q_proj", "v_proj", "down_proj"), arch=ARCH):
+def write_adapter(directory, r, seed, modules=("q_proj", "v_proj", "down_proj"), arch=ARCH):
     """A PEFT-layout adapter for ``arch`` written with numpy; its A weights by module."""
     from safetensors.numpy import save_file
 
@@ -58,7 +58,7 @@ def adapters(tmp_path_factory):
     d = tmp_path_factory.mktemp("lora_manager")
     reqs, want = [], {}
     for i in range(1, 5):
-        want[i] = _write_adapter(d / f"a{i}", r=1 + i % 3, seed=i)
+        want[i] = write_adapter(d / f"a{i}", r=1 + i % 3, seed=i)
         reqs.append(LoRARequest(f"a{i}", i, str(d / f"a{i}")))
     return reqs, want, d
 
@@ -66,7 +66,8 @@ def adapters(tmp_path_factory):
 def _manager(max_loras, max_cpu_loras=None, max_seqs=4):
     base = {"layers": {"self_attn": {m: {} for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
                        "mlp": {m: {} for m in ("gate_proj", "up_proj", "down_proj")}}}  # fmt: skip
-    cfg = LoRAConfig(max_loras=max_loras, max_lora_rank=4, max_cpu_loras=max_cpu_loras)
+    cfg = LoRAConfig(max_loras=max_loras, max_lora_rank=4, max_cpu_loras=max_cpu_loras,
+                     memory="static")  # the slot table (unified paging: test_lora_paging.py)
     return LoRAManager(cfg, ARCH, base, max_seqs)
 
 
@@ -126,7 +127,8 @@ def test_manager_binds_slots_and_refuses_bad_adapters(adapters, tmp_path):
     mgr.prepare(reqs[1])
     assert not mgr.admit(reqs[1], [1])  # the only slot's adapter is running: wait
     assert mgr.admit(reqs[1], []) and mgr.stats() == dict(
-        lora_loads=2, lora_evictions=1, lora_waits=1, lora_resident=1)  # fmt: skip
+        lora_loads=2, lora_evictions=1, lora_waits=1, lora_resident=1, lora_blocks=0,
+        lora_reliefs=0)  # fmt: skip
     # Host memory: the LRU beyond max_cpu_loras goes, unless a live request needs it.
     mgr.prepare(reqs[2], live_ids=[1])
     assert list(mgr.host) == [1, 3]
@@ -134,10 +136,10 @@ def test_manager_binds_slots_and_refuses_bad_adapters(adapters, tmp_path):
         mgr.prepare(LoRARequest("other", 1, str(d / "a2")))
     with pytest.raises(ValueError, match="missing adapter_config.json"):
         mgr.prepare(LoRARequest("nope", 9, str(tmp_path / "nope")))
-    _write_adapter(tmp_path / "big", r=8, seed=0)
+    write_adapter(tmp_path / "big", r=8, seed=0)
     with pytest.raises(ValueError, match="rank 8 exceeds max_lora_rank=4"):
         mgr.prepare(LoRARequest("big", 9, str(tmp_path / "big")))
-    _write_adapter(tmp_path / "emb", r=2, seed=0, modules=("q_proj",))
+    write_adapter(tmp_path / "emb", r=2, seed=0, modules=("q_proj",))
     cfg = json.loads((tmp_path / "emb" / "adapter_config.json").read_text())
     cfg["target_modules"] = ["q_proj", "embed_tokens"]
     (tmp_path / "emb" / "adapter_config.json").write_text(json.dumps(cfg))
@@ -240,16 +242,17 @@ def test_slot_table_bytes_equal_the_allocated_arrays(layers, loras, rank, module
 
 
 def test_unified_lora_memory_shares_the_kv_budget():
-    """Unified: the table's bytes come out of every byte budget (the explicit one, a
+    """Static: the table's bytes come out of every byte budget (the explicit one, a
     GPU's profiled free memory, the CPU default), never out of a block-count override;
-    separate: the full budget. Bad values are refused by name."""
+    separate and unified (paging: no table): the full budget. Bad values are refused by
+    name."""
     import jax
 
     from pagedjax.engine.kv_budget import cpu_default_kv_bytes, num_kv_blocks
     from pagedjax.engine.lora_manager import lora_reserved_bytes
     from pagedjax.lora import slot_table_bytes
 
-    unified = LoRAConfig(max_loras=4, max_lora_rank=8)
+    unified = LoRAConfig(max_loras=4, max_lora_rank=8)  # the default: "static"
     table = slot_table_bytes(llama_module_shapes(ARCH), ARCH.num_layers, 4, 8)
     # L=2 layers x 5 slots x r=8 x 4 bytes x (in + out) of q k v o gate up down, the
     # attached [L, slots] scales of the seven modules, the [slots] scale.
@@ -257,6 +260,8 @@ def test_unified_lora_memory_shares_the_kv_budget():
         16 + 12 + 12 + 16 + 20 + 20 + 20) + 2 * 5 * 4 * 7 + 5 * 4  # fmt: skip
     assert lora_reserved_bytes(LoRAConfig(max_loras=4, max_lora_rank=8, memory="separate"),
                                ARCH) == 0 and lora_reserved_bytes(None, ARCH) == 0  # fmt: skip
+    assert lora_reserved_bytes(LoRAConfig(max_loras=4, max_lora_rank=8, memory="unified"),
+                               ARCH) == 0  # fmt: skip  # paging: blocks at run time
     kw = dict(kv_bytes_per_token=64, block_size=4, max_blocks_needed=10**9,
               gpu_memory_utilization=0.5, num_gpu_blocks_override=None,
               reserved_bytes=table, reserved_for="LoRA slots")  # fmt: skip
@@ -404,7 +409,7 @@ def llm(tiny):
 
     return LLM(model=str(tiny.dir / "base"), dtype="float32", block_size=4, max_model_len=96,
                max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=POOL,
-               seed=0, enable_lora=True, max_loras=2, max_lora_rank=8,
+               seed=0, enable_lora=True, max_loras=2, max_lora_rank=8, lora_memory="separate",
                num_scheduler_steps=4)  # fmt: skip  # the fused K-step loop too (GPU's default)
 
 
@@ -469,7 +474,7 @@ def test_bad_adapters_refused_and_engine_keeps_serving(tiny, llm, tmp_path):
     with pytest.raises(ValueError, match="rank 16 exceeds max_lora_rank=8"):
         llm.generate(prompt, _greedy(), use_tqdm=False,
                      lora_request=LoRARequest("big", 8, str(tmp_path / "big")))  # fmt: skip
-    _write_adapter(tmp_path / "other", r=2, seed=0, modules=("q_proj",))  # hidden 8, not 64
+    write_adapter(tmp_path / "other", r=2, seed=0, modules=("q_proj",))  # hidden 8, not 64
     with pytest.raises(ValueError, match="another base"):
         llm.generate(prompt, _greedy(), use_tqdm=False,
                      lora_request=LoRARequest("other", 9, str(tmp_path / "other")))  # fmt: skip
@@ -556,14 +561,14 @@ def test_remove_lora_defers_until_its_requests_finish(tiny, llm):
 
 @pytest.mark.tier2
 def test_engine_pool_shrinks_by_the_slot_table_under_unified_memory(tiny):
-    """The engine's pool under one kv_cache_memory_bytes: unified LoRA memory gives
+    """The engine's pool under one kv_cache_memory_bytes: static LoRA memory gives
     (budget - table bytes) // block bytes blocks, separate the whole budget's; the table
     the engine then allocates is exactly the bytes taken out."""
     from pagedjax import LLM
     from pagedjax.lora import slot_table_bytes
 
     budget, got = 1 << 20, {}
-    for memory in ("unified", "separate"):
+    for memory in ("static", "separate"):
         e = LLM(model=str(tiny.dir / "base"), dtype="float32", block_size=4, max_model_len=96,
                 max_num_seqs=64, kv_cache_memory_bytes=budget, seed=0, enable_lora=True,
                 max_loras=4, max_lora_rank=8, lora_memory=memory, warmup="none").llm_engine
@@ -573,7 +578,69 @@ def test_engine_pool_shrinks_by_the_slot_table_under_unified_memory(tiny):
         allocated = sum(x.nbytes for x in (*table.a.values(), *table.b.values(), table.scale))
         allocated += table.num_layers * table.num_slots * 4 * len(table.a)  # attached scales
         assert allocated == slot_table_bytes(table.module_shapes, table.num_layers, 4, 8)
-    assert got == {"unified": (budget - allocated) // per_block, "separate": budget // per_block}
+    assert got == {"static": (budget - allocated) // per_block, "separate": budget // per_block}
+
+
+PAGED_POOL = 48  # blocks of 4: A 16, B 8, C 12 pages of the 47 usable (S-LoRA paging)
+
+
+@pytest.fixture(scope="module")
+def paged(tiny):
+    """``llm``'s engine with unified paging: the adapters' weights in blocks of a 48-block
+    pool (A 16, B 8, C 12 of its 47 usable: they cannot all be resident beside a long
+    request's KV), three adapter slots; the one-step path and no warm-up (fewer programs
+    to compile: the K-step loop carries the same parameters as ``llm`` shows)."""
+    from pagedjax import LLM
+
+    return LLM(model=str(tiny.dir / "base"), dtype="float32", block_size=4, max_model_len=96,
+               max_num_seqs=4, max_num_batched_tokens=16, num_gpu_blocks_override=PAGED_POOL,
+               seed=0, enable_lora=True, max_loras=3, max_lora_rank=8, lora_memory="unified",
+               warmup="none")  # fmt: skip  # only what it runs; the one-step path (CPU's)
+
+
+@pytest.mark.tier2
+def test_unified_paging_equals_the_separate_table_with_waits_and_preemption(tiny, llm, paged):
+    """Unified paging (adapters in KV blocks) gives the separate table's greedy outputs on
+    the same mixed requests (three adapters and the base model), through a wait for
+    pages (C's 12 pages do not fit beside A's, B's and A's 46-token request: C waits
+    until they finish, then loads over an idle adapter's pages) and preemption; blocks
+    are lent at load and given back at eviction (free + lent == usable throughout), and
+    removing every adapter frees the whole pool. An adapter whose pages and prompt can
+    never fit is refused at add_request, and the engine serves on; no step program was
+    traced twice (the page table's shapes never change)."""
+    engine = paged.llm_engine
+    usable = PAGED_POOL - 1
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 384, size=n).tolist() for n in (30, 7, 6, 4, 9, 8)]
+    which = [1, 2, 3, None, 3, 1]
+    loras = [tiny.loras.get(i) for i in which]
+    want = llm.generate(prompts, _greedy(16), use_tqdm=False, lora_request=loras)
+    lent = []
+
+    def observe(_record):
+        lent.append((engine.num_free_blocks(), engine.core.lora.pages.lent()))
+
+    engine.add_step_observer(observe)
+    got = paged.generate(prompts, _greedy(16), use_tqdm=False, lora_request=loras)
+    engine.step_observers.remove(observe)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    s = engine.stats()
+    assert s["lora_waits"] > 0 and s["lora_loads"] >= 3 and engine.num_preemptions > 0
+    assert all(free + pages <= usable for free, pages in lent) and max(p for _, p in lent) > 0
+    assert engine.num_free_blocks() + s["lora_blocks"] == usable  # idle adapters cached
+    for i in (1, 2, 3):
+        engine.remove_lora(i)
+    assert engine.num_free_blocks() == usable and engine.stats()["lora_blocks"] == 0
+    from tests.model_helpers import peft_adapter
+
+    peft_adapter(tiny.models[None], tiny.dir / "d8", 4, 8, ALL)  # rank 8: 32 pages
+    big = LoRARequest("D", 4, str(tiny.dir / "d8"))
+    with pytest.raises(ValueError, match="can never fit"):
+        paged.generate(list(range(3, 73)), _greedy(), use_tqdm=False, lora_request=big)
+    out = paged.generate(prompts[1], _greedy(), use_tqdm=False, lora_request=tiny.loras[2])
+    assert out[0].outputs[0].token_ids == want[1].outputs[0].token_ids[:N_NEW]
+    # Adapters loaded, evicted and re-bound over these runs: each step program traced once.
+    assert engine.runner.trace_count and set(engine.runner.trace_count.values()) == {1}
 
 
 @pytest.mark.tier2
@@ -700,7 +767,7 @@ def test_server_loads_and_unloads_adapters_at_run_time(tiny, llm, tmp_path, monk
     want_long = llm.generate(prompt, _greedy(n_long), use_tqdm=False,
                              lora_request=tiny.loras[3])[0].outputs[0].text  # fmt: skip
     peft_adapter(tiny.models[None], tmp_path / "big", 3, 16, ["q_proj"])  # rank 16 > 8
-    _write_adapter(tmp_path / "other", r=2, seed=0, modules=("q_proj",))  # hidden 8, not 64
+    write_adapter(tmp_path / "other", r=2, seed=0, modules=("q_proj",))  # hidden 8, not 64
     (tmp_path / "corrupt").mkdir()
     (tmp_path / "corrupt" / "adapter_config.json").write_text(json.dumps(
         dict(peft_type="LORA", r=2, lora_alpha=4, target_modules=["q_proj"])))  # fmt: skip

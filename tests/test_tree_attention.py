@@ -14,101 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedjax.attention.reference import ragged_paged_attention
-from pallas_kernels.reference import TREE_BITS, ragged_paged_attention_reference
-
-ALL_BITS = 0xFFFFFFFF
-
-
-def tree_words(parents: list[int]) -> np.ndarray:
-    """uint32 word per node of a tree given as parents (-1 = child of the prefix),
-    parents before children: bit j - a for each ancestor a and itself, bits above j set."""
-    words = []
-    for j in range(len(parents)):
-        w = (ALL_BITS << (j + 1)) & ALL_BITS
-        a = j
-        while a >= 0:
-            w |= 1 << (j - a)
-            a = parents[a]
-        words.append(w)
-    return np.asarray(words, np.uint32)
-
-
-def visible_keys(kv_len: int, q_len: int, j: int, word: int) -> list[int]:
-    """Key positions query j of a q_len-row sequence sees (the oracle's own reading)."""
-    pos = kv_len - q_len + j
-    keys = []
-    for col in range(pos + 1):
-        d = pos - col
-        if d >= TREE_BITS or (word >> d) & 1:
-            keys.append(col)
-    return keys
-
-
-def numpy_attention(q, k_ctx, v_ctx, keys, scale):
-    """q [Hq, D], k_ctx / v_ctx [ctx, Hkv, D] of one sequence, keys: visible positions."""
-    hq, _ = q.shape
-    hkv = k_ctx.shape[1]
-    g = hq // hkv
-    out = np.zeros_like(q, dtype=np.float64)
-    for h in range(hq):
-        k = k_ctx[keys, h // g].astype(np.float64)
-        v = v_ctx[keys, h // g].astype(np.float64)
-        s = k @ q[h].astype(np.float64) * scale
-        p = np.exp(s - s.max())
-        out[h] = (p / p.sum()) @ v
-    return out
-
-
-def _case(rng, seqs, block_size=4, hq=4, hkv=2, d=8, pad=False):
-    """seqs: list of (prefix_len, parents or None for a plain causal chunk of q_len)."""
-    q_lens, kv_lens, words = [], [], []
-    for prefix, tree in seqs:
-        if isinstance(tree, int):
-            q_lens.append(tree)
-            words += [ALL_BITS] * tree
-        else:
-            q_lens.append(len(tree))
-            words += list(tree_words(tree))
-        kv_lens.append(prefix + q_lens[-1])
-    max_blocks = max(-(-n // block_size) for n in kv_lens)
-    if pad:  # fixed shapes (3 sequences, 96 rows, 80-token tables): one compilation
-        max_blocks, t = 80 // block_size, 96
-        q_lens += [0] * (3 - len(seqs))
-        kv_lens += [0] * (3 - len(seqs))
-        words += [ALL_BITS] * (t - len(words))
-    else:
-        t = sum(q_lens)
-    num_blocks = 1 + len(kv_lens) * max_blocks
-    perm = rng.permutation(np.arange(1, num_blocks))
-    tables = perm.reshape(len(kv_lens), max_blocks).astype(np.int32)
-    k_pages = rng.standard_normal((num_blocks, hkv, block_size, d)).astype(np.float32)
-    v_pages = rng.standard_normal((num_blocks, hkv, block_size, d)).astype(np.float32)
-    q = rng.standard_normal((t, hq, d)).astype(np.float32)
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    return (
-        q,
-        k_pages,
-        v_pages,
-        tables,
-        np.asarray(kv_lens, np.int32),
-        cu,
-        np.asarray(words, np.uint32),
-    )
-
-
-def _oracle(q, k_pages, v_pages, tables, kv_lens, cu, words, scale):
-    out = np.zeros(q.shape, np.float64)
-    for s in range(len(kv_lens)):
-        if cu[s + 1] == cu[s]:
-            continue
-        ctx_k = k_pages[tables[s]].transpose(0, 2, 1, 3).reshape(-1, *k_pages.shape[1::2])
-        ctx_v = v_pages[tables[s]].transpose(0, 2, 1, 3).reshape(-1, *v_pages.shape[1::2])
-        q_len = cu[s + 1] - cu[s]
-        for j in range(q_len):
-            t = cu[s] + j
-            keys = visible_keys(int(kv_lens[s]), int(q_len), j, int(words[t]))
-            out[t] = numpy_attention(q[t], ctx_k, ctx_v, keys, scale)
-    return out
+from pallas_kernels.cases import tree_and_chain
+from pallas_kernels.reference import ragged_paged_attention_reference
+from tests.tree_cases import tree_case, tree_oracle
 
 
 def _run_both(case, tree_mask, chunk_keys=4):
@@ -137,8 +45,8 @@ def test_tree_rows_see_the_prefix_and_their_ancestors_only(data):
             seqs.append((prefix, parents))
         else:
             seqs.append((prefix, data.draw(st.integers(1, 32))))  # causal chunk
-    case = _case(rng, seqs, pad=True)
-    want = _oracle(*case, scale=0.3)
+    case = tree_case(rng, seqs, pad=True)
+    want = tree_oracle(*case, scale=0.3)
     ragged, dense = _run_both(case, case[-1])
     n = case[5][-1]  # padding rows are 0 in both; the oracle leaves them 0
     np.testing.assert_allclose(ragged, want, rtol=2e-5, atol=2e-5)
@@ -150,7 +58,7 @@ def test_a_chain_mask_is_the_causal_rule_bit_for_bit():
     """A tree that is a chain (every node the child of the one before) gives the same
     output as no mask, exactly: chain verification and tree verification agree."""
     rng = np.random.default_rng(0)
-    case = _case(rng, [(13, [-1, 0, 1, 2, 3]), (0, 7), (30, [-1, 0, 1])])
+    case = tree_case(rng, [(13, [-1, 0, 1, 2, 3]), (0, 7), (30, [-1, 0, 1])])
     with_mask = _run_both(case, case[-1])
     without = _run_both(case, None)
     for a, b in zip(with_mask, without, strict=True):
@@ -161,7 +69,7 @@ def test_siblings_do_not_see_each_other():
     """Two children of the prefix: the second's output does not move when the first's
     key changes (it would under the causal rule)."""
     rng = np.random.default_rng(1)
-    case = list(_case(rng, [(9, [-1, -1])], block_size=4))
+    case = list(tree_case(rng, [(9, [-1, -1])], block_size=4))
     words = case[-1]
     before, _ = _run_both(case, words)
     k = case[1].copy()
@@ -175,10 +83,46 @@ def test_siblings_do_not_see_each_other():
 
 def test_a_mask_of_the_wrong_length_is_refused():
     rng = np.random.default_rng(2)
-    q, k, v, tables, kv_lens, cu, words = _case(rng, [(3, [-1, 0])])
+    q, k, v, tables, kv_lens, cu, words = tree_case(rng, [(3, [-1, 0])])
     with pytest.raises(ValueError, match="tree_mask must be uint32"):
         ragged_paged_attention(
             *map(jnp.asarray, (q, k, v, tables, kv_lens, cu)),
             sm_scale=0.3,
             tree_mask=jnp.asarray(words[:1]),
         )
+
+
+def test_tree_verification_equals_chain_verification():
+    """The accepted path of a 9-node tree (other branches interleaved, NaN in every free
+    slot) verified with its mask equals the same tokens verified as a causal chain
+    (pallas_kernels.cases.tree_and_chain), in both XLA backends."""
+    parents = [-1, 0, -1, 1, 2, 4, 3, 5, 6]
+    tree, words, chain, path = tree_and_chain(
+        np.random.default_rng(3), prefix=13, parents=parents, leaf=8, num_q_heads=4,
+        num_kv_heads=2, head_dim=8, block_size=4,
+    )  # fmt: skip
+    got = _run_both(_padded(tree, words), words_padded := _pad_words(words))
+    # the chain with all bits: no mask, bit for bit (the test above), one compilation
+    want = _run_both(_padded(chain, None), np.full(16, 0xFFFFFFFF, np.uint32))
+    assert words_padded.shape == (16,)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g[path], w[: len(path)], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(g[len(words) - 1], w[len(path)], rtol=1e-5, atol=1e-6)
+
+
+def _pad_words(words):
+    return np.concatenate([words, np.full(16 - len(words), 0xFFFFFFFF, np.uint32)])
+
+
+def _padded(case, words):
+    """A tree_and_chain case on fixed shapes (16 rows, 12 blocks, 8-page tables; NaN
+    blocks and padding rows), so both cases share one compilation per backend."""
+    q = np.zeros((16, *case.q.shape[1:]), np.float32)
+    q[: len(case.q)] = case.q
+    pools = []
+    for pages in (case.k_pages, case.v_pages):
+        pad = np.full((12 - len(pages), *pages.shape[1:]), np.nan, np.float32)
+        pools.append(np.concatenate([pages, pad]))
+    tables = np.zeros((2, 8), np.int32)
+    tables[:, : case.block_tables.shape[1]] = case.block_tables
+    return (q, *pools, tables, case.kv_lens, case.cu_q_lens, words)

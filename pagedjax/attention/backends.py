@@ -7,7 +7,8 @@ one way: ``pagedjax.attention`` may call the kernels, never the reverse.
 
 ``select_attention_backend("auto")`` picks the Pallas kernels only on a Hopper GPU *and*
 once an H200 parity run is committed (``pallas_kernels.parity``): untested kernels must
-never be chosen silently. On the CPU it picks the native kernel
+never be chosen silently (likewise a step carrying a draft-tree mask stays on the
+reference until ``parity.H200_TREE_PARITY_VERIFIED``). On the CPU it picks the native kernel
 (``pagedjax.attention.native_cpu``, tested against the reference) when it builds. The
 reference is ``pagedjax.attention.reference``; a caller may pass its own.
 
@@ -104,7 +105,9 @@ def select_attention_backend(
 
         kernel = with_8bit_pages(paged_attention.ragged_paged_attention)
         if reason.startswith("auto"):  # chosen for the user: never an input it refuses
-            kernel = _kernel_else_reference(kernel, paged_attention.unsupported)
+            kernel = _kernel_else_reference(
+                kernel, paged_attention.unsupported, parity.H200_TREE_PARITY_VERIFIED
+            )
         return AttentionBackend("pallas", kernel, reason)
     from pagedjax.attention import reference as xla_reference
 
@@ -145,13 +148,17 @@ PALLAS_KV_FORMATS = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "int8_per_t
 
 
 def _kernel_else_reference(
-    kernel: Callable[..., jax.Array], unsupported: Callable[..., str | None]
+    kernel: Callable[..., jax.Array],
+    unsupported: Callable[..., str | None],
+    trees_verified: bool = True,
 ) -> Callable[..., jax.Array]:
     """``kernel`` where it takes the inputs, the XLA reference where ``unsupported`` (the
     kernel's own contract: q dtype, page dtype, 8-bit pages, head_dim, block_size, query
-    heads per KV head) says it does not. Decided at trace time from shapes and dtypes, so
-    each compiled program runs one of the two: "auto" on an H200 serves an fp32 model, or
-    one with head_dim 96, instead of failing in the kernel's checks."""
+    heads per KV head) says it does not, or where a ``tree_mask`` is passed and the
+    kernel's tree path is not ``trees_verified`` on a GPU. Decided at trace time from
+    shapes, dtypes and whether a mask is passed, so each compiled program runs one of the
+    two: "auto" on an H200 serves an fp32 model, or one with head_dim 96, instead of
+    failing in the kernel's checks."""
     from pagedjax.attention import reference as xla_reference
 
     @functools.wraps(kernel)
@@ -163,6 +170,8 @@ def _kernel_else_reference(
         why = unsupported(
             q.dtype, pages.dtype, eight_bit, head_dim, block_size, num_q_heads // num_kv_heads
         )
+        if kwargs.get("tree_mask") is not None and not trees_verified:
+            why = "tree masks not yet verified on a GPU"
         fn = xla_reference.ragged_paged_attention if why is not None else kernel
         return fn(q, k_pages, v_pages, *args, **kwargs)
 

@@ -19,6 +19,13 @@
 // scratch (a 256-entry table per fp8 format, so no hardware fp8 is needed) and the fp32 loop
 // above runs on it unchanged; only the rows a query reads are ever used, so poisoned slots
 // (NaN scales, NaN fp8 bytes) never reach the output.
+//
+// Draft-tree masks (pallas_kernels.reference.tree_visible): an optional uint32 operand, one
+// word per query token, empty ([0]) for none. Bit d of a row's word lets it see the key d
+// slots back; keys 32 or more back are always visible. Only the <= 32 keys nearest a query
+// can be masked, so a row pays one extra pass over at most 32 scores of the (at most two)
+// pages they sit in, and none at all when its word is all ones (prefill / decode rows) or
+// when no mask is given: the unmasked loop is unchanged.
 
 #include <algorithm>
 #include <atomic>
@@ -92,7 +99,11 @@ struct Problem {
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
   int32_t mode = kF32;
+  const uint32_t* tree = nullptr;  // [T] draft-tree words, or null: causal
 };
+
+constexpr int64_t kTreeBits = 32;  // keys a tree word covers (pallas_kernels.reference)
+constexpr uint32_t kAllBits = 0xFFFFFFFFu;
 
 struct Unit {
   int32_t seq, kv_head, first_query, num_queries;
@@ -172,6 +183,8 @@ bool RunUnit(const Problem& p, const Unit& u, std::vector<float>& scratch) {
       const int64_t j0 = std::max<int64_t>(0, lo - key0);
       const int64_t j1 = std::min<int64_t>(bs, pos - key0 + 1);  // exclusive
       if (j0 >= j1) continue;
+      const uint32_t word =
+          p.tree != nullptr ? p.tree[p.cu[u.seq] + u.first_query + i] : kAllBits;
       for (int64_t g = 0; g < g_count; ++g) {
         const int64_t r = i * g_count + g;
         const float* qr = qv + r * d;
@@ -184,6 +197,22 @@ bool RunUnit(const Problem& p, const Unit& u, std::vector<float>& scratch) {
           if (p.soft_cap > 0.0f) dot = p.soft_cap * std::tanh(dot / p.soft_cap);
           s[j] = dot;
           page_max = std::max(page_max, dot);
+        }
+        if (word != kAllBits) {
+          // Keys d = pos - key < 32 back whose bit is clear are hidden: -inf scores
+          // (exp gives 0) and the page's max taken again over the visible ones.
+          bool hidden = false;
+          for (int64_t j = std::max(j0, pos - key0 - (kTreeBits - 1)); j < j1; ++j) {
+            if (!((word >> (pos - key0 - j)) & 1u)) {
+              s[j] = -std::numeric_limits<float>::infinity();
+              hidden = true;
+            }
+          }
+          if (hidden) {
+            page_max = -std::numeric_limits<float>::infinity();
+            for (int64_t j = j0; j < j1; ++j) page_max = std::max(page_max, s[j]);
+            if (page_max == -std::numeric_limits<float>::infinity()) continue;  // none seen
+          }
         }
         const float m_new = std::max(m[r], page_max);
         const float alpha = std::exp(m[r] - m_new);  // 0 while m is -inf
@@ -254,12 +283,26 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
   return ffi::Error::Success();
 }
 
+// The tree words: none for an empty operand, else one per query token.
+ffi::Error SetTree(Problem& p, ffi::Buffer<ffi::U32>& tree_mask, int64_t num_tokens) {
+  const int64_t n = static_cast<int64_t>(tree_mask.element_count());
+  if (n == 0) return ffi::Error::Success();
+  if (tree_mask.dimensions().size() != 1 || n != num_tokens) {
+    return ffi::Error::InvalidArgument("tree_mask must be uint32[T] (one word per query) or "
+                                       "empty, got " + std::to_string(n) + " words for T = " +
+                                       std::to_string(num_tokens));
+  }
+  p.tree = tree_mask.typed_data();
+  return ffi::Error::Success();
+}
+
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                 ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                                 ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
                                 ffi::Buffer<ffi::S32> layer_index,
                                 ffi::Buffer<ffi::S32> window_size,
+                                ffi::Buffer<ffi::U32> tree_mask,
                                 ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap) {
   const auto qd = q.dimensions();
   const auto kd = k_pages.dimensions();
@@ -273,6 +316,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
             block_tables.typed_data(), kv_lens.typed_data(), cu_q_lens.typed_data(),
             out->typed_data(), num_blocks, hkv, qd[1] / hkv, bs, d, td[1],
             sm_scale, std::max<int32_t>(window_size.typed_data()[0], 0), soft_cap};
+  if (auto err = SetTree(p, tree_mask, qd[0]); err.failure()) return err;
   return Launch(pool, p, qd[0], qd[1], td[0]);
 }
 
@@ -285,6 +329,7 @@ ffi::Error RaggedPagedAttention8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                  ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
                                  ffi::Buffer<ffi::S32> layer_index,
                                  ffi::Buffer<ffi::S32> window_size,
+                                 ffi::Buffer<ffi::U32> tree_mask,
                                  ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
                                  int32_t mode) {
   const auto qd = q.dimensions();
@@ -320,6 +365,7 @@ ffi::Error RaggedPagedAttention8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   p.k_scale = k_scale.typed_data() + layer * scale_stride;
   p.v_scale = v_scale.typed_data() + layer * scale_stride;
   p.mode = mode;
+  if (auto err = SetTree(p, tree_mask, qd[0]); err.failure()) return err;
   return Launch(pool, p, qd[0], qd[1], td[0]);
 }
 
@@ -392,6 +438,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttention, RaggedPagedAttention
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap"));
@@ -409,6 +456,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttention8, RaggedPagedAttentio
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")

@@ -15,6 +15,9 @@ when it did not or when the inputs are not fp32, so callers never depend on a co
 8-bit pools (``kv_quant.QuantizedPages``: int8 with per token-head scales, fp8 E4M3 / E5M2
 with per layer-head scales) go to a second handler of the same source, which converts each
 page it walks to fp32 in C++ (fp8 through a byte table) and then runs the fp32 loop.
+
+Draft-tree masks (``tree_mask``, docs/attention.md "Tree masks") are one more operand of
+both handlers: one uint32 word per query token, or an empty array for none.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
+    tree_mask: jax.Array | None = None,
     chunk_keys: int | None = None,
     chunk_bytes: int | None = None,
 ) -> jax.Array:
@@ -76,7 +80,9 @@ def ragged_paged_attention(
     index outside it. The whole stacked pool [L, N, Hkv, B, D] and ``layer`` go to the
     kernel as operands (no per-layer slice is materialized); ``sliding_window`` may be a
     traced int32 scalar (<= 0: no window). An 8-bit pool (``QuantizedPages`` K and V,
-    stacked, with a layer index) runs the 8-bit handler for fp32 q.
+    stacked, with a layer index) runs the 8-bit handler for fp32 q. ``tree_mask``
+    uint32[T] (draft-tree rows, ``pallas_kernels.reference.tree_visible``) goes to either
+    handler; None passes an empty operand and costs nothing.
     """
     quantized = isinstance(k_pages, QuantizedPages)
     use_native = (
@@ -89,7 +95,7 @@ def ragged_paged_attention(
         return reference.ragged_paged_attention(
             q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, layer=layer,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            chunk_keys=chunk_keys, chunk_bytes=chunk_bytes,
+            tree_mask=tree_mask, chunk_keys=chunk_keys, chunk_bytes=chunk_bytes,
         )  # fmt: skip
     fmt = k_pages.fmt if quantized else None
     k_pages, v_pages, k_scale, v_scale, _ = reference.split_quantized(k_pages, v_pages, layer)
@@ -97,6 +103,10 @@ def ragged_paged_attention(
     reference.check_options(sliding_window, soft_cap)
     k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
+    if tree_mask is not None and tree_mask.shape != (q.shape[0],):
+        raise ValueError(f"tree_mask must be uint32[T={q.shape[0]}], got {tree_mask.shape}")
+    # No mask: an empty operand, which the kernel reads as "causal" (no per-row work).
+    tree = jnp.zeros((0,), jnp.uint32) if tree_mask is None else tree_mask.astype(jnp.uint32)
     if fmt is not None:
         call8 = jax.ffi.ffi_call(
             TARGET8, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential"
@@ -104,7 +114,7 @@ def ragged_paged_attention(
         return call8(
             q, k_pages, v_pages, k_scale, v_scale,
             block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
-            cu_q_lens.astype(jnp.int32), layer, window,
+            cu_q_lens.astype(jnp.int32), layer, window, tree,
             sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
             mode=np.int32(MODES[fmt.name]),
         )  # fmt: skip
@@ -120,6 +130,7 @@ def ragged_paged_attention(
         cu_q_lens.astype(jnp.int32),
         layer,
         window,
+        tree,
         sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(soft_cap or 0.0),
     )

@@ -31,6 +31,10 @@ def assign_slots(core: EngineCore) -> None:
         core.kv_calibration = None
     if core.lora is not None and core.lora.retired:  # unloaded adapters no request uses
         core.lora.release_retired(live_lora_ids(book.requests.values()))
+    kv_max = 0  # unified paging: the largest full-length KV of a slotted request
+    if core.lora is not None and core.lora.pages is not None:
+        kv_max = max((_full_blocks(core, r, q) for r, q in book.slot_owner.values()), default=0)
+        core.lora.relieve(_loras_in_use(core), max(1, kv_max))  # idle adapters' blocks to KV
     if book.queue and book.free_slots:
         n = core.max_seqs
         slot_ids = np.zeros(n, np.int32)
@@ -53,9 +57,11 @@ def assign_slots(core: EngineCore) -> None:
                 waiting.append((req, seq))
                 continue
             if core.lora is not None:
-                if not core.lora.admit(req.lora_request, in_use):
+                kv = max(kv_max, _full_blocks(core, req, seq))
+                if not core.lora.admit(req.lora_request, in_use, kv):
                     waiting.append((req, seq))
                     continue
+                kv_max = kv
                 if req.lora_request is not None:
                     in_use.add(req.lora_request.lora_int_id)
             slot = core.take_slot(req, seq)
@@ -89,6 +95,11 @@ def assign_slots(core: EngineCore) -> None:
         lookup = [s for s in lookup if book.slot_owner[s][0].prompt_logprobs is None]
         if lookup:
             lookup_prefixes(core, lookup)
+
+
+def _full_blocks(core: EngineCore, req: RequestState, seq: SequenceState) -> int:
+    """KV blocks ``seq`` holds at its full length (prompt + its most output tokens)."""
+    return -(-(len(req.prompt_token_ids) + seq.target) // core.block_size)
 
 
 def _loras_in_use(core: EngineCore) -> set[int]:

@@ -83,7 +83,7 @@ class DeviceState:
         # store by the warm-up (``schedule_program``: no tracing at a warm start, the
         # scheduler being the largest trace after the steps). Observing each step's batch
         # is ``LLMEngine.add_step_observer``'s, not a wrapper around this function.
-        self._policy = policy
+        self._policy = self.policy = policy  # public: lora_paging checks lend_blocks
         self.schedule_partial = functools.partial(schedule, policy, sched_limits)
         self._schedule_jit = jax.jit(self.schedule_partial)
         self.schedule_program: Any = None
@@ -107,6 +107,11 @@ class DeviceState:
                                  donate_argnums=(0,))  # fmt: skip
         self._exchange = jax.jit(_host_exchange, donate_argnums=(0,), static_argnums=(4,))
         self._read = jax.jit(_read_blocks)
+        # Blocks lent to LoRA adapters paged in the pool (engine/lora_paging.py). Not
+        # donated: a fresh state shares one zeros buffer between fields (init_state), and
+        # these run only when an adapter loads or leaves.
+        self._lend = jax.jit(functools.partial(_lend_blocks, policy), static_argnums=(2,))
+        self._return = jax.jit(functools.partial(_return_blocks, policy))
         neutral = SamplingTensors.from_params([], n, vocab_size)._asdict()
         self._rows = {k: np.array(v) for k, v in neutral.items() if k not in SHARED_FIELDS}
         # The device FSM's shared table and token classes (set_fsm_tables; empty: none).
@@ -132,6 +137,8 @@ class DeviceState:
             attach_reloaded=self._reloaded,
             host_exchange=self._exchange,
             read_blocks=self._read,
+            lend_blocks=self._lend,
+            return_blocks=self._return,
         )
 
     # ------------------------------------------------------------------ scheduler state
@@ -329,6 +336,35 @@ class DeviceState:
                                      axis=1), pages)  # fmt: skip
         self.kv = scatter_blocks(self.kv, ids, np.int32(n), jax.device_put(padded))
 
+    # ------------------------------------------------------------------ lent blocks
+    # (LoRA adapters paged in the KV pool: engine/lora_paging.py)
+
+    def num_free_blocks(self) -> int:
+        """The device pool's free blocks now (one scalar read: a sync)."""
+        return int(self.state.mem.pool.num_free)
+
+    def lend_blocks(self, n: int, max_n: int) -> np.ndarray | None:
+        """Take ``n`` <= max_n free blocks out of the pool for non-KV contents (the
+        policy's ``lend_blocks``): their ids (numpy int32 [n]), or None when fewer are
+        free (nothing taken). One dispatch (one program per max_n) and one read."""
+        self.state, blocks, ok = self._lend(self.state, np.int32(n), max_n)
+        blocks, ok = jax.device_get((blocks, ok))
+        return np.asarray(blocks[:n], np.int32) if bool(ok) else None
+
+    def return_blocks(self, blocks: np.ndarray, max_n: int) -> None:
+        """Give lent ``blocks`` (len <= max_n) back to the free list (``return_blocks``)."""
+        ids = np.zeros(max_n, np.int32)
+        ids[: len(blocks)] = blocks
+        self.state = self._return(self.state, ids, np.int32(len(blocks)))
+
+    def write_lent_pages(self, blocks: np.ndarray, pages: Any) -> None:
+        """kv[:, blocks[i]] = pages[:, i] (pages: (k, v) device arrays [L, max_n, ...],
+        max_n >= len(blocks); rows past len(blocks) write nothing): one scatter."""
+        max_n = jax.tree.leaves(pages)[0].shape[1]
+        ids = np.zeros(max_n, np.int32)
+        ids[: len(blocks)] = blocks
+        self.kv = scatter_blocks(self.kv, ids, np.int32(len(blocks)), pages)
+
     # ------------------------------------------------------------------ sampling rows
 
     def sampling(self) -> SamplingTensors:
@@ -399,6 +435,17 @@ def _append_outputs(state: Any, tokens: Any, slots: Any, positions: Any, toks: A
     tokens = tokens.at[row, positions[:, None] + j].set(toks, mode="drop")
     ids = jnp.where(counts > 0, slots, state.output_len.shape[0])
     return state._replace(output_len=state.output_len.at[ids].add(counts, mode="drop")), tokens
+
+
+def _lend_blocks(policy: Any, state: Any, n: Any, max_n: int) -> tuple[Any, Any, Any]:
+    """(state', blocks, ok): the memory policy's ``lend_blocks`` on ``state.mem``."""
+    mem, blocks, ok = policy.lend_blocks(state.mem, n, max_n)
+    return state._replace(mem=mem), blocks, ok
+
+
+def _return_blocks(policy: Any, state: Any, blocks: Any, count: Any) -> Any:
+    """state': the memory policy's ``return_blocks`` on ``state.mem``."""
+    return state._replace(mem=policy.return_blocks(state.mem, blocks, count))
 
 
 def _read_blocks(kv: Any, prefix_tokens: Any, src: Any) -> tuple[Any, Any]:

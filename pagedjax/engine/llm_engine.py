@@ -218,7 +218,7 @@ class LLMEngine:
             host_tier=tier, admit_gate=self.mm, rope_deltas=getattr(self.mm, "rope_deltas", None),
         )  # fmt: skip
         if config.lora is not None:  # adapters in the step's parameters (lora_manager.py)
-            self.core.lora = lora.LoRAManager(config.lora, arch, params, self.max_seqs)
+            self.core.lora = lora.LoRAManager.for_core(self.core, config.lora, arch, params)
             self.core.params = self.core.lora.params()
         self.outputs = OutputProcessor(self.core)  # the host half of every step
         self.reset_stats()
@@ -271,7 +271,7 @@ class LLMEngine:
         self.check_request(ids, params)
         controls = self.core.controls.prepare(params)  # bad words' ids, compiled grammar
         if lora_request is not None:  # read the adapter now: its errors are this call's
-            lora.prepare_request(self.core.lora, lora_request, book.requests.values())
+            lora.prepare_request(self.core.lora, lora_request, book.requests.values(), len(ids))
         if params.seed is None and not params.greedy:
             # Drawn here, once, so the request's samples survive preemption unchanged.
             params = params.with_seed(int(self._rng.integers(0, MAX_SEED + 1)))

@@ -92,8 +92,10 @@ class LLM:
     "guidance", "disable_any_whitespace": False} (``config.StructuredOutputsConfig``;
     docs/structured_outputs.md).
     enable_lora, max_loras, max_lora_rank, max_cpu_loras: multi-LoRA serving, vLLM's
-    names and defaults (1, 16, None = max_loras); lora_memory: "unified" (the adapter
-    slots' bytes come out of the KV budget) or "separate" (beside it, the ablation);
+    names and defaults (1, 16, None = max_loras); lora_memory: "static" (default: the
+    fixed slot table's bytes out of the KV budget), "unified" (S-LoRA paging: adapters
+    in KV blocks, lent and returned as they load and evict) or "separate" (the table
+    beside the KV budget, the ablation);
     ``generate(..., lora_request=...)``
     picks each prompt's adapter (docs/lora.md). Llama family, one device, no speculation.
     limit_mm_per_prompt: vLLM's dict, most images per prompt ({"image": 2}; default 999);
@@ -150,7 +152,7 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
-        lora_memory: str = "unified",
+        lora_memory: str = "static",
         limit_mm_per_prompt: dict[str, int] | None = None,
         mm_encoder_cache_size: int | None = None,
         max_num_encoder_input_tokens: int | None = None,
@@ -428,7 +430,7 @@ def engine_config(
     max_loras: int = 1,
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
-    lora_memory: str = "unified",
+    lora_memory: str = "static",
     limit_mm_per_prompt: dict[str, int] | None = None,
     mm_encoder_cache_size: int | None = None,
     max_num_encoder_input_tokens: int | None = None,

@@ -11,7 +11,7 @@ import numpy as np
 
 from pagedjax.memory import block_stats as bst
 from pagedjax.memory import block_table as btm
-from pagedjax.memory.block_pool import BlockPool, create_block_pool
+from pagedjax.memory.block_pool import BlockPool, create_block_pool, drop_refs
 from pagedjax.memory.block_stats import BlockStats
 from pagedjax.memory.block_table import BlockTables, CopyOnWrite, blocks_for
 from pagedjax.memory.eviction import POLICIES
@@ -284,6 +284,32 @@ class PagedPolicy:
             state.pool, state.tables, seq_ids, new_lens, mask, self.block_size
         )
         return state._replace(pool=pool, tables=tables)
+
+    # -- blocks lent outside the block tables (LoRA adapters paged in the pool) ----------
+
+    def lend_blocks(self, state: PagedState, n: jax.Array, max_n: int
+                    ) -> tuple[PagedState, jax.Array, jax.Array]:  # fmt: skip
+        """Take ``n`` free blocks (int32 scalar, <= max_n) out of the pool for contents
+        that are not KV (engine/lora_paging.py: an adapter's weights), all or nothing:
+        (state', blocks int32[max_n] (NULL_BLOCK past n), ok). Refused (state unchanged)
+        when fewer than n are free. Taken by this policy's allocator, so a cached free
+        block is evicted as a sequence's allocation would evict it, and forgotten by the
+        prefix cache (its contents are about to change; not recorded as evicted for a
+        host tier, which would copy the new contents as KV). O(max_n)."""
+        n = jnp.asarray(n, jnp.int32)
+        ok = (n >= 0) & (n <= max_n) & (n <= state.pool.num_free)
+        count = jnp.where(ok, n, 0)
+        pool, blocks = self._pop(state)(state.pool, count, max_n)
+        if state.prefix is not None:
+            state = state._replace(prefix=invalidate(state.prefix, blocks,
+                                                     jnp.arange(max_n) < count))  # fmt: skip
+        return state._replace(pool=pool), blocks, ok
+
+    def return_blocks(self, state: PagedState, blocks: jax.Array, count: jax.Array
+                      ) -> PagedState:  # fmt: skip
+        """Give ``blocks[:count]`` (each lent by ``lend_blocks``, refcount 1) back to the
+        free list, uncached. Unchecked (the lender's bookkeeping holds exactly these)."""
+        return state._replace(pool=drop_refs(state.pool, blocks, count))
 
     def free_slots(self, state: PagedState) -> jax.Array:
         """float32[]: slots in free blocks (held by no sequence), the "free" part of

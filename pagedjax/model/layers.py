@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
 from pagedjax.attention import write_kv
+from pagedjax.model import lora_pages
 from pagedjax.model.input import ModelInput
 from pagedjax.model.lora_delta import lora_delta
 from pagedjax.model.native_matmul import stacked_matmul, uses_native
@@ -146,7 +147,9 @@ def run_layers(
     Python int count is a static trip count (a scan, as before); a traced one a while loop."""
 
     def body(i: jax.Array, c: Any) -> Any:
-        view = layer_view(params, i, native)
+        # LoRA adapters paged in the KV pool (lora_pages.py): this layer's, read from the
+        # pools in the carry; a tree without them is unchanged.
+        view = lora_pages.materialize(layer_view(params, i, native), c, i)
         inp = jax.tree.map(lambda a: a[i], inputs)
         c, _ = layer_cls(*layer_args, parent=None).apply({"params": view}, c, inp, batch)
         return c

@@ -43,14 +43,15 @@ class Variant:
     soft_cap: float | None = None
     num_splits: int | None = None
     kv_format: str | None = None  # 8-bit pools (configs.KV_FORMATS); None: in dtype
+    tree: bool = False  # a draft-tree mask (USE_TREE)
 
 
 VARIANTS = [
     Variant("decode, one split", num_tokens=256, num_seqs=256, num_splits=1),
     Variant("decode, 8 splits + merge", num_tokens=4, num_seqs=4, num_splits=8),
     Variant("prefill GQA 4", num_tokens=2048, num_seqs=4),
-    Variant("prefill fp16, window, soft cap", num_tokens=512, num_seqs=2, dtype="float16",
-            sliding_window=256, soft_cap=30.0),
+    Variant("prefill fp16, window, soft cap, tree mask", num_tokens=512, num_seqs=2,
+            dtype="float16", sliding_window=256, soft_cap=30.0, tree=True),
     Variant("decode fp32 MHA, head_dim 64, pages of 8", num_tokens=8, num_seqs=8,
             dtype="float32", num_q_heads=8, num_kv_heads=8, head_dim=64, block_size=8),
     Variant("prefill MQA, pages of 128", num_tokens=1024, num_seqs=2, num_q_heads=16,
@@ -99,7 +100,8 @@ def _scalar_values(variant: Variant, num_splits: int) -> dict[str, dict[str, int
     scales = configs.scale_strides(variant.kv_format, scale_shape)
     attn = configs.attention_scalars(rm(q), rm(pool), rm(bt), out, lse, *bt, scales)
     merge = configs.merge_scalars(out, lse, rm(q), variant.num_seqs)
-    names_a = paged_attention_kernel.arg_names[9 : 9 + len(attn)]
+    first = paged_attention_kernel.arg_names.index("stride_q_tok")  # after the pointers
+    names_a = paged_attention_kernel.arg_names[first : first + len(attn)]
     names_m = merge_splits_kernel.arg_names[3 : 3 + len(merge)]
     return {
         "attention": {n: 1 for n, v in zip(names_a, attn, strict=True) if v == 1},
@@ -124,6 +126,7 @@ def compile_variant(variant: Variant, capability: int) -> dict[str, Any]:
         max_blocks=variant.max_blocks, dtype=variant.dtype, sm_scale=variant.head_dim**-0.5,
         sliding_window=variant.sliding_window, soft_cap=variant.soft_cap,
         capability=capability, num_splits=variant.num_splits, kv_format=variant.kv_format,
+        tree=variant.tree,
     )  # fmt: skip
     data = _TRITON_TYPES[variant.dtype]
     pool = _POOL_TYPES[variant.kv_format] if variant.kv_format else data
@@ -131,7 +134,7 @@ def compile_variant(variant: Variant, capability: int) -> dict[str, Any]:
     pointers = dict(
         q_ptr=data, k_pool_ptr=pool, v_pool_ptr=pool, k_scale_ptr="fp32", v_scale_ptr="fp32",
         scalars_ptr="i32",
-        block_tables_ptr="i32", kv_lens_ptr="i32", cu_q_lens_ptr="i32",
+        block_tables_ptr="i32", kv_lens_ptr="i32", cu_q_lens_ptr="i32", tree_ptr="i32",
         out_ptr=split_out, lse_ptr="fp32", partial_ptr="fp32",
     )  # fmt: skip
     target = GPUTarget("cuda", capability, 32)

@@ -8,7 +8,8 @@ normal mode, so the interpreted cases run in a process of their own:
 
     python -m pallas_kernels.triton.check_cases --serve
 
-reads one JSON request per line on stdin ({"op": "case" | "binding", "spec": {...}}) and
+reads one JSON request per line on stdin ({"op": "case" | "binding" | "tree_chain",
+"spec": {...}}) and
 writes one JSON result per line on stdout. ``run_case`` is also what the GPU check runs on
 CUDA tensors.
 
@@ -63,13 +64,36 @@ class CaseSpec:
     block_m: int | None = None  # tile override (block_m, tile_n); None: the sm_80 table
     tile_n: int | None = None
     seed: int = 0
+    # Draft trees (tree_mask): per sequence, the parents of its q_len nodes
+    # (pallas_kernels.cases.tree_words) or None for plain causal rows; None: no mask.
+    trees: tuple[tuple[int, ...] | None, ...] | None = None
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> CaseSpec:
         d = dict(d)
         for k in ("q_lens", "kv_lens"):
             d[k] = tuple(d[k])
+        if d.get("trees") is not None:
+            d["trees"] = tuple(None if t is None else tuple(t) for t in d["trees"])
         return CaseSpec(**d)
+
+
+def tree_mask(spec: CaseSpec) -> np.ndarray | None:
+    """uint32[num_tokens] words of the case's trees (all bits for plain rows and padding),
+    or None without trees."""
+    if spec.trees is None:
+        return None
+    from pallas_kernels.cases import ALL_BITS, tree_words
+
+    words = np.full(spec.num_tokens, ALL_BITS, np.uint32)
+    start = 0
+    for q_len, parents in zip(spec.q_lens, spec.trees, strict=True):
+        if parents is not None:
+            if len(parents) != q_len:
+                raise ValueError(f"a tree of {len(parents)} nodes for {q_len} query rows")
+            words[start : start + q_len] = tree_words(list(parents))
+        start += q_len
+    return words
 
 
 def make_inputs(spec: CaseSpec) -> dict[str, np.ndarray]:
@@ -97,6 +121,8 @@ def make_inputs(spec: CaseSpec) -> dict[str, np.ndarray]:
         q=case.q, k_pool=k_pool, v_pool=v_pool, block_tables=case.block_tables,
         kv_lens=case.kv_lens, cu_q_lens=case.cu_q_lens,
     )  # fmt: skip
+    if spec.trees is not None:
+        out["tree_mask"] = tree_mask(spec)
     if spec.kv_format is not None:
         for name in ("k", "v"):
             values, scale, dequantized = quantize_pool(out[f"{name}_pool"], spec.kv_format)
@@ -147,9 +173,15 @@ def reference_output(spec: CaseSpec, inputs: dict[str, np.ndarray]) -> np.ndarra
         rounded(inputs["q"]), k, v, jnp.asarray(inputs["block_tables"]),
         jnp.asarray(inputs["kv_lens"]), jnp.asarray(inputs["cu_q_lens"]),
         sm_scale=spec.head_dim**-0.5, sliding_window=spec.sliding_window,
-        soft_cap=spec.soft_cap,
+        soft_cap=spec.soft_cap, tree_mask=_tree_arg(inputs, jnp.asarray),
     )  # fmt: skip
     return np.asarray(out, np.float32)
+
+
+def _tree_arg(inputs: dict[str, np.ndarray], convert: Any) -> Any:
+    """The case's tree mask converted for a launcher (torch gets the int32 bits), or None."""
+    words = inputs.get("tree_mask")
+    return None if words is None else convert(words)
 
 
 def compare(spec: CaseSpec, out: np.ndarray, ref: np.ndarray, **extra: Any) -> dict[str, Any]:
@@ -181,7 +213,9 @@ def run_case(spec: CaseSpec, device: str = "cpu") -> dict[str, Any]:
 
     inputs = make_inputs(spec)
     dt = _torch_dtype(spec.dtype)
-    t = {k: torch.from_numpy(v).to(device) for k, v in inputs.items()}
+    # uint32 tree words travel as their int32 bits (what the kernel reads)
+    t = {k: torch.from_numpy(v.view(np.int32) if v.dtype == np.uint32 else v).to(device)
+         for k, v in inputs.items()}  # fmt: skip
     pools = t["k_pool"].to(dt), t["v_pool"].to(dt)
     quant: dict[str, Any] = {}
     if spec.kv_format is not None:
@@ -197,7 +231,8 @@ def run_case(spec: CaseSpec, device: str = "cpu") -> dict[str, Any]:
         t["q"].to(dt), *pools, spec.layer,
         t["block_tables"], t["kv_lens"], t["cu_q_lens"], sm_scale=spec.head_dim**-0.5,
         sliding_window=window, soft_cap=spec.soft_cap, num_splits=spec.num_splits,
-        tile=tile, **quant,
+        tile=tile, tree_mask=_tree_arg(inputs, lambda w: t["tree_mask"]),
+        **quant,
     )  # fmt: skip
     plan = configs.plan_launch(
         num_tokens=spec.num_tokens, num_q_heads=spec.num_q_heads,
@@ -206,6 +241,7 @@ def run_case(spec: CaseSpec, device: str = "cpu") -> dict[str, Any]:
         sm_scale=1.0, sliding_window=None if spec.dynamic_window else spec.sliding_window,
         soft_cap=spec.soft_cap, dynamic_window=spec.dynamic_window,
         num_splits=spec.num_splits, tile=tile, kv_format=spec.kv_format,
+        tree=spec.trees is not None,
     )  # fmt: skip
     ref = reference_output(spec, inputs)
     return compare(spec, out.float().cpu().numpy(), ref, num_splits=plan.num_splits)
@@ -296,7 +332,7 @@ def run_binding_case(spec: CaseSpec) -> dict[str, Any]:
             j["q"].astype(spec.dtype), *pools, jnp.int32(spec.layer), j["block_tables"],
             j["kv_lens"], j["cu_q_lens"], sm_scale=spec.head_dim**-0.5,
             sliding_window=window, soft_cap=spec.soft_cap, num_splits=spec.num_splits,
-            **quant,
+            tree_mask=j.get("tree_mask"), **quant,
         )  # fmt: skip
     finally:
         if saved is None:
@@ -310,6 +346,48 @@ def run_binding_case(spec: CaseSpec) -> dict[str, Any]:
     )  # fmt: skip
 
 
+def run_tree_vs_chain(params: dict[str, Any]) -> dict[str, Any]:
+    """The torch launcher (interpreted on CPU) on ``pallas_kernels.cases.tree_and_chain``:
+    the accepted path of a tree verified with its mask against the same tokens verified
+    as a causal chain without one. ``params``: prefix, parents, leaf, num_q_heads,
+    num_kv_heads, head_dim, block_size, dtype, and optionally num_splits, block_m, tile_n,
+    seed. Returns finite, rel_err of the path's rows, decode_equal (the row beside it)."""
+    import torch
+
+    from pallas_kernels.cases import tree_and_chain
+    from pallas_kernels.triton import configs, torch_launch
+
+    p = dict(params)
+    dt = _torch_dtype(p["dtype"])
+    tree, words, chain, path = tree_and_chain(
+        np.random.default_rng(p.get("seed", 0)), prefix=p["prefix"], parents=list(p["parents"]),
+        leaf=p["leaf"], num_q_heads=p["num_q_heads"], num_kv_heads=p["num_kv_heads"],
+        head_dim=p["head_dim"], block_size=p["block_size"],
+    )  # fmt: skip
+    tile = None
+    if p.get("block_m") is not None:
+        tile = configs.TileConfig(p["block_m"], p.get("tile_n") or 16, 4, 2)
+
+    def run(case: Any, mask: np.ndarray | None) -> np.ndarray:
+        tm = None if mask is None else torch.from_numpy(mask.view(np.int32))
+        out = torch_launch.paged_attention(
+            torch.from_numpy(case.q).to(dt), torch.from_numpy(case.k_pages)[None].to(dt),
+            torch.from_numpy(case.v_pages)[None].to(dt), 0,
+            torch.from_numpy(case.block_tables), torch.from_numpy(case.kv_lens),
+            torch.from_numpy(case.cu_q_lens), sm_scale=p["head_dim"] ** -0.5,
+            num_splits=p.get("num_splits"), tile=tile, tree_mask=tm,
+        )  # fmt: skip
+        return out.float().numpy()
+
+    got, want = run(tree, words), run(chain, None)
+    a, b = got[path], want[: len(path)]
+    return dict(
+        finite=bool(np.isfinite(got).all()),
+        rel_err=float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12)),
+        decode_equal=bool(np.array_equal(got[-1], want[-1])),
+    )
+
+
 def serve() -> int:
     """The worker loop: one JSON request per stdin line, one JSON result per stdout line."""
     for line in sys.stdin:
@@ -317,9 +395,12 @@ def serve() -> int:
             continue
         try:
             req = json.loads(line)
-            spec = CaseSpec.from_dict(req["spec"])
-            fn = {"case": run_case, "binding": run_binding_case}[req["op"]]
-            result = {"ok": True, "result": fn(spec)}
+            if req["op"] == "tree_chain":  # its own parameters, not a CaseSpec
+                result = {"ok": True, "result": run_tree_vs_chain(req["spec"])}
+            else:
+                spec = CaseSpec.from_dict(req["spec"])
+                fn = {"case": run_case, "binding": run_binding_case}[req["op"]]
+                result = {"ok": True, "result": fn(spec)}
         except Exception:
             result = {"ok": False, "error": traceback.format_exc()}
         sys.stdout.write(json.dumps(result) + "\n")

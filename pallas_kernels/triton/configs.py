@@ -199,6 +199,7 @@ def plan_launch(
     num_splits: int | None = None,
     tile: TileConfig | None = None,
     kv_format: str | None = None,
+    tree: bool = False,
 ) -> LaunchPlan:
     """The launch for one call, from static shapes only (so it is fixed under jit).
 
@@ -210,6 +211,7 @@ def plan_launch(
     arrives at run time (a traced per-layer value, <= 0 meaning none), so the kernel keeps
     its window code without knowing the value. ``dtype`` is q's (the compute dtype, which
     sets the tiles); ``kv_format`` (``KV_FORMATS``, None: pools in q's dtype) the pools'.
+    ``tree``: a draft-tree mask (one int32 word per token) is passed (``USE_TREE``).
     """
     if kv_format is not None and kv_format not in KV_FORMATS:
         raise ValueError(f"kv_format must be one of {sorted(KV_FORMATS)}, got {kv_format!r}")
@@ -245,6 +247,7 @@ def plan_launch(
         SM_SCALE=float(sm_scale),
         SOFT_CAP=float(soft_cap or 0.0),
         USE_WINDOW=sliding_window is not None or dynamic_window,
+        USE_TREE=bool(tree),
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,

@@ -92,6 +92,7 @@ def triton_paged_attention(
     kv_format: str | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    tree_mask: jax.Array | None = None,
 ) -> jax.Array:
     """Causal ragged paged attention (prefill, chunked prefill, decode, mixed batches).
 
@@ -114,6 +115,9 @@ def triton_paged_attention(
         kernels' names): "fp8_e4m3" / "fp8_e5m2" pools of uint8 bytes with k_scale /
         v_scale float32[L, Hkv] (per layer and KV head), or "int8" pools with k_scale /
         v_scale float32[L, N, Hkv, B, 1] (per slot). A page value means value x scale.
+      tree_mask: uint32[T] or None: draft-tree rows (``reference.tree_visible``): bit d
+        of a token's word lets it see the key d positions back, keys 32 or more back
+        always; None (or all bits set) is the causal rule.
 
     Returns:
       [T, Hq, D] in q's dtype; padding tokens are 0.
@@ -131,6 +135,12 @@ def triton_paged_attention(
     )  # fmt: skip
     if kv_format is None:  # never read by the kernel; jax-triton needs an array to point at
         k_scale = v_scale = jnp.zeros((1,), jnp.float32)
+    if tree_mask is not None and tree_mask.shape != (q.shape[0],):
+        raise ValueError(f"tree_mask must be uint32[T={q.shape[0]}], got {tree_mask.shape}")
+    if tree_mask is None:  # unread (USE_TREE off)
+        tree = jnp.zeros((1,), jnp.int32)
+    else:  # the kernel reads the bits as int32
+        tree = jax.lax.bitcast_convert_type(tree_mask.astype(jnp.uint32), jnp.int32)
     from pallas_kernels.triton.kernels import merge_splits_kernel, paged_attention_kernel
 
     num_tokens, num_q_heads, head_dim = q.shape
@@ -147,7 +157,7 @@ def triton_paged_attention(
         dtype=jnp.dtype(q.dtype).name, sm_scale=sm_scale,
         sliding_window=None if dynamic else sliding_window, soft_cap=soft_cap,
         dynamic_window=dynamic, capability=_capability(capability), num_splits=num_splits,
-        kv_format=kv_format,
+        kv_format=kv_format, tree=tree_mask is not None,
     )  # fmt: skip
     # Layer and window as an int32[2] operand: jax-triton bakes Python scalars into the
     # kernel, and both may be traced.
@@ -172,7 +182,7 @@ def triton_paged_attention(
     )  # fmt: skip
     partial, lse_out = _triton_call(
         q, k_pool, v_pool, k_scale, v_scale, run_scalars, block_tables, kv_lens, cu_q_lens,
-        *scalars,
+        tree, *scalars,
         kernel=paged_attention_kernel, out_shapes=[target, lse], grid=plan.grid,
         num_warps=plan.num_warps, num_stages=plan.num_stages, zeroed_outputs=zeroed,
         constexprs=plan.attention_constexprs,
@@ -205,6 +215,7 @@ def ragged_paged_attention(
     kv_format: str | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    tree_mask: jax.Array | None = None,
 ) -> jax.Array:
     """The engine's attention contract (``pagedjax.attention``): the stacked pool
     [L, N, Hkv, B, D] with ``layer``, or one layer's 4-D pages with ``layer=None`` (a
@@ -222,7 +233,7 @@ def ragged_paged_attention(
     return triton_paged_attention(
         q, k_pool, v_pool, layer, block_tables, kv_lens, cu_q_lens,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        kv_format=kv_format, k_scale=k_scale, v_scale=v_scale,
+        kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, tree_mask=tree_mask,
     )  # fmt: skip
 
 

@@ -44,6 +44,12 @@ architecture"), and Triton's CPU interpreter converts fp8 NaN / inf bytes to fin
 numbers (e4m3 0x7F -> 480, e5m2 0x7C -> 65536), so the interpreted tests would not test
 what a GPU does. The integer decode is exact for every byte on every target.
 
+Draft-tree masks (``USE_TREE``; ``pallas_kernels.reference.tree_visible``): ``tree_ptr``
+holds one int32 word per query token (the uint32 bits); each row loads its token's word
+once, and a key ``back = pos - kpos`` positions back is visible only if ``back >= 32`` or
+bit ``back`` is set, ANDed into the causal mask of every step. Without a mask the
+constexpr drops that code and ``tree_ptr`` is never read.
+
 The layer index and the sliding window arrive as a small int32 array the kernel reads (not
 as launch constants): inside the model's layer loop both are traced values.
 
@@ -93,6 +99,7 @@ def paged_attention_kernel(
     block_tables_ptr,  # int32[S, M]
     kv_lens_ptr,  # int32[S]
     cu_q_lens_ptr,  # int32[S + 1]
+    tree_ptr,  # int32[T]: each token's tree word (USE_TREE), else unread [1]
     stride_q_tok,
     stride_q_head,
     stride_kv_layer,
@@ -116,6 +123,7 @@ def paged_attention_kernel(
     SM_SCALE: tl.constexpr,
     SOFT_CAP: tl.constexpr,  # 0.0: no soft cap
     USE_WINDOW: tl.constexpr,  # False: no window code at all (the window is statically None)
+    USE_TREE: tl.constexpr,  # False: no tree-mask code (tree_ptr unread)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
     BLOCK_Q: tl.constexpr,  # query tokens per tile
@@ -160,6 +168,9 @@ def paged_attention_kernel(
     tok = q_start + q_idx  # each row's token index in the batch
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
+
+    if USE_TREE:
+        word = tl.load(tree_ptr + tok, mask=row_ok, other=-1)  # dead rows: all bits
 
     q = tl.load(
         q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + d[None, :],
@@ -221,6 +232,10 @@ def paged_attention_kernel(
         visible = row_ok[:, None] & key_ok[None, :] & (kpos[None, :] <= pos[:, None])
         if USE_WINDOW:
             visible = visible & ((window <= 0) | (kpos[None, :] > pos[:, None] - window))
+        if USE_TREE:  # keys 32+ back always; nearer ones by their bit (arithmetic >> is fine)
+            back = pos[:, None] - kpos[None, :]
+            bit = (word[:, None] >> tl.minimum(tl.maximum(back, 0), 31)) & 1
+            visible = visible & ((back >= 32) | (bit == 1))
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN

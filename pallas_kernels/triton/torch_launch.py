@@ -55,6 +55,7 @@ def paged_attention(
     kv_format: str | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged paged attention on torch tensors; the contract of
     ``jax_binding.triton_paged_attention``.
@@ -69,6 +70,8 @@ def paged_attention(
     ``kv_format`` ("fp8_e4m3" / "fp8_e5m2": uint8 pools, "int8": int8 pools;
     ``configs.KV_FORMATS``) with contiguous float32 ``k_scale`` / ``v_scale`` [L, Hkv]
     (fp8) or [L, N, Hkv, B, 1] (int8): the pools hold 8-bit values, each times its scale.
+    ``tree_mask``: None or one word per token, int32 or uint32 [T], the bits of
+    ``pallas_kernels.reference.tree_visible`` (draft-tree rows).
     """
     scales = None
     if kv_format is not None:
@@ -88,6 +91,16 @@ def paged_attention(
     elif not (k_scale.is_contiguous() and v_scale.is_contiguous()):
         raise ValueError("k_scale and v_scale must be contiguous")
     device = q.device
+    if tree_mask is not None:
+        word_dtypes = (torch.int32, getattr(torch, "uint32", torch.int32))
+        if tuple(tree_mask.shape) != (q.shape[0],) or tree_mask.dtype not in word_dtypes:
+            raise ValueError(
+                f"tree_mask must be uint32[T={q.shape[0]}], got {tree_mask.dtype}"
+                f"{list(tree_mask.shape)}"
+            )
+        tree = tree_mask.view(torch.int32).contiguous()  # the kernel reads int32 bits
+    else:  # never read: any int32 buffer will do as the pointer
+        tree = torch.zeros((1,), dtype=torch.int32, device=device)
     if interpret is None:
         interpret = device.type == "cpu"
     if capability is None:
@@ -106,7 +119,7 @@ def paged_attention(
         head_dim=head_dim, block_size=block_size, num_seqs=num_seqs, max_blocks=max_blocks,
         dtype=_dtype_name(q), sm_scale=sm_scale, sliding_window=static_window,
         soft_cap=soft_cap, dynamic_window=dynamic, capability=capability,
-        num_splits=num_splits, tile=tile, kv_format=kv_format,
+        num_splits=num_splits, tile=tile, kv_format=kv_format, tree=tree_mask is not None,
     )  # fmt: skip
     window = sliding_window if sliding_window is not None else 0
     scalars_t = torch.stack([
@@ -133,7 +146,7 @@ def paged_attention(
         num_seqs, max_blocks, configs.scale_strides(kv_format, tuple(k_scale.shape)),
     )  # fmt: skip
     attend[plan.grid](
-        q, k_pool, v_pool, k_scale, v_scale, scalars_t, block_tables, kv_lens, cu_q_lens,
+        q, k_pool, v_pool, k_scale, v_scale, scalars_t, block_tables, kv_lens, cu_q_lens, tree,
         *scalars, target, lse,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.attention_constexprs,
     )  # fmt: skip

@@ -37,14 +37,15 @@ def _dry_run(tmp_path, env, group: str | None = None) -> str:
 
 
 def _check_kernel_parts(text: str) -> None:
-    # parity: the XLA reference and Mosaic GPU (interpreted) on 2 cases; Triton through the
-    # jax-triton stand-in and Triton through torch, each on those 2 and an fp8 pool: 10
-    # rows in three parts, all passing
-    assert re.search(r"^\| parity-mosaic \| ok \| \d+ \| 4/4 rows pass", text, re.M)
+    # parity: the XLA reference and Mosaic GPU (interpreted) on 3 cases (one with a draft
+    # tree); Triton through the jax-triton stand-in and Triton through torch, each on those
+    # 3 and an fp8 pool: 14 rows in three parts, all passing
+    assert re.search(r"^\| parity-mosaic \| ok \| \d+ \| 6/6 rows pass", text, re.M)
     for kind in ("triton-jax", "triton-torch"):
-        assert re.search(rf"^\| parity-{kind} \| ok \| \d+ \| 3/3 rows pass", text, re.M)
+        assert re.search(rf"^\| parity-{kind} \| ok \| \d+ \| 4/4 rows pass", text, re.M)
     rows = [line for line in text.splitlines() if line.startswith("| Triton via")]
-    assert len(rows) == 6 and all(line.endswith("| pass |") for line in rows)
+    assert len(rows) == 8 and all(line.endswith("| pass |") for line in rows)
+    assert sum(" trees 5/-" in line for line in text.splitlines()) == 4
     assert sum("pool fp8_e4m3" in line for line in rows) == 2
     bench_rows = [line for line in text.splitlines() if line.startswith("| tiny ")]
     assert len(bench_rows) == 2

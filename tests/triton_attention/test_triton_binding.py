@@ -29,11 +29,14 @@ def test_single_split_call_layout_and_numerics(interp_worker):
     # prefill tiles on sm_80: block_m 64 -> 32 tokens of the GQA group of 2 per tile;
     # 12 // 32 + 4 = 4 query tiles, 2 KV heads, 1 split
     assert call["grid"] == [4, 2, 1]
-    # q, the pools, the (unread) scale buffers of a float pool, [layer, window], tables...
+    # q, the pools, the (unread) scale buffers of a float pool, [layer, window], tables,
+    # kv_lens, cu_q_lens, the (unread) tree words
     assert call["array_shapes"] == [
-        [12, 4, 32], [2, 11, 2, 16, 32], [2, 11, 2, 16, 32], [1], [1], [2], [4, 5], [4], [5]
+        [12, 4, 32], [2, 11, 2, 16, 32], [2, 11, 2, 16, 32], [1], [1], [2], [4, 5], [4], [5],
+        [1],
     ]  # fmt: skip
-    assert call["array_dtypes"] == ["float16"] * 3 + ["float32"] * 2 + ["int32"] * 4
+    assert call["array_dtypes"] == ["float16"] * 3 + ["float32"] * 2 + ["int32"] * 5
+    assert call["constexprs"]["USE_TREE"] is False
     # q strides (128, 32); pool (11264, 1024, 512, 32); scales (0, 0, 0, 0): none read;
     # table row 5; out (0, 128, 32); lse unused (0, 0); S = 4; M = 5
     assert call["scalars"] == [128, 32, 11264, 1024, 512, 32, 0, 0, 0, 0, 5, 0, 128, 32, 0, 0,

@@ -16,7 +16,7 @@ import pytest
 # on both targets. The other variants run under -m slow.
 FAST = [
     "decode batch 1, one page, 2 splits",
-    "prefill fp16, window, soft cap",
+    "prefill fp16, window, soft cap, tree mask",  # USE_TREE: the row words and shifts
     "decode fp8_e4m3 pages, 4 splits",  # 8-bit pages: the integer fp8 decode, fp32 scales
 ]
 

@@ -206,8 +206,9 @@ def test_binding_hands_jax_triton_the_bytes_and_scales(interp_worker):
     r = interp_worker.run("binding", spec)
     assert r["finite"] and r["rel_err"] < TOL["float16"], r
     (call,) = r["calls"]
+    # int32: [layer, window], tables, kv_lens, cu_q_lens, the (unread) tree words
     assert call["array_dtypes"] == ["float16", "int8", "int8", "float32", "float32"] + [
-        "int32"] * 4  # fmt: skip
+        "int32"] * 5  # fmt: skip
     assert call["array_shapes"][3] == call["array_shapes"][4] == [2, 11, 2, 16, 1]
     # pool strides (11264, 1024, 512, 32), then the scales' (352, 32, 16, 1)
     assert call["scalars"][2:10] == [11264, 1024, 512, 32, 352, 32, 16, 1]

@@ -222,9 +222,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
                    help="the largest adapter rank served (LLM's default: 16)")  # fmt: skip
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory (default: --max-loras)")  # fmt: skip
-    p.add_argument("--lora-memory", choices=("unified", "separate"), default=None,
-                   help=_own("adapter slots inside the KV budget (unified, the default) or"
-                             " beside it (separate: the ablation; docs/lora.md)"))  # fmt: skip
+    p.add_argument("--lora-memory", choices=("unified", "static", "separate"), default=None,
+                   help=_own("a fixed adapter table inside the KV budget (static, the"
+                             " default), adapters paged in KV blocks (unified) or the"
+                             " table beside the budget (separate: the ablation;"
+                             " docs/lora.md)"))  # fmt: skip
     p.add_argument(
         "--allowed-local-media-path",
         default=None,
