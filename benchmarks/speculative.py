@@ -3,7 +3,7 @@
     python benchmarks/speculative.py [--batch-sizes 1 8 64] [--max-tokens 64]
         [--methods none ngram draft eagle] [--workloads copy chat] [--k 4]
         [--draft-layers 8] [--eagle-dir DIR] [--medusa-dir DIR] [--draft-model NAME_OR_DIR]
-        [--batch1-prompts N] [--rounds R] [--tree-budget N] [--tree-top-k K]
+        [--batch1-prompts N] [--rounds R] [--tree-budget N] [--tree-top-k K] [--eagle3-dir DIR]
 
 Model: SmolLM2-135M-Instruct (``LLM(model="smollm2-135m-instruct")``), greedy.
 Workloads, each rendered by the chat template:
@@ -25,7 +25,9 @@ as a chain, K * min(k, N // K) nodes, engine/spec/eagle_tree.py), draft
 ({"method": "draft_model", "model": "self", "draft_num_layers": N}: the model's own first
 N layers), eagle
 ({"method": "eagle", "model": DIR}: a head trained by ``python -m
-pagedjax.tools.train_eagle``; DIR defaults to where that writes it), medusa
+pagedjax.tools.train_eagle``; DIR defaults to where that writes it), eagle3
+({"method": "eagle3", "model": DIR}: an EAGLE-3 head trained by ``python -m
+pagedjax.tools.train_eagle3``, ``--eagle3-dir``, DIR likewise), medusa
 ({"method": "medusa", "model": DIR}: heads trained by ``python -m
 pagedjax.tools.train_medusa``, DIR likewise), draftmodel
 ({"method": "draft_model", "model": NAME_OR_DIR}: a separate draft checkpoint with its own
@@ -60,6 +62,7 @@ from pagedjax.eval.chat import QUESTIONS, conversation
 from pagedjax.eval.texts import load_text
 from pagedjax.sampling import SamplingParams
 from pagedjax.tools.train_eagle import default_out
+from pagedjax.tools.train_eagle3 import default_out as eagle3_out
 from pagedjax.tools.train_medusa import default_out as medusa_out
 
 MODEL = "smollm2-135m-instruct"
@@ -140,6 +143,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--eagle-dir", default=str(default_out(MODEL)))
+    ap.add_argument("--eagle3-dir", default=str(eagle3_out(MODEL)))
     ap.add_argument("--medusa-dir", default=str(medusa_out(MODEL)))
     ap.add_argument("--draft-model", default=MODEL)
     ap.add_argument("--batch1-prompts", type=int, default=1,
@@ -165,6 +169,7 @@ def main() -> None:
         "draft": {"method": "draft_model", "model": "self", "num_speculative_tokens": a.k,
                   "draft_num_layers": a.draft_layers},
         "eagle": {"method": "eagle", "model": a.eagle_dir, "num_speculative_tokens": a.k},
+        "eagle3": {"method": "eagle3", "model": a.eagle3_dir, "num_speculative_tokens": a.k},
         "medusa": {"method": "medusa", "model": a.medusa_dir, "num_speculative_tokens": a.k},
         "draftmodel": {"method": "draft_model", "model": a.draft_model,
                        "num_speculative_tokens": a.k},

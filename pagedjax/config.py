@@ -341,7 +341,9 @@ class SpeculativeConfig:
     .gguf, catalog or preset name) and no draft_num_layers: a separate draft checkpoint
     with its own KV pool (engine/spec/draft_model.py);
     "eagle" with model a head directory (engine/spec/eagle.py; trained by
-    ``python -m pagedjax.tools.train_eagle``); "medusa" with model a directory of Medusa
+    ``python -m pagedjax.tools.train_eagle``); "eagle3" with model an EAGLE-3 head
+    directory, pagedjax's layout or vLLM / EAGLE-3's checkpoint names (engine/spec/eagle3.py;
+    trained by ``python -m pagedjax.tools.train_eagle3``); "medusa" with model a directory of Medusa
     heads, pagedjax's layout or vLLM's checkpoint names (engine/spec/medusa.py; trained by
     ``python -m pagedjax.tools.train_medusa``), drafting min(k, num_heads) tokens per
     row. num_speculative_tokens: k, proposals
@@ -359,15 +361,16 @@ class SpeculativeConfig:
     bucket, down to 0 (``engine/spec/k_schedule.py``); within the table's k when both
     are set.
     draft_sample_method (vLLM's key): "greedy" drafts the argmax; "probabilistic" makes
-    the draft_model / eagle / medusa drafts samples of the draft's distribution q at the request's
-    temperature, verified by rejection sampling (min(1, p/q), residual max(0, p - q)).
+    the draft_model / eagle / eagle3 / medusa drafts samples of the draft's distribution q
+    at the request's temperature, verified by rejection sampling (min(1, p/q), residual
+    max(0, p - q)).
     The n-gram method has no q (a point mass): its drafts stay greedy either way.
     tree (pagedjax's own key, ``DraftTreeConfig``): draft trees verified in one step
     (ngram: continuations merged into a trie; eagle: top_k first tokens, each continued
     as a chain); None: chains.
     """
 
-    method: Literal["ngram", "draft_model", "eagle", "medusa"] = "ngram"
+    method: Literal["ngram", "draft_model", "eagle", "eagle3", "medusa"] = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1

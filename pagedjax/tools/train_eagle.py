@@ -201,10 +201,13 @@ def bucket_length(n: int) -> int:
 
 
 def teacher_features(arch: Any, params: Any, seqs: list[list[int]], length: int,
-                     rows: int) -> np.ndarray:  # fmt: skip
-    """F [N, length, H] float32: the target's post-norm features of every position of
-    each sequence (cut / zero-padded to ``length``), ``rows`` sequences per forward
-    (a prefill: no LM head beyond one row)."""
+                     rows: int, forward_fn: Any = None) -> np.ndarray:  # fmt: skip
+    """F [N, length, W] float32: the target's post-norm features (W = H) of every
+    position of each sequence (cut / zero-padded to ``length``), ``rows`` sequences per
+    forward (a prefill: no LM head beyond one row). forward_fn: another forward with
+    ``forward_with_features``' signature and returns, e.g. EAGLE-3's fused layers
+    (train_eagle3.py: W = 3H)."""
+    forward_fn = forward_with_features if forward_fn is None else forward_fn
     inp0 = ragged_rows(rows, length)
     row_of = jnp.arange(rows * length, dtype=jnp.int32) // length
 
@@ -213,17 +216,18 @@ def teacher_features(arch: Any, params: Any, seqs: list[list[int]], length: int,
         real = inp0.positions < n[row_of]
         inp = inp0._replace(tokens=ids, slot_mapping=jnp.where(real, inp0.slot_mapping, PAD_SLOT))
         kv = pool(arch.num_layers, rows * length // BLOCK + 1, arch.num_kv_heads, arch.head_dim)
-        _, _, f = forward_with_features(params, kv, inp, arch=arch,
-                                        attention_fn=ragged_paged_attention)  # fmt: skip
+        _, _, f = forward_fn(params, kv, inp, arch=arch, attention_fn=ragged_paged_attention)
         return f
 
-    out = np.zeros((len(seqs), length, arch.hidden_size), np.float32)
+    out = None
     for i in range(0, len(seqs), rows):
         ids, n = np.zeros((rows, length), np.int32), np.zeros(rows, np.int32)
         for r, s in enumerate(seqs[i : i + rows]):
             s = s[:length]
             ids[r, : len(s)], n[r] = s, len(s)
         f = np.asarray(forward(params, jnp.asarray(ids.reshape(-1)), jnp.asarray(n)))
+        if out is None:
+            out = np.zeros((len(seqs), length, f.shape[-1]), np.float32)
         got = min(rows, len(seqs) - i)
         out[i : i + got] = f.reshape(rows, length, -1)[:got]
     return out

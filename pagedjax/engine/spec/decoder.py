@@ -63,6 +63,7 @@ from pagedjax.engine.spec.draft_model import (
 )
 from pagedjax.engine.spec.eagle import EagleDraft, EagleVerifier
 from pagedjax.engine.spec.eagle_tree import EagleTreeDraft, branch_parents, catch_up_inputs
+from pagedjax.engine.spec.eagle3 import Eagle3Draft, Eagle3Verifier
 from pagedjax.engine.spec.k_schedule import Acceptance, StepCost, allocate, batch_size_lookup
 from pagedjax.engine.spec.layer_skip import LayerSkipDraft
 from pagedjax.engine.spec.medusa import MedusaDraft, build_medusa
@@ -71,7 +72,7 @@ from pagedjax.engine.spec.ngram_tree import NgramTreeProposer
 from pagedjax.engine.spec.tree import check_tree_model
 from pagedjax.engine.spec.verify import SpecVerifier, write_drafts
 
-BUILT_METHODS = ("ngram", "draft_model", "eagle", "medusa")
+BUILT_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
 
 
 def head_rows(rows: int, bucket: int) -> int:
@@ -100,7 +101,8 @@ def check_buildable(config: SpeculativeConfig | None, target_model: str | None =
             f" own first layers (model 'self'); model {config.model!r} is another checkpoint:"
             " drop draft_num_layers to use it as a separate draft"
         )
-    if config.method in ("eagle", "medusa") and not Path(str(config.model)).expanduser().is_dir():
+    heads = ("eagle", "eagle3", "medusa")
+    if config.method in heads and not Path(str(config.model)).expanduser().is_dir():
         raise FileNotFoundError(
             f"speculative_config model {config.model!r}: no {config.method} head directory"
             f" there (config.json + model.safetensors; `python -m pagedjax.tools.train_"
@@ -188,6 +190,9 @@ class SpeculativeDecoder:
                                           tree_features=catch_up_inputs)  # fmt: skip
             if config.tree is not None:
                 self.eagle_tree = EagleTreeDraft(self.eagle, config.tree.top_k, self.k)
+        elif config.method == "eagle3":  # spec/eagle3.py: the eagle path, fused features
+            self.eagle = Eagle3Draft(arch, config.model, attention_fn, block_size, self.k)
+            self.verifier = Eagle3Verifier(self.eagle, *verifier_args)
         elif config.method == "medusa":  # spec/medusa.py: k capped at the heads' count
             self.medusa, self.verifier = build_medusa(
                 arch, str(config.model), self.k, lambda k: (*verifier_args[:4], k, native_matmul)

@@ -71,6 +71,7 @@ from pagedjax.engine.model_runner import apply_cow, build_model_input
 from pagedjax.engine.spec.draft_pool import host_pool, mirror_swaps
 from pagedjax.engine.spec.draft_sampling import draft_drawer, store
 from pagedjax.engine.spec.eagle import head_kv_bytes_per_token
+from pagedjax.engine.spec.eagle3 import head_kv_bytes_per_token as head3_kv_bytes_per_token
 from pagedjax.engine.spec.layer_skip import greedy_draft_steps
 from pagedjax.model import PRESETS, ModelArch, allocate_kv_cache, forward
 from pagedjax.model.catalog import CATALOG
@@ -145,10 +146,12 @@ def load_draft(config: SpeculativeConfig | None, target_model: str, target_arch:
     counts too, spec_eagle.py). The draft is loaded and checked against the target
     (vocabulary, context length, KV format) before the KV budget is sized, so the budget
     can count its pool."""
-    if config is not None and config.method == "eagle" and not kv_spec.quantized:
-        head = head_kv_bytes_per_token(str(config.model), target_arch, kv_spec.dtype)
-        log.info("speculative eagle head: its KV pool adds %d bytes per token to the target's"
-                 " %d", head, kv_spec.bytes_per_token)  # fmt: skip
+    if config is not None and config.method in ("eagle", "eagle3") and not kv_spec.quantized:
+        eagle3 = config.method == "eagle3"
+        per_token = head3_kv_bytes_per_token if eagle3 else head_kv_bytes_per_token
+        head = per_token(str(config.model), target_arch, kv_spec.dtype)
+        log.info("speculative %s head: its KV pool adds %d bytes per token to the target's"
+                 " %d", config.method, head, kv_spec.bytes_per_token)  # fmt: skip
         return None, kv_spec.bytes_per_token + head
     if not is_separate_draft(config):
         return None, kv_spec.bytes_per_token

@@ -138,15 +138,16 @@ def head_kv_bytes_per_token(head_dir: str, arch: ModelArch, dtype: Any) -> int:
     return cache_bytes_per_token(head, "auto", dtype)
 
 
-def check_eagle(arch: ModelArch, params: Any, kv: Any) -> None:
-    """NotImplementedError naming the unsupported combination."""
+def check_eagle(arch: ModelArch, params: Any, kv: Any, method: str = "eagle") -> None:
+    """NotImplementedError naming the unsupported combination (``method``: the name
+    the errors give, "eagle" or "eagle3")."""
     emb = params["embed_tokens"]["embedding"]
     head = params.get("lm_head", {}).get("kernel")
     if isinstance(emb, QuantizedWeight) or isinstance(head, QuantizedWeight):
-        raise NotImplementedError("speculative method 'eagle' with quantized target weights"
+        raise NotImplementedError(f"speculative method {method!r} with quantized target weights"
                                   " (embedding / LM head) is not built")  # fmt: skip
     if not (isinstance(kv, tuple | list) and len(kv) == 2) or jnp.dtype(kv[0].dtype).itemsize < 2:
-        raise NotImplementedError("speculative method 'eagle' with a quantized KV cache"
+        raise NotImplementedError(f"speculative method {method!r} with a quantized KV cache"
                                   " (cache_dtype int8 / fp8) is not built")  # fmt: skip
 
 
@@ -166,8 +167,13 @@ class EagleDraft:
         self.host_kv: Any = None  # its swap pool under the target's host block ids
         self.feature: Any = None  # [max_seqs, H] g at each slot's last committed position
         self.trace_count: dict[int, int] = {}
-        self.propose = jax.jit(self._propose, static_argnames=("num_seqs",),
-                               donate_argnames=("draft_kv", "tokens"))  # fmt: skip
+        self.propose = self.jit_propose()
+
+    def jit_propose(self) -> Any:
+        """The jitted proposal program (``_propose``; a subclass with its own __init__,
+        spec/eagle3.py, calls this too)."""
+        return jax.jit(self._propose, static_argnames=("num_seqs",),
+                       donate_argnames=("draft_kv", "tokens"))  # fmt: skip
 
     def ensure(self, core: Any) -> None:
         """Allocate the head's pool (the target's block count and size) and features."""
