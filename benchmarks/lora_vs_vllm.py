@@ -46,6 +46,7 @@ HERE = Path(__file__).resolve().parent
 MODEL_DIR = Path.home() / ".cache" / "pagedjax" / "bench_models" / "smollm2-135m-f32"
 ADAPTER_ROOT = Path.home() / ".cache" / "pagedjax" / "bench_models" / "lora-smollm2-135m"
 JAX_CACHE = Path.home() / ".cache" / "pagedjax" / "lora_vs_vllm_jax_cache"
+VLLM_CACHE = Path.home() / ".cache" / "pagedjax" / "lora_vs_vllm_vllm_cache"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 NUM_ADAPTERS = 16
 
@@ -171,7 +172,7 @@ def run_engine(side: str, python: str, spec: dict[str, Any], work: Path, timeout
         extra = dict(JAX_COMPILATION_CACHE_DIR=str(JAX_CACHE),
                      PAGEDJAX_COMPILATION_CACHE=str(JAX_CACHE))  # fmt: skip
     else:
-        extra = dict(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CACHE_ROOT=str(work / "vllm_cache"))
+        extra = dict(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CACHE_ROOT=str(VLLM_CACHE))
     env = out_of_box.child_env(extra)
     t = time.monotonic()
     res = out_of_box.run_child(python, dict(spec, side=side), env, work, timeout, label,
