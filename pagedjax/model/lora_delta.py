@@ -37,20 +37,29 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-# The gathered form's copies (rows x (in + out) x r elements) past which the dense form
-# is used: measured on the 2-core CPU, 19 MB of copies still ran at the dense form's speed
-# (64 rows x 1,152 x rank 64: 2.47 vs 2.38 ms), 38 MB ran 5-15x slower (1,024 rows x
-# 1,152 x rank 8: 92 vs 6.5 ms; 128 x 1,152 x 64: 99 vs 18 ms). And the dense form only
-# while its FLOPs, slots x the gathered form's, stay within 33x (max_loras 32).
+# When ``lora_delta`` takes the dense form (measured on the 2-core CPU, docs/lora.md,
+# "Gathered vs grouped matmul"). Isolated calls: the gathered form's copies (rows x
+# (in + out) x r elements) ran at the dense form's speed up to ~19 MB and 5-15x slower at
+# 38 MB (1,024 rows x 1,152 x rank 8: 92 vs 6.5 ms; 128 x 1,152 x 64: 99 vs 18 ms). Inside
+# a 30-layer loop of SmolLM2's seven linears (slots 17, rank 8), the per-layer slices made
+# the gather costlier still: gathered / dense 68 / 182 ms at 16 rows, 146 / 127 at 32,
+# 823 / 434 at 64, 1,535 / 740 at 256; at rank 64 (1,088 dense columns) gathered won at
+# 64 rows (2,411 / 2,792). So: dense past the copy limit, or from 32 rows while the dense
+# matmul is narrow (slots x rank <= 160); never past 33 slots (its FLOPs grow x slots).
 GATHER_COPY_BYTES = 24 << 20
+DENSE_MIN_ROWS = 32
+DENSE_NARROW_COLUMNS = 160
 DENSE_MAX_SLOTS = 33
 
 
 def lora_delta_form(rows: int, d_in: int, d_out: int, rank: int, slots: int,
                     itemsize: int = 4) -> str:  # fmt: skip
     """"gathered" or "dense": the form ``lora_delta`` uses for these static shapes."""
+    if slots > DENSE_MAX_SLOTS:
+        return "gathered"
     copies = rows * (d_in + d_out) * rank * itemsize
-    return "dense" if copies > GATHER_COPY_BYTES and slots <= DENSE_MAX_SLOTS else "gathered"
+    narrow = rows >= DENSE_MIN_ROWS and slots * rank <= DENSE_NARROW_COLUMNS
+    return "dense" if copies > GATHER_COPY_BYTES or narrow else "gathered"
 
 
 @jax.jit
