@@ -111,7 +111,7 @@ def test_separate_pools_lose_throughput_as_adapters_grow_and_unified_does_not():
     spec = AdapterSpec((16,))
     sep, uni = [], []
     for n in (1, 4, 16, 64, 256):
-        w = slora_workload(400, float("inf"), n, seed=4)
+        w = slora_workload(240, float("inf"), n, seed=4)
         sep.append(simulate_lora(w, CM, spec, LoRASimConfig(20 * GIB, "separate", 4)).summary())
         uni.append(simulate_lora(w, CM, spec, LoRASimConfig(20 * GIB, "unified")).summary())
     tput = [s["requests_per_s"] for s in sep]
@@ -142,7 +142,7 @@ def test_experiment_runs_small_and_reads_its_claims(tmp_path):
 
     s = LoraSettings(
         budget_gib=20, rank_sets={"S1": [8], "S2": [64, 32, 16, 8]},
-        num_adapters=[0, 5, 2000], separate_max_loras=[4], num_requests=150,
+        num_adapters=[0, 5, 2000], separate_max_loras=[4], num_requests=80,
     )  # fmt: skip
     cfg = ExperimentConfig(experiments=["lora"], lora=s)
     summary = lora.run(cfg, tmp_path, lambda it, **_: it)
