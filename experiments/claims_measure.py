@@ -182,6 +182,18 @@ def measure(summary: dict[str, Any], cfg: Any) -> list[Measured]:
             out.append(Measured("fig17.paged/orca", f"vs {other} (knees {cb['text']['paged']}"
                                 f" / {cb['text'][other]} req/s)", lo, hi, text,
                                 _sim(summary, "chatbot", cm)))  # fmt: skip
+    lo = summary.get("lora", {})
+    for st in ("S1", "S2"):
+        per = lo.get("rank_sets", {}).get(st, {})
+        if "unified_2000_over_5" in per:
+            u = per["unified"]
+            r = per["unified_2000_over_5"]
+            out.append(_point(
+                f"lora.{st}.2000/5",
+                f"{lo['setup']['model']} on {lo['setup']['gpu']}, ranks {per['ranks']}"
+                f" ({u['2000']['requests_per_s']:.2f} / {u['5']['requests_per_s']:.2f} req/s)",
+                r, f"{r:.3f}", lo.get("executor", "simulated"),
+            ))  # fmt: skip
     sv = summary.get("simulator_validation", {})
     for wname, w in sv.get("workloads", {}).items():
         key = "sim.in_sample" if w["in_sample"] else "sim.held_out"

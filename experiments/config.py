@@ -26,6 +26,7 @@ EXPERIMENTS = (
     "ablations",
     "kv_tiers",
     "memory_waste_images",
+    "lora",
 )
 SYSTEMS = ("orca_max", "orca_pow2", "orca_oracle", "paged", "ft_static")
 DATASETS = ("sharegpt", "alpaca")
@@ -582,6 +583,68 @@ class KvTiersSettings:
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """Multi-LoRA serving simulated at paper scale (experiments/lora.py,
+    pagedjax/simulator/lora.py): throughput and batch size against the number of adapters,
+    unified memory (S-LoRA's unified paging) against separate adapter pools of several
+    ``separate_max_loras``, all in one device ``budget_gib`` for KV and adapters.
+
+    rank_sets: name -> ranks (adapter i has rank ranks[i % len]); "S1" / "S2" are S-LoRA's
+    settings (Llama-7B, ranks {8} / {64, 32, 16, 8}) that the claims read. The trace is
+    S-LoRA's synthetic one (pagedjax/workloads/adapters.py): ``num_requests`` requests at
+    ``rate`` req/s (inf: all at once, the server's capacity), Zipf(``alpha``) popularity,
+    lengths uniform on ``input_range`` / ``output_range``; one trace for every adapter
+    count (only the adapter draws differ). 0 adapters is the base model alone.
+    """
+
+    gpu: str = "A100-80GB"
+    model: str = "llama-2-7b"
+    budget_gib: float = 50.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    rank_sets: dict[str, list[int]] = field(
+        default_factory=lambda: {"S1": [8], "S2": [64, 32, 16, 8], "r16": [16], "r64": [64]}
+    )
+    num_adapters: list[int] = field(default_factory=lambda: [0, 1, 5, 100, 1000, 2000])
+    separate_max_loras: list[int] = field(default_factory=lambda: [8, 32])
+    num_requests: int = 1200
+    rate: float = float("inf")
+    alpha: float = 1.0
+    input_range: list[int] = field(default_factory=lambda: [8, 512])
+    output_range: list[int] = field(default_factory=lambda: [8, 512])
+    block_size: int = 16
+    max_num_batched_tokens: int = 2560
+    max_num_seqs: int = 256
+    kernel: Literal["grouped", "gathered"] = "grouped"
+    load: Literal["async", "sync"] = "async"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from pagedjax.simulator.cost_model import GPUS, MODEL_PRESETS
+
+        _check(self.gpu in GPUS, "lora.gpu", f"unknown GPU {self.gpu!r}")
+        _check(self.model in MODEL_PRESETS, "lora.model", f"unknown {self.model!r}")
+        _check(self.budget_gib > 0, "lora.budget_gib", "must be > 0")
+        _check(bool(self.rank_sets), "lora.rank_sets", "needs >= 1 set")
+        for k, v in self.rank_sets.items():
+            _check(bool(v) and min(v) >= 1, f"lora.rank_sets.{k}", "ranks must be >= 1")
+        _check(bool(self.num_adapters) and min(self.num_adapters) >= 0, "lora.num_adapters",
+               "needs counts >= 0")  # fmt: skip
+        _check(all(m >= 1 for m in self.separate_max_loras), "lora.separate_max_loras", ">= 1")
+        _check(self.num_requests >= 1, "lora.num_requests", "must be >= 1")
+        _check(self.rate > 0, "lora.rate", "must be > 0 (inf: all at once)")
+        _check(self.alpha >= 0, "lora.alpha", "must be >= 0")
+        for key, r in (("input_range", self.input_range), ("output_range", self.output_range)):
+            ok = len(r) == 2 and 1 <= r[0] <= r[1]
+            _check(ok, f"lora.{key}", "must be [lo, hi], 1 <= lo <= hi")
+        b = self.block_size
+        _check(b >= 1 and b & (b - 1) == 0, "lora.block_size", "must be a power of two")
+        _check(self.max_num_batched_tokens >= 1, "lora.max_num_batched_tokens", ">= 1")
+        _check(self.max_num_seqs >= 1, "lora.max_num_seqs", "must be >= 1")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """Top level of configs/*.yaml."""
 
@@ -601,6 +664,7 @@ class ExperimentConfig:
     chatbot: ChatbotSettings = field(default_factory=ChatbotSettings)
     kv_tiers: KvTiersSettings = field(default_factory=KvTiersSettings)
     memory_waste_images: ImageWasteSettings = field(default_factory=ImageWasteSettings)
+    lora: LoraSettings = field(default_factory=LoraSettings)
     # Wall-time allocation per experiment (s) on an idle box, printed in the report beside
     # the time each part took (llama7b.yaml: 8 minutes in all); empty: none stated.
     time_allocation_s: dict[str, float] = field(default_factory=dict)

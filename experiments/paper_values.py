@@ -60,3 +60,16 @@ FIG15 = {
     "parallel": {2: 6.09, 4: 8.53, 6: 9.79},
     "beam": {2: 37.56, 4: 53.13, 6: 55.16},
 }
+
+# S-LoRA (Sheng et al., MLSys 2024), Table 3's S-LoRA column: requests/s served on one
+# A100-80GB (Llama-7B; S1 = ranks {8}, S2 = ranks {64, 32, 16, 8}; q/k/v/o adapters;
+# 10 req/s Poisson for 120 s, Zipf alpha 1, lengths uniform on [8, 512]), read from the
+# authors' result files github.com/S-LoRA/S-LoRA benchmarks/paper/synthetic/slora/
+# synthetic_num_adapters_a100-80_S{1,2}_slora_table.jsonl ("throughput"), by adapters.
+SLORA_TABLE3 = {
+    "S1": {5: 8.046, 100: 7.992, 1000: 7.641, 2000: 7.607},
+    "S2": {5: 7.485, 100: 7.290, 1000: 6.693, 2000: 6.727},
+}
+# The same S2 setting at 100 adapters in a 300-s run (..._S2_slora.jsonl, the Fig. 5
+# sweep): 7.742 req/s, 6 % above the 120-s table run's 7.290: the paper's own spread.
+SLORA_S2_100_LONG_RUN = 7.742
