@@ -62,8 +62,8 @@ from pagedjax.engine.spec.draft_model import (
     load_draft,
 )
 from pagedjax.engine.spec.eagle import EagleDraft, EagleVerifier
-from pagedjax.engine.spec.eagle_tree import EagleTreeDraft, branch_parents, catch_up_inputs
 from pagedjax.engine.spec.eagle3 import Eagle3Draft, Eagle3Verifier
+from pagedjax.engine.spec.eagle_tree import EagleTreeDraft, branch_parents, catch_up_inputs
 from pagedjax.engine.spec.k_schedule import Acceptance, StepCost, allocate, batch_size_lookup
 from pagedjax.engine.spec.layer_skip import LayerSkipDraft
 from pagedjax.engine.spec.medusa import MedusaDraft, build_medusa
