@@ -83,24 +83,7 @@ class EagleConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config.json") -> EagleConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(names)}")
-        missing = sorted(
-            f.name for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            and f.name not in data
-        )  # fmt: skip
-        if missing:
-            raise ValueError(f"{where}: missing keys {missing}")
-        cfg = cls(**data)
-        if cfg.format != FORMAT:
-            raise ValueError(f"{where}: format {cfg.format!r}, expected {FORMAT!r}")
-        if not 0 <= cfg.draft_vocab_size <= cfg.vocab_size:
-            raise ValueError(f"{where}: draft_vocab_size {cfg.draft_vocab_size} is not in"
-                             f" [0, vocab_size {cfg.vocab_size}]")  # fmt: skip
-        return cfg
+        return head_config_from_dict(cls, data, where, FORMAT)
 
     def head_arch(self, target: ModelArch) -> ModelArch:
         """The one-layer arch the head's decoder layer runs with (checks the target)."""
@@ -110,6 +93,30 @@ class EagleConfig:
             num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
             intermediate_size=self.intermediate_size,
         )  # fmt: skip
+
+
+def head_config_from_dict(cls: type, data: dict[str, Any], where: str, fmt: str) -> Any:
+    """A head directory's config.json as ``cls`` (a dataclass with ``format``,
+    ``vocab_size`` and ``draft_vocab_size``): ValueError naming unknown or missing keys, a
+    format other than ``fmt`` or a draft vocabulary outside [0, vocab_size]."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(names)}")
+    missing = sorted(
+        f.name for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        and f.name not in data
+    )  # fmt: skip
+    if missing:
+        raise ValueError(f"{where}: missing keys {missing}")
+    cfg = cls(**data)
+    if cfg.format != fmt:
+        raise ValueError(f"{where}: format {cfg.format!r}, expected {fmt!r}")
+    if not 0 <= cfg.draft_vocab_size <= cfg.vocab_size:
+        raise ValueError(f"{where}: draft_vocab_size {cfg.draft_vocab_size} is not in"
+                         f" [0, vocab_size {cfg.vocab_size}]")  # fmt: skip
+    return cfg
 
 
 def check_target(cfg: EagleConfig, target: ModelArch) -> None:

@@ -60,7 +60,7 @@ import numpy as np
 
 from pagedjax.attention import ragged_paged_attention
 from pagedjax.model.config import ModelArch
-from pagedjax.model.eagle import check_draft_vocab, check_feature_target
+from pagedjax.model.eagle import check_draft_vocab, check_feature_target, head_config_from_dict
 from pagedjax.model.input import ModelInput
 from pagedjax.model.layers import AttentionFn, KVPool, RMSNorm, linear
 from pagedjax.model.llama import GatedMLP, RotaryAttention
@@ -111,24 +111,7 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config.json") -> Eagle3Config:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(names)}")
-        missing = sorted(
-            f.name for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            and f.name not in data
-        )  # fmt: skip
-        if missing:
-            raise ValueError(f"{where}: missing keys {missing}")
-        cfg = cls(**data)
-        if cfg.format != FORMAT:
-            raise ValueError(f"{where}: format {cfg.format!r}, expected {FORMAT!r}")
-        if not 0 <= cfg.draft_vocab_size <= cfg.vocab_size:
-            raise ValueError(f"{where}: draft_vocab_size {cfg.draft_vocab_size} is not in"
-                             f" [0, vocab_size {cfg.vocab_size}]")  # fmt: skip
-        return cfg
+        return head_config_from_dict(cls, data, where, FORMAT)
 
     @property
     def draft_rows(self) -> int:

@@ -322,6 +322,29 @@ def generate_data(model: str, count: int, gen_tokens: int, seed: int, path: Path
         print(f"answered {len(data['seqs'])} / {count} ({time.time() - t0:.0f} s)", flush=True)
     return data
 
+def train_programs(hp: Any, lr: float, losses: dict[int, Any]) -> tuple[Any, Any, dict]:
+    """(optimizer, its state for ``hp``, {bucket length: (jitted train step, jitted loss)})
+    for a head's per-bucket losses ``loss(hp, tp, f, x, n, st) -> (loss, aux)``: AdamW
+    without weight decay behind a global-norm clip of 1, the learning rate injected so a
+    schedule can change it. Shared by the EAGLE and EAGLE-3 trainers."""
+    import optax  # the ``train`` extra
+
+    opt = optax.inject_hyperparams(
+        lambda learning_rate: optax.chain(optax.clip_by_global_norm(1.0),
+                                          optax.adamw(learning_rate, weight_decay=0.0))
+    )(learning_rate=lr)  # fmt: skip
+    fns = {}
+    for length, loss_fn in losses.items():
+
+        def train_step(hp, state, tp, f, x, n, st, loss_fn=loss_fn):
+            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(hp, tp, f, x, n, st)
+            upd, state = opt.update(grads, state, hp)
+            return optax.apply_updates(hp, upd), state, loss, aux
+
+        fns[length] = (jax.jit(train_step), jax.jit(loss_fn))
+    return opt, opt.init(hp), fns
+
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -340,7 +363,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ce-weight", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    import optax  # the ``train`` extra
 
     from pagedjax.config import ModelConfig
     from pagedjax.engine.loading import load_model
@@ -395,21 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EagleConfig.for_target(arch, target=args.model)
     hp = init_head(cfg, arch, seed=args.seed)
     head_arch = cfg.head_arch(arch)
-    opt = optax.inject_hyperparams(
-        lambda learning_rate: optax.chain(optax.clip_by_global_norm(1.0),
-                                          optax.adamw(learning_rate, weight_decay=0.0))
-    )(learning_rate=args.lr)  # fmt: skip
-    state = opt.init(hp)
-    fns = {}
-    for length, b in buckets.items():
-        loss_fn = make_loss(arch, head_arch, b["rows"], length, args.ce_weight)
-
-        def train_step(hp, state, tp, f, x, n, st, loss_fn=loss_fn):
-            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(hp, tp, f, x, n, st)
-            upd, state = opt.update(grads, state, hp)
-            return optax.apply_updates(hp, upd), state, loss, aux
-
-        fns[length] = (jax.jit(train_step), jax.jit(loss_fn))
+    opt, state, fns = train_programs(
+        hp, args.lr, {n: make_loss(arch, head_arch, b["rows"], n, args.ce_weight)
+                      for n, b in buckets.items()},
+    )  # fmt: skip
 
     def pick(b: dict, idx: np.ndarray) -> tuple:
         return b["f"][idx], b["x"][idx], b["n"][idx], b["start"][idx]

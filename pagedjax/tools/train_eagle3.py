@@ -75,6 +75,7 @@ from pagedjax.tools.train_eagle import (
     pool,
     ragged_rows,
     teacher_features,
+    train_programs,
 )
 from pagedjax.tools.train_eagle import default_out as eagle_out
 
@@ -192,7 +193,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    import optax  # the ``train`` extra
 
     from pagedjax.config import ModelConfig
     from pagedjax.engine.loading import load_model
@@ -254,21 +254,10 @@ def main(argv: list[str] | None = None) -> int:
          else params["lm_head"]["kernel"].T)  # fmt: skip
     hp["lm_head"]["kernel"] = jnp.asarray(np.asarray(w, np.float32)[vocab].T)
     hp["norm"]["weight"] = jnp.asarray(params["norm"]["weight"], jnp.float32)
-    opt = optax.inject_hyperparams(
-        lambda learning_rate: optax.chain(optax.clip_by_global_norm(1.0),
-                                          optax.adamw(learning_rate, weight_decay=0.0))
-    )(learning_rate=args.lr)  # fmt: skip
-    state = opt.init(hp)
-    fns = {}
-    for length, b in buckets.items():
-        loss_fn = make_loss(arch, head_arch, b["rows"], length, args.ttt_steps)
-
-        def train_step(hp, state, tp, f, x, n, st, loss_fn=loss_fn):
-            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(hp, tp, f, x, n, st)
-            upd, state = opt.update(grads, state, hp)
-            return optax.apply_updates(hp, upd), state, loss, aux
-
-        fns[length] = (jax.jit(train_step), jax.jit(loss_fn))
+    opt, state, fns = train_programs(
+        hp, args.lr, {n: make_loss(arch, head_arch, b["rows"], n, args.ttt_steps)
+                      for n, b in buckets.items()},
+    )  # fmt: skip
 
     def pick(b: dict, idx: np.ndarray) -> tuple:
         return b["f"][idx], b["x"][idx], b["n"][idx], b["start"][idx]
