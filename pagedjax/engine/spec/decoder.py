@@ -64,7 +64,15 @@ from pagedjax.engine.spec.draft_model import (
 from pagedjax.engine.spec.eagle import EagleDraft, EagleVerifier
 from pagedjax.engine.spec.eagle3 import Eagle3Draft, Eagle3Verifier
 from pagedjax.engine.spec.eagle_tree import EagleTreeDraft, branch_parents, catch_up_inputs
-from pagedjax.engine.spec.k_schedule import Acceptance, StepCost, allocate, batch_size_lookup
+from pagedjax.engine.spec.k_schedule import (
+    Acceptance,
+    StepCost,
+    allocate,
+    allocate_levels,
+    batch_size_lookup,
+    bfs_order,
+    node_levels,
+)
 from pagedjax.engine.spec.layer_skip import LayerSkipDraft
 from pagedjax.engine.spec.medusa import MedusaDraft, build_medusa
 from pagedjax.engine.spec.ngram import NgramProposer
@@ -213,6 +221,7 @@ class SpeculativeDecoder:
         self.cost = StepCost()
         self.k_history: list[int] = []  # drafts planned per step (most recent last, <= 64)
         self._rows: np.ndarray | None = None  # slots of the verified step's batch rows
+        self._drafted = False  # whether the last ``run`` had rows with drafts (observe)
 
     def step_k(self, batch_size: int) -> int:
         """Drafts per row allowed for a step of ``batch_size`` sequences: k, or the
@@ -222,11 +231,14 @@ class SpeculativeDecoder:
             return self.k
         return int(batch_size_lookup(table, max(batch_size, 1), self.k)[max(batch_size, 1)])
 
-    def observe(self, bucket: tuple[int, int], verified: bool, seconds: float) -> None:
+    def observe(self, bucket: tuple[int, int], seconds: float) -> None:
         """A step's wall time from dispatch to its tokens on the host (the engine's
-        ``_run``) by program key (verified, T, S): the automatic rule's cost table."""
+        ``_run``: drafting programs included) by key (drafts, T, S), drafts: whether ``run``
+        had rows with drafts. Not "whether it verified": a head method (EAGLE, Medusa)
+        runs its verification program, for the head's catch-up, on a step without drafts
+        too, and the rule's cost(0) must be what such a step costs that method."""
         if self.config.auto_num_speculative_tokens:
-            self.cost.observe((verified, *bucket), seconds)
+            self.cost.observe((self._drafted, *bucket), seconds)
 
     def jits(self) -> dict[str, Any]:
         """The jitted functions by name (compile counting)."""
@@ -277,8 +289,9 @@ class SpeculativeDecoder:
         for t, s in pairs:
             mem = dev.state.mem
             mem = mem._replace(last_cow=mem.last_cow._replace(valid=upload(f)))
-            if self.eagle is not None:
-                self._eagle_propose(core, mem, i32, i32, i32, s)
+            if self.eagle is not None:  # every head_rows size (_eagle_rows)
+                for rows in sorted({head_rows(n, s) for n in range(1, s + 1)}):
+                    self._eagle_propose(core, mem, i32, i32, i32, rows)
             if self.medusa is not None:
                 for rows in sorted({head_rows(n, s) for n in range(1, s + 1)}):
                     self._medusa_propose(core, i32, i32, i32, rows)
@@ -376,6 +389,9 @@ class SpeculativeDecoder:
             pars = list(range(-1, len(toks) - 1))
         else:
             toks, pars = self.tree_proposer.propose_tree(ids, depth, room)
+            if self.config.auto_num_speculative_tokens:  # levels as prefixes (_auto)
+                order, pars, _ = bfs_order(pars)
+                toks = [toks[i] for i in order]
         drafts[slot, : len(toks)] = toks
         self._parents[slot, : len(toks)] = pars
         return len(toks)
@@ -397,8 +413,15 @@ class SpeculativeDecoder:
             t = pick(core.token_buckets, min(base + m, largest))
             return self.cost.estimate((m > 0, t, seqs_for_tokens(core.seq_buckets, t)))
 
-        k = allocate(self.acceptance.alpha(live), lookahead[live], base, cost)
-        lookahead[live] = k
+        alpha = self.acceptance.alpha(live)
+        if self.tree is None:
+            lookahead[live] = allocate(alpha, lookahead[live], base, cost)
+        else:  # by levels: breadth-first nodes, so depths 1 .. d are a prefix (k_schedule)
+            depth = [node_levels(self._parents[s, : lookahead[s]]) for s in live]
+            widths = [np.bincount(d, minlength=int(d.max()) + 1)[1:] for d in depth]
+            keep = allocate_levels(alpha, widths, base, cost)
+            lookahead[live] = [int((d <= n).sum()) for d, n in zip(depth, keep, strict=True)]
+            self._parents[np.arange(self.k)[None, :] >= lookahead[:, None]] = -1
         drafts[np.arange(self.k)[None, :] >= lookahead[:, None]] = -1
 
     def _planned(self, lookahead: np.ndarray, drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -458,6 +481,24 @@ class SpeculativeDecoder:
         e.kv, q = core.device.with_tokens(propose)
         return q
 
+    def _eagle_rows(self, core: Any, sid: np.ndarray, total: np.ndarray, spec: np.ndarray,
+                    padded_seqs: int) -> Any:  # fmt: skip
+        """The head's proposals for the drafting rows only, packed first into a
+        ``head_rows`` program (a row's proposal reads only its own slot's feature, head KV
+        and block table, so packing changes nothing in it): with the automatic rule
+        keeping a few of 64 rows, the head's k - 1 layer steps and draft LM heads run on
+        those few. The sampled drafts' q comes back in batch-row order ([S, K, V])."""
+        live = np.flatnonzero(spec)
+        packed = [np.full(core.max_seqs, fill, np.int32) for fill in (-1, 0, 0)]
+        for arr, src in zip(packed, (sid, total, spec), strict=True):
+            arr[: live.size] = src[live]
+        rows = head_rows(live.size, padded_seqs)
+        q = self._eagle_propose(core, core.device.state.mem, *packed, rows)
+        if q is None:
+            return None
+        full = jnp.zeros((padded_seqs, *q.shape[1:]), q.dtype)
+        return full.at[upload(live.astype(np.int32))].set(q[: live.size])
+
     def _medusa_propose(self, core: Any, sid: Any, total: Any, counts: Any,
                         num_seqs: int) -> Any:  # fmt: skip
         """The heads' proposals; their q (sampled drafts) or None."""
@@ -509,6 +550,7 @@ class SpeculativeDecoder:
         sched_tokens, sched_seqs = buckets(base_tokens)  # the batch without its drafts
         base = batch._replace(q_lens=batch.q_lens - batch.spec_lens)
         every_step = self.eagle is not None or self.medusa is not None  # they keep features
+        self._drafted = bool(spec.any())
         if plain_rows or (not spec.any() and not every_step):
             if spec.any():
                 raise RuntimeError("drafts were scheduled for a step that cannot verify them")
@@ -540,7 +582,7 @@ class SpeculativeDecoder:
         if self.eagle is not None:
             self.eagle.ensure(core)
             if spec.any():
-                q = self._eagle_propose(core, dev.state.mem, sid, start + 1, spec, padded_seqs)
+                q = self._eagle_rows(core, sid, start + 1, spec, padded_seqs)
         if self.medusa is not None:
             self.medusa.ensure(core)
             if spec.any():
@@ -578,8 +620,11 @@ class SpeculativeDecoder:
         c.accepted += int(accepted[rows].sum())
         c.emitted += int(recorded[rows].sum())
         if self.acceptance is not None and self._rows is not None:
-            self.acceptance.record(self._rows[: len(spec_lens)], np.asarray(spec_lens),
-                                   np.asarray(accepted))  # fmt: skip
+            slots, drafts = self._rows[: len(spec_lens)], np.asarray(spec_lens)
+            if self.tree is not None and self._parents is not None:  # levels verified
+                drafts = np.array([node_levels(self._parents[s, :n]).max(initial=0)
+                                   for s, n in zip(slots, drafts, strict=True)])  # fmt: skip
+            self.acceptance.record(slots, drafts, np.asarray(accepted))
         self._rows = None
 
 
