@@ -566,7 +566,8 @@ class SpeculativeDecoder:
         live = np.flatnonzero(spec)
         row_drafts[live] = drafts[sid[live]]
         row_drafts[np.arange(self.k)[None, :] >= spec[:, None]] = -1
-        dev.write_tokens(self._write, sid, start + 1, row_drafts)
+        if live.size and self.host_drafts:  # else all -1: a no-op dispatch (models draft later)
+            dev.write_tokens(self._write, sid, start + 1, row_drafts)
         q = None  # the sampled drafts' q, [S, K, V] in batch-row order
         if self.draft is not None:
             rest = dev.run_program(self.draft.propose, self.draft.params_for(core.params),
