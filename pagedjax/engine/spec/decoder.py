@@ -30,11 +30,14 @@ Draft trees (``speculative_config.tree``, pagedjax's own key; ``tree.py``): a ro
 are the nodes of a tree (parents by slot, ``_parents``, set by ``plan`` for ``run``):
 n-gram tries (``ngram_tree.py``) or EAGLE's top-k-then-chains (``eagle_tree.py``),
 verified with the tree mask, the accepted path's KV compacted in the same program.
+With the automatic rule a tree is cut by whole levels (``k_schedule.allocate_levels``;
+n-gram tries laid out breadth-first so kept levels are a prefix of the nodes).
 
 A separate draft checkpoint runs over every step's batch (its own pool, the target's
 block ids), also in plain steps; its pool and the EAGLE head's follow swaps through
 ``apply_swaps``. A step without drafts takes the plain program (the EAGLE head and
-Medusa heads, whose features must follow every step, verify always). While a request
+Medusa heads, whose features must follow every step, verify always: no proposal then,
+only the head's catch-up; EAGLE proposals run on the drafting rows only, packed). While a request
 wanting prompt logprobs holds a slot nobody speculates. With a drafting model the
 engine runs the one-step path only (the n-gram method also drafts inside the fused
 K-step program). Stats: ``stats()`` (see ``SpecCounters``).
