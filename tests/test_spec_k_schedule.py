@@ -144,6 +144,45 @@ def test_step_cost_explores_then_settles(verify_cost, expect_drafts):
     assert len(set(picked[-3:])) == 1, picked  # settled
 
 
+@pytest.mark.parametrize("spike_plain", [True, False])
+def test_refresh_recovers_from_a_transient_measurement(spike_plain):
+    """A world where drafting costs 3 plain steps, but the first measurements of one side
+    were a transient (the shared box): the plain step measured at 10, or drafting at
+    0.5. Without refreshing, the rule keeps the wrong side for good (the key it stopped
+    choosing is never measured again); with ``choose_with_refresh`` it runs that key
+    again within REFRESH_STEPS steps and settles on plain steps, drafting at most one
+    step in REFRESH_STEPS after that."""
+    from pagedjax.engine.spec.k_schedule import REFRESH_STEPS, choose_with_refresh
+
+    def run(refresh: bool) -> list[int]:
+        cost, picked = StepCost(), []
+
+        def key(n: int) -> tuple:
+            t = 16 if n else 8
+            return (n > 0, t, t)
+
+        def choose(c):
+            return allocate(np.full(8, 0.4), np.full(8, 1), 8, c)
+
+        for step in range(4 * REFRESH_STEPS):
+            if refresh:
+                n = int(choose_with_refresh(choose, key, cost).sum())
+            else:
+                n = int(choose(lambda m: cost.estimate(key(m))).sum())
+            spike = step < 4 and (n == 0) == spike_plain
+            seconds = (10.0 if n == 0 else 0.5) if spike else (3.0 if n else 1.0)
+            cost.observe(key(n), seconds)
+            picked.append(n)
+        return picked
+
+    stuck, fixed = run(False), run(True)
+    if spike_plain:
+        assert all(stuck[-2 * REFRESH_STEPS:]), stuck  # never measures plain again
+    tail = fixed[-2 * REFRESH_STEPS:]
+    assert sum(1 for n in tail if n) <= 2, fixed  # plain, with a refresh of drafting
+    assert tail.count(0) >= 2 * REFRESH_STEPS - 2, fixed
+
+
 class _Spy:
     """Wraps SpeculativeDecoder.plan: (batch size, largest k) of every planned step."""
 
@@ -202,6 +241,9 @@ class _FixedCost:
 
     def estimate(self, key) -> float:
         return self.verify if key[0] else 1.0
+
+    def stale(self, key) -> bool:
+        return False
 
 
 @pytest.mark.parametrize("verify_cost", [10.0, 1.0])

@@ -74,6 +74,7 @@ from pagedjax.engine.spec.k_schedule import (
     allocate_levels,
     batch_size_lookup,
     bfs_order,
+    choose_with_refresh,
     node_levels,
 )
 from pagedjax.engine.spec.layer_skip import LayerSkipDraft
@@ -412,18 +413,24 @@ class SpeculativeDecoder:
             return
         base, largest = len(owners), core.token_buckets[-1]
 
-        def cost(m: int) -> float | None:
+        def key(m: int) -> tuple[bool, int, int]:
             t = pick(core.token_buckets, min(base + m, largest))
-            return self.cost.estimate((m > 0, t, seqs_for_tokens(core.seq_buckets, t)))
+            return (m > 0, t, seqs_for_tokens(core.seq_buckets, t))
 
-        alpha = self.acceptance.alpha(live)
-        if self.tree is None:
-            lookahead[live] = allocate(alpha, lookahead[live], base, cost)
-        else:  # by levels: breadth-first nodes, so depths 1 .. d are a prefix (k_schedule)
-            depth = [node_levels(self._parents[s, : lookahead[s]]) for s in live]
-            widths = [np.bincount(d, minlength=int(d.max()) + 1)[1:] for d in depth]
+        alpha, caps = self.acceptance.alpha(live), lookahead[live].copy()
+        # Trees by levels: breadth-first nodes, so depths 1 .. d are a prefix (k_schedule).
+        depth = [] if self.tree is None else [node_levels(self._parents[s, :c])
+                                              for s, c in zip(live, caps, strict=True)]
+        widths = [np.bincount(d, minlength=int(d.max()) + 1)[1:] for d in depth]
+
+        def choose(cost: Any) -> np.ndarray:  # drafts (chain) or nodes (tree) per live row
+            if self.tree is None:
+                return allocate(alpha, caps, base, cost)
             keep = allocate_levels(alpha, widths, base, cost)
-            lookahead[live] = [int((d <= n).sum()) for d, n in zip(depth, keep, strict=True)]
+            return np.array([int((d <= n).sum()) for d, n in zip(depth, keep, strict=True)])
+
+        lookahead[live] = choose_with_refresh(choose, key, self.cost)
+        if self.tree is not None:
             self._parents[np.arange(self.k)[None, :] >= lookahead[:, None]] = -1
         drafts[np.arange(self.k)[None, :] >= lookahead[:, None]] = -1
 

@@ -50,7 +50,11 @@ catch-up / forward), so cost(0) is that method's no-draft step, not the plain on
 first measurement of a key is dropped (it may hold the compilation). An unmeasured key
 is estimated optimistically, so it gets tried (twice: the first is dropped) and
 measured, after which the measurement decides: a plain key at 0 (tried first), a
-verifying key at the cheapest measured key with T no larger.
+verifying key at the cheapest measured key with T no larger. A measured key the rule
+stopped choosing is run again after REFRESH_STEPS steps (``StepCost.stale``: the
+no-draft step while drafting, the best drafting allocation while not) and that new
+measurement replaces its average, so one slow measurement on a shared machine cannot
+lock the rule into one side.
 
 Compilation: the verification program is compiled per (T, S) bucket with the static K =
 num_speculative_tokens, whatever each row's k (``verify.py``); drafting programs are per
@@ -70,6 +74,7 @@ PRIOR_ALPHA = 0.5  # global acceptance before any measurement (one accept, one r
 SLOT_WEIGHT = 2.0  # pseudo-trials of the global estimate in each slot's
 GLOBAL_DECAY = 0.98  # per verified step: the global estimate follows the workload
 COST_WEIGHT = 0.3  # weight of a new measurement in a key's moving average
+REFRESH_STEPS = 16  # a measured key not run for this many steps is run (measured) again
 
 
 def batch_size_lookup(table: Sequence[Sequence[int]], max_batch: int, k: int) -> np.ndarray:
@@ -155,6 +160,23 @@ def allocate_levels(alpha: np.ndarray, widths: Sequence[np.ndarray], rows: int,
     return keep
 
 
+def choose_with_refresh(choose: Callable[[Callable[[int], float]], np.ndarray],
+                        key: Callable[[int], tuple], table: StepCost) -> np.ndarray:  # fmt: skip
+    """The rule's allocation with its measurements kept fresh (``StepCost.stale``).
+    choose(cost) -> int[R] drafts (or nodes) per row maximising the rate under cost(n);
+    key(n) -> the cost key of a step with n drafts. Returns choose's allocation under the
+    measured costs, except: zeros while drafting when the no-draft key's measurement is
+    stale; while not drafting, the best drafting allocation when its key is stale."""
+    k = choose(lambda m: table.estimate(key(m)))
+    if k.sum() and table.stale(key(0)):
+        return np.zeros_like(k)
+    if not k.sum():
+        forced = choose(lambda m: table.estimate(key(m)) if m else float("inf"))
+        if forced.sum() and table.stale(key(int(forced.sum()))):
+            return forced
+    return k
+
+
 def node_levels(parents: Sequence[int] | np.ndarray) -> np.ndarray:
     """int64[n] depth of each node (1 = a root child); parents first, -1 = root."""
     par = np.asarray(parents, np.int64)
@@ -217,12 +239,19 @@ class StepCost:
     def __init__(self) -> None:
         self.seconds: dict[tuple, float] = {}
         self.seen: set[tuple] = set()
+        self.steps = 0  # observations so far
+        self.last: dict[tuple, int] = {}  # key -> the observation that last ran it
 
     def observe(self, key: tuple, seconds: float) -> None:
+        """One step's seconds under key. A stale key's average is replaced, not blended:
+        it is as old as the steps since it last ran (``stale``)."""
+        fresh = not self.stale(key)
+        self.steps += 1
+        self.last[key] = self.steps
         if key not in self.seen:  # the first run of a key may hold its compilation
             self.seen.add(key)
             return
-        old = self.seconds.get(key)
+        old = self.seconds.get(key) if fresh else None
         self.seconds[key] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
 
     def estimate(self, key: tuple) -> float:
@@ -237,6 +266,13 @@ class StepCost:
         smaller = [v for (_, t, _), v in self.seconds.items() if t <= key[1]]
         return min(smaller, default=0.0)
 
+    def stale(self, key: tuple) -> bool:
+        """Measured, but not run in the last REFRESH_STEPS steps. Its average may hold a
+        transient (on a shared machine one step can take twice another's time), and a
+        rule that stopped choosing the key would never correct it: the rule runs it
+        once more (``SpeculativeDecoder._auto``), at most one step in REFRESH_STEPS."""
+        return key in self.seconds and self.steps - self.last[key] >= REFRESH_STEPS
+
 
 __all__ = ["Acceptance", "StepCost", "allocate", "allocate_levels", "batch_size_lookup",
-           "bfs_order", "node_levels"]
+           "bfs_order", "choose_with_refresh", "node_levels"]
