@@ -37,8 +37,8 @@ A separate draft checkpoint runs over every step's batch (its own pool, the targ
 block ids), also in plain steps; its pool and the EAGLE head's follow swaps through
 ``apply_swaps``. A step without drafts takes the plain program (the EAGLE head and
 Medusa heads, whose features must follow every step, verify always: no proposal then,
-only the head's catch-up; EAGLE proposals run on the drafting rows only, packed). While a request
-wanting prompt logprobs holds a slot nobody speculates. With a drafting model the
+only the head's catch-up; their proposals run on the drafting rows only, packed). While
+a request wanting prompt logprobs holds a slot nobody speculates. With a drafting model the
 engine runs the one-step path only (the n-gram method also drafts inside the fused
 K-step program). Stats: ``stats()`` (see ``SpecCounters``).
 """
@@ -293,7 +293,7 @@ class SpeculativeDecoder:
         for t, s in pairs:
             mem = dev.state.mem
             mem = mem._replace(last_cow=mem.last_cow._replace(valid=upload(f)))
-            if self.eagle is not None:  # every head_rows size (_eagle_rows)
+            if self.eagle is not None:  # every head_rows size (_packed_rows)
                 for rows in sorted({head_rows(n, s) for n in range(1, s + 1)}):
                     self._eagle_propose(core, mem, i32, i32, i32, rows)
             if self.medusa is not None:
@@ -491,19 +491,19 @@ class SpeculativeDecoder:
         e.kv, q = core.device.with_tokens(propose)
         return q
 
-    def _eagle_rows(self, core: Any, sid: np.ndarray, total: np.ndarray, spec: np.ndarray,
-                    padded_seqs: int) -> Any:  # fmt: skip
-        """The head's proposals for the drafting rows only, packed first into a
-        ``head_rows`` program (a row's proposal reads only its own slot's feature, head KV
-        and block table, so packing changes nothing in it): with the automatic rule
-        keeping a few of 64 rows, the head's k - 1 layer steps and draft LM heads run on
-        those few. The sampled drafts' q comes back in batch-row order ([S, K, V])."""
+    def _packed_rows(self, core: Any, sid: np.ndarray, total: np.ndarray, spec: np.ndarray,
+                     padded_seqs: int, propose: Any) -> Any:  # fmt: skip
+        """A head's proposals (EAGLE, Medusa) for the drafting rows only, packed first
+        into a ``head_rows`` program: propose(seq_ids, total, counts, num_seqs) -> q or
+        None. A row's proposal reads only its own slot's feature, head KV and block table
+        (and samples with its slot's key), so packing changes nothing in it: with the
+        automatic rule keeping a few of 64 rows, the head's layer steps and draft LM heads
+        run on those few. Sampled drafts' q comes back in batch-row order ([S, K, V])."""
         live = np.flatnonzero(spec)
         packed = [np.full(core.max_seqs, fill, np.int32) for fill in (-1, 0, 0)]
         for arr, src in zip(packed, (sid, total, spec), strict=True):
             arr[: live.size] = src[live]
-        rows = head_rows(live.size, padded_seqs)
-        q = self._eagle_propose(core, core.device.state.mem, *packed, rows)
+        q = propose(*packed, head_rows(live.size, padded_seqs))
         if q is None:
             return None
         full = jnp.zeros((padded_seqs, *q.shape[1:]), q.dtype)
@@ -593,17 +593,16 @@ class SpeculativeDecoder:
         if self.eagle is not None:
             self.eagle.ensure(core)
             if spec.any():
-                q = self._eagle_rows(core, sid, start + 1, spec, padded_seqs)
+                q = self._packed_rows(core, sid, start + 1, spec, padded_seqs, lambda *a:
+                                      self._eagle_propose(core, core.device.state.mem, *a))
         if self.medusa is not None:
             self.medusa.ensure(core)
             if spec.any():
                 # The heads' vocabulary projections cost rows x heads x H x V: run them
-                # on the drafting rows' power-of-two prefix, not the whole sequence bucket
-                # (at batch 1 the bucket's 16 rows cost 3x the target's own step).
-                rows = head_rows(int(np.flatnonzero(spec).max()) + 1, padded_seqs)
-                q = self._medusa_propose(core, sid, start + 1, spec, rows)
-                if q is not None and q.shape[0] != padded_seqs:
-                    q = jnp.pad(q, ((0, padded_seqs - q.shape[0]), (0, 0), (0, 0)))
+                # on the drafting rows, packed, not the whole sequence bucket (at batch 1
+                # the bucket's 16 rows cost 3x the target's own step).
+                q = self._packed_rows(core, sid, start + 1, spec, padded_seqs, lambda *a:
+                                      self._medusa_propose(core, *a))
         if q is None:
             q = self._no_q(padded_seqs)
         parents = self._row_parents(core.max_seqs, sid, live)

@@ -25,7 +25,7 @@ drafts), because the head's KV must follow every token the target processes:
 
 1. propose (``EagleDraft.propose``, before verification, one jitted program per row
    count; only on steps with drafts, over the drafting rows packed first,
-   ``SpeculativeDecoder._eagle_rows``): draft 0 = argmax lm_head(g_{L-2}), with g_{L-2}
+   ``SpeculativeDecoder._packed_rows``): draft 0 = argmax lm_head(g_{L-2}), with g_{L-2}
    kept per slot in ``EagleDraft.feature`` by the previous step; then for i = 1 .. k-1
    one batched head step at position L-2+i on (g, draft i-1) gives draft i. These k-1
    steps write head KV at positions L-1 .. L+k-3 from *approximate* features.
