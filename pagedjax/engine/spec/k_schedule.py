@@ -52,9 +52,8 @@ is estimated optimistically, so it gets tried (twice: the first is dropped) and
 measured, after which the measurement decides: a plain key at 0 (tried first), a
 verifying key at the cheapest measured key with T no larger. A measured key the rule
 stopped choosing is run again after REFRESH_STEPS steps (``StepCost.stale``: the
-no-draft step while drafting, the best drafting allocation while not) and that new
-measurement replaces its average, so one slow measurement on a shared machine cannot
-lock the rule into one side.
+no-draft step while drafting) and that new measurement replaces its average, so one slow
+measurement of the plain step on a shared machine cannot lock the rule into drafting.
 
 Compilation: the verification program is compiled per (T, S) bucket with the static K =
 num_speculative_tokens, whatever each row's k (``verify.py``); drafting programs are per
@@ -162,18 +161,18 @@ def allocate_levels(alpha: np.ndarray, widths: Sequence[np.ndarray], rows: int,
 
 def choose_with_refresh(choose: Callable[[Callable[[int], float]], np.ndarray],
                         key: Callable[[int], tuple], table: StepCost) -> np.ndarray:  # fmt: skip
-    """The rule's allocation with its measurements kept fresh (``StepCost.stale``).
-    choose(cost) -> int[R] drafts (or nodes) per row maximising the rate under cost(n);
-    key(n) -> the cost key of a step with n drafts. Returns choose's allocation under the
-    measured costs, except: zeros while drafting when the no-draft key's measurement is
-    stale; while not drafting, the best drafting allocation when its key is stale."""
+    """The rule's allocation with the no-draft step's measurement kept fresh
+    (``StepCost.stale``). choose(cost) -> int[R] drafts (or nodes) per row maximising the
+    rate under cost(n); key(n) -> the cost key of a step with n drafts. Returns choose's
+    allocation under the measured costs, or zeros while drafting when the no-draft key's
+    measurement is stale. One way only: a rule locked out of drafting by one slow
+    measurement loses its gain, one locked into drafting is slower than no speculation
+    (the issue's "never slower"), and forcing a drafting step every REFRESH_STEPS would
+    cost a drafting step's excess over a plain one each time (a layer-skip draft: k
+    passes of its layers over the rows)."""
     k = choose(lambda m: table.estimate(key(m)))
     if k.sum() and table.stale(key(0)):
         return np.zeros_like(k)
-    if not k.sum():
-        forced = choose(lambda m: table.estimate(key(m)) if m else float("inf"))
-        if forced.sum() and table.stale(key(int(forced.sum()))):
-            return forced
     return k
 
 
@@ -269,8 +268,9 @@ class StepCost:
     def stale(self, key: tuple) -> bool:
         """Measured, but not run in the last REFRESH_STEPS steps. Its average may hold a
         transient (on a shared machine one step can take twice another's time), and a
-        rule that stopped choosing the key would never correct it: the rule runs it
-        once more (``SpeculativeDecoder._auto``), at most one step in REFRESH_STEPS."""
+        rule that stopped choosing the key would never correct it: the rule runs the
+        no-draft key once more (``choose_with_refresh``), at most one step in
+        REFRESH_STEPS."""
         return key in self.seconds and self.steps - self.last[key] >= REFRESH_STEPS
 
 
