@@ -307,6 +307,8 @@ class SpeculativeDecoder:
                 self.separate.run(core, batch, i32, t, s, mem=mem, num_drafts=self._q_k)
             out = self._verify(core, mem, batch, upload(i32), t, s, self._no_q(s),
                                self._row_parents(n))  # fmt: skip
+            if self.tree is not None and self.eagle is not None:  # its no-draft steps
+                out = self._verify(core, mem, batch, upload(i32), t, s, self._no_q(s), None)
         jax.block_until_ready((dev.state, out))
 
     @property
@@ -524,7 +526,8 @@ class SpeculativeDecoder:
     def _verify(self, core: Any, mem: Any, batch: Any, num_drafts: Any, num_tokens: int,
                 num_seqs: int, draft_probs: Any = None, parents: Any = None) -> Any:  # fmt: skip
         """The verification program (plus the eagle catch-up); (out, accepted). parents:
-        the trees' parents by batch row (int32[max_seqs, K]) with a tree config."""
+        the trees' parents by batch row (int32[max_seqs, K]) with a tree config, None for
+        chains and for a tree engine's step without drafts (the chain program)."""
         dev, st = core.device, core.device.state
         args = (mem, batch, num_drafts, dev.sampling(), st.prompt_len, st.output_len)
         kw = dict(num_tokens=num_tokens, num_seqs=num_seqs)
@@ -533,12 +536,12 @@ class SpeculativeDecoder:
             out, acc, m.feature = dev.run_program(self.verifier.step, core.params, *args,
                                                   m.feature, draft_probs, **kw)  # fmt: skip
         elif self.eagle is None:
-            tree = () if self.tree is None else (parents,)
+            tree = () if parents is None else (parents,)
             out, acc = dev.run_program(self.verifier.step, core.params, *args, draft_probs,
                                        *tree, **kw)  # fmt: skip
         else:
             e = self.eagle
-            tree = () if self.tree is None else (parents,)
+            tree = () if parents is None else (parents,)
             out, acc, e.kv, e.feature = dev.run_program(
                 self.verifier.step, core.params, *args, e.params, e.kv, e.feature, draft_probs,
                 *tree, **kw,
@@ -605,7 +608,9 @@ class SpeculativeDecoder:
                                       self._medusa_propose(core, *a))
         if q is None:
             q = self._no_q(padded_seqs)
-        parents = self._row_parents(core.max_seqs, sid, live)
+        # A tree engine's step without drafts (a head's catch-up only) takes the chain
+        # program: the same tokens, without the tree mask, walk and compaction.
+        parents = self._row_parents(core.max_seqs, sid, live) if live.size else None
         return self._verify(core, dev.state.mem, batch._replace(swap=None), upload(spec),
                             padded_tokens, padded_seqs, q, parents)  # fmt: skip
 
