@@ -24,6 +24,12 @@ speculative drafts (``no_drafts``: the verification would have to advance the st
 along the drafts). Which path each constrained sample took is counted
 (``structured_device_fsm`` / ``structured_host_masks``) and logged.
 
+Reasoning models (``reasoning_parser``, structured/reasoning.py): a constrained sample
+whose prompt did not end the reasoning runs unconstrained until its output ends with
+``</think>``'s ids: on the host path its guide is a ``GatedGuide`` (an all-ones mask, no
+grammar advance, no forced tokens); on the device FSM path its row has no FSM state (-1)
+and needs the host while the gate is open, then starts at the FSM's initial state.
+
 While a slot needs the host, the engine runs one-step programs (the K-step loop reports
 "structured_output" in its skipped reasons) and the slot does not speculate, so outputs
 equal those of plain decoding (docs/structured_outputs.md says why).
@@ -70,8 +76,9 @@ def bad_words_token_ids(tokenizer: Any, words: Sequence[str], vocab_size: int) -
 
 
 def needs_host(book: Any, req: Any, seq: Any) -> bool:
-    """True while the sequence's mask changes between steps (see the module docstring)."""
-    if seq.guide is not None or req.bad_words_ids:
+    """True while the sequence's mask changes between steps (see the module docstring);
+    a device FSM row in its reasoning too (the host finds the end tag and starts the FSM)."""
+    if seq.guide is not None or req.bad_words_ids or seq.in_reasoning:
         return True
     return len(seq.detok.ids) < seq.params.min_tokens and bool(book.stop_ids(seq))
 
@@ -169,7 +176,10 @@ class LogitControls:
             log.debug("request %s: device FSM (%d states x %d token classes, %d bytes)",
                       req.request_id, *fsm.table.shape, fsm.nbytes)  # fmt: skip
             for seq in req.seqs:
-                seq.fsm, seq.fsm_state = fsm, fsm.initial
+                # In reasoning (structured/reasoning.py) the row has no FSM state (-1:
+                # unconstrained) until its gate closes (SequenceState.record).
+                seq.reasoning = self.structured.reasoning_gate(req.prompt_token_ids)
+                seq.fsm, seq.fsm_state = fsm, -1 if seq.reasoning else fsm.initial
             return
         req.structured_path = "host_masks" if fsm is None else f"host_masks: {fsm}"
         if fsm is not None:
@@ -177,7 +187,7 @@ class LogitControls:
             stats.fsm_fallbacks[fsm] = stats.fsm_fallbacks.get(fsm, 0) + 1
             log.info("request %s: host masks, not the device FSM: %s", req.request_id, fsm)
         for seq in req.seqs:
-            seq.start_guide(self.structured.guide(compiled), len(self._all))
+            seq.start_guide(self.structured.guide(compiled, req.prompt_token_ids), len(self._all))
 
     def stats(self) -> dict[str, float | int]:
         """structured_host_steps: iterations in which some slot needed host masks (they
@@ -208,7 +218,8 @@ class LogitControls:
         self._write_fsm_rows(book, dev)
         for slot, (req, seq) in book.slot_owner.items():
             p = seq.params
-            if not (p.min_tokens or req.bad_words_ids or seq.guide is not None):
+            if not (p.min_tokens or req.bad_words_ids or seq.guide is not None
+                    or seq.in_reasoning):
                 continue
             mask = token_mask(book, req, seq, self.vocab_size)
             grammar = seq.grammar_mask if seq.guide is not None else self._all
@@ -237,8 +248,9 @@ class LogitControls:
             self.fsm_version += 1
         for slot, (_, seq) in book.slot_owner.items():
             if seq.fsm is not None:
-                dev.set_sampling_value("fsm_state", slot,
-                                       self._fsm_offsets[id(seq.fsm)] + seq.fsm_state)  # fmt: skip
+                state = seq.fsm_state  # -1 (in reasoning): no FSM row, unconstrained
+                dev.set_sampling_value("fsm_state", slot, self._fsm_offsets[id(seq.fsm)]
+                                       + state if state >= 0 else -1)  # fmt: skip
 
 
 __all__ = ["LogitControls", "bad_words_token_ids", "clear_bits", "needs_host", "no_drafts",
