@@ -1,25 +1,24 @@
 """The structured-output constraint starts after the reasoning (issue 33; vLLM's
-``structured_outputs_config.enable_in_reasoning=False``, docs/structured_outputs.md).
+``structured_outputs_config.enable_in_reasoning=False``, docs/structured_outputs.md):
+the rule and the gate without an engine, and the server over a *scripted* tiny llama
+(the engine's own tests are in test_structured_outputs.py, on the same kind of model).
 
-The engine tests run a *scripted* tiny llama: its attention and MLP outputs are zero, so
-the next token depends only on the current one (a bigram table written into the
-embedding and the LM head), and its byte-level tokenizer has ``<think>`` and ``</think>``
-as single added tokens. Greedy from a prompt ending in ``?`` it writes
-``<think>hm</think>`` and then prefers ``Z``: every token of that is one the tests'
-constraints forbid, so the output shows exactly where the mask applied."""
+The server's model is an HF checkpoint whose attention and MLP outputs are zero, so the
+next token depends only on the current one (a bigram table written into the embedding
+and the LM head); its byte-level tokenizer has ``<think>`` and ``</think>`` as added
+tokens and a DeepSeek-R1-style template that opens ``<think>`` in the prompt. Greedy it
+writes ``hm</think>`` and then prefers ``Z``, which the JSON schema forbids."""
 
 from __future__ import annotations
 
 import json
-import re
 
 import numpy as np
 import pytest
 
 pytest.importorskip("xgrammar")
 
-from pagedjax import LLM, SamplingParams  # noqa: E402
-from pagedjax.sampling import StructuredOutputsParams as SO  # noqa: E402
+from pagedjax import LLM  # noqa: E402
 from pagedjax.structured.reasoning import (  # noqa: E402
     GatedGuide,
     ReasoningGate,
@@ -33,7 +32,6 @@ TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|><think>\n{% endif %}"
 )
-REGEX = "[ab]{2}"
 NAME = "tiny-think"
 
 
@@ -73,28 +71,10 @@ def model_dir(tmp_path_factory):
     return d
 
 
-def _llm(model_dir, steps: int | str = "auto", **so_config) -> LLM:
+def _llm(model_dir, **so_config) -> LLM:
     return LLM(model=str(model_dir), dtype="float32", block_size=8, max_model_len=64,
                max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=64,
-               seed=0, num_scheduler_steps=steps,
-               structured_outputs_config=so_config)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return _llm(model_dir, reasoning_parser="deepseek_r1")
-
-
-def _ids(llm: LLM, text: str) -> list[int]:
-    return llm.get_tokenizer().encode(text, add_special_tokens=False)
-
-
-def _run(llm: LLM, prompts: dict[str, list[int]], so: SO, **kw) -> dict:
-    kw.setdefault("temperature", 0.0)
-    params = SamplingParams(max_tokens=16, seed=5, structured_outputs=so, **kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts.values()], params,
-                        use_tqdm=False)  # fmt: skip
-    return {k: o.outputs[0] for k, o in zip(prompts, outs, strict=True)}
+               seed=0, structured_outputs_config=so_config)  # fmt: skip
 
 
 # ---------------------------------------------------------------- the rule, no engine
@@ -169,70 +149,11 @@ def test_prompt_rule_and_the_server_uses_the_same_function() -> None:
         ThinkTags.for_config(C(reasoning_parser="granite"), Tok())
 
 
-# ---------------------------------------------------------------- the engine
+# ---------------------------------------------------------------- the server
 
 
-def test_constraint_starts_after_the_reasoning(llm) -> None:
-    """(a) the thinking is unconstrained: <think>, h, m are all outside [ab]{2};
-    (b) after </think> the output follows the regex (its tag not fed to the grammar);
-    (d) a prompt that already ended the reasoning is constrained from token one; a
-    prompt that reopened it is not. Greedy and seeded."""
-    tok = llm.get_tokenizer()
-    think, end = tok.hf_tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
-    prompts = {"open": _ids(llm, "Q?"), "ended": _ids(llm, "Q<think></think>"),
-               "reopened": _ids(llm, "</think>Q<think>?")}  # fmt: skip
-    for temperature in (0.0, 1.0):
-        out = _run(llm, prompts, SO(regex=REGEX), temperature=temperature)
-        o = out["open"]
-        assert o.token_ids[:4] == [think, *_ids(llm, "hm"), end], o.token_ids
-        assert o.text.startswith("<think>hm</think>")
-        assert re.fullmatch(REGEX, o.text.removeprefix("<think>hm</think>")), o.text
-        assert o.finish_reason == "stop" and o.stop_reason is None  # EOS, where allowed
-        assert re.fullmatch(REGEX, out["ended"].text), out["ended"].text
-        assert out["reopened"].text.startswith("<think>hm</think>")
-    assert llm.llm_engine.stats()["structured_host_steps"] > 0
-
-
-def test_enable_in_reasoning_keeps_the_constraint_from_token_one(model_dir) -> None:
-    """(c) enable_in_reasoning=True (and no parser at all): constrained from the first
-    token, so the model's <think> is forbidden."""
-    for cfg in ({"reasoning_parser": "deepseek_r1", "enable_in_reasoning": True}, {}):
-        llm = _llm(model_dir, **cfg)
-        out = _run(llm, {"open": _ids(llm, "Q?")}, SO(regex=REGEX))["open"]
-        assert re.fullmatch(REGEX, out.text), (cfg, out.text)
-
-
-@pytest.mark.tier2  # two more engines (device FSM, jump-forward): ~10 s of compiling
-def test_device_fsm_and_jump_forward_respect_the_reasoning(model_dir, llm) -> None:
-    """The device FSM row has no state while it thinks and needs the host; from
-    </think> on its table applies, in the K-step loop too. Jump-forward forces nothing in
-    the thinking, and after </think> forces the regex's fixed `x=`. Tokens equal the
-    host path's."""
-    prompts = {"open": _ids(llm, "Q?"), "ended": _ids(llm, "Q<think></think>")}
-    fixed = SO(regex="x=[ab]")
-    long = SO(regex="[ab]{12}")  # long enough after </think> for fused loops
-    want = {so.regex: _run(llm, prompts, so) for so in (long, fixed)}
-    fsm = _llm(model_dir, steps=4, reasoning_parser="deepseek_r1", device_fsm=True)
-    for so in (long, fixed):
-        got = _run(fsm, prompts, so)
-        assert {k: v.token_ids for k, v in got.items()} == {
-            k: v.token_ids for k, v in want[so.regex].items()}
-    stats = fsm.llm_engine.stats()
-    assert stats["structured_device_fsm"] >= 4 and stats["multi_step_loops"] > 0, stats
-    assert re.fullmatch("<think>hm</think>[ab]{12}", want[long.regex]["open"].text)
-    jf = _llm(model_dir, reasoning_parser="deepseek_r1", jump_forward=True)
-    got = _run(jf, prompts, fixed)
-    assert {k: v.token_ids for k, v in got.items()} == {
-        k: v.token_ids for k, v in want[fixed.regex].items()}
-    assert got["open"].text.endswith("</think>x=a") or got["open"].text.endswith("</think>x=b")
-    assert jf.llm_engine.stats()["jump_forward_tokens"] >= 2
-
-
-# ---------------------------------------------------------------- the server (last: it
-# takes over the module's LLM)
-
-
-def test_server_reasoning_content_then_valid_json(llm, model_dir) -> None:
+@pytest.mark.tier2  # an HF checkpoint, its LLM and a server: ~20 s cold
+def test_server_reasoning_content_then_valid_json(model_dir) -> None:
     """--reasoning-parser deepseek_r1 with response_format json_schema: the thinking in
     reasoning_content, valid JSON in content (streamed and not)."""
     from openai import OpenAI
@@ -241,7 +162,7 @@ def test_server_reasoning_content_then_valid_json(llm, model_dir) -> None:
     from pagedjax.entrypoints.openai.api_server import build_app
     from tests.engine_helpers import serve_in_thread
 
-    engine = AsyncLLMEngine.from_llm(llm)
+    engine = AsyncLLMEngine.from_llm(_llm(model_dir, reasoning_parser="deepseek_r1"))
     server, thread, url = serve_in_thread(build_app(engine, [NAME], model_path=str(model_dir),
                                                     reasoning_parser="deepseek_r1"))  # fmt: skip
     try:
