@@ -83,6 +83,17 @@ def needs_host(book: Any, req: Any, seq: Any) -> bool:
     return len(seq.detok.ids) < seq.params.min_tokens and bool(book.stop_ids(seq))
 
 
+def grammar_drafts(controls: Any, book: Any, req: Any, seq: Any) -> bool:
+    """True when the sequence's only per-token control is its grammar on the host (no
+    bad words, min_tokens reached, no device FSM, jump-forward off): it may draft, its
+    drafts checked against the grammar (structured/drafts.py, spec/decoder.py)."""
+    if seq.guide is None or seq.fsm is not None or req.bad_words_ids:
+        return False
+    if controls.jump_forward is not None:
+        return False  # forced tokens are appended after the step: not a draft's place
+    return len(seq.detok.ids) >= seq.params.min_tokens or not book.stop_ids(seq)
+
+
 def no_drafts(book: Any, req: Any, seq: Any) -> bool:
     """True when the sequence may not speculate: it needs the host, or its constraint
     is a device FSM (drafts are verified without advancing the FSM along them)."""
@@ -122,7 +133,8 @@ class LogitControls:
                  eos_ids: set[int]):  # fmt: skip
         self.vocab_size = vocab_size
         self._tokenizer = tokenizer
-        self._all = np.full(mask_words(vocab_size), -1, np.int32)
+        self.mask_words = mask_words(vocab_size)  # W of the packed masks
+        self._all = np.full(self.mask_words, -1, np.int32)
         self.structured = StructuredOutputManager(config, tokenizer, vocab_size, sorted(eos_ids))
         self.host_steps = 0  # iterations run with a host-masked slot (stats)
         # Jump-forward decoding (engine/jump_forward.py): None when off, so the output
@@ -253,5 +265,5 @@ class LogitControls:
                                        + state if state >= 0 else -1)  # fmt: skip
 
 
-__all__ = ["LogitControls", "bad_words_token_ids", "clear_bits", "needs_host", "no_drafts",
-           "token_mask"]  # fmt: skip
+__all__ = ["LogitControls", "bad_words_token_ids", "clear_bits", "grammar_drafts", "needs_host",
+           "no_drafts", "token_mask"]  # fmt: skip

@@ -32,6 +32,7 @@ import numpy as np
 from pagedjax.config import StructuredOutputsConfig
 from pagedjax.sampling.params import StructuredOutputsParams
 from pagedjax.structured import json_regex, spec, token_fsm
+from pagedjax.structured.drafts import MAX_DRAFTS
 from pagedjax.structured.reasoning import GatedGuide, ReasoningGate, ThinkTags
 from pagedjax.structured.token_fsm import TokenFsm
 
@@ -244,7 +245,8 @@ class StructuredOutputManager:
         enable_in_reasoning, prompt_ids None) or the prompt already ended the reasoning."""
         if self.think is None or prompt_ids is None:
             return None
-        return self.think.gate(prompt_ids, self._max_rollback)
+        # Speculative drafts roll the gate back (structured/drafts.py): up to MAX_DRAFTS.
+        return self.think.gate(prompt_ids, max(self._max_rollback, MAX_DRAFTS))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
