@@ -189,3 +189,35 @@ def test_server_reasoning_content_then_valid_json(model_dir) -> None:
         server.should_exit = True
         thread.join(30)
         engine.shutdown()
+
+
+def test_drafts_checked_across_the_end_tag() -> None:
+    """structured/drafts.check_drafts through a GatedGuide (xgrammar, the byte tokenizer
+    with added think tags): drafts in the thinking are free, the grammar starts after
+    </think>, the first refused draft truncates them, and the guide is rolled back."""
+    from pagedjax.config import StructuredOutputsConfig
+    from pagedjax.sampling import StructuredOutputsParams as SO
+    from pagedjax.structured import StructuredOutputManager
+    from pagedjax.structured.drafts import check_drafts
+    from pagedjax.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(eos_token_id=2, bos_token_id=1, added_tokens={"<think>": 300,
+                                                                      "</think>": 301})
+    mgr = StructuredOutputManager(StructuredOutputsConfig(reasoning_parser="deepseek_r1"),
+                                  tok, 512, [2])  # fmt: skip
+    guide = mgr.guide(mgr.compile(SO(regex="[ab]{2}")), tok.encode("Q<think>"))
+    assert isinstance(guide, GatedGuide)
+    drafts = [ord("h"), 301, ord("a"), ord("b"), ord("Z")]
+    out = np.zeros((len(drafts), 16), np.int32)
+    assert check_drafts(guide, drafts, out) == 4  # Z refused
+
+    def allowed(row):
+        return set(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")))
+
+    assert len(allowed(out[0])) == 512  # after h: still thinking, every token
+    assert allowed(out[1]) == allowed(out[2]) == {ord("a"), ord("b")}  # after </think>, a
+    assert allowed(out[3]) == {2}  # after "ab": only EOS
+    assert guide.in_reasoning  # rolled back to where it was
+    for t in drafts[:4]:
+        assert guide.accept(t)
+    assert not guide.accept(ord("a"))
