@@ -579,7 +579,8 @@ def test_device_fsm_and_jump_forward_respect_the_reasoning() -> None:
 
 
 # ------------------------------------------------- speculative drafts under the grammar
-@pytest.mark.tier2  # the speculating engine's verification programs: ~15 s cold
+# Default tier: the speculating engine's verification programs, 5.0 s cold after the
+# module's first engine (load ~3.6).
 def test_constrained_rows_draft_and_equal_plain_decoding() -> None:
     """n-gram speculation (k = 3): constrained rows draft, their drafts checked against
     the grammar and each verified position masked with the grammar state after the drafts

@@ -32,7 +32,10 @@ and needs the host while the gate is open, then starts at the FSM's initial stat
 
 While a slot needs the host, the engine runs one-step programs (the K-step loop reports
 "structured_output" in its skipped reasons) and the slot does not speculate, so outputs
-equal those of plain decoding (docs/structured_outputs.md says why).
+equal those of plain decoding (docs/structured_outputs.md says why); except a slot whose
+only per-token control is its host grammar (``grammar_drafts``): with n-gram chain
+drafts it speculates, its drafts checked against the grammar and each verified position
+masked with the grammar's state after the drafts before it (structured/drafts.py).
 """
 
 from __future__ import annotations
