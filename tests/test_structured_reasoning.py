@@ -209,7 +209,9 @@ def test_drafts_checked_across_the_end_tag() -> None:
     assert isinstance(guide, GatedGuide)
     drafts = [ord("h"), 301, ord("a"), ord("b"), ord("Z")]
     out = np.zeros((len(drafts), 16), np.int32)
-    assert check_drafts(guide, drafts, out) == 4  # Z refused
+    now = np.zeros(16, np.int32)
+    guide.fill_mask(now)
+    assert check_drafts(guide, drafts, now, out) == 4  # Z refused
 
     def allowed(row):
         return set(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")))
@@ -221,3 +223,25 @@ def test_drafts_checked_across_the_end_tag() -> None:
     for t in drafts[:4]:
         assert guide.accept(t)
     assert not guide.accept(ord("a"))
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_drafts_refused_or_past_the_end_leave_the_matcher_usable(backend: str) -> None:
+    """A refused draft (llguidance would enter an error state) and drafts past the
+    grammar's end (EOS, then more) truncate the drafts; the matcher is rolled back intact."""
+    from pagedjax.config import StructuredOutputsConfig
+    from pagedjax.sampling import StructuredOutputsParams as SO
+    from pagedjax.structured import StructuredOutputManager
+    from pagedjax.structured.drafts import check_drafts
+    from pagedjax.tokenizer import ByteTokenizer
+
+    mgr = StructuredOutputManager(StructuredOutputsConfig(backend=backend),
+                                  ByteTokenizer(2, 1), 512, [2])  # fmt: skip
+    a, b, c = b"abc"
+    for drafts, want in (([a, c], 1), ([a, b, a, b, c, 2, 5], 5), ([a, b, a], 3)):
+        guide = mgr.guide(mgr.compile(SO(regex="(ab){2}c")))
+        now, out = np.zeros(16, np.int32), np.zeros((len(drafts), 16), np.int32)
+        guide.fill_mask(now)
+        assert check_drafts(guide, drafts, now, out) == want, drafts
+        assert all(guide.accept(t) for t in [a, b, a, b, c]), drafts
+

@@ -16,9 +16,9 @@ that is the state plain decoding would have there, so outputs (tokens, logprobs,
 samples) equal those without speculation.
 
 A draft after which nothing is allowed (the grammar's end, after EOS) is dropped too: the
-position after it would have an empty mask. Cost per drafting row and step: k accepts,
-k mask fills and one rollback on the host (~3-8 us per token with xgrammar on SmolLM2's
-vocabulary, docs/structured_outputs.md).
+position after it would have an empty mask; so is any draft once the matcher has stopped.
+Cost per drafting row and step: k accepts, k mask fills and one rollback on the host
+(~3-8 us per token with xgrammar on SmolLM2's vocabulary, docs/structured_outputs.md).
 """
 
 from __future__ import annotations
@@ -32,13 +32,21 @@ import numpy as np
 MAX_DRAFTS = 64
 
 
-def check_drafts(guide: Any, drafts: list[int] | np.ndarray, out: np.ndarray) -> int:
+def check_drafts(guide: Any, drafts: list[int] | np.ndarray, current: np.ndarray,
+                 out: np.ndarray) -> int:
     """How many leading ``drafts`` the guide (a manager.Guide, at the sample's current
     state) accepts, their masks in ``out`` int32[>= len(drafts), W] (row j: the mask after
-    drafts[: j + 1]). The guide is rolled back to its state on entry."""
-    n = 0
-    for tok in drafts:
-        if not guide.accept(int(tok)):
+    drafts[: j + 1]). current int32[W]: the guide's mask now (``SequenceState.
+    grammar_mask``). A draft is tried only where the mask before it allows it (llguidance
+    turns a refused token into an error state rollback cannot undo). The guide is rolled
+    back to its state on entry."""
+    n, before = 0, current
+    for tok in map(int, drafts):
+        # A stopped matcher takes no more tokens: llguidance "accepts" EOS there without
+        # a rollback entry (so it could not be undone); nothing follows the end anyway.
+        if not (int(before[tok >> 5]) >> (tok & 31)) & 1 or guide.is_terminated():
+            break
+        if not guide.accept(tok):
             break
         row = out[n]
         row.fill(0)
@@ -46,7 +54,7 @@ def check_drafts(guide: Any, drafts: list[int] | np.ndarray, out: np.ndarray) ->
         if not row.any():  # nothing allowed after it: the row would sample from nothing
             guide.rollback(1)
             break
-        n += 1
+        n, before = n + 1, row
     if n:
         guide.rollback(n)
     return n

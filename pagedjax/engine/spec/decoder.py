@@ -372,7 +372,7 @@ class SpeculativeDecoder:
             elif not on_device:
                 prop = self.proposer.propose(req.prompt_token_ids + seq.detok.ids, k)
                 if constrained and len(prop):
-                    prop = prop[: self._grammar_drafts(core, slot, seq.guide, prop)]
+                    prop = prop[: self._grammar_drafts(core, slot, seq, prop)]
                 k = len(prop)
                 drafts[slot, :k] = prop
             lookahead[slot] = k
@@ -380,7 +380,7 @@ class SpeculativeDecoder:
             self._auto(core, lookahead, drafts)
         return self._planned(lookahead, drafts)
 
-    def _grammar_drafts(self, core: Any, slot: int, guide: Any, prop: Any) -> int:
+    def _grammar_drafts(self, core: Any, slot: int, seq: Any, prop: Any) -> int:
         """A constrained slot's drafts checked against its grammar (structured/drafts.py):
         how many stand; their masks kept by slot for ``run``."""
         n = core.max_seqs
@@ -390,7 +390,7 @@ class SpeculativeDecoder:
         if self._constrained is None:
             self._constrained = np.zeros(n, bool)
         self._constrained[slot] = True
-        return check_drafts(guide, prop, self._grammar_masks[slot])
+        return check_drafts(seq.guide, prop, seq.grammar_mask, self._grammar_masks[slot])
 
     def _plan_tree(self, slot: int, ids: list[int], params: Any, depth: int, room: int,
                    drafts: np.ndarray) -> int:  # fmt: skip
@@ -589,7 +589,8 @@ class SpeculativeDecoder:
         parents = self._row_parents(core.max_seqs, sid, live)
         masks = None
         if self._constrained is not None and self._constrained[sid[live]].any():
-            rows = np.full_like(self._grammar_masks, -1)  # batch-row order
+            # Batch-row order, the bucket's S rows (the verification reads rows < S).
+            rows = np.full((padded_seqs, *self._grammar_masks.shape[1:]), -1, np.int32)
             rows[live] = self._grammar_masks[sid[live]]
             masks = upload(rows)
         return self._verify(core, dev.state.mem, batch._replace(swap=None), upload(spec),
