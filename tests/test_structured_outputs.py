@@ -579,9 +579,10 @@ def test_device_fsm_and_jump_forward_respect_the_reasoning() -> None:
 
 
 # ------------------------------------------------- speculative drafts under the grammar
-# Default tier: the speculating engine's verification programs, 5.0 s cold after the
-# module's first engine (load ~3.6).
-def test_constrained_rows_draft_and_equal_plain_decoding() -> None:
+# Default tier (xgrammar): the speculating engine's verification programs, 5.0 s cold
+# after the module's first engine (load ~3.6); guidance: two more engines, slow.
+@pytest.mark.parametrize("backend", ["xgrammar", pytest.param("guidance", marks=pytest.mark.slow)])
+def test_constrained_rows_draft_and_equal_plain_decoding(backend: str) -> None:
     """n-gram speculation (k = 3): constrained rows draft, their drafts checked against
     the grammar and each verified position masked with the grammar state after the drafts
     before it (structured/drafts.py); tokens, logprobs and finish reasons equal plain
@@ -598,8 +599,8 @@ def test_constrained_rows_draft_and_equal_plain_decoding() -> None:
                  (f"json{t}", '{"b":"x","c":true}{"b":"x","c":true}{',
                   p(SO(json=SCHEMA, disable_any_whitespace=True), t)),
                  (f"plain{t}", "xyzxyzxyz", p(None, t))]  # fmt: skip
-    base = drain(_engine(), reqs)
-    spec = _engine(spec=True)
+    base = drain(_engine(backend), reqs)
+    spec = _engine(backend, spec=True)
     before = spec.stats()
     got = drain(spec, reqs)
     for k, want in base.items():
