@@ -358,7 +358,7 @@ class SpeculativeDecoder:
                 constrained = self.fusable and grammar_drafts(core.controls, core.book, req, seq)
                 if not constrained:
                     continue
-            k = min(k_step, seq.target - out - 1, MAX_DRAFTS)
+            k = min(k_step, seq.target - out - 1, MAX_DRAFTS if constrained else k_step)
             if k <= 0:
                 continue
             if self.eagle_tree is not None:  # whole levels first, within max_model_len
@@ -588,10 +588,12 @@ class SpeculativeDecoder:
             q = self._no_q(padded_seqs)
         parents = self._row_parents(core.max_seqs, sid, live)
         masks = None
-        if self._constrained is not None and self._constrained[sid[live]].any():
-            # Batch-row order, the bucket's S rows (the verification reads rows < S).
+        held = live[self._constrained[sid[live]]] if self._constrained is not None else live[:0]
+        if held.size:
+            # Batch-row order, the bucket's S rows (the verification reads rows < S); only
+            # this step's constrained rows (a slot's old masks may be another owner's).
             rows = np.full((padded_seqs, *self._grammar_masks.shape[1:]), -1, np.int32)
-            rows[live] = self._grammar_masks[sid[live]]
+            rows[held] = self._grammar_masks[sid[held]]
             masks = upload(rows)
         return self._verify(core, dev.state.mem, batch._replace(swap=None), upload(spec),
                             padded_tokens, padded_seqs, q, parents, masks)  # fmt: skip
