@@ -614,3 +614,25 @@ def test_constrained_rows_draft_and_equal_plain_decoding(backend: str) -> None:
     assert json.loads(got["json1.0"].outputs[0].text)["b"] in ("x", "y")
     stats = spec.stats()
     assert stats["spec_accepted_tokens"] - before["spec_accepted_tokens"] >= 10, stats
+
+
+def test_constrained_draft_masks_stay_with_their_rows() -> None:
+    """An unconstrained row whose drafts are all accepted (the scripted model repeats Z)
+    takes a slot whose earlier owner drafted under a grammar, while another constrained
+    row drafts in the same steps: its tokens equal plain decoding (the earlier owner's
+    per-position masks do not reach it)."""
+    def p(so: SO | None) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=so,
+                              ignore_eos=so is None)  # fmt: skip
+
+    ab = SO(regex="(ab){3,8}c")
+    first = [(f"c{i}", "Q<think></think>abababab", p(ab)) for i in range(4)]  # every slot
+    second = [("z", "ZZZZZZ", p(None)), ("c", "Q<think></think>abababab", p(ab))]
+    want = drain(_engine(think="off"), second)
+    spec = _engine(think="off", spec=True)
+    drain(spec, first)
+    got = drain(spec, second)
+    assert want["z"].outputs[0].token_ids == [ord("Z")] * 12
+    assert {k: v.outputs[0].token_ids for k, v in got.items()} == {
+        k: v.outputs[0].token_ids for k, v in want.items()}
+    assert spec.stats()["spec_accepted_tokens"] >= 8
