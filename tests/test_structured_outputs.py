@@ -234,8 +234,9 @@ def test_invalid_constraint_is_refused_at_add_request() -> None:
 
 @pytest.mark.tier2  # two more engines (speculative, K-step loop): ~20 s of compiling
 def test_speculation_and_k_step_loop_compose() -> None:
-    """Constrained rows do not speculate and keep the one-step path; outputs equal plain
-    decoding, and unconstrained rows beside them still speculate."""
+    """Constrained rows keep the one-step path (with n-gram speculation they draft under
+    their grammar: test_constrained_rows_draft_and_equal_plain_decoding); outputs equal
+    plain decoding, and unconstrained rows beside them still speculate."""
     reqs = [*_requests(0.0),
             ("repeat", "abcabcabcabc", SamplingParams(temperature=0.0, max_tokens=12,
                                                       ignore_eos=True)),
@@ -437,10 +438,11 @@ def test_jump_forward_stop_rules_and_logprobs_across_forced_tokens() -> None:
 
 @pytest.mark.tier2  # four more engines: ~20 s of compiling
 def test_jump_forward_composes() -> None:
-    """Jump-forward with llguidance, with n-gram speculation beside (constrained rows
-    never draft; a jumping row is a chunk in the verification program), with n > 1
-    samples (each its own matcher), with preemption by recompute and prefix caching (the
-    forced tokens are output tokens, prefilled again): the outputs of decoding without it."""
+    """Jump-forward with llguidance, with n-gram speculation beside (constrained rows do
+    not draft with jump-forward on; a jumping row is a chunk in the verification
+    program), with n > 1 samples (each its own matcher), with preemption by recompute and
+    prefix caching (the forced tokens are output tokens, prefilled again): the outputs of
+    decoding without it."""
     keys = [_fixed_keys(t) for t in (0.0, 1.0)]
     reqs = [*_requests(0.0), ("keys0", *keys[0][1:]), ("keys1", *keys[1][1:]),
             ("n", "pets", SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=20,
