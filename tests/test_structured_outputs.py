@@ -638,3 +638,19 @@ def test_constrained_draft_masks_stay_with_their_rows() -> None:
     assert {k: v.outputs[0].token_ids for k, v in got.items()} == {
         k: v.outputs[0].token_ids for k, v in want.items()}
     assert spec.stats()["spec_accepted_tokens"] >= 8
+
+
+def test_constrained_drafts_cross_the_end_tag() -> None:
+    """A reasoning row drafts across </think> (the prompt holds `hm</think>ab` before an
+    open <think>): the drafts in the thinking are verified unconstrained, those after the
+    tag under the grammar from its start; tokens equal decoding without speculation."""
+    p = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=SO(regex="[ab]{2}"))
+    reqs = [("x", "hm</think>ab<think>Q?", p), ("y", "hm</think>ba<think>Q?", p)]
+    want = drain(_engine(think="off"), reqs)
+    spec = _engine(think="off", spec=True)
+    before = spec.stats()["spec_accepted_tokens"]
+    got = drain(spec, reqs)
+    for k in want:
+        assert got[k].outputs[0].token_ids == want[k].outputs[0].token_ids, k
+        assert got[k].outputs[0].text.startswith("<think>hm</think>"), got[k].outputs[0]
+    assert spec.stats()["spec_accepted_tokens"] - before >= 4  # m, </think> at least
