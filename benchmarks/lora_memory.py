@@ -39,7 +39,9 @@ and wall seconds (each engine's first run includes compiling).
 ``--gather``: the step's cost of reading adapters from pages, one layer of SmolLM2-135M's
 shapes: the seven base matmuls, the seven gathered deltas from the fixed table, and
 ``materialize`` (the gather of the slots' pages, bitcast, reshape) + the same deltas,
-jitted, median of 20; the paged read's extra time as a share of the base matmuls.
+jitted, median of 20; the paged read's extra time as a share of the base matmuls; and
+the same seven deltas through the native CPU kernel (``model/native_lora.py``), what the
+engine runs on the CPU at fp32.
 
     python benchmarks/lora_memory.py --paging      # ~3-5 min on the 2-core box
     python benchmarks/lora_memory.py --gather
@@ -271,6 +273,7 @@ def gather_cost() -> None:
         pages_for_rank,
         rank_slice_floats,
     )
+    from pagedjax.model.native_lora import stacked_lora_delta
 
     arch = arch_from_hf_config(SMOLLM2_135M)
     shapes = llama_module_shapes(arch)
@@ -280,8 +283,8 @@ def gather_cost() -> None:
     print("one layer of SmolLM2-135M's shapes, fp32, rank 8 adapters, 7 modules; ms per"
           " layer (jitted, median of 20)")
     print("| rows | slots | base: 7 matmuls | table: 7 deltas | paged: read + 7 deltas |"
-          " paged - table, % of base |")
-    print("|---|---|---|---|---|---|")
+          " paged - table, % of base | table, native kernel: 7 deltas |")
+    print("|---|---|---|---|---|---|---|")
     for rows, loras in ((8, 4), (64, 16), (256, 16)):
         slots, r, bs = loras + 1, 8, 16
         x = jnp.asarray(rng.normal(size=(rows, 1536)), jnp.float32)
@@ -307,6 +310,12 @@ def gather_cost() -> None:
                                   tree[g][m]["lora_scale"]).sum()
                        for g in tree for m in tree[g])  # fmt: skip
 
+        def native_deltas(tree, x=x, ids=ids):
+            return sum(stacked_lora_delta(x[:, : tree[g][m]["lora_a"].shape[1]], ids,
+                                          tree[g][m]["lora_a"][None], tree[g][m]["lora_b"][None],
+                                          tree[g][m]["lora_scale"], 0).sum()
+                       for g in tree for m in tree[g])  # fmt: skip
+
         table_tree = {g: {m: dict(lora_a=a[m], lora_b=b[m], lora_scale=scale) for m in sub}
                       for g, sub in view.items()}  # fmt: skip
         w = {m: jnp.asarray(rng.normal(size=(i, o)), jnp.float32) for m, (i, o) in shapes.items()}
@@ -314,8 +323,10 @@ def gather_cost() -> None:
         f_table = jax.jit(lambda t: deltas(t))
         f_paged = jax.jit(lambda p, pool, view=view: deltas(
             materialize({**view, "lora_paged": p}, (None, pool, pool), jnp.int32(0))))
+        f_native = jax.jit(lambda t: native_deltas(t))
         times = []
-        for fn, args in ((f_base, (w,)), (f_table, (table_tree,)), (f_paged, (paged, pool))):
+        for fn, args in ((f_base, (w,)), (f_table, (table_tree,)), (f_paged, (paged, pool)),
+                         (f_native, (table_tree,))):  # fmt: skip
             fn(*args).block_until_ready()
             ts = []
             for _ in range(20):
@@ -324,7 +335,7 @@ def gather_cost() -> None:
                 ts.append(time.perf_counter() - t)
             times.append(statistics.median(ts) * 1e3)
         print(f"| {rows} | {loras} | {times[0]:.2f} | {times[1]:.2f} | {times[2]:.2f} |"
-              f" {100 * (times[2] - times[1]) / times[0]:+.0f} % |", flush=True)
+              f" {100 * (times[2] - times[1]) / times[0]:+.0f} % | {times[3]:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

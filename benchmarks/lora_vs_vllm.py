@@ -19,8 +19,12 @@ engine's rows with no adapter, with 1 adapter, with n adapters mixed round-robin
 engine, after one untimed call: T1 = ``generate(max_tokens=1)`` (the prefill and the first
 token) and TK = ``generate(max_tokens=1 + K)``, each the minimum of ``--repeats`` calls;
 time per decode step = (TK - T1) / K at ``rows`` rows, output tok/s = rows x (1 + K) / TK.
-Each engine runs in its own process, one after the other (2 shared cores: never two
-engines at once): pagedjax with this checkout's code (a persistent compilation cache
+Each side runs in its own process, one after the other (2 shared cores: never two
+engines at once); a side builds all its engines (base, rank 8, rank 64) first, then runs
+``--repeats`` rounds, each round every configuration of every engine in turn, so a drift
+of the box's load between configurations falls on all of them alike (one engine per
+process and configuration after configuration, as before, read a falling load as a
+cheaper adapter): pagedjax with this checkout's code (a persistent compilation cache
 under ``~/.cache/pagedjax``; compilation is never timed), vLLM as ``vllm.LLM(model,
 dtype="float32", enable_lora=True, max_loras=16, max_lora_rank=R)`` with
 ``LoRARequest``s. The LoRA engines use ``max_loras`` 16 and ``max_lora_rank`` = the
@@ -55,7 +59,9 @@ NUM_ADAPTERS = 16
 
 
 def _child(spec_path: str) -> None:
-    """One engine in this process: every configuration of the spec, results as JSON."""
+    """One side's engines in this process (all built first), then rounds over every
+    configuration of every engine, alternating, so a change of the box's load falls on all
+    of them alike; results as JSON."""
     spec = json.loads(Path(spec_path).read_text())
     res: dict[str, Any] = {"t_start": time.time()}
     side = spec["side"]
@@ -74,37 +80,48 @@ def _child(spec_path: str) -> None:
         prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
         kw = dict(enable_prefix_caching=False, warmup="none")
     rows = len(prompts)
-    lora_kw = spec["lora"]
-    llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"],
-              max_num_seqs=rows, max_num_batched_tokens=spec["max_num_batched_tokens"],
-              seed=0, **kw, **lora_kw)  # fmt: skip
+    llms = {}
+    for eng in spec["engines"]:
+        llms[eng["name"]] = LLM(
+            model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"],
+            max_num_seqs=rows, max_num_batched_tokens=spec["max_num_batched_tokens"],
+            seed=0, **kw, **eng["lora"],
+        )  # fmt: skip
     res["t_constructed"] = time.time()
     k = spec["decode_steps"]
 
-    def call(n_tokens: int, lora: Any) -> tuple[float, list[list[int]]]:
+    def call(llm: Any, n_tokens: int, lora: Any) -> tuple[float, list[list[int]]]:
         sp = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True)
         t = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=lora)
         dt = time.perf_counter() - t
         return dt, [list(o.outputs[0].token_ids) for o in outs]
 
+    points = []  # (name, llm, lora requests)
+    for eng in spec["engines"]:
+        for cfg in eng["configs"]:
+            paths = cfg["adapters"]  # [] = base rows
+            reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
+            lora = [reqs[j % len(reqs)] for j in range(rows)] if reqs else None
+            points.append((cfg["name"], llms[eng["name"]], lora))
+    for _, llm, lora in points:
+        call(llm, 1 + k, lora)  # compile / load the adapters, untimed
+    t1s: dict[str, list[float]] = {n: [] for n, _, _ in points}
+    tks: dict[str, list[float]] = {n: [] for n, _, _ in points}
+    ids: dict[str, Any] = {}
+    for _ in range(spec["repeats"]):
+        for name, llm, lora in points:
+            t1s[name].append(call(llm, 1, lora)[0])
+            dt, ids[name] = call(llm, 1 + k, lora)
+            tks[name].append(dt)
     res["configs"] = {}
-    for cfg in spec["configs"]:
-        paths = cfg["adapters"]  # [] = base rows
-        reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
-        lora = [reqs[j % len(reqs)] for j in range(rows)] if reqs else None
-        call(1 + k, lora)  # compile / load the adapters, untimed
-        t1s, tks, ids = [], [], None
-        for _ in range(spec["repeats"]):
-            t1s.append(call(1, lora)[0])
-            dt, ids = call(1 + k, lora)
-            tks.append(dt)
-        t1, tk = min(t1s), min(tks)
-        res["configs"][cfg["name"]] = dict(
-            t1_s=t1s, tk_s=tks, step_s=(tk - t1) / k, out_tok_s=rows * (1 + k) / tk,
-            ids=ids, load=os.getloadavg()[0],
+    for name, _, _ in points:
+        t1, tk = min(t1s[name]), min(tks[name])
+        res["configs"][name] = dict(
+            t1_s=t1s[name], tk_s=tks[name], step_s=(tk - t1) / k,
+            out_tok_s=rows * (1 + k) / tk, ids=ids[name], load=os.getloadavg()[0],
         )  # fmt: skip
-        print(cfg["name"], res["configs"][cfg["name"]]["step_s"], flush=True)
+        print(name, res["configs"][name]["step_s"], flush=True)
     res["t_done"] = time.time()
     Path(spec["result"]).write_text(json.dumps(res))
 
@@ -232,18 +249,16 @@ def main(argv: list[str] | None = None) -> None:
     sides = [("pagedjax", sys.executable)] + ([] if a.skip_vllm else [("vllm", str(vpy))])
     results: dict[str, dict[str, Any]] = {s: {} for s, _ in sides}
     meta: dict[str, Any] = {}
-    for ename, lora_kw, cfgs in engines:
-        for side, py in sides:
-            label = f"{side}-{ename}"
-            print(f"running {label} ... (log {work / label}.log)", flush=True)
-            spec = dict(common, lora=lora_kw, configs=cfgs)
-            res = run_engine(side, py, spec, work, a.timeout, label)
-            results[side].update(res["configs"])
-            meta[label] = dict(wall_s=round(res["child_wall_s"], 1), version=res.get("version"))
+    for side, py in sides:
+        print(f"running {side} ... (log {work / side}.log)", flush=True)
+        spec = dict(common, engines=[dict(name=e, lora=kw, configs=c) for e, kw, c in engines])
+        res = run_engine(side, py, spec, work, a.timeout, side)
+        results[side].update(res["configs"])
+        meta[side] = dict(wall_s=round(res["child_wall_s"], 1), version=res.get("version"))
     names = [c["name"] for _, _, cfgs in engines for c in cfgs]
     print(f"\nSmolLM2-135M fp32 (real weights), {a.rows} rows; seconds per decode step ="
           f" (T(1+{a.decode_steps}) - T(1)) / {a.decode_steps}; ratio = step / base engine's;"
-          f" vLLM {meta.get('vllm-base', {}).get('version')}")  # fmt: skip
+          f" vLLM {meta.get('vllm', {}).get('version')}")  # fmt: skip
     head = f"| {'configuration':<22} |"
     for s, _ in sides:
         head += f" {s} s/step | {s} ratio | {s} out tok/s |"

@@ -39,6 +39,17 @@ Markdown row per schema and the totals; the last line is ``jump_forward_speedup:
 (total wall off / on). ``--disable-any-whitespace``: compact JSON (the engines'
 ``disable_any_whitespace``), where a key and its punctuation are forced as one run; with
 vLLM's default (any whitespace) a key's closing quote and colon are not forced.
+
+    python benchmarks/structured_outputs.py --speculative [--backends xgrammar] [--k 4]
+        [--max-tokens 96] [--rounds 1]
+
+Constrained rows without and with n-gram speculation instead (docs/structured_outputs.md,
+"Speculative decoding composes"): two engines (max_num_seqs 1; prompt lookup 2-4 tokens,
+k drafts), the 30 JSON schemas of ``CASES``, each prompt holding its schema's JSON text
+(so keys can be drafted from it), one request at a time, greedy. Totals of output tokens,
+engine steps, wall (the fastest of ``--rounds`` runs after a first that compiles),
+validity, token-for-token equality and the drafts proposed / accepted; the last line is
+``constrained_speculation_speedup: R`` (wall without / with).
 """
 
 from __future__ import annotations
@@ -306,6 +317,61 @@ def jump_forward_compare(model: str, backend: str, max_tokens: int, rounds: int,
     return tot[False][1] / tot[True][1]
 
 
+def speculative_compare(model: str, backend: str, max_tokens: int, rounds: int, k: int) -> float:
+    """Constrained rows without and with n-gram speculation (module docstring); prints the
+    table, returns total wall without / with."""
+    from pagedjax import LLM
+    from pagedjax.sampling import SamplingParams, StructuredOutputsParams
+
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2}  # fmt: skip
+    llms = {on: LLM(model, max_model_len=512, max_num_seqs=1,
+                    speculative_config=spec if on else None,
+                    structured_outputs_config={"backend": backend})
+            for on in (False, True)}  # fmt: skip
+    cases = [s for kind, s in CASES if kind == "json"]
+    totals = {on: [0, 0, 0.0] for on in llms}  # tokens, steps, wall
+    valid_n, equal = {False: 0, True: 0}, 0
+    for spec_case in cases:
+        schema = spec_case["json"]
+        prompt = (f"Answer with one JSON object that follows this schema:\n"
+                  f"{json.dumps(schema)}\nJSON: ")  # fmt: skip
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                structured_outputs=StructuredOutputsParams(**spec_case))
+        outs = {}
+        for r in range(1 + rounds):  # the first compiles what this case needs
+            for on, llm in llms.items():
+                engine, steps = llm.llm_engine, 0
+                t0 = time.perf_counter()
+                engine.add_request(f"sp-{time.perf_counter_ns()}", prompt, params)
+                while engine.has_unfinished_requests():
+                    for o in engine.step():
+                        out = o.outputs[0] if o.finished else None
+                        if out is not None:
+                            outs.setdefault(on, [out, steps, []])
+                    steps += 1
+                outs[on][2].append(time.perf_counter() - t0)
+                if r == 0:
+                    outs[on][1] = steps
+        for on, (out, steps, walls) in outs.items():
+            totals[on][0] += len(out.token_ids)
+            totals[on][1] += steps
+            totals[on][2] += min(walls[1:]) if rounds else walls[0]
+            valid_n[on] += out.finish_reason == "stop" and valid("json", spec_case, out.text)
+        equal += outs[False][0].token_ids == outs[True][0].token_ids
+    st = llms[True].llm_engine.stats()
+    n = len(cases)
+    print("| speculation | output tokens | engine steps | wall (s) | valid | token ids equal |"
+          " drafts proposed / accepted |")
+    print("|---|---|---|---|---|---|---|")
+    for on in (False, True):
+        drafts = (f"{st['spec_proposed_tokens']} / {st['spec_accepted_tokens']}"
+                  if on else "-")  # fmt: skip
+        print(f"| {'n-gram k=' + str(k) if on else 'off'} | {totals[on][0]} | {totals[on][1]} |"
+              f" {totals[on][2]:.2f} | {valid_n[on]}/{n} | {equal}/{n} | {drafts} |")
+    return totals[False][2] / totals[True][2]
+
+
 def device_fsm_compare(model: str, args: argparse.Namespace) -> None:
     """Per num_scheduler_steps K and batch B: unconstrained vs constrained ms per engine
     iteration with host masks, then with the device FSM (one engine each)."""
@@ -414,6 +480,9 @@ def main() -> None:
     ap.add_argument("--constraints", nargs="+", choices=["regex", "json"],
                     default=["regex", "json"],
                     help="--device-fsm: the constrained rows' STEP_CONSTRAINTS")  # fmt: skip
+    ap.add_argument("--speculative", action="store_true",
+                    help="constrained rows without vs with n-gram speculation instead")
+    ap.add_argument("--k", type=int, default=4, help="--speculative: num_speculative_tokens")
     args = ap.parse_args()
     from pagedjax import LLM
 
@@ -429,6 +498,13 @@ def main() -> None:
         return
     if args.device_fsm:
         device_fsm_compare(model, args)
+        return
+    if args.speculative:
+        for backend in args.backends:
+            print(f"{backend}, max_tokens {args.max_tokens}:")
+            speedup = speculative_compare(model, backend, args.max_tokens, args.rounds, args.k)
+        print(f"load after: {os.getloadavg()}")
+        print(f"constrained_speculation_speedup: {speedup:.3f}")
         return
     ratio = 0.0
     for backend in args.backends:

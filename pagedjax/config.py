@@ -440,9 +440,12 @@ class StructuredOutputsConfig:
     disable_fallback: accepted for vLLM configs; no backend falls back silently here.
     disable_any_whitespace, disable_additional_properties: engine-wide defaults of the
     request options of the same names (either one turns the option on).
-    reasoning_parser, enable_in_reasoning: stored so one config carries vLLM's keys; the
-    engine does not read them yet (a constraint applies from the first output token;
-    starting it after the reasoning is not built).
+    reasoning_parser ("deepseek_r1" | "qwen3"; "" none; the server writes its
+    --reasoning-parser here), enable_in_reasoning (vLLM's default false): with a parser
+    and enable_in_reasoning false, a constrained sample runs unconstrained until its
+    output ends with ``</think>``'s token ids, and the constraint applies from the next
+    token; a prompt that already ended the reasoning constrains from the first token
+    (structured/reasoning.py). An unknown parser is a ValueError when the engine starts.
     compile_timeout_s: a constraint whose compilation takes longer is refused (ValueError
     at add_request). cache_size: compiled constraints kept (by constraint text).
     jump_forward (pagedjax's own; vLLM has none): SGLang's jump-forward decoding. Where

@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -294,22 +295,44 @@ class ByteTokenizer:
 
     decode skips ids outside 0..255 (specials, or ids a random model emits beyond the bytes)
     and replaces invalid UTF-8, so any id sequence decodes.
+
+    added_tokens: {text: id >= 256}, as a Hugging Face tokenizer's ordinary added tokens
+    (e.g. ``<think>``): encode gives the id for each occurrence of the text (longest
+    first), decode gives the text back. Grammar backends see no bytes for them (never
+    allowed by a grammar). ValueError for an id below 256 or an empty text.
     """
 
-    def __init__(self, eos_token_id: int | None = None, bos_token_id: int | None = None):
+    def __init__(self, eos_token_id: int | None = None, bos_token_id: int | None = None,
+                 added_tokens: dict[str, int] | None = None):  # fmt: skip
         self.eos_token_id = eos_token_id
         self.bos_token_id = bos_token_id
         self.vocab_size = 256
+        self.added_tokens = dict(added_tokens or {})
+        bad = {t: i for t, i in self.added_tokens.items() if i < 256 or not t}
+        if bad:
+            raise ValueError(f"added_tokens need ids >= 256 and non-empty texts, got {bad}")
+        self._added_text = {i: t.encode("utf-8") for t, i in self.added_tokens.items()}
+        self._split = None
+        if self.added_tokens:
+            alternation = "|".join(map(re.escape, sorted(self.added_tokens, key=len, reverse=True)))
+            self._split = re.compile(f"({alternation})")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = list(text.encode("utf-8"))
+        if self._split is None:
+            ids = list(text.encode("utf-8"))
+        else:
+            ids = []
+            for i, part in enumerate(self._split.split(text)):  # odd parts: added tokens
+                ids.extend([self.added_tokens[part]] if i % 2 else part.encode("utf-8"))
         if add_special_tokens and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         special = {self.bos_token_id, self.eos_token_id} if skip_special_tokens else set()
-        data = bytes(i for i in ids if 0 <= i < 256 and i not in special)
+        added = self._added_text
+        data = b"".join(added[i] if i in added else bytes([i]) for i in ids
+                        if (0 <= i < 256 or i in added) and i not in special)  # fmt: skip
         return data.decode("utf-8", errors="replace")
 
 

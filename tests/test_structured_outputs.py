@@ -136,7 +136,9 @@ def test_config_keys() -> None:
 @functools.cache
 def _engine(backend: str = "xgrammar", spec: bool = False, steps: int | str = "auto",
             jump: bool = False, blocks: int = 64, prefix: bool = False,
-            fsm: bool = False) -> LLMEngine:  # fmt: skip
+            fsm: bool = False, think: str = "") -> LLMEngine:  # fmt: skip
+    """think: "" (the random model), or the scripted thinking model (_think_params, THINK
+    tokenizer) with reasoning_parser deepseek_r1 and enable_in_reasoning "off" / "on"."""
     config = EngineConfig(
         model=ModelConfig(model="tiny-llama", max_model_len=64, seed=0),
         cache=CacheConfig(block_size=4, num_gpu_blocks_override=blocks,
@@ -146,9 +148,12 @@ def _engine(backend: str = "xgrammar", spec: bool = False, steps: int | str = "a
         speculative=SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3)
         if spec
         else None,
-        structured_outputs=StructuredOutputsConfig(backend=backend, jump_forward=jump,
-                                                   device_fsm=fsm),  # fmt: skip
+        structured_outputs=StructuredOutputsConfig(
+            backend=backend, jump_forward=jump, device_fsm=fsm,
+            reasoning_parser="deepseek_r1" if think else "", enable_in_reasoning=think == "on"),
     )
+    if think:
+        return LLMEngine(ARCH, _think_params(), THINK, config)
     params = random_params(ARCH, seed=0, dtype=jnp.float32, std=0.15)
     return LLMEngine(ARCH, params, TOK, config)
 
@@ -229,8 +234,9 @@ def test_invalid_constraint_is_refused_at_add_request() -> None:
 
 @pytest.mark.tier2  # two more engines (speculative, K-step loop): ~20 s of compiling
 def test_speculation_and_k_step_loop_compose() -> None:
-    """Constrained rows do not speculate and keep the one-step path; outputs equal plain
-    decoding, and unconstrained rows beside them still speculate."""
+    """Constrained rows keep the one-step path (with n-gram speculation they draft under
+    their grammar: test_constrained_rows_draft_and_equal_plain_decoding); outputs equal
+    plain decoding, and unconstrained rows beside them still speculate."""
     reqs = [*_requests(0.0),
             ("repeat", "abcabcabcabc", SamplingParams(temperature=0.0, max_tokens=12,
                                                       ignore_eos=True)),
@@ -432,10 +438,11 @@ def test_jump_forward_stop_rules_and_logprobs_across_forced_tokens() -> None:
 
 @pytest.mark.tier2  # four more engines: ~20 s of compiling
 def test_jump_forward_composes() -> None:
-    """Jump-forward with llguidance, with n-gram speculation beside (constrained rows
-    never draft; a jumping row is a chunk in the verification program), with n > 1
-    samples (each its own matcher), with preemption by recompute and prefix caching (the
-    forced tokens are output tokens, prefilled again): the outputs of decoding without it."""
+    """Jump-forward with llguidance, with n-gram speculation beside (constrained rows do
+    not draft with jump-forward on; a jumping row is a chunk in the verification
+    program), with n > 1 samples (each its own matcher), with preemption by recompute and
+    prefix caching (the forced tokens are output tokens, prefilled again): the outputs of
+    decoding without it."""
     keys = [_fixed_keys(t) for t in (0.0, 1.0)]
     reqs = [*_requests(0.0), ("keys0", *keys[0][1:]), ("keys1", *keys[1][1:]),
             ("n", "pets", SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=20,
@@ -488,3 +495,162 @@ def test_disable_additional_properties_closes_objects_as_vllm() -> None:
     assert got["$defs"]["x"]["additionalProperties"] is True  # explicit: kept
     assert schema_dict(SO(json_object=True), True) == {"type": "object"}
     assert "additionalProperties" not in schema_dict(SO(json=schema), False)
+
+
+# ------------------------------------------------- the constraint starts after </think>
+# A scripted "thinking" model (structured/reasoning.py, enable_in_reasoning=False): the
+# random tiny llama with its attention and MLP outputs zeroed, so the next token depends
+# only on the current one, and a bigram table written into the embedding and LM head.
+# Its tokenizer has <think> and </think> as added tokens. Greedy from a prompt ending in
+# "?" it writes <think>hm</think> and then prefers Z: all outside the constraints below,
+# so the output shows exactly where the mask applied.
+THINK_IDS = {"<think>": 300, "</think>": 301}
+THINK = ByteTokenizer(eos_token_id=EOS, bos_token_id=ARCH.bos_token_id, added_tokens=THINK_IDS)
+THINK_SCRIPT = [(ord("?"), 300), (300, ord("h")), (ord("h"), ord("m")), (ord("m"), 301),
+                (301, ord("Z")), (ord("Z"), ord("Z"))]  # fmt: skip
+
+
+@functools.cache
+def _think_params():
+    p = random_params(ARCH, seed=0, dtype=jnp.float32, std=0.15)
+    rng = np.random.default_rng(0)
+    layers = dict(p["layers"])
+    layers["self_attn"] = dict(layers["self_attn"], o_proj={"kernel": jnp.zeros_like(
+        layers["self_attn"]["o_proj"]["kernel"])})  # fmt: skip
+    layers["mlp"] = dict(layers["mlp"], down_proj={"kernel": jnp.zeros_like(
+        layers["mlp"]["down_proj"]["kernel"])})  # fmt: skip
+    emb = rng.standard_normal(p["embed_tokens"]["embedding"].shape).astype(np.float32)
+    head = 0.01 * rng.standard_normal(p["lm_head"]["kernel"].shape).astype(np.float32)
+    for a, b in THINK_SCRIPT:  # logit margin ~80 for the scripted successor
+        head[:, b] += 10.0 * emb[a] / np.linalg.norm(emb[a])
+    return dict(p, layers=layers, embed_tokens={"embedding": jnp.asarray(emb)},
+                lm_head={"kernel": jnp.asarray(head)}, norm={"weight": jnp.ones_like(
+                    p["norm"]["weight"])})  # fmt: skip
+
+
+def _think_run(engine: LLMEngine, so: SO, temperature: float = 0.0) -> dict:
+    p = SamplingParams(temperature=temperature, seed=5, max_tokens=20, structured_outputs=so)
+    prompts = {"open": "Q?", "ended": "Q<think></think>", "reopened": "</think>Q<think>?"}
+    return {k: o.outputs[0] for k, o in drain(engine, [(k, v, p) for k, v in
+                                                       prompts.items()]).items()}  # fmt: skip
+
+
+def test_constraint_starts_after_the_reasoning() -> None:
+    """reasoning_parser, enable_in_reasoning=False (vLLM's default): (a) the thinking is
+    unconstrained (<think>, h, m are all outside [ab]{2}); (b) after </think> the output
+    follows the regex (the tag is not fed to the grammar); (d) a prompt that already
+    ended the reasoning is constrained from token one, one that reopened it is not.
+    Greedy and seeded. (c) enable_in_reasoning=True: constrained from token one."""
+    engine = _engine(think="off")
+    think = [300, ord("h"), ord("m"), 301]
+    for temperature in (0.0, 1.0):
+        out = _think_run(engine, SO(regex=REGEX), temperature)
+        o = out["open"]
+        assert o.token_ids[:4] == think and o.text.startswith("<think>hm</think>"), o
+        assert re.fullmatch(REGEX, o.text.removeprefix("<think>hm</think>")), o.text
+        assert o.finish_reason == "stop" and o.token_ids[-1] == EOS  # where allowed
+        assert re.fullmatch(REGEX, out["ended"].text), out["ended"]
+        assert out["reopened"].token_ids[:4] == think, out["reopened"]
+    out = _think_run(_engine(think="on"), SO(regex=REGEX))
+    assert all(re.fullmatch(REGEX, o.text) for o in out.values()), out  # <think> forbidden
+
+
+@pytest.mark.tier2  # two more engines (device FSM at K = 4, jump-forward): ~15 s cold
+def test_device_fsm_and_jump_forward_respect_the_reasoning() -> None:
+    """The device FSM row has no state while it thinks (it needs the host); from
+    </think> on its table applies, in fused K-step loops too. Jump-forward forces nothing
+    in the thinking and, after </think>, the regex's fixed `x=`. Tokens equal the host
+    path's."""
+    host = _engine(think="off")
+    fixed, long = SO(regex="x=[ab]"), SO(regex="[ab]{12}")
+    want = {so.regex: _think_run(host, so) for so in (fixed, long)}
+    assert re.fullmatch("<think>hm</think>[ab]{12}", want[long.regex]["open"].text)
+    fsm = _engine(think="off", fsm=True, steps=4)
+    for so in (fixed, long):
+        got = _think_run(fsm, so)
+        assert {k: v.token_ids for k, v in got.items()} == {
+            k: v.token_ids for k, v in want[so.regex].items()}
+    stats = fsm.stats()
+    assert stats["structured_device_fsm"] >= 6 and stats["multi_step_loops"] > 0, stats
+    jf = _engine(think="off", jump=True)
+    got = _think_run(jf, fixed)
+    assert {k: v.token_ids for k, v in got.items()} == {
+        k: v.token_ids for k, v in want[fixed.regex].items()}
+    assert got["open"].text in ("<think>hm</think>x=a", "<think>hm</think>x=b")
+    assert jf.stats()["jump_forward_tokens"] >= 4  # x= after </think>, and from token one
+
+
+# ------------------------------------------------- speculative drafts under the grammar
+# Default tier (xgrammar): the speculating engine's verification programs, 5.0 s cold
+# after the module's first engine (load ~3.6); guidance: two more engines, slow.
+@pytest.mark.parametrize("backend", ["xgrammar", pytest.param("guidance", marks=pytest.mark.slow)])
+def test_constrained_rows_draft_and_equal_plain_decoding(backend: str) -> None:
+    """n-gram speculation (k = 3): constrained rows draft, their drafts checked against
+    the grammar and each verified position masked with the grammar state after the drafts
+    before it (structured/drafts.py); tokens, logprobs and finish reasons equal plain
+    decoding, greedy and seeded, for a regex and a JSON schema, beside an unconstrained
+    row. Without the per-position masks these outputs differ (checked by hand: `abb`
+    instead of `ababababc`)."""
+    def p(so: SO | None, t: float) -> SamplingParams:
+        return SamplingParams(temperature=t, seed=3, max_tokens=30, logprobs=2,
+                              structured_outputs=so, ignore_eos=so is None)  # fmt: skip
+
+    reqs = []
+    for t in (0.0, 1.0):
+        reqs += [(f"regex{t}", "abababababab", p(SO(regex="(ab){3,8}c"), t)),
+                 (f"json{t}", '{"b":"x","c":true}{"b":"x","c":true}{',
+                  p(SO(json=SCHEMA, disable_any_whitespace=True), t)),
+                 (f"plain{t}", "xyzxyzxyz", p(None, t))]  # fmt: skip
+    base = drain(_engine(backend), reqs)
+    spec = _engine(backend, spec=True)
+    before = spec.stats()
+    # Twice: the second run's rows take slots whose earlier owners drafted under a grammar
+    # (their old per-position masks must not reach an unconstrained row).
+    for got in (drain(spec, reqs), drain(spec, reqs[::-1])):
+        for k, want in base.items():
+            a, b = want.outputs[0], got[k].outputs[0]
+            assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), (k, a, b)
+            assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4), k
+            assert [set(e) for e in a.logprobs] == [set(e) for e in b.logprobs], k
+    assert re.fullmatch("(ab){3,8}c", got["regex0.0"].outputs[0].text)
+    assert json.loads(got["json1.0"].outputs[0].text)["b"] in ("x", "y")
+    stats = spec.stats()
+    assert stats["spec_accepted_tokens"] - before["spec_accepted_tokens"] >= 10, stats
+
+
+def test_constrained_draft_masks_stay_with_their_rows() -> None:
+    """An unconstrained row whose drafts are all accepted (the scripted model repeats Z)
+    takes a slot whose earlier owner drafted under a grammar, while another constrained
+    row drafts in the same steps: its tokens equal plain decoding (the earlier owner's
+    per-position masks do not reach it)."""
+    def p(so: SO | None) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=so,
+                              ignore_eos=so is None)  # fmt: skip
+
+    ab = SO(regex="(ab){3,8}c")
+    first = [(f"c{i}", "Q<think></think>abababab", p(ab)) for i in range(4)]  # every slot
+    second = [("z", "ZZZZZZ", p(None)), ("c", "Q<think></think>abababab", p(ab))]
+    want = drain(_engine(think="off"), second)
+    spec = _engine(think="off", spec=True)
+    drain(spec, first)
+    got = drain(spec, second)
+    assert want["z"].outputs[0].token_ids == [ord("Z")] * 12
+    assert {k: v.outputs[0].token_ids for k, v in got.items()} == {
+        k: v.outputs[0].token_ids for k, v in want.items()}
+    assert spec.stats()["spec_accepted_tokens"] >= 8
+
+
+def test_constrained_drafts_cross_the_end_tag() -> None:
+    """A reasoning row drafts across </think> (the prompt holds `hm</think>ab` before an
+    open <think>): the drafts in the thinking are verified unconstrained, those after the
+    tag under the grammar from its start; tokens equal decoding without speculation."""
+    p = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=SO(regex="[ab]{2}"))
+    reqs = [("x", "hm</think>ab<think>Q?", p), ("y", "hm</think>ba<think>Q?", p)]
+    want = drain(_engine(think="off"), reqs)
+    spec = _engine(think="off", spec=True)
+    before = spec.stats()["spec_accepted_tokens"]
+    got = drain(spec, reqs)
+    for k in want:
+        assert got[k].outputs[0].token_ids == want[k].outputs[0].token_ids, k
+        assert got[k].outputs[0].text.startswith("<think>hm</think>"), got[k].outputs[0]
+    assert spec.stats()["spec_accepted_tokens"] - before >= 4  # m, </think> at least

@@ -401,6 +401,16 @@ MOVES: dict[str, tuple[str, str]] = {
         "slow", "the speculating engine (above)"),
     "tests/test_speculative.py::test_seeded_sampling_equals_plain": (
         "slow", "the speculating engine (above)"),
+    # -- issue 33, the constraint after the reasoning (2026-12-05, h/so33): its two tier-2
+    #    tests (test_device_fsm_and_jump_forward_respect_the_reasoning 13.9 s in its
+    #    module, test_server_reasoning_content_then_valid_json ~16 s, cold, load ~5) are
+    #    paid for by these two (31.7 s cold in the same run).
+    "tests/test_structured_outputs.py::test_jump_forward_composes": (
+        "slow", "20.9 s cold, load ~5; jump-forward's outputs, stop rules and logprobs stay"
+                " in the default tier (test_jump_forward_*), its server text in the second"),
+    "tests/test_device_fsm.py::test_device_fsm_rows_beside_speculating_rows": (
+        "slow", "10.8 s cold, load ~5; the FSM rows in the K-step loop stay in the second"
+                " tier (test_device_fsm_rows_run_in_the_k_step_loop)"),
     "tests/test_structured_outputs.py::test_n_samples_have_their_own_matchers": (
         "tier2", "up to 21.9 s (its own engine); valid outputs per backend stay"),
     "tests/test_model_parity.py::test_greedy_matches_transformers_generate[mistral]": (

@@ -24,9 +24,18 @@ speculative drafts (``no_drafts``: the verification would have to advance the st
 along the drafts). Which path each constrained sample took is counted
 (``structured_device_fsm`` / ``structured_host_masks``) and logged.
 
+Reasoning models (``reasoning_parser``, structured/reasoning.py): a constrained sample
+whose prompt did not end the reasoning runs unconstrained until its output ends with
+``</think>``'s ids: on the host path its guide is a ``GatedGuide`` (an all-ones mask, no
+grammar advance, no forced tokens); on the device FSM path its row has no FSM state (-1)
+and needs the host while the gate is open, then starts at the FSM's initial state.
+
 While a slot needs the host, the engine runs one-step programs (the K-step loop reports
 "structured_output" in its skipped reasons) and the slot does not speculate, so outputs
-equal those of plain decoding (docs/structured_outputs.md says why).
+equal those of plain decoding (docs/structured_outputs.md says why); except a slot whose
+only per-token control is its host grammar (``grammar_drafts``): with n-gram chain
+drafts it speculates, its drafts checked against the grammar and each verified position
+masked with the grammar's state after the drafts before it (structured/drafts.py).
 """
 
 from __future__ import annotations
@@ -70,10 +79,22 @@ def bad_words_token_ids(tokenizer: Any, words: Sequence[str], vocab_size: int) -
 
 
 def needs_host(book: Any, req: Any, seq: Any) -> bool:
-    """True while the sequence's mask changes between steps (see the module docstring)."""
-    if seq.guide is not None or req.bad_words_ids:
+    """True while the sequence's mask changes between steps (see the module docstring);
+    a device FSM row in its reasoning too (the host finds the end tag and starts the FSM)."""
+    if seq.guide is not None or req.bad_words_ids or seq.in_reasoning:
         return True
     return len(seq.detok.ids) < seq.params.min_tokens and bool(book.stop_ids(seq))
+
+
+def grammar_drafts(controls: Any, book: Any, req: Any, seq: Any) -> bool:
+    """True when the sequence's only per-token control is its grammar on the host (no
+    bad words, min_tokens reached, no device FSM, jump-forward off): it may draft, its
+    drafts checked against the grammar (structured/drafts.py, spec/decoder.py)."""
+    if seq.guide is None or seq.fsm is not None or req.bad_words_ids:
+        return False
+    if controls.jump_forward is not None:
+        return False  # forced tokens are appended after the step: not a draft's place
+    return len(seq.detok.ids) >= seq.params.min_tokens or not book.stop_ids(seq)
 
 
 def no_drafts(book: Any, req: Any, seq: Any) -> bool:
@@ -115,7 +136,8 @@ class LogitControls:
                  eos_ids: set[int]):  # fmt: skip
         self.vocab_size = vocab_size
         self._tokenizer = tokenizer
-        self._all = np.full(mask_words(vocab_size), -1, np.int32)
+        self.mask_words = mask_words(vocab_size)  # W of the packed masks
+        self._all = np.full(self.mask_words, -1, np.int32)
         self.structured = StructuredOutputManager(config, tokenizer, vocab_size, sorted(eos_ids))
         self.host_steps = 0  # iterations run with a host-masked slot (stats)
         # Jump-forward decoding (engine/jump_forward.py): None when off, so the output
@@ -169,7 +191,10 @@ class LogitControls:
             log.debug("request %s: device FSM (%d states x %d token classes, %d bytes)",
                       req.request_id, *fsm.table.shape, fsm.nbytes)  # fmt: skip
             for seq in req.seqs:
-                seq.fsm, seq.fsm_state = fsm, fsm.initial
+                # In reasoning (structured/reasoning.py) the row has no FSM state (-1:
+                # unconstrained) until its gate closes (SequenceState.record).
+                seq.reasoning = self.structured.reasoning_gate(req.prompt_token_ids)
+                seq.fsm, seq.fsm_state = fsm, -1 if seq.reasoning else fsm.initial
             return
         req.structured_path = "host_masks" if fsm is None else f"host_masks: {fsm}"
         if fsm is not None:
@@ -177,7 +202,7 @@ class LogitControls:
             stats.fsm_fallbacks[fsm] = stats.fsm_fallbacks.get(fsm, 0) + 1
             log.info("request %s: host masks, not the device FSM: %s", req.request_id, fsm)
         for seq in req.seqs:
-            seq.start_guide(self.structured.guide(compiled), len(self._all))
+            seq.start_guide(self.structured.guide(compiled, req.prompt_token_ids), len(self._all))
 
     def stats(self) -> dict[str, float | int]:
         """structured_host_steps: iterations in which some slot needed host masks (they
@@ -208,7 +233,8 @@ class LogitControls:
         self._write_fsm_rows(book, dev)
         for slot, (req, seq) in book.slot_owner.items():
             p = seq.params
-            if not (p.min_tokens or req.bad_words_ids or seq.guide is not None):
+            if not (p.min_tokens or req.bad_words_ids or seq.guide is not None
+                    or seq.in_reasoning):
                 continue
             mask = token_mask(book, req, seq, self.vocab_size)
             grammar = seq.grammar_mask if seq.guide is not None else self._all
@@ -237,9 +263,10 @@ class LogitControls:
             self.fsm_version += 1
         for slot, (_, seq) in book.slot_owner.items():
             if seq.fsm is not None:
-                dev.set_sampling_value("fsm_state", slot,
-                                       self._fsm_offsets[id(seq.fsm)] + seq.fsm_state)  # fmt: skip
+                state = seq.fsm_state  # -1 (in reasoning): no FSM row, unconstrained
+                dev.set_sampling_value("fsm_state", slot, self._fsm_offsets[id(seq.fsm)]
+                                       + state if state >= 0 else -1)  # fmt: skip
 
 
-__all__ = ["LogitControls", "bad_words_token_ids", "clear_bits", "needs_host", "no_drafts",
-           "token_mask"]  # fmt: skip
+__all__ = ["LogitControls", "bad_words_token_ids", "clear_bits", "grammar_drafts", "needs_host",
+           "no_drafts", "token_mask"]  # fmt: skip

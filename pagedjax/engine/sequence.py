@@ -49,6 +49,14 @@ class SequenceState:
     # recorded token, and is what the slot's sampling row is written from between programs.
     fsm: Any = None
     fsm_state: int = -1
+    # The device FSM's reasoning gate (structured/reasoning.ReasoningGate; None: the FSM
+    # applies from the first token). Host-mask rows keep theirs inside the guide.
+    reasoning: Any = None
+
+    @property
+    def in_reasoning(self) -> bool:
+        """A device FSM row whose constraint waits for the end of the reasoning."""
+        return self.reasoning is not None and self.reasoning.open
 
     def start_guide(self, guide: Any, words: int) -> None:
         """Constrain this sample by ``guide`` (at its start state): the first mask."""
@@ -75,7 +83,10 @@ class SequenceState:
         self._check_stop(tok, stop_str, eos_ids)
         if self.guide is not None and self.finish_reason is None:
             self._advance_guide(tok)
-        if self.fsm is not None and self.finish_reason is None:
+        if self.in_reasoning and self.finish_reason is None:
+            if self.reasoning.feed(tok):  # the end tag: the FSM applies from the next token
+                self.fsm_state = self.fsm.initial
+        elif self.fsm is not None and self.finish_reason is None:
             # EOS here (ignore_eos) ends the grammar: nothing is allowed after it; a
             # refused token is never sampled under the mask. The host path's dead end.
             self.fsm_state = -1 if tok in eos_ids else self.fsm.next_state(self.fsm_state, tok)

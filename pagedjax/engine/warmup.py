@@ -56,7 +56,7 @@ from pagedjax.engine.core import EngineCore
 from pagedjax.engine.host_arrays import filled_like, zeros_like_tree
 from pagedjax.engine.multi_step import MultiStepDecoder, loop_buckets
 from pagedjax.engine.program_store import ProgramStore, describe_function
-from pagedjax.model import native_matmul
+from pagedjax.model import native_lora, native_matmul
 from pagedjax.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def warm_up(
             buckets = loop_buckets(core.seq_buckets)
             jobs += [(f"decode loop S={s}", (_loop, s)) for s in buckets]
     if store is not None:  # the native kernels' FFI targets, before a loaded program runs
-        native_cpu.available(), native_matmul.available()
+        native_cpu.available(), native_matmul.available(), native_lora.available()
     jobs += [(f"step T={t} S={s}", (_runner, t, s, store)) for t, s in pairs]
     if images is not None and (only_pairs or mode != "none"):
         image_pairs = pairs if only_pairs or mode == "all" else pairs[-1:]

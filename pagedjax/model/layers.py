@@ -27,6 +27,7 @@ from pagedjax.attention import write_kv
 from pagedjax.model import lora_pages
 from pagedjax.model.input import ModelInput
 from pagedjax.model.lora_delta import lora_delta
+from pagedjax.model.native_lora import stacked_lora_delta, uses_native_lora
 from pagedjax.model.native_matmul import stacked_matmul, uses_native
 from pagedjax.model.quant.weight import QuantizedWeight, embedding_rows, quantized_matmul
 
@@ -60,13 +61,20 @@ def layer_window(layer_windows: tuple[int | None, ...], uniform: bool, traced: j
     return layer_windows[0] if uniform else traced
 
 
+# A Linear's LoRA tables, stacked [L, slots, in, r] / [L, slots, r, out] under the layer
+# loop: handed over in place like kernels, so the native LoRA kernel reads the layer
+# where it lies (native_lora.py).
+LORA_TABLES = ("lora_a", "lora_b")
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["stacked", "index"],
                    meta_fields=["native"])  # fmt: skip
 @dataclasses.dataclass(frozen=True)
 class StackedWeight:
     """Layer ``index`` of a dense kernel stacked over layers, not sliced out: what the layer
     loop hands a ``Linear`` in place of its [in, out] kernel, so the matmul can read the
-    layer where it lies (native_matmul.py says why). stacked: [L, in, out]; index: int32
+    layer where it lies (native_matmul.py says why). stacked: [L, in, out] (or a LoRA
+    table, [L, slots, in, r] / [L, slots, r, out]); index: int32
     scalar; native: whether the CPU kernel may run (static)."""
 
     stacked: jax.Array
@@ -76,13 +84,16 @@ class StackedWeight:
 
 def layer_view(tree: Any, index: jax.Array, native: bool) -> Any:
     """Layer ``index`` of a stacked parameter tree: dense kernels ([L, in, out] arrays named
-    "kernel") as ``StackedWeight`` views, every other leaf (norms, biases, quantized
+    "kernel") and LoRA tables ([L, slots, ., .] ``LORA_TABLES``) as ``StackedWeight``
+    views, every other leaf (norms, biases, quantized
     weights' fields, MoE experts) sliced at the layer index."""
     out = {}
     for name, value in tree.items():
         if isinstance(value, Mapping):
             out[name] = layer_view(value, index, native)
         elif name == "kernel" and isinstance(value, jax.Array) and value.ndim == 3:
+            out[name] = StackedWeight(value, index, native)
+        elif name in LORA_TABLES and isinstance(value, jax.Array) and value.ndim == 4:
             out[name] = StackedWeight(value, index, native)
         else:
             out[name] = jax.tree.map(
@@ -237,6 +248,22 @@ class Linear(nn.Module):
         if lora_slots is not None and self.has_variable("params", "lora_a"):
             a, b = self.get_variable("params", "lora_a"), self.get_variable("params", "lora_b")
             scale = self.get_variable("params", "lora_scale")
+            # Stacked tables (the layer loop's views) are read in place; a layer's own
+            # tables (paged adapters, lora_pages.py) as a one-layer stack. The kernel's
+            # switch is the layer's: its base kernel's (one device, CPU).
+            if isinstance(a, StackedWeight):
+                a_st, b_st, layer, native = a.stacked, b.stacked, a.index, a.native
+            else:
+                a_st, b_st, layer = a[None], b[None], 0
+                native = isinstance(stored, StackedWeight) and stored.native
+            if uses_native_lora(x, a_st, b_st, native):
+                # Grouped by adapter; base rows cost nothing there, so no cond
+                # (native_lora.py).
+                delta = stacked_lora_delta(x, lora_slots, a_st, b_st, scale, layer)
+                return y + delta.astype(y.dtype)
+            if isinstance(a, StackedWeight):
+                a = jax.lax.dynamic_index_in_dim(a_st, layer, 0, keepdims=False)
+                b = jax.lax.dynamic_index_in_dim(b_st, layer, 0, keepdims=False)
             # A batch without adapter rows (slot 0 everywhere: base requests on a LoRA
             # engine) skips the gathers and matmuls instead of adding exact zeros.
             y = jax.lax.cond(

@@ -17,7 +17,11 @@ which adapters are loaded, so swapping adapters never recompiles):
 
 Slot 0 holds zeros (no adapter), so base rows come out with an exact 0 delta.
 
-``lora_delta`` (what the model's linears call) picks one of them per call from its static
+On the CPU at fp32 the model's linears run ``native_lora.py``'s kernel instead (rows
+grouped by adapter, the tables read in place: cheaper than all three here, docs/lora.md);
+these forms serve every other case (bf16, GPUs, tensor parallelism, the switch off).
+
+``lora_delta`` (what the model's linears call there) picks one of them per call from its static
 shapes (``lora_delta_form``), so the choice costs nothing at run time and each step
 bucket gets its own: measured on the 2-core CPU (docs/lora.md, "Gathered vs grouped
 matmul"), the gathered form is the fastest while its copies stay in cache (decode

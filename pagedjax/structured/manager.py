@@ -8,6 +8,11 @@ backend package); nothing is lost. ``guide(compiled)`` is cheap (a matcher over 
 shared compiled grammar), one per sample. Backends are imported on first use, so an
 engine that never sees a constraint never imports them.
 
+With ``config.reasoning_parser`` set and ``enable_in_reasoning`` false, ``guide`` and
+``reasoning_gate`` take the request's prompt ids: a sample whose prompt did not end the
+reasoning gets a gate in front of its constraint (reasoning.py: unconstrained until its
+output ends with ``</think>``'s ids). ValueError at construction for an unknown parser.
+
 Cost: a compile runs on a worker thread so it can be abandoned at ``compile_timeout_s``
 (the thread finishes in the background: Python cannot stop it); the cache is keyed by
 the backend and the constraint's canonical text (the tokenizer is the engine's own).
@@ -27,6 +32,8 @@ import numpy as np
 from pagedjax.config import StructuredOutputsConfig
 from pagedjax.sampling.params import StructuredOutputsParams
 from pagedjax.structured import json_regex, spec, token_fsm
+from pagedjax.structured.drafts import MAX_DRAFTS
+from pagedjax.structured.reasoning import GatedGuide, ReasoningGate, ThinkTags
 from pagedjax.structured.token_fsm import TokenFsm
 
 BACKENDS = ("auto", "xgrammar", "guidance")
@@ -104,6 +111,8 @@ class StructuredOutputManager:
         self.stats = StructuredStats()
         self._fsms: OrderedDict[str, TokenFsm | str] = OrderedDict()
         self._vocab: list[bytes | None] | None = None  # token bytes (token_fsm.vocab_bytes)
+        # The think tags' ids when constraints start after the reasoning (else None).
+        self.think = ThinkTags.for_config(config, tokenizer)
 
     def _backend(self, name: str) -> Any:
         with self._lock:
@@ -224,9 +233,20 @@ class StructuredOutputManager:
         return token_fsm.build_token_fsm(regex, self._vocab, self._eos,
                                          self.config.device_fsm_max_bytes)  # fmt: skip
 
-    def guide(self, compiled: Compiled) -> Guide:
-        """A fresh matcher at the start of the constraint, for one sequence."""
-        return self._backend(compiled.backend).guide(compiled.handle)
+    def guide(self, compiled: Compiled, prompt_ids: Any = None) -> Guide:
+        """A fresh matcher at the start of the constraint, for one sequence; behind a
+        reasoning gate (``GatedGuide``) when ``reasoning_gate(prompt_ids)`` gives one."""
+        guide = self._backend(compiled.backend).guide(compiled.handle)
+        gate = self.reasoning_gate(prompt_ids)
+        return guide if gate is None else GatedGuide(guide, gate)
+
+    def reasoning_gate(self, prompt_ids: Any) -> ReasoningGate | None:
+        """A sample's reasoning gate: None when nothing is gated (no reasoning parser,
+        enable_in_reasoning, prompt_ids None) or the prompt already ended the reasoning."""
+        if self.think is None or prompt_ids is None:
+            return None
+        # Speculative drafts roll the gate back (structured/drafts.py): up to MAX_DRAFTS.
+        return self.think.gate(prompt_ids, max(self._max_rollback, MAX_DRAFTS))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -56,7 +56,7 @@ import numpy as np
 from pagedjax.config import SpeculativeConfig
 from pagedjax.engine.buckets import pick, seqs_for_tokens
 from pagedjax.engine.host_arrays import filled_like, upload, zeros_like_tree
-from pagedjax.engine.logit_controls import no_drafts
+from pagedjax.engine.logit_controls import grammar_drafts, no_drafts
 from pagedjax.engine.spec.draft_model import (
     DraftCheckpoint,
     SeparateDraft,
@@ -83,6 +83,7 @@ from pagedjax.engine.spec.ngram import NgramProposer
 from pagedjax.engine.spec.ngram_tree import NgramTreeProposer
 from pagedjax.engine.spec.tree import check_tree_model
 from pagedjax.engine.spec.verify import SpecVerifier, write_drafts
+from pagedjax.structured.drafts import MAX_DRAFTS, check_drafts
 
 BUILT_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
 
@@ -226,6 +227,11 @@ class SpeculativeDecoder:
         self.k_history: list[int] = []  # drafts planned per step (most recent last, <= 64)
         self._rows: np.ndarray | None = None  # slots of the verified step's batch rows
         self._drafted = False  # whether the last ``run`` had rows with drafts (observe)
+        # Constrained rows' drafts (structured/drafts.py): by slot, the grammar's mask
+        # after each draft (int32[max_seqs, K, W], allocated on first use) and which
+        # slots planned such drafts this step.
+        self._grammar_masks: np.ndarray | None = None
+        self._constrained: np.ndarray | None = None
 
     def step_k(self, batch_size: int) -> int:
         """Drafts per row allowed for a step of ``batch_size`` sequences: k, or the
@@ -345,11 +351,14 @@ class SpeculativeDecoder:
         computed on device after the schedule (-1 here). No slot speculates while a
         request wanting prompt logprobs holds a slot (they need every logits row of
         the plain step) or when ``disable_by_batch_size`` slots are taken. A slot whose
-        mask changes per token (``logit_controls.no_drafts``) gets none."""
+        mask changes per token (``logit_controls.no_drafts``) gets none, except a
+        constrained row whose only such control is its host grammar, with n-gram chain
+        drafts: its drafts are checked against the grammar (``_grammar_drafts``)."""
         n = core.max_seqs
         lookahead = np.zeros(n, np.int32)
         drafts = np.full((n, self.k), -1, np.int32)
         owners = core.book.slot_owner
+        self._constrained = None
         if not self.may_speculate(core):
             return self._planned(lookahead, drafts)
         k_step = self.step_k(len(owners))  # may_speculate: > 0
@@ -361,9 +370,14 @@ class SpeculativeDecoder:
             out = len(seq.detok.ids)
             if out == 0 or req.pending or req.host_driven or seq.finish_reason is not None:
                 continue
+            constrained = False
             if core.controls is not None and no_drafts(core.book, req, seq):
-                continue  # its mask changes with each token: no drafts (logit_controls.py)
-            k = min(k_step, seq.target - out - 1)
+                # Its mask changes with each token: no drafts (logit_controls.py), unless
+                # the mask is its grammar's and the drafts are host chains.
+                constrained = self.fusable and grammar_drafts(core.controls, core.book, req, seq)
+                if not constrained:
+                    continue
+            k = min(k_step, seq.target - out - 1, MAX_DRAFTS if constrained else k_step)
             if k <= 0:
                 continue
             if self.eagle_tree is not None:  # whole levels first, within max_model_len
@@ -376,12 +390,26 @@ class SpeculativeDecoder:
                                     drafts)  # fmt: skip
             elif not on_device:
                 prop = self.proposer.propose(req.prompt_token_ids + seq.detok.ids, k)
+                if constrained and len(prop):
+                    prop = prop[: self._grammar_drafts(core, slot, seq, prop)]
                 k = len(prop)
                 drafts[slot, :k] = prop
             lookahead[slot] = k
         if self.config.auto_num_speculative_tokens:
             self._auto(core, lookahead, drafts)
         return self._planned(lookahead, drafts)
+
+    def _grammar_drafts(self, core: Any, slot: int, seq: Any, prop: Any) -> int:
+        """A constrained slot's drafts checked against its grammar (structured/drafts.py):
+        how many stand; their masks kept by slot for ``run``."""
+        n = core.max_seqs
+        if self._grammar_masks is None:
+            words = core.controls.mask_words
+            self._grammar_masks = np.full((n, self.k, words), -1, np.int32)
+        if self._constrained is None:
+            self._constrained = np.zeros(n, bool)
+        self._constrained[slot] = True
+        return check_drafts(seq.guide, prop, seq.grammar_mask, self._grammar_masks[slot])
 
     def _plan_tree(self, slot: int, ids: list[int], params: Any, depth: int, room: int,
                    drafts: np.ndarray) -> int:  # fmt: skip
@@ -524,10 +552,13 @@ class SpeculativeDecoder:
         return core.device.with_tokens(propose)
 
     def _verify(self, core: Any, mem: Any, batch: Any, num_drafts: Any, num_tokens: int,
-                num_seqs: int, draft_probs: Any = None, parents: Any = None) -> Any:  # fmt: skip
+                num_seqs: int, draft_probs: Any = None, parents: Any = None,
+                grammar_masks: Any = None) -> Any:  # fmt: skip
         """The verification program (plus the eagle catch-up); (out, accepted). parents:
         the trees' parents by batch row (int32[max_seqs, K]) with a tree config, None for
-        chains and for a tree engine's step without drafts (the chain program)."""
+        chains and for a tree engine's step without drafts (the chain program).
+        grammar_masks: constrained rows' per-position masks (int32[max_seqs, K, W], batch
+        rows; n-gram chains only, so the plain verifier)."""
         dev, st = core.device, core.device.state
         args = (mem, batch, num_drafts, dev.sampling(), st.prompt_len, st.output_len)
         kw = dict(num_tokens=num_tokens, num_seqs=num_seqs)
@@ -537,6 +568,8 @@ class SpeculativeDecoder:
                                                   m.feature, draft_probs, **kw)  # fmt: skip
         elif self.eagle is None:
             tree = () if parents is None else (parents,)
+            if grammar_masks is not None:
+                kw["grammar_masks"] = grammar_masks
             out, acc = dev.run_program(self.verifier.step, core.params, *args, draft_probs,
                                        *tree, **kw)  # fmt: skip
         else:
@@ -611,8 +644,16 @@ class SpeculativeDecoder:
         # A tree engine's step without drafts (a head's catch-up only) takes the chain
         # program: the same tokens, without the tree mask, walk and compaction.
         parents = self._row_parents(core.max_seqs, sid, live) if live.size else None
+        masks = None
+        held = live[self._constrained[sid[live]]] if self._constrained is not None else live[:0]
+        if held.size:
+            # Batch-row order, the bucket's S rows (the verification reads rows < S); only
+            # this step's constrained rows (a slot's old masks may be another owner's).
+            rows = np.full((padded_seqs, *self._grammar_masks.shape[1:]), -1, np.int32)
+            rows[held] = self._grammar_masks[sid[held]]
+            masks = upload(rows)
         return self._verify(core, dev.state.mem, batch._replace(swap=None), upload(spec),
-                            padded_tokens, padded_seqs, q, parents)  # fmt: skip
+                            padded_tokens, padded_seqs, q, parents, masks)  # fmt: skip
 
     def _row_parents(self, n: int, sid: np.ndarray | None = None,
                      live: np.ndarray | None = None) -> Any:  # fmt: skip

@@ -100,13 +100,14 @@ class SpecVerifier:
         output_len: jax.Array,
         draft_probs: jax.Array | None = None,
         parents: jax.Array | None = None,
+        grammar_masks: jax.Array | None = None,
         *,
         num_tokens: int,
         num_seqs: int,
     ) -> tuple[Any, jax.Array, Any, jax.Array]:
         kv, tokens, out, accepted, _ = self.verify(
             params, kv, tokens, mem, batch, num_drafts, slot_sampling, prompt_len, output_len,
-            draft_probs, parents, num_tokens=num_tokens, num_seqs=num_seqs,
+            draft_probs, parents, grammar_masks, num_tokens=num_tokens, num_seqs=num_seqs,
         )  # fmt: skip
         return kv, tokens, out, accepted
 
@@ -130,6 +131,7 @@ class SpecVerifier:
         output_len: jax.Array,
         draft_probs: jax.Array | None = None,
         parents: jax.Array | None = None,
+        grammar_masks: jax.Array | None = None,
         *,
         num_tokens: int,
         num_seqs: int,
@@ -140,7 +142,11 @@ class SpecVerifier:
         verified by rejection sampling (``_rejection``), the others by sample-and-compare.
         parents int32[>= S, K] (batch-row order, -1 = the row's last token): the drafts
         form trees (``tree.py``: tree mask, depth positions, the walk, KV compaction);
-        None: chains, and the program is the chain one."""
+        None: chains, and the program is the chain one. grammar_masks int32[>= S, K, W]
+        (batch-row order): constrained rows' drafts (structured/drafts.py): position j >= 1
+        of row r is sampled under grammar_masks[r, j - 1], the grammar's mask after the
+        drafts before it (position 0 under the row's own grammar_mask); None: every
+        position under its row's mask (a second program per bucket when given)."""
         key = (num_tokens, num_seqs)
         self.trace_count[key] = self.trace_count.get(key, 0) + 1  # at trace time only
         inp = build_model_input(
@@ -176,6 +182,9 @@ class SpecVerifier:
         slot = safe[frow]  # [size] the slot of each sampled position
         t = take_rows(slot_sampling, slot)
         t = t._replace(output_position=output_len[slot] + level)
+        if grammar_masks is not None:  # chains only (the decoder gives no tree masks)
+            after = grammar_masks[frow, jnp.clip(j - 1, 0, self.k - 1)]
+            t = t._replace(grammar_mask=jnp.where((j > 0)[:, None], after, t.grammar_mask))
         total = prompt_len[safe] + output_len[safe]  # [S] index of the first draft
         # A tree node's history is exact on chains only (penalised rows get chains).
         history = token_history(tokens, slot, prompt_len[slot], total[frow] + level)

@@ -19,24 +19,25 @@ empty think block itself) means the reasoning ended before the output began
 For structured outputs the engine must apply the constraint only after the reasoning
 ends (vLLM's ``structured_outputs_config.enable_in_reasoning=False``, the default): the
 server passes the parser's name to the engine as ``structured_outputs_config
-["reasoning_parser"]``, and ``end_token_ids`` / ``reasoning_ended_ids`` state the
-token-level rule the engine applies (docs/structured_outputs.md).
+["reasoning_parser"]``; the engine applies the token-level rule
+(``reasoning_ended_ids``, pagedjax/structured/reasoning.py, re-exported here) with the
+tags' ids (``end_token_ids``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from pagedjax.entrypoints.openai.tool_parsers.base import tag_overlap
+from pagedjax.structured.reasoning import THINK_TAGS
+from pagedjax.structured.reasoning import reasoning_ended_ids as reasoning_ended_ids
 
 
 class ThinkReasoningParser:
     """``<think> ... </think>`` reasoning (DeepSeek-R1's parser)."""
 
     name = "deepseek_r1"
-    start = "<think>"
-    end = "</think>"
+    start, end = THINK_TAGS["deepseek_r1"]  # the engine's tags (structured/reasoning.py)
 
     def thinking(self, chat_template_kwargs: dict[str, Any] | None) -> bool:
         """Whether this request's output starts in reasoning."""
@@ -76,23 +77,6 @@ class Qwen3ReasoningParser(ThinkReasoningParser):
 
     def thinking(self, chat_template_kwargs: dict[str, Any] | None) -> bool:
         return bool((chat_template_kwargs or {}).get("enable_thinking", True))
-
-
-def reasoning_ended_ids(token_ids: Sequence[int], start: Sequence[int], end: Sequence[int]) -> bool:
-    """The engine's rule, on token ids (prompt + output so far): the reasoning has
-    ended when the last occurrence of the end tag's ids comes after the last occurrence
-    of the start tag's ids. O(len(token_ids) x tag length); tags are 1-3 tokens."""
-
-    def last(seq: Sequence[int]) -> int:
-        n = len(seq)
-        if n == 0:
-            return -1
-        for i in range(len(token_ids) - n, -1, -1):
-            if list(token_ids[i : i + n]) == list(seq):
-                return i
-        return -1
-
-    return last(end) > last(start)
 
 
 REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
