@@ -21,7 +21,9 @@ step cost, down to 0, engine/spec/k_schedule.py), ngramtree (the same with paged
 "tree": {"budget": N, "top_k": K}: up to K earlier continuations merged into a trie of N
 nodes, depth <= k, verified in one step with the tree mask, engine/spec/tree.py),
 eagletree (eagle with the same "tree" key: the head's top K first tokens, each continued
-as a chain, K * min(k, N // K) nodes, engine/spec/eagle_tree.py), draft
+as a chain, K * min(k, N // K) nodes, engine/spec/eagle_tree.py), NAMEauto for any
+method NAME (eagleauto, eagletreeauto, eagle3auto, medusaauto, ngramtreeauto, draftauto:
+NAME with "auto_num_speculative_tokens": true; trees are cut by levels), draft
 ({"method": "draft_model", "model": "self", "draft_num_layers": N}: the model's own first
 N layers), eagle
 ({"method": "eagle", "model": DIR}: a head trained by ``python -m
@@ -56,6 +58,8 @@ import argparse
 import json
 import os
 import time
+
+import numpy as np
 
 from pagedjax import LLM
 from pagedjax.eval.chat import QUESTIONS, conversation
@@ -117,6 +121,13 @@ def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int, tag: str,
                 stats=eng.stats())  # fmt: skip
 
 
+def compiled(llm: LLM) -> int:
+    """Programs the engine has compiled (step, speculative): a method that compiles in a
+    timed round pays seconds of compilation there (the table's "timed compiles")."""
+    s = llm.llm_engine.stats()
+    return int(s.get("compilations", 0)) + int(s.get("spec_compilations", 0))
+
+
 def scheduler_steps(method: str) -> int | str:
     """num_scheduler_steps of a method: "...+sN" runs the fused N-step program (e.g.
     ngram+s8: n-gram drafts planned, scheduled and verified inside it); default "auto"."""
@@ -126,10 +137,16 @@ def scheduler_steps(method: str) -> int | str:
 
 def method_config(configs: dict, method: str) -> dict | None:
     """configs[method]; "NAME@K" is NAME with num_speculative_tokens K (e.g. eagle@3);
-    a "+sN" suffix is ``scheduler_steps``'."""
+    a "+sN" suffix is ``scheduler_steps``'; "NAMEauto" (eagleauto, eagletreeauto, ...)
+    is NAME with "auto_num_speculative_tokens": true (k, or a tree's levels, per row and
+    step from the measured acceptance and step cost, engine/spec/k_schedule.py)."""
     name, _, k = method.split("+s")[0].partition("@")
+    base = name.removesuffix("auto")
+    if name not in configs and base != name and configs.get(base) is not None:
+        configs = dict(configs, **{name: dict(configs[base], auto_num_speculative_tokens=True)})
     if name not in configs:
-        raise SystemExit(f"unknown method {name!r}; known: {sorted(configs)} (NAME or NAME@K)")
+        raise SystemExit(f"unknown method {name!r}; known: {sorted(configs)}, each also as"
+                         " NAMEauto (NAME or NAME@K)")  # fmt: skip
     cfg = configs[name]
     return cfg if not k or cfg is None else dict(cfg, num_speculative_tokens=int(k))
 
@@ -154,6 +171,13 @@ def main() -> None:
                     " M), summed: a shared box's load then weighs on every method alike")
     ap.add_argument("--tree-budget", type=int, default=16, help="ngramtree: nodes per row")
     ap.add_argument("--tree-top-k", type=int, default=3, help="ngramtree: continuations")
+    ap.add_argument("--warm-runs", type=int, default=1,
+                    help="untimed runs per method first (compiling what they meet); with the"
+                    " automatic rule a timed round can still meet a new program (the table's"
+                    " timed compiles): 2 leaves fewer")
+    ap.add_argument("--kv-cache-mib", type=int, default=1024,
+                    help="each engine's KV pool (MiB); 512 is enough for batch 64 x 32 tokens"
+                    " and lets a dozen engines fit in memory")
     ap.add_argument("--json", default=None, help="write the rows here too")
     a = ap.parse_args()
     print(f"load before: {os.getloadavg()}", flush=True)
@@ -179,7 +203,7 @@ def main() -> None:
     # the ratios compare runs made under the same (shared, varying) machine load.
     llms = {
         m: LLM(model=MODEL, max_model_len=1024, max_num_seqs=max(a.batch_sizes),
-               max_num_batched_tokens=1024, kv_cache_memory_bytes=1 << 30,
+               max_num_batched_tokens=1024, kv_cache_memory_bytes=a.kv_cache_mib << 20,
                warmup="none", speculative_config=method_config(configs, m),
                num_scheduler_steps=scheduler_steps(m))
         for m in a.methods
@@ -191,8 +215,11 @@ def main() -> None:
             n = a.batch1_prompts if b == 1 else b
             prompts = [ids[i % len(ids)] for i in range(n)]
             waves = len(prompts) // b
-            for llm in llms.values():
-                run_once(llm, prompts, a.max_tokens, "warm", waves=waves)
+            compiled0 = {}
+            for m, llm in llms.items():
+                for w in range(a.warm_runs):
+                    run_once(llm, prompts, a.max_tokens, f"warm{w}", waves=waves)
+                compiled0[m] = compiled(llm)
             names = list(llms)
             runs: dict[str, list[dict]] = {m: [] for m in names}
             for rnd in range(a.rounds):
@@ -214,6 +241,7 @@ def main() -> None:
                     method=method, workload=wl, batch=b, tok_s=round(r["tok_s"], 1),
                     latency_s=round(r["latency"], 3),
                     ratio=round(r["tok_s"] / ref["tok_s"], 2),
+                    median_ratio=round(float(np.median(per_round)), 2),
                     round_ratios=[round(x, 2) for x in per_round],
                     acceptance=round(s.get("spec_acceptance_rate", 0.0), 3),
                     mean_accepted_len=round(s.get("spec_mean_accepted_length", 0.0), 2),
@@ -222,19 +250,23 @@ def main() -> None:
                     proposed_per_step=round(s.get("spec_proposals_per_step", 0.0), 1),
                     fused_steps=s.get("spec_fused_steps", 0),
                     same_as_none=r["outputs"] == ref["outputs"], tokens=r["tokens"],
+                    timed_compiles=compiled(llms[method]) - compiled0[method],
                     load=round(os.getloadavg()[0], 1),
                 )  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print(f"load after: {os.getloadavg()}")
-    print("| workload | batch | method | tok/s | mean latency s | vs none | acceptance |"
-          " mean accepted len | tokens per step | drafts per step | same outputs | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| workload | batch | method | tok/s | mean latency s | vs none | median of rounds"
+          " (rounds) | acceptance | mean accepted len | tokens per step | drafts per step |"
+          " same outputs | timed compiles | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        rounds = ", ".join(str(x) for x in r["round_ratios"])
         print(f"| {r['workload']} | {r['batch']} | {r['method']} | {r['tok_s']} |"
-              f" {r['latency_s']} | {r['ratio']} | {r['acceptance']} |"
+              f" {r['latency_s']} | {r['ratio']} | {r['median_ratio']} ({rounds}) |"
+              f" {r['acceptance']} |"
               f" {r['mean_accepted_len']} | {r['tokens_per_step']} | {r['proposed_per_step']} |"
-              f" {r['same_as_none']} | {r['load']} |")  # fmt: skip
+              f" {r['same_as_none']} | {r['timed_compiles']} | {r['load']} |")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -359,7 +359,7 @@ class SpeculativeConfig:
     auto_num_speculative_tokens (pagedjax's own key, no vLLM equivalent): size each row's
     k every step from the measured acceptance and the measured cost of the step's
     bucket, down to 0 (``engine/spec/k_schedule.py``); within the table's k when both
-    are set.
+    are set. With a tree it sizes each row's tree by levels (depths kept, down to 0).
     draft_sample_method (vLLM's key): "greedy" drafts the argmax; "probabilistic" makes
     the draft_model / eagle / eagle3 / medusa drafts samples of the draft's distribution q
     at the request's temperature, verified by rejection sampling (min(1, p/q), residual
@@ -421,8 +421,6 @@ class SpeculativeConfig:
             _check(self.method != "eagle" or self.tree.budget >= self.tree.top_k,
                    "speculative_config.tree", f"an eagle tree needs budget >= top_k (one"
                    f" node per branch), got {self.tree.budget} < {self.tree.top_k}")
-            _check(not self.auto_num_speculative_tokens, "speculative_config.tree",
-                   "the automatic k rule sizes chains; with a tree it is not built")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:

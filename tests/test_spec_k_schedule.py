@@ -20,7 +20,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedjax.config import ConfigError, SpeculativeConfig
-from pagedjax.engine.spec.k_schedule import Acceptance, StepCost, allocate, batch_size_lookup
+from pagedjax.engine.spec.k_schedule import (
+    Acceptance,
+    StepCost,
+    allocate,
+    allocate_levels,
+    batch_size_lookup,
+    bfs_order,
+    node_levels,
+)
 from tests.test_speculative import (
     OracleProposer,
     _assert_same,
@@ -136,6 +144,43 @@ def test_step_cost_explores_then_settles(verify_cost, expect_drafts):
     assert len(set(picked[-3:])) == 1, picked  # settled
 
 
+@pytest.mark.parametrize("spike_plain", [True, False])
+def test_refresh_recovers_from_a_transient_measurement(spike_plain):
+    """A world where drafting costs 3 plain steps, but the first measurements of one side
+    were a transient (the shared box): the plain step measured at 10, or drafting at
+    0.5. Without refreshing, a plain step measured at 10 keeps the rule drafting for good
+    (the key it stopped choosing is never measured again); with ``choose_with_refresh``
+    it runs the plain step again within REFRESH_STEPS steps and settles on plain steps.
+    A drafting spike needs no refresh: the rule keeps drafting, measures, and stops."""
+    from pagedjax.engine.spec.k_schedule import REFRESH_STEPS, choose_with_refresh
+
+    def run(refresh: bool) -> list[int]:
+        cost, picked = StepCost(), []
+
+        def key(n: int) -> tuple:
+            t = 16 if n else 8
+            return (n > 0, t, t)
+
+        def choose(c):
+            return allocate(np.full(8, 0.4), np.full(8, 1), 8, c)
+
+        for step in range(4 * REFRESH_STEPS):
+            if refresh:
+                n = int(choose_with_refresh(choose, key, cost).sum())
+            else:
+                n = int(choose(lambda m: cost.estimate(key(m))).sum())
+            spike = step < 4 and (n == 0) == spike_plain
+            seconds = (10.0 if n == 0 else 0.5) if spike else (3.0 if n else 1.0)
+            cost.observe(key(n), seconds)
+            picked.append(n)
+        return picked
+
+    stuck, fixed = run(False), run(True)
+    if spike_plain:
+        assert all(stuck[-2 * REFRESH_STEPS:]), stuck  # never measures plain again
+    assert fixed[-2 * REFRESH_STEPS:] == [0] * (2 * REFRESH_STEPS), fixed
+
+
 class _Spy:
     """Wraps SpeculativeDecoder.plan: (batch size, largest k) of every planned step."""
 
@@ -195,6 +240,9 @@ class _FixedCost:
     def estimate(self, key) -> float:
         return self.verify if key[0] else 1.0
 
+    def stale(self, key) -> bool:
+        return False
+
 
 @pytest.mark.parametrize("verify_cost", [10.0, 1.0])
 def test_auto_rule_greedy_equals_plain_down_to_zero(verify_cost):
@@ -206,3 +254,208 @@ def test_auto_rule_greedy_equals_plain_down_to_zero(verify_cost):
         assert {k for _, k in spy.seen} == {0}
     else:  # free drafts always pay (alpha > 0): every row keeps its proposals
         assert stats["spec_proposed_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
+
+
+# ---------------------------------------------------------------- trees (by levels)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0.0, 1.0), st.lists(st.integers(1, 3), max_size=3)),
+             min_size=1, max_size=3),
+    st.integers(1, 4),
+    st.lists(st.floats(0.5, 4.0), min_size=28, max_size=28),
+)  # fmt: skip
+def test_allocate_levels_is_the_brute_force_optimum(rows, base, steps):
+    """Every vector of depth prefixes tried: the rate of the allocation is the best."""
+    alpha = np.array([a for a, _ in rows])
+    widths = [np.array(w, np.int64) for _, w in rows]
+    table = np.cumsum(steps)  # cost(n) for n nodes
+
+    def rate(ds) -> float:
+        gain = sum(alpha[r] ** j for r, d in enumerate(ds) for j in range(1, d + 1))
+        return (base + gain) / table[sum(int(widths[r][:d].sum()) for r, d in enumerate(ds))]
+
+    got = allocate_levels(alpha, widths, base, lambda n: float(table[n]))
+    assert all(0 <= d <= len(w) for d, w in zip(got, widths, strict=True))
+    best = max(rate(ds) for ds in itertools.product(*(range(len(w) + 1) for w in widths)))
+    assert rate(got) >= best * (1 - 1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(0, 4)), min_size=1, max_size=4),
+       st.lists(st.floats(0.5, 4.0), min_size=17, max_size=17))  # fmt: skip
+def test_allocate_levels_on_chains_is_allocate(rows, steps):
+    """A chain is a tree of width 1 at every depth: the same optimum as ``allocate``."""
+    alpha, caps = np.array([a for a, _ in rows]), np.array([c for _, c in rows])
+    table = np.cumsum(steps)
+    chain = allocate(alpha, caps, 2, lambda n: float(table[n]))
+    tree = allocate_levels(alpha, [np.ones(c, np.int64) for c in caps], 2,
+                           lambda n: float(table[n]))  # fmt: skip
+    def rate(ks) -> float:  # ties may split differently between rows: compare the rates
+        gain = sum(alpha[r] ** j for r, k in enumerate(ks) for j in range(1, k + 1))
+        return (2 + gain) / table[sum(ks)]
+
+    assert rate(tree) == pytest.approx(rate(chain), rel=1e-9)
+    assert sum(tree) == sum(chain)  # the same n: the smallest at the best rate
+    assert allocate_levels(alpha, [np.ones(c, np.int64) for c in caps], 2,
+                           lambda n: None).tolist() == caps.tolist()  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-1, 30), min_size=1, max_size=16))
+def test_bfs_order_keeps_the_tree_and_puts_levels_first(raw):
+    """Any parents-first tree: the breadth-first layout is parents-first, depth-sorted,
+    and the same tree (each node's path of old indices maps to the new one's)."""
+    parents = [p if p < i else -1 for i, p in enumerate(raw)]
+    order, new_par, depth = bfs_order(parents)
+    assert sorted(order.tolist()) == list(range(len(parents)))
+    assert np.all(np.diff(depth) >= 0)
+    assert all(p < i for i, p in enumerate(new_par))
+    np.testing.assert_array_equal(depth, node_levels(parents)[order])
+    for i, p in enumerate(new_par):  # the same edges, renumbered
+        assert (parents[order[i]] == -1) if p < 0 else (parents[order[i]] == order[p])
+    for d in range(1, int(depth.max()) + 1):  # depths 1..d are a prefix: a tree
+        n = int((depth <= d).sum())
+        assert all(p < n for p in new_par[:n])
+
+
+def _rotating_level_cap(monkeypatch) -> None:
+    """The rule's levels per row capped at (call + row) mod 5: every cut gets made."""
+    from pagedjax.engine.spec import decoder
+
+    calls = []
+
+    def rotating(alpha, widths, rows, cost):
+        keep = allocate_levels(alpha, widths, rows, cost)
+        calls.append(len(calls))
+        return np.minimum(keep, [(len(calls) + r) % 5 for r in range(len(widths))])
+
+    monkeypatch.setattr(decoder, "allocate_levels", rotating)
+
+
+@pytest.mark.tier2  # an engine (14 s cold); the allocation's unit tests stay in the default
+def test_auto_rule_with_trees_greedy_and_seeded_equal_plain(monkeypatch):
+    """N-gram trees (an oracle trie: a decoy branch, the right one, a sibling) under the
+    automatic rule, nodes breadth-first and cut by levels: greedy and seeded outputs equal
+    the plain run's through chunked prefill and preemption, block invariants after every
+    step (the tree path, mask and compaction in CI's second tier). The tiny engine has one token
+    bucket (a flat cost: the rule keeps all or nothing), so the levels each row keeps are
+    the rule's capped by a rotating cap (0, 1, ... levels): whole trees, trees cut by
+    levels and no drafts all go through the engine."""
+    from pagedjax.sampling import SamplingParams
+
+    _rotating_level_cap(monkeypatch)
+    from tests.test_spec_tree import OracleTree
+    from tests.test_spec_tree import _engine as tree_engine
+    from tests.test_spec_tree import _reference as tree_reference
+
+    prompts = dict(enumerate(_prompts(1, 4, lo=6, hi=40)))  # some over BUDGET: chunked
+    reqs = [(str(i), p, _greedy(24)) for i, p in prompts.items()]
+    reqs.append(("s", prompts[0], SamplingParams(temperature=0.9, top_k=50, seed=3,
+                                                 max_tokens=16, ignore_eos=True)))  # fmt: skip
+    ref = tree_reference(reqs)
+    engine = tree_engine((8, 2))
+    spec = engine.speculator
+    old = (spec.config, spec.tree_proposer, spec.cost)
+    spec.config = dataclasses.replace(spec.config, auto_num_speculative_tokens=True)
+    spec.tree_proposer = OracleTree(_refs(ref, {**prompts, "s": prompts[0]}), bad=100)
+    spec.cost = _FixedCost(1.0)  # drafts are free: the rule keeps every level
+    cuts = []  # (nodes proposed, nodes kept) of every row the rule saw
+
+    def auto(core, lookahead, drafts):
+        before, parents = lookahead.copy(), spec._parents.copy()
+        real_auto(core, lookahead, drafts)
+        for slot in np.flatnonzero(before):
+            b, a = int(before[slot]), int(lookahead[slot])
+            cuts.append((b, a))
+            depth = node_levels(parents[slot, :b])  # the kept nodes: whole levels first
+            assert a in (0, b) or depth[:a].max() < depth[a:].min(), (depth, a)
+
+    real_auto, spec._auto = spec._auto, auto
+    try:
+        engine.reset_stats()
+        before = engine.num_preemptions
+        got = _drain(engine, reqs, on_step=check_memory)
+        stats = engine.stats()
+        assert engine.num_preemptions > before, "the pool was meant to force preemption"
+    finally:
+        spec.config, spec.tree_proposer, spec.cost = old[:3]
+        del spec._auto
+        spec.acceptance = None
+    _assert_same({k: v for k, v in ref.items() if k != "s"},
+                 {k: v for k, v in got.items() if k != "s"})  # fmt: skip
+    assert got["s"].outputs[0].token_ids == ref["s"].outputs[0].token_ids
+    assert stats["spec_accepted_tokens"] > 0
+    assert engine.num_free_blocks() == engine.num_usable_blocks()
+    assert any(a == b for b, a in cuts), cuts  # whole trees kept
+    assert any(0 < a < b for b, a in cuts), cuts  # trees cut by levels
+    assert any(a == 0 for b, a in cuts), cuts  # and none
+
+
+@pytest.mark.tier2  # an EAGLE engine and the dense head recomputation (17 s cold)
+def test_eagle_steps_without_drafts_keep_the_head_exact_and_are_measured(tmp_path):
+    """A head method with steps where no row drafts (two in every four, as the automatic
+    rule or the batch-size table may leave them), then drafting again: no proposal runs
+    on those steps, yet after every step each decoding sequence's head feature equals the
+    head recomputed from scratch over its committed tokens (so its head KV is complete,
+    and the next proposals are what an unpaused run would make); greedy outputs equal
+    the plain run's. Then under the automatic rule the cost table holds the no-draft key
+    (drafts False): the head's catch-up step is what the rule compares drafting with."""
+    from tests.test_spec_eagle import _check_head_features, _head_dir
+    from tests.test_spec_eagle import _engine as eagle_engine
+
+    engine = eagle_engine(_head_dir(str(tmp_path)))
+    spec = engine.speculator
+    prompts = dict(enumerate(_prompts(12, 2, lo=8, hi=14)))
+    reqs = [(str(i), p, _greedy(16)) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    real_plan, planned, checked = spec.plan, [], []
+
+    def paused(core):
+        lookahead, drafts = real_plan(core)
+        if len(planned) % 4 in (1, 2):
+            lookahead[:] = 0
+        planned.append(int(lookahead.sum()))
+        return lookahead, drafts
+
+    spec.plan = paused
+    try:
+        engine.reset_stats()
+        got = _drain(engine, reqs, on_step=lambda e: checked.append(_check_head_features(e)))
+    finally:
+        del spec.plan
+    _assert_same(ref, got)
+    assert engine.stats()["spec_proposed_tokens"] > 0
+    paused_steps = [i for i, n in enumerate(planned) if n == 0 and i % 4 in (1, 2)]
+    assert any(checked[i] for i in paused_steps) and any(checked[i + 1] for i in paused_steps)
+
+    spec.config = dataclasses.replace(spec.config, auto_num_speculative_tokens=True)
+    try:
+        _assert_same(ref, _drain(engine, reqs))
+    finally:
+        spec.config = dataclasses.replace(spec.config, auto_num_speculative_tokens=False)
+        spec.acceptance = None
+    assert any(not key[0] for key in spec.cost.seconds), spec.cost.seconds
+
+
+@pytest.mark.slow  # ~5 s warm: the n-gram tree case (tier2) covers the plumbing
+def test_auto_rule_with_eagle_trees_greedy_equals_plain(monkeypatch, tmp_path):
+    """EAGLE trees (level-major already) cut by levels under the automatic rule: greedy
+    outputs equal the plain run's; some rows drafted part of their levels."""
+    from tests.test_spec_eagle import _head_dir
+    from tests.test_spec_tree import _eagle_tree_engine
+
+    _rotating_level_cap(monkeypatch)
+    engine = _eagle_tree_engine(_head_dir(str(tmp_path)))
+    spec = engine.speculator
+    spec.config = dataclasses.replace(spec.config, auto_num_speculative_tokens=True)
+    spec.cost = _FixedCost(1.0)
+    prompts = dict(enumerate(_prompts(4, 3, lo=6, hi=20)))
+    reqs = [(str(i), p, _greedy(16)) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    engine.reset_stats()
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    s = engine.stats()
+    assert 0 < s["spec_proposed_tokens"] < s["spec_rows"] * spec.k, s

@@ -178,8 +178,10 @@ def test_tree_config_and_refusals():
                           draft_sample_method="probabilistic")
     with pytest.raises(ConfigError, match="budget >= top_k"):
         SpeculativeConfig(method="eagle", model="/x", tree=DraftTreeConfig(2, 3))
-    with pytest.raises(ConfigError, match="automatic k rule"):
-        SpeculativeConfig(tree=DraftTreeConfig(), auto_num_speculative_tokens=True)
+    # the automatic rule sizes trees by levels now (k_schedule.allocate_levels): accepted
+    for method, model in (("ngram", None), ("eagle", "/x")):
+        SpeculativeConfig(method=method, model=model, tree=DraftTreeConfig(),
+                          auto_num_speculative_tokens=True)  # fmt: skip
     with pytest.raises(ValueError, match="sliding-window"):
         check_tree_model(preset_arch("mistral-7b"))
     check_tree_model(ARCH)

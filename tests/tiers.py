@@ -346,7 +346,12 @@ MOVES: dict[str, tuple[str, str]] = {
     "tests/triton_attention/test_triton_interpreted.py::test_random_lengths[1]": (
         "tier2", "the decode, mixed and prefill cases stay"),
     "tests/test_spec_k_schedule.py::test_auto_rule_greedy_equals_plain_down_to_zero": (
-        "tier2", "2 cases 18.9 s; the k-per-step schedule's unit tests stay"),
+        "slow", "was tier2, 2 cases 18.9 s (29 s cold alone, load 4); pays for the automatic"
+        " rule's tree and head tests (tier2, 14 + 17 s cold): they run the rule through the"
+        " engine, greedy equal to plain, keeping drafts and none"),
+    "tests/test_spec_tree.py::test_oracle_tree_greedy_equals_plain_with_chunking_and_preemption[100]": (  # noqa: E501
+        "slow", "was tier2, 21.6 s cold; test_spec_k_schedule's tree test (tier2) runs the same"
+        " oracle trie (decoy first) through chunked prefill and preemption, cut by levels"),
     "tests/test_multimodal_engine.py::test_server_chat_with_data_url_image_equals_generate": (
         "tier2", "15.8 s; the vision tower and the merge stay (test_vision_clip)"),
     "tests/test_server_robust.py": (

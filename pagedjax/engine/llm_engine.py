@@ -414,7 +414,7 @@ class LLMEngine:
             fetch["top"] = (sampled.ranks, sampled.top_ids, sampled.top_logprobs)
         got = jax.device_get(fetch)
         if self.speculator is not None:  # the automatic k rule's cost table (spec/k_schedule.py)
-            self.speculator.observe(self._buckets(int(host["num_tokens"])), verified is not None,
+            self.speculator.observe(self._buckets(int(host["num_tokens"])),
                                     time.perf_counter() - t0)  # fmt: skip
         if plp is not None:
             record_prompt_logprobs(self.tokenizer.decode, host, owners, jax.device_get(plp))

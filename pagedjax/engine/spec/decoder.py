@@ -30,12 +30,15 @@ Draft trees (``speculative_config.tree``, pagedjax's own key; ``tree.py``): a ro
 are the nodes of a tree (parents by slot, ``_parents``, set by ``plan`` for ``run``):
 n-gram tries (``ngram_tree.py``) or EAGLE's top-k-then-chains (``eagle_tree.py``),
 verified with the tree mask, the accepted path's KV compacted in the same program.
+With the automatic rule a tree is cut by whole levels (``k_schedule.allocate_levels``;
+n-gram tries laid out breadth-first so kept levels are a prefix of the nodes).
 
 A separate draft checkpoint runs over every step's batch (its own pool, the target's
 block ids), also in plain steps; its pool and the EAGLE head's follow swaps through
 ``apply_swaps``. A step without drafts takes the plain program (the EAGLE head and
-Medusa heads, whose features must follow every step, verify always). While a request
-wanting prompt logprobs holds a slot nobody speculates. With a drafting model the
+Medusa heads, whose features must follow every step, verify always: no proposal then,
+only the head's catch-up; their proposals run on the drafting rows only, packed). While
+a request wanting prompt logprobs holds a slot nobody speculates. With a drafting model the
 engine runs the one-step path only (the n-gram method also drafts inside the fused
 K-step program). Stats: ``stats()`` (see ``SpecCounters``).
 """
@@ -64,7 +67,16 @@ from pagedjax.engine.spec.draft_model import (
 from pagedjax.engine.spec.eagle import EagleDraft, EagleVerifier
 from pagedjax.engine.spec.eagle3 import Eagle3Draft, Eagle3Verifier
 from pagedjax.engine.spec.eagle_tree import EagleTreeDraft, branch_parents, catch_up_inputs
-from pagedjax.engine.spec.k_schedule import Acceptance, StepCost, allocate, batch_size_lookup
+from pagedjax.engine.spec.k_schedule import (
+    Acceptance,
+    StepCost,
+    allocate,
+    allocate_levels,
+    batch_size_lookup,
+    bfs_order,
+    choose_with_refresh,
+    node_levels,
+)
 from pagedjax.engine.spec.layer_skip import LayerSkipDraft
 from pagedjax.engine.spec.medusa import MedusaDraft, build_medusa
 from pagedjax.engine.spec.ngram import NgramProposer
@@ -214,6 +226,7 @@ class SpeculativeDecoder:
         self.cost = StepCost()
         self.k_history: list[int] = []  # drafts planned per step (most recent last, <= 64)
         self._rows: np.ndarray | None = None  # slots of the verified step's batch rows
+        self._drafted = False  # whether the last ``run`` had rows with drafts (observe)
         # Constrained rows' drafts (structured/drafts.py): by slot, the grammar's mask
         # after each draft (int32[max_seqs, K, W], allocated on first use) and which
         # slots planned such drafts this step.
@@ -228,11 +241,14 @@ class SpeculativeDecoder:
             return self.k
         return int(batch_size_lookup(table, max(batch_size, 1), self.k)[max(batch_size, 1)])
 
-    def observe(self, bucket: tuple[int, int], verified: bool, seconds: float) -> None:
+    def observe(self, bucket: tuple[int, int], seconds: float) -> None:
         """A step's wall time from dispatch to its tokens on the host (the engine's
-        ``_run``) by program key (verified, T, S): the automatic rule's cost table."""
+        ``_run``: drafting programs included) by key (drafts, T, S), drafts: whether ``run``
+        had rows with drafts. Not "whether it verified": a head method (EAGLE, Medusa)
+        runs its verification program, for the head's catch-up, on a step without drafts
+        too, and the rule's cost(0) must be what such a step costs that method."""
         if self.config.auto_num_speculative_tokens:
-            self.cost.observe((verified, *bucket), seconds)
+            self.cost.observe((self._drafted, *bucket), seconds)
 
     def jits(self) -> dict[str, Any]:
         """The jitted functions by name (compile counting)."""
@@ -283,8 +299,9 @@ class SpeculativeDecoder:
         for t, s in pairs:
             mem = dev.state.mem
             mem = mem._replace(last_cow=mem.last_cow._replace(valid=upload(f)))
-            if self.eagle is not None:
-                self._eagle_propose(core, mem, i32, i32, i32, s)
+            if self.eagle is not None:  # every head_rows size (_packed_rows)
+                for rows in sorted({head_rows(n, s) for n in range(1, s + 1)}):
+                    self._eagle_propose(core, mem, i32, i32, i32, rows)
             if self.medusa is not None:
                 for rows in sorted({head_rows(n, s) for n in range(1, s + 1)}):
                     self._medusa_propose(core, i32, i32, i32, rows)
@@ -296,6 +313,8 @@ class SpeculativeDecoder:
                 self.separate.run(core, batch, i32, t, s, mem=mem, num_drafts=self._q_k)
             out = self._verify(core, mem, batch, upload(i32), t, s, self._no_q(s),
                                self._row_parents(n))  # fmt: skip
+            if self.tree is not None and self.eagle is not None:  # its no-draft steps
+                out = self._verify(core, mem, batch, upload(i32), t, s, self._no_q(s), None)
         jax.block_until_ready((dev.state, out))
 
     @property
@@ -404,6 +423,9 @@ class SpeculativeDecoder:
             pars = list(range(-1, len(toks) - 1))
         else:
             toks, pars = self.tree_proposer.propose_tree(ids, depth, room)
+            if self.config.auto_num_speculative_tokens:  # levels as prefixes (_auto)
+                order, pars, _ = bfs_order(pars)
+                toks = [toks[i] for i in order]
         drafts[slot, : len(toks)] = toks
         self._parents[slot, : len(toks)] = pars
         return len(toks)
@@ -421,12 +443,25 @@ class SpeculativeDecoder:
             return
         base, largest = len(owners), core.token_buckets[-1]
 
-        def cost(m: int) -> float | None:
+        def key(m: int) -> tuple[bool, int, int]:
             t = pick(core.token_buckets, min(base + m, largest))
-            return self.cost.estimate((m > 0, t, seqs_for_tokens(core.seq_buckets, t)))
+            return (m > 0, t, seqs_for_tokens(core.seq_buckets, t))
 
-        k = allocate(self.acceptance.alpha(live), lookahead[live], base, cost)
-        lookahead[live] = k
+        alpha, caps = self.acceptance.alpha(live), lookahead[live].copy()
+        # Trees by levels: breadth-first nodes, so depths 1 .. d are a prefix (k_schedule).
+        depth = [] if self.tree is None else [node_levels(self._parents[s, :c])
+                                              for s, c in zip(live, caps, strict=True)]
+        widths = [np.bincount(d, minlength=int(d.max()) + 1)[1:] for d in depth]
+
+        def choose(cost: Any) -> np.ndarray:  # drafts (chain) or nodes (tree) per live row
+            if self.tree is None:
+                return allocate(alpha, caps, base, cost)
+            keep = allocate_levels(alpha, widths, base, cost)
+            return np.array([int((d <= n).sum()) for d, n in zip(depth, keep, strict=True)])
+
+        lookahead[live] = choose_with_refresh(choose, key, self.cost)
+        if self.tree is not None:
+            self._parents[np.arange(self.k)[None, :] >= lookahead[:, None]] = -1
         drafts[np.arange(self.k)[None, :] >= lookahead[:, None]] = -1
 
     def _planned(self, lookahead: np.ndarray, drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -486,6 +521,24 @@ class SpeculativeDecoder:
         e.kv, q = core.device.with_tokens(propose)
         return q
 
+    def _packed_rows(self, core: Any, sid: np.ndarray, total: np.ndarray, spec: np.ndarray,
+                     padded_seqs: int, propose: Any) -> Any:  # fmt: skip
+        """A head's proposals (EAGLE, Medusa) for the drafting rows only, packed first
+        into a ``head_rows`` program: propose(seq_ids, total, counts, num_seqs) -> q or
+        None. A row's proposal reads only its own slot's feature, head KV and block table
+        (and samples with its slot's key), so packing changes nothing in it: with the
+        automatic rule keeping a few of 64 rows, the head's layer steps and draft LM heads
+        run on those few. Sampled drafts' q comes back in batch-row order ([S, K, V])."""
+        live = np.flatnonzero(spec)
+        packed = [np.full(core.max_seqs, fill, np.int32) for fill in (-1, 0, 0)]
+        for arr, src in zip(packed, (sid, total, spec), strict=True):
+            arr[: live.size] = src[live]
+        q = propose(*packed, head_rows(live.size, padded_seqs))
+        if q is None:
+            return None
+        full = jnp.zeros((padded_seqs, *q.shape[1:]), q.dtype)
+        return full.at[upload(live.astype(np.int32))].set(q[: live.size])
+
     def _medusa_propose(self, core: Any, sid: Any, total: Any, counts: Any,
                         num_seqs: int) -> Any:  # fmt: skip
         """The heads' proposals; their q (sampled drafts) or None."""
@@ -502,7 +555,8 @@ class SpeculativeDecoder:
                 num_seqs: int, draft_probs: Any = None, parents: Any = None,
                 grammar_masks: Any = None) -> Any:  # fmt: skip
         """The verification program (plus the eagle catch-up); (out, accepted). parents:
-        the trees' parents by batch row (int32[max_seqs, K]) with a tree config.
+        the trees' parents by batch row (int32[max_seqs, K]) with a tree config, None for
+        chains and for a tree engine's step without drafts (the chain program).
         grammar_masks: constrained rows' per-position masks (int32[max_seqs, K, W], batch
         rows; n-gram chains only, so the plain verifier)."""
         dev, st = core.device, core.device.state
@@ -513,14 +567,14 @@ class SpeculativeDecoder:
             out, acc, m.feature = dev.run_program(self.verifier.step, core.params, *args,
                                                   m.feature, draft_probs, **kw)  # fmt: skip
         elif self.eagle is None:
-            tree = () if self.tree is None else (parents,)
+            tree = () if parents is None else (parents,)
             if grammar_masks is not None:
                 kw["grammar_masks"] = grammar_masks
             out, acc = dev.run_program(self.verifier.step, core.params, *args, draft_probs,
                                        *tree, **kw)  # fmt: skip
         else:
             e = self.eagle
-            tree = () if self.tree is None else (parents,)
+            tree = () if parents is None else (parents,)
             out, acc, e.kv, e.feature = dev.run_program(
                 self.verifier.step, core.params, *args, e.params, e.kv, e.feature, draft_probs,
                 *tree, **kw,
@@ -542,6 +596,7 @@ class SpeculativeDecoder:
         sched_tokens, sched_seqs = buckets(base_tokens)  # the batch without its drafts
         base = batch._replace(q_lens=batch.q_lens - batch.spec_lens)
         every_step = self.eagle is not None or self.medusa is not None  # they keep features
+        self._drafted = bool(spec.any())
         if plain_rows or (not spec.any() and not every_step):
             if spec.any():
                 raise RuntimeError("drafts were scheduled for a step that cannot verify them")
@@ -557,7 +612,8 @@ class SpeculativeDecoder:
         live = np.flatnonzero(spec)
         row_drafts[live] = drafts[sid[live]]
         row_drafts[np.arange(self.k)[None, :] >= spec[:, None]] = -1
-        dev.write_tokens(self._write, sid, start + 1, row_drafts)
+        if live.size and self.host_drafts:  # else all -1: a no-op dispatch (models draft later)
+            dev.write_tokens(self._write, sid, start + 1, row_drafts)
         q = None  # the sampled drafts' q, [S, K, V] in batch-row order
         if self.draft is not None:
             rest = dev.run_program(self.draft.propose, self.draft.params_for(core.params),
@@ -573,20 +629,21 @@ class SpeculativeDecoder:
         if self.eagle is not None:
             self.eagle.ensure(core)
             if spec.any():
-                q = self._eagle_propose(core, dev.state.mem, sid, start + 1, spec, padded_seqs)
+                q = self._packed_rows(core, sid, start + 1, spec, padded_seqs, lambda *a:
+                                      self._eagle_propose(core, core.device.state.mem, *a))
         if self.medusa is not None:
             self.medusa.ensure(core)
             if spec.any():
                 # The heads' vocabulary projections cost rows x heads x H x V: run them
-                # on the drafting rows' power-of-two prefix, not the whole sequence bucket
-                # (at batch 1 the bucket's 16 rows cost 3x the target's own step).
-                rows = head_rows(int(np.flatnonzero(spec).max()) + 1, padded_seqs)
-                q = self._medusa_propose(core, sid, start + 1, spec, rows)
-                if q is not None and q.shape[0] != padded_seqs:
-                    q = jnp.pad(q, ((0, padded_seqs - q.shape[0]), (0, 0), (0, 0)))
+                # on the drafting rows, packed, not the whole sequence bucket (at batch 1
+                # the bucket's 16 rows cost 3x the target's own step).
+                q = self._packed_rows(core, sid, start + 1, spec, padded_seqs, lambda *a:
+                                      self._medusa_propose(core, *a))
         if q is None:
             q = self._no_q(padded_seqs)
-        parents = self._row_parents(core.max_seqs, sid, live)
+        # A tree engine's step without drafts (a head's catch-up only) takes the chain
+        # program: the same tokens, without the tree mask, walk and compaction.
+        parents = self._row_parents(core.max_seqs, sid, live) if live.size else None
         masks = None
         held = live[self._constrained[sid[live]]] if self._constrained is not None else live[:0]
         if held.size:
@@ -619,8 +676,11 @@ class SpeculativeDecoder:
         c.accepted += int(accepted[rows].sum())
         c.emitted += int(recorded[rows].sum())
         if self.acceptance is not None and self._rows is not None:
-            self.acceptance.record(self._rows[: len(spec_lens)], np.asarray(spec_lens),
-                                   np.asarray(accepted))  # fmt: skip
+            slots, drafts = self._rows[: len(spec_lens)], np.asarray(spec_lens)
+            if self.tree is not None and self._parents is not None:  # levels verified
+                drafts = np.array([node_levels(self._parents[s, :n]).max(initial=0)
+                                   for s, n in zip(slots, drafts, strict=True)])  # fmt: skip
+            self.acceptance.record(slots, drafts, np.asarray(accepted))
         self._rows = None
 
 

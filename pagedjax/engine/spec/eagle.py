@@ -23,11 +23,12 @@ Swap preemption copies the head's blocks with the target's (``apply_swaps``,
 **Every step runs the head** (the speculative path is taken even when no row has
 drafts), because the head's KV must follow every token the target processes:
 
-1. propose (``EagleDraft.propose``, before verification, one jitted program per
-   sequence bucket): draft 0 = argmax lm_head(g_{L-2}), with g_{L-2} kept per slot in
-   ``EagleDraft.feature`` by the previous step; then for i = 1 .. k-1 one batched head
-   step at position L-2+i on (g, draft i-1) gives draft i. These k-1 steps write head
-   KV at positions L-1 .. L+k-3 from *approximate* features.
+1. propose (``EagleDraft.propose``, before verification, one jitted program per row
+   count; only on steps with drafts, over the drafting rows packed first,
+   ``SpeculativeDecoder._packed_rows``): draft 0 = argmax lm_head(g_{L-2}), with g_{L-2}
+   kept per slot in ``EagleDraft.feature`` by the previous step; then for i = 1 .. k-1
+   one batched head step at position L-2+i on (g, draft i-1) gives draft i. These k-1
+   steps write head KV at positions L-1 .. L+k-3 from *approximate* features.
 2. verify (``EagleVerifier.step``: ``SpecVerifier`` plus a catch-up in the same
    program): the target's forward also returns f_p for every token of the ragged batch
    (the input of its final norm, captured by ``nn.intercept_methods``); after

@@ -20,6 +20,21 @@ time lose (measured 0.60-0.70x, docs/speculative_decoding.md). Two rules size k:
   j) for the n that maximises (rows + gains) / cost(n), n = 0 included: the exact
   optimum of that model (tested against brute force).
 
+Draft trees (``allocate_levels``): a row's tree is cut by **levels**, the unit the rule
+measures. Its nodes are laid out breadth-first (``bfs_order``; EAGLE's level-major
+layout already is), so keeping depths 1 .. d keeps a prefix of the nodes, itself a tree
+(what the scheduler and ``tree.py`` rely on). The model is the chain's on levels:
+alpha_r is the row's per-level acceptance (the path reaches depth j + 1 given it reached
+j, measured as a chain's drafts are: levels verified, levels accepted), so level j adds
+alpha_r^j expected tokens and costs its width w_{r,j} nodes (the verification's rows).
+``allocate_levels`` maximises (rows + sum of kept levels' alpha_r^j) / cost(nodes kept)
+exactly for that model: a dynamic programme over rows gives, for every node total n, the
+largest gain with exactly n nodes (each row keeps a depth prefix), then the best n.
+For a chain (every width 1) it is ``allocate``. What the model leaves out: a wider
+level is accepted more often than a narrower one (alpha_r is measured on the row's
+trees as the proposer makes them, so it averages over their widths), and nodes inside a
+level are kept or dropped together.
+
 Acceptance (``Acceptance``): per slot, the geometric model's maximum-likelihood estimate
 accepted / (accepted + rejections) (each verified row contributes its accepted drafts
 and, when it stopped short of its drafts, one rejection), shrunk towards a decaying
@@ -27,17 +42,25 @@ global estimate so a new sequence starts from what the others saw. accepted / pr
 would underestimate alpha: drafts after the first rejection are never tried.
 
 Cost (``StepCost``): an exponential moving average of the measured seconds of each
-(verifies, T, S) program key, the whole step from dispatch to the tokens on the host
-(drafting programs included). The first measurement of a key is dropped (it may hold the
-compilation). An unmeasured key is estimated optimistically, so it gets tried (twice: the
-first is dropped) and measured, after which the measurement decides: a plain key at 0
-(tried first), a verifying key at the cheapest measured key with T no larger.
+(drafts, T, S) key (drafts: some row has drafts), the whole step from dispatch to the
+tokens on the host, drafting programs included: the proposal programs and, for the
+methods whose head keeps state (EAGLE / EAGLE-3 head KV and features, Medusa features, a
+separate draft's KV), the work a step without drafts still does to keep it (their
+catch-up / forward), so cost(0) is that method's no-draft step, not the plain one. The
+first measurement of a key is dropped (it may hold the compilation). An unmeasured key
+is estimated optimistically, so it gets tried (twice: the first is dropped) and
+measured, after which the measurement decides: a plain key at 0 (tried first), a
+verifying key at the cheapest measured key with T no larger. A measured key the rule
+stopped choosing is run again after REFRESH_STEPS steps (``StepCost.stale``: the
+no-draft step while drafting) and that new measurement replaces its average, so one slow
+measurement of the plain step on a shared machine cannot lock the rule into drafting.
 
-Compilation: the verification program is compiled per (T, S) bucket with the static
-K = num_speculative_tokens, whatever each row's k (``verify.py``); drafting programs are
-per S bucket (layer-skip, EAGLE) or (T, S) bucket (a separate draft). So any k schedule
-runs within the fixed set {plain step, verification} x the runner's bucket pairs, plus
-the draft programs' buckets: no program is compiled per k (tested).
+Compilation: the verification program is compiled per (T, S) bucket with the static K =
+num_speculative_tokens, whatever each row's k (``verify.py``); drafting programs are per
+S bucket (layer-skip, EAGLE: the proposal on ``head_rows`` of the drafting rows, powers
+of two within S) or (T, S) bucket (a separate draft). So any k schedule runs within the
+fixed set {plain step, verification} x the runner's bucket pairs, plus the draft
+programs' buckets: no program is compiled per k (tested).
 """
 
 from __future__ import annotations
@@ -50,6 +73,7 @@ PRIOR_ALPHA = 0.5  # global acceptance before any measurement (one accept, one r
 SLOT_WEIGHT = 2.0  # pseudo-trials of the global estimate in each slot's
 GLOBAL_DECAY = 0.98  # per verified step: the global estimate follows the workload
 COST_WEIGHT = 0.3  # weight of a new measurement in a key's moving average
+REFRESH_STEPS = 16  # a measured key not run for this many steps is run (measured) again
 
 
 def batch_size_lookup(table: Sequence[Sequence[int]], max_batch: int, k: int) -> np.ndarray:
@@ -94,6 +118,87 @@ def allocate(alpha: np.ndarray, caps: np.ndarray, rows: int,
     return np.bincount(owner[order[:best]], minlength=len(caps)).astype(np.int64)
 
 
+def allocate_levels(alpha: np.ndarray, widths: Sequence[np.ndarray], rows: int,
+                    cost: Callable[[int], float | None]) -> np.ndarray:  # fmt: skip
+    """int[R] levels kept per row maximising (rows + sum_r sum_{j<=d_r} alpha_r^j) /
+    cost(sum_r sum_{j<=d_r} widths[r][j-1]). alpha float[R] in [0, 1]; widths[r]: int
+    nodes at depth 1, 2, ... of row r's tree (>= 1 each; len = the row's depth cap);
+    cost(n) -> seconds of the step with n draft nodes, None when unknown (then every row
+    keeps every level). Exact for the model (the module docstring): for each node total
+    n, the largest gain over depth prefixes with exactly n nodes (a dynamic programme,
+    O(R * depth * N) for N nodes in all), then the n with the best rate; ties: fewer
+    nodes. Cost: a few numpy passes per row (R = 64, depth 4, 1024 nodes: ~1 ms)."""
+    alpha = np.clip(np.asarray(alpha, np.float64), 0.0, 1.0)
+    ws = [np.asarray(w, np.int64) for w in widths]
+    depth = np.array([len(w) for w in ws], np.int64)
+    if not len(ws) or depth.sum() == 0:
+        return depth
+    total = int(sum(int(w.sum()) for w in ws))
+    costs = [cost(n) for n in range(total + 1)]
+    if any(c is None for c in costs):
+        return depth
+    best = np.full(total + 1, -np.inf)
+    best[0] = 0.0
+    choice = np.zeros((len(ws), total + 1), np.int64)  # levels row r keeps at total n
+    for r, w in enumerate(ws):
+        nodes = np.concatenate([[0], np.cumsum(w)])
+        gain = np.concatenate([[0.0], np.cumsum(alpha[r] ** np.arange(1, len(w) + 1))])
+        new = best.copy()  # d = 0
+        for d in range(1, len(w) + 1):  # ascending d with a strict > : fewer nodes on ties
+            cand = np.full(total + 1, -np.inf)
+            cand[nodes[d] :] = best[: total + 1 - nodes[d]] + gain[d]
+            better = cand > new + 1e-12
+            new[better], choice[r, better] = cand[better], d
+        best = new
+    rate = (rows + best) / np.maximum(np.asarray(costs, np.float64), 1e-12)
+    n = int(np.argmax(rate >= np.max(rate) * (1 - 1e-9)))  # the smallest n at the max
+    keep = np.zeros(len(ws), np.int64)
+    for r in range(len(ws) - 1, -1, -1):  # back through the programme
+        keep[r] = choice[r, n]
+        n -= int(ws[r][: keep[r]].sum())
+    return keep
+
+
+def choose_with_refresh(choose: Callable[[Callable[[int], float]], np.ndarray],
+                        key: Callable[[int], tuple], table: StepCost) -> np.ndarray:  # fmt: skip
+    """The rule's allocation with the no-draft step's measurement kept fresh
+    (``StepCost.stale``). choose(cost) -> int[R] drafts (or nodes) per row maximising the
+    rate under cost(n); key(n) -> the cost key of a step with n drafts. Returns choose's
+    allocation under the measured costs, or zeros while drafting when the no-draft key's
+    measurement is stale. One way only: a rule locked out of drafting by one slow
+    measurement loses its gain, one locked into drafting is slower than no speculation
+    (the issue's "never slower"), and forcing a drafting step every REFRESH_STEPS would
+    cost a drafting step's excess over a plain one each time (a layer-skip draft: k
+    passes of its layers over the rows)."""
+    k = choose(lambda m: table.estimate(key(m)))
+    if k.sum() and table.stale(key(0)):
+        return np.zeros_like(k)
+    return k
+
+
+def node_levels(parents: Sequence[int] | np.ndarray) -> np.ndarray:
+    """int64[n] depth of each node (1 = a root child); parents first, -1 = root."""
+    par = np.asarray(parents, np.int64)
+    depth = np.zeros(len(par), np.int64)
+    for i, p in enumerate(par):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+    return depth
+
+
+def bfs_order(parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A tree's nodes breadth-first (stable by depth): (order int[n]: old index of each
+    new node, parents int32[n] renumbered, depth int[n] of the new nodes, 1 = a root
+    child). parents: parents first (-1 = root), as the proposers give them."""
+    par = np.asarray(parents, np.int64)
+    depth = node_levels(par)
+    order = np.argsort(depth, kind="stable")
+    new_of = np.empty(len(par), np.int64)
+    new_of[order] = np.arange(len(par))
+    old_par = par[order]
+    new_par = np.where(old_par < 0, -1, new_of[np.maximum(old_par, 0)]).astype(np.int32)
+    return order, new_par, depth[order]
+
+
 class Acceptance:
     """Per-slot and global per-draft acceptance (the module docstring)."""
 
@@ -133,12 +238,19 @@ class StepCost:
     def __init__(self) -> None:
         self.seconds: dict[tuple, float] = {}
         self.seen: set[tuple] = set()
+        self.steps = 0  # observations so far
+        self.last: dict[tuple, int] = {}  # key -> the observation that last ran it
 
     def observe(self, key: tuple, seconds: float) -> None:
+        """One step's seconds under key. A stale key's average is replaced, not blended:
+        it is as old as the steps since it last ran (``stale``)."""
+        fresh = not self.stale(key)
+        self.steps += 1
+        self.last[key] = self.steps
         if key not in self.seen:  # the first run of a key may hold its compilation
             self.seen.add(key)
             return
-        old = self.seconds.get(key)
+        old = self.seconds.get(key) if fresh else None
         self.seconds[key] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
 
     def estimate(self, key: tuple) -> float:
@@ -153,5 +265,14 @@ class StepCost:
         smaller = [v for (_, t, _), v in self.seconds.items() if t <= key[1]]
         return min(smaller, default=0.0)
 
+    def stale(self, key: tuple) -> bool:
+        """Measured, but not run in the last REFRESH_STEPS steps. Its average may hold a
+        transient (on a shared machine one step can take twice another's time), and a
+        rule that stopped choosing the key would never correct it: the rule runs the
+        no-draft key once more (``choose_with_refresh``), at most one step in
+        REFRESH_STEPS."""
+        return key in self.seconds and self.steps - self.last[key] >= REFRESH_STEPS
 
-__all__ = ["Acceptance", "StepCost", "allocate", "batch_size_lookup"]
+
+__all__ = ["Acceptance", "StepCost", "allocate", "allocate_levels", "batch_size_lookup",
+           "bfs_order", "choose_with_refresh", "node_levels"]
