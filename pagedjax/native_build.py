@@ -1,14 +1,17 @@
 """Compile a native CPU kernel (C++ against XLA's FFI headers) once, and cache the library.
 
-Used by the native attention kernel (``attention/native_cpu.py``) and the stacked-weight
-matmul (``model/native_matmul.py``). A library is compiled with the system C++ compiler
-(``CXX``, else ``g++``) into a cache directory (``PAGEDJAX_KERNEL_CACHE``, else
-``$XDG_CACHE_HOME/pagedjax/kernels``, i.e. ``~/.cache/pagedjax/kernels``), named by a hash
-of the source, the flags, the compiler's version, the FFI headers' path, the jax / jaxlib
-versions (the headers' ABI can change in place under the same path) and the CPU, so a
-changed source, compiler, jaxlib or machine builds anew and an unchanged one costs a file
-lookup (tests/test_cache_keys.py). Callers fall back to XLA when ``compiler()`` is
-None or the build fails, so pagedjax never depends on a compiler being present.
+Used by the native attention kernel (``attention/native_cpu.py``), the stacked-weight
+matmul (``model/native_matmul.py``) and the LoRA delta (``model/native_lora.py``); they
+share ``native_pool.h`` (work units on XLA's intra-op pool). A library is compiled with
+the system C++ compiler (``CXX``, else ``g++``) into a cache directory
+(``PAGEDJAX_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/pagedjax/kernels``, i.e.
+``~/.cache/pagedjax/kernels``), named by a hash of the source and the project headers it
+includes (``local_headers``), the flags, the compiler's version, the FFI headers' path,
+the jax / jaxlib versions (the headers' ABI can change in place under the same path) and
+the CPU, so a changed source, header, compiler, jaxlib or machine builds anew and an
+unchanged one costs a file lookup (tests/test_cache_keys.py). Callers fall back to XLA
+when ``compiler()`` is None or the build fails, so pagedjax never depends on a compiler
+being present.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -44,13 +48,34 @@ def cache_dir() -> Path:
     return Path(base) / "pagedjax" / "kernels"
 
 
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def local_headers(source: Path) -> list[Path]:
+    """The headers ``source`` includes with quotes that exist beside it (relative to the
+    including file, as the compiler looks first), and theirs, each once, in order: the
+    project's own headers (``native_pool.h``), whose text is part of the build. Quoted
+    includes found only on the FFI include path (``xla/ffi/api/ffi.h``) are not listed:
+    the include directory and the jax / jaxlib versions stand for them."""
+    seen: list[Path] = []
+    todo = [source]
+    while todo:
+        for name in _LOCAL_INCLUDE.findall(todo.pop(0).read_text()):
+            path = (source.parent / name).resolve()
+            if path.is_file() and path not in seen:
+                seen.append(path)
+                todo.append(path)
+    return seen
+
+
 def build_key(source: Path, include_dir: str, cxx: str, flags: tuple[str, ...] = FLAGS) -> str:
     """The cache key of one build: what the library depends on (module docstring)."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    headers = [f"{h.name}\0{h.read_text()}" for h in local_headers(source)]
     return hashlib.sha256(
         "\0".join(
-            [source.read_text(), " ".join(flags), version, include_dir, jax.__version__,
-             jaxlib.version.__version__, cpu_model(), platform.machine()]
+            [source.read_text(), *headers, " ".join(flags), version, include_dir,
+             jax.__version__, jaxlib.version.__version__, cpu_model(), platform.machine()]
         ).encode()
     ).hexdigest()[:16]  # fmt: skip
 
@@ -106,4 +131,5 @@ def build_library(source: Path, include_dir: str, cxx: str, flags: tuple[str, ..
     return out
 
 
-__all__ = ["FLAGS", "build_key", "build_library", "cache_dir", "compiler", "register_ffi_library"]
+__all__ = ["FLAGS", "build_key", "build_library", "cache_dir", "compiler", "local_headers",
+           "register_ffi_library"]

@@ -42,6 +42,29 @@ def test_a_changed_kernel_source_builds_anew(tmp_path, monkeypatch):
     assert ctypes.cdll.LoadLibrary(str(first)).answer() == 41
 
 
+def test_kernel_key_covers_the_project_headers_it_includes(tmp_path):
+    """A kernel's build key changes with a header it includes by a relative path (the
+    shared native_pool.h), so editing the header rebuilds every kernel that uses it."""
+    (tmp_path / "sub").mkdir()
+    header = tmp_path / "shared.h"
+    header.write_text("#define ANSWER 1\n")
+    src = tmp_path / "sub" / "k.cc"
+    src.write_text('#include "xla/ffi/api/ffi.h"\n#include "../shared.h"\n' + _SOURCE % 1)
+    assert native_build.local_headers(src) == [header.resolve()]
+    cxx = native_build.compiler() or "true"
+    base = native_build.build_key(src, "/inc", cxx)
+    header.write_text("#define ANSWER 2\n")
+    assert native_build.build_key(src, "/inc", cxx) != base
+
+
+def test_the_kernels_include_the_shared_pool_header():
+    from pagedjax.attention import native_cpu
+    from pagedjax.model import native_lora, native_matmul
+
+    for source in (native_cpu.SOURCE, native_matmul.SOURCE, native_lora.SOURCE):
+        assert [h.name for h in native_build.local_headers(source)] == ["native_pool.h"]
+
+
 def test_kernel_key_covers_jax_versions(tmp_path, monkeypatch):
     src = tmp_path / "k.cc"
     src.write_text(_SOURCE % 1)

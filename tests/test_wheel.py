@@ -120,10 +120,11 @@ def test_wheel_holds_every_native_source_and_data_file(wheel_venv):
         str(p.relative_to(ROOT))
         for p in (ROOT / "pagedjax").rglob("*")
         if p.is_file()
-        and (p.suffix == ".cc" or p.parent == ROOT / "pagedjax" / "eval" / "data")
+        and (p.suffix in (".cc", ".h") or p.parent == ROOT / "pagedjax" / "eval" / "data")
         and "__pycache__" not in p.parts
     }
-    assert {"pagedjax/model/cpu_matmul.cc", "pagedjax/attention/cpu_kernel.cc"} <= wanted
+    assert {"pagedjax/model/cpu_matmul.cc", "pagedjax/attention/cpu_kernel.cc",
+            "pagedjax/model/cpu_lora.cc", "pagedjax/native_pool.h"} <= wanted
     assert wanted - names == set()
     assert "pagedjax/tools/host_overhead.py" in names
     assert "pagedjax/tools/offline_throughput.py" in names

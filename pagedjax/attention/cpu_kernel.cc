@@ -30,16 +30,15 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "../native_pool.h"
 
 namespace ffi = xla::ffi;
 
@@ -250,9 +249,7 @@ struct Shared {
   std::vector<Unit> units;
   std::atomic<int64_t> next{0};
   std::atomic<bool> bad_page{false};
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t active = 0;  // tasks that may still claim units; guarded by mu
+  pagedjax_native::PoolJoin join;  // the pool tasks that may still claim units
 };
 
 void Drain(Shared& sh) {
@@ -402,23 +399,7 @@ ffi::Error Launch(ffi::ThreadPool& pool, Problem p, int64_t num_tokens, int64_t 
   const int64_t helpers =
       std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0),
                         static_cast<int64_t>(sh->units.size()) / 8);
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([sh] {
-      {
-        std::lock_guard<std::mutex> lock(sh->mu);
-        ++sh->active;
-      }
-      Drain(*sh);
-      std::lock_guard<std::mutex> lock(sh->mu);
-      if (--sh->active == 0) sh->cv.notify_all();
-    });
-  }
-  Drain(*sh);
-  // Every unit is claimed; wait only for tasks that started (a queued one claims nothing).
-  {
-    std::unique_lock<std::mutex> lock(sh->mu);
-    sh->cv.wait(lock, [&] { return sh->active == 0; });
-  }
+  pagedjax_native::RunWithHelpers(pool, sh, helpers, Drain);
   if (sh->bad_page.load()) {
     return ffi::Error::InvalidArgument("a block table entry is outside [0, num_blocks)");
   }

@@ -7,8 +7,8 @@ what determines it, computed without tracing, and keeps the serialized executabl
 (``jax.experimental.serialize_executable``) beside the compilation cache. A hit loads the
 executable (tens of ms) and the engine calls it directly (``ModelRunner.run``).
 
-The key (sha256) covers: the source of pagedjax and pallas_kernels (every .py and .cc
-file), the jax / jaxlib versions, the platform, device kind and CPU model (programs hold
+The key (sha256) covers: the source of pagedjax and pallas_kernels (every .py, .cc and
+.h file), the jax / jaxlib versions, the platform, device kind and CPU model (programs hold
 native code built for this CPU), ``XLA_FLAGS`` and every ``PAGEDJAX_*`` variable, the
 runner's configuration (architecture, block size, attention function, logprob width,
 native matmul), the program's static arguments, and the tree structure, shapes, dtypes,
@@ -48,18 +48,18 @@ _ROOTS = ("pagedjax", "pallas_kernels")
 
 
 def tree_digest(base: Path, roots: tuple[str, ...] = _ROOTS) -> str:
-    """sha256 over the .py and .cc files (path and content) under ``base / root``."""
+    """sha256 over the .py, .cc and .h files (path and content) under ``base / root``."""
     h = hashlib.sha256()
     for root in roots:
         for path in sorted((base / root).rglob("*")):
-            if path.suffix in (".py", ".cc") and path.is_file():
+            if path.suffix in (".py", ".cc", ".h") and path.is_file():
                 h.update(str(path.relative_to(base)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 
 
 @functools.cache
 def source_digest() -> str:
-    """sha256 over pagedjax's and pallas_kernels' .py and .cc files (path and content)."""
+    """sha256 over pagedjax's and pallas_kernels' .py, .cc and .h files (path and content)."""
     return tree_digest(Path(__file__).resolve().parents[2])
 
 

@@ -11,15 +11,14 @@
 // r ascending) whatever the batch, so a row's delta is the same in every batch.
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "../native_pool.h"
 
 namespace ffi = xla::ffi;
 
@@ -76,9 +75,7 @@ struct Shared {
   Problem problem;
   int64_t units = 0;
   std::atomic<int64_t> next{0};
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t active = 0;  // tasks that may still claim units; guarded by mu
+  pagedjax_native::PoolJoin join;  // the pool tasks that may still claim units
 };
 
 void Drain(Shared& sh) {
@@ -141,20 +138,7 @@ ffi::Error LoraDelta(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
       work < kPoolWork ? 0
                        : std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0),
                                            sh->units - 1);
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([sh] {
-      {
-        std::lock_guard<std::mutex> lock(sh->mu);
-        ++sh->active;
-      }
-      Drain(*sh);
-      std::lock_guard<std::mutex> lock(sh->mu);
-      if (--sh->active == 0) sh->cv.notify_all();
-    });
-  }
-  Drain(*sh);
-  std::unique_lock<std::mutex> lock(sh->mu);
-  sh->cv.wait(lock, [&] { return sh->active == 0; });
+  pagedjax_native::RunWithHelpers(pool, sh, helpers, Drain);
   return ffi::Error::Success();
 }
 
