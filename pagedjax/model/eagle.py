@@ -200,7 +200,8 @@ def _dummy_input() -> ModelInput:
     )  # fmt: skip
 
 
-def _flatten(params: Any) -> dict[str, np.ndarray]:
+def flatten_params(params: Any) -> dict[str, np.ndarray]:
+    """A parameter tree as {"a.b.c": float32 array}: the checkpoints' tensor names."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     return {".".join(p.key for p in path): np.asarray(v, np.float32) for path, v in flat}
 
@@ -225,16 +226,26 @@ def save_head(directory: str | Path, cfg: EagleConfig, params: Any,
               draft_vocab: np.ndarray | None = None) -> Path:  # fmt: skip
     """Write config.json and model.safetensors into ``directory`` (created);
     ``draft_vocab`` (int32[cfg.draft_vocab_size]) is required iff draft_vocab_size > 0."""
+    return write_head(directory, cfg, dataclasses.asdict(cfg), params, draft_vocab)
+
+
+def write_head(directory: str | Path, cfg: Any, config_json: dict[str, Any], params: Any,
+               draft_vocab: np.ndarray | None) -> Path:  # fmt: skip
+    """A head checkpoint in pagedjax's layout, for EAGLE and EAGLE-3 alike: ``config_json``
+    as config.json, the flattened ``params`` (float32) and the checked ``draft_vocab`` as
+    model.safetensors in ``directory`` (created). ``cfg`` is the head's config (its
+    ``vocab_size`` / ``draft_vocab_size`` check the ids); the draft vocabulary is
+    required iff ``draft_vocab_size`` > 0."""
     from safetensors.numpy import save_file
 
     directory = Path(directory).expanduser()
-    tensors = _flatten(params)
+    tensors = flatten_params(params)
     if cfg.draft_vocab_size or draft_vocab is not None:
         if draft_vocab is None:
             raise ValueError("save_head: draft_vocab_size > 0 needs the draft_vocab ids")
         tensors["draft_vocab"] = check_draft_vocab(draft_vocab, cfg, "save_head")
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+    (directory / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
     save_file(tensors, str(directory / "model.safetensors"))
     return directory
 
@@ -255,7 +266,7 @@ def load_head(
             )
     cfg = EagleConfig.from_dict(json.loads(cfg_path.read_text()), where=str(cfg_path))
     cfg.head_arch(target)  # checks hidden / vocab sizes
-    want = _flatten(jax.tree.map(np.asarray, init_head(cfg, target)))
+    want = flatten_params(jax.tree.map(np.asarray, init_head(cfg, target)))
     got = dict(load_tensors(weights))
     vocab = got.pop("draft_vocab", None)
     if (vocab is None) != (cfg.draft_vocab_size == 0):
@@ -279,5 +290,5 @@ def load_head(
     return cfg, params, vocab
 
 
-__all__ = ["EagleConfig", "EagleHead", "check_draft_vocab", "check_target", "init_head",
-           "load_head", "save_head"]  # fmt: skip
+__all__ = ["EagleConfig", "EagleHead", "check_draft_vocab", "check_target", "flatten_params",
+           "init_head", "load_head", "save_head", "write_head"]  # fmt: skip

@@ -60,7 +60,13 @@ import numpy as np
 
 from pagedjax.attention import ragged_paged_attention
 from pagedjax.model.config import ModelArch
-from pagedjax.model.eagle import check_draft_vocab, check_feature_target, head_config_from_dict
+from pagedjax.model.eagle import (
+    check_draft_vocab,
+    check_feature_target,
+    flatten_params,
+    head_config_from_dict,
+    write_head,
+)
 from pagedjax.model.input import ModelInput
 from pagedjax.model.layers import AttentionFn, KVPool, RMSNorm, linear
 from pagedjax.model.llama import GatedMLP, RotaryAttention
@@ -238,11 +244,6 @@ def init_head(cfg: Eagle3Config, target: ModelArch, seed: int = 0, std: float = 
     return params
 
 
-def _flatten(params: Any) -> dict[str, np.ndarray]:
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    return {".".join(p.key for p in path): np.asarray(v, np.float32) for path, v in flat}
-
-
 def _nest(flat: dict[str, np.ndarray]) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for name, arr in flat.items():
@@ -258,19 +259,8 @@ def save_head(directory: str | Path, cfg: Eagle3Config, params: Any,
               draft_vocab: np.ndarray | None = None) -> Path:  # fmt: skip
     """Write config.json and model.safetensors (pagedjax's layout) into ``directory``;
     ``draft_vocab`` (int32[cfg.draft_vocab_size]) is required iff draft_vocab_size > 0."""
-    from safetensors.numpy import save_file
-
-    directory = Path(directory).expanduser()
-    tensors = _flatten(params)
-    if cfg.draft_vocab_size or draft_vocab is not None:
-        if draft_vocab is None:
-            raise ValueError("save_head: draft_vocab_size > 0 needs the draft_vocab ids")
-        tensors["draft_vocab"] = check_draft_vocab(draft_vocab, cfg, "save_head")
-    directory.mkdir(parents=True, exist_ok=True)
     data = dataclasses.asdict(cfg) | {"aux_layers": list(cfg.aux_layers)}
-    (directory / "config.json").write_text(json.dumps(data, indent=2) + "\n")
-    save_file(tensors, str(directory / "model.safetensors"))
-    return directory
+    return write_head(directory, cfg, data, params, draft_vocab)
 
 
 # vLLM / EAGLE-3 layout: config keys read, and keys accepted as harmless HF metadata.
@@ -395,7 +385,7 @@ def load_head(
     else:
         cfg = Eagle3Config.from_dict(data, where=str(cfg_path))
     cfg.head_arch(target)  # checks sizes and aux layers
-    want = _flatten(jax.tree.map(np.asarray, init_head(cfg, target)))
+    want = flatten_params(jax.tree.map(np.asarray, init_head(cfg, target)))
     got = dict(load_tensors(weights))
     if vllm:
         flat, vocab = _from_vllm(got, cfg, want, str(weights))
