@@ -204,12 +204,14 @@ def _run_with(config_changes: dict, cost=None):
     old = (spec.config, spec.proposer, spec.cost, spec.plan)
     spec.config = dataclasses.replace(spec.config, **config_changes)
     spec.proposer = OracleProposer(_refs(ref, prompts), bad=3)
+    spy_proposer = spec.proposer
     if cost is not None:
         spec.cost = cost
     spy = spec.plan = _Spy(spec)
     try:
         engine.reset_stats()
         got = _drain(engine, reqs, on_step=check_memory)
+        spy.proposals = spy_proposer.calls
         return ref, got, spy, engine.stats(), dict(spec.verifier.trace_count)
     finally:
         spec.config, spec.proposer, spec.cost = old[:3]
@@ -249,11 +251,13 @@ def test_auto_rule_greedy_equals_plain_down_to_zero(verify_cost):
     ref, got, spy, stats, _ = _run_with({"auto_num_speculative_tokens": True},
                                         cost=_FixedCost(verify_cost))  # fmt: skip
     _assert_same(ref, got)
-    if verify_cost > 5:  # never pays: k = 0, plain steps only
+    if verify_cost > 5:  # never pays: k = 0, plain steps only, and no proposal is made
         assert stats["spec_proposed_tokens"] == 0 and stats["spec_steps"] == 0
         assert {k for _, k in spy.seen} == {0}
+        assert spy.proposals == 0  # plan's pre-check (_auto_may_draft) skipped the proposer
     else:  # free drafts always pay (alpha > 0): every row keeps its proposals
         assert stats["spec_proposed_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
+        assert spy.proposals > 0
 
 
 # ---------------------------------------------------------------- trees (by levels)
@@ -300,6 +304,35 @@ def test_allocate_levels_on_chains_is_allocate(rows, steps):
     assert sum(tree) == sum(chain)  # the same n: the smallest at the best rate
     assert allocate_levels(alpha, [np.ones(c, np.int64) for c in caps], 2,
                            lambda n: None).tolist() == caps.tolist()  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(0, 4), st.lists(st.integers(1, 3),
+                                                                       max_size=4)),
+             min_size=1, max_size=4),
+    st.integers(1, 8),
+    st.floats(1.0, 1.6),
+    st.lists(st.floats(0.0, 0.1), min_size=40, max_size=40),
+)  # fmt: skip
+def test_no_drafts_on_full_chains_means_none_for_any_proposal(rows, base, jump, steps):
+    """``plan``'s pre-check (``SpeculativeDecoder._auto_may_draft``): when ``allocate``
+    gives no drafts on chains of each row's depth cap, neither ``allocate`` on the
+    proposals' (shorter) chains nor ``allocate_levels`` on any trees within those depths
+    (each level >= 1 node) gives any, so skipping the proposers changes nothing. Costs:
+    a plain step 1, a verifying one ``jump`` plus increments (buckets rise with nodes)."""
+    alpha = np.array([a for a, _, _ in rows])
+    caps = np.array([c for _, c, _ in rows])
+    widths = [np.array(w[:c], np.int64) for _, c, w in rows]
+    table = np.concatenate([[1.0], jump + np.cumsum(steps)])
+
+    def cost(n: int) -> float:
+        return float(table[min(n, len(table) - 1)])
+
+    if allocate(alpha, caps, base, cost).sum():
+        return  # the pre-check lets the step draft: the real rule decides, as before
+    assert allocate(alpha, np.array([len(w) for w in widths]), base, cost).sum() == 0
+    assert allocate_levels(alpha, widths, base, cost).sum() == 0
 
 
 @settings(max_examples=60, deadline=None)

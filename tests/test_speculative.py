@@ -135,8 +135,10 @@ class OracleProposer:
 
     def __init__(self, refs: list[list[int]], bad: int = 3):
         self.refs, self.bad = refs, bad
+        self.calls = 0
 
     def propose(self, ids, k: int) -> list[int]:
+        self.calls += 1
         ids = list(ids)
         for full in self.refs:
             if len(full) > len(ids) and full[: len(ids)] == ids:

@@ -313,8 +313,8 @@ class SpeculativeDecoder:
                 self.separate.run(core, batch, i32, t, s, mem=mem, num_drafts=self._q_k)
             out = self._verify(core, mem, batch, upload(i32), t, s, self._no_q(s),
                                self._row_parents(n))  # fmt: skip
-            if self.tree is not None and self.eagle is not None:  # its no-draft steps
-                out = self._verify(core, mem, batch, upload(i32), t, s, self._no_q(s), None)
+            if self.every_step:  # its steps without drafts: the no-draft program
+                out = self._verify(core, mem, batch, upload(i32), t, s, drafts=False)
         jax.block_until_ready((dev.state, out))
 
     @property
@@ -366,6 +366,7 @@ class SpeculativeDecoder:
         if self.tree is not None:
             self._parents = np.full((n, self.k), -1, np.int32)
             k_step = min(k_step, self.config.num_speculative_tokens)  # the depth
+        rows = []  # (slot, req, seq, k: its depth cap, constrained)
         for slot, (req, seq) in owners.items():
             out = len(seq.detok.ids)
             if out == 0 or req.pending or req.host_driven or seq.finish_reason is not None:
@@ -378,8 +379,15 @@ class SpeculativeDecoder:
                 if not constrained:
                     continue
             k = min(k_step, seq.target - out - 1, MAX_DRAFTS if constrained else k_step)
-            if k <= 0:
-                continue
+            if k > 0:
+                rows.append((slot, req, seq, k, constrained))
+        if self.config.auto_num_speculative_tokens and rows:
+            caps = np.zeros(n, np.int32)
+            caps[[r[0] for r in rows]] = [r[3] for r in rows]
+            if not self._auto_may_draft(core, caps):
+                return self._planned(lookahead, drafts)
+        for slot, req, seq, k, constrained in rows:
+            out = len(seq.detok.ids)
             if self.eagle_tree is not None:  # whole levels first, within max_model_len
                 room = core.max_model_len - len(req.prompt_token_ids) - out
                 k = min(self.eagle_tree.b * min(k, self.eagle_tree.levels), room)
@@ -430,23 +438,45 @@ class SpeculativeDecoder:
         self._parents[slot, : len(toks)] = pars
         return len(toks)
 
-    def _auto(self, core: Any, lookahead: np.ndarray, drafts: np.ndarray) -> None:
-        """pagedjax's automatic rule (k_schedule.allocate), in place: each row's k cut
-        to the allocation from its acceptance and the measured cost of the step."""
+    def _auto_key(self, core: Any) -> Any:
+        """The automatic rule's cost key of this step with m drafts (or tree nodes):
+        key(m) -> (m > 0, T, S), the bucket the batch plus its drafts would take. Binds
+        each slot's acceptance to its sequence first."""
         owners = core.book.slot_owner
         if self.acceptance is None:
             self.acceptance = Acceptance(core.max_seqs)
         for slot, (_, seq) in owners.items():
             self.acceptance.bind(slot, id(seq))
-        live = np.flatnonzero(lookahead)
-        if not live.size:
-            return
         base, largest = len(owners), core.token_buckets[-1]
 
         def key(m: int) -> tuple[bool, int, int]:
             t = pick(core.token_buckets, min(base + m, largest))
             return (m > 0, t, seqs_for_tokens(core.seq_buckets, t))
 
+        return key
+
+    def _auto_may_draft(self, core: Any, caps: np.ndarray) -> bool:
+        """Whether the automatic rule can draft at all this step, before any proposal:
+        the rule on chains of each row's depth cap (caps int32[max_seqs] by slot), the
+        most any proposal could give for its node count (each level one node, every
+        level filled; a real proposal's gain for n nodes is at most this, its cost the
+        same). So when this allocates nothing, the rule would allocate nothing whatever
+        the proposals, and ``plan`` skips them: the n-gram search over 64 rows' token
+        lists was ~4 % of a 64-row step (a trie: 0.33 s of 7.2 s, cProfile) on steps
+        where the rule drafted nothing."""
+        key, live = self._auto_key(core), np.flatnonzero(caps)
+        alpha, base = self.acceptance.alpha(live), len(core.book.slot_owner)
+        chains = choose_with_refresh(lambda cost: allocate(alpha, caps[live], base, cost),
+                                     key, self.cost)  # fmt: skip
+        return bool(chains.sum())
+
+    def _auto(self, core: Any, lookahead: np.ndarray, drafts: np.ndarray) -> None:
+        """pagedjax's automatic rule (k_schedule.allocate), in place: each row's k cut
+        to the allocation from its acceptance and the measured cost of the step."""
+        key, live = self._auto_key(core), np.flatnonzero(lookahead)
+        if not live.size:
+            return
+        base = len(core.book.slot_owner)
         alpha, caps = self.acceptance.alpha(live), lookahead[live].copy()
         # Trees by levels: breadth-first nodes, so depths 1 .. d are a prefix (k_schedule).
         depth = [] if self.tree is None else [node_levels(self._parents[s, :c])
@@ -472,6 +502,13 @@ class SpeculativeDecoder:
     def host_drafts(self) -> bool:
         """Its drafts are made on the host by ``plan`` (the n-gram method, chain or tree)."""
         return all(d is None for d in (self.draft, self.eagle, self.separate, self.medusa))
+
+    @property
+    def every_step(self) -> bool:
+        """Its state follows every step (the EAGLE / EAGLE-3 head's KV and features, Medusa's
+        features), so a step without drafts still runs its verifier (the no-draft program)
+        instead of the plain one."""
+        return self.eagle is not None or self.medusa is not None
 
     @property
     def fusable(self) -> bool:
@@ -553,15 +590,18 @@ class SpeculativeDecoder:
 
     def _verify(self, core: Any, mem: Any, batch: Any, num_drafts: Any, num_tokens: int,
                 num_seqs: int, draft_probs: Any = None, parents: Any = None,
-                grammar_masks: Any = None) -> Any:  # fmt: skip
+                grammar_masks: Any = None, drafts: bool = True) -> Any:  # fmt: skip
         """The verification program (plus the eagle catch-up); (out, accepted). parents:
         the trees' parents by batch row (int32[max_seqs, K]) with a tree config, None for
-        chains and for a tree engine's step without drafts (the chain program).
-        grammar_masks: constrained rows' per-position masks (int32[max_seqs, K, W], batch
-        rows; n-gram chains only, so the plain verifier)."""
+        chains. grammar_masks: constrained rows' per-position masks (int32[max_seqs, K,
+        W], batch rows; n-gram chains only, so the plain verifier). drafts=False: a head
+        method's step without drafts (num_drafts all 0, no q, parents or masks), the
+        bucket's no-draft program (``SpecVerifier.verify``: S sampled rows, not S (K + 1))."""
         dev, st = core.device, core.device.state
         args = (mem, batch, num_drafts, dev.sampling(), st.prompt_len, st.output_len)
         kw = dict(num_tokens=num_tokens, num_seqs=num_seqs)
+        if not drafts:
+            kw["drafts"] = False
         if self.medusa is not None:
             m = self.medusa
             out, acc, m.feature = dev.run_program(self.verifier.step, core.params, *args,
@@ -595,9 +635,8 @@ class SpeculativeDecoder:
         base_tokens = int(host["num_tokens"]) - int(spec.sum())
         sched_tokens, sched_seqs = buckets(base_tokens)  # the batch without its drafts
         base = batch._replace(q_lens=batch.q_lens - batch.spec_lens)
-        every_step = self.eagle is not None or self.medusa is not None  # they keep features
         self._drafted = bool(spec.any())
-        if plain_rows or (not spec.any() and not every_step):
+        if plain_rows or (not spec.any() and not self.every_step):
             if spec.any():
                 raise RuntimeError("drafts were scheduled for a step that cannot verify them")
             if self.separate is not None:  # the draft's forward only (no proposals)
@@ -639,11 +678,12 @@ class SpeculativeDecoder:
                 # the bucket's 16 rows cost 3x the target's own step).
                 q = self._packed_rows(core, sid, start + 1, spec, padded_seqs, lambda *a:
                                       self._medusa_propose(core, *a))
+        if not live.size:  # a head's catch-up only: the bucket's no-draft program
+            return self._verify(core, dev.state.mem, batch._replace(swap=None), upload(spec),
+                                padded_tokens, padded_seqs, drafts=False)  # fmt: skip
         if q is None:
             q = self._no_q(padded_seqs)
-        # A tree engine's step without drafts (a head's catch-up only) takes the chain
-        # program: the same tokens, without the tree mask, walk and compaction.
-        parents = self._row_parents(core.max_seqs, sid, live) if live.size else None
+        parents = self._row_parents(core.max_seqs, sid, live)
         masks = None
         held = live[self._constrained[sid[live]]] if self._constrained is not None else live[:0]
         if held.size:

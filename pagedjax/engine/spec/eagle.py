@@ -294,9 +294,11 @@ class EagleVerifier(SpecVerifier):
 
     step(params, kv, tokens, mem, batch, num_drafts, sampling, prompt_len, output_len,
     head_params, draft_kv, feature, draft_probs=None, parents=None, *, num_tokens,
-    num_seqs) -> (kv', tokens', out, accepted, draft_kv', feature'); kv, tokens, draft_kv
-    and feature are donated; draft_probs: sampled drafts' q, parents: draft trees
-    (``SpecVerifier.verify``; the catch-up then reads the accepted path's features)."""
+    num_seqs, drafts=True) -> (kv', tokens', out, accepted, draft_kv', feature'); kv,
+    tokens, draft_kv and feature are donated; drafts=False: the catch-up only
+    (``SpecVerifier.verify``'s no-draft program); draft_probs: sampled drafts' q,
+    parents: draft trees (``SpecVerifier.verify``; the catch-up then reads the accepted
+    path's features)."""
 
     def __init__(self, draft: EagleDraft, *args: Any, tree_features: Any = None):
         super().__init__(*args)
@@ -305,7 +307,7 @@ class EagleVerifier(SpecVerifier):
         self.tree_features = tree_features
         self.step = jax.jit(
             self._eagle_step,
-            static_argnames=("num_tokens", "num_seqs"),
+            static_argnames=("num_tokens", "num_seqs", "drafts"),
             donate_argnames=("kv", "tokens", "draft_kv", "feature"),
         )
 
@@ -318,10 +320,10 @@ class EagleVerifier(SpecVerifier):
                     num_drafts: jax.Array, slot_sampling: Any, prompt_len: jax.Array,
                     output_len: jax.Array, head_params: Any, draft_kv: Any,
                     feature: jax.Array, draft_probs: Any = None, parents: Any = None, *,
-                    num_tokens: int, num_seqs: int) -> tuple:  # fmt: skip
+                    num_tokens: int, num_seqs: int, drafts: bool = True) -> tuple:  # fmt: skip
         kv, tokens, out, accepted, aux = self.verify(
             params, kv, tokens, mem, batch, num_drafts, slot_sampling, prompt_len, output_len,
-            draft_probs, parents, num_tokens=num_tokens, num_seqs=num_seqs,
+            draft_probs, parents, num_tokens=num_tokens, num_seqs=num_seqs, drafts=drafts,
         )  # fmt: skip
         inp, feats = aux["inp"], aux["extra"]
         if parents is not None:  # trees: each committed position's own feature (eagle_tree.py)

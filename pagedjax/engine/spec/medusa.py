@@ -102,12 +102,14 @@ class MedusaVerifier(SpecVerifier):
     """``SpecVerifier`` whose program also keeps each row's feature (module docstring).
 
     step(params, kv, tokens, mem, batch, num_drafts, sampling, prompt_len, output_len,
-    feature, draft_probs=None, *, num_tokens, num_seqs) -> (kv', tokens', out, accepted,
-    feature'); kv, tokens and feature are donated."""
+    feature, draft_probs=None, *, num_tokens, num_seqs, drafts=True) -> (kv', tokens', out,
+    accepted, feature'); kv, tokens and feature are donated; drafts=False: the features
+    only (``SpecVerifier.verify``'s no-draft program)."""
 
     def __init__(self, *args: Any):
         super().__init__(*args)
-        self.step = jax.jit(self._medusa_step, static_argnames=("num_tokens", "num_seqs"),
+        self.step = jax.jit(self._medusa_step,
+                            static_argnames=("num_tokens", "num_seqs", "drafts"),
                             donate_argnames=("kv", "tokens", "feature"))  # fmt: skip
 
     def _forward(self, params: Any, kv: Any, inp: Any) -> tuple[Any, jax.Array, Any]:
@@ -118,10 +120,10 @@ class MedusaVerifier(SpecVerifier):
     def _medusa_step(self, params: Any, kv: Any, tokens: jax.Array, mem: Any, batch: Any,
                      num_drafts: jax.Array, slot_sampling: Any, prompt_len: jax.Array,
                      output_len: jax.Array, feature: jax.Array, draft_probs: Any = None, *,
-                     num_tokens: int, num_seqs: int) -> tuple:  # fmt: skip
+                     num_tokens: int, num_seqs: int, drafts: bool = True) -> tuple:  # fmt: skip
         kv, tokens, out, accepted, aux = self.verify(
             params, kv, tokens, mem, batch, num_drafts, slot_sampling, prompt_len, output_len,
-            draft_probs, num_tokens=num_tokens, num_seqs=num_seqs,
+            draft_probs, num_tokens=num_tokens, num_seqs=num_seqs, drafts=drafts,
         )  # fmt: skip
         feature = keep_last_features(feature, aux["extra"], aux["inp"].cu_q_lens, batch,
                                      num_drafts, accepted, num_seqs)  # fmt: skip

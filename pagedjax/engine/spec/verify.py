@@ -61,7 +61,8 @@ class SpecVerifier:
     """The jitted verification step for one (arch, attention, block size, K).
 
     ``trace_count[(T, S)]`` counts traces per bucket, like ``ModelRunner.trace_count``:
-    one compilation per bucket, whatever the number of drafts in it.
+    one compilation per bucket, whatever the number of drafts in it; ``(T, S, 0)``
+    counts the bucket's no-draft program (``drafts=False``, ``verify``).
     """
 
     def __init__(
@@ -83,7 +84,7 @@ class SpecVerifier:
         self.attention_fn = attention_fn
         self.step = jax.jit(
             self._step,
-            static_argnames=("num_tokens", "num_seqs"),
+            static_argnames=("num_tokens", "num_seqs", "drafts"),
             donate_argnames=("kv", "tokens"),
         )
 
@@ -104,10 +105,12 @@ class SpecVerifier:
         *,
         num_tokens: int,
         num_seqs: int,
+        drafts: bool = True,
     ) -> tuple[Any, jax.Array, Any, jax.Array]:
         kv, tokens, out, accepted, _ = self.verify(
             params, kv, tokens, mem, batch, num_drafts, slot_sampling, prompt_len, output_len,
             draft_probs, parents, grammar_masks, num_tokens=num_tokens, num_seqs=num_seqs,
+            drafts=drafts,
         )  # fmt: skip
         return kv, tokens, out, accepted
 
@@ -135,6 +138,7 @@ class SpecVerifier:
         *,
         num_tokens: int,
         num_seqs: int,
+        drafts: bool = True,
     ) -> tuple[Any, jax.Array, Any, jax.Array, dict]:
         """``_step``'s body; also returns {"inp": the ModelInput, "extra": _forward's}.
         draft_probs float32[>= S, K, V] (batch-row order): the q each draft was sampled
@@ -146,8 +150,17 @@ class SpecVerifier:
         (batch-row order): constrained rows' drafts (structured/drafts.py): position j >= 1
         of row r is sampled under grammar_masks[r, j - 1], the grammar's mask after the
         drafts before it (position 0 under the row's own grammar_mask); None: every
-        position under its row's mask (a second program per bucket when given)."""
-        key = (num_tokens, num_seqs)
+        position under its row's mask (a second program per bucket when given).
+        drafts=False (static): no row has drafts (``num_drafts`` all 0; draft_probs,
+        parents and grammar_masks None), so only each row's last token is sampled: S
+        sampled rows instead of min(T, S * (K + 1)). The program a head method (EAGLE,
+        Medusa) runs for its catch-up on a step without drafts: with S * (K + 1) rows a
+        64-row prefill step paid the LM head and the sampler on 5x its rows (+29 %,
+        docs/speculative_decoding.md)."""
+        if not drafts and any(a is not None for a in (draft_probs, parents, grammar_masks)):
+            raise ValueError("a no-draft verification takes no draft_probs, parents or"
+                             " grammar_masks")  # fmt: skip
+        key = (num_tokens, num_seqs) if drafts else (num_tokens, num_seqs, 0)
         self.trace_count[key] = self.trace_count.get(key, 0) + 1  # at trace time only
         inp = build_model_input(
             tokens, mem.tables.tables, batch, num_tokens, num_seqs, self.block_size
@@ -156,13 +169,13 @@ class SpecVerifier:
         seq_ids = batch.seq_ids[:num_seqs]
         row_ok = seq_ids >= 0
         safe = jnp.maximum(seq_ids, 0)
-        nd = jnp.where(row_ok, num_drafts[:num_seqs], 0)
+        nd = jnp.where(row_ok & drafts, num_drafts[:num_seqs], 0)
         # Sampled positions, packed: row r owns 1 + nd[r] of them from offset[r] (fewer
         # than its q_len tokens, so they fit in min(T, S * (K + 1)) rows).
         m = jnp.where(row_ok, 1 + nd, 0)
         ends = jnp.cumsum(m, dtype=jnp.int32)
         offset = ends - m
-        size = sampled_rows(num_tokens, num_seqs, self.k)
+        size = sampled_rows(num_tokens, num_seqs, self.k if drafts else 0)
         f = jnp.arange(size, dtype=jnp.int32)
         frow = jnp.minimum(jnp.searchsorted(ends, f, side="right"), num_seqs - 1)
         fvalid = f < ends[-1]
