@@ -82,7 +82,7 @@ from pagedjax.engine.spec.medusa import MedusaDraft, build_medusa
 from pagedjax.engine.spec.ngram import NgramProposer
 from pagedjax.engine.spec.ngram_tree import NgramTreeProposer
 from pagedjax.engine.spec.tree import check_tree_model
-from pagedjax.engine.spec.verify import SpecVerifier, write_drafts
+from pagedjax.engine.spec.verify import SpecVerifier, sampled_rows, write_drafts
 from pagedjax.structured.drafts import MAX_DRAFTS, check_drafts
 
 BUILT_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
@@ -313,8 +313,8 @@ class SpeculativeDecoder:
                 self.separate.run(core, batch, i32, t, s, mem=mem, num_drafts=self._q_k)
             out = self._verify(core, mem, batch, upload(i32), t, s, self._no_q(s),
                                self._row_parents(n))  # fmt: skip
-            if self.every_step:  # its steps without drafts: the no-draft program
-                out = self._verify(core, mem, batch, upload(i32), t, s, drafts=False)
+            if self.every_step:  # its steps without drafts
+                out = self._catch_up(core, mem, batch, upload(i32), t, s)
         jax.block_until_ready((dev.state, out))
 
     @property
@@ -678,9 +678,9 @@ class SpeculativeDecoder:
                 # the bucket's 16 rows cost 3x the target's own step).
                 q = self._packed_rows(core, sid, start + 1, spec, padded_seqs, lambda *a:
                                       self._medusa_propose(core, *a))
-        if not live.size:  # a head's catch-up only: the bucket's no-draft program
-            return self._verify(core, dev.state.mem, batch._replace(swap=None), upload(spec),
-                                padded_tokens, padded_seqs, drafts=False)  # fmt: skip
+        if not live.size:  # a head's catch-up only
+            return self._catch_up(core, dev.state.mem, batch._replace(swap=None), upload(spec),
+                                  padded_tokens, padded_seqs)  # fmt: skip
         if q is None:
             q = self._no_q(padded_seqs)
         parents = self._row_parents(core.max_seqs, sid, live)
@@ -694,6 +694,22 @@ class SpeculativeDecoder:
             masks = upload(rows)
         return self._verify(core, dev.state.mem, batch._replace(swap=None), upload(spec),
                             padded_tokens, padded_seqs, q, parents, masks)  # fmt: skip
+
+    def _catch_up(self, core: Any, mem: Any, batch: Any, num_drafts: Any, num_tokens: int,
+                  num_seqs: int) -> Any:  # fmt: skip
+        """A head method's step without drafts (num_drafts all 0): (out, accepted). Where
+        the bucket has more tokens than sequences (T > S: prefill chunks), its no-draft
+        program, which samples S rows instead of min(T, S (K + 1)) (``SpecVerifier.verify``
+        drafts=False; a 64-row prefill paid +29 % for the LM head and sampler on the extra
+        rows); where T = S (decode buckets) the two sizes are equal, so the chain
+        verification itself, with no drafts, and no second program: each XLA:CPU program
+        maps a few hundred memory regions, and an EAGLE engine already holds ~23k of
+        Linux's default 65,530 (``vm.max_map_count``; several engines in one process ran
+        out)."""
+        if sampled_rows(num_tokens, num_seqs, self.k) > sampled_rows(num_tokens, num_seqs, 0):
+            return self._verify(core, mem, batch, num_drafts, num_tokens, num_seqs, drafts=False)
+        return self._verify(core, mem, batch, num_drafts, num_tokens, num_seqs,
+                            self._no_q(num_seqs))  # fmt: skip
 
     def _row_parents(self, n: int, sid: np.ndarray | None = None,
                      live: np.ndarray | None = None) -> Any:  # fmt: skip
