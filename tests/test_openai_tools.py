@@ -384,7 +384,8 @@ def test_tools_mapping_and_schemas():
         }
     )
     assert (named.choice, named.function) == ("named", "get_time")
-    assert tool_schema(named) is None  # no parameters schema: unconstrained, as vLLM
+    # no parameters schema: still a JSON object (vLLM 0.32's _params_or_empty_object)
+    assert tool_schema(named) == {"type": "object", "properties": {}}
     w = ToolRequest([WEATHER], "named", "get_weather")
     assert tool_schema(w) == WEATHER["function"]["parameters"]
     defs_tool = {
@@ -404,6 +405,29 @@ def test_tools_mapping_and_schemas():
     branches = schema["items"]["anyOf"]
     assert [b["properties"]["name"]["enum"] for b in branches] == [["get_weather"], ["f"]]
     assert "$defs" in defs_tool["function"]["parameters"]  # the request is not mutated
+    assert "maxItems" not in schema
+    # vLLM's get_json_schema_from_tools(parallel_tool_calls=False): at most one call; a
+    # tool without parameters is an empty object in its branch too
+    one = tool_schema(
+        parse_tools({"tools": [TIME], "tool_choice": "required", "parallel_tool_calls": False})
+    )
+    assert one == {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": 1,
+        "items": {
+            "type": "object",
+            "anyOf": [
+                {
+                    "properties": {
+                        "name": {"type": "string", "enum": ["get_time"]},
+                        "parameters": {"type": "object", "properties": {}},
+                    },
+                    "required": ["name", "parameters"],
+                }
+            ],
+        },
+    }
     for body, param in [
         ({"tools": []}, "tools"),
         ({"tools": [{"type": "retrieval"}]}, "tools"),
