@@ -12,6 +12,7 @@ SamplingParams fields or 400s naming the field; the flags parse and refuse by na
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -539,3 +540,34 @@ def test_output_flags():
     with pytest.raises(SystemExit) as e:
         p.parse_args(["--model", "m", "--tool-parser-plugin", "x.py"])
     assert e.value.code == 2
+
+
+def test_hermes_structural_tag_equals_vllms():
+    """tool_structural_tag gives what vLLM 0.32's hermes parser sets (its adjust_request,
+    recorded by tests/data/make_vllm032_hermes_tool_tags.py): strict and non-strict tools,
+    required / named / auto, parallel_tool_calls unset / false, with and without a
+    response_format; where vLLM joins a tag and the user's constraint (OrFormat), a 400."""
+    from pagedjax.entrypoints.openai.tool_tags import tool_structural_tag
+
+    data = Path(__file__).parent / "data" / "vllm032_hermes_tool_tags.json"
+    cases = json.loads(data.read_text())
+    assert len(cases) == 24
+    for case in cases:
+        body, want = case["body"], (case["result"] or {}).get("structural_tag")
+        req = parse_tools(body)
+        user = "response_format" in body
+        if want is not None and want["format"]["type"] == "or":
+            with pytest.raises(OpenAIError, match="strict tool"):
+                tool_structural_tag("hermes", req, user_constraint=user)
+            continue
+        assert tool_structural_tag("hermes", req, user_constraint=user) == want, body
+        assert tool_structural_tag("llama3_json", req, user_constraint=user) is None
+
+
+def test_strict_tool_calling_reads_vllms_variable():
+    from pagedjax.entrypoints.openai.tool_tags import STRICT_ENV, strict_tool_calling
+
+    assert strict_tool_calling({})  # vLLM's default: on
+    assert strict_tool_calling({STRICT_ENV: "1"}) and strict_tool_calling({STRICT_ENV: "TRUE"})
+    assert not strict_tool_calling({STRICT_ENV: "0"})
+    assert not strict_tool_calling({STRICT_ENV: "false"})

@@ -272,6 +272,19 @@ def test_structural_tag_on_xgrammar() -> None:
         assert guide.accept(ch), chr(ch)
     with pytest.raises(ValueError, match="structural_tag"):
         mgr.compile(SO(structural_tag="{not json"))
+    # vLLM's hermes tool-call tag (the server's tool_choice="required", tool_tags.py):
+    # envelopes only, free JSON arguments for a tool without "strict": true
+    from pagedjax.entrypoints.openai.tool_tags import tool_structural_tag
+    from pagedjax.entrypoints.openai.tools import parse_tools
+
+    fn = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    req = parse_tools({"tools": [fn], "tool_choice": "required"})
+    tag = json.dumps(tool_structural_tag("hermes", req))
+    guide = mgr.guide(mgr.compile(SO(structural_tag=tag)))
+    assert ord("<") in _allowed(guide) and EOS not in _allowed(guide)  # a call is required
+    for ch in b'<tool_call>{"name": "f", "arguments": [1, "x"]}</tool_call>':
+        assert guide.accept(ch), chr(ch)
+    assert EOS in _allowed(guide)
 
 
 @pytest.mark.slow  # loads the real tokenizer from the GGUF (~5-20 s)
