@@ -16,6 +16,10 @@ reasoning, or when "auto" calls come with no text. Tool-call deltas:
 time a call appears, then ``{"index", "function": {"arguments": more}}``.
 ``finish_reason`` becomes "tool_calls" when "auto" found calls or "required" stopped
 normally; a named function keeps the engine's reason, as OpenAI's API does.
+
+"required" and named calls are read as tools.py's JSON (``RequiredParser``,
+``NamedFunctionParser``), or, when the server's tool parser constrained them with its
+structural tag (tool_tags.py: hermes, vLLM's default), by that parser.
 """
 
 from __future__ import annotations
