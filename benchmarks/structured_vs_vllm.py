@@ -407,15 +407,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fsm = args.device_fsm and backend in args.timing_backends
         for side in ("pagedjax", "pagedjax-fsm", "vllm") if fsm else ("pagedjax", "vllm"):
             label = f"{side}-{backend}"
-            spec = dict(base, side=side.split("-")[0], backend=backend,
+            engine = side.split("-")[0]  # pagedjax-fsm: pagedjax with device_fsm on
+            spec = dict(base, side=engine, backend=backend,
                         timing=backend in args.timing_backends)  # fmt: skip
             if side == "pagedjax-fsm":
                 spec.update(so_config={**base["so_config"], "device_fsm": True}, timing_only=True)
-            side = side.split("-")[0]
             t = time.monotonic()
             print(f"running {label} (log {work / label}.log) ...", flush=True)
             res = out_of_box.run_child(
-                pythons[side], spec, envs[side], work, args.timeout, label, script=HERE
+                pythons[engine], spec, envs[engine], work, args.timeout, label, script=HERE
             )
             print(
                 f"  {label}: {time.monotonic() - t:.0f} s, load {res['load_start']} ->"
