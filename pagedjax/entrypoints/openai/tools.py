@@ -17,8 +17,9 @@ vLLM 0.32's rules, field by field:
   with ``{}``) is constrained to a JSON object (``{"type": "object", "properties": {}}``,
   vLLM's ``_params_or_empty_object``) in both. These are vLLM 0.32's
   ``get_json_schema_from_tools``, which vLLM applies when its tool parser has no
-  structural tag or ``VLLM_ENFORCE_STRICT_TOOL_CALLING=0`` (docs/structured_outputs.md,
-  "Tools and tool_choice", for vLLM's default structural-tag path). Either
+  structural tag or ``VLLM_ENFORCE_STRICT_TOOL_CALLING=0``; under the hermes parser
+  vLLM's default is a structural tag instead (tool_tags.py, chosen in chat_output.py).
+  Either
   together with ``response_format`` / ``structured_outputs`` is a 400: one constraint
   per request (vLLM refuses it for a named function and silently drops the user's
   constraint for "required");
