@@ -19,10 +19,10 @@ vLLM 0.32's rules, field by field:
   ``get_json_schema_from_tools``, which vLLM applies when its tool parser has no
   structural tag or ``VLLM_ENFORCE_STRICT_TOOL_CALLING=0``; under the hermes parser
   vLLM's default is a structural tag instead (tool_tags.py, chosen in chat_output.py).
-  Either
-  together with ``response_format`` / ``structured_outputs`` is a 400: one constraint
-  per request (vLLM refuses it for a named function and silently drops the user's
-  constraint for "required");
+  Either together with ``response_format`` / ``structured_outputs`` is a 400: one
+  constraint per request (vLLM 0.32 replaces the user's constraint by the tool
+  constraint on both of its paths, with only a log line; read in its parsers'
+  ``adjust_request``);
 - ``parallel_tool_calls: false`` keeps only the first call (vLLM's filter) besides the
   ``maxItems: 1`` above;
 - the deprecated ``functions`` / ``function_call`` are refused by name.
