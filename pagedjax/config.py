@@ -464,6 +464,14 @@ class StructuredOutputsConfig:
     path each request took, and why).
     device_fsm_max_bytes: a constraint whose compressed table is larger takes the host
     path (reported; 4 MiB by default).
+    json_max_whitespace (pagedjax's own; vLLM passes no such bound): with any whitespace
+    allowed in JSON (the default), at most this many whitespace characters between JSON
+    tokens (xgrammar's ``max_whitespace_cnt``); 0: unbounded, vLLM's default and the
+    same tokens as vLLM. A small model under greedy decoding can fall into newlines
+    inside a JSON value until max_tokens (docs/structured_outputs.md, "Measured: tool
+    calls"); a bound closes that loop but changes outputs. xgrammar's JSON only: a JSON
+    constraint that guidance would compile is refused while it is set (llguidance has no
+    count), and bounded JSON rows take the host path, not the device FSM.
     """
 
     backend: Literal["auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"] = "auto"
@@ -477,10 +485,13 @@ class StructuredOutputsConfig:
     jump_forward: bool = False
     device_fsm: bool = False
     device_fsm_max_bytes: int = 4 << 20
+    json_max_whitespace: int = 0
 
     def __post_init__(self) -> None:
         _check(self.device_fsm_max_bytes > 0, "structured_outputs_config.device_fsm_max_bytes",
                f"must be positive, got {self.device_fsm_max_bytes}")  # fmt: skip
+        _check(self.json_max_whitespace >= 0, "structured_outputs_config.json_max_whitespace",
+               f"must be >= 0 (0: unbounded), got {self.json_max_whitespace}")  # fmt: skip
         _check(
             self.backend not in ("outlines", "lm-format-enforcer"),
             "structured_outputs_config.backend",

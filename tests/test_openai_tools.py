@@ -12,6 +12,7 @@ SamplingParams fields or 400s naming the field; the flags parse and refuse by na
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -384,7 +385,8 @@ def test_tools_mapping_and_schemas():
         }
     )
     assert (named.choice, named.function) == ("named", "get_time")
-    assert tool_schema(named) is None  # no parameters schema: unconstrained, as vLLM
+    # no parameters schema: still a JSON object (vLLM 0.32's _params_or_empty_object)
+    assert tool_schema(named) == {"type": "object", "properties": {}}
     w = ToolRequest([WEATHER], "named", "get_weather")
     assert tool_schema(w) == WEATHER["function"]["parameters"]
     defs_tool = {
@@ -404,6 +406,29 @@ def test_tools_mapping_and_schemas():
     branches = schema["items"]["anyOf"]
     assert [b["properties"]["name"]["enum"] for b in branches] == [["get_weather"], ["f"]]
     assert "$defs" in defs_tool["function"]["parameters"]  # the request is not mutated
+    assert "maxItems" not in schema
+    # vLLM's get_json_schema_from_tools(parallel_tool_calls=False): at most one call; a
+    # tool without parameters is an empty object in its branch too
+    one = tool_schema(
+        parse_tools({"tools": [TIME], "tool_choice": "required", "parallel_tool_calls": False})
+    )
+    assert one == {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": 1,
+        "items": {
+            "type": "object",
+            "anyOf": [
+                {
+                    "properties": {
+                        "name": {"type": "string", "enum": ["get_time"]},
+                        "parameters": {"type": "object", "properties": {}},
+                    },
+                    "required": ["name", "parameters"],
+                }
+            ],
+        },
+    }
     for body, param in [
         ({"tools": []}, "tools"),
         ({"tools": [{"type": "retrieval"}]}, "tools"),
@@ -515,3 +540,34 @@ def test_output_flags():
     with pytest.raises(SystemExit) as e:
         p.parse_args(["--model", "m", "--tool-parser-plugin", "x.py"])
     assert e.value.code == 2
+
+
+def test_hermes_structural_tag_equals_vllms():
+    """tool_structural_tag gives what vLLM 0.32's hermes parser sets (its adjust_request,
+    recorded by tests/data/make_vllm032_hermes_tool_tags.py): strict and non-strict tools,
+    required / named / auto, parallel_tool_calls unset / false, with and without a
+    response_format; where vLLM joins a tag and the user's constraint (OrFormat), a 400."""
+    from pagedjax.entrypoints.openai.tool_tags import tool_structural_tag
+
+    data = Path(__file__).parent / "data" / "vllm032_hermes_tool_tags.json"
+    cases = json.loads(data.read_text())
+    assert len(cases) == 24
+    for case in cases:
+        body, want = case["body"], (case["result"] or {}).get("structural_tag")
+        req = parse_tools(body)
+        user = "response_format" in body
+        if want is not None and want["format"]["type"] == "or":
+            with pytest.raises(OpenAIError, match="strict tool"):
+                tool_structural_tag("hermes", req, user_constraint=user)
+            continue
+        assert tool_structural_tag("hermes", req, user_constraint=user) == want, body
+        assert tool_structural_tag("llama3_json", req, user_constraint=user) is None
+
+
+def test_strict_tool_calling_reads_vllms_variable():
+    from pagedjax.entrypoints.openai.tool_tags import STRICT_ENV, strict_tool_calling
+
+    assert strict_tool_calling({})  # vLLM's default: on
+    assert strict_tool_calling({STRICT_ENV: "1"}) and strict_tool_calling({STRICT_ENV: "TRUE"})
+    assert not strict_tool_calling({STRICT_ENV: "0"})
+    assert not strict_tool_calling({STRICT_ENV: "false"})

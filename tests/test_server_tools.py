@@ -42,6 +42,10 @@ SCRIPTS = {
     "required": '[{"name": "get_weather", "parameters": {"city": "Oslo"}},'
     ' {"name": "get_time", "parameters": {}}]',
     "named": '{"city": "Lima", "unit": "f"}',
+    "tagged": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+    "tagged-named": '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "f"}}'
+    "\n</tool_call>",
     "llama": '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters":'
     ' {"city": "Kyiv"}}',
 }
@@ -262,6 +266,40 @@ def test_required_and_named_constrain_and_parse(servers):
     assert _collect(stream) == full
     _, params = next(v for v in engine.seen.values() if "named" in v[0])
     assert params.structured_outputs.json == WEATHER["function"]["parameters"]
+
+
+def _user(prompt: str) -> str:
+    return re.findall(r"<\|user\|>([\w-]+)", prompt)[-1]
+
+
+def test_hermes_required_and_named_use_vllms_structural_tag(servers):
+    """With --tool-call-parser hermes (and VLLM_ENFORCE_STRICT_TOOL_CALLING unset, vLLM's
+    default) "required" and named calls are constrained by vLLM's hermes structural tag
+    and read back by the hermes parser (tool_tags.py), streamed and not."""
+    engine, url = servers[0]
+    kw = dict(tools=[WEATHER, TIME], tool_choice="required")
+    full = _full(_ask(url, "tagged", **kw))
+    assert full == (
+        "",
+        "",
+        [["get_weather", '{"city": "Oslo"}'], ["get_time", "{}"]],
+        "tool_calls",
+    )
+    assert _collect(_ask(url, "tagged", stream=True, **kw)) == full
+    _, params = next(v for v in engine.seen.values() if _user(v[0]) == "tagged")
+    so = params.structured_outputs
+    assert so.json is None
+    fmt = json.loads(so.structural_tag)["format"]
+    assert fmt["type"] == "tags_with_separator" and not fmt["stop_after_first"]
+    assert [t["begin"] for t in fmt["tags"]][::2] == [
+        '<tool_call>\n{"name": "get_weather", "arguments": ',
+        '<tool_call>\n{"name": "get_time", "arguments": ',
+    ]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(tools=[WEATHER, TIME], tool_choice=named)
+    full = _full(_ask(url, "tagged-named", **kw))
+    assert full == ("", "", [["get_weather", '{"unit": "f"}']], "stop")
+    assert _collect(_ask(url, "tagged-named", stream=True, **kw)) == full
 
 
 def test_structured_fields_reach_sampling_params(servers):

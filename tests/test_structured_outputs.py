@@ -272,6 +272,19 @@ def test_structural_tag_on_xgrammar() -> None:
         assert guide.accept(ch), chr(ch)
     with pytest.raises(ValueError, match="structural_tag"):
         mgr.compile(SO(structural_tag="{not json"))
+    # vLLM's hermes tool-call tag (the server's tool_choice="required", tool_tags.py):
+    # envelopes only, free JSON arguments for a tool without "strict": true
+    from pagedjax.entrypoints.openai.tool_tags import tool_structural_tag
+    from pagedjax.entrypoints.openai.tools import parse_tools
+
+    fn = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    req = parse_tools({"tools": [fn], "tool_choice": "required"})
+    tag = json.dumps(tool_structural_tag("hermes", req))
+    guide = mgr.guide(mgr.compile(SO(structural_tag=tag)))
+    assert ord("<") in _allowed(guide) and EOS not in _allowed(guide)  # a call is required
+    for ch in b'<tool_call>{"name": "f", "arguments": [1, "x"]}</tool_call>':
+        assert guide.accept(ch), chr(ch)
+    assert EOS in _allowed(guide)
 
 
 @pytest.mark.slow  # loads the real tokenizer from the GGUF (~5-20 s)
@@ -654,3 +667,33 @@ def test_constrained_drafts_cross_the_end_tag() -> None:
         assert got[k].outputs[0].token_ids == want[k].outputs[0].token_ids, k
         assert got[k].outputs[0].text.startswith("<think>hm</think>"), got[k].outputs[0]
     assert spec.stats()["spec_accepted_tokens"] - before >= 4  # m, </think> at least
+
+
+def test_json_max_whitespace_bounds_whitespace_xgrammar_only() -> None:
+    """pagedjax's json_max_whitespace (xgrammar's max_whitespace_cnt; vLLM passes none):
+    0 leaves JSON whitespace unbounded as vLLM; N allows at most N whitespace characters
+    in a row; guidance cannot bound it and refuses; bounded rows keep the host path."""
+    nl = ord("\n")
+
+    def newlines(mgr: StructuredOutputManager) -> int:
+        guide = mgr.guide(mgr.compile(SO(json=SCHEMA)))
+        assert guide.accept(ord("{"))
+        n = 0
+        while n < 6 and nl in _allowed(guide):
+            assert guide.accept(nl)
+            n += 1
+        return n
+
+    assert newlines(_manager("xgrammar")) == 6  # unbounded (vLLM's default)
+    assert newlines(_manager("xgrammar", json_max_whitespace=2)) == 2
+    # compact JSON and non-JSON constraints are untouched by the bound
+    assert _manager("xgrammar", json_max_whitespace=2).compile(SO(regex=REGEX))
+    with pytest.raises(ValueError, match="json_max_whitespace"):
+        _manager("guidance", json_max_whitespace=2).compile(SO(json=SCHEMA))
+    assert _manager("guidance", json_max_whitespace=2).compile(
+        SO(json=SCHEMA, disable_any_whitespace=True)
+    )
+    mgr = _manager("xgrammar", json_max_whitespace=2, device_fsm=True)
+    assert "host path" in mgr.device_fsm(SO(json=SCHEMA), "xgrammar")
+    with pytest.raises(ValueError, match="json_max_whitespace"):
+        StructuredOutputsConfig(json_max_whitespace=-1)

@@ -76,3 +76,32 @@ def test_compare_classifies_ties_and_measures_agreement(svv: ModuleType) -> None
     # The only chosen-token disagreement on shared prefixes: request 0's first token.
     assert got["noise"] == pytest.approx(3e-5)
     assert not math.isnan(got["noise"])
+
+
+def test_step_times_use_the_chosen_constraint(svv: ModuleType) -> None:
+    """--timing-constraint json reaches the constrained rows (and only them); the
+    unconstrained ones get none; the default stays the regex."""
+    from types import SimpleNamespace
+
+    seen: list = []
+
+    class LLM:
+        def generate(self, prompts, p, use_tqdm=False):
+            seen.append(p.structured_outputs)
+            out = SimpleNamespace(token_ids=[0] * p.max_tokens)
+            return [SimpleNamespace(outputs=[out]) for _ in prompts]
+
+    def sp(**kw):
+        return SimpleNamespace(**kw)
+
+    def so(**kw):
+        return kw
+
+    spec = dict(timing_rows=2, timing_tokens=3, rounds=1, prompt="p")
+    json_spec = dict(spec, timing_constraint=svv.structured_outputs.STEP_CONSTRAINTS["json"])
+    res = svv._step_times(LLM(), sp, so, json_spec)
+    assert set(res) == {"unconstrained_s", "constrained_s", "pairs"}
+    assert {str(s) for s in seen} == {"None", str(svv.structured_outputs.STEP_CONSTRAINTS["json"])}
+    seen.clear()
+    svv._step_times(LLM(), sp, so, spec)
+    assert [s for s in seen if s is not None][0] == {"regex": svv.TIMING_REGEX}

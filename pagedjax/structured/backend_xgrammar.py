@@ -147,8 +147,10 @@ class XgrammarBackend:
         return None
 
     def compile(self, p: StructuredOutputsParams, any_whitespace: bool,
-                disable_additional: bool) -> Any:  # fmt: skip
-        """The CompiledGrammar; ValueError naming the problem."""
+                disable_additional: bool, max_whitespace: int = 0) -> Any:  # fmt: skip
+        """The CompiledGrammar; ValueError naming the problem. max_whitespace > 0 bounds
+        the whitespace between JSON tokens (xgrammar's max_whitespace_cnt; pagedjax's
+        json_max_whitespace, which vLLM does not pass: 0 leaves it unbounded)."""
         why = self.unsupported(p, disable_additional)
         if why is not None:
             raise ValueError(why + " (the guidance backend does; or backend 'auto')")
@@ -156,7 +158,8 @@ class XgrammarBackend:
         try:
             if p.json is not None or p.json_object:
                 schema = json.dumps(spec.schema_dict(p, disable_additional))
-                return c.compile_json_schema(schema, any_whitespace=any_whitespace)
+                bound = {"max_whitespace_cnt": max_whitespace} if max_whitespace else {}
+                return c.compile_json_schema(schema, any_whitespace=any_whitespace, **bound)
             if p.regex is not None:
                 return c.compile_regex(p.regex)
             if p.choice is not None:

@@ -174,8 +174,18 @@ class StructuredOutputManager:
     def _compile(self, p: StructuredOutputsParams, any_ws: bool, closed: bool) -> Compiled:
         names = self._candidates(p)
         errors = []
+        bound = self.config.json_max_whitespace
+        json_kind = p.json is not None or p.json_object
         for name in names:
             try:
+                if name == "xgrammar" and bound and json_kind and any_ws:
+                    return Compiled(name, self._backend(name).compile(p, any_ws, closed, bound))
+                if bound and json_kind and any_ws:
+                    raise ValueError(
+                        f"structured_outputs_config.json_max_whitespace={bound} is"
+                        f" xgrammar's max_whitespace_cnt; {name} cannot bound JSON"
+                        " whitespace (set it to 0, or disable_any_whitespace)"
+                    )
                 backend = self._backend(name)
                 return Compiled(name, backend.compile(p, any_ws, closed))
             except ValueError as e:
@@ -202,6 +212,8 @@ class StructuredOutputManager:
             return (f"JSON schemas compiled by {backend} take the host path (the device FSM"
                     " follows xgrammar's JSON language)")  # fmt: skip
         any_ws, closed = self._options(p)
+        if p.kind in ("json", "json_object") and any_ws and self.config.json_max_whitespace:
+            return "JSON with json_max_whitespace takes the host path (xgrammar's bound)"
         key = spec.constraint_text(p) + repr((any_ws, closed))
         hit = self._fsms.get(key)
         if hit is not None:

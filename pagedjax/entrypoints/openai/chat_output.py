@@ -16,10 +16,15 @@ reasoning, or when "auto" calls come with no text. Tool-call deltas:
 time a call appears, then ``{"index", "function": {"arguments": more}}``.
 ``finish_reason`` becomes "tool_calls" when "auto" found calls or "required" stopped
 normally; a named function keeps the engine's reason, as OpenAI's API does.
+
+"required" and named calls are read as tools.py's JSON (``RequiredParser``,
+``NamedFunctionParser``), or, when the server's tool parser constrained them with its
+structural tag (tool_tags.py: hermes, vLLM's default), by that parser.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -34,6 +39,7 @@ from pagedjax.entrypoints.openai.tool_parsers import (
     RequiredParser,
     ToolParser,
 )
+from pagedjax.entrypoints.openai.tool_tags import tool_structural_tag
 from pagedjax.entrypoints.openai.tools import (
     ToolRequest,
     extend_messages,
@@ -171,17 +177,30 @@ class ChatExtras:
     # enable_thinking it implies unless chat_template_kwargs gives one).
     template_kwargs: dict[str, Any]
     include_reasoning: bool
+    # The output is constrained by the tool parser's structural tag (tool_tags.py), so
+    # "required" and named calls are read back by that parser, not as a JSON array.
+    tagged: bool = False
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
-def prepare_chat(body: dict, parsed: Any, *, auto_tools: bool) -> ChatExtras:
+def prepare_chat(
+    body: dict, parsed: Any, *, auto_tools: bool, tool_parser: str | None = None,
+    strict_tools: bool = True,
+) -> ChatExtras:  # fmt: skip
     """Read the chat body's tool fields, chat_template_kwargs, reasoning_effort and
     include_reasoning;
     add the tool constraint to ``parsed.params_kwargs``; copy the messages' tool fields.
-    ``auto_tools``: the server has --enable-auto-tool-choice and a parser."""
+    ``auto_tools``: the server has --enable-auto-tool-choice and a parser, ``tool_parser``
+    (its name); with ``strict_tools`` (``VLLM_ENFORCE_STRICT_TOOL_CALLING``, vLLM's
+    default on) a parser with a structural tag constrains the calls by it (tool_tags.py)
+    instead of by tools.py's JSON schema, as vLLM 0.32 does."""
     req = parse_tools(body)
+    tag = None
+    if auto_tools and strict_tools:
+        user = "structured_outputs" in parsed.params_kwargs
+        tag = tool_structural_tag(tool_parser, req, user_constraint=user)
     if req.choice == "auto" and not auto_tools:
         raise bad('"auto" tool choice requires --enable-auto-tool-choice and'
                   " --tool-call-parser to be set (tool_choice defaults to \"auto\" when"
@@ -192,9 +211,12 @@ def prepare_chat(body: dict, parsed: Any, *, auto_tools: bool) -> ChatExtras:
             raise bad("use either a structured-output constraint (response_format,"
                       ' structured_outputs) or tool_choice "required" / a named function,'
                       " not both", "tool_choice")  # fmt: skip
-        schema = tool_schema(req)
+        schema = tool_schema(req) if tag is None else None
         if schema is not None:
             parsed.params_kwargs["structured_outputs"] = StructuredOutputsParams(json=schema)
+    if tag is not None:
+        so = StructuredOutputsParams(structural_tag=json.dumps(tag))
+        parsed.params_kwargs["structured_outputs"] = so
     extend_messages(parsed.messages, body["messages"])
     ctk = body.get("chat_template_kwargs")
     if ctk is not None and not isinstance(ctk, dict):
@@ -212,7 +234,7 @@ def prepare_chat(body: dict, parsed: Any, *, auto_tools: bool) -> ChatExtras:
                       f" {effort!r}", "reasoning_effort")  # fmt: skip
         kwargs["reasoning_effort"] = effort
         kwargs.setdefault("enable_thinking", effort != "none")
-    return ChatExtras(req, kwargs, include)
+    return ChatExtras(req, kwargs, include, tagged=tag is not None)
 
 
 def build_rules(
@@ -227,7 +249,9 @@ def build_rules(
             reasoning = parser
     req = extras.tools
     tools: ToolParser | None = None
-    if req.choice == "named":
+    if extras.tagged and tool_parser is not None:  # the calls are the parser's envelopes
+        tools = TOOL_PARSERS[tool_parser]()
+    elif req.choice == "named":
         assert req.function is not None
         tools = NamedFunctionParser(req.function)
     elif req.choice == "required":

@@ -36,6 +36,7 @@ from pagedjax.entrypoints.openai.protocol import (
     parse_completion,
 )
 from pagedjax.entrypoints.openai.structured import parse_constraints
+from pagedjax.entrypoints.openai.tool_tags import strict_tool_calling
 from pagedjax.entrypoints.openai.views import ChatView, CompletionView
 from pagedjax.model.vision.preprocess import load_image
 
@@ -64,6 +65,8 @@ class OpenAIServing:
         self.image_prompt = image_prompt
         self.media = media or MediaFetchPolicy.from_env()  # image URLs to fetch (media.py)
         self.enable_auto_tools, self.tool_parser = enable_auto_tools, tool_parser
+        # vLLM's VLLM_ENFORCE_STRICT_TOOL_CALLING, read once as vLLM does (tool_tags.py).
+        self.strict_tools = strict_tool_calling()
         # LoRA adapters served by name ("model": name), static and loaded at run time
         # (lora_adapters.py, docs/lora.md).
         self.loras = LoRAAdapters(engine, served_model_names, lora_modules,
@@ -169,7 +172,8 @@ class OpenAIServing:
         assert parsed.messages is not None
         parsed.params_kwargs.update(parse_constraints(body, e.vocab_size))
         extras = prepare_chat(body, parsed, auto_tools=self.enable_auto_tools and
-                              self.tool_parser is not None)  # fmt: skip
+                              self.tool_parser is not None, tool_parser=self.tool_parser,
+                              strict_tools=self.strict_tools)  # fmt: skip
         images = await self._chat_images(parsed.messages)
         text = self.render_chat(
             parsed.messages, parsed.add_generation_prompt, parsed.chat_template,

@@ -11,12 +11,20 @@ vLLM 0.32's rules, field by field:
   ``--enable-auto-tool-choice --tool-call-parser NAME`` (else a 400, as vLLM);
 - ``"required"`` constrains the output to a JSON array of ``{"name", "parameters"}``
   objects, one ``anyOf`` branch per tool (``tool_schema``; the tools' ``$defs`` are
-  hoisted to the top, a name defined twice differently is a 400); a named function
-  constrains the output to its ``parameters`` schema (no schema: no constraint). Either
-  together with ``response_format`` / ``structured_outputs`` is a 400: one constraint
-  per request (vLLM refuses it for a named function and silently drops the user's
-  constraint for "required");
-- ``parallel_tool_calls: false`` keeps only the first call (vLLM's filter);
+  hoisted to the top, a name defined twice differently is a 400), at most one item when
+  the request says ``parallel_tool_calls: false`` (``maxItems: 1``); a named function
+  constrains the output to its ``parameters`` schema. A tool without ``parameters`` (or
+  with ``{}``) is constrained to a JSON object (``{"type": "object", "properties": {}}``,
+  vLLM's ``_params_or_empty_object``) in both. These are vLLM 0.32's
+  ``get_json_schema_from_tools``, which vLLM applies when its tool parser has no
+  structural tag or ``VLLM_ENFORCE_STRICT_TOOL_CALLING=0``; under the hermes parser
+  vLLM's default is a structural tag instead (tool_tags.py, chosen in chat_output.py).
+  Either together with ``response_format`` / ``structured_outputs`` is a 400: one
+  constraint per request (vLLM 0.32 replaces the user's constraint by the tool
+  constraint on both of its paths, with only a log line; read in its parsers'
+  ``adjust_request``);
+- ``parallel_tool_calls: false`` keeps only the first call (vLLM's filter) besides the
+  ``maxItems: 1`` above;
 - the deprecated ``functions`` / ``function_call`` are refused by name.
 
 Assistant messages may carry ``tool_calls`` (their ``arguments`` JSON text is decoded
@@ -33,6 +41,9 @@ from typing import Any
 from pagedjax.entrypoints.openai.protocol import bad
 
 CHOICES = ("none", "auto", "required")
+# What a tool without parameters constrains its arguments to (vLLM's
+# _params_or_empty_object): still a JSON object, so the call parses as one.
+EMPTY_OBJECT = {"type": "object", "properties": {}}
 
 
 @dataclass(frozen=True)
@@ -111,17 +122,18 @@ def _tool(t: Any, i: int) -> dict:
 
 def tool_schema(req: ToolRequest) -> dict | None:
     """The JSON schema the output must follow (vLLM's get_json_schema_from_tools):
-    required -> an array of {name, parameters}; named -> the function's parameters."""
+    required -> an array of {name, parameters} (``maxItems: 1`` under
+    ``parallel_tool_calls: false``); named -> the function's parameters; missing or
+    empty parameters -> EMPTY_OBJECT; None for "none" / "auto"."""
     if req.choice == "named":
         assert req.function is not None
-        params = req.function_parameters(req.function)
-        return copy.deepcopy(params) if params is not None else None
+        return copy.deepcopy(req.function_parameters(req.function) or EMPTY_OBJECT)
     if req.choice != "required":
         return None
     branches, defs = [], {}
     for t in req.tools or []:
         fn = t["function"]
-        params = copy.deepcopy(fn.get("parameters")) or {"type": "object", "properties": {}}
+        params = copy.deepcopy(fn.get("parameters") or EMPTY_OBJECT)
         for name, schema in params.pop("$defs", {}).items():
             if name in defs and defs[name] != schema:
                 raise bad(f"tools define '$defs.{name}' twice, differently", "tools")
@@ -133,6 +145,8 @@ def tool_schema(req: ToolRequest) -> dict | None:
         })  # fmt: skip
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": {"type": "object", "anyOf": branches}}  # fmt: skip
+    if not req.parallel:  # vLLM: only an explicit false bounds the array
+        schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
     return schema
