@@ -413,12 +413,13 @@ class SpeculativeConfig:
         _check(m in ("greedy", "probabilistic"), "speculative_config.draft_sample_method",
                f"must be 'greedy' or 'probabilistic', got {m!r}")  # fmt: skip
         if self.tree is not None:
-            _check(self.method in ("ngram", "eagle"), "speculative_config.tree",
-                   f"draft trees are built for the ngram and eagle methods, not {self.method!r}")
+            _check(self.method in ("ngram", "eagle", "eagle3"), "speculative_config.tree",
+                   "draft trees are built for the ngram, eagle and eagle3 methods, not"
+                   f" {self.method!r}")  # fmt: skip
             _check(self.draft_sample_method == "greedy" or self.method == "ngram",
                    "speculative_config.tree", "sampled drafts (draft_sample_method"
                    " 'probabilistic') with a draft tree are not built")
-            _check(self.method != "eagle" or self.tree.budget >= self.tree.top_k,
+            _check(self.method == "ngram" or self.tree.budget >= self.tree.top_k,
                    "speculative_config.tree", f"an eagle tree needs budget >= top_k (one"
                    f" node per branch), got {self.tree.budget} < {self.tree.top_k}")
 

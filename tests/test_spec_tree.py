@@ -171,13 +171,14 @@ def test_tree_config_and_refusals():
         SpeculativeConfig.from_dict({"method": "ngram", "tree": {"width": 3}})
     with pytest.raises(ConfigError, match="tree.budget"):
         SpeculativeConfig.from_dict({"method": "ngram", "tree": {"budget": 32}})
-    with pytest.raises(ConfigError, match="ngram and eagle methods"):
+    with pytest.raises(ConfigError, match="ngram, eagle and eagle3 methods"):
         SpeculativeConfig(method="medusa", model="/x", tree=DraftTreeConfig())
     with pytest.raises(ConfigError, match="sampled drafts"):
         SpeculativeConfig(method="eagle", model="/x", tree=DraftTreeConfig(),
                           draft_sample_method="probabilistic")
-    with pytest.raises(ConfigError, match="budget >= top_k"):
-        SpeculativeConfig(method="eagle", model="/x", tree=DraftTreeConfig(2, 3))
+    for method in ("eagle", "eagle3"):
+        with pytest.raises(ConfigError, match="budget >= top_k"):
+            SpeculativeConfig(method=method, model="/x", tree=DraftTreeConfig(2, 3))
     # the automatic rule sizes trees by levels now (k_schedule.allocate_levels): accepted
     for method, model in (("ngram", None), ("eagle", "/x")):
         SpeculativeConfig(method=method, model=model, tree=DraftTreeConfig(),

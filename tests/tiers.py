@@ -157,9 +157,13 @@ MOVES: dict[str, tuple[str, str]] = {
         "slow", "3.1 s"),
     "tests/test_speculative.py::test_disable_by_batch_size": ("tier2", "3.1 s"),
     "tests/test_spec_eagle.py::test_eagle_greedy_equals_plain_with_chunking_and_preemption": (
-        "slow", "14.3 s (was tier2); test_spec_eagle3's greedy test (tier2) runs the same"
+        "slow", "14.3 s (was tier2); test_spec_eagle3's tree test (tier2) runs the same"
         " EagleDraft / EagleVerifier path (propose, catch-up, rollback, preemption)"),
     "tests/test_spec_sampled_drafts.py": ("slow", "16.0 s"),
+    "tests/test_spec_eagle3.py::test_eagle3_greedy_equals_plain_with_chunking_and_preemption": (
+        "slow", "8-14 s (was tier2); paid for the EAGLE-3 tree test beside it (tier2: the same"
+        " head, catch-up, rollback and preemption, with trees), and test_spec_k_schedule's"
+        " EAGLE no-draft test (tier2) runs the chain proposals"),
     "tests/test_spec_k_schedule.py::test_batch_size_table_greedy_equals_plain_one_program_per_bucket": (  # noqa: E501
         "slow", "8.9 s"),
     "tests/test_speculative_curves.py": ("slow", "9.7 s (a script)"),

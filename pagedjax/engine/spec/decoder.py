@@ -184,7 +184,7 @@ class SpeculativeDecoder:
                                                    config.prompt_lookup_max,
                                                    config.tree.budget, config.tree.top_k)
             self.k = config.tree.budget
-            if config.method == "eagle":  # eagle_tree.py: whole levels of top_k branches
+            if config.method in ("eagle", "eagle3"):  # eagle_tree.py: whole levels of branches
                 b = config.tree.top_k
                 self.k = b * min(config.num_speculative_tokens, config.tree.budget // b)
         self.draft = self.eagle = self.separate = None
@@ -205,7 +205,12 @@ class SpeculativeDecoder:
                 self.eagle_tree = EagleTreeDraft(self.eagle, config.tree.top_k, self.k)
         elif config.method == "eagle3":  # spec/eagle3.py: the eagle path, fused features
             self.eagle = Eagle3Draft(arch, config.model, attention_fn, block_size, self.k)
-            self.verifier = Eagle3Verifier(self.eagle, *verifier_args)
+            # Trees as EAGLE's (eagle_tree.py drives any EagleDraft: the head fed its own g
+            # at draft positions); the catch-up remaps the fused [T, 3H] features the same.
+            self.verifier = Eagle3Verifier(self.eagle, *verifier_args,
+                                           tree_features=catch_up_inputs)  # fmt: skip
+            if config.tree is not None:
+                self.eagle_tree = EagleTreeDraft(self.eagle, config.tree.top_k, self.k)
         elif config.method == "medusa":  # spec/medusa.py: k capped at the heads' count
             self.medusa, self.verifier = build_medusa(
                 arch, str(config.model), self.k, lambda k: (*verifier_args[:4], k, native_matmul)
