@@ -20,8 +20,9 @@ engine: K-step decode loop), ngram ({"method": "ngram",
 step cost, down to 0, engine/spec/k_schedule.py), ngramtree (the same with pagedjax's
 "tree": {"budget": N, "top_k": K}: up to K earlier continuations merged into a trie of N
 nodes, depth <= k, verified in one step with the tree mask, engine/spec/tree.py),
-eagletree (eagle with the same "tree" key: the head's top K first tokens, each continued
-as a chain, K * min(k, N // K) nodes, engine/spec/eagle_tree.py), NAMEauto for any
+eagletree / eagle3tree (eagle / eagle3 with the same "tree" key: the head's top K first
+tokens, each continued as a chain, K * min(k, N // K) nodes, engine/spec/eagle_tree.py),
+NAMEauto for any
 method NAME (eagleauto, eagletreeauto, eagle3auto, medusaauto, ngramtreeauto, draftauto:
 NAME with "auto_num_speculative_tokens": true; trees are cut by levels), draft
 ({"method": "draft_model", "model": "self", "draft_num_layers": N}: the model's own first
@@ -194,6 +195,8 @@ def main() -> None:
                   "draft_num_layers": a.draft_layers},
         "eagle": {"method": "eagle", "model": a.eagle_dir, "num_speculative_tokens": a.k},
         "eagle3": {"method": "eagle3", "model": a.eagle3_dir, "num_speculative_tokens": a.k},
+        "eagle3tree": {"method": "eagle3", "model": a.eagle3_dir, "num_speculative_tokens": a.k,
+                       "tree": {"budget": a.tree_budget, "top_k": a.tree_top_k}},
         "medusa": {"method": "medusa", "model": a.medusa_dir, "num_speculative_tokens": a.k},
         "draftmodel": {"method": "draft_model", "model": a.draft_model,
                        "num_speculative_tokens": a.k},
