@@ -313,10 +313,11 @@ def test_tree_warm_up_covers_the_programs():
 # ---------------------------------------------------------------------------- EAGLE trees
 
 
-def _eagle_tree_engine(head: str, top_k: int = 2, dynamic: bool = False) -> LLMEngine:
+def _eagle_tree_engine(head: str, top_k: int = 2, dynamic: bool = False,
+                       warmup: str = "none") -> LLMEngine:  # fmt: skip
     from tests.test_spec_eagle import _config
 
-    config = _config(head)
+    config = _config(head, warmup)
     tree = DraftTreeConfig(budget=8, top_k=top_k, dynamic=dynamic)
     spec = dataclasses.replace(config.speculative, tree=tree)
     config = dataclasses.replace(config, speculative=spec, attention_backend=BACKEND)
@@ -584,6 +585,22 @@ def test_eagle_dynamic_tree_verifies_the_device_parents(dyn_engine):
     assert sum(checked) > 5
     assert engine.speculator.counters.stats()["spec_mean_accepted_length"] > 2.5
     assert engine.num_free_blocks() == engine.num_usable_blocks()
+
+
+@pytest.mark.slow  # by hand: warm-up compiles every bucket
+def test_eagle_dynamic_tree_compiles_nothing_after_warm_up(eagle_head):
+    """Warm-up covers the dynamic tree's programs: its proposal at every head_rows size
+    and the parents' scatter back to batch rows."""
+    prompts = dict(enumerate(_prompts(13, 4, lo=5, hi=30)))
+    reqs = [(str(i), p, _greedy(12)) for i, p in prompts.items()]
+    engine = _eagle_tree_engine(eagle_head, dynamic=True, warmup="all")
+    warm = engine.stats()
+    _drain(engine, reqs)
+    s = engine.stats()
+    assert s["spec_proposed_tokens"] > 0
+    assert s["spec_compilations"] == warm["spec_compilations"]
+    assert s["compilations"] == warm["compilations"]
+    assert set(engine.speculator.eagle_tree.trace_count.values()) == {1}
 
 
 @pytest.mark.slow  # an EAGLE tree engine (~24 s cold for the three)
