@@ -30,6 +30,9 @@ Draft trees (``speculative_config.tree``, pagedjax's own key; ``tree.py``): a ro
 are the nodes of a tree (parents by slot, ``_parents``, set by ``plan`` for ``run``):
 n-gram tries (``ngram_tree.py``) or EAGLE's top-k-then-chains (``eagle_tree.py``),
 verified with the tree mask, the accepted path's KV compacted in the same program.
+EAGLE-2's dynamic tree (``tree.dynamic``) has the same depths, so ``_parents`` keeps the
+static layout for the host (levels: the automatic rule, counters) and the verification
+reads the parents its proposal program returned (scattered back to batch rows).
 With the automatic rule a tree is cut by whole levels (``k_schedule.allocate_levels``;
 n-gram tries laid out breadth-first so kept levels are a prefix of the nodes).
 
