@@ -674,3 +674,37 @@ def test_dynamic_tree_parents_are_a_level_major_tree(dyn_engine):
     engine.abort_request("solo")
     while engine.has_unfinished_requests():
         engine.step()
+
+
+@pytest.mark.slow  # another EAGLE tree engine (a truncated-vocabulary head)
+def test_dynamic_tree_with_a_draft_vocabulary(tmp_path_factory):
+    """A head over a quarter of the vocabulary: the dynamic tree's log-probabilities are
+    over the draft vocabulary and its ids mapped back, so every node is an id of the
+    subset, outputs equal the plain run."""
+    from pagedjax.model.eagle import EagleConfig, init_head, save_head
+    from tests.test_spec_eagle import SUBSET
+
+    head = str(tmp_path_factory.mktemp("eagle_subset_tree"))  # as test_spec_eagle's
+    cfg = EagleConfig.for_target(ARCH, target="tiny-llama")
+    cfg = dataclasses.replace(cfg, draft_vocab_size=len(SUBSET))
+    save_head(head, cfg, init_head(cfg, ARCH, seed=1, std=0.1), draft_vocab=SUBSET)
+    prompts = dict(enumerate(_prompts(21, 3, lo=6, hi=20)))
+    reqs = [(str(i), p, _greedy(16)) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    engine = _eagle_tree_engine(head, dynamic=True)
+    t = engine.speculator.eagle_tree
+    propose, drafted = t.propose, []
+
+    def spy(*args, **kw):
+        kv, tokens, parents = propose(*args, **kw)
+        sid, total, counts = (np.asarray(a) for a in args[6:9])
+        tok = np.asarray(tokens)
+        for r in range(kw["num_seqs"]):
+            if sid[r] >= 0:
+                drafted.extend(tok[sid[r], total[r] : total[r] + counts[r]].tolist())
+        return kv, tokens, parents
+
+    t.propose = spy
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    assert len(drafted) > 0 and set(drafted) <= set(SUBSET.tolist())
