@@ -6,7 +6,10 @@ compacted away), through chunked prefill and preemption, with the block invarian
 checked after every step and every block free at the end; a tree that is a chain gives
 the chain engine's outputs and accepted counts; the KV the compaction leaves for every
 accepted token equals what the plain run wrote there (fp32 tolerance); the tree mask
-words against a brute-force oracle; the proposer; the refusals.
+words against a brute-force oracle; the proposer; the refusals. EAGLE-2's dynamic tree
+(eagle_tree.py, ``tree.dynamic``): its level expansion against brute force, its config,
+and (slow) its parents, exactness, the verification following the device's parents, a
+draft vocabulary, warm-up.
 
 The attention backend is the default (on CPU the native kernel with its tree mask,
 tests/test_tree_attention_native.py).
