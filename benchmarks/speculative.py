@@ -22,8 +22,10 @@ step cost, down to 0, engine/spec/k_schedule.py), ngramtree (the same with paged
 nodes, depth <= k, verified in one step with the tree mask, engine/spec/tree.py),
 eagletree / eagle3tree (eagle / eagle3 with the same "tree" key: the head's top K first
 tokens, each continued as a chain, K * min(k, N // K) nodes, engine/spec/eagle_tree.py),
-NAMEauto for any
-method NAME (eagleauto, eagletreeauto, eagle3auto, medusaauto, ngramtreeauto, draftauto:
+eagledyntree (eagletree with "dynamic": true: EAGLE-2's dynamic tree, the same node
+count, each level the K best of the previous level's K x K children by cumulative draft
+log-probability), NAMEauto for any method NAME (eagleauto, eagletreeauto,
+eagledyntreeauto, eagle3auto, medusaauto, ngramtreeauto, draftauto:
 NAME with "auto_num_speculative_tokens": true; trees are cut by levels), draft
 ({"method": "draft_model", "model": "self", "draft_num_layers": N}: the model's own first
 N layers), eagle
@@ -170,8 +172,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="timed rounds, the methods interleaved (round r starts at method r mod"
                     " M), summed: a shared box's load then weighs on every method alike")
-    ap.add_argument("--tree-budget", type=int, default=16, help="ngramtree: nodes per row")
-    ap.add_argument("--tree-top-k", type=int, default=3, help="ngramtree: continuations")
+    ap.add_argument("--tree-budget", type=int, default=16,
+                    help="ngramtree / eagletree / eagledyntree: nodes per row")
+    ap.add_argument("--tree-top-k", type=int, default=3,
+                    help="ngramtree: continuations; eagletree / eagledyntree: branches")
     ap.add_argument("--warm-runs", type=int, default=1,
                     help="untimed runs per method first (compiling what they meet); with the"
                     " automatic rule a timed round can still meet a new program (the table's"
@@ -191,6 +195,9 @@ def main() -> None:
                       "tree": {"budget": a.tree_budget, "top_k": a.tree_top_k}},
         "eagletree": {"method": "eagle", "model": a.eagle_dir, "num_speculative_tokens": a.k,
                       "tree": {"budget": a.tree_budget, "top_k": a.tree_top_k}},
+        "eagledyntree": {"method": "eagle", "model": a.eagle_dir, "num_speculative_tokens": a.k,
+                         "tree": {"budget": a.tree_budget, "top_k": a.tree_top_k,
+                                  "dynamic": True}},
         "draft": {"method": "draft_model", "model": "self", "num_speculative_tokens": a.k,
                   "draft_num_layers": a.draft_layers},
         "eagle": {"method": "eagle", "model": a.eagle_dir, "num_speculative_tokens": a.k},

@@ -315,11 +315,15 @@ class DraftTreeConfig:
     most 32 slots, the tree attention mask's reach). top_k: branches, the n-gram method's
     distinct continuations merged into one trie (the first the chain proposer's), or the
     eagle head's top_k first tokens each continued as a chain (top_k x min(k, budget //
-    top_k) nodes). The tree's depth is at most num_speculative_tokens.
+    top_k) nodes). The tree's depth is at most num_speculative_tokens. dynamic (eagle
+    only): EAGLE-2's dynamic tree in the same top_k x levels shape, each level the top_k
+    of the previous level's top_k x top_k children by cumulative draft log-probability
+    (engine/spec/eagle_tree.py); false: the fixed branches.
     """
 
     budget: int = 16
     top_k: int = 2
+    dynamic: bool = False
 
     def __post_init__(self) -> None:
         b, k = self.budget, self.top_k
@@ -327,6 +331,8 @@ class DraftTreeConfig:
                f"must be in [1, 31] (a tree and its root fit the 32-bit tree mask), got {b!r}")
         _check(isinstance(k, int) and k >= 1, "speculative_config.tree.top_k",
                f"must be >= 1, got {k!r}")  # fmt: skip
+        _check(isinstance(self.dynamic, bool), "speculative_config.tree.dynamic",
+               f"must be true or false, got {self.dynamic!r}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -367,7 +373,7 @@ class SpeculativeConfig:
     The n-gram method has no q (a point mass): its drafts stay greedy either way.
     tree (pagedjax's own key, ``DraftTreeConfig``): draft trees verified in one step
     (ngram: continuations merged into a trie; eagle: top_k first tokens, each continued
-    as a chain); None: chains.
+    as a chain, or with "dynamic": true EAGLE-2's dynamic tree); None: chains.
     """
 
     method: Literal["ngram", "draft_model", "eagle", "eagle3", "medusa"] = "ngram"
@@ -419,6 +425,9 @@ class SpeculativeConfig:
             _check(self.draft_sample_method == "greedy" or self.method == "ngram",
                    "speculative_config.tree", "sampled drafts (draft_sample_method"
                    " 'probabilistic') with a draft tree are not built")
+            _check(not self.tree.dynamic or self.method == "eagle",
+                   "speculative_config.tree.dynamic", "the dynamic draft tree (EAGLE-2's) is"
+                   f" built for the eagle method only, not {self.method!r}")  # fmt: skip
             _check(self.method == "ngram" or self.tree.budget >= self.tree.top_k,
                    "speculative_config.tree", f"an eagle tree needs budget >= top_k (one"
                    f" node per branch), got {self.tree.budget} < {self.tree.top_k}")

@@ -473,14 +473,16 @@ def test_eagle_steps_without_drafts_keep_the_head_exact_and_are_measured(tmp_pat
 
 
 @pytest.mark.slow  # ~5 s warm: the n-gram tree case (tier2) covers the plumbing
-def test_auto_rule_with_eagle_trees_greedy_equals_plain(monkeypatch, tmp_path):
-    """EAGLE trees (level-major already) cut by levels under the automatic rule: greedy
-    outputs equal the plain run's; some rows drafted part of their levels."""
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_auto_rule_with_eagle_trees_greedy_equals_plain(monkeypatch, tmp_path, dynamic):
+    """EAGLE trees (level-major already; the EAGLE-2 dynamic tree too: the same depths)
+    cut by levels under the automatic rule: greedy outputs equal the plain run's; some
+    rows drafted part of their levels."""
     from tests.test_spec_eagle import _head_dir
     from tests.test_spec_tree import _eagle_tree_engine
 
     _rotating_level_cap(monkeypatch)
-    engine = _eagle_tree_engine(_head_dir(str(tmp_path)))
+    engine = _eagle_tree_engine(_head_dir(str(tmp_path)), dynamic=dynamic)
     spec = engine.speculator
     spec.config = dataclasses.replace(spec.config, auto_num_speculative_tokens=True)
     spec.cost = _FixedCost(1.0)

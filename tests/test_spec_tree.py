@@ -6,7 +6,10 @@ compacted away), through chunked prefill and preemption, with the block invarian
 checked after every step and every block free at the end; a tree that is a chain gives
 the chain engine's outputs and accepted counts; the KV the compaction leaves for every
 accepted token equals what the plain run wrote there (fp32 tolerance); the tree mask
-words against a brute-force oracle; the proposer; the refusals.
+words against a brute-force oracle; the proposer; the refusals. EAGLE-2's dynamic tree
+(eagle_tree.py, ``tree.dynamic``): its level expansion against brute force, its config,
+and (slow) its parents, exactness, the verification following the device's parents, a
+draft vocabulary, warm-up.
 
 The attention backend is the default (on CPU the native kernel with its tree mask,
 tests/test_tree_attention_native.py).
@@ -314,11 +317,13 @@ def test_tree_warm_up_covers_the_programs():
 # ---------------------------------------------------------------------------- EAGLE trees
 
 
-def _eagle_tree_engine(head: str, top_k: int = 2) -> LLMEngine:
+def _eagle_tree_engine(head: str, top_k: int = 2, dynamic: bool = False,
+                       warmup: str = "none") -> LLMEngine:  # fmt: skip
     from tests.test_spec_eagle import _config
 
-    config = _config(head)
-    spec = dataclasses.replace(config.speculative, tree=DraftTreeConfig(budget=8, top_k=top_k))
+    config = _config(head, warmup)
+    tree = DraftTreeConfig(budget=8, top_k=top_k, dynamic=dynamic)
+    spec = dataclasses.replace(config.speculative, tree=tree)
     config = dataclasses.replace(config, speculative=spec, attention_backend=BACKEND)
     tok = ByteTokenizer(eos_token_id=ARCH.eos_token_id, bos_token_id=ARCH.bos_token_id)
     return LLMEngine(ARCH, _params(), tok, config, kv_fill_value=float("nan"))
@@ -450,3 +455,260 @@ def test_eagle_tree_branches_are_blind_to_each_other(eagle_head):
         for x, y in zip(chain_kv, tree_kv, strict=True):
             np.testing.assert_allclose(at(y, total - 1 + 2 * level), at(x, total - 1 + level),
                                        rtol=1e-5, atol=1e-6, err_msg=f"level {level}")
+
+
+# ---------------------------------------------------------------------------- EAGLE-2 trees
+
+
+def test_dynamic_tree_config_and_refusals():
+    c = SpeculativeConfig.from_dict({"method": "eagle", "model": "/x", "tree": {
+        "budget": 8, "top_k": 2, "dynamic": True}})  # fmt: skip
+    assert c.tree == DraftTreeConfig(8, 2, dynamic=True)
+    assert DraftTreeConfig().dynamic is False  # the default: the fixed branches
+    with pytest.raises(ConfigError, match="tree.dynamic.*eagle method only"):
+        SpeculativeConfig.from_dict({"method": "ngram", "tree": {"dynamic": True}})
+    with pytest.raises(ConfigError, match="ngram and eagle methods"):
+        SpeculativeConfig(method="eagle3", model="/x", tree=DraftTreeConfig(dynamic=True))
+    with pytest.raises(ConfigError, match="sampled drafts"):
+        SpeculativeConfig(method="eagle", model="/x", tree=DraftTreeConfig(dynamic=True),
+                          draft_sample_method="probabilistic")
+    with pytest.raises(ConfigError, match="budget >= top_k"):
+        SpeculativeConfig(method="eagle", model="/x", tree=DraftTreeConfig(2, 3, dynamic=True))
+    with pytest.raises(ConfigError, match="tree.dynamic"):
+        DraftTreeConfig(dynamic="yes")
+
+
+def test_expand_level_keeps_the_best_cumulative_children():
+    """EAGLE-2's level expansion against brute force over the b * b (parent, child)
+    candidates: the b best by parent score + child log-softmax, best first."""
+    from pagedjax.engine.spec.eagle_tree import expand_level
+
+    rng = np.random.default_rng(3)
+    s, b, n = 3, 3, 11
+    score = np.sort(rng.normal(size=(s, b)), axis=1)[:, ::-1].astype(np.float32) - 2.0
+    logits = rng.normal(size=(s, b, n)).astype(np.float32) * 3
+    got_score, got_par, got_ids = (np.asarray(x) for x in expand_level(jnp.asarray(score),
+                                                                       jnp.asarray(logits)))
+    lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    for r in range(s):
+        cands = sorted(((score[r, p] + lp[r, p, t], p, t) for p in range(b) for t in range(n)
+                        if t in np.argsort(-lp[r, p])[:b]), reverse=True)[:b]
+        np.testing.assert_allclose(got_score[r], [c[0] for c in cands], rtol=1e-5)
+        assert got_par[r].tolist() == [c[1] for c in cands]
+        assert got_ids[r].tolist() == [c[2] for c in cands]
+    # b = 1: the argmax child of the one node (the chain)
+    one = expand_level(jnp.zeros((s, 1)), jnp.asarray(logits[:, :1]))
+    assert np.asarray(one[2])[:, 0].tolist() == logits[:, 0].argmax(-1).tolist()
+
+
+@pytest.fixture(scope="module")
+def dyn_engine(eagle_head):
+    """One EAGLE-2 tree engine (budget 8, top 2) for this section's tests (each leaves it
+    with no request): the compiled programs are shared."""
+    return _eagle_tree_engine(eagle_head, dynamic=True)
+
+
+def _one_decoding_row(engine: LLMEngine, seed: int) -> tuple[int, int]:
+    """A single request stepped to its first decode step: (slot, total tokens)."""
+    engine.add_request("solo", _prompts(seed, 1, lo=14, hi=15)[0], _greedy(12))
+    core = engine.core
+    while not any(len(s.detok.ids) for _, s in core.book.slot_owner.values()):
+        engine.step()
+    engine.step()  # one decode step: the head's feature is the catch-up's
+    (slot,) = core.book.slot_owner
+    st = jax.device_get(engine.state)
+    return slot, int(st.prompt_len[slot] + st.output_len[slot])
+
+
+def _oracle_crossed(propose, refs: list[list[int]], branches: int, bad: int):
+    """Wrap the dynamic EagleTreeDraft.propose: its parents replaced by a crossed tree
+    (level l + 1's node c under level l's node b - 1 - c, never the static layout's
+    j - b) and its tokens by the reference continuation along the path from level 0's
+    node 1 (every ``bad``-th token corrupted), decoys elsewhere. Only the device's
+    parents make that path acceptable: verified with the static ones, a row would accept
+    at most its first node (its static child is a decoy)."""
+
+    def wrapped(params, target_params, draft_kv, feature, tokens, mem, sid, total, counts,
+                *, num_seqs):  # fmt: skip
+        draft_kv, tokens, parents = propose(params, target_params, draft_kv, feature, tokens,
+                                            mem, sid, total, counts, num_seqs=num_seqs)  # fmt: skip
+        buf = np.array(jax.device_get(tokens))
+        par = np.array(jax.device_get(parents))
+        sid, total, counts = (np.asarray(x) for x in (sid, total, counts))
+        for r in range(num_seqs):
+            if sid[r] < 0 or counts[r] == 0:
+                continue
+            ids = buf[sid[r], : total[r]].tolist()
+            full = next((f for f in refs if len(f) > len(ids) and f[: len(ids)] == ids), None)
+            if full is None:
+                continue
+            on_path = 1  # the path's branch at this level
+            for j in range(int(counts[r])):
+                level, c = divmod(j, branches)
+                if c == 0 and level > 0:
+                    on_path = branches - 1 - on_path
+                par[r, j] = -1 if level == 0 else (level - 1) * branches + branches - 1 - c
+                pos = len(ids) + level
+                right = full[pos] if pos < len(full) else 0
+                if pos % bad == 0:
+                    right = (right + 1) % ARCH.vocab_size
+                tok = right if c == on_path else (right + 3 + c) % ARCH.vocab_size
+                buf[sid[r], total[r] + j] = tok
+        return draft_kv, jnp.asarray(buf), jnp.asarray(par)
+
+    return wrapped
+
+
+@pytest.mark.slow  # an EAGLE tree engine (~24 s cold for the three)
+def test_eagle_dynamic_tree_verifies_the_device_parents(dyn_engine):
+    """The verification and the head's catch-up follow the proposal's parents (data),
+    not the host's static layout: a crossed tree with the reference on its path gives
+    long accepted runs, outputs equal to the plain run, and after every step each
+    decoding sequence's head feature equals the head recomputed from scratch."""
+    from tests.test_spec_eagle import _check_head_features
+
+    prompts = dict(enumerate(_prompts(12, 2, lo=14, hi=30)))
+    reqs = [(str(i), p, _greedy(20)) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    engine = dyn_engine
+    t = engine.speculator.eagle_tree
+    original = t.propose
+    t.propose = _oracle_crossed(original, _refs(ref, prompts), t.b, bad=100)
+    checked = []
+
+    def on_step(e):
+        check_memory(e)
+        checked.append(_check_head_features(e))
+
+    try:
+        engine.speculator.reset_stats()
+        got = _drain(engine, reqs, on_step=on_step)
+    finally:
+        t.propose = original
+    _assert_same(ref, got)
+    assert sum(checked) > 5
+    assert engine.speculator.counters.stats()["spec_mean_accepted_length"] > 2.5
+    assert engine.num_free_blocks() == engine.num_usable_blocks()
+
+
+@pytest.mark.slow  # by hand: warm-up compiles every bucket
+def test_eagle_dynamic_tree_compiles_nothing_after_warm_up(eagle_head):
+    """Warm-up covers the dynamic tree's programs: its proposal at every head_rows size
+    and the parents' scatter back to batch rows."""
+    prompts = dict(enumerate(_prompts(13, 4, lo=5, hi=30)))
+    reqs = [(str(i), p, _greedy(12)) for i, p in prompts.items()]
+    engine = _eagle_tree_engine(eagle_head, dynamic=True, warmup="all")
+    warm = engine.stats()
+    _drain(engine, reqs)
+    s = engine.stats()
+    assert s["spec_proposed_tokens"] > 0
+    assert s["spec_compilations"] == warm["spec_compilations"]
+    assert s["compilations"] == warm["compilations"]
+    assert set(engine.speculator.eagle_tree.trace_count.values()) == {1}
+
+
+@pytest.mark.slow  # an EAGLE tree engine (~24 s cold for the three)
+def test_eagle_dynamic_tree_greedy_equals_plain(dyn_engine):
+    """EAGLE-2's dynamic tree (the device's parents verified) through chunked prefill and
+    preemption: greedy outputs equal the plain run's, every block free at the end."""
+    prompts = dict(enumerate(_prompts(11, 4, lo=12, hi=26)))
+    reqs = [(str(i), p, _greedy(24)) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    engine = dyn_engine
+    engine.reset_stats()
+    preempted = engine.num_preemptions
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    s = engine.stats()
+    assert engine.num_preemptions > preempted, "the pool was meant to force preemption"
+    assert s["spec_proposed_tokens"] > 0 and s["spec_steps"] > 0
+    assert engine.num_free_blocks() == engine.num_usable_blocks()
+
+
+def _propose_once(engine: LLMEngine, fn, slot: int, total: int, count: int):
+    """fn (a propose program) for one row (of two: the engine's own head_rows program
+    when the dynamic tree's) on copies of the head KV and token buffer: (its count
+    tokens, the rest of its outputs past the tokens)."""
+    e, core, n = engine.speculator.eagle, engine.core, MAX_SEQS
+    sid, tot, cnt = (np.zeros(n, np.int32) for _ in range(3))
+    sid[:] = -1
+    sid[0], tot[0], cnt[0] = slot, total, count
+    kv = jax.tree.map(lambda x: jnp.array(x, copy=True), e.kv)
+    toks = jnp.array(core.device.tokens, copy=True)
+    out = fn(e.params, core.params, kv, e.feature, toks, core.device.state.mem,
+             jnp.asarray(sid), jnp.asarray(tot), jnp.asarray(cnt), num_seqs=2)  # fmt: skip
+    return np.asarray(out[1][slot, total : total + count]), out[2:]
+
+
+@pytest.mark.slow  # an EAGLE tree engine (~24 s cold for the three)
+def test_dynamic_tree_parents_are_a_level_major_tree(dyn_engine):
+    """The EAGLE-2 proposal's parents (device data): -1 at level 0, else a node of the
+    level before (so < the node), -1 past the row's count and on rows without drafts;
+    distinct (parent, token) pairs; level 0 is the head's top b first tokens; with b = 1
+    the dynamic tree is the head's chain (parents 0, 1, 2 ...)."""
+    from pagedjax.engine.spec.eagle_tree import EagleTreeDraft
+
+    engine = dyn_engine
+    spec = engine.speculator
+    assert spec.eagle_tree.dynamic and spec.k == 8
+    slot, total = _one_decoding_row(engine, 13)
+    b = 2
+    toks, (par,) = _propose_once(engine, spec.eagle_tree.propose, slot, total, 7)
+    par = np.asarray(par)
+    assert par.shape == (2, 8) and (par[1] == -1).all()  # a row without drafts
+    row = par[0]
+    assert row[7] == -1  # past the count
+    for j in range(7):
+        level = j // b
+        if level == 0:
+            assert row[j] == -1
+        else:
+            assert 0 <= row[j] < j and row[j] // b == level - 1, (j, row.tolist())
+    kids = [(row[j], toks[j]) for j in range(7)]
+    assert len(set(kids)) == len(kids)  # distinct (parent, token): the walk is unambiguous
+    e = spec.eagle
+    logits, vocab = e.draft_logits(e.params, engine.core.params, e.feature[slot][None])
+    assert vocab is None
+    assert toks[:b].tolist() == np.argsort(-np.asarray(logits[0]), kind="stable")[:b].tolist()
+    chain, _ = _propose_once(engine, e.propose, slot, total, 4)
+    one, (one_par,) = _propose_once(engine, EagleTreeDraft(e, 1, 4, dynamic=True).propose,
+                                    slot, total, 4)  # fmt: skip
+    assert one.tolist() == chain.tolist()
+    assert np.asarray(one_par)[0, :4].tolist() == [-1, 0, 1, 2]
+    engine.abort_request("solo")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+@pytest.mark.slow  # another EAGLE tree engine (a truncated-vocabulary head)
+def test_dynamic_tree_with_a_draft_vocabulary(tmp_path_factory):
+    """A head over a quarter of the vocabulary: the dynamic tree's log-probabilities are
+    over the draft vocabulary and its ids mapped back, so every node is an id of the
+    subset, outputs equal the plain run."""
+    from pagedjax.model.eagle import EagleConfig, init_head, save_head
+    from tests.test_spec_eagle import SUBSET
+
+    head = str(tmp_path_factory.mktemp("eagle_subset_tree"))  # as test_spec_eagle's
+    cfg = EagleConfig.for_target(ARCH, target="tiny-llama")
+    cfg = dataclasses.replace(cfg, draft_vocab_size=len(SUBSET))
+    save_head(head, cfg, init_head(cfg, ARCH, seed=1, std=0.1), draft_vocab=SUBSET)
+    prompts = dict(enumerate(_prompts(21, 3, lo=6, hi=20)))
+    reqs = [(str(i), p, _greedy(16)) for i, p in prompts.items()]
+    ref = _reference(reqs)
+    engine = _eagle_tree_engine(head, dynamic=True)
+    t = engine.speculator.eagle_tree
+    propose, drafted = t.propose, []
+
+    def spy(*args, **kw):
+        kv, tokens, parents = propose(*args, **kw)
+        sid, total, counts = (np.asarray(a) for a in args[6:9])
+        tok = np.asarray(tokens)
+        for r in range(kw["num_seqs"]):
+            if sid[r] >= 0:
+                drafted.extend(tok[sid[r], total[r] : total[r] + counts[r]].tolist())
+        return kv, tokens, parents
+
+    t.propose = spy
+    got = _drain(engine, reqs, on_step=check_memory)
+    _assert_same(ref, got)
+    assert len(drafted) > 0 and set(drafted) <= set(SUBSET.tolist())

@@ -30,6 +30,9 @@ Draft trees (``speculative_config.tree``, pagedjax's own key; ``tree.py``): a ro
 are the nodes of a tree (parents by slot, ``_parents``, set by ``plan`` for ``run``):
 n-gram tries (``ngram_tree.py``) or EAGLE's top-k-then-chains (``eagle_tree.py``),
 verified with the tree mask, the accepted path's KV compacted in the same program.
+EAGLE-2's dynamic tree (``tree.dynamic``) has the same depths, so ``_parents`` keeps the
+static layout for the host (levels: the automatic rule, counters) and the verification
+reads the parents its proposal program returned (scattered back to batch rows).
 With the automatic rule a tree is cut by whole levels (``k_schedule.allocate_levels``;
 n-gram tries laid out breadth-first so kept levels are a prefix of the nodes).
 
@@ -202,7 +205,8 @@ class SpeculativeDecoder:
             self.verifier = EagleVerifier(self.eagle, *verifier_args,
                                           tree_features=catch_up_inputs)  # fmt: skip
             if config.tree is not None:
-                self.eagle_tree = EagleTreeDraft(self.eagle, config.tree.top_k, self.k)
+                self.eagle_tree = EagleTreeDraft(self.eagle, config.tree.top_k, self.k,
+                                                 config.tree.dynamic)  # fmt: skip
         elif config.method == "eagle3":  # spec/eagle3.py: the eagle path, fused features
             self.eagle = Eagle3Draft(arch, config.model, attention_fn, block_size, self.k)
             # Trees as EAGLE's (eagle_tree.py drives any EagleDraft: the head fed its own g
@@ -262,6 +266,7 @@ class SpeculativeDecoder:
             draft["spec_eagle_propose"] = self.eagle.propose
         if self.eagle_tree is not None:
             draft["spec_eagle_tree_propose"] = self.eagle_tree.propose
+            draft["spec_eagle_tree_parents"] = self.eagle_tree.scatter
         if self.medusa is not None:
             draft["spec_medusa_propose"] = self.medusa.propose
         if self.separate is not None:
@@ -306,7 +311,9 @@ class SpeculativeDecoder:
             mem = mem._replace(last_cow=mem.last_cow._replace(valid=upload(f)))
             if self.eagle is not None:  # every head_rows size (_packed_rows)
                 for rows in sorted({head_rows(n, s) for n in range(1, s + 1)}):
-                    self._eagle_propose(core, mem, i32, i32, i32, rows)
+                    _, par = self._eagle_propose(core, mem, i32, i32, i32, rows)
+                    if par is not None:
+                        self._rows_parents(par, np.zeros(0, np.int32), n)
             if self.medusa is not None:
                 for rows in sorted({head_rows(n, s) for n in range(1, s + 1)}):
                     self._medusa_propose(core, i32, i32, i32, rows)
@@ -541,19 +548,20 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ the step
 
     def _eagle_propose(self, core: Any, mem: Any, sid: Any, total: Any, counts: Any,
-                       num_seqs: int) -> Any:  # fmt: skip
-        """The head's proposals; their q (sampled drafts) or None."""
+                       num_seqs: int) -> tuple[Any, Any]:  # fmt: skip
+        """The head's proposals: (their q (sampled drafts) or None, the dynamic tree's
+        parents int32[num_seqs, K] in the proposal's row order, or None)."""
         e = self.eagle
         extra = self._sampling_args(core)
         if self.eagle_tree is not None:  # eagle_tree.py: greedy trees only
             def propose_tree(tokens: Any) -> tuple[Any, Any]:
-                kv, tokens = self.eagle_tree.propose(e.params, core.params, e.kv, e.feature,
-                                                     tokens, mem, sid, total, counts,
-                                                     num_seqs=num_seqs)  # fmt: skip
-                return tokens, kv
+                kv, tokens, *par = self.eagle_tree.propose(e.params, core.params, e.kv,
+                                                           e.feature, tokens, mem, sid, total,
+                                                           counts, num_seqs=num_seqs)  # fmt: skip
+                return tokens, (kv, par[0] if par else None)
 
-            e.kv = core.device.with_tokens(propose_tree)
-            return None
+            e.kv, parents = core.device.with_tokens(propose_tree)
+            return None, parents
 
         def propose(tokens: Any) -> tuple[Any, Any]:
             kv, tokens, *q = e.propose(e.params, core.params, e.kv, e.feature, tokens, mem,
@@ -561,25 +569,37 @@ class SpeculativeDecoder:
             return tokens, (kv, q[0] if q else None)
 
         e.kv, q = core.device.with_tokens(propose)
-        return q
+        return q, None
+
+    def _rows_parents(self, packed: Any, live: np.ndarray, n: int) -> Any:
+        """The dynamic tree's parents from the packed proposal rows (packed row i: batch
+        row live[i]) to batch-row order, int32[n, K], rows without drafts -1 (as
+        ``_row_parents`` gives the host's)."""
+        index = np.full(packed.shape[0], n, np.int32)
+        index[: live.size] = live
+        return self.eagle_tree.scatter(packed, upload(index), rows=n)
 
     def _packed_rows(self, core: Any, sid: np.ndarray, total: np.ndarray, spec: np.ndarray,
-                     padded_seqs: int, propose: Any) -> Any:  # fmt: skip
+                     padded_seqs: int, propose: Any) -> tuple[Any, Any]:  # fmt: skip
         """A head's proposals (EAGLE, Medusa) for the drafting rows only, packed first
-        into a ``head_rows`` program: propose(seq_ids, total, counts, num_seqs) -> q or
-        None. A row's proposal reads only its own slot's feature, head KV and block table
-        (and samples with its slot's key), so packing changes nothing in it: with the
-        automatic rule keeping a few of 64 rows, the head's layer steps and draft LM heads
-        run on those few. Sampled drafts' q comes back in batch-row order ([S, K, V])."""
+        into a ``head_rows`` program: propose(seq_ids, total, counts, num_seqs) -> (q or
+        None, parents or None). A row's proposal reads only its own slot's feature, head
+        KV and block table (and samples with its slot's key), so packing changes nothing
+        in it: with the automatic rule keeping a few of 64 rows, the head's layer steps
+        and draft LM heads run on those few. Returns (sampled drafts' q in batch-row order
+        [S, K, V] or None, the dynamic tree's parents in batch-row order [max_seqs, K] or
+        None)."""
         live = np.flatnonzero(spec)
         packed = [np.full(core.max_seqs, fill, np.int32) for fill in (-1, 0, 0)]
         for arr, src in zip(packed, (sid, total, spec), strict=True):
             arr[: live.size] = src[live]
-        q = propose(*packed, head_rows(live.size, padded_seqs))
+        q, par = propose(*packed, head_rows(live.size, padded_seqs))
+        if par is not None:
+            par = self._rows_parents(par, live.astype(np.int32), core.max_seqs)
         if q is None:
-            return None
+            return None, par
         full = jnp.zeros((padded_seqs, *q.shape[1:]), q.dtype)
-        return full.at[upload(live.astype(np.int32))].set(q[: live.size])
+        return full.at[upload(live.astype(np.int32))].set(q[: live.size]), par
 
     def _medusa_propose(self, core: Any, sid: Any, total: Any, counts: Any,
                         num_seqs: int) -> Any:  # fmt: skip
@@ -591,7 +611,7 @@ class SpeculativeDecoder:
                                    num_seqs=num_seqs)  # fmt: skip
             return tokens, (q[0] if q else None)
 
-        return core.device.with_tokens(propose)
+        return core.device.with_tokens(propose), None
 
     def _verify(self, core: Any, mem: Any, batch: Any, num_drafts: Any, num_tokens: int,
                 num_seqs: int, draft_probs: Any = None, parents: Any = None,
@@ -659,6 +679,7 @@ class SpeculativeDecoder:
         if live.size and self.host_drafts:  # else all -1: a no-op dispatch (models draft later)
             dev.write_tokens(self._write, sid, start + 1, row_drafts)
         q = None  # the sampled drafts' q, [S, K, V] in batch-row order
+        dyn_parents = None  # the dynamic tree's parents (device), batch-row order
         if self.draft is not None:
             rest = dev.run_program(self.draft.propose, self.draft.params_for(core.params),
                                    dev.state.mem, sid, start + 1, spec,
@@ -673,22 +694,26 @@ class SpeculativeDecoder:
         if self.eagle is not None:
             self.eagle.ensure(core)
             if spec.any():
-                q = self._packed_rows(core, sid, start + 1, spec, padded_seqs, lambda *a:
-                                      self._eagle_propose(core, core.device.state.mem, *a))
+                q, dyn_parents = self._packed_rows(
+                    core, sid, start + 1, spec, padded_seqs,
+                    lambda *a: self._eagle_propose(core, core.device.state.mem, *a))
         if self.medusa is not None:
             self.medusa.ensure(core)
             if spec.any():
                 # The heads' vocabulary projections cost rows x heads x H x V: run them
                 # on the drafting rows, packed, not the whole sequence bucket (at batch 1
                 # the bucket's 16 rows cost 3x the target's own step).
-                q = self._packed_rows(core, sid, start + 1, spec, padded_seqs, lambda *a:
-                                      self._medusa_propose(core, *a))
+                q, _ = self._packed_rows(core, sid, start + 1, spec, padded_seqs, lambda *a:
+                                         self._medusa_propose(core, *a))
         if not live.size:  # a head's catch-up only
             return self._catch_up(core, dev.state.mem, batch._replace(swap=None), upload(spec),
                                   padded_tokens, padded_seqs)  # fmt: skip
         if q is None:
             q = self._no_q(padded_seqs)
-        parents = self._row_parents(core.max_seqs, sid, live)
+        # The dynamic tree's parents are the device's (data); the host's static layout
+        # only gave depths (plan, _auto, count): the same by construction.
+        parents = (self._row_parents(core.max_seqs, sid, live) if dyn_parents is None
+                   else dyn_parents)  # fmt: skip
         masks = None
         held = live[self._constrained[sid[live]]] if self._constrained is not None else live[:0]
         if held.size:

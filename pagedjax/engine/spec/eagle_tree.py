@@ -22,9 +22,28 @@ own earlier entries are visible, the other branches' are not. Those rows are scr
 the verification's catch-up (``EagleVerifier``) rewrites the committed positions from
 the target's exact features, remapped along the accepted path (``catch_up_inputs``).
 
+**The dynamic tree** (``"tree": {..., "dynamic": true}``, EAGLE-2's "expand the top-k
+by cumulative draft confidence", pagedjax's own key): the same layout and sizes (b nodes
+per level, m levels), but each level is chosen by the head's confidence. Level 0: the
+head's top b first tokens, with their log-probabilities (log-softmax of the draft
+logits, over the draft vocabulary when the head has one) as cumulative scores. Level
+l + 1: each of the b level-l nodes proposes its top b children (distinct tokens); of
+those b * b candidates the b with the largest cumulative log-probability (parent's +
+child's) are kept, best first, each with its level-l parent, whose head output g is the
+new node's head input. Parents become data: the program also returns them, int32[S, K]
+(level-major, so a parent is always at the level before, and < the node), and the
+head's own tree mask follows them (ancestor bits carried per row, ``node_words``). The
+depths are the static layout's, so the scheduler, the cut by whole levels and the
+automatic rule read the host's static ``branch_parents``; the verification reads the
+device's. With b = 1 both trees are the chain. Not built: EAGLE-2's final global rerank
+of all expanded nodes into the budget (here the budget is b * m, by whole levels: the
+rerank would make the layout ragged and the level cut invalid).
+
 Cost: m - 1 head steps of b rows per sequence (a chain: k - 1 steps of one row) and the
-verification of b * m nodes. Sampled drafts (``draft_sample_method="probabilistic"``)
-with trees are refused at configuration time.
+verification of b * m nodes; the dynamic tree adds a log-softmax and a top-b over b rows
+of the draft vocabulary per level (the static tree's argmax reads the same logits).
+Sampled drafts (``draft_sample_method="probabilistic"``) with trees are refused at
+configuration time.
 """
 
 from __future__ import annotations
@@ -37,7 +56,7 @@ import numpy as np
 
 from pagedjax.engine.model_runner import apply_cow
 from pagedjax.engine.spec.eagle import EagleDraft
-from pagedjax.engine.spec.tree import node_depths, node_words
+from pagedjax.engine.spec.tree import node_words
 from pagedjax.memory.block_table import slot_mapping
 from pagedjax.model import ModelInput
 
@@ -53,20 +72,27 @@ class EagleTreeDraft:
 
     propose(params, target_params, draft_kv, feature, tokens, mem, seq_ids, total, counts,
     *, num_seqs) -> (draft_kv', tokens'): writes node j of row r at total + j, j <
-    counts[r] (batch-row order), the ``branch_parents`` layout; one program per S."""
+    counts[r] (batch-row order), the ``branch_parents`` layout; one program per S.
+    dynamic=True (EAGLE-2's tree, module docstring): -> (draft_kv', tokens', parents
+    int32[num_seqs, K]): node j's parent (-1: the root; -1 for nodes j >= counts[r] and
+    rows without drafts), level-major as ``branch_parents`` (same depths).
+    scatter(packed int32[P, K], index int32[P], *, rows) -> int32[rows, K]: packed row p
+    at row index[p] (index >= rows: dropped), the others -1 (the decoder's packed
+    proposal rows back to batch-row order)."""
 
-    def __init__(self, draft: EagleDraft, branches: int, width: int):
+    def __init__(self, draft: EagleDraft, branches: int, width: int, dynamic: bool = False):
         if width % branches:
             raise ValueError(f"tree width {width} is not whole levels of {branches} branches")
-        self.draft, self.b, self.k = draft, branches, width
+        self.draft, self.b, self.k, self.dynamic = draft, branches, width, dynamic
         self.levels = width // branches
         self.trace_count: dict[int, int] = {}
         self.propose = jax.jit(self._propose, static_argnames=("num_seqs",),
                                donate_argnames=("draft_kv", "tokens"))  # fmt: skip
+        self.scatter = jax.jit(_scatter_rows, static_argnames=("rows",))
 
     def _propose(self, params: Any, target_params: Any, draft_kv: Any, feature: jax.Array,
                  tokens: jax.Array, mem: Any, seq_ids: jax.Array, total: jax.Array,
-                 counts: jax.Array, *, num_seqs: int) -> tuple[Any, jax.Array]:  # fmt: skip
+                 counts: jax.Array, *, num_seqs: int) -> tuple:  # fmt: skip
         self.trace_count[num_seqs] = self.trace_count.get(num_seqs, 0) + 1
         e, b, e_block = self.draft, self.b, self.draft.block_size
         tables = mem.tables.tables
@@ -77,19 +103,25 @@ class EagleTreeDraft:
         tot, cnt = total[:num_seqs], counts[:num_seqs]
         n = tokens.shape[0]
         logits, vocab = e.draft_logits(params, target_params, feature[safe])
-        _, top = jax.lax.top_k(logits, b)  # [S, b] distinct first tokens
+        # [S, b] distinct first tokens (the static tree ranks the logits themselves)
+        score, top = jax.lax.top_k(_log_probs(logits) if self.dynamic else logits, b)
+        score = score.astype(jnp.float32)
         d = (top if vocab is None else vocab[top]).astype(jnp.int32)
         c = jnp.arange(b, dtype=jnp.int32)[None, :]
         live = row_ok[:, None] & (c < cnt[:, None])
         tokens = tokens.at[jnp.where(live, safe[:, None], n), tot[:, None] + c].set(d, mode="drop")
         g = jnp.broadcast_to(feature[safe][:, None, :], (num_seqs, b, feature.shape[1]))
-        _, anc = node_depths(jnp.asarray(branch_parents(b, self.k))[None, :])
-        words = node_words(anc)[0]  # uint32[K]
+        # Ancestors per row (bit a: node a, the node's own bit included): the head's tree
+        # mask is node_words of them; a node not yet placed has its own bit only.
+        own = jnp.left_shift(jnp.uint32(1), jnp.arange(self.k, dtype=jnp.uint32))
+        anc = jnp.broadcast_to(own[None, :], (num_seqs, self.k))
+        parents = jnp.full((num_seqs, self.k), -1, jnp.int32)
         block_tables = jnp.where(row_ok[:, None], tables[safe], 0)
         rows_t = num_seqs * b
+        rows = jnp.arange(num_seqs)[:, None]
 
         def body(level: jax.Array, carry: tuple) -> tuple:
-            draft_kv, tokens, g, d = carry
+            draft_kv, tokens, g, d, score, anc, parents = carry
             active = row_ok & ((level + 1) * b < cnt)  # some child of this level is wanted
             q = jnp.where(active, b, 0)
             cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q, dtype=jnp.int32)])
@@ -98,6 +130,7 @@ class EagleTreeDraft:
             valid = t < cu[-1]
             br = jnp.clip(t - cu[r], 0, b - 1)
             node = level * b + br
+            words = node_words(anc)  # uint32[S, K]
             slots = slot_mapping(tables, safe[r], tot[r] - 1 + node, valid, e_block)
             inp = ModelInput(
                 tokens=jnp.where(valid, d[r, br], 0),
@@ -105,24 +138,68 @@ class EagleTreeDraft:
                 slot_mapping=slots, block_tables=block_tables,
                 kv_lens=jnp.where(active, tot - 1 + (level + 1) * b, 0), cu_q_lens=cu,
                 logits_indices=jnp.zeros((num_seqs,), jnp.int32),
-                tree_mask=jnp.where(valid, words[node], jnp.uint32(0xFFFFFFFF)),
+                tree_mask=jnp.where(valid, words[r, node], jnp.uint32(0xFFFFFFFF)),
             )  # fmt: skip
             feats = jnp.where(valid[:, None], g[r, br], 0)
             draft_kv, out = e.head_step(params, draft_kv, feats, inp.tokens, inp, target_params)
             back = jnp.minimum(cu[:-1, None] + c, rows_t - 1)  # [S, b] row r's branch c
-            g_new = out[back].astype(g.dtype)
-            nd, _ = e.draft_ids(params, target_params, g_new.reshape(-1, g.shape[-1]))
-            nd = nd.reshape(num_seqs, b)
+            g_new = out[back].astype(g.dtype)  # the level-l nodes' head outputs
+            flat = g_new.reshape(-1, g.shape[-1])
+            if self.dynamic:  # top b of the b * b children by cumulative log-probability
+                lg, _ = e.draft_logits(params, target_params, flat)
+                new_score, pb, ids = expand_level(score, lg.reshape(num_seqs, b, -1))
+                nd = (ids if vocab is None else vocab[ids]).astype(jnp.int32)
+                g_next = jnp.take_along_axis(g_new, pb[:, :, None], axis=1)
+            else:  # each branch's argmax child
+                nd, _ = e.draft_ids(params, target_params, flat)
+                nd, new_score, g_next = nd.reshape(num_seqs, b), score, g_new
+                pb = jnp.broadcast_to(c, (num_seqs, b))
             child = (level + 1) * b + c
             ok = active[:, None] & (child < cnt[:, None])
             tokens = tokens.at[jnp.where(ok, safe[:, None], n), tot[:, None] + child].set(
                 nd, mode="drop")
-            return (draft_kv, tokens, jnp.where(active[:, None, None], g_new, g),
-                    jnp.where(active[:, None], nd, d))  # fmt: skip
+            par = level * b + pb  # [S, b] the parents' node indices
+            col = jnp.where(ok, child, self.k)  # out of range: dropped
+            parents = parents.at[rows, col].set(par, mode="drop")
+            anc = anc.at[rows, col].set(own[jnp.minimum(child, self.k - 1)]
+                                        | jnp.take_along_axis(anc, par, axis=1),
+                                        mode="drop")  # fmt: skip
+            keep = active[:, None]
+            return (draft_kv, tokens, jnp.where(keep[..., None], g_next, g),
+                    jnp.where(keep, nd, d), jnp.where(keep, new_score, score), anc,
+                    parents)  # fmt: skip
 
-        draft_kv, tokens, _, _ = jax.lax.fori_loop(0, self.levels - 1, body,
-                                                   (draft_kv, tokens, g, d))  # fmt: skip
-        return draft_kv, tokens
+        init = (draft_kv, tokens, g, d, score, anc, parents)
+        draft_kv, tokens, *_, parents = jax.lax.fori_loop(0, self.levels - 1, body, init)
+        if not self.dynamic:
+            return draft_kv, tokens
+        return draft_kv, tokens, parents
+
+
+def expand_level(score: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One level of EAGLE-2's expansion. score float32[S, b]: the level's nodes'
+    cumulative log-probabilities; logits [S, b, N]: each node's draft logits for its
+    children. Each node's top b children (log-softmax, distinct ids) are the b * b
+    candidates, scored parent + child; the b best, best first, are returned as
+    (score float32[S, b], parent branch int32[S, b] in [0, b), child id int32[S, b]:
+    positions in the N logits). Cost: a log-softmax over S b N and two top-b."""
+    s, b, _ = logits.shape
+    lp, ids = jax.lax.top_k(_log_probs(logits), b)  # [S, b, b] each node's top b
+    cand = (score[:, :, None] + lp).reshape(s, b * b)
+    new_score, pick = jax.lax.top_k(cand, b)
+    child = jnp.take_along_axis(ids.reshape(s, b * b), pick, axis=1)
+    return new_score, (pick // b).astype(jnp.int32), child.astype(jnp.int32)
+
+
+def _log_probs(logits: jax.Array) -> jax.Array:
+    """float32 log-softmax over the last axis (the draft's log-probabilities)."""
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def _scatter_rows(packed: jax.Array, index: jax.Array, *, rows: int) -> jax.Array:
+    """int32[rows, K]: packed[p] at row index[p] (index >= rows dropped), the rest -1."""
+    full = jnp.full((rows, packed.shape[1]), -1, jnp.int32)
+    return full.at[index].set(packed.astype(jnp.int32), mode="drop")
 
 
 def catch_up_inputs(chain_inp: ModelInput, feats: jax.Array, path: jax.Array, nd: jax.Array,
@@ -142,4 +219,4 @@ def catch_up_inputs(chain_inp: ModelInput, feats: jax.Array, path: jax.Array, nd
     return feats[src]
 
 
-__all__ = ["EagleTreeDraft", "branch_parents", "catch_up_inputs"]
+__all__ = ["EagleTreeDraft", "branch_parents", "catch_up_inputs", "expand_level"]
