@@ -74,7 +74,10 @@ SOURCE = "docs/speculative_decoding.md, Measured (SmolLM2-135M, CPU, benchmarks/
 class Setting:
     """One curve. mean_len: tokens per speculating row and step (1 + accepted drafts),
     the measured input; acceptance: the engine's accepted / proposed, for the record.
-    draft: "ngram" (no draft cost) or "eagle" (cost fraction from the geometry)."""
+    draft: "ngram" (no draft cost) or "eagle" (cost fraction from the geometry). A draft
+    tree: k its depth, nodes the draft tokens verified per row and step (measured: the
+    engine's drafts per step at batch 1), width its branches (the EAGLE tree's head rows
+    per draft step; 1 for an n-gram trie, drafted on the host)."""
 
     name: str
     label: str
@@ -83,12 +86,15 @@ class Setting:
     acceptance: float | None
     draft: str
     source: str
+    nodes: int | None = None
+    width: int = 1
 
     def model(self, server: ServerSettings) -> SpecModel:
         if self.k == 0:
             return SpecModel.none()
         f = eagle_cost_fraction(server.model) if self.draft == "eagle" else 0.0
-        return SpecModel.from_mean_accepted(self.k, self.mean_len - 1, draft_cost_fraction=f)
+        return SpecModel.from_mean_accepted(self.k, self.mean_len - 1, draft_cost_fraction=f,
+                                            nodes=self.nodes, draft_width=self.width)
 
 
 SETTINGS = (
@@ -302,7 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--slots", type=int, help="scheduler rows (the running cap; default:"
                     " throughput_vs_rate.slots or server.slots)")  # fmt: skip
+    ap.add_argument("--settings", nargs="+", choices=[x.name for x in SETTINGS],
+                    help="the curves to draw (default: all; 'none', the baseline, always)")
     a = ap.parse_args(argv)
+    chosen = [x for x in SETTINGS if a.settings is None or x.name in (*a.settings, "none")]
     from experiments.run import resolve_config
     from pagedjax.config import ConfigError, load_yaml
 
@@ -335,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     load0 = [round(x, 2) for x in os.getloadavg()]
     t0 = time.perf_counter()
     rows = curves(
-        server, dataset, a.rates, duration, tv.seed, list(SETTINGS), thresholds, stop,
+        server, dataset, a.rates, duration, tv.seed, chosen, thresholds, stop,
         progress=lambda n, r: print(f"  {n} @ {r:g} req/s", file=sys.stderr, flush=True),
     )  # fmt: skip
     secs = time.perf_counter() - t0
@@ -347,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines = table(rows, a.rates, thresholds)
     print(head)
-    for s in SETTINGS:
+    for s in chosen:
         m = s.model(server)
         print(
             f"  {s.name}: k={s.k}, measured {s.mean_len:.2f} tok/step"
@@ -358,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     gain_b = [1, 4, 16, 32, 64, 128, 256]
     gains = {
-        ctx: {s.name: step_gain(server, s, gain_b, ctx) for s in SETTINGS if s.k}
+        ctx: {s.name: step_gain(server, s, gain_b, ctx) for s in chosen if s.k}
         for ctx in GAIN_CONTEXTS
     }
     for ctx, g in gains.items():
@@ -369,13 +378,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{b:>10} " + " ".join(f"{v[i]:>14.2f}" for v in g.values()))
     print(f"{secs:.0f} s; load average {load0} at start, {load1} at end")
     write_csv(out / "speculative_curves.csv", rows)
-    plot(rows, list(SETTINGS), out / "speculative_curves.png", head)
+    plot(rows, chosen, out / "speculative_curves.png", head)
     dump_json(
         out / "speculative_curves.json",
         {
             "setup": head,
             "command": "python experiments/speculative_curves.py " + " ".join(sys.argv[1:]),
-            "settings": [s.__dict__ | {"model": repr(s.model(server))} for s in SETTINGS],
+            "settings": [s.__dict__ | {"model": repr(s.model(server))} for s in chosen],
             "table": lines,
             "step_gain": {"batch_sizes": gain_b, "by_context": gains},
             "knees": {f"{th:g}": knees(rows, th, a.rates) for th in thresholds},

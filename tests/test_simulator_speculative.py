@@ -40,6 +40,24 @@ def test_draft_cost_fraction_by_hand():
     assert float(r.finish_time[0]) == pytest.approx(1.0 + 0.02 + 2 * (0.014 + 0.02), abs=1e-5)
 
 
+def test_tree_nodes_and_draft_width_by_hand():
+    """A tree of depth 2 with 6 nodes (3 branches), every level kept: 6 verified draft
+    tokens a step (6 ms), 1 + 2 tokens kept, outputs 1 -> 4 -> 7 -> 9 (the last step
+    capped); the draft's 2 steps over 3 rows at half a decode step (10 ms) add 2 x 0.5 x
+    10 ms each. The same compiled loop as the tests above."""
+    tr = make_trace(np.array([1.0]), np.array([10]), np.array([9]), pad_to=32)
+    spec = SpecModel(2, (0.0, 0.0, 1.0), nodes=6, draft_width=3, draft_cost_fraction=0.5)
+    r = simulate(POLICY, CFG, COST, tr, speculative=spec)
+    assert int(r.steps) == 4
+    assert float(r.finish_time[0]) == pytest.approx(1.0 + 0.02 + 3 * (0.016 + 0.01), abs=1e-5)
+    with pytest.raises(ValueError, match="nodes must be >= its depth"):
+        SpecModel(2, (0.0, 0.0, 1.0), nodes=1)
+    with pytest.raises(ValueError, match="draft_width"):
+        SpecModel(2, (0.0, 0.0, 1.0), draft_width=0)
+    tree = SpecModel.from_mean_accepted(4, 0.95, nodes=16)
+    assert tree.nodes == 16 and tree.mean_accepted == pytest.approx(0.95, abs=1e-6)
+
+
 @pytest.mark.slow  # one more compilation: the plain loop (~6 s, loaded 2-core box)
 def test_nothing_accepted_costs_more_and_speculation_pays_when_accepted():
     rng = np.random.default_rng(0)

@@ -47,27 +47,37 @@ MIN_PMF_WIDTH = 8
 class SpecParams(NamedTuple):
     """A SpecModel as arrays (a pytree the simulation loop traces).
 
-    k: int32[] drafts per decode row and step (0: none). log_pmf: float32[W + 1]
-    log P(a) for a = 0..W (-inf past k). seed: int32[]. draft_cost_fraction: float32[].
+    k: int32[] drafts per decode row and step (0: none; a tree's depth). log_pmf:
+    float32[W + 1] log P(a) for a = 0..W (-inf past k). seed: int32[].
+    draft_cost_fraction: float32[]. nodes: int32[] draft tokens verified per decode row
+    (k for a chain). draft_width: float32[] rows each draft step runs per decode row (1
+    for a chain, a tree's branches).
     """
 
     k: jax.Array
     log_pmf: jax.Array
     seed: jax.Array
     draft_cost_fraction: jax.Array
+    nodes: jax.Array
+    draft_width: jax.Array
 
 
 @dataclass(frozen=True)
 class SpecModel:
-    """k: drafts verified per decode row and step (0: no speculation, the plain step).
-    accepted_pmf: k + 1 probabilities of keeping 0..k drafts (they must sum to 1).
-    seed: the draws' PRNG seed. draft_cost_fraction: the draft's step cost as a fraction
-    of the target's decode step (module docstring; 0: not counted)."""
+    """k: drafts verified per decode row and step (0: no speculation, the plain step);
+    with a tree, its depth (the most a row can keep). accepted_pmf: k + 1 probabilities
+    of keeping 0..k drafts (they must sum to 1). seed: the draws' PRNG seed.
+    draft_cost_fraction: the draft's step cost as a fraction of the target's decode step
+    (module docstring; 0: not counted). nodes: draft tokens verified per decode row (None:
+    k, a chain; a tree's node count, >= k). draft_width: rows each of the k draft steps
+    runs per decode row (1: a chain; an EAGLE tree's branches)."""
 
     k: int
     accepted_pmf: tuple[float, ...]
     seed: int = 0
     draft_cost_fraction: float = 0.0
+    nodes: int | None = None
+    draft_width: int = 1
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -78,6 +88,15 @@ class SpecModel:
             raise ValueError(f"accepted_pmf must be a distribution, got {self.accepted_pmf}")
         if not self.draft_cost_fraction >= 0:
             raise ValueError(f"draft_cost_fraction must be >= 0, got {self.draft_cost_fraction}")
+        if self.nodes is not None and not self.k <= self.nodes:
+            raise ValueError(f"a tree's nodes must be >= its depth k = {self.k}, got {self.nodes}")
+        if self.draft_width < 1:
+            raise ValueError(f"draft_width must be >= 1, got {self.draft_width}")
+
+    @property
+    def verified_nodes(self) -> int:
+        """Draft tokens verified per decode row and step: nodes, or k for a chain."""
+        return self.k if self.nodes is None else self.nodes
 
     @classmethod
     def none(cls) -> SpecModel:
@@ -101,13 +120,16 @@ class SpecModel:
 
     @classmethod
     def from_mean_accepted(
-        cls, k: int, mean_drafts: float, seed: int = 0, draft_cost_fraction: float = 0.0
+        cls, k: int, mean_drafts: float, seed: int = 0, draft_cost_fraction: float = 0.0,
+        nodes: int | None = None, draft_width: int = 1,
     ) -> SpecModel:
         """The first-rejection model of ``from_acceptance_rate`` with its per-draft rate
         chosen so that the mean accepted drafts per step equals ``mean_drafts`` (in
         [0, k]): the engine's ``spec_mean_accepted_length`` - 1, or its
         ``spec_acceptance_rate`` x k. The rate is found by bisection (the mean rises
-        with it); the pmf's shape is the model's assumption, its mean is the input."""
+        with it); the pmf's shape is the model's assumption, its mean is the input. A
+        tree (nodes, draft_width): k is its depth and the mean its measured accepted
+        length - 1; the pmf is over depths, as the engine's per-level acceptance."""
         if not 0 <= mean_drafts <= k:
             raise ValueError(f"mean_drafts must be in [0, k = {k}], got {mean_drafts}")
         lo, hi = 0.0, 1.0
@@ -117,7 +139,8 @@ class SpecModel:
                 lo = mid
             else:
                 hi = mid
-        return cls.from_acceptance_rate(k, (lo + hi) / 2, seed, draft_cost_fraction)
+        chain = cls.from_acceptance_rate(k, (lo + hi) / 2, seed, draft_cost_fraction)
+        return cls(k, chain.accepted_pmf, seed, draft_cost_fraction, nodes, draft_width)
 
     @property
     def mean_accepted(self) -> float:
@@ -136,6 +159,8 @@ class SpecModel:
             jnp.log(jnp.asarray(pmf, jnp.float32)),
             jnp.int32(self.seed),
             jnp.float32(self.draft_cost_fraction),
+            jnp.int32(self.verified_nodes),
+            jnp.float32(self.draft_width),
         )
 
 
@@ -145,32 +170,39 @@ def decode_rows(batch: ScheduledBatch) -> jax.Array:
 
 
 def verify_work(spec: SpecParams, batch: ScheduledBatch, work: tuple) -> tuple:
-    """The cost-model inputs with each decode row's k draft tokens added as prefill-like
-    tokens (attention pairs: each reads its context and the drafts before it; one logits
-    row each, counted through ``prefill_seqs``)."""
+    """The cost-model inputs with each decode row's n draft tokens (n = nodes: k for a
+    chain) added as prefill-like tokens (attention pairs: each reads its context and its
+    ancestors, d of them at depth d; one logits row each, counted through
+    ``prefill_seqs``). A chain's ancestors sum to k (k + 1) / 2 exactly; a tree's are
+    taken as n (k + 1) / 2, exact for equal-width levels (the EAGLE trees) and an
+    approximation for an n-gram trie's uneven ones (tree attention is masked, so its
+    cost is the kernel's over the visible pairs)."""
     prefill_tokens, decode_seqs, kv, pairs, prefill_seqs = work
     dec = decode_rows(batch)
     n_dec = jnp.sum(dec).astype(jnp.float32)
     k = spec.k.astype(jnp.float32)
+    n = jnp.where(spec.k > 0, spec.nodes, 0).astype(jnp.float32)
     ctx = jnp.sum(jnp.where(dec, batch.start_pos + 1, 0)).astype(jnp.float32)
-    extra_pairs = k * ctx + n_dec * k * (k + 1) / 2
+    extra_pairs = n * ctx + n_dec * n * (k + 1) / 2
     return (
-        prefill_tokens + k * n_dec,
+        prefill_tokens + n * n_dec,
         decode_seqs,
         kv,
         pairs + extra_pairs,
-        prefill_seqs + k * n_dec,
+        prefill_seqs + n * n_dec,
     )
 
 
 def draft_time(spec: SpecParams, batch: ScheduledBatch, cost_model: Any) -> jax.Array:
     """float32[] seconds of the step's k draft steps: k x draft_cost_fraction x the
-    target's decode-only step over the decode rows (0 without decode rows)."""
+    target's decode-only step over draft_width x the decode rows (a tree's branches each
+    take a row; 0 without decode rows)."""
     dec = decode_rows(batch)
+    w = spec.draft_width
     n_dec = jnp.sum(dec).astype(jnp.float32)
     ctx = jnp.sum(jnp.where(dec, batch.start_pos + 1, 0)).astype(jnp.float32)
     z = jnp.float32(0.0)
-    step = cost_model(z, n_dec, ctx, z, z)
+    step = cost_model(z, w * n_dec, w * ctx, z, z)
     t = spec.k.astype(jnp.float32) * spec.draft_cost_fraction * step
     return jnp.where(n_dec > 0, t, 0.0).astype(jnp.float32)
 
