@@ -107,6 +107,20 @@ SETTINGS = (
             f"{SOURCE}: chat, batch 8, ngram"),
     Setting("eagle", "EAGLE head (k=2, 1.36 tok/step)", 2, 1.36, 0.179, "eagle",
             f"{SOURCE}: chat, batch 1 and 8, eagle k = 2"),
+    # Draft trees against their chains, one run (2026-12-05, chat, batch 1, 4 prompts,
+    # 64 tokens, 3 rounds, load 1.8; "Ninth session"): nodes = drafts verified per step.
+    Setting("ngram_chat_run9", "n-gram chain, chat (k=4, 1.78 tok/step)", 4, 1.78, 0.204,
+            "ngram", f"{SOURCE}: ninth session, chat, batch 1, ngram"),
+    Setting("ngram_tree_chat", "n-gram tree, chat (depth 4, 6 nodes, 1.95)", 4, 1.95, 0.151,
+            "ngram", f"{SOURCE}: ninth session, chat, batch 1, ngramtree (6.3 drafts/step)",
+            nodes=6),
+    Setting("eagle_k4_chat", "EAGLE chain (k=4, 1.52 tok/step)", 4, 1.52, 0.132, "eagle",
+            f"{SOURCE}: ninth session, chat, batch 1, eagle k = 4"),
+    Setting("eagle_tree_chat", "EAGLE tree (3 x 4 nodes, 1.68)", 4, 1.68, 0.057, "eagle",
+            f"{SOURCE}: ninth session, chat, batch 1, eagletree", nodes=12, width=3),
+    Setting("eagle_dyntree_chat", "EAGLE-2 dynamic tree (3 x 4, 1.75)", 4, 1.75, 0.063,
+            "eagle", f"{SOURCE}: ninth session, chat, batch 1, eagledyntree", nodes=12,
+            width=3),
 )  # fmt: skip
 
 
