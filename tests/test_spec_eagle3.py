@@ -218,6 +218,22 @@ def _engine(head: str) -> LLMEngine:
     return LLMEngine(ARCH, _params(), _tok(), _config(head), kv_fill_value=float("nan"))
 
 
+def _draft_spy(propose, drafted: list):
+    """A head proposal program (chain or tree: (kv', tokens') = propose(..., seq_ids,
+    total, counts, *, num_seqs)) that also appends every drafted token id to drafted."""
+
+    def spy(*args, **kw):
+        kv, tokens = propose(*args, **kw)
+        sid, total, counts = (np.asarray(a) for a in args[6:9])
+        tok = np.asarray(tokens)
+        for r in range(kw["num_seqs"]):
+            if sid[r] >= 0:
+                drafted.extend(tok[sid[r], total[r] : total[r] + counts[r]].tolist())
+        return kv, tokens
+
+    return spy
+
+
 @pytest.mark.tier2  # second tier: the speculating engine's programs (~8-14 s)
 def test_eagle3_greedy_equals_plain_with_chunking_and_preemption(head_dir):
     """Prompts over the token budget (chunked), a pool small enough to preempt, a head
@@ -231,17 +247,7 @@ def test_eagle3_greedy_equals_plain_with_chunking_and_preemption(head_dir):
     engine = _engine(head_dir)
     e = engine.speculator.eagle
     propose, drafted = e.propose, []
-
-    def spy(*args, **kw):
-        kv, tokens = propose(*args, **kw)
-        sid, total, counts = (np.asarray(a) for a in args[6:9])
-        tok = np.asarray(tokens)
-        for r in range(kw["num_seqs"]):
-            if sid[r] >= 0:
-                drafted.extend(tok[sid[r], total[r] : total[r] + counts[r]].tolist())
-        return kv, tokens
-
-    e.propose = spy
+    e.propose = _draft_spy(propose, drafted)
     got = _drain(engine, reqs, on_step=check_memory)
     _assert_same(ref, got)
     e.propose = propose  # stats() counts the jitted programs' compilations
@@ -268,17 +274,7 @@ def test_eagle3_tree_greedy_equals_plain_with_chunking_and_preemption(head_dir):
     spec = engine.speculator
     assert spec.eagle_tree is not None and spec.k == 6
     tree_propose, drafted = spec.eagle_tree.propose, []
-
-    def spy(*args, **kw):
-        kv, tokens = tree_propose(*args, **kw)
-        sid, total, counts = (np.asarray(a) for a in args[6:9])
-        tok = np.asarray(tokens)
-        for r in range(kw["num_seqs"]):
-            if sid[r] >= 0:
-                drafted.extend(tok[sid[r], total[r] : total[r] + counts[r]].tolist())
-        return kv, tokens
-
-    spec.eagle_tree.propose = spy
+    spec.eagle_tree.propose = _draft_spy(tree_propose, drafted)
     got = _drain(engine, reqs, on_step=check_memory)
     _assert_same(ref, got)
     spec.eagle_tree.propose = tree_propose

@@ -396,9 +396,9 @@ def test_auto_rule_with_trees_greedy_and_seeded_equal_plain(monkeypatch):
     spec.cost = _FixedCost(1.0)  # drafts are free: the rule keeps every level
     cuts = []  # (nodes proposed, nodes kept) of every row the rule saw
 
-    def auto(core, lookahead, drafts):
+    def auto(core, key, lookahead, drafts):
         before, parents = lookahead.copy(), spec._parents.copy()
-        real_auto(core, lookahead, drafts)
+        real_auto(core, key, lookahead, drafts)
         for slot in np.flatnonzero(before):
             b, a = int(before[slot]), int(lookahead[slot])
             cuts.append((b, a))

@@ -393,10 +393,11 @@ class SpeculativeDecoder:
             k = min(k_step, seq.target - out - 1, MAX_DRAFTS if constrained else k_step)
             if k > 0:
                 rows.append((slot, req, seq, k, constrained))
-        if self.config.auto_num_speculative_tokens and rows:
+        auto = self._auto_key(core) if self.config.auto_num_speculative_tokens else None
+        if auto is not None and rows:
             caps = np.zeros(n, np.int32)
             caps[[r[0] for r in rows]] = [r[3] for r in rows]
-            if not self._auto_may_draft(core, caps):
+            if not self._auto_may_draft(core, auto, caps):
                 return self._planned(lookahead, drafts)
         for slot, req, seq, k, constrained in rows:
             out = len(seq.detok.ids)
@@ -415,8 +416,8 @@ class SpeculativeDecoder:
                 k = len(prop)
                 drafts[slot, :k] = prop
             lookahead[slot] = k
-        if self.config.auto_num_speculative_tokens:
-            self._auto(core, lookahead, drafts)
+        if auto is not None:
+            self._auto(core, auto, lookahead, drafts)
         return self._planned(lookahead, drafts)
 
     def _grammar_drafts(self, core: Any, slot: int, seq: Any, prop: Any) -> int:
@@ -467,25 +468,27 @@ class SpeculativeDecoder:
 
         return key
 
-    def _auto_may_draft(self, core: Any, caps: np.ndarray) -> bool:
+    def _auto_may_draft(self, core: Any, key: Any, caps: np.ndarray) -> bool:
         """Whether the automatic rule can draft at all this step, before any proposal:
-        the rule on chains of each row's depth cap (caps int32[max_seqs] by slot), the
+        the rule (key: ``_auto_key``'s) on chains of each row's depth cap (caps
+        int32[max_seqs] by slot), the
         most any proposal could give for its node count (each level one node, every
         level filled; a real proposal's gain for n nodes is at most this, its cost the
         same). So when this allocates nothing, the rule would allocate nothing whatever
         the proposals, and ``plan`` skips them: the n-gram search over 64 rows' token
         lists was ~4 % of a 64-row step (a trie: 0.33 s of 7.2 s, cProfile) on steps
         where the rule drafted nothing."""
-        key, live = self._auto_key(core), np.flatnonzero(caps)
+        live = np.flatnonzero(caps)
         alpha, base = self.acceptance.alpha(live), len(core.book.slot_owner)
         chains = choose_with_refresh(lambda cost: allocate(alpha, caps[live], base, cost),
                                      key, self.cost)  # fmt: skip
         return bool(chains.sum())
 
-    def _auto(self, core: Any, lookahead: np.ndarray, drafts: np.ndarray) -> None:
+    def _auto(self, core: Any, key: Any, lookahead: np.ndarray, drafts: np.ndarray) -> None:
         """pagedjax's automatic rule (k_schedule.allocate), in place: each row's k cut
-        to the allocation from its acceptance and the measured cost of the step."""
-        key, live = self._auto_key(core), np.flatnonzero(lookahead)
+        to the allocation from its acceptance and the measured cost of the step (key:
+        ``_auto_key``'s, made once per ``plan``)."""
+        live = np.flatnonzero(lookahead)
         if not live.size:
             return
         base = len(core.book.slot_owner)
