@@ -21,6 +21,7 @@ from pagedjax.sampling import (
     sample,
     token_counts,
 )
+from pagedjax.sampling.sampler import first_argmax
 
 S, V, LP, LO = 8, 16, 6, 6
 NO_HISTORY = TokenHistory.from_lists([], [], S, LP, LO)
@@ -284,7 +285,7 @@ def test_greedy_and_small_temperature_are_argmax(logits_seed: int) -> None:
 
 def test_logprobs_are_raw_log_softmax() -> None:
     logits = logits_from(5)
-    p = SamplingParams(temperature=0.9, top_k=4, repetition_penalty=1.5, seed=3)
+    p = SamplingParams(temperature=0.9, top_k=4, repetition_penalty=1.5, seed=3, logprobs=5)
     history = TokenHistory.from_lists([[0, 1, 2]] * S, [[3]] * S, S, LP, LO)
     out = sample(logits, tensors([(p, 0, i) for i in range(S)]), history, max_logprobs=5)
     raw = np.asarray(jax.nn.log_softmax(logits.astype(np.float64), axis=-1))
@@ -296,6 +297,38 @@ def test_logprobs_are_raw_log_softmax() -> None:
     assert np.all(np.diff(top, axis=-1) <= 0)
     np.testing.assert_array_equal(out.top_ids, np.argsort(-raw, axis=-1, kind="stable")[:, :5])
     np.testing.assert_allclose(top, np.sort(raw, axis=-1)[:, ::-1][:, :5], atol=1e-5)
+
+
+def test_top_logprobs_only_when_a_row_asks_and_nothing_else_moves() -> None:
+    """Ranks and top tokens are computed on a step where a row asked for logprobs and
+    are zeros otherwise; the sampled ids and their logprobs are bitwise the same either
+    way (a row's output does not depend on a neighbour's request)."""
+    logits = logits_from(11)
+    plain = [(SamplingParams(temperature=0.8, seed=5 + i), 0, i) for i in range(S)]
+    asking = [*plain[:-1], (SamplingParams(temperature=0.8, seed=5 + S - 1, logprobs=2), 0, S - 1)]
+    off = sample(logits, tensors(plain), max_logprobs=3)
+    on = sample(logits, tensors(asking), max_logprobs=3)
+    np.testing.assert_array_equal(off.token_ids, on.token_ids)
+    np.testing.assert_array_equal(off.logprobs, on.logprobs)
+    assert not np.any(off.ranks) and not np.any(off.top_ids) and not np.any(off.top_logprobs)
+    raw = np.asarray(jax.nn.log_softmax(logits.astype(np.float64), axis=-1))
+    ids = np.asarray(on.token_ids)
+    np.testing.assert_array_equal(on.ranks, 1 + np.sum(raw > raw[np.arange(S), ids][:, None], -1))
+    np.testing.assert_array_equal(on.top_ids, np.argsort(-raw, axis=-1, kind="stable")[:, :3])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, V - 1), st.booleans())
+def test_first_argmax_is_jnp_argmax(seed: int, n_inf: int, tie: bool) -> None:
+    """The sampler's argmax equals jnp.argmax, first index on ties, on rows with -inf
+    entries and on a row that is all -inf."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-3, 3, (S, V)).astype(np.float32)  # small integers: many ties
+    x[0, rng.choice(V, n_inf, replace=False)] = -np.inf
+    x[1] = -np.inf
+    if tie:
+        x[2, [1, V - 1]] = 10.0
+    np.testing.assert_array_equal(first_argmax(x), np.argmax(x, axis=-1))
 
 
 def test_prompt_logprobs() -> None:

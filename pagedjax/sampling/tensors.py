@@ -47,6 +47,9 @@ class SamplingTensors(NamedTuple):
     logprob_temperature: float32, the reported logprobs are log_softmax(logits / it):
         1.0 = the raw distribution (vLLM's default, every request); beam search sets
         its temperature here so it ranks beams by temperature-scaled log-probs.
+    reports_top: bool, the row's request asked for logprobs (``SamplingParams.logprobs``
+        not None; beam search asks): the sampler ranks the sampled token and finds the
+        top tokens on steps where any row does, and skips both otherwise.
 
     Logit controls, [S, W] and [S, B] (W = ceil(V / 32), B = MAX_LOGIT_BIAS_ENTRIES; both
     0 when built without a vocabulary: the sampler then skips them, a static choice):
@@ -84,6 +87,7 @@ class SamplingTensors(NamedTuple):
     sample_index: jax.Array
     output_position: jax.Array
     logprob_temperature: jax.Array
+    reports_top: jax.Array
     grammar_mask: jax.Array
     token_mask: jax.Array
     bias_ids: jax.Array
@@ -139,6 +143,7 @@ class SamplingTensors(NamedTuple):
             t["seed"][r] = 0 if p.seed is None else p.seed
             t["sample_index"][r] = sample_index
             t["output_position"][r] = output_position
+            t["reports_top"][r] = p.logprobs is not None
             _static_controls(t, r, p, vocab_size)
         return cls(**t)
 
@@ -186,6 +191,7 @@ def _neutral(s: int, vocab_size: int = 0) -> dict[str, np.ndarray]:
         sample_index=np.zeros(s, i32),
         output_position=np.zeros(s, i32),
         logprob_temperature=np.ones(s, f32),
+        reports_top=np.zeros(s, np.bool_),
         grammar_mask=np.full((s, w), -1, i32),
         token_mask=np.full((s, w), -1, i32),
         bias_ids=np.full((s, b), -1, i32),
