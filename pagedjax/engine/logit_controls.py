@@ -236,13 +236,16 @@ class LogitControls:
             if not (p.min_tokens or req.bad_words_ids or seq.guide is not None
                     or seq.in_reasoning):
                 continue
-            mask = token_mask(book, req, seq, self.vocab_size)
             grammar = seq.grammar_mask if seq.guide is not None else self._all
-            if seq.guide is not None and not np.any(mask & grammar):
-                # The grammar allows only what min_tokens masks (its end, EOS): the
-                # grammar wins, rather than sampling from an empty distribution.
-                mask = token_mask(book, req, seq, self.vocab_size, min_tokens=False)
-            dev.set_sampling_value("token_mask", slot, mask)
+            if req.bad_words_ids or len(seq.detok.ids) < p.min_tokens:
+                mask = token_mask(book, req, seq, self.vocab_size)
+                if seq.guide is not None and not np.any(mask & grammar):
+                    # The grammar allows only what min_tokens masks (its end, EOS): the
+                    # grammar wins, rather than sampling from an empty distribution.
+                    mask = token_mask(book, req, seq, self.vocab_size, min_tokens=False)
+                dev.set_sampling_value("token_mask", slot, mask)
+            else:  # nothing dynamic left in it: the static mask, unchanged once written
+                dev.set_sampling_value("token_mask", slot, static_token_mask(p, self.vocab_size))
             dev.set_sampling_value("grammar_mask", slot, grammar)
             any_host |= needs_host(book, req, seq)
         self.host_steps += any_host
