@@ -329,6 +329,9 @@ def test_first_argmax_is_jnp_argmax(seed: int, n_inf: int, tie: bool) -> None:
     if tie:
         x[2, [1, V - 1]] = 10.0
     np.testing.assert_array_equal(first_argmax(x), np.argmax(x, axis=-1))
+    # A NaN row (jnp.argmax: the NaN's index) gives V - 1: still a token id, never V.
+    x[3, 2] = np.nan
+    assert int(first_argmax(x)[3]) == V - 1
 
 
 def test_prompt_logprobs() -> None:

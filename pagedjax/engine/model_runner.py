@@ -267,7 +267,8 @@ class ModelRunner:
         t = take_rows(slot_sampling, safe)
         # The row's key depends on (seed, sample index, output position) only, so the
         # draw is the same whatever the batch, the slot or a preemption before it.
-        t = t._replace(output_position=output_len[safe])
+        # Padding rows read slot 0's row: they must not turn the top-k on.
+        t = t._replace(output_position=output_len[safe], reports_top=t.reports_top & (seq_ids >= 0))
         total = prompt_len[safe] + output_len[safe]
         history = token_history(tokens, safe, prompt_len[safe], total)
         out = sample(logits, t, history, max_logprobs=self.max_logprobs)

@@ -7,7 +7,8 @@ does not depend on its slot, its neighbours, the padding, the engine step or pre
 
 Reported logprobs are those of the raw model distribution, log_softmax(logits) before
 penalties, temperature and filtering (vLLM's default, "raw_logprobs"): the sampled
-token's logprob and rank, and the top max_logprobs tokens sorted by logprob. A row whose
+token's logprob on every step; its rank and the top max_logprobs tokens sorted by
+logprob on steps where a row asked for them (``SamplingTensors.reports_top``). A row whose
 ``logprob_temperature`` is not 1 (beam search only) reports log_softmax(logits / it).
 
 Shapes: S sampled rows (padded), V vocabulary, K = min(max_logprobs, V).
@@ -292,7 +293,8 @@ def sample(
 def output_for(logits: jax.Array, t: SamplingTensors, ids: jax.Array, *,
                max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplerOutput:  # fmt: skip
     """The SamplerOutput of tokens ids int32[S] chosen by another rule (``sample``'s, or
-    speculative rejection sampling): their reported logprobs and ranks, the top ones."""
+    speculative rejection sampling): their reported logprobs; their ranks and the top
+    tokens on steps where a row asked (``SamplingTensors.reports_top``), else zeros."""
     return _output(apply_grammar(logits.astype(jnp.float32), t), t, ids, max_logprobs)
 
 

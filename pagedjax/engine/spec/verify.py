@@ -194,7 +194,9 @@ class SpecVerifier:
 
         slot = safe[frow]  # [size] the slot of each sampled position
         t = take_rows(slot_sampling, slot)
-        t = t._replace(output_position=output_len[slot] + level)
+        # Padding positions read slot 0's row: they must not turn the top-k on.
+        t = t._replace(output_position=output_len[slot] + level,
+                       reports_top=t.reports_top & fvalid & row_ok[frow])  # fmt: skip
         if grammar_masks is not None:  # chains only (the decoder gives no tree masks)
             after = grammar_masks[frow, jnp.clip(j - 1, 0, self.k - 1)]
             t = t._replace(grammar_mask=jnp.where((j > 0)[:, None], after, t.grammar_mask))
