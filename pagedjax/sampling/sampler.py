@@ -315,10 +315,8 @@ def _output(masked: jax.Array, t: SamplingTensors, ids: jax.Array,
     s = masked.shape[0]
 
     def ranked(shifted: jax.Array, lse: jax.Array) -> tuple[jax.Array, ...]:
-        logprobs = shifted - lse
-        ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)
-        top_logprobs, top_ids = jax.lax.top_k(logprobs, k)
-        return ranks, top_ids.astype(jnp.int32), top_logprobs
+        # Its chosen logprob is shifted[id] - lse again: the same value as ``chosen``.
+        return _logprob_summary(shifted - lse, ids, k)[1:]
 
     def unranked(shifted: jax.Array, lse: jax.Array) -> tuple[jax.Array, ...]:
         return (jnp.zeros(s, jnp.int32), jnp.zeros((s, k), jnp.int32),
