@@ -159,19 +159,31 @@ def kv_dtype_table(cases, k_pages, v_pages, names, reps: int, only, native: bool
 
 def old_kernel(rev: str):
     """The fp32 handler of cpu_kernel.cc as of git ``rev``, as an attention callable."""
-    path = "pagedjax/attention/cpu_kernel.cc"
-    src = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True,
-                         check=True).stdout  # fmt: skip
-    tmp = Path(tempfile.mkdtemp()) / "cpu_kernel_old.cc"
-    tmp.write_text(src)
+
+    def show(path: str) -> str | None:
+        done = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)
+        return done.stdout if done.returncode == 0 else None
+
+    root = Path(tempfile.mkdtemp())
+    tmp = root / "attention" / "cpu_kernel_old.cc"  # its "../native_pool.h" beside it
+    tmp.parent.mkdir()
+    source = show("pagedjax/attention/cpu_kernel.cc")
+    tmp.write_text(source)
+    tree = (jnp.zeros((0,), jnp.uint32),) if "tree_mask" in source else ()  # its operands
+    pool_header = show("pagedjax/native_pool.h")  # absent before the kernels shared it
+    if pool_header is not None:
+        (root / "native_pool.h").write_text(pool_header)
     target = "pagedjax_ragged_paged_attention_old"
     ok, why = native_build.register_ffi_library(tmp, {target: native_cpu.SYMBOL}, (), "old")
     if not ok:
         raise RuntimeError(why)
 
-    def attend(q, k, v, bt, kv, cu, *, sm_scale):
+    def attend(q, k, v, bt, kv, cu, *, sm_scale, layer=None):
+        """One layer's pages [NB, H, B, D], or with ``layer`` a stacked pool's layer."""
         call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))
-        return call(q, k[None], v[None], bt, kv, cu, jnp.int32(0), jnp.int32(0),
+        if layer is None:
+            k, v, layer = k[None], v[None], jnp.int32(0)
+        return call(q, k, v, bt, kv, cu, jnp.asarray(layer, jnp.int32), jnp.int32(0), *tree,
                     sm_scale=np.float32(sm_scale), soft_cap=np.float32(0.0))  # fmt: skip
 
     return attend

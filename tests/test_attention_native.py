@@ -200,3 +200,38 @@ def test_stacked_pool_layer_index_and_traced_window():
         assert np.isfinite(got).all()
     with pytest.raises(Exception, match="layer index 3 outside"):
         np.asarray(stacked(jnp.int32(3), jnp.int32(0)))
+
+
+@functools.partial(jax.jit, static_argnames=("soft_cap", "native"))
+def _wide(q, k, v, bt, kv_lens, cu, window, tree, soft_cap, native):
+    fn = native_cpu.ragged_paged_attention if native else ragged_paged_attention
+    return fn(q, k, v, bt, kv_lens, cu, sm_scale=0.2, sliding_window=window, soft_cap=soft_cap,
+              tree_mask=tree)  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim,block_size,soft_cap", [(64, 16, None), (80, 8, 20.0),
+                                                          (128, 16, None)])  # fmt: skip
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_vector_head_dims_match_the_xla_reference(head_dim, block_size, soft_cap, data):
+    """Head dims the AVX-512 loop takes (cpu_kernel.cc: 64, 80, 96, 128, 256): ragged
+    prefill / decode rows over partial pages, NaN past kv_len, a sliding window (0: none)
+    and random draft-tree words (each row sees itself), against the XLA version."""
+    seqs, mb, t = 3, 6, 48
+    kv_lens = data.draw(st.lists(st.integers(0, mb * block_size), min_size=seqs, max_size=seqs))
+    q_lens = [data.draw(st.integers(1, min(n, t // seqs))) if n else 0 for n in kv_lens]
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    c = make_poisoned_case(
+        rng, q_lens=q_lens, kv_lens=kv_lens, num_tokens=t, num_q_heads=6, num_kv_heads=2,
+        head_dim=head_dim, block_size=block_size, max_blocks=mb, num_blocks=seqs * mb + 1,
+    )  # fmt: skip
+    words = rng.integers(0, 2**32, t, dtype=np.uint64).astype(np.uint32) | np.uint32(1)
+    if data.draw(st.booleans()):
+        words[:] = 0xFFFFFFFF  # causal rows: the unmasked loop
+    window = jnp.int32(data.draw(st.sampled_from([0, 1, 5, 23])))
+    args = [jnp.asarray(x) for x in (c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens,
+                                     c.cu_q_lens)]  # fmt: skip
+    got, want = (np.asarray(_wide(*args, window, jnp.asarray(words), soft_cap, native))
+                 for native in (True, False))  # fmt: skip
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)

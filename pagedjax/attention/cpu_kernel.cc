@@ -26,6 +26,17 @@
 // can be masked, so a row pays one extra pass over at most 32 scores of the (at most two)
 // pages they sit in, and none at all when its word is all ones (prefill / decode rows) or
 // when no mask is given: the unmasked loop is unchanged.
+//
+// Where the compiler targets AVX-512 and the head dimension is 64, 80, 96, 128 or 256, a
+// row's work on one page runs in registers (the `Avx512` helpers): the scaled query stays
+// in head_dim / 16 vector registers while the page's scores are taken (one tree
+// reduction per key instead of a chain of 16 dependent scalar adds), the page's
+// probabilities come from one vector exp per 16 keys, and the row's accumulator is
+// loaded and stored once per page instead of once per key. Measured on the engine's
+// decode steps (SmolLM2-135M, 64 rows, 9 / 3 heads of 64) this loop was ~23 % of a step,
+// most of it in those adds and the accumulator's loads and stores. Other head dimensions
+// and other compilers take the portable loop, which gives the same results up to fp32
+// rounding.
 
 #include <algorithm>
 #include <atomic>
@@ -36,6 +47,10 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 #include "../native_pool.h"
@@ -128,6 +143,86 @@ void DequantizePage(const Problem& p, const uint8_t* pages, const float* scales,
   for (int64_t i = 0; i < bs * d; ++i) out[i] = table[src[i]] * scale;
 }
 
+#if defined(__AVX512F__)
+// exp of 16 floats (Cephes' single-precision polynomial, ~1 ulp on the range used here:
+// scores minus their running max, <= 0). Inputs below -87.3 give 0 (exp(-inf) = 0, as a
+// masked key needs); a NaN input stays NaN (max / min return their second operand then).
+inline __m512 Exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.33654f), hi = _mm512_set1_ps(88.72283f);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(hi, _mm512_max_ps(lo, x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(y, n));
+}
+
+// s[j] = qr . kp[j] for j in [j0, j1): NV vectors of 16 per row (d = 16 NV).
+template <int NV>
+void Avx512Scores(const float* qr, const float* kp, int64_t j0, int64_t j1, float* s) {
+  __m512 q[NV];
+  for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(qr + 16 * v);
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* kr = kp + j * 16 * NV;
+    __m512 a = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr));
+    for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(q[v], _mm512_loadu_ps(kr + 16 * v), a);
+    s[j] = _mm512_reduce_add_ps(a);
+  }
+}
+
+// p[j] = exp(s[j] - m) for j in [j0, j1), in place; returns their sum.
+inline float Avx512Probs(float* s, int64_t j0, int64_t j1, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = j0; j < j1; j += 16) {
+    const __mmask16 k = j1 - j >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                     : static_cast<__mmask16>((1u << (j1 - j)) - 1u);
+    const __m512 p = _mm512_maskz_mov_ps(k, Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mv)));
+    _mm512_mask_storeu_ps(s + j, k, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// ar = ar * alpha + sum_j p[j] vp[j] for j in [j0, j1); ar loaded and stored once.
+template <int NV>
+void Avx512Accumulate(float* ar, float alpha, const float* p, const float* vp, int64_t j0,
+                      int64_t j1) {
+  __m512 a[NV];
+  const __m512 al = _mm512_set1_ps(alpha);
+  for (int v = 0; v < NV; ++v) a[v] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * v), al);
+  for (int64_t j = j0; j < j1; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    const float* vr = vp + j * 16 * NV;
+    for (int v = 0; v < NV; ++v) a[v] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16 * v), a[v]);
+  }
+  for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ar + 16 * v, a[v]);
+}
+
+using ScoresFn = void (*)(const float*, const float*, int64_t, int64_t, float*);
+using AccumulateFn = void (*)(float*, float, const float*, const float*, int64_t, int64_t);
+
+// The register-resident helpers for head dimension d, or nulls (the portable loop).
+void Avx512For(int64_t d, ScoresFn& scores, AccumulateFn& accumulate) {
+  switch (d) {
+    case 64: scores = Avx512Scores<4>; accumulate = Avx512Accumulate<4>; return;
+    case 80: scores = Avx512Scores<5>; accumulate = Avx512Accumulate<5>; return;
+    case 96: scores = Avx512Scores<6>; accumulate = Avx512Accumulate<6>; return;
+    case 128: scores = Avx512Scores<8>; accumulate = Avx512Accumulate<8>; return;
+    case 256: scores = Avx512Scores<16>; accumulate = Avx512Accumulate<16>; return;
+    default: scores = nullptr; accumulate = nullptr;
+  }
+}
+#endif
+
 // Runs one unit; returns false on an out-of-range page id (the caller reports it).
 bool RunUnit(const Problem& p, const Unit& u, std::vector<float>& scratch) {
   const int64_t d = p.d, g_count = p.group, bs = p.bs;
@@ -158,6 +253,14 @@ bool RunUnit(const Problem& p, const Unit& u, std::vector<float>& scratch) {
 
   // Query i sits at position kv_len - q_len + first_query + i and attends keys
   // [lo(pos), pos] with lo = pos - window + 1 under a sliding window, else 0.
+  // The register-resident helpers for this head dimension (file comment), or nulls.
+#if defined(__AVX512F__)
+  ScoresFn scores_fn;
+  AccumulateFn accumulate_fn;
+  Avx512For(d, scores_fn, accumulate_fn);
+#else
+  void (*scores_fn)(const float*, const float*, int64_t, int64_t, float*) = nullptr;
+#endif
   const int64_t pos0 = static_cast<int64_t>(kv_len) - q_len + u.first_query;
   const int64_t pos_last = pos0 + u.num_queries - 1;
   const int64_t lo_first = p.window > 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
@@ -175,6 +278,20 @@ bool RunUnit(const Problem& p, const Unit& u, std::vector<float>& scratch) {
       kp = kdq;
       vp = vdq;
     }
+    // The next page's K and V are fetched while this one is worked on: pages of a
+    // sequence sit at scattered places in the pool, so the hardware prefetcher cannot
+    // guess them, and a decode row does too little work per page to hide the wait.
+    if (p.mode == kF32 && page < pos_last / bs) {
+      const int64_t next = p.tables[u.seq * p.max_blocks + page + 1];
+      if (next >= 0 && next < p.num_blocks) {
+        const char* kn = reinterpret_cast<const char*>(p.k + (next * p.hkv + u.kv_head) * bs * d);
+        const char* vn = reinterpret_cast<const char*>(p.v + (next * p.hkv + u.kv_head) * bs * d);
+        for (int64_t b = 0; b < bs * d * 4; b += 64) {
+          __builtin_prefetch(kn + b);
+          __builtin_prefetch(vn + b);
+        }
+      }
+    }
     const int64_t key0 = page * bs;
     for (int64_t i = 0; i < u.num_queries; ++i) {
       const int64_t pos = pos0 + i;
@@ -189,10 +306,15 @@ bool RunUnit(const Problem& p, const Unit& u, std::vector<float>& scratch) {
         const float* qr = qv + r * d;
         float page_max = -std::numeric_limits<float>::infinity();
         for (int64_t j = j0; j < j1; ++j) {
-          const float* kr = kp + j * d;
           float dot = 0.0f;
+          if (scores_fn != nullptr) {
+            if (j == j0) scores_fn(qr, kp, j0, j1, s);
+            dot = s[j];
+          } else {
+            const float* kr = kp + j * d;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t x = 0; x < d; ++x) dot += qr[x] * kr[x];
+            for (int64_t x = 0; x < d; ++x) dot += qr[x] * kr[x];
+          }
           if (p.soft_cap > 0.0f) dot = p.soft_cap * std::tanh(dot / p.soft_cap);
           s[j] = dot;
           page_max = std::max(page_max, dot);
@@ -217,6 +339,15 @@ bool RunUnit(const Problem& p, const Unit& u, std::vector<float>& scratch) {
         const float alpha = std::exp(m[r] - m_new);  // 0 while m is -inf
         float* ar = acc + r * d;
         float sum = 0.0f;
+#if defined(__AVX512F__)
+        if (accumulate_fn != nullptr) {
+          sum = Avx512Probs(s, j0, j1, m_new);
+          accumulate_fn(ar, alpha, s, vp, j0, j1);
+          l[r] = l[r] * alpha + sum;
+          m[r] = m_new;
+          continue;
+        }
+#endif
         for (int64_t x = 0; x < d; ++x) ar[x] *= alpha;
         for (int64_t j = j0; j < j1; ++j) {
           const float pj = std::exp(s[j] - m_new);
