@@ -168,6 +168,8 @@ def old_kernel(rev: str):
     tmp = root / "attention" / "cpu_kernel_old.cc"  # its "../native_pool.h" beside it
     tmp.parent.mkdir()
     source = show("pagedjax/attention/cpu_kernel.cc")
+    if source is None:
+        raise SystemExit(f"--old-kernel {rev}: git has no pagedjax/attention/cpu_kernel.cc there")
     tmp.write_text(source)
     tree = (jnp.zeros((0,), jnp.uint32),) if "tree_mask" in source else ()  # its operands
     pool_header = show("pagedjax/native_pool.h")  # absent before the kernels shared it

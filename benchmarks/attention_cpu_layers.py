@@ -7,7 +7,8 @@ Why a second attention benchmark: ``attention_cpu.py`` times one layer over a po
 stays in the last-level cache between repeats, while the engine's decode step reads each
 layer's pages once from a pool larger than the cache (64 rows x 160 tokens x 30 layers of
 3 KV heads x 64 is ~470 MB of K and V per step). Here the pool is stacked over 30 layers
-(9 query / 3 KV heads of 64, fp32, pages of 16, 1,024 pages per layer, random page ids),
+(9 query / 3 KV heads of 64, fp32, pages of 16, 1,024 pages per layer, each live table
+entry a distinct page in random order),
 and one call runs the kernel for every layer under ``fori_loop`` as the model does.
 Batches: 64 decode rows at context 160 (the serving benchmark's decode steps) and a
 2,048-token prefill of 16 x 128-token prompts (its prefill steps). The two kernels
@@ -38,7 +39,13 @@ HQ, HKV, D, BS, NB, LAYERS, MAX_BLOCKS = 9, 3, 64, 16, 1024, 30, 64
 def batch(rng, q_lens: list[int], kv_lens: list[int]) -> tuple:
     q = jnp.asarray(rng.standard_normal((sum(q_lens), HQ, D)), jnp.float32)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    tables = jnp.asarray(rng.integers(1, NB, (len(q_lens), MAX_BLOCKS)), jnp.int32)
+    # Distinct pages for every live table entry (as the engine's allocator gives them).
+    tables = np.zeros((len(q_lens), MAX_BLOCKS), np.int32)
+    live = [-(-n // BS) for n in kv_lens]
+    ids = iter(rng.permutation(np.arange(1, NB)))
+    for s, n in enumerate(live):
+        tables[s, :n] = [next(ids) for _ in range(n)]
+    tables = jnp.asarray(tables)
     return q, tables, jnp.asarray(kv_lens, jnp.int32), cu
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedjax import native_build
-from pagedjax.attention import native_cpu, ragged_paged_attention
+from pagedjax.attention import kv_quant, native_cpu, ragged_paged_attention
 from pallas_kernels.cases import make_case as make_poisoned_case
 from tests.test_attention import (
     BS,
@@ -203,20 +204,36 @@ def test_stacked_pool_layer_index_and_traced_window():
 
 
 @functools.partial(jax.jit, static_argnames=("soft_cap", "native"))
-def _wide(q, k, v, bt, kv_lens, cu, window, tree, soft_cap, native):
+def _wide(q, k, v, bt, kv_lens, cu, window, tree, soft_cap, native, layer=None):
     fn = native_cpu.ragged_paged_attention if native else ragged_paged_attention
     return fn(q, k, v, bt, kv_lens, cu, sm_scale=0.2, sliding_window=window, soft_cap=soft_cap,
-              tree_mask=tree)  # fmt: skip
+              tree_mask=tree, layer=layer)  # fmt: skip
 
 
-@pytest.mark.parametrize("head_dim,block_size,soft_cap", [(64, 16, None), (80, 8, 20.0),
-                                                          (128, 16, None)])  # fmt: skip
+def _cpu_has_avx512() -> bool:
+    try:
+        return "avx512f" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+def test_the_vector_loop_is_built_where_the_cpu_has_avx512():
+    """The test below compares the AVX-512 loop only where it was compiled: on such a CPU
+    it must be (the build uses -march=native), so that test cannot silently compare the
+    portable loop instead."""
+    assert native_cpu.vector_path() == _cpu_has_avx512()
+
+
+@pytest.mark.parametrize("head_dim,block_size,soft_cap", [
+    (64, 16, None), (80, 8, 20.0), (96, 32, None), (128, 16, None), (256, 16, 30.0),
+])  # fmt: skip
 @settings(max_examples=6, deadline=None)
 @given(data=st.data())
 def test_vector_head_dims_match_the_xla_reference(head_dim, block_size, soft_cap, data):
     """Head dims the AVX-512 loop takes (cpu_kernel.cc: 64, 80, 96, 128, 256): ragged
-    prefill / decode rows over partial pages, NaN past kv_len, a sliding window (0: none)
-    and random draft-tree words (each row sees itself), against the XLA version."""
+    prefill / decode rows over partial pages (pages of 8, 16 and 32 keys), NaN past kv_len,
+    a sliding window (0: none) and random draft-tree words (each row sees itself), fp32
+    and int8 pages, against the XLA version."""
     seqs, mb, t = 3, 6, 48
     kv_lens = data.draw(st.lists(st.integers(0, mb * block_size), min_size=seqs, max_size=seqs))
     q_lens = [data.draw(st.integers(1, min(n, t // seqs))) if n else 0 for n in kv_lens]
@@ -231,7 +248,13 @@ def test_vector_head_dims_match_the_xla_reference(head_dim, block_size, soft_cap
     window = jnp.int32(data.draw(st.sampled_from([0, 1, 5, 23])))
     args = [jnp.asarray(x) for x in (c.q, c.k_pages, c.v_pages, c.block_tables, c.kv_lens,
                                      c.cu_q_lens)]  # fmt: skip
-    got, want = (np.asarray(_wide(*args, window, jnp.asarray(words), soft_cap, native))
+    layer = None
+    if head_dim == 64 and data.draw(st.booleans()):  # int8 pages: the scratch page's loop
+        fmt = kv_quant.resolve_kv_format("int8_per_token_head")
+        args[1:3] = (kv_quant.QuantizedPages(*kv_quant.quantize(jnp.nan_to_num(x)[None], fmt),
+                                             fmt) for x in args[1:3])  # fmt: skip
+        layer = jnp.int32(0)
+    got, want = (np.asarray(_wide(*args, window, jnp.asarray(words), soft_cap, native, layer))
                  for native in (True, False))  # fmt: skip
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)

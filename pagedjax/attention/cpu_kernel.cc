@@ -36,7 +36,7 @@
 // decode steps (SmolLM2-135M, 64 rows, 9 / 3 heads of 64) this loop was ~23 % of a step,
 // most of it in those adds and the accumulator's loads and stores. Other head dimensions
 // and other compilers take the portable loop, which gives the same results up to fp32
-// rounding.
+// rounding. (The AVX-512 loop needs `_mm512_reduce_add_ps`: GCC >= 7 or clang.)
 
 #include <algorithm>
 #include <atomic>
@@ -60,6 +60,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kQueryTile = 16;  // queries of one sequence per work unit
+constexpr int64_t kPrefetchBytes = 16 * 1024;  // of the next page's K (and of its V)
 
 // How the pages are stored (the 8-bit handler's `mode` attribute).
 enum PageMode : int32_t { kF32 = 0, kInt8 = 1, kE4M3 = 2, kE5M2 = 3 };
@@ -281,17 +282,22 @@ bool RunUnit(const Problem& p, const Unit& u, std::vector<float>& scratch) {
     // The next page's K and V are fetched while this one is worked on: pages of a
     // sequence sit at scattered places in the pool, so the hardware prefetcher cannot
     // guess them, and a decode row does too little work per page to hide the wait.
+    // At most kPrefetchBytes of each: a larger page (long blocks, wide heads) would push
+    // the current one out of L1 before a prefill unit has used it.
+#if defined(__GNUC__)
     if (p.mode == kF32 && page < pos_last / bs) {
       const int64_t next = p.tables[u.seq * p.max_blocks + page + 1];
       if (next >= 0 && next < p.num_blocks) {
         const char* kn = reinterpret_cast<const char*>(p.k + (next * p.hkv + u.kv_head) * bs * d);
         const char* vn = reinterpret_cast<const char*>(p.v + (next * p.hkv + u.kv_head) * bs * d);
-        for (int64_t b = 0; b < bs * d * 4; b += 64) {
+        const int64_t bytes = std::min<int64_t>(bs * d * 4, kPrefetchBytes);
+        for (int64_t b = 0; b < bytes; b += 64) {
           __builtin_prefetch(kn + b);
           __builtin_prefetch(vn + b);
         }
       }
     }
+#endif
     const int64_t key0 = page * bs;
     for (int64_t i = 0; i < u.num_queries; ++i) {
       const int64_t pos = pos0 + i;
@@ -573,3 +579,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttention8, RaggedPagedAttentio
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int32_t>("mode"));
+
+// 1 where this build runs the AVX-512 loop for head dims 64, 80, 96, 128 and 256, else 0
+// (native_cpu.vector_path(); the tests ask, so a build without it cannot pass unnoticed).
+extern "C" int PagedjaxAttentionVectorPath() {
+#if defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}

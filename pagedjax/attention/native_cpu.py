@@ -22,6 +22,7 @@ both handlers: one uint32 word per query token, or an empty array for none.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import numpy as np
 
 from pagedjax.attention import reference
 from pagedjax.attention.kv_quant import QuantizedPages
-from pagedjax.native_build import register_ffi_library
+from pagedjax.native_build import build_library, compiler, register_ffi_library
 from pallas_kernels.reference import stacked_pool
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
@@ -53,6 +54,17 @@ def _load() -> tuple[bool, str]:
 def available() -> tuple[bool, str]:
     """(True, how) if the native kernel is built and registered, else (False, why not)."""
     return _load()
+
+
+@functools.cache
+def vector_path() -> bool:
+    """Whether the built kernel runs its AVX-512 loop for head dims 64, 80, 96, 128 and 256
+    (``cpu_kernel.cc``: compiled with ``-march=native`` on a CPU that has AVX-512); False
+    where the kernel is not available."""
+    if not available()[0]:
+        return False
+    path = build_library(SOURCE, jax.ffi.include_dir(), compiler())  # built: the cached file
+    return bool(ctypes.cdll.LoadLibrary(str(path)).PagedjaxAttentionVectorPath())
 
 
 def ragged_paged_attention(
