@@ -19,8 +19,8 @@ where it does not build).
 ``--tree`` adds a table of the native kernel's cost of draft-tree masks (``tree_mask``,
 docs/attention.md "Tree masks"): per batch, no mask, an all-bits mask (causal: one word
 read per row and page) and, on verification batches of 16-node trees, a random tree's mask.
-``--old-kernel REV`` also builds ``cpu_kernel.cc`` as of git REV (before tree masks) and
-times its fp32 no-mask path beside today's, in the same process.
+``--old-kernel REV`` also builds ``cpu_kernel.cc`` as of git REV (before or after tree masks)
+and times its fp32 no-mask path beside today's, in the same process.
 """
 
 from __future__ import annotations
