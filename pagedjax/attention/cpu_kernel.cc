@@ -144,6 +144,11 @@ void DequantizePage(const Problem& p, const uint8_t* pages, const float* scales,
   for (int64_t i = 0; i < bs * d; ++i) out[i] = table[src[i]] * scale;
 }
 
+// A row's scores on one page, s[j] for j in [j0, j1), and its accumulator update from the
+// page's probabilities (the `Avx512` helpers below), or null for the portable loop.
+using ScoresFn = void (*)(const float*, const float*, int64_t, int64_t, float*);
+using AccumulateFn = void (*)(float*, float, const float*, const float*, int64_t, int64_t);
+
 #if defined(__AVX512F__)
 // exp of 16 floats (Cephes' single-precision polynomial, ~1 ulp on the range used here:
 // scores minus their running max, <= 0). Inputs below -87.3 give 0 (exp(-inf) = 0, as a
@@ -186,7 +191,8 @@ inline float Avx512Probs(float* s, int64_t j0, int64_t j1, float m) {
   for (int64_t j = j0; j < j1; j += 16) {
     const __mmask16 k = j1 - j >= 16 ? static_cast<__mmask16>(0xFFFF)
                                      : static_cast<__mmask16>((1u << (j1 - j)) - 1u);
-    const __m512 p = _mm512_maskz_mov_ps(k, Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mv)));
+    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mv);
+    const __m512 p = _mm512_maskz_mov_ps(k, Exp16(x));
     _mm512_mask_storeu_ps(s + j, k, p);
     sum = _mm512_add_ps(sum, p);
   }
@@ -207,9 +213,6 @@ void Avx512Accumulate(float* ar, float alpha, const float* p, const float* vp, i
   }
   for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ar + 16 * v, a[v]);
 }
-
-using ScoresFn = void (*)(const float*, const float*, int64_t, int64_t, float*);
-using AccumulateFn = void (*)(float*, float, const float*, const float*, int64_t, int64_t);
 
 // The register-resident helpers for head dimension d, or nulls (the portable loop).
 void Avx512For(int64_t d, ScoresFn& scores, AccumulateFn& accumulate) {
@@ -252,16 +255,15 @@ bool RunUnit(const Problem& p, const Unit& u, std::vector<float>& scratch) {
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
   std::fill(l, l + rows, 0.0f);
 
+  // The register-resident helpers for this head dimension (file comment), or nulls.
+  ScoresFn scores_fn = nullptr;
+  AccumulateFn accumulate_fn = nullptr;
+#if defined(__AVX512F__)
+  Avx512For(d, scores_fn, accumulate_fn);
+#endif
+
   // Query i sits at position kv_len - q_len + first_query + i and attends keys
   // [lo(pos), pos] with lo = pos - window + 1 under a sliding window, else 0.
-  // The register-resident helpers for this head dimension (file comment), or nulls.
-#if defined(__AVX512F__)
-  ScoresFn scores_fn;
-  AccumulateFn accumulate_fn;
-  Avx512For(d, scores_fn, accumulate_fn);
-#else
-  void (*scores_fn)(const float*, const float*, int64_t, int64_t, float*) = nullptr;
-#endif
   const int64_t pos0 = static_cast<int64_t>(kv_len) - q_len + u.first_query;
   const int64_t pos_last = pos0 + u.num_queries - 1;
   const int64_t lo_first = p.window > 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
@@ -311,10 +313,10 @@ bool RunUnit(const Problem& p, const Unit& u, std::vector<float>& scratch) {
         const int64_t r = i * g_count + g;
         const float* qr = qv + r * d;
         float page_max = -std::numeric_limits<float>::infinity();
+        if (scores_fn != nullptr) scores_fn(qr, kp, j0, j1, s);
         for (int64_t j = j0; j < j1; ++j) {
           float dot = 0.0f;
           if (scores_fn != nullptr) {
-            if (j == j0) scores_fn(qr, kp, j0, j1, s);
             dot = s[j];
           } else {
             const float* kr = kp + j * d;
@@ -345,22 +347,20 @@ bool RunUnit(const Problem& p, const Unit& u, std::vector<float>& scratch) {
         const float alpha = std::exp(m[r] - m_new);  // 0 while m is -inf
         float* ar = acc + r * d;
         float sum = 0.0f;
-#if defined(__AVX512F__)
         if (accumulate_fn != nullptr) {
+#if defined(__AVX512F__)
           sum = Avx512Probs(s, j0, j1, m_new);
           accumulate_fn(ar, alpha, s, vp, j0, j1);
-          l[r] = l[r] * alpha + sum;
-          m[r] = m_new;
-          continue;
-        }
 #endif
-        for (int64_t x = 0; x < d; ++x) ar[x] *= alpha;
-        for (int64_t j = j0; j < j1; ++j) {
-          const float pj = std::exp(s[j] - m_new);
-          sum += pj;
-          const float* vr = vp + j * d;
+        } else {
+          for (int64_t x = 0; x < d; ++x) ar[x] *= alpha;
+          for (int64_t j = j0; j < j1; ++j) {
+            const float pj = std::exp(s[j] - m_new);
+            sum += pj;
+            const float* vr = vp + j * d;
 #pragma omp simd
-          for (int64_t x = 0; x < d; ++x) ar[x] += pj * vr[x];
+            for (int64_t x = 0; x < d; ++x) ar[x] += pj * vr[x];
+          }
         }
         l[r] = l[r] * alpha + sum;
         m[r] = m_new;

@@ -253,7 +253,6 @@ class MPEngineClient:
             for replica, rids in by_core.items():
                 self._send(self._cores[replica], ("abort", rids))
 
-
     def has_unfinished_requests(self) -> bool:
         return bool(self._replica_of)
 
