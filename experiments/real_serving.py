@@ -83,10 +83,13 @@ def serve(
     prompts: list[list[int]] | None = None,
     stop_on_eos: bool = False,
 ) -> dict[str, Any]:
-    """Returns per-request times (s from start) and per-step (features, seconds).
+    """Returns per-request times (s from start) and per-step (features, seconds, woke).
 
     A step's seconds cover its whole serving-loop iteration (adding the requests that
-    arrived, ``step()``, reading its outputs), not only ``step()``.
+    arrived, ``step()``, reading its outputs), not only ``step()``. ``steps`` is
+    float64[N, 6]: prefill tokens, decode sequences, KV tokens read, prefill pairs,
+    seconds, and 1.0 where the step was the first after the loop sat idle (nothing
+    unfinished, waiting for the next arrival), else 0.0.
 
     prompts: the requests' token ids (len(w) lists, of w.prompt_len tokens each);
     default: random ids in [1, vocab) drawn with ``seed``. stop_on_eos: a request ends at
@@ -96,7 +99,7 @@ def serve(
     from pagedjax import SamplingParams
 
     eng = llm.llm_engine
-    steps: list[tuple[float, float, float, float]] = []
+    steps: list[tuple[float, ...]] = []
     pending: list[tuple] = []
 
     def record(rec: StepRecord) -> None:  # the engine's step observer: the batch's work
@@ -119,6 +122,7 @@ def serve(
     done = np.full(n, np.nan)
     out_len = np.zeros(n, np.int32)
     nxt = 0
+    idle = False  # the loop waited for an arrival since its last step
     kinds = ("num_preemptions_recompute", "num_preemptions_swap")
     pre0 = sum(getattr(eng, k) for k in kinds)
     t0 = time.perf_counter()
@@ -137,6 +141,7 @@ def serve(
                 nxt += 1
             if not eng.has_unfinished_requests():
                 time.sleep(max(0.0, min(0.05, w.arrival_time[nxt] - now)))
+                idle = True
                 continue
             pending.clear()
             outs = eng.step()
@@ -152,13 +157,17 @@ def serve(
             # serving loop does around each step is part of what the simulator must charge
             # (a K-step loop's iterations share it evenly).
             took = time.perf_counter() - ts
-            steps.extend((*feats, took / len(pending)) for feats in pending)
+            steps.extend(
+                (*feats, took / len(pending), float(idle and j == 0))
+                for j, feats in enumerate(pending)
+            )
+            idle = False
     finally:
         eng.step_observers.remove(record)
     return {
         "first": first,
         "finish": done,
-        "steps": np.array(steps, np.float64),
+        "steps": np.array(steps, np.float64).reshape(-1, 6),
         "wall_s": time.perf_counter() - t0,
         "preemptions": sum(getattr(eng, k) for k in kinds) - pre0,
         "output_len": out_len,

@@ -5,8 +5,9 @@ in sample and out of sample.
    ``ValidationSettings``) at each rate with the real engine, recording every step's wall
    time and batch composition. Every padding bucket of the model step is compiled first
    (``real_serving.warm_up``), so the timed steps are warm (``steps_over_1s`` checks it).
-2. Fit ``FittedCostModel`` (t = a + b prefill + c decode + d kv + e pairs, every
-   coefficient >= 0) to the steps of the fit workload only.
+2. Fit ``FittedCostModel`` (t = a + b prefill + c decode + d kv + e pairs, plus
+   ``wake_s`` on the first step after the engine sat idle; every coefficient >= 0) to
+   the steps of the fit workload only.
 3. Simulate every workload's traces with the engine's own policy and scheduler limits,
    step time from that profile, and compare per rate. The error of a rate is the worse of
    |sim - real| / real for mean normalized latency and for output throughput; a
@@ -173,9 +174,15 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
         # Non-negative: a profile extrapolated to other workloads must not price any
         # work below zero (the unconstrained fit did, docs/experiments.md).
         fit = FittedCostModel.fit(
-            steps[:, 0], steps[:, 1], steps[:, 2], steps[:, 4], steps[:, 3], nonnegative=True
+            steps[:, 0],
+            steps[:, 1],
+            steps[:, 2],
+            steps[:, 4],
+            steps[:, 3],
+            nonnegative=True,
+            after_idle=steps[:, 5],
         )
-        fits.append({"coef": list(fit.coef), "rms_s": fit.rms_residual_s})
+        fits.append({"coef": list(fit.coef), "wake_s": fit.wake_s, "rms_s": fit.rms_residual_s})
         for n in names:
             slow += int(sum(np.sum(r["steps"][:, 4] > 1.0) for r in reals[k, n]))
             errs, by_rate = [], {}
@@ -230,8 +237,8 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
         "rates": workloads[v.fit_workload]["median_repeat_rates"],
     }
     write_csv(out / "simulator_validation.csv", rows)
-    # Every real step (prefill tokens, decode seqs, KV tokens, pairs, seconds) per
-    # repeat, workload and rate, so other profiles can be fitted offline.
+    # Every real step (prefill tokens, decode seqs, KV tokens, pairs, seconds, after
+    # idle) per repeat, workload and rate, so other profiles can be fitted offline.
     np.savez_compressed(
         out / "simulator_validation_steps.npz",
         **{f"r{k}_{n}_{rate}": reals[k, n][i]["steps"] for (k, n) in reals

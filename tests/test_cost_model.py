@@ -108,6 +108,23 @@ def test_fitted_model_recovers_coefficients():
     np.testing.assert_allclose(jax.jit(fitted)(prefill, decode, kv, pairs), t, rtol=1e-3, atol=1e-4)
 
 
+def test_fit_recovers_the_wake_cost_of_steps_after_idle():
+    rng = np.random.default_rng(3)
+    n = 400
+    decode = rng.integers(1, 64, n)
+    kv = decode * rng.integers(16, 512, n)
+    woke = (rng.random(n) < 0.1).astype(float)
+    t = 1e-3 + 2e-5 * decode + 1e-8 * kv + 1.5e-3 * woke + rng.normal(0, 1e-5, n)
+    fitted = FittedCostModel.fit(np.zeros(n), decode, kv, t, nonnegative=True, after_idle=woke)
+    assert fitted.wake_s == pytest.approx(1.5e-3, rel=0.05)
+    np.testing.assert_allclose(fitted.coef[:4], (1e-3, 0.0, 2e-5, 1e-8), rtol=0.05, atol=1e-9)
+    # Without the column the wake cost is smeared into the other terms (worse residual).
+    blind = FittedCostModel.fit(np.zeros(n), decode, kv, t, nonnegative=True)
+    assert blind.wake_s == 0.0 and blind.rms_residual_s > 10 * fitted.rms_residual_s
+    with pytest.raises(ValueError, match="after_idle"):
+        FittedCostModel.fit(np.zeros(n), decode, kv, t, after_idle=woke[:-1])
+
+
 def test_nonnegative_fit_recovers_and_never_prices_work_below_zero():
     rng = np.random.default_rng(5)
     n = 400

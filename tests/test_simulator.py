@@ -36,6 +36,22 @@ def test_single_request_timing_by_hand():
     assert np.isinf(np.asarray(r.finish_time[1:])).all()
 
 
+def test_wake_cost_is_charged_once_per_idle_gap():
+    """wake_s lands on the first step after the clock jumped over an idle gap: request
+    0 arrives to an idle executor (woken), request 1 arrives while 0 runs (not woken),
+    request 2 after both finished (woken again)."""
+    wake = FittedCostModel((0.01, 0.001, 0.0, 0.0, 0.0), wake_s=0.5)
+    tr = make_trace(np.array([1.0, 1.015, 5.0]), np.array([10, 10, 10]), np.array([3, 3, 3]), 32)
+    plain, woken = simulate(POLICY, _cfg(), COST, tr), simulate(POLICY, _cfg(), wake, tr)
+    shift = np.asarray(woken.finish_time)[:3] - np.asarray(plain.finish_time)[:3]
+    # Request 1's prefill joins after the woken step, so its finish moves by one wake.
+    np.testing.assert_allclose(shift, [0.5, 0.5, 0.5], atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(woken.first_token_time)[2] - 5.0, 0.5 + 0.02, atol=1e-5
+    )  # the third request pays one wake (its own), not two
+    assert int(woken.steps) == int(plain.steps)
+
+
 def test_all_finish_and_usage_covers_the_pool():
     rng = np.random.default_rng(0)
     arr = np.sort(rng.uniform(0, 2, 30))

@@ -498,10 +498,19 @@ class FittedCostModel:
     Coefficients (seconds per unit, in FEATURE_NAMES order) come from `fit` on measured
     steps of the real engine. Same call signature as RooflineCostModel (prefill_seqs is
     accepted and ignored: its effect is folded into the other terms).
+
+    wake_s: extra seconds of the first step after the executor sat idle (no request
+    live), which the simulator adds when its clock jumps to the next arrival. Fitted
+    when ``fit`` is given each step's ``after_idle``; 0 otherwise. Why a term of its
+    own: a CPU executor's worker threads park while idle, and the step that wakes them
+    pays for it (measured on this 2-core box: ~1.1 ms on a ~1.2 ms tiny-model step after
+    a 50 ms pause, docs/experiments.md). That cost falls on one step per idle gap, so
+    its share depends on the arrival rate, which the per-work terms cannot express.
     """
 
     coef: tuple[float, float, float, float, float]
     rms_residual_s: float = 0.0
+    wake_s: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.coef) != len(FEATURE_NAMES):
@@ -516,8 +525,12 @@ class FittedCostModel:
         step_time_s,
         prefill_attn_pairs=None,
         nonnegative: bool = False,
+        after_idle=None,
     ) -> FittedCostModel:
         """Least squares (numpy lstsq) over N measured steps; all inputs [N].
+
+        after_idle: [N] 1 where the step was the first after the executor sat idle, else
+        0; given, ``wake_s`` is fitted as one more column (0 when no step woke).
 
         Columns are scaled to unit max before solving so that pairs (~1e6) and the
         constant (1) are equally conditioned; an all-zero column gets coefficient 0.
@@ -530,6 +543,11 @@ class FittedCostModel:
         """
         pairs = 0 if prefill_attn_pairs is None else prefill_attn_pairs
         x = step_features(prefill_tokens, decode_seqs, kv_tokens, pairs)
+        if after_idle is not None:
+            woke = np.ravel(np.asarray(after_idle, np.float64))
+            if woke.shape[0] != x.shape[0]:
+                raise ValueError(f"after_idle has {woke.shape[0]} samples, features {x.shape[0]}")
+            x = np.concatenate([x, woke[:, None]], axis=1)
         y = np.ravel(np.asarray(step_time_s, np.float64))
         if y.shape[0] != x.shape[0]:
             raise ValueError(f"step_time_s has {y.shape[0]} samples, features have {x.shape[0]}")
@@ -546,7 +564,9 @@ class FittedCostModel:
         coef = np.zeros(x.shape[1])
         coef[used] = sol / scale[used]
         rms = float(np.sqrt(np.mean((x @ coef - y) ** 2)))
-        return cls(tuple(float(c) for c in coef), rms)
+        base = tuple(float(c) for c in coef[: len(FEATURE_NAMES)])
+        wake = float(coef[len(FEATURE_NAMES)]) if after_idle is not None else 0.0
+        return cls(base, rms, wake)
 
     def __call__(
         self, prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs=0, prefill_seqs=0

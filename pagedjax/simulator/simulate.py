@@ -7,7 +7,8 @@ Each loop iteration is one engine step of the real scheduler and memory policy
 2. Requests whose arrival time has passed enter free slots, in arrival order
    (``add_requests``). If nothing is live, the clock first jumps to the next arrival.
 3. ``schedule`` picks the batch; the cost model gives the step time from the batch's
-   prefill tokens, decode sequences and KV tokens read; the clock advances.
+   prefill tokens, decode sequences and KV tokens read (plus its ``wake_s``, if it has
+   one, on the first step after the clock jumped over an idle gap); the clock advances.
 4. ``update`` advances lengths; a sequence finishes at its true output length
    (``final_len``, the requests are sent with ``ignore_eos`` as in vLLM's benchmark).
 
@@ -235,7 +236,9 @@ def _simulate(
     cum_arr = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(arr_out)])
     n_real = jnp.maximum(trace.num_real, 1).astype(jnp.float32)
 
-    def admit(c: _Carry) -> _Carry:
+    def admit(c: _Carry) -> tuple[_Carry, jax.Array]:
+        """Recycle finished slots, jump an idle clock to the next arrival, admit the
+        arrived requests. Also returns whether the clock jumped (the executor was idle)."""
         st = recycle(c.state, slots, c.state.status == FINISHED)
         live = jnp.any((st.status == WAITING) | (st.status == RUNNING) | (st.status == SWAPPED))
         nxt = trace.arrival[jnp.minimum(c.next_req, n_req - 1)]
@@ -256,12 +259,13 @@ def _simulate(
         p, o = trace.prompt_len[req], trace.output_len[req]
         st = add_requests(st, slot_by_rank, p, o, p + o, c.next_req + slots, mask)
         slot_req = c.slot_req.at[jnp.where(mask, slot_by_rank, n_slots)].set(req, mode="drop")
-        return c._replace(
+        c = c._replace(
             state=st, clock=clock, clock_lo=clock_lo, next_req=c.next_req + k, slot_req=slot_req
         )
+        return c, jump
 
     def step(c: _Carry) -> _Carry:
-        c = admit(c)
+        c, woke = admit(c)
         st0 = c.state
         st1, batch = schedule(policy, config, st0)
         work = batch_work(st1, batch)
@@ -275,6 +279,9 @@ def _simulate(
         contiguous = getattr(policy, "contiguous_kernel", False)  # vAttention-like
         if block_time is not None and block_size is not None and not contiguous:
             dt = dt + block_time(*block_work(batch, block_size))
+        wake_s = getattr(cost_model, "wake_s", 0.0)
+        if wake_s:  # static: the first step after an idle executor wakes it (fitted)
+            dt = dt + jnp.where(woke, jnp.float32(wake_s), 0.0)
         swap_time = getattr(cost_model, "swap_time", None)
         if swap_time is not None:  # swap copies of the step (0 without a swap pool)
             moved = batch.swap.num_out + batch.swap.num_in
