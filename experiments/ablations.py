@@ -1,5 +1,6 @@
 """Ablations the paper could not run (simulated): the paged system beside vAttention-style
-contiguous virtual memory (64 KiB and 2 MiB pages) and an fp8 KV pool, at the paper's
+contiguous virtual memory (64 KiB and 2 MiB pages), an fp8 KV pool and a block size
+chosen per request (``simulator/request_blocks.py``), at the paper's
 scale (the server section: OPT-13B or Llama-2-7B geometry, 15,728 16-bit slots).
 
 Each is a named system of ``pagedjax.simulator.systems`` (``ABLATIONS``). Every system
@@ -28,7 +29,7 @@ from experiments.config import ExperimentConfig
 from experiments.throughput_vs_rate import resolve_rate
 from pagedjax.simulator.systems import SYSTEM_SERVER
 
-SYSTEMS = ("paged", "vattention_64k", "vattention_2m", "paged_fp8")
+SYSTEMS = ("paged", "vattention_64k", "vattention_2m", "paged_fp8", "paged_block_per_request")
 
 
 def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:

@@ -75,14 +75,7 @@ class CountingPolicy:
         ids = jnp.clip(jnp.asarray(seq_ids, jnp.int32), 0, self.max_seqs - 1)
         need = jnp.maximum(self.units_for(new_lens) - state.held[ids], 0)
         reserve = jnp.where(use_watermark, self.watermark_units, 0)
-
-        # Served in array order, each all or nothing (the MemoryPolicy contract).
-        def step(free, x):
-            nd, rs, m = x
-            ok = ~m | (free - nd >= rs)
-            return free - jnp.where(m & ok, nd, 0), ok
-
-        free, ok = lax.scan(step, state.free, (need, reserve, jnp.asarray(mask, bool)))
+        free, ok = grant_in_order(state.free, need, reserve, mask)
         take = jnp.where(mask & ok, need, 0)
         held = state.held.at[ids].add(take)
         return state._replace(held=held, free=free), ok
@@ -125,12 +118,36 @@ class CountingPolicy:
         ), ok
 
     def usage(self, state, lens, final_lens, live) -> MemoryUsage:
-        held = (state.held * self.unit).astype(jnp.float32)
-        lens = jnp.asarray(lens, jnp.float32)
-        final = jnp.maximum(jnp.asarray(final_lens, jnp.float32), lens)
-        f = jnp.asarray(live, jnp.float32)
-        tokens = jnp.sum(f * jnp.minimum(lens, held))
-        reserved = jnp.sum(f * jnp.clip(jnp.minimum(final, held) - lens, 0))
-        internal = jnp.sum(f * jnp.clip(held - final, 0))
-        cap = jnp.float32(self.capacity_tokens)
-        return MemoryUsage(tokens, reserved, internal, cap - tokens - reserved - internal, cap)
+        return usage_of_held(state.held * self.unit, lens, final_lens, live, self.capacity_tokens)
+
+
+def grant_in_order(
+    free: jax.Array, need: jax.Array, reserve: jax.Array, mask: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Grant ``need`` units (int32[B]) in array order, each all or nothing, an entry
+    leaving at least its ``reserve`` units free (the MemoryPolicy contract). Returns
+    (free units after, ok bool[B]); unmasked entries are ok and take nothing."""
+
+    def step(left, x):
+        nd, rs, m = x
+        ok = ~m | (left - nd >= rs)
+        return left - jnp.where(m & ok, nd, 0), ok
+
+    return lax.scan(step, free, (need, reserve, jnp.asarray(mask, bool)))
+
+
+def usage_of_held(
+    held_tokens: jax.Array, lens: jax.Array, final_lens: jax.Array, live: jax.Array, capacity: int
+) -> MemoryUsage:
+    """Fig. 2 accounting of slots holding ``held_tokens`` (int32[max_seqs]) of a pool of
+    ``capacity`` tokens: tokens up to each length, reserved up to the final length,
+    internal fragmentation beyond it, the rest external / free."""
+    held = jnp.asarray(held_tokens, jnp.float32)
+    lens = jnp.asarray(lens, jnp.float32)
+    final = jnp.maximum(jnp.asarray(final_lens, jnp.float32), lens)
+    f = jnp.asarray(live, jnp.float32)
+    tokens = jnp.sum(f * jnp.minimum(lens, held))
+    reserved = jnp.sum(f * jnp.clip(jnp.minimum(final, held) - lens, 0))
+    internal = jnp.sum(f * jnp.clip(held - final, 0))
+    cap = jnp.float32(capacity)
+    return MemoryUsage(tokens, reserved, internal, cap - tokens - reserved - internal, cap)

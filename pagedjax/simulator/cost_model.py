@@ -476,6 +476,11 @@ def calibrated(
     return roofline(gpu, model, tp, **CALIBRATIONS[name], **kwargs)
 
 
+# The paged kernel's fixed cost per KV block visited, in tokens' worth of HBM reads: the
+# paper's Fig. 18a (PagedAttention at block 16 is 20-26 % slower than a contiguous
+# kernel, read as ~0.23 x a 16-token block; systems.BLOCK_COSTS "kernel").
+KERNEL_BLOCK_OVERHEAD_TOKENS = 0.23 * 16
+
 FEATURE_NAMES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "prefill_attn_pairs")
 
 

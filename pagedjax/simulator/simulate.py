@@ -175,10 +175,11 @@ def batch_work(state: Any, batch: ScheduledBatch) -> tuple[jax.Array, ...]:
     return prefill_tokens, decode_seqs, kv.astype(f32), pairs, prefill_seqs
 
 
-def block_work(batch: ScheduledBatch, block_size: int) -> tuple[jax.Array, jax.Array]:
+def block_work(batch: ScheduledBatch, block_size: int | jax.Array) -> tuple[jax.Array, jax.Array]:
     """(KV blocks the batch's attention visits, unused slots in them) for a paged pool of
-    ``block_size``: each row reads the blocks of the context batch_work counts for it
-    (decode: start + 1; a prefill chunk: its prefix). float32 scalars."""
+    ``block_size`` (an int, or int32[B] per batch row): each row reads the blocks of the
+    context batch_work counts for it (decode: start + 1; a prefill chunk: its prefix).
+    float32 scalars."""
     row = batch.seq_ids >= 0
     decode = row & (batch.q_lens == 1) & (batch.start_pos > 0)
     ctx = jnp.where(decode, batch.start_pos + 1, jnp.where(row, batch.start_pos, 0))
@@ -276,6 +277,9 @@ def _simulate(
             dt = dt + spec_mode.draft_time(spec, batch, cost_model)
         block_time = getattr(cost_model, "block_time", None)
         block_size = getattr(policy, "block_size", None)  # paged pools only
+        row_blocks = getattr(policy, "row_block_sizes", None)  # a block size per request
+        if row_blocks is not None:
+            block_size = row_blocks(st1.mem, batch.seq_ids)
         contiguous = getattr(policy, "contiguous_kernel", False)  # vAttention-like
         if block_time is not None and block_size is not None and not contiguous:
             dt = dt + block_time(*block_work(batch, block_size))

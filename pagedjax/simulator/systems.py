@@ -39,7 +39,13 @@ from pagedjax.memory.paged_policy import PagedPolicy
 from pagedjax.memory.reservation import ReservationPolicy
 from pagedjax.memory.static_batching import static_batch_size
 from pagedjax.scheduler import SchedulerLimits
-from pagedjax.simulator.cost_model import calibrated, model_geometry, roofline
+from pagedjax.simulator.cost_model import (
+    KERNEL_BLOCK_OVERHEAD_TOKENS,
+    calibrated,
+    model_geometry,
+    roofline,
+)
+from pagedjax.simulator.request_blocks import RequestBlockSizePolicy
 from pagedjax.simulator.simulate import SimResult, make_trace, simulate
 from pagedjax.workloads import Workload
 
@@ -51,7 +57,7 @@ SYSTEMS = ("paged", "orca_max", "orca_pow2", "orca_oracle", "ft_static")
 # kernel reads contiguous KV: no per-block cost); paged_fp8: the paged system over an
 # fp8 KV pool in the same memory (SYSTEM_SERVER: the caller's server takes
 # kv_cache_dtype="fp8", so the pool holds 2x the tokens and a step reads half the bytes).
-ABLATIONS = ("vattention_64k", "vattention_2m", "paged_fp8")
+ABLATIONS = ("vattention_64k", "vattention_2m", "paged_fp8", "paged_block_per_request")
 PAGE_BYTES = {"vattention_64k": 64 << 10, "vattention_2m": 2 << 20}
 SYSTEM_SERVER: dict[str, dict[str, Any]] = {"paged_fp8": {"kv_cache_dtype": "fp8"}}
 SYSTEM_LABELS = {
@@ -63,6 +69,7 @@ SYSTEM_LABELS = {
     "vattention_64k": "vAttention-like, 64 KiB pages",
     "vattention_2m": "vAttention-like, 2 MiB pages",
     "paged_fp8": "paged, fp8 KV pool",
+    "paged_block_per_request": "paged, block size per request",
 }
 
 
@@ -135,6 +142,8 @@ def build_system(
         cfg.update(preemption_mode="swap")
     elif system in ("paged", "paged_fp8"):  # paged_fp8: the caller's kv_slots are fp8's
         policy = PagedPolicy(cap // bs + 1, bs, n, -(-mlen // bs), watermark)
+    elif system == "paged_block_per_request":  # request_blocks.py: 8-256 tokens each
+        policy = RequestBlockSizePolicy(n, cap, unit=8, max_block=256, watermark_frac=watermark)
     elif system in PAGE_BYTES:
         pt = page_tokens(PAGE_BYTES[system], model, tp, kv_cache_dtype)
         policy = VirtualContiguousPolicy(cap // pt + 1, pt, n, -(-mlen // pt), watermark)
@@ -164,7 +173,7 @@ def build_system(
 # kernel at several block sizes and fits its own per-block cost (docs/experiments.md).
 BLOCK_COSTS: dict[str, dict[str, float | bool]] = {
     "none": {},
-    "kernel": {"block_overhead_tokens": 0.23 * 16, "whole_block_reads": True},
+    "kernel": {"block_overhead_tokens": KERNEL_BLOCK_OVERHEAD_TOKENS, "whole_block_reads": True},
 }
 
 
