@@ -68,7 +68,11 @@ def make_validation_workload(name: str, rate: float, n: int, max_len: int, seed:
     raise ValueError(f"unknown validation workload {name!r}")
 
 
-def _compare(w: Workload, real: dict[str, Any], policy: Any, scfg: Any, fit: Any) -> dict:
+def compare_run(w: Workload, real: dict[str, Any], policy: Any, scfg: Any, fit: Any) -> dict:
+    """One real run (``real_serving.serve``'s result for workload w) against its
+    simulation under the engine's policy and limits with step times from ``fit``: both
+    sides' normalized latency and output tok/s, their relative errors and the worse one
+    (``error``), steps, step seconds and preemptions."""
     tr = make_trace(w.arrival_time, w.prompt_len, w.output_len, 1 << (len(w) - 1).bit_length())
     res = SimResult(*(np.asarray(x) for x in simulate(policy, scfg, fit, tr)))
     sim = latency_metrics(Run(w, res, float(w.arrival_time[-1])))
@@ -187,7 +191,7 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
             slow += int(sum(np.sum(r["steps"][:, 4] > 1.0) for r in reals[k, n]))
             errs, by_rate = [], {}
             for i, (rate, w, real) in enumerate(zip(rates[n], loads[n], reals[k, n], strict=True)):
-                c = _compare(w, real, policy, scfg, fit)
+                c = compare_run(w, real, policy, scfg, fit)
                 errs.append(c["error"])
                 by_rate[str(rate)] = {key: round(x, 4) for key, x in c.items()}
                 rows.append(
