@@ -125,6 +125,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--pauses", type=int, default=30)
     a = ap.parse_args()
+    if a.repeats < 1 or a.pauses < 1:
+        ap.error(f"--repeats and --pauses must be >= 1, got {a.repeats} and {a.pauses}")
     root = Path(__file__).resolve().parents[1]
     cfg = load_yaml(ExperimentConfig, root / "configs" / "llama7b.yaml", [])
     s = cfg.engine

@@ -278,10 +278,10 @@ def _simulate(
         block_time = getattr(cost_model, "block_time", None)
         block_size = getattr(policy, "block_size", None)  # paged pools only
         row_blocks = getattr(policy, "row_block_sizes", None)  # a block size per request
-        if row_blocks is not None:
-            block_size = row_blocks(st1.mem, batch.seq_ids)
         contiguous = getattr(policy, "contiguous_kernel", False)  # vAttention-like
-        if block_time is not None and block_size is not None and not contiguous:
+        if block_time is not None and row_blocks is not None:
+            dt = dt + block_time(*block_work(batch, row_blocks(st1.mem, batch.seq_ids)))
+        elif block_time is not None and block_size is not None and not contiguous:
             dt = dt + block_time(*block_work(batch, block_size))
         wake_s = getattr(cost_model, "wake_s", 0.0)
         if wake_s:  # static: the first step after an idle executor wakes it (fitted)
