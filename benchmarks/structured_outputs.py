@@ -30,6 +30,15 @@ iterations ran inside fused K-step loops. A Markdown row per engine, constraint 
 ``--mask-time``: then the host's mask time per token and row for each of --backends and
 the device FSM's state mirror, at 1 row and the largest B (``mask_times``).
 
+    python benchmarks/structured_outputs.py --overlap [--batch-sizes 1 16 64]
+        [--constraints json] [--backends xgrammar guidance]
+
+Grammar masks filled while the forward runs vs before a fused step (``structured_outputs_
+config["overlap_mask_fill"]``; ``overlap_compare``): per backend and B the step-time pair,
+host mask fills, microseconds per fill, and the shares of fill time overlapped and hidden
+(the engine's ``structured_mask_fill_*`` counters). The last lines are
+``mask_fill_hidden_share[backend]: S`` at the largest B.
+
 Jump-forward decoding on and off instead (``structured_outputs_config["jump_forward"]``):
 two engines (max_num_seqs 1), the 30 JSON schemas of ``CASES`` (all have fixed keys),
 one request at a time, greedy; per request the engine steps, the wall time (a first run
@@ -408,6 +417,55 @@ def device_fsm_compare(model: str, args: argparse.Namespace) -> None:
     print(f"load after: {os.getloadavg()}")
 
 
+def overlap_compare(model: str, args: argparse.Namespace) -> dict[str, float]:
+    """Per backend, two engines at the CPU defaults (K = 1): grammar masks filled while the
+    forward runs (``overlap_mask_fill``, the default) and filled before a fused step; per
+    batch B the step-time pair of ``step_times`` under ``--constraints``' first
+    constraint, then the engine's own counters over one more constrained run: host mask
+    fills, microseconds per fill (one row's mask for one token, with its row write),
+    the share of fill time spent while the forward had been dispatched (overlapped) and
+    the share that ended before the forward did (hidden; a lower bound). Returns
+    {backend: hidden share at the largest B}."""
+    from pagedjax import LLM
+
+    kind = args.constraints[0]
+    print(f"constraint {kind}, max_tokens {args.max_tokens}, fastest of {args.rounds} pairs")
+    print("| backend | masks | B | unconstrained ms/step | constrained ms/step | ratio"
+          " | fills | us per fill | overlapped | hidden |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    hidden: dict[str, float] = {}
+    for backend in args.backends:
+        for overlap in (True, False):
+            cfg = {"backend": backend, "overlap_mask_fill": overlap}
+            llm = LLM(model, max_model_len=256, max_num_seqs=max(args.batch_sizes),
+                      structured_outputs_config=cfg)  # fmt: skip
+            e = llm.llm_engine
+            for b in args.batch_sizes:
+                plain, cons = step_times(llm, b, args.max_tokens, args.rounds, kind)
+                before = e.stats()
+                step_time(llm, b, args.max_tokens, True, kind)
+                after = e.stats()
+                d = {k: after[k] - before[k] for k in ("structured_mask_fills",
+                     "structured_mask_fill_s", "structured_mask_fill_overlapped_s")}  # fmt: skip
+                fill_s = d["structured_mask_fill_s"]
+                # The hidden share is cumulative in stats(); recover this run's part.
+                hid = (after["structured_mask_fill_hidden_share"] * after["structured_mask_fill_s"]
+                       - before["structured_mask_fill_hidden_share"]
+                       * before["structured_mask_fill_s"])  # fmt: skip
+                share = hid / fill_s if fill_s else 0.0
+                if overlap:
+                    hidden[backend] = share
+                print(f"| {backend} | {'overlapped' if overlap else 'before the step'} | {b} |"
+                      f" {plain * 1e3:.1f} | {cons * 1e3:.1f} | {cons / plain:.3f} |"
+                      f" {d['structured_mask_fills']} |"
+                      f" {fill_s / max(d['structured_mask_fills'], 1) * 1e6:.1f} |"
+                      f" {d['structured_mask_fill_overlapped_s'] / fill_s if fill_s else 0:.0%} |"
+                      f" {share:.0%} |", flush=True)  # fmt: skip
+            del llm, e
+    print(f"load after: {os.getloadavg()}")
+    return hidden
+
+
 def mask_times(tokenizer: object, vocab_size: int, backends: list[str],
                rows_list: list[int]) -> None:  # fmt: skip
     """Host cost per token and row of each mask path, outside the engine: R matchers walk
@@ -483,6 +541,8 @@ def main() -> None:
     ap.add_argument("--speculative", action="store_true",
                     help="constrained rows without vs with n-gram speculation instead")
     ap.add_argument("--k", type=int, default=4, help="--speculative: num_speculative_tokens")
+    ap.add_argument("--overlap", action="store_true",
+                    help="mask filling overlapped with the forward vs before the step instead")
     args = ap.parse_args()
     from pagedjax import LLM
 
@@ -498,6 +558,10 @@ def main() -> None:
         return
     if args.device_fsm:
         device_fsm_compare(model, args)
+        return
+    if args.overlap:
+        for backend, share in overlap_compare(model, args).items():
+            print(f"mask_fill_hidden_share[{backend}]: {share:.3f}")
         return
     if args.speculative:
         for backend in args.backends:

@@ -482,6 +482,11 @@ class StructuredOutputsConfig:
     calls"); a bound closes that loop but changes outputs. xgrammar's JSON only: a JSON
     constraint that guidance would compile is refused while it is set (llguidance has no
     count), and bounded JSON rows take the host path, not the device FSM.
+    overlap_mask_fill (pagedjax's own name for what vLLM always does): a one-step
+    iteration with host grammar masks to fill runs its forward and its sampling as two
+    programs, and the host fills the masks while the forward runs (engine stats
+    ``structured_mask_fill_*`` report the time and the share hidden). False: one fused
+    program, masks filled before it (the two halves compile once per bucket each).
     """
 
     backend: Literal["auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"] = "auto"
@@ -496,6 +501,7 @@ class StructuredOutputsConfig:
     device_fsm: bool = False
     device_fsm_max_bytes: int = 4 << 20
     json_max_whitespace: int = 0
+    overlap_mask_fill: bool = True
 
     def __post_init__(self) -> None:
         _check(self.device_fsm_max_bytes > 0, "structured_outputs_config.device_fsm_max_bytes",

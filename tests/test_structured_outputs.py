@@ -6,6 +6,7 @@ whatever the random model prefers."""
 from __future__ import annotations
 
 import functools
+import dataclasses
 import json
 import re
 import time
@@ -136,9 +137,10 @@ def test_config_keys() -> None:
 @functools.cache
 def _engine(backend: str = "xgrammar", spec: bool = False, steps: int | str = "auto",
             jump: bool = False, blocks: int = 64, prefix: bool = False,
-            fsm: bool = False, think: str = "") -> LLMEngine:  # fmt: skip
+            fsm: bool = False, think: str = "", overlap: bool = True) -> LLMEngine:  # fmt: skip
     """think: "" (the random model), or the scripted thinking model (_think_params, THINK
-    tokenizer) with reasoning_parser deepseek_r1 and enable_in_reasoning "off" / "on"."""
+    tokenizer) with reasoning_parser deepseek_r1 and enable_in_reasoning "off" / "on".
+    overlap: StructuredOutputsConfig.overlap_mask_fill."""
     config = EngineConfig(
         model=ModelConfig(model="tiny-llama", max_model_len=64, seed=0),
         cache=CacheConfig(block_size=4, num_gpu_blocks_override=blocks,
@@ -150,7 +152,8 @@ def _engine(backend: str = "xgrammar", spec: bool = False, steps: int | str = "a
         else None,
         structured_outputs=StructuredOutputsConfig(
             backend=backend, jump_forward=jump, device_fsm=fsm,
-            reasoning_parser="deepseek_r1" if think else "", enable_in_reasoning=think == "on"),
+            reasoning_parser="deepseek_r1" if think else "", enable_in_reasoning=think == "on",
+            overlap_mask_fill=overlap),
     )
     if think:
         return LLMEngine(ARCH, _think_params(), THINK, config)
@@ -202,6 +205,31 @@ def test_engine_outputs_are_valid(backend: str) -> None:
     # One program per bucket: the masks are inputs of fixed shape, never a recompile.
     assert all(n == 1 for n in engine.runner.trace_count.values()), engine.runner.trace_count
     assert engine.stats()["structured_host_steps"] > 0
+
+
+def test_mask_fill_overlap_equals_the_fused_step() -> None:
+    """The grammar masks filled while the forward runs (forward and sampling as two
+    programs) give the tokens and logprobs of the fused step with the masks filled before
+    it, greedy and seeded; the fills are counted, and only the split engine overlaps them
+    and compiles the halves (once per bucket)."""
+    split, fused = _engine(), _engine(overlap=False)
+    for temperature in (0.0, 1.0):
+        reqs = [(k, prompt, dataclasses.replace(p, logprobs=2))
+                for k, prompt, p in _requests(temperature)]  # fmt: skip
+        a, b = drain(split, reqs), drain(fused, reqs)
+        _check_valid(a)
+        for k in a:
+            x, y = a[k].outputs[0], b[k].outputs[0]
+            assert (x.token_ids, x.finish_reason, x.cumulative_logprob) == (
+                y.token_ids, y.finish_reason, y.cumulative_logprob), k
+            assert x.logprobs == y.logprobs, k
+    s, f = split.stats(), fused.stats()
+    assert s["structured_mask_fills"] == f["structured_mask_fills"] > 0
+    assert s["structured_mask_fill_overlapped_s"] > 0 == f["structured_mask_fill_overlapped_s"]
+    assert 0.0 <= s["structured_mask_fill_hidden_share"] <= 1.0
+    halves = split.runner.split_trace_count
+    assert halves and all(n == 1 for n in halves.values()), halves
+    assert not fused.runner.split_trace_count
 
 
 def test_dead_end_finishes_with_a_reason() -> None:

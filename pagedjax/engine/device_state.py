@@ -206,6 +206,24 @@ class DeviceState:
         self.kv, self.tokens, *rest = fn(params, self.kv, self.tokens, *args, **kwargs)
         return tuple(rest)
 
+    def run_step(self, runner: Any, params: Any, batch: Any,
+                 before_sampling: Any = None, **kwargs: Any) -> tuple:  # fmt: skip
+        """The plain step over ``batch``: ``runner.run`` (one program; returns its
+        sampled rows and prompt logprobs). before_sampling(logits): a host callback run
+        between the step's two halves (``runner.run_split``) once the forward has been
+        dispatched; it writes sampling rows (grammar masks), uploaded after it."""
+        st = self.state
+        if before_sampling is None:
+            return self.run_program(runner.run, params, st.mem, batch, self.sampling(),
+                                    st.prompt_len, st.output_len, **kwargs)  # fmt: skip
+
+        def sampling_after(logits: Any) -> SamplingTensors:
+            before_sampling(logits)
+            return self.sampling()
+
+        return self.run_program(runner.run_split, params, st.mem, batch, sampling_after,
+                                st.prompt_len, st.output_len, **kwargs)  # fmt: skip
+
     def run_loop(self, fn: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
         """fn(params, state, kv, tokens, *args, **kwargs) -> (state', kv', tokens', out):
         the K-step decode loop; keeps the state, pool and buffer, returns out."""

@@ -12,7 +12,8 @@ One step, whatever runs on the device (docs/engine.md, docs/architecture.md):
    pick the bucket (T, S); swap copies the schedule decided (``swap_copies.py``).
 4. device: one program for (T, S): the ModelRunner step (ragged input from the device
    token buffer, copy-on-write copies, forward with the KV donated, sample, append the
-   ids), or, when rows have drafts, the verification program.
+   ids), or, when rows have drafts, the verification program. With grammar masks to
+   fill, forward and sampling as two programs, the masks filled between them.
 5. host: the output processor (``output_processor.py``) reads the sampled ids (second
    sync), records them (detokenize; EOS / stop ids / stop strings / length), registers
    filled prefix blocks, forks n > 1 samples.
@@ -365,9 +366,7 @@ class LLMEngine:
         out = self.outputs.begin()
         for slot in np.flatnonzero(host["rejected"]):
             self.outputs.reject(out, int(slot), int(host["reason"][slot]))
-        accepted = None
-        if int(host["num_seqs"]) > 0:
-            accepted = self._run(batch, host, drafts, out)
+        accepted = self._run(batch, host, drafts, out) if int(host["num_seqs"]) > 0 else None
         dev.update(batch, out.finished_rows, out.recycle, accepted)
         return notify(self.step_observers, t0, self.outputs.finish(out), host)
 
@@ -390,6 +389,10 @@ class LLMEngine:
             req.prompt_logprobs is not None and host["start_pos"][r] < len(req.prompt_token_ids)
             for r, (req, _) in enumerate(owners)
         )
+        rows = [r for r in range(num_seqs) if emits[r]]
+        # Grammar masks filled while a plain step's forward runs (after), or now.
+        after = None if core.controls is None else core.controls.step_fills(
+            dev, owners, rows, can_overlap=self.speculator is None)
         verified, t0 = None, time.perf_counter()
         if self.speculator is not None:
             verified = self.speculator.run(core, batch, host, drafts, self._buckets, all_logits)
@@ -397,15 +400,14 @@ class LLMEngine:
         if verified is None:
             padded_tokens, padded_seqs = self._buckets(int(host["num_tokens"]))
             mm = self.mm.step_inputs(host, owners, padded_tokens) if self.mm is not None else None
-            sampled, plp = dev.run_program(
-                self.runner.run, core.params, dev.state.mem,
+            sampled, plp = dev.run_step(
+                self.runner, core.params,
                 batch._replace(swap=None),  # applied by apply_swap_copies; one pytree with warmup
-                dev.sampling(), dev.state.prompt_len, dev.state.output_len,
-                num_tokens=padded_tokens, num_seqs=padded_seqs, all_logits=all_logits, mm=mm,
+                after, num_tokens=padded_tokens, num_seqs=padded_seqs, all_logits=all_logits,
+                mm=mm,
             )  # fmt: skip
         else:
             sampled, acc_dev = verified
-        rows = [r for r in range(num_seqs) if emits[r]]
         want_top = any(owners[r][1].logprobs is not None for r in rows)
         fetch = {"ids": sampled.token_ids, "lps": sampled.logprobs}
         if verified is not None:
@@ -480,10 +482,8 @@ class LLMEngine:
         self.multi_step.reset_stats()
         for part in self._counted():
             part.reset_stats()
-        self.num_preemptions_recompute = 0
-        self.num_preemptions_swap = 0
-        self.num_swapped_out_blocks = 0
-        self.num_swapped_in_blocks = 0
+        self.num_preemptions_recompute = self.num_preemptions_swap = 0
+        self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
         self.core.prefix_index.reset_counters()
 
     def stats(self) -> dict[str, float | int]:

@@ -11,8 +11,14 @@ token and need the host between steps (``needs_host``):
 - bad_words: each word's token sequences (``bad_words_token_ids``: vLLM's rule, with and
   without a leading space); a sequence's last token is masked when the tokens before it
   were just generated (vLLM's apply_bad_words over the output tokens).
-- structured outputs: the sequence's Guide (pagedjax/structured) fills its grammar mask
-  after each accepted token (``SequenceState.record``).
+- structured outputs: the sequence's Guide (pagedjax/structured) takes each accepted
+  token (``SequenceState.record``) and fills its grammar mask for the next step. The
+  one-step path fills it while the device runs the step's forward (``fill_masks``,
+  ``LLMEngine._run``: the forward and the sampling as two programs, vLLM's
+  ``execute_model`` / ``sample_tokens`` split), so the host's grammar work and the
+  mask's upload hide behind the device where the data allows; ``write_rows`` writes a
+  slot's grammar row before the step only where it must read the mask then (min_tokens,
+  bad words) or the mask is already filled.
 
 With ``StructuredOutputsConfig.device_fsm``, a regex, choice or (xgrammar's, non-
 recursive) JSON-schema constraint becomes a token DFA on the device instead
@@ -40,7 +46,9 @@ masked with the grammar's state after the drafts before it (structured/drafts.py
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -140,6 +148,18 @@ class LogitControls:
         self._all = np.full(self.mask_words, -1, np.int32)
         self.structured = StructuredOutputManager(config, tokenizer, vocab_size, sorted(eos_ids))
         self.host_steps = 0  # iterations run with a host-masked slot (stats)
+        self.overlap_mask_fill = config.overlap_mask_fill
+        # Slots whose grammar row write_rows left for fill_masks (their seq), this step.
+        self._unwritten: dict[int, Any] = {}
+        # Grammar mask fills (SequenceState.fill_pending_mask) and their host seconds:
+        # all of them, those done while the step's forward had been dispatched
+        # (overlapped), and of those the ones that ended with the forward still running
+        # on the device (hidden: a lower bound, a fill that outlasted the forward counts
+        # as not hidden at all).
+        self.mask_fills = 0
+        self.mask_fill_s = 0.0
+        self.mask_fill_overlapped_s = 0.0
+        self.mask_fill_hidden_s = 0.0
         # Jump-forward decoding (engine/jump_forward.py): None when off, so the output
         # processor does no work for it.
         self.jump_forward = JumpForward() if config.jump_forward else None
@@ -209,8 +229,11 @@ class LogitControls:
         ran as one-step programs, without speculation for those slots);
         structured_compiles, structured_cache_hits, structured_compile_s: compilation;
         jump_forward_jumps, jump_forward_tokens: forced runs appended and their tokens
-        (0 with jump_forward off). Counted since the engine started (reset_stats leaves
-        them)."""
+        (0 with jump_forward off); structured_mask_fills, structured_mask_fill_s: grammar
+        masks filled on the host and their seconds, structured_mask_fill_overlapped_s the
+        part filled while the step's forward ran, structured_mask_fill_hidden_share the
+        share of all fill time that ended before the forward did (``fill_masks``).
+        Counted since the engine started (reset_stats leaves them)."""
         s = self.structured.stats
         jf = self.jump_forward.stats() if self.jump_forward is not None else {}
         return dict(jump_forward_jumps=0, jump_forward_tokens=0) | jf | dict(
@@ -222,6 +245,11 @@ class LogitControls:
             structured_compiles=s.compiles,
             structured_cache_hits=s.cache_hits,
             structured_compile_s=s.compile_s,
+            structured_mask_fills=self.mask_fills,
+            structured_mask_fill_s=self.mask_fill_s,
+            structured_mask_fill_overlapped_s=self.mask_fill_overlapped_s,
+            structured_mask_fill_hidden_share=(
+                self.mask_fill_hidden_s / self.mask_fill_s if self.mask_fill_s else 0.0),
         )
 
     def write_rows(self, core: Any) -> bool:
@@ -230,14 +258,16 @@ class LogitControls:
         slot needs the host this iteration."""
         book, dev = core.book, core.device
         any_host = False
+        self._unwritten = {}
         self._write_fsm_rows(book, dev)
         for slot, (req, seq) in book.slot_owner.items():
             p = seq.params
             if not (p.min_tokens or req.bad_words_ids or seq.guide is not None
                     or seq.in_reasoning):
                 continue
-            grammar = seq.grammar_mask if seq.guide is not None else self._all
+            any_host |= needs_host(book, req, seq)
             if req.bad_words_ids or len(seq.detok.ids) < p.min_tokens:
+                grammar = self._fill_timed(seq) if seq.guide is not None else self._all
                 mask = token_mask(book, req, seq, self.vocab_size)
                 if seq.guide is not None and not np.any(mask & grammar):
                     # The grammar allows only what min_tokens masks (its end, EOS): the
@@ -246,10 +276,61 @@ class LogitControls:
                 dev.set_sampling_value("token_mask", slot, mask)
             else:  # nothing dynamic left in it: the static mask, unchanged once written
                 dev.set_sampling_value("token_mask", slot, static_token_mask(p, self.vocab_size))
+                if seq.guide is not None and seq.mask_pending:
+                    # Written by ``fill_masks`` once filled (while the forward runs).
+                    self._unwritten[slot] = seq
+                    continue
+                grammar = seq.grammar_mask if seq.guide is not None else self._all
             dev.set_sampling_value("grammar_mask", slot, grammar)
-            any_host |= needs_host(book, req, seq)
         self.host_steps += any_host
         return any_host
+
+    def _fill_timed(self, seq: Any) -> np.ndarray:
+        """seq's grammar mask, filled now if pending (counted, not overlapped)."""
+        t0 = time.perf_counter()
+        if seq.fill_pending_mask():
+            self.mask_fills += 1
+            self.mask_fill_s += time.perf_counter() - t0
+        return seq.grammar_mask
+
+    def step_fills(self, dev: Any, owners: list, rows: list[int], *,
+                   can_overlap: bool) -> Any:  # fmt: skip
+        """The step's grammar rows that ``write_rows`` left (``pending_masks``): a
+        callback ``after(logits)`` that fills them once the forward was dispatched
+        (``DeviceState.run_step``; overlap_mask_fill on and a plain step: can_overlap),
+        or None, having filled them now."""
+        pending = self.pending_masks(owners, rows)
+        if pending and self.overlap_mask_fill and can_overlap:
+            return functools.partial(self.fill_masks, dev, pending)
+        if pending:
+            self.fill_masks(dev, pending)
+        return None
+
+    def pending_masks(self, owners: list, rows: list[int]) -> list[tuple[int, Any]]:
+        """(slot, seq) of the step's emitting rows whose grammar row ``write_rows`` left
+        unwritten, its mask not filled then (it may have been read, so filled, since)."""
+        return [(seq.slot, seq) for r in rows
+                for _, seq in (owners[r],) if self._unwritten.get(seq.slot) is seq]
+
+    def fill_masks(self, dev: Any, pending: list[tuple[int, Any]],
+                   running: Any = None) -> None:  # fmt: skip
+        """Fill the pending grammar masks and write them into their slots' sampling rows
+        (uploaded with the next ``dev.sampling()``). running: a device array of the
+        program dispatched before the fills (the step's logits), or None when nothing
+        runs beside them; the fill time counts as hidden when it is still not ready
+        after the last fill."""
+        t0 = time.perf_counter()
+        for slot, seq in pending:
+            if seq.fill_pending_mask():
+                self.mask_fills += 1
+            dev.set_sampling_value("grammar_mask", slot, seq.grammar_mask)
+            del self._unwritten[slot]
+        dt = time.perf_counter() - t0
+        self.mask_fill_s += dt
+        if running is not None:
+            self.mask_fill_overlapped_s += dt
+            if not running.is_ready():
+                self.mask_fill_hidden_s += dt
 
     def _write_fsm_rows(self, book: Any, dev: Any) -> None:
         """The device FSM slots' states, and the shared table when one of their

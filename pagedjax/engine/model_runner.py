@@ -150,6 +150,18 @@ class ModelRunner:
             static_argnames=("num_tokens", "num_seqs", "all_logits"),
             donate_argnames=("kv", "tokens"),
         )
+        # The step as two programs (``run_split``): the forward, then the sampling, so
+        # the host can fill grammar masks while the forward runs. Traced once per (T, S)
+        # and S respectively (``split_trace_count``).
+        self.split_trace_count: dict[tuple, int] = {}
+        self.forward_step = jax.jit(
+            self._forward_step,
+            static_argnames=("num_tokens", "num_seqs", "all_logits"),
+            donate_argnames=("kv",),
+        )
+        self.sample_step = jax.jit(
+            self._sample_step, static_argnames=("num_seqs",), donate_argnames=("tokens",)
+        )
         # Compiled steps by ``program_key``, called by ``run`` instead of ``step``: the
         # warm-up fills it (from the program store: no tracing).
         self.programs: dict[tuple, Any] = {}
@@ -187,6 +199,25 @@ class ModelRunner:
         return self.step(*args, num_tokens=num_tokens, num_seqs=num_seqs, all_logits=all_logits,
                          **extra)  # fmt: skip
 
+    def run_split(self, params: Any, kv: Any, tokens: jax.Array, mem: Any,
+                  batch: ScheduledBatch, sampling_after: Callable[[jax.Array], SamplingTensors],
+                  prompt_len: jax.Array, output_len: jax.Array, *, num_tokens: int,
+                  num_seqs: int, all_logits: bool = False, mm: Any = None) -> tuple:  # fmt: skip
+        """``run``'s result through two programs: ``forward_step`` is dispatched, then
+        ``sampling_after(logits)`` runs on the host while the device computes (it fills
+        the grammar masks and returns the slots' SamplingTensors), then ``sample_step``.
+        The same tokens as ``run`` (the same traced halves); vLLM splits its step the
+        same way (``execute_model``, then ``sample_tokens`` with the grammar bitmask)."""
+        if self.fault is not None:
+            self.fault.check()
+        kv, logits, plp = self.forward_step(params, kv, tokens, mem, batch, prompt_len,
+                                            num_tokens=num_tokens, num_seqs=num_seqs,
+                                            all_logits=all_logits, mm=mm)  # fmt: skip
+        sampling = sampling_after(logits)
+        tokens, out = self.sample_step(logits, tokens, batch, sampling, prompt_len, output_len,
+                                       num_seqs=num_seqs)  # fmt: skip
+        return kv, tokens, out, plp
+
     def _step(
         self,
         params: Any,
@@ -212,6 +243,24 @@ class ModelRunner:
             num_tokens=num_tokens, num_seqs=num_seqs, all_logits=all_logits, mm=mm,
         )  # fmt: skip
 
+    def _forward_step(self, params: Any, kv: Any, tokens: jax.Array, mem: Any,
+                      batch: ScheduledBatch, prompt_len: jax.Array, *, num_tokens: int,
+                      num_seqs: int, all_logits: bool = False,
+                      mm: Any = None) -> tuple:  # fmt: skip
+        key = ("forward", num_tokens, num_seqs, all_logits, mm is not None)
+        self.split_trace_count[key] = self.split_trace_count.get(key, 0) + 1
+        return self.forward_logits(params, kv, tokens, mem, batch, prompt_len,
+                                   num_tokens=num_tokens, num_seqs=num_seqs,
+                                   all_logits=all_logits, mm=mm)  # fmt: skip
+
+    def _sample_step(self, logits: jax.Array, tokens: jax.Array, batch: ScheduledBatch,
+                     slot_sampling: SamplingTensors, prompt_len: jax.Array,
+                     output_len: jax.Array, *, num_seqs: int) -> tuple:  # fmt: skip
+        key = ("sample", num_seqs)
+        self.split_trace_count[key] = self.split_trace_count.get(key, 0) + 1
+        return self.sample_rows(logits, tokens, batch, slot_sampling, prompt_len, output_len,
+                                num_seqs=num_seqs)  # fmt: skip
+
     def forward_sample(
         self,
         params: Any,
@@ -230,6 +279,33 @@ class ModelRunner:
     ) -> tuple[Any, jax.Array, Any, PromptLogprobs | None]:
         """The traced body of ``step`` (not jitted, not counted): also called inside the
         multi-step decode loop (``multi_step.py``), which counts its own traces.
+        ``forward_logits`` then ``sample_rows``; ``forward_step`` and ``sample_step``
+        are the same two halves as separate programs."""
+        kv, logits, plp = self.forward_logits(
+            params, kv, tokens, mem, batch, prompt_len,
+            num_tokens=num_tokens, num_seqs=num_seqs, all_logits=all_logits, mm=mm,
+        )  # fmt: skip
+        tokens, out = self.sample_rows(logits, tokens, batch, slot_sampling, prompt_len,
+                                       output_len, num_seqs=num_seqs)  # fmt: skip
+        return kv, tokens, out, plp
+
+    def forward_logits(
+        self,
+        params: Any,
+        kv: Any,
+        tokens: jax.Array,
+        mem: Any,
+        batch: ScheduledBatch,
+        prompt_len: jax.Array,
+        *,
+        num_tokens: int,
+        num_seqs: int,
+        all_logits: bool = False,
+        mm: Any = None,
+    ) -> tuple[Any, jax.Array, PromptLogprobs | None]:
+        """The step's first half (traced body): the pending copy-on-write copies, the
+        forward. Returns (kv', logits float32[S, V] at each row's last token, prompt
+        logprobs or None).
 
         mm: None, or (cache [C, N, H], image_slot int32[T], image_row int32[T]) for a step
         that prefills image placeholder positions (engine/multimodal.py): those tokens'
@@ -261,7 +337,22 @@ class ModelRunner:
                 logits, self._next_prompt_ids(tokens, batch, inp, prompt_len), self.max_logprobs
             )
             logits = logits[last]
+        return kv, logits, plp
 
+    def sample_rows(
+        self,
+        logits: jax.Array,
+        tokens: jax.Array,
+        batch: ScheduledBatch,
+        slot_sampling: SamplingTensors,
+        prompt_len: jax.Array,
+        output_len: jax.Array,
+        *,
+        num_seqs: int,
+    ) -> tuple[jax.Array, Any]:
+        """The step's second half (traced body): sample one token per batch row from
+        logits float32[S, V] under its slot's sampling row (masks included) and write each
+        emitting row's token into the buffer. Returns (tokens', SamplerOutput of [S])."""
         seq_ids = batch.seq_ids[:num_seqs]
         safe = jnp.maximum(seq_ids, 0)
         t = take_rows(slot_sampling, safe)
@@ -277,7 +368,7 @@ class ModelRunner:
         n = tokens.shape[0]
         # The new token sits at position prompt + output (= start + q for an emitting row).
         tokens = tokens.at[jnp.where(emit, seq_ids, n), total].set(out.token_ids, mode="drop")
-        return kv, tokens, out, plp
+        return tokens, out
 
     @staticmethod
     def _next_prompt_ids(

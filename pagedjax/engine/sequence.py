@@ -41,9 +41,15 @@ class SequenceState:
     # CompletionOutput.sampled_logprobs); None otherwise.
     sampled_logprobs: list[float] | None = None
     # Structured outputs: the grammar matcher (pagedjax/structured Guide; None: no
-    # constraint) and its packed mask of the tokens allowed next, int32[ceil(V / 32)].
+    # constraint) and its packed mask of the tokens allowed next, int32[ceil(V / 32)]
+    # (read through ``grammar_mask``: filled when first read after a token, so the
+    # one-step path can fill it while the device runs the forward, llm_engine._run).
     guide: Any = None
-    grammar_mask: np.ndarray | None = None
+    _mask: np.ndarray | None = None
+    _mask_pending: bool = False
+    # The last fill found no allowed token: the next recorded token is not appended, it
+    # finishes the sample (DEAD_END_REASON) instead.
+    dead_end: bool = False
     # Or the device FSM (structured/token_fsm.TokenFsm; StructuredOutputsConfig.device_fsm):
     # the device applies its mask; this host mirror of its state advances with each
     # recorded token, and is what the slot's sampling row is written from between programs.
@@ -61,8 +67,34 @@ class SequenceState:
     def start_guide(self, guide: Any, words: int) -> None:
         """Constrain this sample by ``guide`` (at its start state): the first mask."""
         self.guide = guide
-        self.grammar_mask = np.zeros(words, np.int32)
-        guide.fill_mask(self.grammar_mask)
+        self._mask = np.zeros(words, np.int32)
+        self._mask_pending = True
+        self.fill_pending_mask()
+
+    @property
+    def grammar_mask(self) -> np.ndarray | None:
+        """int32[W]: the tokens the grammar allows next (None: no grammar); filled now if
+        a token was accepted since the last fill."""
+        self.fill_pending_mask()
+        return self._mask
+
+    @property
+    def mask_pending(self) -> bool:
+        """True when the grammar took a token and its mask is not filled yet."""
+        return self._mask_pending
+
+    def fill_pending_mask(self) -> bool:
+        """Fill the grammar's mask if a token was accepted since the last fill. An empty
+        mask (a dead end: no token allowed) marks ``dead_end``. Returns True when it
+        filled (the host's grammar work: what the one-step path overlaps)."""
+        if not self._mask_pending:
+            return False
+        self._mask_pending = False
+        mask = self._mask
+        mask.fill(0)
+        self.guide.fill_mask(mask)
+        self.dead_end = not mask.any()
+        return True
 
     def record(
         self,
@@ -73,7 +105,13 @@ class SequenceState:
     ) -> bool:
         """Append a sampled token (its raw logprob; top = (rank, top ids, top logprobs)
         when logprobs were fetched) and check the stop rules in vLLM's order: EOS, stop
-        token ids, stop strings, length. Returns True when the sequence finished."""
+        token ids, stop strings, length. Returns True when the sequence finished. After
+        a dead end (the grammar's last fill allowed no token, so the row sampled under an
+        empty mask) the token is not appended: the sample finishes with DEAD_END_REASON.
+        """
+        if self.dead_end:
+            self.finish_reason, self.stop_reason = "stop", DEAD_END_REASON
+            return True
         self.cumulative_logprob += logprob
         if self.sampled_logprobs is not None:
             self.sampled_logprobs.append(logprob)
@@ -111,7 +149,8 @@ class SequenceState:
         after each, in ``record``'s order) with logprob 0.0: it was not sampled, the
         constraint left no choice (cumulative_logprob unchanged; with logprobs asked for,
         its entry holds only itself, rank 1). The grammar mask is refilled once, after
-        the last. Returns how many were appended (fewer when one finished the sample)."""
+        the last (now: a dead end there finishes the sample at once). Returns how many
+        were appended (fewer when one finished the sample)."""
         n = 0
         for tok in tokens:
             n += 1
@@ -123,23 +162,21 @@ class SequenceState:
             self._check_stop(tok, stop_str, eos_ids)
             if self.finish_reason is not None:
                 return n
-        mask = self.grammar_mask
-        mask.fill(0)
-        self.guide.fill_mask(mask)
-        if not mask.any():
+        self._mask_pending = True
+        self.fill_pending_mask()
+        if self.dead_end:
             self.finish_reason, self.stop_reason = "stop", DEAD_END_REASON
         return n
 
     def _advance_guide(self, tok: int) -> None:
-        """The grammar takes the token; a refused token (never sampled under the mask)
-        or a state with no allowed next token finishes the sample (DEAD_END_REASON)
-        instead of sampling from an empty distribution."""
-        mask = self.grammar_mask
-        ok = self.guide.accept(tok)
-        if ok:
-            mask.fill(0)
-            self.guide.fill_mask(mask)
-        if not ok or not mask.any():
+        """The grammar takes the token; its next mask is filled when first read
+        (``grammar_mask``). A refused token (never sampled under the mask) finishes the
+        sample (DEAD_END_REASON); so does, one step later, a state with no allowed next
+        token (``record``), instead of keeping a token sampled from an empty
+        distribution."""
+        if self.guide.accept(tok):
+            self._mask_pending = True
+        else:
             self.finish_reason, self.stop_reason = "stop", DEAD_END_REASON
 
     def _logprob_entry(self, tok: int, logprob: float, top: tuple) -> dict[int, Logprob]:
