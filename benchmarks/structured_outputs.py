@@ -37,7 +37,9 @@ Grammar masks filled while the forward runs vs before a fused step (``structured
 config["overlap_mask_fill"]``; ``overlap_compare``): per backend and B the step-time pair,
 host mask fills, microseconds per fill, and the shares of fill time overlapped and hidden
 (the engine's ``structured_mask_fill_*`` counters). The last lines are
-``mask_fill_hidden_share[backend]: S`` at the largest B.
+``mask_fill_hidden_share[backend]: S`` at the largest B. First each engine runs the 50
+``CASES`` greedy (``--cases-max-tokens``, 96 as structured_vs_vllm.py; 0 skips): their
+validity, and on how many the two engines' outputs are equal token for token.
 
 Jump-forward decoding on and off instead (``structured_outputs_config["jump_forward"]``):
 two engines (max_num_seqs 1), the 30 JSON schemas of ``CASES`` (all have fixed keys),
@@ -204,15 +206,21 @@ def valid(kind: str, spec: dict, text: str) -> bool:
     return jsonschema.Draft202012Validator(schema).is_valid(doc)
 
 
-def validity(llm: LLM, max_tokens: int) -> float:
+def case_outputs(llm: LLM, max_tokens: int) -> list[tuple[list[int], bool]]:
+    """Every case of ``CASES`` once, greedy: (output token ids, valid and finished)."""
     from pagedjax.sampling import SamplingParams, StructuredOutputsParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens,
                              structured_outputs=StructuredOutputsParams(**spec))
               for _, spec in CASES]  # fmt: skip
     outs = llm.generate([PROMPT] * len(CASES), params, use_tqdm=False)
-    ok = [valid(k, s, o.outputs[0].text) and o.outputs[0].finish_reason == "stop"
-          for (k, s), o in zip(CASES, outs, strict=True)]  # fmt: skip
+    return [(list(o.outputs[0].token_ids),
+             valid(k, s, o.outputs[0].text) and o.outputs[0].finish_reason == "stop")
+            for (k, s), o in zip(CASES, outs, strict=True)]  # fmt: skip
+
+
+def validity(llm: LLM, max_tokens: int) -> float:
+    ok = [v for _, v in case_outputs(llm, max_tokens)]
     return sum(ok) / len(ok)
 
 
@@ -434,25 +442,25 @@ def overlap_compare(model: str, args: argparse.Namespace) -> dict[str, float]:
           " | fills | us per fill | overlapped | hidden |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     hidden: dict[str, float] = {}
+    cases: dict[tuple[str, bool], list] = {}
     for backend in args.backends:
         for overlap in (True, False):
             cfg = {"backend": backend, "overlap_mask_fill": overlap}
             llm = LLM(model, max_model_len=256, max_num_seqs=max(args.batch_sizes),
                       structured_outputs_config=cfg)  # fmt: skip
             e = llm.llm_engine
+            if args.cases_max_tokens:
+                cases[backend, overlap] = case_outputs(llm, args.cases_max_tokens)
             for b in args.batch_sizes:
                 plain, cons = step_times(llm, b, args.max_tokens, args.rounds, kind)
                 before = e.stats()
                 step_time(llm, b, args.max_tokens, True, kind)
                 after = e.stats()
-                d = {k: after[k] - before[k] for k in ("structured_mask_fills",
-                     "structured_mask_fill_s", "structured_mask_fill_overlapped_s")}  # fmt: skip
+                d = {k: after[k] - before[k] for k in (
+                    "structured_mask_fills", "structured_mask_fill_s",
+                    "structured_mask_fill_overlapped_s", "structured_mask_fill_hidden_s")}
                 fill_s = d["structured_mask_fill_s"]
-                # The hidden share is cumulative in stats(); recover this run's part.
-                hid = (after["structured_mask_fill_hidden_share"] * after["structured_mask_fill_s"]
-                       - before["structured_mask_fill_hidden_share"]
-                       * before["structured_mask_fill_s"])  # fmt: skip
-                share = hid / fill_s if fill_s else 0.0
+                share = d["structured_mask_fill_hidden_s"] / fill_s if fill_s else 0.0
                 if overlap:
                     hidden[backend] = share
                 print(f"| {backend} | {'overlapped' if overlap else 'before the step'} | {b} |"
@@ -462,6 +470,12 @@ def overlap_compare(model: str, args: argparse.Namespace) -> dict[str, float]:
                       f" {d['structured_mask_fill_overlapped_s'] / fill_s if fill_s else 0:.0%} |"
                       f" {share:.0%} |", flush=True)  # fmt: skip
             del llm, e
+    for backend in args.backends if cases else ():
+        a, b = cases[backend, True], cases[backend, False]
+        equal = sum(x[0] == y[0] for x, y in zip(a, b, strict=True))
+        print(f"{backend}, CASES greedy (max_tokens {args.cases_max_tokens}): valid"
+              f" {sum(v for _, v in a)} / {len(a)} overlapped, {sum(v for _, v in b)} / {len(b)}"
+              f" before the step; outputs equal token for token on {equal} / {len(a)}")
     print(f"load after: {os.getloadavg()}")
     return hidden
 
@@ -543,6 +557,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="--speculative: num_speculative_tokens")
     ap.add_argument("--overlap", action="store_true",
                     help="mask filling overlapped with the forward vs before the step instead")
+    ap.add_argument("--cases-max-tokens", type=int, default=96,
+                    help="--overlap: also run CASES greedy on both engines and compare"
+                         " (0: skip)")  # fmt: skip
     args = ap.parse_args()
     from pagedjax import LLM
 

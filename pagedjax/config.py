@@ -482,11 +482,14 @@ class StructuredOutputsConfig:
     calls"); a bound closes that loop but changes outputs. xgrammar's JSON only: a JSON
     constraint that guidance would compile is refused while it is set (llguidance has no
     count), and bounded JSON rows take the host path, not the device FSM.
-    overlap_mask_fill (pagedjax's own name for what vLLM always does): a one-step
-    iteration with host grammar masks to fill runs its forward and its sampling as two
-    programs, and the host fills the masks while the forward runs (engine stats
-    ``structured_mask_fill_*`` report the time and the share hidden). False: one fused
-    program, masks filled before it (the two halves compile once per bucket each).
+    overlap_mask_fill (pagedjax's own name for what vLLM does on its GPUs): true, a
+    one-step iteration with host grammar masks to fill runs its forward and its sampling
+    as two programs, and the host fills the masks while the forward runs (engine stats
+    ``structured_mask_fill_*`` report the time and the part hidden; the two halves
+    compile once per bucket on first use). False: one fused program, masks filled
+    before it. "auto" (default): true on an accelerator, false on the CPU, where the
+    host's fills and XLA's threads share the same cores (measured neutral on 2 cores:
+    docs/structured_outputs.md).
     """
 
     backend: Literal["auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"] = "auto"
@@ -501,9 +504,12 @@ class StructuredOutputsConfig:
     device_fsm: bool = False
     device_fsm_max_bytes: int = 4 << 20
     json_max_whitespace: int = 0
-    overlap_mask_fill: bool = True
+    overlap_mask_fill: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
+        _check(self.overlap_mask_fill in (True, False, "auto"),
+               "structured_outputs_config.overlap_mask_fill",
+               f"must be true, false or 'auto', got {self.overlap_mask_fill!r}")  # fmt: skip
         _check(self.device_fsm_max_bytes > 0, "structured_outputs_config.device_fsm_max_bytes",
                f"must be positive, got {self.device_fsm_max_bytes}")  # fmt: skip
         _check(self.json_max_whitespace >= 0, "structured_outputs_config.json_max_whitespace",

@@ -5,12 +5,13 @@ whatever the random model prefers."""
 
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
 import json
 import re
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,7 +28,9 @@ from pagedjax.config import (  # noqa: E402
     SpeculativeConfig,
     StructuredOutputsConfig,
 )
+from pagedjax.engine.faults import fail_batch  # noqa: E402
 from pagedjax.engine.llm_engine import LLMEngine  # noqa: E402
+from pagedjax.engine.logit_controls import LogitControls  # noqa: E402
 from pagedjax.model import preset_arch, random_params  # noqa: E402
 from pagedjax.sampling import SamplingParams  # noqa: E402
 from pagedjax.sampling import StructuredOutputsParams as SO  # noqa: E402
@@ -132,12 +135,22 @@ def test_config_keys() -> None:
         StructuredOutputsConfig.from_dict({"bakend": "xgrammar"})
     with pytest.raises(ConfigError, match="not built in pagedjax"):
         StructuredOutputsConfig(backend="outlines")
+    with pytest.raises(ConfigError, match="overlap_mask_fill: invalid value 'yes'"):
+        StructuredOutputsConfig.from_dict({"overlap_mask_fill": "yes"})
+    with pytest.raises(ConfigError, match="overlap_mask_fill: must be true, false or 'auto'"):
+        StructuredOutputsConfig(overlap_mask_fill="yes")
+    # "auto": masks filled while the forward runs on an accelerator, not on the CPU.
+    for value, platform, want in (("auto", "cpu", False), ("auto", "gpu", True),
+                                  (True, "cpu", True), (False, "tpu", False)):  # fmt: skip
+        cfg = StructuredOutputsConfig(overlap_mask_fill=value)
+        assert LogitControls(ARCH.vocab_size, TOK, cfg, {EOS}, platform).overlap_mask_fill is want
 
 
 @functools.cache
 def _engine(backend: str = "xgrammar", spec: bool = False, steps: int | str = "auto",
             jump: bool = False, blocks: int = 64, prefix: bool = False,
-            fsm: bool = False, think: str = "", overlap: bool = True) -> LLMEngine:  # fmt: skip
+            fsm: bool = False, think: str = "",
+            overlap: bool | str = "auto") -> LLMEngine:  # fmt: skip
     """think: "" (the random model), or the scripted thinking model (_think_params, THINK
     tokenizer) with reasoning_parser deepseek_r1 and enable_in_reasoning "off" / "on".
     overlap: StructuredOutputsConfig.overlap_mask_fill."""
@@ -212,7 +225,10 @@ def test_mask_fill_overlap_equals_the_fused_step() -> None:
     programs) give the tokens and logprobs of the fused step with the masks filled before
     it, greedy and seeded; the fills are counted, and only the split engine overlaps them
     and compiles the halves (once per bucket)."""
-    split, fused = _engine(), _engine(overlap=False)
+    split, fused = _engine(overlap=True), _engine()  # "auto": fused on the CPU
+    keys = ("structured_mask_fills", "structured_mask_fill_overlapped_s",
+            "structured_mask_fill_hidden_s")  # fmt: skip
+    before = {e: {k: e.stats()[k] for k in keys} for e in (split, fused)}
     for temperature in (0.0, 1.0):
         reqs = [(k, prompt, dataclasses.replace(p, logprobs=2))
                 for k, prompt, p in _requests(temperature)]  # fmt: skip
@@ -223,13 +239,56 @@ def test_mask_fill_overlap_equals_the_fused_step() -> None:
             assert (x.token_ids, x.finish_reason, x.cumulative_logprob) == (
                 y.token_ids, y.finish_reason, y.cumulative_logprob), k
             assert x.logprobs == y.logprobs, k
-    s, f = split.stats(), fused.stats()
+    s, f = ({k: e.stats()[k] - before[e][k] for k in keys} for e in (split, fused))
     assert s["structured_mask_fills"] == f["structured_mask_fills"] > 0
     assert s["structured_mask_fill_overlapped_s"] > 0 == f["structured_mask_fill_overlapped_s"]
-    assert 0.0 <= s["structured_mask_fill_hidden_share"] <= 1.0
+    assert 0.0 <= s["structured_mask_fill_hidden_s"] <= s["structured_mask_fill_overlapped_s"]
     halves = split.runner.split_trace_count
     assert halves and all(n == 1 for n in halves.values()), halves
     assert not fused.runner.split_trace_count
+
+
+def test_a_failing_mask_fill_costs_only_its_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fill that raises between the split step's programs leaves the pool the forward
+    returned in place (not a donated, deleted buffer): fail_batch aborts the batch and
+    the next request runs as on a fresh engine."""
+    engine = _engine(overlap=True)
+    p = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=SO(regex=REGEX))
+    want = drain(engine, [("before", "hello", p)])["before"].outputs[0].token_ids
+    real, failed = engine.core.controls.fill_masks, []
+
+    def fill_masks(dev, pending, running=None):
+        if running is not None and not failed:
+            failed.append(True)
+            raise RuntimeError("fill failed")
+        return real(dev, pending, running)
+
+    monkeypatch.setattr(engine.core.controls, "fill_masks", fill_masks)
+    engine.add_request("broken", "hello", p)
+    with pytest.raises(RuntimeError, match="fill failed"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert not any(x.is_deleted() for x in jax.tree.leaves(engine.kv))
+    assert fail_batch(engine, RuntimeError("fill failed"))[0] == ["broken"]
+    assert drain(engine, [("after", "hello", p)])["after"].outputs[0].token_ids == want
+
+
+def test_a_constraint_without_a_first_token_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A matcher whose start state allows no token: ValueError at add_request, nothing
+    queued (n > 1 included, whose other samples would wait on a first token forever)."""
+    engine = _engine()
+
+    class NoStart:
+        backend = "xgrammar"
+
+        def fill_mask(self, out: np.ndarray) -> None:
+            out.fill(0)
+
+    monkeypatch.setattr(engine.core.controls.structured, "guide", lambda *a, **k: NoStart())
+    p = SamplingParams(n=2, max_tokens=4, structured_outputs=SO(regex="ab"))
+    with pytest.raises(ValueError, match="allows no token at its start"):
+        engine.add_request("no-start", "x", p)
+    assert not engine.has_unfinished_requests()
 
 
 def test_dead_end_finishes_with_a_reason() -> None:

@@ -208,21 +208,24 @@ class DeviceState:
 
     def run_step(self, runner: Any, params: Any, batch: Any,
                  before_sampling: Any = None, **kwargs: Any) -> tuple:  # fmt: skip
-        """The plain step over ``batch``: ``runner.run`` (one program; returns its
-        sampled rows and prompt logprobs). before_sampling(logits): a host callback run
-        between the step's two halves (``runner.run_split``) once the forward has been
-        dispatched; it writes sampling rows (grammar masks), uploaded after it."""
+        """The plain step over ``batch``: ``runner.run`` (one program); returns its
+        sampled rows and prompt logprobs. before_sampling(logits): a host callback run
+        once the step's forward (``runner.forward_step``) has been dispatched and before
+        its sampling (``runner.sample_step``); it writes sampling rows (grammar masks),
+        uploaded after it. The pool the forward returns is kept before the callback runs,
+        so a callback that raises leaves no donated (deleted) buffer behind."""
         st = self.state
         if before_sampling is None:
             return self.run_program(runner.run, params, st.mem, batch, self.sampling(),
                                     st.prompt_len, st.output_len, **kwargs)  # fmt: skip
-
-        def sampling_after(logits: Any) -> SamplingTensors:
-            before_sampling(logits)
-            return self.sampling()
-
-        return self.run_program(runner.run_split, params, st.mem, batch, sampling_after,
-                                st.prompt_len, st.output_len, **kwargs)  # fmt: skip
+        runner.check_fault()
+        self.kv, logits, plp = runner.forward_step(params, self.kv, self.tokens, st.mem, batch,
+                                                   st.prompt_len, **kwargs)  # fmt: skip
+        before_sampling(logits)
+        self.tokens, out = runner.sample_step(logits, self.tokens, batch, self.sampling(),
+                                              st.prompt_len, st.output_len,
+                                              num_seqs=kwargs["num_seqs"])  # fmt: skip
+        return out, plp
 
     def run_loop(self, fn: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
         """fn(params, state, kv, tokens, *args, **kwargs) -> (state', kv', tokens', out):

@@ -14,7 +14,9 @@ failed steps into a dead engine: one failure is isolated, ``max_consecutive`` in
 
 Why aborting is enough: a step raises either before its device program (host bookkeeping,
 the fault hook below: the KV pool was not donated, the scheduler state only allocated
-blocks for the batch) or inside it; the abort path (``LLMEngine.abort_request``) frees
+blocks for the batch), between the two programs of a step split for grammar masks (the
+pool the forward returned is kept before the host's fills run: ``DeviceState.run_step``)
+or inside a program; the abort path (``LLMEngine.abort_request``) frees
 the slots' blocks by the block tables whatever the step got through. A failure that
 broke the device state itself (a donated pool that is gone) fails the next steps too,
 which ``FailureBudget`` turns into EngineDeadError.

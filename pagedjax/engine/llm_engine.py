@@ -124,8 +124,7 @@ class LLMEngine:
         vision: VisionModel | None = None,
     ):
         reject_unbuilt_features(config)
-        self.mm = MultiModalRunner.build(vision, config, arch)  # images (None: refused)
-        self.detokenize = detokenize
+        self.detokenize, self.mm = detokenize, MultiModalRunner.build(vision, config, arch)
         compile_cache.enable(config.compilation_cache)  # idempotent
         cc, sc, par = config.cache, config.scheduler, config.parallel  # par: TP (parallel.py)
         self.arch, self.tokenizer, self.config = arch, tokenizer, config
@@ -215,7 +214,8 @@ class LLMEngine:
             kv_calibration=self.kv_spec.calibrator(),
             max_blocks_per_seq=max_blocks_per_seq, token_buckets=self.token_buckets,
             seq_buckets=self.seq_buckets, enable_prefix_caching=self.enable_prefix_caching,
-            controls=LogitControls(arch.vocab_size, tokenizer, config.structured_outputs, eos),
+            controls=LogitControls(arch.vocab_size, tokenizer, config.structured_outputs, eos,
+                                   place.device.platform),
             host_tier=tier, admit_gate=self.mm, rope_deltas=getattr(self.mm, "rope_deltas", None),
         )  # fmt: skip
         if config.lora is not None:  # adapters in the step's parameters (lora_manager.py)

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,6 +55,7 @@ import numpy as np
 
 from pagedjax.config import StructuredOutputsConfig
 from pagedjax.engine.jump_forward import JumpForward
+from pagedjax.engine.sequence import MaskFills
 from pagedjax.sampling import SamplingParams
 from pagedjax.sampling.tensors import mask_words, static_token_mask
 from pagedjax.structured import StructuredOutputManager
@@ -141,23 +141,25 @@ class LogitControls:
     the slots' dynamic masks before each iteration."""
 
     def __init__(self, vocab_size: int, tokenizer: Any, config: StructuredOutputsConfig,
-                 eos_ids: set[int]):  # fmt: skip
+                 eos_ids: set[int], platform: str = "cpu"):  # fmt: skip
         self.vocab_size = vocab_size
         self._tokenizer = tokenizer
         self.mask_words = mask_words(vocab_size)  # W of the packed masks
         self._all = np.full(self.mask_words, -1, np.int32)
         self.structured = StructuredOutputManager(config, tokenizer, vocab_size, sorted(eos_ids))
         self.host_steps = 0  # iterations run with a host-masked slot (stats)
-        self.overlap_mask_fill = config.overlap_mask_fill
+        # Fill grammar masks while the forward runs (config: "auto" is off on the CPU).
+        overlap = config.overlap_mask_fill
+        self.overlap_mask_fill = platform != "cpu" if overlap == "auto" else bool(overlap)
         # Slots whose grammar row write_rows left for fill_masks (their seq), this step.
         self._unwritten: dict[int, Any] = {}
-        # Grammar mask fills (SequenceState.fill_pending_mask) and their host seconds:
-        # all of them, those done while the step's forward had been dispatched
-        # (overlapped), and of those the ones that ended with the forward still running
-        # on the device (hidden: a lower bound, a fill that outlasted the forward counts
-        # as not hidden at all).
-        self.mask_fills = 0
-        self.mask_fill_s = 0.0
+        # Grammar mask fills (SequenceState.fill_pending_mask: every one, at start, in
+        # write_rows, a speculative plan or fill_masks) and their host seconds; of those
+        # seconds, the ones spent while the step's forward had been dispatched
+        # (overlapped), and of those the ones of steps whose forward was still running
+        # after the last fill (hidden: a lower bound, fills that outlasted the forward
+        # count as not hidden at all).
+        self.mask_fills = MaskFills()
         self.mask_fill_overlapped_s = 0.0
         self.mask_fill_hidden_s = 0.0
         # Jump-forward decoding (engine/jump_forward.py): None when off, so the output
@@ -222,7 +224,11 @@ class LogitControls:
             stats.fsm_fallbacks[fsm] = stats.fsm_fallbacks.get(fsm, 0) + 1
             log.info("request %s: host masks, not the device FSM: %s", req.request_id, fsm)
         for seq in req.seqs:
-            seq.start_guide(self.structured.guide(compiled, req.prompt_token_ids), len(self._all))
+            seq.start_guide(self.structured.guide(compiled, req.prompt_token_ids), len(self._all),
+                            self.mask_fills)  # fmt: skip
+            if seq.dead_end:
+                raise ValueError("structured_outputs: the constraint allows no token at its"
+                                 " start (no token of the vocabulary can begin it)")
 
     def stats(self) -> dict[str, float | int]:
         """structured_host_steps: iterations in which some slot needed host masks (they
@@ -231,8 +237,9 @@ class LogitControls:
         jump_forward_jumps, jump_forward_tokens: forced runs appended and their tokens
         (0 with jump_forward off); structured_mask_fills, structured_mask_fill_s: grammar
         masks filled on the host and their seconds, structured_mask_fill_overlapped_s the
-        part filled while the step's forward ran, structured_mask_fill_hidden_share the
-        share of all fill time that ended before the forward did (``fill_masks``).
+        part filled while the step's forward ran, structured_mask_fill_hidden_s the part
+        of that which ended before the forward did (``fill_masks``; hidden / fill_s is
+        the share hidden; seconds, so replicas' counters add up).
         Counted since the engine started (reset_stats leaves them)."""
         s = self.structured.stats
         jf = self.jump_forward.stats() if self.jump_forward is not None else {}
@@ -245,11 +252,10 @@ class LogitControls:
             structured_compiles=s.compiles,
             structured_cache_hits=s.cache_hits,
             structured_compile_s=s.compile_s,
-            structured_mask_fills=self.mask_fills,
-            structured_mask_fill_s=self.mask_fill_s,
+            structured_mask_fills=self.mask_fills.fills,
+            structured_mask_fill_s=self.mask_fills.seconds,
             structured_mask_fill_overlapped_s=self.mask_fill_overlapped_s,
-            structured_mask_fill_hidden_share=(
-                self.mask_fill_hidden_s / self.mask_fill_s if self.mask_fill_s else 0.0),
+            structured_mask_fill_hidden_s=self.mask_fill_hidden_s,
         )
 
     def write_rows(self, core: Any) -> bool:
@@ -267,7 +273,7 @@ class LogitControls:
                 continue
             any_host |= needs_host(book, req, seq)
             if req.bad_words_ids or len(seq.detok.ids) < p.min_tokens:
-                grammar = self._fill_timed(seq) if seq.guide is not None else self._all
+                grammar = seq.grammar_mask if seq.guide is not None else self._all
                 mask = token_mask(book, req, seq, self.vocab_size)
                 if seq.guide is not None and not np.any(mask & grammar):
                     # The grammar allows only what min_tokens masks (its end, EOS): the
@@ -284,14 +290,6 @@ class LogitControls:
             dev.set_sampling_value("grammar_mask", slot, grammar)
         self.host_steps += any_host
         return any_host
-
-    def _fill_timed(self, seq: Any) -> np.ndarray:
-        """seq's grammar mask, filled now if pending (counted, not overlapped)."""
-        t0 = time.perf_counter()
-        if seq.fill_pending_mask():
-            self.mask_fills += 1
-            self.mask_fill_s += time.perf_counter() - t0
-        return seq.grammar_mask
 
     def step_fills(self, dev: Any, owners: list, rows: list[int], *,
                    can_overlap: bool) -> Any:  # fmt: skip
@@ -319,14 +317,11 @@ class LogitControls:
         program dispatched before the fills (the step's logits), or None when nothing
         runs beside them; the fill time counts as hidden when it is still not ready
         after the last fill."""
-        t0 = time.perf_counter()
+        before = self.mask_fills.seconds
         for slot, seq in pending:
-            if seq.fill_pending_mask():
-                self.mask_fills += 1
             dev.set_sampling_value("grammar_mask", slot, seq.grammar_mask)
             del self._unwritten[slot]
-        dt = time.perf_counter() - t0
-        self.mask_fill_s += dt
+        dt = self.mask_fills.seconds - before
         if running is not None:
             self.mask_fill_overlapped_s += dt
             if not running.is_ready():

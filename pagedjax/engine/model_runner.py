@@ -150,9 +150,9 @@ class ModelRunner:
             static_argnames=("num_tokens", "num_seqs", "all_logits"),
             donate_argnames=("kv", "tokens"),
         )
-        # The step as two programs (``run_split``): the forward, then the sampling, so
-        # the host can fill grammar masks while the forward runs. Traced once per (T, S)
-        # and S respectively (``split_trace_count``).
+        # The step as two programs (``DeviceState.run_step``): the forward, then the
+        # sampling, so the host can fill grammar masks while the forward runs. Traced
+        # once per (T, S) and per S (``split_trace_count``).
         self.split_trace_count: dict[tuple, int] = {}
         self.forward_step = jax.jit(
             self._forward_step,
@@ -188,8 +188,7 @@ class ModelRunner:
         """``step(*args, ...)``, through a compiled program of ``programs`` when there is one
         for these static arguments (the same executable ``step`` would run). mm: a step
         that prefills image positions (``forward_sample``); its own specialization."""
-        if self.fault is not None:
-            self.fault.check()
+        self.check_fault()
         program = self.programs.get(self.program_key(num_tokens, num_seqs, all_logits, mm))
         extra = {} if mm is None else {"mm": mm}
         # A device FSM table (structured outputs, device_fsm) is an argument shape the
@@ -198,25 +197,6 @@ class ModelRunner:
             return program(*args, **extra)
         return self.step(*args, num_tokens=num_tokens, num_seqs=num_seqs, all_logits=all_logits,
                          **extra)  # fmt: skip
-
-    def run_split(self, params: Any, kv: Any, tokens: jax.Array, mem: Any,
-                  batch: ScheduledBatch, sampling_after: Callable[[jax.Array], SamplingTensors],
-                  prompt_len: jax.Array, output_len: jax.Array, *, num_tokens: int,
-                  num_seqs: int, all_logits: bool = False, mm: Any = None) -> tuple:  # fmt: skip
-        """``run``'s result through two programs: ``forward_step`` is dispatched, then
-        ``sampling_after(logits)`` runs on the host while the device computes (it fills
-        the grammar masks and returns the slots' SamplingTensors), then ``sample_step``.
-        The same tokens as ``run`` (the same traced halves); vLLM splits its step the
-        same way (``execute_model``, then ``sample_tokens`` with the grammar bitmask)."""
-        if self.fault is not None:
-            self.fault.check()
-        kv, logits, plp = self.forward_step(params, kv, tokens, mem, batch, prompt_len,
-                                            num_tokens=num_tokens, num_seqs=num_seqs,
-                                            all_logits=all_logits, mm=mm)  # fmt: skip
-        sampling = sampling_after(logits)
-        tokens, out = self.sample_step(logits, tokens, batch, sampling, prompt_len, output_len,
-                                       num_seqs=num_seqs)  # fmt: skip
-        return kv, tokens, out, plp
 
     def _step(
         self,
@@ -242,6 +222,12 @@ class ModelRunner:
             params, kv, tokens, mem, batch, slot_sampling, prompt_len, output_len,
             num_tokens=num_tokens, num_seqs=num_seqs, all_logits=all_logits, mm=mm,
         )  # fmt: skip
+
+    def check_fault(self) -> None:
+        """Raise the injected fault due now (PAGEDJAX_FAULT_INJECT; faults.py), before a
+        step's first program is dispatched."""
+        if self.fault is not None:
+            self.fault.check()
 
     def _forward_step(self, params: Any, kv: Any, tokens: jax.Array, mem: Any,
                       batch: ScheduledBatch, prompt_len: jax.Array, *, num_tokens: int,
@@ -280,7 +266,8 @@ class ModelRunner:
         """The traced body of ``step`` (not jitted, not counted): also called inside the
         multi-step decode loop (``multi_step.py``), which counts its own traces.
         ``forward_logits`` then ``sample_rows``; ``forward_step`` and ``sample_step``
-        are the same two halves as separate programs."""
+        are the same two halves as separate programs (vLLM splits its step the same way:
+        ``execute_model``, then ``sample_tokens`` with the grammar bitmask)."""
         kv, logits, plp = self.forward_logits(
             params, kv, tokens, mem, batch, prompt_len,
             num_tokens=num_tokens, num_seqs=num_seqs, all_logits=all_logits, mm=mm,

@@ -16,6 +16,15 @@ from pagedjax.structured import DEAD_END_REASON
 
 
 @dataclass
+class MaskFills:
+    """Grammar mask fills on the host and their seconds (one per engine, owned by
+    ``LogitControls``; each constrained sample adds to it)."""
+
+    fills: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
 class SequenceState:
     """One of a request's n samples.
 
@@ -47,6 +56,7 @@ class SequenceState:
     guide: Any = None
     _mask: np.ndarray | None = None
     _mask_pending: bool = False
+    _fills: MaskFills | None = None
     # The last fill found no allowed token: the next recorded token is not appended, it
     # finishes the sample (DEAD_END_REASON) instead.
     dead_end: bool = False
@@ -64,11 +74,13 @@ class SequenceState:
         """A device FSM row whose constraint waits for the end of the reasoning."""
         return self.reasoning is not None and self.reasoning.open
 
-    def start_guide(self, guide: Any, words: int) -> None:
-        """Constrain this sample by ``guide`` (at its start state): the first mask."""
+    def start_guide(self, guide: Any, words: int, fills: MaskFills | None = None) -> None:
+        """Constrain this sample by ``guide`` (at its start state): the first mask, filled
+        now; fills: the engine's counter, which every fill of this sample adds to."""
         self.guide = guide
         self._mask = np.zeros(words, np.int32)
         self._mask_pending = True
+        self._fills = fills
         self.fill_pending_mask()
 
     @property
@@ -89,11 +101,15 @@ class SequenceState:
         filled (the host's grammar work: what the one-step path overlaps)."""
         if not self._mask_pending:
             return False
+        t0 = time.perf_counter()
         self._mask_pending = False
         mask = self._mask
         mask.fill(0)
         self.guide.fill_mask(mask)
         self.dead_end = not mask.any()
+        if self._fills is not None:
+            self._fills.fills += 1
+            self._fills.seconds += time.perf_counter() - t0
         return True
 
     def record(
