@@ -149,11 +149,12 @@ def test_config_keys() -> None:
 @functools.cache
 def _engine(backend: str = "xgrammar", spec: bool = False, steps: int | str = "auto",
             jump: bool = False, blocks: int = 64, prefix: bool = False,
-            fsm: bool = False, think: str = "",
-            overlap: bool | str = "auto") -> LLMEngine:  # fmt: skip
+            fsm: bool = False, think: str = "", overlap: bool | str = "auto",
+            warmup: str = "auto") -> LLMEngine:  # fmt: skip
     """think: "" (the random model), or the scripted thinking model (_think_params, THINK
     tokenizer) with reasoning_parser deepseek_r1 and enable_in_reasoning "off" / "on".
-    overlap: StructuredOutputsConfig.overlap_mask_fill."""
+    overlap: StructuredOutputsConfig.overlap_mask_fill; warmup: EngineConfig.warmup (the
+    suite's "auto" compiles nothing ahead)."""
     config = EngineConfig(
         model=ModelConfig(model="tiny-llama", max_model_len=64, seed=0),
         cache=CacheConfig(block_size=4, num_gpu_blocks_override=blocks,
@@ -167,6 +168,7 @@ def _engine(backend: str = "xgrammar", spec: bool = False, steps: int | str = "a
             backend=backend, jump_forward=jump, device_fsm=fsm,
             reasoning_parser="deepseek_r1" if think else "", enable_in_reasoning=think == "on",
             overlap_mask_fill=overlap),
+        warmup=warmup,
     )
     if think:
         return LLMEngine(ARCH, _think_params(), THINK, config)
@@ -246,6 +248,18 @@ def test_mask_fill_overlap_equals_the_fused_step() -> None:
     halves = split.runner.split_trace_count
     assert halves and all(n == 1 for n in halves.values()), halves
     assert not fused.runner.split_trace_count
+
+
+def test_warm_up_compiles_the_split_step() -> None:
+    """With overlap_mask_fill on, the warm-up compiles the step's two halves with the
+    argument types a real split step passes: constrained requests afterwards trace
+    nothing new (a half traced at serving time would count here)."""
+    engine = _engine(overlap=True, warmup="decode")
+    warmed = dict(engine.runner.split_trace_count)
+    assert {k[0] for k in warmed} == {"forward", "sample"}, warmed
+    drain(engine, _requests(0.0))
+    assert engine.stats()["structured_mask_fill_overlapped_s"] > 0  # the split step ran
+    assert engine.runner.split_trace_count == warmed
 
 
 def test_a_failing_mask_fill_costs_only_its_batch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -210,7 +210,7 @@ class DeviceState:
                  before_sampling: Any = None, **kwargs: Any) -> tuple:  # fmt: skip
         """The plain step over ``batch``: ``runner.run`` (one program); returns its
         sampled rows and prompt logprobs. before_sampling(logits): a host callback run
-        once the step's forward (``runner.forward_step``) has been dispatched and before
+        once the step's forward (``runner.run_forward``) has been dispatched and before
         its sampling (``runner.sample_step``); it writes sampling rows (grammar masks),
         uploaded after it. The pool the forward returns is kept before the callback runs,
         so a callback that raises leaves no donated (deleted) buffer behind."""
@@ -218,9 +218,8 @@ class DeviceState:
         if before_sampling is None:
             return self.run_program(runner.run, params, st.mem, batch, self.sampling(),
                                     st.prompt_len, st.output_len, **kwargs)  # fmt: skip
-        runner.check_fault()
-        self.kv, logits, plp = runner.forward_step(params, self.kv, self.tokens, st.mem, batch,
-                                                   st.prompt_len, **kwargs)  # fmt: skip
+        self.kv, logits, plp = runner.run_forward(params, self.kv, self.tokens, st.mem, batch,
+                                                  st.prompt_len, **kwargs)  # fmt: skip
         before_sampling(logits)
         self.tokens, out = runner.sample_step(logits, self.tokens, batch, self.sampling(),
                                               st.prompt_len, st.output_len,

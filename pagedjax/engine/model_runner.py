@@ -223,6 +223,13 @@ class ModelRunner:
             num_tokens=num_tokens, num_seqs=num_seqs, all_logits=all_logits, mm=mm,
         )  # fmt: skip
 
+    def run_forward(self, params: Any, kv: Any, tokens: jax.Array, mem: Any,
+                    batch: ScheduledBatch, prompt_len: jax.Array, **statics: Any) -> tuple:
+        """``forward_step(...)`` -> (kv', logits, prompt logprobs or None), after the
+        fault hook (the step's first program, as ``run``)."""
+        self.check_fault()
+        return self.forward_step(params, kv, tokens, mem, batch, prompt_len, **statics)
+
     def check_fault(self) -> None:
         """Raise the injected fault due now (PAGEDJAX_FAULT_INJECT; faults.py), before a
         step's first program is dispatched."""

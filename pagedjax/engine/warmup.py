@@ -27,6 +27,10 @@ Modes (``EngineConfig.warmup`` / ``LLM(warmup=...)``):
   variable ``PAGEDJAX_WARMUP`` replaces what "auto" means (the test suite sets "none":
   it builds many short-lived engines).
 
+With ``overlap_mask_fill`` on (structured outputs; an accelerator by default) each
+runner pair also compiles the step's two halves (forward, sampling), which a step with
+grammar masks to fill runs instead of the fused step.
+
 A model that takes images (``warm_up``'s ``images``, docs/multimodal.md) adds two kinds
 of program: the image step (the runner step with image inputs, per (T, S) pair: "all"
 every pair, "decode" the largest) and the image encoder (per tile-count bucket and tile
@@ -40,6 +44,7 @@ public methods, so it runs exactly the calls (and argument types) the engine mak
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -144,6 +149,9 @@ def warm_up(
     if store is not None:  # the native kernels' FFI targets, before a loaded program runs
         native_cpu.available(), native_matmul.available(), native_lora.available()
     jobs += [(f"step T={t} S={s}", (_runner, t, s, store)) for t, s in pairs]
+    if core.controls is not None and core.controls.overlap_mask_fill:
+        # The step's two halves too (grammar masks filled while the forward runs).
+        jobs += [(f"split step T={t} S={s}", (_split_halves, t, s)) for t, s in pairs]
     if images is not None and (only_pairs or mode != "none"):
         image_pairs = pairs if only_pairs or mode == "all" else pairs[-1:]
         jobs += [(f"image step T={t} S={s}", (_runner, t, s, store, images))
@@ -221,6 +229,24 @@ def _runner(
             program = core.runner.step.lower(*args, **extra, **statics).compile()
         store.save(key, program)
     core.runner.programs[core.runner.program_key(t, s, False, extra.get("mm"))] = program
+
+
+def _split_halves(core: EngineCore, decoder: MultiStepDecoder, t: int, s: int) -> None:
+    """Compile the forward and sampling programs of bucket (t, s) ahead of time (not
+    run), into jit's cache and the persistent compilation cache: with overlap_mask_fill
+    on, a step with grammar masks to fill runs them instead of the fused step
+    (``DeviceState.run_step``), with these argument types."""
+    dev, runner = core.device, core.runner
+    st = dev.state
+    mem = st.mem._replace(last_cow=st.mem.last_cow._replace(
+        valid=filled_like(st.mem.last_cow.valid, 0)))  # as ``_runner``
+    batch = _padding_batch(core)._replace(swap=None)
+    fwd_args = (core.params, dev.kv, dev.tokens, mem, batch, st.prompt_len)
+    statics = dict(num_tokens=t, num_seqs=s, all_logits=False, mm=None)
+    runner.forward_step.lower(*fwd_args, **statics).compile()
+    logits = jax.eval_shape(functools.partial(runner.forward_step, **statics), *fwd_args)[1]
+    runner.sample_step.lower(logits, dev.tokens, batch, dev.sampling(), st.prompt_len,
+                             st.output_len, num_seqs=s).compile()  # fmt: skip
 
 
 def _encoder(core: EngineCore, decoder: MultiStepDecoder, images: Any, n: int,
