@@ -305,18 +305,36 @@ def _k_step_case(reqs: list) -> None:
     assert engine.stats()["structured_device_fsm"] - fsm_rows == n_fsm  # all on the device
 
 
-@pytest.mark.tier2  # a speculative engine: ~10 s of compiling
-def test_device_fsm_rows_beside_speculating_rows() -> None:
-    """n-gram speculation with K = 4: FSM rows get no drafts (the loop's planner skips
-    them), the plain row still speculates, outputs equal plain decoding."""
-    reqs = [*_fsm_requests(0.0, json_rows=False),
-            ("repeat", "abcabcabcabc", SamplingParams(temperature=0.0, max_tokens=12,
-                                                      ignore_eos=True))]  # fmt: skip
+@pytest.mark.tier2  # two speculative engines: ~20 s of compiling
+@pytest.mark.parametrize("steps", [1, 4])
+def test_device_fsm_rows_speculate_and_equal_plain_decoding(steps: int) -> None:
+    """n-gram chains on device FSM rows, one step at a time and inside the fused K-step
+    loop: the verification samples each draft position under the FSM's state after the
+    drafts before it (sampler.fsm_walk) and the loop advances the state by the accepted
+    tokens. FSM rows alone accept drafts (a forced "b" after each "a" of the prompt's
+    pattern), and outputs equal host masks without speculation, beside a plain
+    speculating row too. Without the walk the second run's tokens break the regexes
+    (checked by hand: position j >= 1 sampled under the row's state before the drafts)."""
+    def p(so: SO) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so)
+
+    fsm_rows = [("chain", "abababababab", p(SO(regex="(ab){3,8}c"))),
+                ("words", "cat dog cat dog cat dog", p(SO(regex="((cat|dog) ){2,6}!"))),
+                *_fsm_requests(0.0, json_rows=False)[:2]]  # fmt: skip
+    reqs = [*fsm_rows, ("repeat", "abcabcabcabc",
+                        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]
     base = drain(_engine(), reqs)
-    spec = _engine(spec=True, steps=4, fsm=True)
+    spec = _engine(spec=True, steps=steps, fsm=True)
+    before, iterations = spec.stats(), spec.multi_step.stats.iterations
+    got = drain(spec, fsm_rows)
+    _same({k: base[k] for k in got}, got)
+    assert {o.structured_output_path for o in got.values()} == {"device_fsm"}
+    after = spec.stats()
+    assert after["spec_accepted_tokens"] > before["spec_accepted_tokens"]  # FSM rows' drafts
+    if steps > 1:
+        assert after["spec_fused_steps"] > before["spec_fused_steps"]
+        assert spec.multi_step.stats.iterations > iterations
     _same(base, drain(spec, reqs))
-    assert spec.stats()["spec_rows"] > 0
-    assert spec.multi_step.stats.iterations > 0
 
 
 @pytest.mark.slow  # the real tokenizer from the GGUF (~5-20 s), and ~1 s of DFA builds

@@ -36,7 +36,7 @@ from jax import lax
 from pagedjax.engine import sharing
 from pagedjax.engine.spec.ngram_device import propose_ngram
 from pagedjax.engine.spec.verify import sampled_rows, write_drafts
-from pagedjax.sampling.sampler import SamplerOutput, fsm_next
+from pagedjax.sampling.sampler import SamplerOutput, fsm_walk
 from pagedjax.sampling.tensors import take_rows
 from pagedjax.scheduler import FINISHED, RUNNING, output_target, schedule, update
 
@@ -141,7 +141,6 @@ def decode_loop(
         decoding = (
             (spec_k > 0) & (state.status == RUNNING) & (total - state.num_computed == 1)
             & (state.output_len >= 1)
-            & (sampling.fsm_state < 0)  # device FSM rows: no drafts (logit_controls.py)
         )  # fmt: skip
         cap = jnp.minimum(spec_k, ks)
         want = jnp.where(decoding, jnp.clip(target - state.output_len - 1, 0, cap), 0)
@@ -191,7 +190,6 @@ def decode_loop(
         start = batch.start_pos[:s_b]
 
         def run(st1, kv, tokens, sampling):
-            pos0 = jnp.arange(s_b)  # each row's first sampled position (no drafts)
             if spec is None:
                 kv, tokens, out, _ = runner.forward_sample(
                     params, kv, tokens, st1.mem, batch, sampling, st1.prompt_len,
@@ -200,6 +198,7 @@ def decode_loop(
                 acc = jnp.zeros((s_b,), jnp.int32)
                 hit = real & jnp.any(out.token_ids[:, None] == stop_ids[safe], axis=1)
                 kept = jnp.ones((s_b,), jnp.int32)
+                tok = out.token_ids[:, None]  # [S, 1]: each row's recorded token
             else:
                 j = jnp.arange(ks)[None, :]
                 row_drafts = jnp.where(j < spec_lens[:, None], drafts[safe], -1)
@@ -211,7 +210,6 @@ def decode_loop(
                 acc = jnp.where(real, acc, 0)
                 # The first stop id inside each row's run of 1 + accepted tokens.
                 offset = jnp.cumsum(1 + spec_lens) - (1 + spec_lens)
-                pos0 = jnp.minimum(offset, p_b - 1)
                 jj = jnp.arange(ks + 1)[None, :]
                 idx = jnp.minimum(offset[:, None] + jj, p_b - 1)
                 tok = out.token_ids[idx]  # [S, k + 1]
@@ -240,8 +238,9 @@ def decode_loop(
             if spec is not None:
                 accepted = jnp.zeros((n,), jnp.int32).at[:s_b].set(acc)
             st2 = update(policy, config, st1, batch, finished, accepted)
-            if fsm:  # device FSM rows (never drafting) advance by their sampled token
-                nxt = fsm_next(take_rows(sampling, safe), out.token_ids[pos0])
+            if fsm:  # device FSM rows advance by their accepted drafts and sampled token
+                walk = fsm_walk(take_rows(sampling, safe), tok)  # [S, 1 + accepted at most]
+                nxt = walk[jnp.arange(s_b), acc]
                 new = sampling.fsm_state.at[jnp.where(real, rows, n)].set(nxt, mode="drop")
                 sampling = sampling._replace(fsm_state=new)
             return st2, kv, tokens, sampling, out, acc, filled, ends

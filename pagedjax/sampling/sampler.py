@@ -145,6 +145,17 @@ def fsm_next(t: SamplingTensors, ids: jax.Array) -> jax.Array:
     return jnp.where(t.fsm_state >= 0, nxt, -1)
 
 
+def fsm_walk(t: SamplingTensors, ids: jax.Array) -> jax.Array:
+    """int32[S, K]: each row's device FSM state after ids[:, : k + 1] (ids int32[S, K],
+    from its state ``t.fsm_state``); -1 from a refused token on, and for rows without a
+    state. Speculative verification samples draft position k + 1 under column k."""
+    states = []
+    for k in range(ids.shape[1]):  # K is small and static: the drafts of a chain
+        t = t._replace(fsm_state=fsm_next(t, ids[:, k]))
+        states.append(t.fsm_state)
+    return jnp.stack(states, axis=1)
+
+
 def apply_grammar(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     """float32[S, V] logits with the structured-output constraint applied: the device
     FSM's and the host's grammar bitmask (both skipped statically when absent)."""

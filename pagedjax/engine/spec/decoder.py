@@ -384,7 +384,7 @@ class SpeculativeDecoder:
             if out == 0 or req.pending or req.host_driven or seq.finish_reason is not None:
                 continue
             constrained = False
-            if core.controls is not None and no_drafts(core.book, req, seq):
+            if core.controls is not None and no_drafts(core.book, req, seq, self.fusable):
                 # Its mask changes with each token: no drafts (logit_controls.py), unless
                 # the mask is its grammar's and the drafts are host chains.
                 constrained = self.fusable and grammar_drafts(core.controls, core.book, req, seq)

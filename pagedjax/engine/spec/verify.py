@@ -53,6 +53,7 @@ from pagedjax.model import ModelArch
 from pagedjax.model.forward import forward
 from pagedjax.sampling import SamplingTensors, output_for, processed_probs, sample
 from pagedjax.sampling.rejection import position_keys, rejection_sample
+from pagedjax.sampling.sampler import fsm_walk
 from pagedjax.sampling.tensors import take_rows
 from pagedjax.scheduler import ScheduledBatch
 
@@ -201,6 +202,14 @@ class SpecVerifier:
             after = grammar_masks[frow, jnp.clip(j - 1, 0, self.k - 1)]
             t = t._replace(grammar_mask=jnp.where((j > 0)[:, None], after, t.grammar_mask))
         total = prompt_len[safe] + output_len[safe]  # [S] index of the first draft
+        if t.fsm_table.shape[0] and drafts and parents is None:
+            # Device FSM rows' chains: position j >= 1 is sampled under the FSM's state
+            # after the drafts before it (a refused draft is never accepted: its own
+            # position's sample differs from it, so the positions past it are unused).
+            col = jnp.minimum(total[:, None] + jnp.arange(self.k)[None, :], tokens.shape[1] - 1)
+            walk = fsm_walk(take_rows(slot_sampling, safe), tokens[safe[:, None], col])
+            after = walk[frow, jnp.clip(j - 1, 0, self.k - 1)]
+            t = t._replace(fsm_state=jnp.where(j > 0, after, t.fsm_state))
         # A tree node's history is exact on chains only (penalised rows get chains).
         history = token_history(tokens, slot, prompt_len[slot], total[frow] + level)
         out = sample(logits, t, history, max_logprobs=self.max_logprobs)
