@@ -334,9 +334,12 @@ def jump_forward_compare(model: str, backend: str, max_tokens: int, rounds: int,
     return tot[False][1] / tot[True][1]
 
 
-def speculative_compare(model: str, backend: str, max_tokens: int, rounds: int, k: int) -> float:
+def speculative_compare(model: str, backend: str, max_tokens: int, rounds: int, k: int,
+                        device_fsm: bool = False) -> float:  # fmt: skip
     """Constrained rows without and with n-gram speculation (module docstring); prints the
-    table, returns total wall without / with."""
+    table, returns total wall without / with. device_fsm: both engines with
+    ``structured_outputs_config["device_fsm"]`` (the schemas it takes run as device
+    FSMs, their drafts verified along the FSM)."""
     from pagedjax import LLM
     from pagedjax.sampling import SamplingParams, StructuredOutputsParams
 
@@ -344,8 +347,9 @@ def speculative_compare(model: str, backend: str, max_tokens: int, rounds: int, 
             "prompt_lookup_min": 2}  # fmt: skip
     llms = {on: LLM(model, max_model_len=512, max_num_seqs=1,
                     speculative_config=spec if on else None,
-                    structured_outputs_config={"backend": backend})
+                    structured_outputs_config={"backend": backend, "device_fsm": device_fsm})
             for on in (False, True)}  # fmt: skip
+    paths: dict[str, int] = {}
     cases = [s for kind, s in CASES if kind == "json"]
     totals = {on: [0, 0, 0.0] for on in llms}  # tokens, steps, wall
     valid_n, equal = {False: 0, True: 0}, 0
@@ -355,7 +359,7 @@ def speculative_compare(model: str, backend: str, max_tokens: int, rounds: int, 
                   f"{json.dumps(schema)}\nJSON: ")  # fmt: skip
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                 structured_outputs=StructuredOutputsParams(**spec_case))
-        outs = {}
+        outs, path_of = {}, {}
         for r in range(1 + rounds):  # the first compiles what this case needs
             for on, llm in llms.items():
                 engine, steps = llm.llm_engine, 0
@@ -366,10 +370,13 @@ def speculative_compare(model: str, backend: str, max_tokens: int, rounds: int, 
                         out = o.outputs[0] if o.finished else None
                         if out is not None:
                             outs.setdefault(on, [out, steps, []])
+                            path_of[on] = o.structured_output_path or ""
                     steps += 1
                 outs[on][2].append(time.perf_counter() - t0)
                 if r == 0:
                     outs[on][1] = steps
+        path = path_of[True].split(":")[0]
+        paths[path] = paths.get(path, 0) + 1
         for on, (out, steps, walls) in outs.items():
             totals[on][0] += len(out.token_ids)
             totals[on][1] += steps
@@ -378,6 +385,7 @@ def speculative_compare(model: str, backend: str, max_tokens: int, rounds: int, 
         equal += outs[False][0].token_ids == outs[True][0].token_ids
     st = llms[True].llm_engine.stats()
     n = len(cases)
+    print(f"mask paths (speculating engine): {paths}")
     print("| speculation | output tokens | engine steps | wall (s) | valid | token ids equal |"
           " drafts proposed / accepted |")
     print("|---|---|---|---|---|---|---|")
@@ -573,19 +581,20 @@ def main() -> None:
         print(f"load after: {os.getloadavg()}")
         print(f"jump_forward_speedup: {speedup:.3f}")
         return
+    if args.speculative:  # --device-fsm with it: both engines with the device FSM on
+        for backend in args.backends:
+            print(f"{backend}, max_tokens {args.max_tokens}:")
+            speedup = speculative_compare(model, backend, args.max_tokens, args.rounds, args.k,
+                                          args.device_fsm)  # fmt: skip
+        print(f"load after: {os.getloadavg()}")
+        print(f"constrained_speculation_speedup: {speedup:.3f}")
+        return
     if args.device_fsm:
         device_fsm_compare(model, args)
         return
     if args.overlap:
         for backend, share in overlap_compare(model, args).items():
             print(f"mask_fill_hidden_share[{backend}]: {share:.3f}")
-        return
-    if args.speculative:
-        for backend in args.backends:
-            print(f"{backend}, max_tokens {args.max_tokens}:")
-            speedup = speculative_compare(model, backend, args.max_tokens, args.rounds, args.k)
-        print(f"load after: {os.getloadavg()}")
-        print(f"constrained_speculation_speedup: {speedup:.3f}")
         return
     ratio = 0.0
     for backend in args.backends:

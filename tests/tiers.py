@@ -412,9 +412,9 @@ MOVES: dict[str, tuple[str, str]] = {
     "tests/test_structured_outputs.py::test_jump_forward_composes": (
         "slow", "20.9 s cold, load ~5; jump-forward's outputs, stop rules and logprobs stay"
                 " in the default tier (test_jump_forward_*), its server text in the second"),
-    "tests/test_device_fsm.py::test_device_fsm_rows_beside_speculating_rows": (
-        "slow", "10.8 s cold, load ~5; the FSM rows in the K-step loop stay in the second"
-                " tier (test_device_fsm_rows_run_in_the_k_step_loop)"),
+    "tests/test_device_fsm.py::test_device_fsm_rows_speculate_and_equal_plain_decoding[1]": (
+        "slow", "its own speculating engine; the K = 4 case stays in the second tier, and"
+                " the loop's steps verify through the same walk as one-step"),
     "tests/test_structured_outputs.py::test_n_samples_have_their_own_matchers": (
         "tier2", "up to 21.9 s (its own engine); valid outputs per backend stay"),
     "tests/test_model_parity.py::test_greedy_matches_transformers_generate[mistral]": (

@@ -205,7 +205,9 @@ class SpecVerifier:
         if t.fsm_table.shape[0] and drafts and parents is None:
             # Device FSM rows' chains: position j >= 1 is sampled under the FSM's state
             # after the drafts before it (a refused draft is never accepted: its own
-            # position's sample differs from it, so the positions past it are unused).
+            # position's sample differs from it, so the positions past it are unused;
+            # unless the row allows nothing at all, the FSM's set and allowed_token_ids
+            # disjoint, where the host's record ends the row at that token anyway).
             col = jnp.minimum(total[:, None] + jnp.arange(self.k)[None, :], tokens.shape[1] - 1)
             walk = fsm_walk(take_rows(slot_sampling, safe), tokens[safe[:, None], col])
             after = walk[frow, jnp.clip(j - 1, 0, self.k - 1)]
