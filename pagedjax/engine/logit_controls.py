@@ -309,8 +309,10 @@ class LogitControls:
     def pending_masks(self, owners: list, rows: list[int]) -> list[tuple[int, Any]]:
         """(slot, seq) of the step's emitting rows whose grammar row ``write_rows`` left
         unwritten, its mask not filled then (it may have been read, so filled, since)."""
-        return [(seq.slot, seq) for r in rows
-                for _, seq in (owners[r],) if self._unwritten.get(seq.slot) is seq]
+        if not self._unwritten:  # no grammar row waits (the common step): no scan
+            return []
+        seqs = [owners[r][1] for r in rows]
+        return [(seq.slot, seq) for seq in seqs if self._unwritten.get(seq.slot) is seq]
 
     def fill_masks(self, dev: Any, pending: list[tuple[int, Any]],
                    running: Any = None) -> None:  # fmt: skip

@@ -196,6 +196,13 @@ def _padding_batch(core: EngineCore) -> ScheduledBatch:
     return batch._replace(seq_ids=filled_like(batch.seq_ids, -1))
 
 
+def _without_cow(mem: Any) -> Any:
+    """The paged state with no copy-on-write pending; zeros_like keeps the state's
+    placement (a tensor-parallel mesh commits it there), so a step compiled on it has the
+    signature real steps use."""
+    return mem._replace(last_cow=mem.last_cow._replace(valid=filled_like(mem.last_cow.valid, 0)))
+
+
 def _runner(
     core: EngineCore, decoder: MultiStepDecoder, t: int, s: int, store: ProgramStore | None = None,
     images: Any = None,
@@ -208,10 +215,7 @@ def _runner(
     Compiled, not run: a run at the 2,048-token bucket costs as much as a real prefill, and
     it bought nothing (measured: warm start, see docs/startup.md)."""
     dev = core.device
-    mem = dev.state.mem
-    # No copy-on-write; zeros_like keeps the state's placement (a tensor-parallel mesh
-    # commits it there), so this compiles the signature real steps use.
-    mem = mem._replace(last_cow=mem.last_cow._replace(valid=filled_like(mem.last_cow.valid, 0)))
+    mem = _without_cow(dev.state.mem)
     st = dev.state
     args = (core.params, dev.kv, dev.tokens, mem,
             _padding_batch(core)._replace(swap=None),  # as LLMEngine.step passes it
@@ -238,8 +242,7 @@ def _split_halves(core: EngineCore, decoder: MultiStepDecoder, t: int, s: int) -
     (``DeviceState.run_step``), with these argument types."""
     dev, runner = core.device, core.runner
     st = dev.state
-    mem = st.mem._replace(last_cow=st.mem.last_cow._replace(
-        valid=filled_like(st.mem.last_cow.valid, 0)))  # as ``_runner``
+    mem = _without_cow(st.mem)
     batch = _padding_batch(core)._replace(swap=None)
     fwd_args = (core.params, dev.kv, dev.tokens, mem, batch, st.prompt_len)
     statics = dict(num_tokens=t, num_seqs=s, all_logits=False, mm=None)
