@@ -88,6 +88,28 @@ def test_recorded_steps_sum_to_the_busy_time():
     assert total == pytest.approx(float(res.busy_time), rel=1e-5)
 
 
+def test_seq_overhead_is_charged_per_sequence_and_held_fixed_by_the_fit():
+    from pagedjax.simulator.calibrate import fit
+    from pagedjax.simulator.cost_model import roofline
+
+    kw = dict(mem_efficiency=0.6, flop_efficiency=0.5, step_overhead_s=0.01)
+    base = roofline("A100-40GB", "opt-13b", **kw)
+    true = roofline("A100-40GB", "opt-13b", seq_overhead_s=1e-4, **kw)
+    # 7 decode rows + 2 prompts in the step: 9 sequences' host work
+    assert float(true(100, 7, 5000, 0, 2) - base(100, 7, 5000, 0, 2)) == pytest.approx(9e-4)
+    rng = np.random.default_rng(4)
+    dec = rng.integers(1, 30, 200).astype(float)
+    pre = np.where(rng.random(200) < 0.2, 800.0, 0.0)
+    rec = np.stack([pre, dec, dec * 600, pre * 256, (pre > 0).astype(float)], axis=1)
+    anchor = {32: 1e5 / float(np.sum(np.asarray(true(*rec.T), np.float64)))}
+    one = dict(mem_grid=np.array([0.6]), flop_grid=np.array([0.5]))
+    cal = fit({32: (rec, 100_000)}, anchor, seq_overhead_s=1e-4, **one)
+    assert cal.step_overhead_s == pytest.approx(0.01, rel=1e-3)
+    assert cal.seq_overhead_s == 1e-4
+    # without the per-sequence term the fit must put it into the per-step constant
+    assert fit({32: (rec, 100_000)}, anchor, **one).step_overhead_s > 0.0105
+
+
 def test_calibration_fit_reproduces_anchors_of_a_known_roofline():
     from pagedjax.simulator.calibrate import fit
     from pagedjax.simulator.cost_model import roofline
