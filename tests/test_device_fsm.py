@@ -338,6 +338,37 @@ def test_device_fsm_rows_speculate_and_equal_plain_decoding(steps: int) -> None:
     _same(base, drain(spec, reqs))
 
 
+@pytest.mark.tier2  # a drafting model's programs: ~10 s of compiling
+def test_device_fsm_rows_take_a_drafting_models_chains() -> None:
+    """A drafting model's chains (layer-skip: the target's first layer) on device FSM
+    rows: made on the device without the grammar, verified under the FSM's state after
+    the drafts before each position, so the FSM rows propose drafts and greedy outputs
+    equal host masks without speculation."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from pagedjax.config import SpeculativeConfig
+    from pagedjax.engine.llm_engine import LLMEngine
+    from pagedjax.model import random_params
+
+    def p(so: SO) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so)
+
+    fsm_rows = [("chain", "abababababab", p(SO(regex="(ab){3,8}c"))),
+                *_fsm_requests(0.0, json_rows=False)[:-1]]  # fmt: skip
+    base = drain(_engine(), fsm_rows)
+    host = _engine(fsm=True)
+    draft = SpeculativeConfig(method="draft_model", model="self", draft_num_layers=1,
+                              num_speculative_tokens=3)  # fmt: skip
+    params = random_params(ARCH, seed=0, dtype=jnp.float32, std=0.15)  # _engine's
+    spec = LLMEngine(ARCH, params, TOK, dataclasses.replace(host.config, speculative=draft))
+    got = drain(spec, fsm_rows)
+    _same(base, got)
+    assert {o.structured_output_path for o in got.values()} == {"device_fsm"}
+    assert spec.stats()["spec_proposed_tokens"] > 0  # only FSM rows ran: they drafted
+
+
 @pytest.mark.slow  # the real tokenizer from the GGUF (~5-20 s), and ~1 s of DFA builds
 def test_token_fsm_on_smollm2_vocabulary(smollm2_gguf) -> None:
     """SmolLM2's byte-level BPE vocabulary: random walks allow what xgrammar allows."""

@@ -25,10 +25,10 @@ recursive) JSON-schema constraint becomes a token DFA on the device instead
 (structured/token_fsm.py, structured/json_regex.py): the slot's sampling row carries its
 state (``fsm_state``), every such constraint's table is one shared table
 (``token_fsm.combine``), and the step masks and advances the state itself. Such a slot
-does not need the host between steps (the fused K-step loop runs it) and drafts with the
-n-gram chain method only (``no_drafts``: its verification samples each draft position
-under the FSM's state after the drafts before it, ``sampler.fsm_walk``; trees and
-drafting models give it none). Which path each constrained sample took is counted
+does not need the host between steps (the fused K-step loop runs it) and drafts chains
+by any method, n-gram or a drafting model (``no_drafts``: its verification samples each
+draft position under the FSM's state after the drafts before it, ``sampler.fsm_walk``;
+trees give it none). Which path each constrained sample took is counted
 (``structured_device_fsm`` / ``structured_host_masks``) and logged.
 
 Reasoning models (``reasoning_parser``, structured/reasoning.py): a constrained sample
@@ -108,8 +108,8 @@ def grammar_drafts(controls: Any, book: Any, req: Any, seq: Any) -> bool:
 
 def no_drafts(book: Any, req: Any, seq: Any, fsm_chains: bool = False) -> bool:
     """True when the sequence may not speculate: it needs the host, or its constraint
-    is a device FSM and the drafts are not chains whose verification walks the FSM along
-    them (fsm_chains: the n-gram chain method, spec/verify.py and the fused loop)."""
+    is a device FSM and the drafts are not chains, along which the verification walks
+    the FSM (fsm_chains: any method without a tree; spec/verify.py and the fused loop)."""
     return (seq.fsm is not None and not fsm_chains) or needs_host(book, req, seq)
 
 

@@ -365,7 +365,9 @@ class SpeculativeDecoder:
         the plain step) or when ``disable_by_batch_size`` slots are taken. A slot whose
         mask changes per token (``logit_controls.no_drafts``) gets none, except a
         constrained row whose only such control is its host grammar, with n-gram chain
-        drafts: its drafts are checked against the grammar (``_grammar_drafts``)."""
+        drafts: its drafts are checked against the grammar (``_grammar_drafts``). A
+        device FSM row drafts chains by any method (the verification walks its FSM along
+        them, whoever made them); trees give it none."""
         n = core.max_seqs
         lookahead = np.zeros(n, np.int32)
         drafts = np.full((n, self.k), -1, np.int32)
@@ -384,7 +386,7 @@ class SpeculativeDecoder:
             if out == 0 or req.pending or req.host_driven or seq.finish_reason is not None:
                 continue
             constrained = False
-            if core.controls is not None and no_drafts(core.book, req, seq, self.fusable):
+            if core.controls is not None and no_drafts(core.book, req, seq, self.tree is None):
                 # Its mask changes with each token: no drafts (logit_controls.py), unless
                 # the mask is its grammar's and the drafts are host chains.
                 constrained = self.fusable and grammar_drafts(core.controls, core.book, req, seq)
