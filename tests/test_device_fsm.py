@@ -338,17 +338,57 @@ def test_device_fsm_rows_speculate_and_equal_plain_decoding(steps: int) -> None:
     _same(base, drain(spec, reqs))
 
 
-@pytest.mark.tier2  # a drafting model's programs: ~10 s of compiling
-def test_device_fsm_rows_take_a_drafting_models_chains() -> None:
-    """A drafting model's chains (layer-skip: the target's first layer) on device FSM
-    rows: made on the device without the grammar, verified under the FSM's state after
-    the drafts before each position, so the FSM rows propose drafts and greedy outputs
+def test_fsm_walk_on_a_tree_is_the_walk_along_each_nodes_path() -> None:
+    """sampler.fsm_walk with parents: column k is the state after the root-to-node-k path
+    (a plain walk of that path's tokens), for random tables, trees and start states (-1:
+    no FSM; refused tokens give -1 from there on)."""
+    import jax.numpy as jnp
+
+    from pagedjax.sampling.sampler import fsm_walk
+    from pagedjax.sampling.tensors import SamplingTensors
+
+    rng = np.random.default_rng(5)
+    n_states, n_classes, vocab, s, k = 7, 4, 12, 5, 8
+    for _ in range(20):
+        table = rng.integers(-1, n_states, (n_states, n_classes)).astype(np.int32)
+        classes = rng.integers(0, n_classes, vocab).astype(np.int32)
+        root = rng.integers(-1, n_states, s).astype(np.int32)
+        ids = rng.integers(0, vocab, (s, k)).astype(np.int32)
+        parents = np.array([[rng.integers(-1, i) if i else -1 for i in range(k)]
+                            for _ in range(s)], np.int32)  # fmt: skip
+        t = SamplingTensors.from_params([], pad_to=s)._replace(
+            fsm_table=jnp.asarray(table), fsm_class=jnp.asarray(classes),
+            fsm_state=jnp.asarray(root))  # fmt: skip
+        got = np.asarray(fsm_walk(t, jnp.asarray(ids), jnp.asarray(parents)))
+        for r in range(s):
+            for node in range(k):
+                path, i = [], node
+                while i >= 0:
+                    path.append(ids[r, i])
+                    i = parents[r, i]
+                state = root[r]
+                for tok in reversed(path):
+                    state = table[state, classes[tok]] if state >= 0 else -1
+                assert got[r, node] == state, (r, node)
+        chain = np.asarray(fsm_walk(t, jnp.asarray(ids)))  # parents None: node k - 1
+        as_tree = np.asarray(fsm_walk(t, jnp.asarray(ids), jnp.asarray(
+            np.tile(np.arange(-1, k - 1, dtype=np.int32), (s, 1)))))  # fmt: skip
+        assert np.array_equal(chain, as_tree)
+
+
+@pytest.mark.tier2  # a speculative engine's programs: ~10 s of compiling each
+@pytest.mark.parametrize("kind", ["layer_skip", "ngram_tree"])
+def test_device_fsm_rows_take_drafting_models_and_trees(kind: str) -> None:
+    """Device FSM rows draft with a drafting model's chains (layer-skip: the target's
+    first layer, made on the device without the grammar) and with n-gram trees: the
+    verification samples each position under the FSM's state after its node's path
+    (sampler.fsm_walk with parents), so the FSM rows propose drafts and greedy outputs
     equal host masks without speculation."""
     import dataclasses
 
     import jax.numpy as jnp
 
-    from pagedjax.config import SpeculativeConfig
+    from pagedjax.config import DraftTreeConfig, SpeculativeConfig
     from pagedjax.engine.llm_engine import LLMEngine
     from pagedjax.model import random_params
 
@@ -356,17 +396,25 @@ def test_device_fsm_rows_take_a_drafting_models_chains() -> None:
         return SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so)
 
     fsm_rows = [("chain", "abababababab", p(SO(regex="(ab){3,8}c"))),
+                ("words", "cat dog cat dog cat dog", p(SO(regex="((cat|dog) ){2,6}!"))),
                 *_fsm_requests(0.0, json_rows=False)[:-1]]  # fmt: skip
     base = drain(_engine(), fsm_rows)
     host = _engine(fsm=True)
-    draft = SpeculativeConfig(method="draft_model", model="self", draft_num_layers=1,
-                              num_speculative_tokens=3)  # fmt: skip
+    if kind == "layer_skip":
+        spec = SpeculativeConfig(method="draft_model", model="self", draft_num_layers=1,
+                                 num_speculative_tokens=3)  # fmt: skip
+    else:
+        spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3,
+                                 tree=DraftTreeConfig(budget=6, top_k=2))  # fmt: skip
     params = random_params(ARCH, seed=0, dtype=jnp.float32, std=0.15)  # _engine's
-    spec = LLMEngine(ARCH, params, TOK, dataclasses.replace(host.config, speculative=draft))
-    got = drain(spec, fsm_rows)
+    engine = LLMEngine(ARCH, params, TOK, dataclasses.replace(host.config, speculative=spec))
+    got = drain(engine, fsm_rows)
     _same(base, got)
     assert {o.structured_output_path for o in got.values()} == {"device_fsm"}
-    assert spec.stats()["spec_proposed_tokens"] > 0  # only FSM rows ran: they drafted
+    stats = engine.stats()  # only FSM rows ran: they drafted
+    assert stats["spec_proposed_tokens"] > 0
+    if kind == "ngram_tree":
+        assert stats["spec_accepted_tokens"] > 0
 
 
 @pytest.mark.slow  # the real tokenizer from the GGUF (~5-20 s), and ~1 s of DFA builds

@@ -25,11 +25,11 @@ recursive) JSON-schema constraint becomes a token DFA on the device instead
 (structured/token_fsm.py, structured/json_regex.py): the slot's sampling row carries its
 state (``fsm_state``), every such constraint's table is one shared table
 (``token_fsm.combine``), and the step masks and advances the state itself. Such a slot
-does not need the host between steps (the fused K-step loop runs it) and drafts chains
-by any method, n-gram or a drafting model (``no_drafts``: its verification samples each
-draft position under the FSM's state after the drafts before it, ``sampler.fsm_walk``;
-trees give it none). Which path each constrained sample took is counted
-(``structured_device_fsm`` / ``structured_host_masks``) and logged.
+does not need the host between steps (the fused K-step loop runs it) and drafts by any
+method, chains or trees, n-gram or a drafting model: its verification samples each draft
+position under the FSM's state after that position's path (``sampler.fsm_walk``). Which
+path each constrained sample took is counted (``structured_device_fsm`` /
+``structured_host_masks``) and logged.
 
 Reasoning models (``reasoning_parser``, structured/reasoning.py): a constrained sample
 whose prompt did not end the reasoning runs unconstrained until its output ends with
@@ -104,13 +104,6 @@ def grammar_drafts(controls: Any, book: Any, req: Any, seq: Any) -> bool:
     if controls.jump_forward is not None:
         return False  # forced tokens are appended after the step: not a draft's place
     return len(seq.detok.ids) >= seq.params.min_tokens or not book.stop_ids(seq)
-
-
-def no_drafts(book: Any, req: Any, seq: Any, fsm_chains: bool = False) -> bool:
-    """True when the sequence may not speculate: it needs the host, or its constraint
-    is a device FSM and the drafts are not chains, along which the verification walks
-    the FSM (fsm_chains: any method without a tree; spec/verify.py and the fused loop)."""
-    return (seq.fsm is not None and not fsm_chains) or needs_host(book, req, seq)
 
 
 def clear_bits(mask: np.ndarray, ids: Any) -> None:
@@ -352,4 +345,4 @@ class LogitControls:
 
 
 __all__ = ["LogitControls", "bad_words_token_ids", "clear_bits", "grammar_drafts", "needs_host",
-           "no_drafts", "token_mask"]  # fmt: skip
+           "token_mask"]  # fmt: skip

@@ -145,14 +145,27 @@ def fsm_next(t: SamplingTensors, ids: jax.Array) -> jax.Array:
     return jnp.where(t.fsm_state >= 0, nxt, -1)
 
 
-def fsm_walk(t: SamplingTensors, ids: jax.Array) -> jax.Array:
-    """int32[S, K]: each row's device FSM state after ids[:, : k + 1] (ids int32[S, K],
-    from its state ``t.fsm_state``); -1 from a refused token on, and for rows without a
-    state. Speculative verification samples draft position k + 1 under column k."""
-    states = []
-    for k in range(ids.shape[1]):  # K is small and static: the drafts of a chain
-        t = t._replace(fsm_state=fsm_next(t, ids[:, k]))
-        states.append(t.fsm_state)
+def fsm_walk(t: SamplingTensors, ids: jax.Array, parents: jax.Array | None = None) -> jax.Array:
+    """int32[S, K]: each row's device FSM state after draft node k (ids int32[S, K]), from
+    its state ``t.fsm_state``: with ``parents`` None the nodes are a chain (node k follows
+    node k - 1); else a tree, ``parents`` int32[S, K] giving node k's parent (-1: the
+    row's own state; otherwise an earlier node, spec/tree.py's layout), so column k is the
+    state after the path from the root to node k. -1 from a refused token on, and for rows
+    without a state. Speculative verification samples the position after node k under
+    column k. Cost: K steps of one table gather (K is small and static)."""
+    root = t.fsm_state
+    states: list[jax.Array] = []
+    for k in range(ids.shape[1]):
+        if not states:
+            prev = root
+        elif parents is None:
+            prev = states[-1]
+        else:
+            done = jnp.stack(states, axis=1)  # [S, k]: the nodes before k
+            p = parents[:, k]
+            up = jnp.take_along_axis(done, jnp.clip(p, 0, k - 1)[:, None], axis=1)[:, 0]
+            prev = jnp.where(p < 0, root, up)
+        states.append(fsm_next(t._replace(fsm_state=prev), ids[:, k]))
     return jnp.stack(states, axis=1)
 
 

@@ -59,7 +59,7 @@ import numpy as np
 from pagedjax.config import SpeculativeConfig
 from pagedjax.engine.buckets import pick, seqs_for_tokens
 from pagedjax.engine.host_arrays import filled_like, upload, zeros_like_tree
-from pagedjax.engine.logit_controls import grammar_drafts, no_drafts
+from pagedjax.engine.logit_controls import grammar_drafts, needs_host
 from pagedjax.engine.spec.draft_model import (
     DraftCheckpoint,
     SeparateDraft,
@@ -363,11 +363,11 @@ class SpeculativeDecoder:
         computed on device after the schedule (-1 here). No slot speculates while a
         request wanting prompt logprobs holds a slot (they need every logits row of
         the plain step) or when ``disable_by_batch_size`` slots are taken. A slot whose
-        mask changes per token (``logit_controls.no_drafts``) gets none, except a
+        mask changes per token (``logit_controls.needs_host``) gets none, except a
         constrained row whose only such control is its host grammar, with n-gram chain
         drafts: its drafts are checked against the grammar (``_grammar_drafts``). A
-        device FSM row drafts chains by any method (the verification walks its FSM along
-        them, whoever made them); trees give it none."""
+        device FSM row drafts by any method, chains or trees (the verification walks its
+        FSM along each node's path, whoever made the drafts)."""
         n = core.max_seqs
         lookahead = np.zeros(n, np.int32)
         drafts = np.full((n, self.k), -1, np.int32)
@@ -386,7 +386,7 @@ class SpeculativeDecoder:
             if out == 0 or req.pending or req.host_driven or seq.finish_reason is not None:
                 continue
             constrained = False
-            if core.controls is not None and no_drafts(core.book, req, seq, self.tree is None):
+            if core.controls is not None and needs_host(core.book, req, seq):
                 # Its mask changes with each token: no drafts (logit_controls.py), unless
                 # the mask is its grammar's and the drafts are host chains.
                 constrained = self.fusable and grammar_drafts(core.controls, core.book, req, seq)

@@ -202,14 +202,15 @@ class SpecVerifier:
             after = grammar_masks[frow, jnp.clip(j - 1, 0, self.k - 1)]
             t = t._replace(grammar_mask=jnp.where((j > 0)[:, None], after, t.grammar_mask))
         total = prompt_len[safe] + output_len[safe]  # [S] index of the first draft
-        if t.fsm_table.shape[0] and drafts and parents is None:
-            # Device FSM rows' chains: position j >= 1 is sampled under the FSM's state
-            # after the drafts before it (a refused draft is never accepted: its own
-            # position's sample differs from it, so the positions past it are unused;
-            # unless the row allows nothing at all, the FSM's set and allowed_token_ids
-            # disjoint, where the host's record ends the row at that token anyway).
+        if t.fsm_table.shape[0] and drafts:
+            # Device FSM rows' drafts: position j >= 1 is sampled under the FSM's state
+            # after node j - 1's path, the drafts before it on a chain, its ancestors and
+            # itself in a tree (a refused draft is never accepted: its parent position's
+            # sample is drawn under the mask that refuses it, so the positions past it are
+            # unused; unless the row allows nothing at all, the FSM's set and
+            # allowed_token_ids disjoint, where the host's record ends the row anyway).
             col = jnp.minimum(total[:, None] + jnp.arange(self.k)[None, :], tokens.shape[1] - 1)
-            walk = fsm_walk(take_rows(slot_sampling, safe), tokens[safe[:, None], col])
+            walk = fsm_walk(take_rows(slot_sampling, safe), tokens[safe[:, None], col], parents)
             after = walk[frow, jnp.clip(j - 1, 0, self.k - 1)]
             t = t._replace(fsm_state=jnp.where(j > 0, after, t.fsm_state))
         # A tree node's history is exact on chains only (penalised rows get chains).
