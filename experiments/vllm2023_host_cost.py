@@ -23,7 +23,10 @@ the input tensors, the API server's ``await request.is_disconnected()`` per outp
 Python 3.8-3.10's slower interpreter (this runs on the venv's Python, 3.11 here).
 
 The tokenizer is a byte-level BPE like OPT's (OPT's own files are not reachable here):
-``--tokenizer-json`` (default: pagedjax's cached SmolLM2 tokenizer). transformers 4.31,
+``--tokenizer-json`` (default: the first tokenizer in pagedjax's cache, sorted by name;
+SmolLM2's where only it was cached). With the 64-token vocabulary the sampled ids are
+SmolLM2's special tokens and single characters, so detokenization runs on 1-character
+tokens: its per-token cost is a floor. transformers 4.31,
 which vLLM 0.1.2 ran with, gave fast tokenizers no ``added_tokens_encoder``, so vLLM took
 its fast path (``convert_tokens_to_string`` of the whole output every step); the tokenizer
 is wrapped to hide that attribute from today's transformers (``--slow-detok`` keeps it).
@@ -266,6 +269,10 @@ def time_server(v, tokenizer, a, n: int, rng) -> float:
     async def main() -> None:
         tasks = [asyncio.create_task(client(i)) for i in range(n)]
         await tasks[0]
+        # Abort every request first: a surviving generate() would keep stepping the
+        # engine until the sequences hit max_seq_len (thousands of untimed steps).
+        for i in range(n):
+            await eng.abort(f"r{i}")
         for t in tasks[1:]:
             t.cancel()
         await asyncio.gather(*tasks[1:], return_exceptions=True)

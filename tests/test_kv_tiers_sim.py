@@ -142,6 +142,9 @@ def test_step_time_equals_the_roofline_and_refuses_moe():
     st_ = StepTime.from_roofline(cm)
     for x in [(0, 32, 40000, 0, 0), (2048, 10, 9000, 3e6, 2), (512, 0, 0, 1.3e5, 1)]:
         assert float(st_(*x)) == pytest.approx(float(cm(*x)), rel=1e-4)
+    host = roofline("H100-80GB", "llama-3-8b", seq_overhead_s=1e-4)  # vllm2023's kind
+    for x in [(0, 32, 40000, 0, 0), (2048, 10, 9000, 3e6, 2)]:
+        assert float(StepTime.from_roofline(host)(*x)) == pytest.approx(float(host(*x)), rel=1e-4)
     with pytest.raises(ValueError, match="MoE"):
         StepTime.from_roofline(roofline("A100-80GB", "mixtral-8x7b", tp=2))
 

@@ -292,6 +292,11 @@ def test_simulator_prices_stages_transfers_and_the_bubble():
     work = (0, 64, 64 * 1024)  # 64 decoding sequences of 1,024-token contexts
     one = pipeline_step(cost, 1, *work)
     assert one.latency() == pytest.approx(float(cost(*work)), rel=1e-6)
+    # the host's per-sequence cost is paid once per step, not once per stage
+    host = roofline("H100-80GB", "llama-3-70b", tp=4, seq_overhead_s=1e-4)
+    assert pipeline_step(host, 1, *work).latency() == pytest.approx(float(host(*work)), rel=1e-6)
+    extra = pipeline_step(host, 2, *work).latency() - pipeline_step(cost, 2, *work).latency()
+    assert extra == pytest.approx(64 * 1e-4, rel=1e-3)
     two = pipeline_step(cost, 2, *work, link="internode")
     assert one.stage_s / 2 < two.stage_s < one.stage_s
     assert two.transfer_s == pytest.approx(64 * 8192 * 2 / (0.7 * 50e9) + 30e-6)

@@ -103,3 +103,14 @@ def test_from_mean_accepted_reproduces_the_measured_mean(k, mean):
     assert m.mean_accepted == pytest.approx(mean, abs=1e-6)
     if 0 < mean < k:
         assert SpecModel.from_acceptance_rate(k, mean / k).mean_accepted < mean
+
+
+def test_speculation_refuses_a_per_sequence_host_cost():
+    """vllm2023's per-sequence host cost would charge the verification's draft rows as
+    sequences (they enter as logits rows), and 2023 vLLM did not speculate: refused."""
+    from pagedjax.simulator.cost_model import calibrated
+
+    tr = make_trace(np.array([1.0]), np.array([10]), np.array([9]), pad_to=32)
+    with pytest.raises(ValueError, match="seq_overhead_s"):
+        simulate(POLICY, CFG, calibrated("vllm2023", "A100-40GB", "opt-13b"), tr,
+                 speculative=SpecModel(4, (0.0, 0.0, 0.0, 0.0, 1.0)))  # fmt: skip

@@ -118,7 +118,8 @@ def fit(
     terms = [_terms(records[c][0]) for c in caps]
     t_ = np.array([records[c][1] / anchor[c] for c in caps])  # anchor wall times, s
     n_ = np.array([len(records[c][0]) for c in caps], float)
-    # decode_seqs + prefill_seqs of every step (step_features' columns 1 and 4)
+    # decode_seqs + prefill_seqs of every step (columns 1 and 4 in batch_work's order,
+    # the order simulate_recorded records)
     host_ = np.array([seq_overhead_s * np.sum(records[c][0][:, [1, 4]]) for c in caps])
     best = None
     for e in mem_grid:

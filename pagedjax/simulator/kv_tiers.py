@@ -250,9 +250,9 @@ class StepTime:
 
     x = (1, prefill_tokens, decode_seqs, kv_tokens, prefill_attn_pairs, prefill_seqs).
     The pieces are read off the cost model's own methods (memory_time, compute_time,
-    comm_time, step_overhead_s) at probe points, then checked against its ``__call__`` at
-    random points (relative error <= 1e-3); a model that is not affine in its pieces (an
-    MoE's expected experts) is refused.
+    comm_time, step_overhead_s, seq_overhead_s) at probe points, then checked against its
+    ``__call__`` at random points (relative error <= 1e-3); a model that is not affine in
+    its pieces (an MoE's expected experts) is refused.
     """
 
     mem: np.ndarray
@@ -282,6 +282,8 @@ class StepTime:
         comp = pieces(cm.compute_time, (0, 1, 2, 3, 4))
         extra = pieces(cm.comm_time, (0, 1))
         extra[0] += cm.step_overhead_s
+        extra[2] += cm.seq_overhead_s  # per decode sequence ...
+        extra[5] += cm.seq_overhead_s  # ... and per prompt that emits a token
         st = cls(mem, comp, extra)
         rng = np.random.default_rng(0)
         for _ in range(8):

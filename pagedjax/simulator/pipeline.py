@@ -44,11 +44,18 @@ def stage_layers(num_layers: int, pp: int) -> int:
 def stage_time(cost: RooflineCostModel, pp: int, prefill_tokens: float, decode_seqs: float,
                kv_tokens: float) -> float:  # fmt: skip
     """Seconds the slowest stage computes one step (roofline of ceil(L / PP) layers plus
-    the head, its TP all-reduces included, the per-step overhead excluded)."""
+    the head, its TP all-reduces included, the host's per-step and per-sequence overhead
+    excluded: ``host_time``, paid once per step)."""
     m = cost.model
     stage = replace(cost, model=replace(m, num_layers=stage_layers(m.num_layers, pp)))
     t = stage(prefill_tokens, decode_seqs, kv_tokens)
-    return float(t) - cost.step_overhead_s
+    return float(t) - host_time(cost, decode_seqs)
+
+
+def host_time(cost: RooflineCostModel, decode_seqs: float) -> float:
+    """The host's seconds of one step: the per-step overhead plus the per-sequence one
+    (``seq_overhead_s``, 0 in the plain roofline) for its decode sequences."""
+    return cost.step_overhead_s + cost.seq_overhead_s * decode_seqs
 
 
 def transfer_time(cost: RooflineCostModel, new_tokens: float, link: str,
@@ -132,7 +139,7 @@ def microbatch_step(cost: RooflineCostModel, pp: int, microbatches: int,
         microbatches=microbatches,
         tick_stage_s=stage_time(cost, pp, *work),
         tick_transfer_s=transfer_time(cost, work[0] + work[1], link) if pp > 1 else 0.0,
-        overhead_s=cost.step_overhead_s,
+        overhead_s=host_time(cost, decode_seqs),
     )
 
 
@@ -144,9 +151,9 @@ def pipeline_step(cost: RooflineCostModel, pp: int, prefill_tokens: float, decod
         pp=pp,
         stage_s=stage_time(cost, pp, prefill_tokens, decode_seqs, kv_tokens),
         transfer_s=transfer_time(cost, new_tokens, link) if pp > 1 else 0.0,
-        overhead_s=cost.step_overhead_s,
+        overhead_s=host_time(cost, decode_seqs),
     )
 
 
-__all__ = ["LINK_BYTES_PER_S", "MicrobatchStep", "PipelineStep", "microbatch_step",
+__all__ = ["LINK_BYTES_PER_S", "MicrobatchStep", "PipelineStep", "host_time", "microbatch_step",
            "pipeline_step", "stage_layers", "stage_time", "transfer_time"]  # fmt: skip

@@ -444,8 +444,21 @@ def simulate(
     """Run one trace (jitted; policy, config, cost_model must be hashable).
     speculative: a ``speculative.SpecModel`` (simulated speculative decoding) or None.
     Its numbers are traced: SpecModels of one ``pmf_width`` share one compiled loop."""
+    _check_speculative_cost(cost_model, speculative)
     spec = None if speculative is None else speculative.params()
     return _simulate_jit(policy, config, cost_model, max_steps, trace, spec)
+
+
+def _check_speculative_cost(cost_model: Any, speculative: Any) -> None:
+    """ValueError for speculation under a per-sequence host cost: the verification's
+    draft rows enter the cost model as logits rows (``speculative.verify_work``), which
+    that cost would charge as sequences; the one model that has it (``vllm2023``)
+    describes 2023 vLLM, which did not speculate."""
+    if speculative is not None and getattr(cost_model, "seq_overhead_s", 0.0):
+        raise ValueError(
+            "speculative simulation needs a cost model without seq_overhead_s (the draft"
+            " rows would be charged as sequences); use the roofline, not vllm2023"
+        )
 
 
 def simulate_many(
@@ -461,6 +474,7 @@ def simulate_many(
     The loop runs until every trace is done, so pair traces of similar length.
     speculative: as ``simulate``.
     """
+    _check_speculative_cost(cost_model, speculative)
     spec = None if speculative is None else speculative.params()
     return _simulate_vmap(policy, config, cost_model, max_steps, traces, spec)
 
