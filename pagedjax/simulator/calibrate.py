@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument(
         "--seq-overhead-us",
         type=float,
-        default=55.4,
+        default=49.5,
         help="host cost per sequence per step, held fixed: vLLM 0.1.2's, measured by"
         " experiments/vllm2023_host_cost.py (0: the fit without it)",
     )

@@ -468,14 +468,15 @@ def roofline(
 # unfused kernels) rather than in lower bandwidth. The per-sequence host cost is not
 # fitted (the anchor's batches are all ~25 sequences, so it cannot tell it apart): it is
 # measured on vLLM 0.1.2's own scheduler, worker, sampler and server code,
-# ``experiments/vllm2023_host_cost.py`` at Alpaca-like lengths (55.4 us; a lower bound:
-# no GPU syncs, and longer outputs cost more); the fit then gives the per-step overhead.
+# ``experiments/vllm2023_host_cost.py`` at Alpaca-like lengths (49.5 us, the median of
+# three runs; a lower bound: no GPU syncs, and longer outputs cost more); the fit then
+# gives the per-step overhead.
 CALIBRATIONS: dict[str, dict[str, float]] = {
     "vllm2023": {
         "mem_efficiency": 1.0,
         "flop_efficiency": 0.61,
-        "step_overhead_s": 0.0237,
-        "seq_overhead_s": 55.4e-6,
+        "step_overhead_s": 0.0239,
+        "seq_overhead_s": 49.5e-6,
     },
 }
 
