@@ -211,15 +211,19 @@ def make_engine(v, tokenizer, a):
     return eng
 
 
-def add_requests(v, eng, n: int, a, rng) -> list[str]:
-    params = v.SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=100_000, ignore_eos=True)
-    ids = []
+def serving_params(v):
+    """vLLM's 2023 serving benchmark's request: temperature 1, top_p 1, ignore_eos (and
+    outputs that never finish while timed)."""
+    return v.SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=100_000, ignore_eos=True)
+
+
+def random_prompt(a, rng) -> list[int]:
+    return [int(x) for x in rng.integers(100, 20_000, a.prompt_len)]
+
+
+def add_requests(v, eng, n: int, a, rng) -> None:
     for i in range(n):
-        prompt = [int(x) for x in rng.integers(100, 20_000, a.prompt_len)]
-        rid = f"r{i}-{time.monotonic_ns()}"
-        eng.add_request(rid, None, params, prompt_token_ids=prompt)
-        ids.append(rid)
-    return ids
+        eng.add_request(f"r{i}", None, serving_params(v), prompt_token_ids=random_prompt(a, rng))
 
 
 def time_engine(v, tokenizer, a, n: int, rng) -> float:
@@ -249,13 +253,13 @@ def time_server(v, tokenizer, a, n: int, rng) -> float:
     eng.engine = make_engine(v, tokenizer, a)
     eng.request_outputs, eng.request_events = {}, {}
     eng.is_engine_running, eng.kicking_request_id = False, None
-    params = v.SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=100_000, ignore_eos=True)
+    params = serving_params(v)
     total = a.warmup_steps + a.steps + 1
     stamps: list[float] = []
     running: list[int] = []  # sequences decoding at the last timed step
 
     async def client(i: int) -> None:
-        prompt = [int(x) for x in rng.integers(100, 20_000, a.prompt_len)]
+        prompt = random_prompt(a, rng)
         final = None
         async for out in eng.generate(None, params, f"r{i}", prompt_token_ids=prompt):
             final = out

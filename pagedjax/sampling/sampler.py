@@ -154,19 +154,18 @@ def fsm_walk(t: SamplingTensors, ids: jax.Array, parents: jax.Array | None = Non
     without a state. Speculative verification samples the position after node k under
     column k. Cost: K steps of one table gather (K is small and static)."""
     root = t.fsm_state
-    states: list[jax.Array] = []
+    states = jnp.full(ids.shape, -1, jnp.int32)
     for k in range(ids.shape[1]):
-        if not states:
+        if k == 0:
             prev = root
         elif parents is None:
-            prev = states[-1]
-        else:
-            done = jnp.stack(states, axis=1)  # [S, k]: the nodes before k
+            prev = states[:, k - 1]
+        else:  # the parent's column (filled: parents come first), or the row's own state
             p = parents[:, k]
-            up = jnp.take_along_axis(done, jnp.clip(p, 0, k - 1)[:, None], axis=1)[:, 0]
+            up = jnp.take_along_axis(states, jnp.maximum(p, 0)[:, None], axis=1)[:, 0]
             prev = jnp.where(p < 0, root, up)
-        states.append(fsm_next(t._replace(fsm_state=prev), ids[:, k]))
-    return jnp.stack(states, axis=1)
+        states = states.at[:, k].set(fsm_next(t._replace(fsm_state=prev), ids[:, k]))
+    return states
 
 
 def apply_grammar(logits: jax.Array, t: SamplingTensors) -> jax.Array:
