@@ -9,13 +9,13 @@ If a limit capped the batch, raising it would raise the batch; if none does, the
 set by the step time (time in system = output tokens x step time). docs/experiments.md
 ("Known gaps") gives the measured numbers.
 
-    python experiments/fig13_alpaca_cap.py --seq-overhead-us 49.5 100 150 200
+    python experiments/fig13_alpaca_cap.py --seq-overhead-us 93.7 150 200
 
 is a sensitivity run instead: for each host cost per sequence, the ``vllm2023``
 calibration refitted with it held fixed (``pagedjax.simulator.calibrate.fit``, the same
 anchor and grid), then paged, Orca (Oracle) and Orca (Max) at the rate above, and Fig.
 13's two Alpaca ratios judged by experiments/claims.py's rules. It answers what per-
-sequence cost the claims need; it does not change the calibration (the measured 49.5 us).
+sequence cost the claims need; it does not change the calibration (the measured 93.7 us).
 """
 
 from __future__ import annotations

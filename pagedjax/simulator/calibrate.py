@@ -143,9 +143,9 @@ def main() -> None:
     ap.add_argument(
         "--seq-overhead-us",
         type=float,
-        default=49.5,
-        help="host cost per sequence per step, held fixed: vLLM 0.1.2's, measured by"
-        " experiments/vllm2023_host_cost.py (0: the fit without it)",
+        default=93.7,
+        help="host cost per sequence per step, held fixed: vLLM 0.1.2's on 2023's software,"
+        " measured by experiments/vllm2023_host_cost.py --asgi-2023 (0: the fit without it)",
     )
     a = ap.parse_args()
     anchor = ANCHOR_MEASURED if a.measured else ANCHOR_BLOG

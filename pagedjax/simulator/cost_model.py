@@ -462,21 +462,22 @@ def roofline(
 # an independent throughput anchor (1000 x 512-token prompts, capped-exponential outputs,
 # paper_notes.md section 7), NOT from the paper's Fig. 12/13. Derived by
 # ``python -m pagedjax.simulator.calibrate`` (docs/experiments.md): efficiencies fitted
-# on a 0.01 grid, the per-step overhead in closed form; rms error 1.1 % over the four
+# on a 0.01 grid, the per-step overhead in closed form; rms error 0.9 % over the four
 # anchor points. The memory efficiency sits at the grid's edge (1.0): the anchor puts
 # 2023 vLLM's slowness in a per-step constant (~25 ms: Python scheduling, no CUDA graphs,
 # unfused kernels) rather than in lower bandwidth. The per-sequence host cost is not
 # fitted (the anchor's batches are all ~25 sequences, so it cannot tell it apart): it is
-# measured on vLLM 0.1.2's own scheduler, worker, sampler and server code,
-# ``experiments/vllm2023_host_cost.py`` at Alpaca-like lengths (49.5 us, the median of
-# three runs; a lower bound: no GPU syncs, and longer outputs cost more); the fit then
-# gives the per-step overhead.
+# measured on vLLM 0.1.2's own scheduler, worker, sampler and API-server code on 2023's
+# software (Python 3.8, torch 2.0.1, transformers 4.31, Starlette 0.27),
+# ``experiments/vllm2023_host_cost.py --asgi-2023`` at Alpaca-like lengths (93.7 us, the
+# median of three runs; a lower bound: the GPU's syncs and launches are not in it, and
+# longer outputs cost more); the fit then gives the per-step overhead.
 CALIBRATIONS: dict[str, dict[str, float]] = {
     "vllm2023": {
         "mem_efficiency": 1.0,
         "flop_efficiency": 0.61,
-        "step_overhead_s": 0.0239,
-        "seq_overhead_s": 49.5e-6,
+        "step_overhead_s": 0.0228,
+        "seq_overhead_s": 93.7e-6,
     },
 }
 
