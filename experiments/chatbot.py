@@ -18,8 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib.pyplot as plt
+import numpy as np
 
-from experiments.common import SIM_LABEL, SYSTEM_COLORS, SYSTEM_LABELS, save_fig, write_csv
+from experiments.common import (
+    SIM_LABEL,
+    SYSTEM_COLORS,
+    SYSTEM_LABELS,
+    save_fig,
+    workload,
+    write_csv,
+)
 from experiments.config import ExperimentConfig
 from experiments.knee_search import ratio_text
 from experiments.throughput_vs_rate import OPERATING_THRESHOLD, prefetch_searches, search
@@ -39,6 +47,30 @@ def settings(cfg: ExperimentConfig) -> Any:
     )
 
 
+def _next_pow2(x: np.ndarray) -> np.ndarray:
+    return 2 ** np.ceil(np.log2(np.maximum(x, 1))).astype(np.int64)
+
+
+def footprint_ratios(
+    prompt: np.ndarray, output: np.ndarray, block_size: int, max_len: int
+) -> dict[str, float]:
+    """The memory arithmetic under the knee ratios: for each Orca variant, the KV slots
+    its buddy chunks hold summed over every decode step of every request (pow2(R) x
+    output tokens; R as pagedjax/memory/reservation.py: max_len for Max, prompt +
+    next_pow2(output) for Pow2, prompt + output for Oracle, capped at max_len), over the
+    paged system's (prompt + tokens so far, plus half a block of slack on average).
+    prompt, output: int[N]. With a memory-bound pool a knee ratio sits below this: the
+    paged system's bigger batches make each step longer."""
+    p, o = prompt.astype(np.float64), output.astype(np.float64)
+    reserved = {
+        "orca_max": np.full_like(p, max_len),
+        "orca_pow2": np.minimum(p + _next_pow2(o), max_len),
+        "orca_oracle": np.minimum(p + o, max_len),
+    }
+    paged = np.sum(p * o + o * (o + 1) / 2 + o * (block_size - 1) / 2)
+    return {k: float(np.sum(_next_pow2(r) * o) / paged) for k, r in reserved.items()}
+
+
 def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
     s = settings(cfg)
     server = cfg.server
@@ -54,6 +86,10 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
     ratios = {
         f"paged/{x}": ratio_text(knees["paged"], knees[x])[1] for x in systems if x != "paged"
     }
+    # The trace at the paged knee (its lengths; the rate only sets how many requests).
+    w = workload(s.dataset, knees["paged"].lo or 1.0, s.duration_s, 0, 1.0, server.max_model_len)
+    footprint = footprint_ratios(w.prompt_len, w.output_len, server.block_size,
+                                 server.max_model_len)  # fmt: skip
     summary: dict[str, Any] = {
         "executor": SIM_LABEL,
         "cost_model": server.cost_model,
@@ -67,6 +103,9 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
         f"knee@{OPERATING_THRESHOLD}": {
             "text": {x: k.text() for x, k in knees.items()},
             "ratio_text": ratios,
+        },
+        "kv_footprint_ratio": {
+            f"paged/{x}": round(footprint[x], 3) for x in systems if x in footprint
         },
     }
     write_csv(out / "chatbot.csv", rows)
@@ -88,4 +127,8 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
 
 def table(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
     e = summary[f"knee@{OPERATING_THRESHOLD}"]
-    return [(f"chatbot knee ratio {k} @0.5", v, "2x") for k, v in e["ratio_text"].items()]
+    rows = [(f"chatbot knee ratio {k} @0.5", v, "2x") for k, v in e["ratio_text"].items()]
+    return rows + [
+        (f"chatbot KV footprint ratio {k} (the memory's bound on the knee ratio)", f"{v:.2f}", "-")
+        for k, v in summary.get("kv_footprint_ratio", {}).items()
+    ]

@@ -194,6 +194,17 @@ def rows(s: dict, cmd: str) -> list[tuple[str, str, str, str, str]]:
                 "simulated",
             )
         )
+        if "kv_footprint_ratio" in s["chatbot"]:
+            fp = s["chatbot"]["kv_footprint_ratio"]
+            out.append(
+                (
+                    "Fig. 17 KV footprint ratio (the memory's bound on the knee ratio)",
+                    cmd,
+                    ", ".join(f"{k} {v:.2f}" for k, v in fp.items()),
+                    "-",
+                    "simulated",
+                )
+            )
     if "engine_throughput" in s:
         e = s["engine_throughput"]
         val = e.get("status") or ", ".join(
