@@ -31,6 +31,7 @@ from experiments.common import (
 from experiments.config import ExperimentConfig
 from experiments.knee_search import ratio_text
 from experiments.throughput_vs_rate import OPERATING_THRESHOLD, prefetch_searches, search
+from pagedjax.memory.reservation import KINDS, ReservationPolicy, next_pow2
 
 
 def settings(cfg: ExperimentConfig) -> Any:
@@ -47,28 +48,25 @@ def settings(cfg: ExperimentConfig) -> Any:
     )
 
 
-def _next_pow2(x: np.ndarray) -> np.ndarray:
-    return 2 ** np.ceil(np.log2(np.maximum(x, 1))).astype(np.int64)
-
-
 def footprint_ratios(
     prompt: np.ndarray, output: np.ndarray, block_size: int, max_len: int
 ) -> dict[str, float]:
     """The memory arithmetic under the knee ratios: for each Orca variant, the KV slots
     its buddy chunks hold summed over every decode step of every request (pow2(R) x
-    output tokens; R as pagedjax/memory/reservation.py: max_len for Max, prompt +
-    next_pow2(output) for Pow2, prompt + output for Oracle, capped at max_len), over the
+    output tokens, R by the variant's own ``ReservationPolicy.reservation``), over the
     paged system's (prompt + tokens so far, plus half a block of slack on average).
-    prompt, output: int[N]. With a memory-bound pool a knee ratio sits below this: the
-    paged system's bigger batches make each step longer."""
+    prompt, output: int[N]. This is the ratio of requests a memory-bound pool holds when
+    both pools are the same size; Orca's usable pool is smaller (``orca_pool_factor`` in
+    run's summary), and the paged system's bigger batches make each step longer."""
     p, o = prompt.astype(np.float64), output.astype(np.float64)
-    reserved = {
-        "orca_max": np.full_like(p, max_len),
-        "orca_pow2": np.minimum(p + _next_pow2(o), max_len),
-        "orca_oracle": np.minimum(p + o, max_len),
-    }
+    total = (prompt + output).astype(np.int32)
+    held = {}
+    for kind in KINDS:
+        policy = ReservationPolicy(kind, 1, max_len, max_len)
+        chunk = np.asarray(next_pow2(policy.reservation(prompt, total)), np.float64)
+        held[f"orca_{kind}"] = float(np.sum(chunk * o))
     paged = np.sum(p * o + o * (o + 1) / 2 + o * (block_size - 1) / 2)
-    return {k: float(np.sum(_next_pow2(r) * o) / paged) for k, r in reserved.items()}
+    return {k: v / paged for k, v in held.items()}
 
 
 def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
@@ -86,10 +84,19 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
     ratios = {
         f"paged/{x}": ratio_text(knees["paged"], knees[x])[1] for x in systems if x != "paged"
     }
-    # The trace at the paged knee (its lengths; the rate only sets how many requests).
-    w = workload(s.dataset, knees["paged"].lo or 1.0, s.duration_s, 0, 1.0, server.max_model_len)
-    footprint = footprint_ratios(w.prompt_len, w.output_len, server.block_size,
-                                 server.max_model_len)  # fmt: skip
+    # The searched trace at the paged knee (its lengths; the rate sets how many requests).
+    footprint: dict[str, float] = {}
+    if knees["paged"].lo is not None:
+        w = workload(s.dataset, knees["paged"].lo, s.duration_s, s.seed, 1.0,
+                     server.max_model_len)  # fmt: skip
+        footprint = footprint_ratios(
+            w.prompt_len, w.output_len, server.block_size, server.max_model_len
+        )
+    # Orca's buddy arena is the pool rounded up to a power of two with the tail past the
+    # pool allocated for good, so max_model_len chunks use only floor(pool / L) x L slots
+    # of the paged system's pool: the most a knee ratio can exceed the footprint ratio by.
+    pool, length = server.pool_slots, server.max_model_len
+    pool_factor = pool / max(pool // length * length, 1)
     summary: dict[str, Any] = {
         "executor": SIM_LABEL,
         "cost_model": server.cost_model,
@@ -107,6 +114,7 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
         "kv_footprint_ratio": {
             f"paged/{x}": round(footprint[x], 3) for x in systems if x in footprint
         },
+        "orca_pool_factor": round(pool_factor, 3),
     }
     write_csv(out / "chatbot.csv", rows)
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
@@ -129,6 +137,6 @@ def table(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
     e = summary[f"knee@{OPERATING_THRESHOLD}"]
     rows = [(f"chatbot knee ratio {k} @0.5", v, "2x") for k, v in e["ratio_text"].items()]
     return rows + [
-        (f"chatbot KV footprint ratio {k} (the memory's bound on the knee ratio)", f"{v:.2f}", "-")
+        (f"chatbot KV footprint ratio {k} (equal pools)", f"{v:.2f}", "-")
         for k, v in summary.get("kv_footprint_ratio", {}).items()
     ]

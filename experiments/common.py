@@ -196,6 +196,11 @@ def run_sim(
     Results are cached per arguments, so experiments sharing runs pay once.
     """
     if system in systems.SYSTEM_SERVER:  # an ablation that changes the server (paged_fp8)
+        if cost is not None:
+            raise ValueError(
+                f"{system} changes the server's {sorted(systems.SYSTEM_SERVER[system])}, which"
+                " its cost model depends on; run it without cost="
+            )
         server = dataclasses.replace(server, **systems.SYSTEM_SERVER[system])
     key = (system, server, tuple(specs), block_size, drain, swap_space_gib, stop_latency,
            speculative, cost)  # fmt: skip

@@ -37,13 +37,14 @@ and torch 2.13: faster interpreter, and a ``multinomial`` without 2023's syncs).
 
 What it still leaves out, so ``c`` is a lower bound for the 2023 GPU system: the GPU's
 share. On a GPU each sync waits for the device's queue and a device-to-host copy, and
-each computing op is a kernel launch. ``--count-device-work`` counts them per sequence
-(torch's profiler, also inside C++ ops): on torch 2.0.1 four syncs per sequence per step
-(``multinomial``'s own two ``.item()`` checks of its input, which torch replaced with
-device-side asserts in 2024, then ``.tolist()`` of the sample and ``.item()`` of its
-logprob) and 10-14 kernels (max, min, lt, ge, and, sum, eq, exponential_, div, argmax,
-and dtype casts). The host-to-device copies of the inputs are per step, not per
-sequence.
+each computing op is a kernel launch. ``--count-device-work`` counts the syncs per
+sequence and lists the aten ops called (torch's profiler, also inside C++ ops): on torch
+2.0.1 four syncs per sequence per step (``multinomial``'s own two ``.item()`` checks of
+its input, which torch replaced with device-side asserts in 2024, then ``.tolist()`` of
+the sample and ``.item()`` of its logprob); among the ops, the ten that compute inside
+2.0.1's ``multinomial`` (max, min, lt, ge, bitwise_and, sum, eq, exponential_, div,
+argmax, as its source reads) would each be a kernel. The host-to-device copies of the
+inputs are per step, not per sequence.
 
 Output: a table of ms per step by N and the fit, and a last line ``seq_overhead_us: C``.
 """
@@ -346,8 +347,8 @@ def time_server(v, tokenizer, a, n: int, rng) -> float:
     return gaps[len(gaps) // 2]
 
 
-# Leaf aten ops that launch no kernel on a GPU (allocation, metadata, views); the scalar
-# read is counted as a sync instead.
+# Aten ops that are allocation, metadata or views (no kernel on a GPU): left out of the
+# op list; the scalar read is counted as a sync instead.
 NO_KERNEL = frozenset(
     "empty empty_like empty_strided resize_ as_strided view select slice squeeze unsqueeze"
     " expand t transpose permute detach alias _reshape_alias reshape lift_fresh set_"
@@ -356,17 +357,20 @@ NO_KERNEL = frozenset(
 
 
 def count_device_work(v, tokenizer, a, n: int, rng) -> dict[str, float]:
-    """Per decode step with n sequences: the torch work that on a GPU would be a kernel
-    launch, a device-to-host sync or a host-to-device copy, counted (not timed) over
-    ``a.steps`` steps of LLMEngine.step under torch's profiler, which records the aten
-    ops called inside other ops too (``multinomial``'s own checks, say).
+    """Per decode step with n sequences: the device-to-host syncs a GPU would pay, and the
+    aten ops called, counted (not timed) over ``a.steps`` steps of LLMEngine.step under
+    torch's profiler, which records the ops called inside other ops too
+    (``multinomial``'s own checks, say).
 
-    - launch: leaf aten ops that compute (not in NO_KERNEL);
     - sync: reads of a tensor's value on the host: ``aten::_local_scalar_dense`` (every
       ``.item()`` / ``bool()``, also those inside C++ ops) and ``.tolist()``, ``.cpu()``,
       ``.numpy()`` (counted at the Python call): each waits for the GPU's queue;
+    - op: every aten op at any depth but those in NO_KERNEL, by name. Not a kernel count:
+      a parent and its children both appear (``max`` and the ``fill_`` / ``copy_`` that
+      wrap its CPU scalar), and some launch nothing on a GPU (``to`` of a CPU scalar,
+      ``resolve_conj``); the computing ones (``max``, ``exponential_``, ...) are;
     - h2d: tensors built from host data (``torch.cuda.*Tensor(list)``, ``torch.tensor``).
-    Counts by op name are kept so the report can name them."""
+    """
     import collections
 
     import torch
@@ -406,19 +410,19 @@ def count_device_work(v, tokenizer, a, n: int, rng) -> dict[str, float]:
             setattr(owner, attr, orig)
     assert len(eng.scheduler.running) == n, "every sequence must still be decoding"
     for e in prof.events():
-        if not e.name.startswith("aten::") or e.cpu_children:
+        if not e.name.startswith("aten::"):
             continue
         name = e.name[len("aten::") :]
         if name == "_local_scalar_dense":
             counts["sync:item"] += 1
         elif name not in NO_KERNEL:
-            counts[f"launch:{name}"] += 1
+            counts[f"op:{name}"] += 1
     return {k: c / a.steps for k, c in counts.items()}
 
 
 def report_device_work(v, tokenizer, a, rng) -> None:
     """Counts per step at each N, and per sequence (the slope between the smallest and the
-    largest N), by kind and by op."""
+    largest N), by kind and by op (count_device_work says what each kind is)."""
     lo, hi = min(a.batch_sizes), max(a.batch_sizes)
     per_n = {n: count_device_work(v, tokenizer, a, n, rng) for n in (lo, hi)}
     keys = sorted(set(per_n[lo]) | set(per_n[hi]))
@@ -434,7 +438,7 @@ def report_device_work(v, tokenizer, a, rng) -> None:
         print(f"| {k} | {x:.2f} | {y:.2f} | {slope:.3f} |")
     for kind, (x, y, slope) in sorted(totals.items()):
         print(f"| **{kind}, all** | {x:.2f} | {y:.2f} | {slope:.3f} |")
-        print(f"{kind}_per_seq: {slope:.3f}")
+    print(f"syncs_per_seq: {totals.get('sync', [0.0, 0.0, 0.0])[2]:.3f}")
 
 
 def fit(ns: list[int], secs: list[float]) -> tuple[float, float]:
@@ -482,8 +486,8 @@ def main() -> None:
     ap.add_argument(
         "--count-device-work",
         action="store_true",
-        help="count (not time) the kernel launches, syncs and host-to-device copies per"
-        " sequence that a GPU would pay (engine mode, at the smallest and largest N)",
+        help="count (not time) the syncs a GPU would pay per sequence, and list the aten ops"
+        " and host-to-device copies (engine mode, at the smallest and largest N)",
     )
     a = ap.parse_args()
     if a.asgi_2023:

@@ -198,7 +198,8 @@ def rows(s: dict, cmd: str) -> list[tuple[str, str, str, str, str]]:
             fp = s["chatbot"]["kv_footprint_ratio"]
             out.append(
                 (
-                    "Fig. 17 KV footprint ratio (the memory's bound on the knee ratio)",
+                    "Fig. 17 KV footprint ratio, equal pools (paged pool / Orca's usable"
+                    f" pool: {s['chatbot'].get('orca_pool_factor', 1.0):.3f})",
                     cmd,
                     ", ".join(f"{k} {v:.2f}" for k, v in fp.items()),
                     "-",

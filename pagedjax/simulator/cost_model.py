@@ -464,7 +464,7 @@ def roofline(
 # ``python -m pagedjax.simulator.calibrate`` (docs/experiments.md): efficiencies fitted
 # on a 0.01 grid, the per-step overhead in closed form; rms error 0.9 % over the four
 # anchor points. The memory efficiency sits at the grid's edge (1.0): the anchor puts
-# 2023 vLLM's slowness in a per-step constant (~25 ms: Python scheduling, no CUDA graphs,
+# 2023 vLLM's slowness in a per-step constant (~23 ms: Python scheduling, no CUDA graphs,
 # unfused kernels) rather than in lower bandwidth. The per-sequence host cost is not
 # fitted (the anchor's batches are all ~25 sequences, so it cannot tell it apart): it is
 # measured on vLLM 0.1.2's own scheduler, worker, sampler and API-server code on 2023's
