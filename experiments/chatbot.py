@@ -93,10 +93,12 @@ def run(cfg: ExperimentConfig, out: Path, progress: Any) -> dict[str, Any]:
             w.prompt_len, w.output_len, server.block_size, server.max_model_len
         )
     # Orca's buddy arena is the pool rounded up to a power of two with the tail past the
-    # pool allocated for good, so max_model_len chunks use only floor(pool / L) x L slots
-    # of the paged system's pool: the most a knee ratio can exceed the footprint ratio by.
-    pool, length = server.pool_slots, server.max_model_len
-    pool_factor = pool / max(pool // length * length, 1)
+    # pool allocated for good, so chunks of pow2(max_model_len) fit only floor(pool / L)
+    # times: the paged pool's usable slots over that, a memory-only estimate of how much
+    # the smaller pool adds to the footprint ratio.
+    pool, length = server.pool_slots, int(next_pow2(server.max_model_len))
+    paged_usable = pool // server.block_size * server.block_size
+    pool_factor = paged_usable / max(pool // length * length, 1)
     summary: dict[str, Any] = {
         "executor": SIM_LABEL,
         "cost_model": server.cost_model,

@@ -41,9 +41,9 @@ each computing op is a kernel launch. ``--count-device-work`` counts the syncs p
 sequence and lists the aten ops called (torch's profiler, also inside C++ ops): on torch
 2.0.1 four syncs per sequence per step (``multinomial``'s own two ``.item()`` checks of
 its input, which torch replaced with device-side asserts in 2024, then ``.tolist()`` of
-the sample and ``.item()`` of its logprob); among the ops, the ten that compute inside
-2.0.1's ``multinomial`` (max, min, lt, ge, bitwise_and, sum, eq, exponential_, div,
-argmax, as its source reads) would each be a kernel. The host-to-device copies of the
+the sample and ``.item()`` of its logprob); among the ops, the eleven that compute inside
+2.0.1's ``multinomial`` (max, min, lt, ge, bitwise_and, eq, exponential_, div, argmax,
+and sum twice for vLLM's 2-D row) would each be a kernel. The host-to-device copies of the
 inputs are per step, not per sequence.
 
 Output: a table of ms per step by N and the fit, and a last line ``seq_overhead_us: C``.

@@ -194,7 +194,7 @@ def rows(s: dict, cmd: str) -> list[tuple[str, str, str, str, str]]:
                 "simulated",
             )
         )
-        if "kv_footprint_ratio" in s["chatbot"]:
+        if s["chatbot"].get("kv_footprint_ratio"):
             fp = s["chatbot"]["kv_footprint_ratio"]
             out.append(
                 (
