@@ -46,6 +46,11 @@ the sample and ``.item()`` of its logprob); among the ops, the eleven that compu
 and sum twice for vLLM's 2-D row) would each be a kernel. The host-to-device copies of the
 inputs are per step, not per sequence.
 
+``--device cuda`` keeps the worker's inputs and the sampler on a GPU, so each sequence's
+syncs and launches are in the time (with ``--vocab`` up to the tokenizer's 49,152 for a
+real row); ``--multinomial-2023`` runs torch 2.0.1's multinomial on a newer torch.
+experiments/vllm2023_gpu_share.sh prepares and runs that on a GPU machine.
+
 Output: a table of ms per step by N and the fit, and a last line ``seq_overhead_us: C``.
 """
 
@@ -99,9 +104,10 @@ class _Stub(types.ModuleType):
         return type(name, (), {})
 
 
-def load_vllm(root: Path) -> types.SimpleNamespace:
+def load_vllm(root: Path, device: str = "cpu") -> types.SimpleNamespace:
     """Import vLLM 0.1.2's host modules from ``root`` without its package __init__ (which
-    would load the GPU model code and ray)."""
+    would load the GPU model code and ray). device: where the worker's input tensors go
+    ("cpu": torch's CPU tensors stand in for ``torch.cuda.*Tensor``)."""
     import torch
 
     for name in (
@@ -119,9 +125,15 @@ def load_vllm(root: Path) -> types.SimpleNamespace:
     pkg = types.ModuleType("vllm")
     pkg.__path__ = [str(root / "vllm")]
     sys.modules["vllm"] = pkg
-    # The worker builds its inputs with torch.cuda.*Tensor; on the CPU: torch's own.
-    torch.cuda.LongTensor = torch.LongTensor
-    torch.cuda.IntTensor = torch.IntTensor
+    # The worker builds its inputs with torch.cuda.*Tensor(list): a host-to-device copy
+    # of each list, which current torch still does through these constructors; on the
+    # CPU, torch's own CPU tensors stand in.
+    if device == "cpu":
+        torch.cuda.LongTensor = torch.LongTensor
+        torch.cuda.IntTensor = torch.IntTensor
+    else:
+        torch.cuda.LongTensor = lambda data: torch.tensor(data, dtype=torch.long, device=device)
+        torch.cuda.IntTensor = lambda data: torch.tensor(data, dtype=torch.int, device=device)
     from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig
     from vllm.core.scheduler import Scheduler
     from vllm.engine.async_llm_engine import AsyncLLMEngine
@@ -148,6 +160,29 @@ def load_vllm(root: Path) -> types.SimpleNamespace:
     )
 
 
+def multinomial_2023(torch):
+    """torch.multinomial as torch 2.0.1 ran it for one sample (aten/src/ATen/native/
+    Distributions.cpp before pytorch/pytorch#134818, 2024): two host reads checking the
+    input (finite and >= 0; no all-zero row), each a sync on a GPU, then
+    argmax(p / Exp(1)). Later torch checks with device-side asserts instead, so on it
+    ``--multinomial-2023`` puts the 2023 syncs back; other calls go to torch's own."""
+    own = torch.multinomial
+
+    def multinomial(probs, num_samples, replacement=False, *, generator=None, out=None):
+        if num_samples != 1 or out is not None:
+            return own(probs, num_samples, replacement, generator=generator, out=out)
+        if not bool(((probs.max() < float("inf")) & (probs.min() >= 0)).item()):
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        zero = (probs.sum() == 0) if probs.dim() == 1 else (probs.sum(1) == 0).sum()
+        if bool(zero.item()):
+            raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
+        q = torch.empty_like(probs).exponential_(1, generator=generator)
+        torch.div(probs, q, out=q)
+        return torch.argmax(q, dim=-1, keepdim=True)
+
+    return multinomial
+
+
 class Tokenizer2023:
     """A fast tokenizer as transformers 4.31 presented it to vLLM 0.1.2: no
     ``added_tokens_encoder`` attribute, so detokenize_incrementally takes its fast path."""
@@ -159,6 +194,9 @@ class Tokenizer2023:
         if name == "added_tokens_encoder":
             raise AttributeError(name)
         return getattr(self._tok, name)
+
+    def __len__(self) -> int:
+        return len(self._tok)
 
 
 def make_tokenizer(path: str | None, slow_detok: bool):
@@ -190,17 +228,18 @@ def make_tokenizer(path: str | None, slow_detok: bool):
 
 class HostOnlyWorker:
     """vLLM 0.1.2's Worker.execute_model without the model: its own _prepare_inputs, then
-    its own Sampler on random hidden states of a tiny vocabulary."""
+    its own Sampler on random hidden states of ``vocab`` logits, on ``device``."""
 
-    def __init__(self, v, block_size: int, vocab: int, hidden: int = 8) -> None:
+    def __init__(self, v, block_size: int, vocab: int, device: str, hidden: int = 8) -> None:
         import torch
 
         self.torch = torch
         self.block_size = block_size
         self.hidden = hidden
+        self.device = device
         self.prepare = v.Worker._prepare_inputs
         self.sampler = v.Sampler(vocab)
-        self.embedding = torch.randn(vocab, hidden)
+        self.embedding = torch.randn(vocab, hidden, device=device)
 
     def execute_model(
         self, seq_group_metadata_list, blocks_to_swap_in, blocks_to_swap_out, blocks_to_copy
@@ -208,7 +247,7 @@ class HostOnlyWorker:
         torch = self.torch
         with torch.inference_mode():
             tokens, _positions, meta = self.prepare(self, seq_group_metadata_list)
-            hidden = torch.randn(tokens.shape[0], self.hidden)
+            hidden = torch.randn(tokens.shape[0], self.hidden, device=self.device)
             return self.sampler(self.embedding, hidden, meta)
 
 
@@ -225,7 +264,7 @@ def make_engine(v, tokenizer, a):
     eng.log_stats = not a.no_log_stats
     eng.tokenizer = tokenizer
     eng.seq_counter = v.Counter()
-    eng.workers = [HostOnlyWorker(v, a.block_size, a.vocab)]
+    eng.workers = [HostOnlyWorker(v, a.block_size, a.vocab, a.device)]
     eng.scheduler = v.Scheduler(eng.scheduler_config, eng.cache_config, eng.log_stats)
     return eng
 
@@ -484,6 +523,18 @@ def main() -> None:
         " is_disconnected() check per output on them",
     )
     ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where the worker's inputs and the sampler's tensors live: cpu (default) or a"
+        " CUDA device (cuda): then the GPU's syncs and launches are in the time",
+    )
+    ap.add_argument(
+        "--multinomial-2023",
+        action="store_true",
+        help="run torch.multinomial as torch 2.0.1 did (two syncs checking its input), for"
+        " a torch newer than 2023's",
+    )
+    ap.add_argument(
         "--count-device-work",
         action="store_true",
         help="count (not time) the syncs a GPU would pay per sequence, and list the aten ops"
@@ -496,8 +547,15 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    v = load_vllm(fetch_sdist())
+    v = load_vllm(fetch_sdist(), a.device)
+    if a.multinomial_2023:
+        torch.multinomial = multinomial_2023(torch)
     tokenizer = make_tokenizer(a.tokenizer_json, a.slow_detok)
+    if a.vocab > len(tokenizer):
+        raise SystemExit(
+            f"--vocab {a.vocab} > the tokenizer's {len(tokenizer)} tokens: sampled ids must"
+            " detokenize (SmolLM2's tokenizer has 49,152; OPT's vocabulary is 50,272)"
+        )
     rng = np.random.default_rng(0)
     if a.count_device_work:
         report_device_work(v, tokenizer, a, rng)
@@ -508,7 +566,9 @@ def main() -> None:
         f"{torch.__version__}, prompt {a.prompt_len} tokens, outputs "
         f"{a.warmup_steps + 1}-{a.warmup_steps + a.steps} tokens while timed, "
         f"{'slow' if a.slow_detok else 'fast (2023)'} detokenize, "
-        f"log_stats {not a.no_log_stats}, load {os.getloadavg()[0]:.2f}",
+        f"log_stats {not a.no_log_stats}, device {a.device}"
+        f"{', multinomial as torch 2.0.1' if a.multinomial_2023 else ''}, vocab {a.vocab},"
+        f" load {os.getloadavg()[0]:.2f}",
         flush=True,
     )
     ns, secs = [], []
