@@ -284,14 +284,20 @@ def add_requests(v, eng, n: int, a, rng) -> None:
         eng.add_request(f"r{i}", None, serving_params(v), prompt_token_ids=random_prompt(a, rng))
 
 
-def time_engine(v, tokenizer, a, n: int, rng) -> float:
-    """Seconds per decode step of LLMEngine.step with n sequences decoding."""
+def decoding_engine(v, tokenizer, a, n: int, rng):
+    """An engine with n sequences past their prompts and ``a.warmup_steps`` decode steps."""
     eng = make_engine(v, tokenizer, a)
     add_requests(v, eng, n, a, rng)
     while eng.scheduler.waiting:  # the prompts (not timed)
         eng.step()
     for _ in range(a.warmup_steps):
         eng.step()
+    return eng
+
+
+def time_engine(v, tokenizer, a, n: int, rng) -> float:
+    """Seconds per decode step of LLMEngine.step with n sequences decoding."""
+    eng = decoding_engine(v, tokenizer, a, n, rng)
     times = []
     for _ in range(a.steps):
         t0 = time.perf_counter()
@@ -428,12 +434,7 @@ def count_device_work(v, tokenizer, a, n: int, rng) -> dict[str, float]:
         patched.append((owner, attr, orig))
         setattr(owner, attr, counted)
 
-    eng = make_engine(v, tokenizer, a)
-    add_requests(v, eng, n, a, rng)
-    while eng.scheduler.waiting:
-        eng.step()
-    for _ in range(a.warmup_steps):
-        eng.step()
+    eng = decoding_engine(v, tokenizer, a, n, rng)
     wrap(torch.Tensor, "tolist", "sync:tolist")
     wrap(torch.Tensor, "cpu", "sync:cpu")
     wrap(torch.Tensor, "numpy", "sync:numpy")
@@ -542,6 +543,8 @@ def main() -> None:
     )
     a = ap.parse_args()
     if a.asgi_2023:
+        if not Path(a.asgi_2023).is_dir():
+            raise SystemExit(f"--asgi-2023 {a.asgi_2023}: no such folder")
         sys.path.insert(0, str(Path(a.asgi_2023).resolve()))
     import numpy as np
     import torch
